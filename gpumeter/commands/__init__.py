@@ -1,0 +1,1 @@
+"""Subcommands of ``gpumeter`` that are tools rather than services."""

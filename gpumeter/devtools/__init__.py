@@ -1,0 +1,1 @@
+"""Development and test infrastructure: a real Kafka broker and PostgreSQL server on loopback."""

@@ -1,0 +1,1 @@
+"""Kafka plumbing shared by the services: topic administration, producing, consuming, dead letters."""

@@ -1,0 +1,75 @@
+"""Creates the catalog's topics idempotently with aiokafka's admin client."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import KafkaError, TopicAlreadyExistsError
+
+from gpumeter.errors import GpumeterError
+from gpumeter.settings import KafkaSettings
+from schemas.catalog import TopicCatalog
+
+
+class TopicAdminError(GpumeterError):
+    """Topics could not be created or listed."""
+
+
+@dataclass(frozen=True)
+class TopicResult:
+    name: str
+    partitions: int
+    created: bool
+
+
+async def create_topics(
+    settings: KafkaSettings, catalog: TopicCatalog | None = None, timeout_s: float = 60.0
+) -> list[TopicResult]:
+    """Create every catalog topic that does not exist yet; existing ones are left as they are."""
+    catalog = catalog or settings.catalog
+    admin = AIOKafkaAdminClient(**settings.client_kwargs(), request_timeout_ms=int(timeout_s * 1000))
+    try:
+        await asyncio.wait_for(admin.start(), timeout_s)
+        existing = set(await admin.list_topics())
+        wanted = [spec for spec in catalog if catalog.name(spec) not in existing]
+        results = [TopicResult(catalog.name(s), catalog.partitions(s), False) for s in catalog if s not in wanted]
+        if wanted:
+            new_topics = [
+                NewTopic(
+                    name=catalog.name(spec),
+                    num_partitions=catalog.partitions(spec),
+                    replication_factor=1,
+                    topic_configs=spec.config(),
+                )
+                for spec in wanted
+            ]
+            try:
+                response = await admin.create_topics(new_topics, validate_only=False)
+            except TopicAlreadyExistsError:
+                response = None
+            errors = _creation_errors(response)
+            if errors:
+                raise TopicAdminError("; ".join(errors))
+            results += [TopicResult(catalog.name(s), catalog.partitions(s), True) for s in wanted]
+        return sorted(results, key=lambda r: r.name)
+    except (KafkaError, OSError, asyncio.TimeoutError) as exc:
+        raise TopicAdminError(f"cannot create topics on {settings.bootstrap_servers}: {exc!r}") from exc
+    finally:
+        await admin.close()
+
+
+_TOPIC_ALREADY_EXISTS = 36
+
+
+def _creation_errors(response) -> list[str]:
+    if response is None:
+        return []
+    errors = []
+    for item in getattr(response, "topic_errors", []):
+        name, code = item[0], item[1]
+        message = item[2] if len(item) > 2 else ""
+        if code not in (0, _TOPIC_ALREADY_EXISTS):
+            errors.append(f"{name}: error {code} {message or ''}".strip())
+    return errors

@@ -1,0 +1,95 @@
+"""Test wiring.
+
+* Unit tests cannot reach a broker or database by accident: TCP connects fail unless the test carries one of the
+  opt-in markers (integration, postgres, alertmanager, network).
+* Integration tests share one real Kafka broker for the session (``kafka_bootstrap``): the one named by
+  ``KAFKA_BOOTSTRAP_SERVERS`` when set, else one this session starts from the Maven jars.
+* ``topic_catalog`` gives each test its own random topic names, created on that broker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import uuid
+from pathlib import Path
+
+import pytest
+
+OPT_IN_MARKERS = ("integration", "postgres", "alertmanager", "network")
+
+
+class NetworkBlocked(RuntimeError):
+    """A unit test tried to open a TCP connection."""
+
+
+@pytest.fixture(autouse=True)
+def _block_tcp_in_unit_tests(request, monkeypatch):
+    if any(request.node.get_closest_marker(m) for m in OPT_IN_MARKERS):
+        yield
+        return
+    real_connect = socket.socket.connect
+    real_connect_ex = socket.socket.connect_ex
+
+    def guarded(method):
+        def connect(sock, address):
+            if sock.family in (socket.AF_INET, socket.AF_INET6):
+                raise NetworkBlocked(
+                    f"unit test {request.node.nodeid} tried to connect to {address}; mark it integration/network"
+                )
+            return method(sock, address)
+
+        return connect
+
+    monkeypatch.setattr(socket.socket, "connect", guarded(real_connect))
+    monkeypatch.setattr(socket.socket, "connect_ex", guarded(real_connect_ex))
+    yield
+
+
+@pytest.fixture(scope="session")
+def kafka_broker(tmp_path_factory):
+    """The session's real Kafka broker: (bootstrap servers, KafkaBroker or None when external)."""
+    external = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
+    if external:
+        yield external, None
+        return
+    from gpumeter.devtools.kafka_broker import KafkaBroker
+
+    broker = KafkaBroker(Path(tmp_path_factory.mktemp("kafka")), heap_mb=768)
+    broker.start()
+    try:
+        yield broker.bootstrap_servers, broker
+    finally:
+        broker.stop()
+
+
+@pytest.fixture
+def kafka_bootstrap(request, kafka_broker) -> str:
+    if not request.node.get_closest_marker("integration"):
+        pytest.fail("kafka_bootstrap is for tests marked integration")
+    return kafka_broker[0]
+
+
+@pytest.fixture
+def kafka_settings(kafka_bootstrap):
+    from gpumeter.settings import KafkaSettings
+
+    prefix = f"t{uuid.uuid4().hex[:10]}."
+    return KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_prefix=prefix, client_id="gpumeter-test")
+
+
+@pytest.fixture
+def topic_catalog(kafka_settings):
+    """Random-named catalog topics (3 partitions each) created on the session broker."""
+    from gpumeter.kafka.admin import create_topics
+    from schemas.catalog import TopicCatalog
+
+    catalog = TopicCatalog(prefix=kafka_settings.topic_prefix, partitions_override=3)
+    asyncio.run(create_topics(kafka_settings, catalog))
+    return catalog
+
+
+@pytest.fixture
+def group_id() -> str:
+    return f"g{uuid.uuid4().hex[:10]}"
