@@ -160,6 +160,10 @@ class NodeSample:
     collector_started_at_unix_ms: int
     sampled_at_unix_ms: int
     interval_ms: int
+    cloud_provider: str
+    region: str
+    instance_type: str
+    price_model: str
     container_ids: tuple[str, ...]
     pod_uids: tuple[str, ...]
     node_errors: tuple[NvmlError, ...]
@@ -173,6 +177,10 @@ class NodeSample:
             "collector_started_at_unix_ms": self.collector_started_at_unix_ms,
             "sampled_at_unix_ms": self.sampled_at_unix_ms,
             "interval_ms": self.interval_ms,
+            "cloud_provider": self.cloud_provider,
+            "region": self.region,
+            "instance_type": self.instance_type,
+            "price_model": self.price_model,
             "container_ids": list(self.container_ids),
             "pod_uids": list(self.pod_uids),
             "node_errors": [e.to_avro() for e in self.node_errors],
@@ -188,6 +196,10 @@ class NodeSample:
             collector_started_at_unix_ms=d["collector_started_at_unix_ms"],
             sampled_at_unix_ms=d["sampled_at_unix_ms"],
             interval_ms=d["interval_ms"],
+            cloud_provider=d["cloud_provider"],
+            region=d["region"],
+            instance_type=d["instance_type"],
+            price_model=d["price_model"],
             container_ids=tuple(d["container_ids"]),
             pod_uids=tuple(d["pod_uids"]),
             node_errors=tuple(NvmlError.from_avro(e) for e in d["node_errors"]),
@@ -315,6 +327,13 @@ class GpuShare:
     node_name: str
     window_start_unix_ms: int
     window_seconds: int
+    node_covered_seconds: float
+    units_in_node: int
+    rows_in_unit: int
+    cloud_provider: str
+    region: str
+    instance_type: str
+    price_model: str
     gpu_uuid: str
     parent_gpu_uuid: str | None
     gpu_model: str
