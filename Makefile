@@ -1,0 +1,38 @@
+# gpumeter: the two commands are `make run` and `make test`. Each sets itself up on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+PYTEST_ARGS ?=
+
+.PHONY: deps kafka-jars test test-unit run stop bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	@echo "setting up $(VENV) (Python deps, pinned by constraints.txt)..."
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+deps: $(STAMP)
+
+kafka-jars: deps
+	@$(PY) -m gpumeter.devtools.kafka_broker fetch >/dev/null
+
+## test: unit tests, then integration tests against a real Kafka broker and PostgreSQL that the tests start.
+test: deps kafka-jars
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-unit: deps
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+## run: start the local Kafka broker and create the topics.
+run: deps kafka-jars
+	$(PY) -m gpumeter.devtools.kafka_broker start
+	$(VENV)/bin/gpumeter topics create
+
+stop: deps
+	$(PY) -m gpumeter.devtools.kafka_broker stop
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache .hypothesis

@@ -1,0 +1,31 @@
+"""Example payloads for every record type; see README.md in this folder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from schemas.records import RECORD_TYPES
+
+EXAMPLES_DIR = Path(__file__).parent
+
+
+def _bytes_fields(record_type: type) -> tuple[str, ...]:
+    return tuple(n for n, t in record_type.__annotations__.items() if "bytes" in str(t))
+
+
+def load_example_dicts(record_name: str, version: int = 1) -> list[dict[str, Any]]:
+    """The example records of ``record_name`` (e.g. "NodeSample") as Avro dicts."""
+    records = json.loads((EXAMPLES_DIR / f"{record_name}.v{version}.json").read_text())
+    record_type = RECORD_TYPES[f"gpumeter.{record_name}"]
+    for record in records:
+        for name in _bytes_fields(record_type):
+            if isinstance(record.get(name), str):
+                record[name] = record[name].encode("latin-1")
+    return records
+
+
+def load_examples(record_type: type, version: int = 1) -> list[Any]:
+    """The example records of ``record_type`` as typed records."""
+    return [record_type.from_avro(d) for d in load_example_dicts(record_type.__name__, version)]

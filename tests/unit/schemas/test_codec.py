@@ -1,0 +1,210 @@
+"""The single-object codec: exact bytes, round trips, evolution, an independent decoder, and bad input."""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+from dataclasses import fields
+
+import avro.io
+import avro.schema
+import fastavro
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpumeter.errors import (
+    CorruptMessage,
+    InvalidMessage,
+    SchemaEncodeError,
+    TruncatedMessage,
+    UnknownSchema,
+    WrongRecordType,
+)
+from schemas.codec import AVRO_DIR, AvroCodec, SchemaRegistry, crc64_avro, default_registry, make_registered_schema
+from schemas.examples import load_example_dicts, load_examples
+from schemas.records import RECORD_TYPES, NodeSample, PodEvent
+from schemas.typed import RecordCodec, codec_for
+
+RECORD_NAMES = [name.split(".")[1] for name in RECORD_TYPES]
+
+
+def test_crc64_avro_matches_the_specification_vectors():
+    # The empty input's fingerprint is the algorithm's initial value, and "null"'s is fixed by the spec's
+    # reference implementation (Avro's Java SchemaNormalization.fingerprint64 of the schema "null").
+    assert crc64_avro(b"") == 0xC15D213AA4D7A795
+    assert crc64_avro(b'"null"') == 0x63DD24E7CC258F8A
+
+
+def test_crc64_avro_matches_fastavro_and_the_apache_avro_package():
+    for registered in default_registry():
+        fastavro_hex = fastavro.schema.fingerprint(registered.canonical_form, "CRC-64-AVRO")
+        # fastavro prints the fingerprint's little-endian bytes; the single-object header carries the same bytes.
+        assert bytes.fromhex(fastavro_hex) == struct.pack("<Q", registered.fingerprint)
+        apache = avro.schema.parse(registered.canonical_form)
+        assert apache.fingerprint("CRC-64-AVRO") == struct.pack("<Q", registered.fingerprint)
+
+
+def test_single_object_header_exact_bytes():
+    schema = make_registered_schema(
+        {"type": "record", "name": "Tiny", "namespace": "t", "fields": [{"name": "n", "type": "int"}]}, 1
+    )
+    codec = AvroCodec(SchemaRegistry([schema]), "t.Tiny")
+    encoded = codec.encode({"n": 1})
+    canonical = '{"name":"t.Tiny","type":"record","fields":[{"name":"n","type":"int"}]}'
+    assert schema.canonical_form == canonical
+    expected_fingerprint = struct.pack("<Q", crc64_avro(canonical.encode()))
+    # C3 01, fingerprint little-endian, then the zig-zag varint of 1 (0x02).
+    assert encoded == b"\xc3\x01" + expected_fingerprint + b"\x02"
+    assert encoded.hex() == "c301" + expected_fingerprint.hex() + "02"
+
+
+@pytest.mark.parametrize("record_name", RECORD_NAMES)
+def test_every_record_type_round_trips_its_examples(record_name):
+    record_type = RECORD_TYPES[f"gpumeter.{record_name}"]
+    examples = load_examples(record_type)
+    assert examples, "every record type ships example payloads"
+    codec = codec_for(record_type)
+    for record in examples:
+        encoded = codec.encode(record)
+        assert encoded[:2] == b"\xc3\x01"
+        assert codec.decode(encoded) == record
+
+
+@pytest.mark.parametrize("record_name", RECORD_NAMES)
+def test_dataclass_fields_match_the_avsc_fields(record_name):
+    record_type = RECORD_TYPES[f"gpumeter.{record_name}"]
+    schema = json.loads((AVRO_DIR / f"{record_name}.v1.avsc").read_text())
+    assert [f.name for f in fields(record_type)] == [f["name"] for f in schema["fields"]]
+
+
+def _all_fields(schema):
+    if isinstance(schema, dict):
+        if schema.get("type") == "record":
+            for field in schema["fields"]:
+                yield schema["name"], field
+                yield from _all_fields(field["type"])
+        elif schema.get("type") in ("array", "map"):
+            yield from _all_fields(schema.get("items") or schema.get("values"))
+    elif isinstance(schema, list):
+        for branch in schema:
+            yield from _all_fields(branch)
+
+
+@pytest.mark.parametrize("record_name", RECORD_NAMES)
+def test_every_field_has_a_doc(record_name):
+    schema = json.loads((AVRO_DIR / f"{record_name}.v1.avsc").read_text())
+    missing = [f"{record}.{field['name']}" for record, field in _all_fields(schema) if not field.get("doc")]
+    assert missing == []
+
+
+@pytest.mark.parametrize("record_name", RECORD_NAMES)
+def test_the_apache_avro_package_decodes_our_body(record_name):
+    """An independent Avro implementation reads what fastavro wrote after the 10-byte header."""
+    registered = default_registry().get(f"gpumeter.{record_name}")
+    apache_schema = avro.schema.parse(json.dumps(registered.schema_json))
+    codec = AvroCodec(default_registry(), registered.full_name)
+    for record in load_example_dicts(record_name):
+        encoded = codec.encode(record)
+        decoder = avro.io.BinaryDecoder(io.BytesIO(encoded[10:]))
+        decoded = avro.io.DatumReader(apache_schema).read(decoder)
+        assert decoded == record
+
+
+def _evolved(schema_json: dict) -> dict:
+    evolved = json.loads(json.dumps(schema_json))
+    evolved["fields"].append(
+        {"name": "gpu_clock_mhz", "type": "int", "default": -1, "doc": "v2 test field with a default."}
+    )
+    return evolved
+
+
+def _v1_v2_registry():
+    v1 = default_registry().get("gpumeter.NodeSample", 1)
+    v2 = make_registered_schema(_evolved(dict(v1.schema_json)), 2)
+    return SchemaRegistry([v1, v2]), v1, v2
+
+
+def test_v1_reader_reads_a_v2_message():
+    registry, _v1, v2 = _v1_v2_registry()
+    example = load_example_dicts("NodeSample")[0]
+    v2_bytes = AvroCodec(registry, "gpumeter.NodeSample", 2).encode({**example, "gpu_clock_mhz": 1980})
+    assert v2_bytes[2:10] == struct.pack("<Q", v2.fingerprint)
+    v1_record = RecordCodec(NodeSample, registry, version=1).decode(v2_bytes)
+    assert v1_record == NodeSample.from_avro(example)
+
+
+def test_v2_reader_reads_a_v1_message_with_the_default():
+    registry, v1, _v2 = _v1_v2_registry()
+    example = load_example_dicts("NodeSample")[0]
+    v1_bytes = AvroCodec(registry, "gpumeter.NodeSample", 1).encode(example)
+    assert v1_bytes[2:10] == struct.pack("<Q", v1.fingerprint)
+    decoded = AvroCodec(registry, "gpumeter.NodeSample", 2).decode(v1_bytes)
+    assert decoded["gpu_clock_mhz"] == -1
+    assert {k: v for k, v in decoded.items() if k != "gpu_clock_mhz"} == example
+
+
+def test_unknown_fingerprint_is_a_typed_error():
+    encoded = codec_for(PodEvent).encode(load_examples(PodEvent)[0])
+    tampered = encoded[:2] + b"\x00" * 8 + encoded[10:]
+    with pytest.raises(UnknownSchema) as info:
+        codec_for(PodEvent).decode(tampered)
+    assert info.value.reason_code == "UNKNOWN_SCHEMA"
+
+
+def test_wrong_record_type_is_a_typed_error():
+    encoded = codec_for(PodEvent).encode(load_examples(PodEvent)[0])
+    with pytest.raises(WrongRecordType):
+        codec_for(NodeSample).decode(encoded)
+
+
+@pytest.mark.parametrize("cut", [0, 1, 2, 9, 10, 11, 50, -1])
+def test_truncated_messages_are_typed_errors(cut):
+    encoded = codec_for(NodeSample).encode(load_examples(NodeSample)[0])
+    with pytest.raises(InvalidMessage) as info:
+        codec_for(NodeSample).decode(encoded[:cut])
+    assert isinstance(info.value, (TruncatedMessage, CorruptMessage))
+    if cut >= 10 or cut == -1:
+        assert isinstance(info.value, TruncatedMessage)
+
+
+def test_trailing_bytes_are_corrupt():
+    encoded = codec_for(PodEvent).encode(load_examples(PodEvent)[0])
+    with pytest.raises(CorruptMessage):
+        codec_for(PodEvent).decode(encoded + b"\x00")
+
+
+def test_bad_magic_is_corrupt():
+    encoded = codec_for(PodEvent).encode(load_examples(PodEvent)[0])
+    with pytest.raises(CorruptMessage):
+        codec_for(PodEvent).decode(b"\x00\x01" + encoded[2:])
+
+
+def test_a_record_that_does_not_fit_its_schema_is_an_encode_error():
+    with pytest.raises(SchemaEncodeError):
+        AvroCodec(default_registry(), "gpumeter.PodEvent").encode({"event_type": "ADDED"})
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.binary(max_size=600))
+def test_random_bytes_never_escape_as_anything_but_invalid_message(data):
+    for record_type in (NodeSample, PodEvent):
+        try:
+            codec_for(record_type).decode(data)
+        except InvalidMessage:
+            pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_corrupted_bodies_with_a_valid_header_raise_invalid_message(data):
+    encoded = bytearray(codec_for(NodeSample).encode(load_examples(NodeSample)[0]))
+    flips = data.draw(st.lists(st.tuples(st.integers(10, len(encoded) - 1), st.integers(0, 255)), min_size=1, max_size=6))
+    for position, value in flips:
+        encoded[position] = value
+    try:
+        decoded = codec_for(NodeSample).decode(bytes(encoded))
+    except InvalidMessage:
+        return
+    assert isinstance(decoded, NodeSample)
