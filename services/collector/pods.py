@@ -1,0 +1,370 @@
+"""Kubernetes Pod JSON object → ``PodEvent``: what gpumeter needs to know about one pod on a GPU node.
+
+Pure functions over the API server's JSON (the ``object`` of a watch event, an item of a PodList, or a model
+passed through ``ApiClient.sanitize_for_serialization``). Anything that is not a well-formed Pod raises
+``InvalidMessage`` with reason code ``BAD_POD_OBJECT``; no other exception type leaves this module for any input.
+
+Contracts worth knowing:
+
+* Containers are listed in pod-spec order: init containers, then regular containers, then ephemeral containers
+  (debug containers cannot request resources but can set ``NVIDIA_VISIBLE_DEVICES`` and so see GPUs).
+* GPU resources are those ``is_gpu_resource`` names: nvidia.com/gpu, nvidia.com/gpu.shared, nvidia.com/mig-*.
+* A container's GPU request per resource is its limit, falling back to its request (extended resources must have
+  requests == limits, but either may be the one written). Zero requests are dropped.
+* The pod-level ``gpu_requests`` is the pod's *effective* request as the scheduler and the kubelet's device
+  manager count it: per resource, the larger of (regular containers + sidecar init containers) and, for each
+  run-to-completion init container, its own request plus the sidecars started before it. Devices given to an
+  init container are reused by the containers after it, so adding them up would bill GPUs twice. When no init
+  container requests GPUs this is the plain sum over the containers.
+* ``assigned_devices`` is always empty here: the collector fills it from the kubelet PodResources API
+  with ``with_assignments``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from datetime import datetime, timedelta, timezone
+from decimal import Decimal, InvalidOperation
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from gpumeter.errors import InvalidMessage
+from schemas.records import DeviceAssignment, PodContainer, PodEvent, PodEventType
+from services.collector.podresources.devices import is_gpu_resource
+
+BAD_POD_OBJECT = "BAD_POD_OBJECT"
+
+ANNOTATION_VALUE_MAX_BYTES = 1024
+"""Annotation values longer than this many UTF-8 bytes are cut (on a character boundary) to this length."""
+
+VISIBLE_DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"
+VALUE_FROM_MARK = "<valueFrom>"
+"""``visible_devices_env`` when the spec sets NVIDIA_VISIBLE_DEVICES from a ConfigMap, Secret or field ref."""
+
+MAX_GPU_REQUEST_COUNT = 2**31 - 1
+"""Larger per-container requests are rejected: no node has that many devices, and sums must fit an Avro long."""
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+_ONE_MS = timedelta(milliseconds=1)
+
+# Kubernetes resource.Quantity: sign, digits, then a binary suffix, a decimal suffix or a decimal exponent.
+_QUANTITY_RE = re.compile(
+    r"(?P<sign>[+-]?)(?P<number>\d+(?:\.\d*)?|\.\d+)"
+    r"(?:(?P<binary>Ki|Mi|Gi|Ti|Pi|Ei)|(?P<decimal>[numkMGTPE])|[eE](?P<exponent>[+-]?\d{1,3}))?"
+)
+_BINARY_SUFFIX = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+_DECIMAL_SUFFIX = {"n": -9, "u": -6, "m": -3, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
+
+_DEPLOYMENT_OWNER_KIND = "ReplicaSet"
+_POD_TEMPLATE_HASH_LABEL = "pod-template-hash"
+
+
+def pod_event_from_object(
+    obj: Mapping[str, Any], event_type: PodEventType, cluster: str, observed_at_unix_ms: int
+) -> PodEvent:
+    """Build the ``PodEvent`` for one Pod object as the API server serialises it.
+
+    Raises ``InvalidMessage`` (reason ``BAD_POD_OBJECT``) when the object is not a Pod we can read: not a
+    mapping, no ``metadata.uid``/``namespace``/``name``, or any field of the wrong JSON type.
+    """
+    pod = _mapping(obj, "pod")
+    metadata = _mapping(pod.get("metadata"), "metadata")
+    spec = _optional_mapping(pod.get("spec"), "spec")
+    status = _optional_mapping(pod.get("status"), "status")
+
+    uid = _required_text(metadata.get("uid"), "metadata.uid")
+    namespace = _required_text(metadata.get("namespace"), "metadata.namespace")
+    name = _required_text(metadata.get("name"), "metadata.name")
+    resource_version = _optional_text(metadata.get("resourceVersion"), "metadata.resourceVersion") or ""
+    labels = _string_map(metadata.get("labels"), "metadata.labels")
+    annotations = {
+        key: _truncate_utf8(value, ANNOTATION_VALUE_MAX_BYTES)
+        for key, value in _string_map(metadata.get("annotations"), "metadata.annotations").items()
+    }
+    workload_kind, workload_name = _workload(metadata.get("ownerReferences"), labels)
+
+    node_name = _optional_text(spec.get("nodeName"), "spec.nodeName") or ""
+    phase = _optional_text(status.get("phase"), "status.phase") or "Unknown"
+    started_at_unix_ms = _optional_timestamp_ms(status.get("startTime"), "status.startTime")
+
+    container_ids: dict[str, str | None] = {}
+    for field in ("initContainerStatuses", "containerStatuses", "ephemeralContainerStatuses"):
+        for index, entry in enumerate(_list(status.get(field), f"status.{field}")):
+            where = f"status.{field}[{index}]"
+            entry = _mapping(entry, where)
+            container_name = _required_text(entry.get("name"), f"{where}.name")
+            container_ids[container_name] = _container_id(entry.get("containerID"), f"{where}.containerID")
+
+    containers: list[PodContainer] = []
+    init_requests: list[tuple[bool, dict[str, int]]] = []
+    regular_requests: list[dict[str, int]] = []
+    seen_names: set[str] = set()
+    for field in ("initContainers", "containers", "ephemeralContainers"):
+        for index, entry in enumerate(_list(spec.get(field), f"spec.{field}")):
+            where = f"spec.{field}[{index}]"
+            entry = _mapping(entry, where)
+            container_name = _required_text(entry.get("name"), f"{where}.name")
+            if container_name in seen_names:
+                raise _bad(f"{where}.name: container name {container_name!r} is used twice in the pod")
+            seen_names.add(container_name)
+            gpu_requests = _gpu_requests(entry.get("resources"), f"{where}.resources")
+            security_context = _optional_mapping(entry.get("securityContext"), f"{where}.securityContext")
+            containers.append(
+                PodContainer(
+                    name=container_name,
+                    container_id=container_ids.get(container_name),
+                    gpu_requests=MappingProxyType(gpu_requests),
+                    assigned_devices=(),
+                    visible_devices_env=_visible_devices_env(entry.get("env"), f"{where}.env"),
+                    privileged=_optional_bool(security_context.get("privileged"), f"{where}.securityContext"),
+                )
+            )
+            if field == "initContainers":
+                restart_policy = _optional_text(entry.get("restartPolicy"), f"{where}.restartPolicy")
+                init_requests.append((restart_policy == "Always", gpu_requests))
+            elif field == "containers":
+                regular_requests.append(gpu_requests)
+
+    return PodEvent(
+        event_type=PodEventType(event_type),
+        observed_at_unix_ms=observed_at_unix_ms,
+        resource_version=resource_version,
+        cluster=cluster,
+        node_name=node_name,
+        uid=uid,
+        namespace=namespace,
+        name=name,
+        labels=MappingProxyType(labels),
+        annotations=MappingProxyType(annotations),
+        workload_kind=workload_kind,
+        workload_name=workload_name,
+        phase=phase,
+        started_at_unix_ms=started_at_unix_ms,
+        gpu_requests=MappingProxyType(_effective_pod_requests(init_requests, regular_requests)),
+        containers=tuple(containers),
+    )
+
+
+def with_assignments(
+    event: PodEvent, assignments: Mapping[str, tuple[DeviceAssignment, ...]]
+) -> PodEvent:
+    """A copy of ``event`` whose containers named in ``assignments`` carry those device assignments.
+
+    Containers not named keep the assignments they had; names that are not containers of the pod are ignored
+    (the kubelet and the API server can briefly disagree about a pod that is being replaced).
+    """
+    if not assignments:
+        return event
+    containers = tuple(
+        dataclasses.replace(c, assigned_devices=tuple(assignments[c.name])) if c.name in assignments else c
+        for c in event.containers
+    )
+    return dataclasses.replace(event, containers=containers)
+
+
+def _effective_pod_requests(
+    init_requests: list[tuple[bool, dict[str, int]]], regular_requests: list[dict[str, int]]
+) -> dict[str, int]:
+    # The Kubernetes rule (KEP-753 sidecars included): sidecars run alongside everything after them, while a
+    # run-to-completion init container runs alone (plus the sidecars already started) and hands its devices on.
+    total: dict[str, int] = {}
+    for requests in regular_requests:
+        _add_into(total, requests)
+    sidecars_so_far: dict[str, int] = {}
+    peak_during_init: dict[str, int] = {}
+    for is_sidecar, requests in init_requests:
+        if is_sidecar:
+            _add_into(sidecars_so_far, requests)
+            continue
+        during = dict(sidecars_so_far)
+        _add_into(during, requests)
+        for resource, count in during.items():
+            peak_during_init[resource] = max(peak_during_init.get(resource, 0), count)
+    _add_into(total, sidecars_so_far)
+    for resource, count in peak_during_init.items():
+        total[resource] = max(total.get(resource, 0), count)
+    return {resource: count for resource, count in sorted(total.items()) if count > 0}
+
+
+def _add_into(target: dict[str, int], requests: Mapping[str, int]) -> None:
+    for resource, count in requests.items():
+        target[resource] = target.get(resource, 0) + count
+
+
+def _gpu_requests(resources: Any, where: str) -> dict[str, int]:
+    resources = _optional_mapping(resources, where)
+    limits = _optional_mapping(resources.get("limits"), f"{where}.limits")
+    requests = _optional_mapping(resources.get("requests"), f"{where}.requests")
+    names = {*limits, *requests}
+    for resource_name in names:
+        if not isinstance(resource_name, str):
+            raise _bad(f"{where}: resource name {resource_name!r} is not a string")
+    result: dict[str, int] = {}
+    for resource_name in sorted(names):
+        if not is_gpu_resource(resource_name):
+            continue
+        if resource_name in limits:
+            count = _quantity_count(limits[resource_name], f"{where}.limits[{resource_name}]")
+        else:
+            count = _quantity_count(requests[resource_name], f"{where}.requests[{resource_name}]")
+        if count > 0:
+            result[resource_name] = count
+    return result
+
+
+def _quantity_count(value: Any, where: str) -> int:
+    """A whole, non-negative count from a Kubernetes quantity ("1", "2", "1k", 4)."""
+    if isinstance(value, bool):
+        raise _bad(f"{where}: {value!r} is not a quantity")
+    if isinstance(value, int):
+        amount = Decimal(value)
+    elif isinstance(value, str):
+        match = _QUANTITY_RE.fullmatch(value)
+        if match is None:
+            raise _bad(f"{where}: {value[:64]!r} is not a Kubernetes quantity")
+        try:
+            amount = Decimal(match["number"])
+        except InvalidOperation as exc:  # the regex admits only decimal digits; kept for safety
+            raise _bad(f"{where}: {value[:64]!r} is not a Kubernetes quantity") from exc
+        if match["binary"]:
+            amount *= _BINARY_SUFFIX[match["binary"]]
+        elif match["decimal"]:
+            amount = amount.scaleb(_DECIMAL_SUFFIX[match["decimal"]])
+        elif match["exponent"]:
+            amount = amount.scaleb(int(match["exponent"]))
+        if match["sign"] == "-":
+            amount = -amount
+    else:
+        raise _bad(f"{where}: {type(value).__name__} is not a quantity")
+    if amount < 0 or amount != amount.to_integral_value():
+        raise _bad(f"{where}: GPU requests are whole non-negative counts, got {value!r}")
+    if amount > MAX_GPU_REQUEST_COUNT:
+        raise _bad(f"{where}: {value!r} devices is not a request any node can satisfy")
+    return int(amount)
+
+
+def _visible_devices_env(env: Any, where: str) -> str | None:
+    found: str | None = None
+    for index, entry in enumerate(_list(env, where)):
+        entry = _mapping(entry, f"{where}[{index}]")
+        if _required_text(entry.get("name"), f"{where}[{index}].name") != VISIBLE_DEVICES_ENV:
+            continue
+        # A later entry with the same name overrides an earlier one, as the kubelet applies them in order.
+        if entry.get("valueFrom") is not None:
+            _mapping(entry["valueFrom"], f"{where}[{index}].valueFrom")
+            found = VALUE_FROM_MARK
+        else:
+            found = _optional_text(entry.get("value"), f"{where}[{index}].value") or ""
+    return found
+
+
+def _container_id(value: Any, where: str) -> str | None:
+    text = _optional_text(value, where)
+    if not text:
+        return None
+    # "<runtime>://<id>": containerd://, cri-o://, docker:// (cri-dockerd) and whatever a CRI runtime names itself.
+    _, separator, container_id = text.partition("://")
+    container_id = container_id if separator else text
+    return container_id or None
+
+
+def _workload(owner_references: Any, labels: Mapping[str, str]) -> tuple[str | None, str | None]:
+    controller: tuple[str, str] | None = None
+    for index, entry in enumerate(_list(owner_references, "metadata.ownerReferences")):
+        where = f"metadata.ownerReferences[{index}]"
+        entry = _mapping(entry, where)
+        kind = _required_text(entry.get("kind"), f"{where}.kind")
+        name = _required_text(entry.get("name"), f"{where}.name")
+        if _optional_bool(entry.get("controller"), f"{where}.controller") and controller is None:
+            controller = (kind, name)
+    if controller is None:
+        return None, None
+    kind, name = controller
+    if kind == _DEPLOYMENT_OWNER_KIND:
+        # A Deployment names its ReplicaSets "<deployment>-<pod-template-hash>" and labels their pods with the
+        # hash; a ReplicaSet made by anything else (or by hand) lacks that pairing and stays a ReplicaSet.
+        template_hash = labels.get(_POD_TEMPLATE_HASH_LABEL)
+        suffix = f"-{template_hash}"
+        if template_hash and name.endswith(suffix) and len(name) > len(suffix):
+            return "Deployment", name[: -len(suffix)]
+    return kind, name
+
+
+def _optional_timestamp_ms(value: Any, where: str) -> int | None:
+    text = _optional_text(value, where)
+    if not text:
+        return None
+    try:
+        parsed = datetime.fromisoformat(text)
+    except (ValueError, OverflowError) as exc:
+        raise _bad(f"{where}: {text[:64]!r} is not an RFC 3339 time") from exc
+    if parsed.tzinfo is None:
+        raise _bad(f"{where}: {text[:64]!r} has no UTC offset")
+    return (parsed - _EPOCH) // _ONE_MS
+
+
+def _truncate_utf8(value: str, max_bytes: int) -> str:
+    encoded = value.encode("utf-8")
+    if len(encoded) <= max_bytes:
+        return value
+    return encoded[:max_bytes].decode("utf-8", errors="ignore")
+
+
+def _string_map(value: Any, where: str) -> dict[str, str]:
+    mapping = _optional_mapping(value, where)
+    result: dict[str, str] = {}
+    for key, item in mapping.items():
+        key_text = _required_text(key, f"{where} key")
+        result[key_text] = _optional_text(item, f"{where}[{key_text}]") or ""
+    return result
+
+
+def _mapping(value: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise _bad(f"{where}: expected an object, got {type(value).__name__}")
+    return value
+
+
+def _optional_mapping(value: Any, where: str) -> Mapping[str, Any]:
+    return MappingProxyType({}) if value is None else _mapping(value, where)
+
+
+def _list(value: Any, where: str) -> list[Any] | tuple[Any, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)):
+        raise _bad(f"{where}: expected an array, got {type(value).__name__}")
+    return value
+
+
+def _required_text(value: Any, where: str) -> str:
+    text = _optional_text(value, where)
+    if not text:
+        raise _bad(f"{where}: missing or empty")
+    return text
+
+
+def _optional_text(value: Any, where: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise _bad(f"{where}: expected a string, got {type(value).__name__}")
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:  # lone surrogates from a "\ud800" JSON escape cannot be re-encoded
+            raise _bad(f"{where}: not valid Unicode text") from exc
+    return value
+
+
+def _optional_bool(value: Any, where: str) -> bool:
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise _bad(f"{where}: expected a boolean, got {type(value).__name__}")
+    return value
+
+
+def _bad(detail: str) -> InvalidMessage:
+    return InvalidMessage(detail, reason_code=BAD_POD_OBJECT)
