@@ -1,0 +1,874 @@
+"""Per-pod shares of each GPU unit over one window: the attribution math.
+
+Pure: no Kafka, no Faust, no clock. ``attribute_node_window(window, pods, policy)`` is what the streaming path and
+the replay call; ``attribute_unit`` does one GPU or MIG instance. The math, its reasons and its expected error are
+in ``docs/attribution.md``; the contract in short:
+
+* A unit is a whole GPU, one MIG instance, or the capacity of a MIG-enabled GPU that lies in no instance (under
+  the parent's uuid, all idle).
+* For each unit and window there is one row per pod (pods whose processes ran on the unit, and pods holding a
+  device id that names it) plus the three buckets IDLE, DRIVER_RESERVED and UNATTRIBUTED, always all three.
+* Invariant: over a unit's rows, ``memory_share``, ``compute_share`` and ``cost_share`` each add up to 1 within
+  1e-9, for any input: values out of range are clamped, missing data moves weight to UNATTRIBUTED, never away.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping, NamedTuple, Sequence
+
+from gpumeter.errors import ConfigError
+from schemas.records import GpuDeviceSample, GpuShare, NodeSample, SharingMode, ShareSubjectKind
+
+from services.attributor.modes import (
+    ModeDecision,
+    UnitAssignment,
+    UnitKind,
+    decide_mode,
+    device_keys,
+    majority_sample_mode,
+)
+from services.attributor.pod_index import PodIndex, PodInfo
+from services.attributor.windows import NodeWindow
+
+METHOD_EXCLUSIVE = "exclusive"
+METHOD_PER_PROCESS_SM = "per_process_sm"
+METHOD_MEMORY_PROXY = "memory_proxy"
+METHOD_MPS_MEMORY = "mps_memory"
+METHOD_MPS_THREADS = "mps_threads"
+METHOD_MIG_INSTANCE = "mig_instance"
+METHOD_REQUEST = "request"
+
+DEFAULT_MPS_THREAD_ANNOTATION = "gpumeter.io/mps-active-thread-percentage"
+_EMPTY_LABELS: Mapping[str, str] = MappingProxyType({})
+
+
+class CostBasis(enum.StrEnum):
+    MEMORY = "memory"
+    COMPUTE = "compute"
+    BLEND = "blend"
+    REQUEST = "request"
+
+
+class IdleHandling(enum.StrEnum):
+    KEEP = "keep"
+    SPREAD = "spread"
+
+
+class MpsCompute(enum.StrEnum):
+    MEMORY = "memory"
+    THREADS = "threads"
+
+
+@dataclass(frozen=True, slots=True)
+class AttributionPolicy:
+    """How shares become cost.
+
+    ``cost_basis``: MEMORY (cost = memory_share, the default), COMPUTE (cost = compute_share), BLEND
+    (cost = blend_alpha * compute_share + (1 - blend_alpha) * memory_share) or REQUEST (the OpenCost way, for
+    comparison: each pod pays the replicas it was assigned, unassigned replicas are idle).
+    ``idle_handling``: KEEP (idle is its own row) or SPREAD (idle cost goes to the unit's pods by their cost share;
+    equally when they all have none; it stays idle when the unit has no pod).
+    ``mps_compute``: MEMORY (busy time split by memory) or THREADS (by active-thread percentage: the pod's
+    ``mps_thread_annotation`` value, else its replicas' 100/replicas each).
+    """
+
+    cost_basis: CostBasis = CostBasis.MEMORY
+    blend_alpha: float = 0.5
+    idle_handling: IdleHandling = IdleHandling.KEEP
+    mps_compute: MpsCompute = MpsCompute.MEMORY
+    mps_thread_annotation: str = DEFAULT_MPS_THREAD_ANNOTATION
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.cost_basis, CostBasis):
+            raise ConfigError(f"cost basis {self.cost_basis!r} is not a CostBasis")
+        if not isinstance(self.idle_handling, IdleHandling):
+            raise ConfigError(f"idle handling {self.idle_handling!r} is not an IdleHandling")
+        if not isinstance(self.mps_compute, MpsCompute):
+            raise ConfigError(f"MPS compute {self.mps_compute!r} is not an MpsCompute")
+        alpha = self.blend_alpha
+        if not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0 or alpha != alpha:
+            raise ConfigError(f"blend alpha must be within [0, 1], got {alpha!r}")
+
+    @classmethod
+    def parse(cls, cost_basis: str = "memory", idle: str = "keep", mps_compute: str = "memory") -> "AttributionPolicy":
+        """From configuration strings: ``memory`` | ``compute`` | ``blend:<alpha>`` | ``request``; ``keep`` |
+        ``spread``; ``memory`` | ``threads``. Raises ConfigError on anything else."""
+        text = cost_basis.strip().lower()
+        alpha = 0.5
+        if text.startswith("blend:"):
+            raw = text[len("blend:") :]
+            try:
+                alpha = float(raw)
+            except ValueError:
+                raise ConfigError(f"blend alpha {raw!r} is not a number") from None
+            text = "blend"
+        try:
+            basis = CostBasis(text)
+        except ValueError:
+            raise ConfigError(
+                f"cost basis {cost_basis!r} is not one of memory, compute, blend:<alpha>, request"
+            ) from None
+        try:
+            idle_handling = IdleHandling(idle.strip().lower())
+        except ValueError:
+            raise ConfigError(f"idle handling {idle!r} is not one of keep, spread") from None
+        try:
+            mps = MpsCompute(mps_compute.strip().lower())
+        except ValueError:
+            raise ConfigError(f"MPS compute {mps_compute!r} is not one of memory, threads") from None
+        return cls(basis, alpha, idle_handling, mps)
+
+    def describe(self) -> str:
+        basis = f"blend:{self.blend_alpha:g}" if self.cost_basis is CostBasis.BLEND else str(self.cost_basis)
+        return f"cost={basis} idle={self.idle_handling} mps={self.mps_compute}"
+
+
+class UnitTick(NamedTuple):
+    """One unit in one tick.
+
+    ``capacity_fraction`` is the fraction of the physical GPU the unit stood for in this tick (1 for a whole GPU,
+    slices/total for a MIG instance, the slices in no instance for MIG_UNASSIGNED). ``all_idle`` marks a tick of
+    capacity no pod can use (a MIG-enabled GPU outside its instances); ``unassigned_memory_bytes`` is that
+    capacity's memory. ``pod_uids`` is the tick's ``NodeSample.pod_uids`` (``process_pod_index`` points into it).
+    """
+
+    sampled_at_unix_ms: int
+    interval_ms: int
+    capacity_fraction: float
+    pod_uids: tuple[str, ...]
+    device: GpuDeviceSample
+    all_idle: bool = False
+    unassigned_memory_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class UnitWindow:
+    """One unit's ticks in one window, in time order."""
+
+    cluster: str
+    node_name: str
+    window_start_unix_ms: int
+    window_seconds: int
+    unit_uuid: str
+    parent_uuid: str | None
+    kind: UnitKind
+    model: str
+    ticks: tuple[UnitTick, ...]
+
+    def __post_init__(self) -> None:
+        if not self.ticks:
+            raise ValueError(f"unit window {self.unit_uuid} has no ticks: a unit exists only where it was sampled")
+
+
+@dataclass(frozen=True, slots=True)
+class ShareRow:
+    """One subject's share of one unit in one window: the ``GpuShare`` fields that do not depend on the node."""
+
+    gpu_uuid: str
+    parent_gpu_uuid: str | None
+    gpu_model: str
+    gpu_fraction: float
+    sharing_mode: SharingMode
+    subject_kind: ShareSubjectKind
+    pod_uid: str | None
+    namespace: str | None
+    pod_name: str | None
+    labels: Mapping[str, str]
+    workload_kind: str | None
+    workload_name: str | None
+    memory_used_bytes_avg: float
+    memory_share: float
+    compute_share: float
+    cost_share: float
+    method: str
+    sample_count: int
+    covered_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class DataQuality:
+    """What the unit's input needed: ticks (of ``sample_count``) where data was missing, clamped or rescaled."""
+
+    ticks_zero_weight: int = 0
+    ticks_memory_invalid: int = 0  # no usable memory info: the tick does not count for memory shares
+    ticks_memory_clamped: int = 0  # reserved or used outside [0, total]: clamped
+    ticks_process_memory_scaled: int = 0  # processes held more than used: scaled down to used
+    ticks_compute_unknown: int = 0  # no device or per-process utilization: the tick does not count for compute
+    ticks_utilization_clamped: int = 0  # utilization outside [0, 100]: clamped
+    ticks_busy_unexplained: int = 0  # busy with no process seen: busy time went to UNATTRIBUTED
+
+
+@dataclass(frozen=True, slots=True)
+class UnitAttribution:
+    """Everything ``attribute_unit`` worked out for one unit; ``rows`` are its share rows."""
+
+    unit_uuid: str
+    parent_uuid: str | None
+    kind: UnitKind
+    decision: ModeDecision
+    method: str
+    gpu_fraction: float
+    sample_count: int
+    covered_seconds: float
+    memory_covered_seconds: float
+    compute_covered_seconds: float
+    quality: DataQuality
+    rows: tuple[ShareRow, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class NodeAttribution:
+    """``attribute_node_window_detailed``'s result: the GpuShare rows plus per-unit decisions for logs/metrics."""
+
+    shares: tuple[GpuShare, ...]
+    units: tuple[UnitAttribution, ...]
+    node_covered_seconds: float
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Splitting a node window into units
+
+
+def _instance_fraction(instance: GpuDeviceSample, parent: GpuDeviceSample | None) -> float:
+    slices, total = instance.mig_compute_slices, instance.mig_total_compute_slices
+    if total > 0 and slices >= 0:
+        return min(slices / total, 1.0)
+    if parent is not None and parent.memory_total_bytes > 0 and instance.memory_total_bytes >= 0:
+        # No slice counts: the memory fraction is the closest thing NVML gives.
+        return min(instance.memory_total_bytes / parent.memory_total_bytes, 1.0)
+    return 0.0
+
+
+def _fraction_in_instances(children: Sequence[GpuDeviceSample], parent: GpuDeviceSample) -> float:
+    totals = {c.mig_total_compute_slices for c in children}
+    if len(totals) == 1:
+        total = totals.pop()
+        if total > 0 and all(c.mig_compute_slices >= 0 for c in children):
+            # Whole slices: exact, so a fully partitioned GPU leaves exactly 0, not a float crumb.
+            return min(sum(c.mig_compute_slices for c in children), total) / total
+    fraction = sum(_instance_fraction(c, parent) for c in children)
+    return 1.0 if fraction > 1.0 - 1e-9 else fraction
+
+
+def split_units(window: NodeWindow) -> tuple[UnitWindow, ...]:
+    """The window's units with their ticks, sorted by (physical GPU uuid, the GPU's own unit first, uuid).
+
+    A device is a MIG instance when it has ``parent_uuid``; a device without one is a MIG-enabled parent when it
+    reports ``sharing_mode`` MIG or an instance in the same tick names it, and then only its capacity outside the
+    instances is a unit (all idle). A uuid listed twice in one tick counts once.
+    """
+    ticks_by_unit: dict[str, list[UnitTick]] = {}
+    meta: dict[str, list] = {}  # uuid -> [parent_uuid, kind, model]
+    for sample in window.samples:
+        _split_sample(sample, ticks_by_unit, meta)
+    units = []
+    for uuid, ticks in ticks_by_unit.items():
+        parent_uuid, kind, model = meta[uuid]
+        units.append(
+            UnitWindow(
+                window.cluster,
+                window.node_name,
+                window.window_start_unix_ms,
+                window.window_seconds,
+                uuid,
+                parent_uuid,
+                kind,
+                model,
+                tuple(ticks),
+            )
+        )
+    units.sort(key=lambda u: (u.parent_uuid or u.unit_uuid, u.parent_uuid is not None, u.unit_uuid))
+    return tuple(units)
+
+
+def _split_sample(sample: NodeSample, ticks_by_unit: dict[str, list[UnitTick]], meta: dict[str, list]) -> None:
+    devices = sample.devices
+    t = sample.sampled_at_unix_ms
+    interval = sample.interval_ms
+    pod_uids = sample.pod_uids
+    instances: dict[str, list[GpuDeviceSample]] | None = None
+    for dev in devices:
+        if dev.parent_uuid is not None:
+            if instances is None:
+                instances = {}
+            instances.setdefault(dev.parent_uuid, []).append(dev)
+    seen: set[str] = set()
+    parents: dict[str, GpuDeviceSample] = {}
+    if instances is not None:
+        parents = {d.uuid: d for d in devices if d.parent_uuid is None}
+    for dev in devices:
+        uuid = dev.uuid
+        if uuid in seen:
+            continue
+        seen.add(uuid)
+        if dev.parent_uuid is not None:
+            parent = parents.get(dev.parent_uuid)
+            tick = UnitTick(t, interval, _instance_fraction(dev, parent), pod_uids, dev)
+            kind = UnitKind.MIG_INSTANCE
+            model = parent.model if parent is not None else dev.model
+        elif dev.sharing_mode is SharingMode.MIG or (instances is not None and uuid in instances):
+            children = instances.get(uuid, ()) if instances is not None else ()
+            in_instances = _fraction_in_instances(children, dev)
+            unassigned_memory = max(dev.memory_total_bytes - sum(max(c.memory_total_bytes, 0) for c in children), 0)
+            tick = UnitTick(t, interval, max(1.0 - in_instances, 0.0), pod_uids, dev, True, unassigned_memory)
+            kind = UnitKind.MIG_UNASSIGNED
+            model = dev.model
+        else:
+            tick = UnitTick(t, interval, 1.0, pod_uids, dev)
+            kind = UnitKind.GPU
+            model = dev.model
+        ticks = ticks_by_unit.get(uuid)
+        if ticks is None:
+            ticks_by_unit[uuid] = [tick]
+            meta[uuid] = [dev.parent_uuid, kind, model]
+        else:
+            ticks.append(tick)
+            entry = meta[uuid]
+            # A GPU whose MIG mode flipped within the window stays one unit: its MIG ticks are all idle.
+            if kind is UnitKind.GPU and entry[1] is UnitKind.MIG_UNASSIGNED:
+                entry[1] = UnitKind.GPU
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Pod slots: one index per pod uid for the whole node window, so each tick maps process -> pod with list lookups.
+
+
+class _PodSlots:
+    __slots__ = ("slot_of", "uids", "maps")
+
+    def __init__(self) -> None:
+        self.slot_of: dict[str, int] = {}
+        self.uids: list[str] = []
+        self.maps: dict[int, list[int]] = {}
+
+    def slot(self, uid: str) -> int:
+        slot = self.slot_of.get(uid)
+        if slot is None:
+            slot = self.slot_of[uid] = len(self.uids)
+            self.uids.append(uid)
+        return slot
+
+    def map_for(self, pod_uids: tuple[str, ...]) -> list[int]:
+        # Keyed by identity: every device of a tick shares its NodeSample's pod_uids tuple, which the ticks keep
+        # alive for as long as this object lives.
+        found = self.maps.get(id(pod_uids))
+        if found is None:
+            found = self.maps[id(pod_uids)] = [self.slot(uid) for uid in pod_uids]
+        return found
+
+
+# --------------------------------------------------------------------------------------------------------------
+# One unit
+
+
+def attribute_unit(unit: UnitWindow, pods: PodIndex, policy: AttributionPolicy) -> tuple[ShareRow, ...]:
+    """The unit's share rows: pods sorted by uid, then IDLE, DRIVER_RESERVED, UNATTRIBUTED."""
+    return attribute_unit_detailed(unit, pods, policy).rows
+
+
+def attribute_unit_detailed(unit: UnitWindow, pods: PodIndex, policy: AttributionPolicy) -> UnitAttribution:
+    """``attribute_unit`` with the mode decision, method, coverage and data-quality counts."""
+    return _attribute(unit, pods, policy, _PodSlots())
+
+
+def _weights(unit: UnitWindow) -> tuple[list[float], list[int], int]:
+    """Per-tick weights (interval clamped to [0, window] times capacity fraction), clamped intervals, and the
+    count of zero-interval ticks. All-zero intervals fall back to equal weights so the window still counts."""
+    window_ms = unit.window_seconds * 1000
+    intervals = [min(max(t.interval_ms, 0), window_ms) for t in unit.ticks]
+    zero = intervals.count(0)
+    if zero == len(intervals):
+        intervals = [1] * len(intervals)
+    weights = [i * min(max(t.capacity_fraction, 0.0), 1.0) for i, t in zip(intervals, unit.ticks)]
+    return weights, intervals, zero
+
+
+def _parse_thread_percent(info: PodInfo, annotation: str) -> float | None:
+    raw = info.annotations.get(annotation)
+    if raw is None:
+        return None
+    try:
+        value = float(raw.strip().rstrip("%"))
+    except ValueError:
+        return None
+    if not 0.0 < value <= 100.0:
+        return None
+    return value
+
+
+def _attribute(unit: UnitWindow, pods: PodIndex, policy: AttributionPolicy, slots: _PodSlots) -> UnitAttribution:
+    ticks = unit.ticks
+    weights, intervals, zero_weight_ticks = _weights(unit)
+    total_weight = sum(weights)
+    if total_weight <= 0.0:
+        # Every tick had zero capacity (a fully partitioned MIG GPU's remainder): count ticks equally so the
+        # shares are still defined.
+        weights = [1.0] * len(ticks)
+        total_weight = float(len(ticks))
+    interval_sum = sum(intervals)
+    gpu_fraction = (
+        sum(i * min(max(t.capacity_fraction, 0.0), 1.0) for i, t in zip(intervals, ticks)) / interval_sum
+        if interval_sum > 0
+        else 0.0
+    )
+    window_ms = unit.window_seconds * 1000
+    covered_seconds = min(sum(max(t.interval_ms, 0) for t in ticks), window_ms) / 1000.0
+
+    # Pods holding an id that names the unit, alive at one of its ticks at least.
+    first_device = next((t.device for t in ticks if not t.all_idle), ticks[0].device if ticks else None)
+    keys = device_keys(unit.kind, unit.unit_uuid, unit.parent_uuid, first_device)
+    tick_times = [t.sampled_at_unix_ms for t in ticks]
+    assignees: list[tuple[PodInfo, UnitAssignment]] = []
+    for info, claim in pods.assignments_for(keys):
+        if any(info.alive_at(t) for t in tick_times):
+            assignees.append((info, claim))
+
+    sample_mode, mode_changed = majority_sample_mode(
+        (t.device, w) for t, w in zip(ticks, weights) if not t.all_idle or unit.kind is UnitKind.MIG_UNASSIGNED
+    )
+    replicas = max((t.device.replicas for t in ticks), default=1)
+    decision = decide_mode(
+        unit.kind, sample_mode, replicas, [c for _, c in assignees], sample_mode_changed=mode_changed
+    )
+    mode = decision.mode
+    replicas = decision.replicas
+
+    assignee_slots = [slots.slot(info.uid) for info, _ in assignees]
+    for t in ticks:
+        slots.map_for(t.pod_uids)
+    nslots = len(slots.uids)
+    occupancy = unit.kind is not UnitKind.GPU
+    mps_threads = mode is SharingMode.MPS and policy.mps_compute is MpsCompute.THREADS
+    use_per_process = mode is not SharingMode.MPS and not occupancy
+
+    thread_pct: list[float] = []
+    if mps_threads:
+        default_pct = 100.0 / replicas
+        thread_pct = [default_pct] * (nslots + 1)
+        for slot, (info, claim) in zip(assignee_slots, assignees):
+            configured = _parse_thread_percent(info, policy.mps_thread_annotation)
+            if configured is None:
+                configured = min(100.0, 100.0 * claim.claim_replicas(replicas) / replicas)
+            thread_pct[slot] = configured
+
+    # Accumulators. Index -1 (the extra last entry) collects processes of no known pod.
+    mem_frac = [0.0] * (nslots + 1)
+    mem_bytes = [0.0] * (nslots + 1)
+    comp = [0.0] * (nslots + 1)
+    present: set[int] = set()
+    mem_w = comp_w = 0.0
+    mem_res = mem_idle = mem_unx = 0.0
+    bytes_res = bytes_idle = bytes_unx = 0.0
+    comp_idle = comp_unx = 0.0
+    busy_per_process = busy_proxy = 0.0
+    q_mem_invalid = q_mem_clamped = q_scaled = q_comp_unknown = q_util_clamped = q_busy_unexplained = 0
+    maps = slots.maps
+
+    for tick, w in zip(ticks, weights):
+        if w <= 0.0:
+            continue
+        if tick.all_idle:
+            mem_w += w
+            mem_idle += w
+            bytes_idle += tick.unassigned_memory_bytes * w
+            comp_w += w
+            comp_idle += w
+            continue
+        dev = tick.device
+        smap = maps[id(tick.pod_uids)]
+        nmap = len(smap)
+        ppi = dev.process_pod_index
+        psm = dev.process_sm_utilization_percent
+        if len(psm) < len(ppi):
+            psm = (-1,) * len(ppi)
+        procs = []
+        mem_sum = 0
+        sm_sum = 0
+        for p, m, s in zip(ppi, dev.process_used_memory_bytes, psm):
+            slot = smap[p] if 0 <= p < nmap else -1
+            if m < 0:
+                m = 0
+            if s < 0:
+                # -1: NVML gave no sample for the process, which on a supported device means it ran no kernel.
+                s = 0
+            mem_sum += m
+            sm_sum += s
+            procs.append((slot, m, s))
+            present.add(slot)
+
+        # Memory: fractions of this tick's total, weighted by the tick's time.
+        total = dev.memory_total_bytes
+        memory_ok = total > 0
+        if memory_ok and dev.errors:
+            memory_ok = not any("MemoryInfo" in e.nvml_function for e in dev.errors)
+        if memory_ok:
+            reserved = dev.memory_reserved_bytes
+            used = dev.memory_used_bytes
+            clamped = False
+            if reserved < 0:
+                reserved, clamped = 0, True
+            elif reserved > total:
+                reserved, clamped = total, True
+            if reserved and used >= reserved and used + dev.memory_free_bytes == total:
+                # This driver's v2 "used" includes the reserved memory (used + free = total): take it out.
+                used -= reserved
+            capacity = total - reserved
+            if used < 0:
+                used, clamped = 0, True
+            elif used > capacity:
+                used, clamped = capacity, True
+            if clamped:
+                q_mem_clamped += 1
+            inv = w / total
+            mem_w += w
+            mem_res += reserved * inv
+            bytes_res += reserved * w
+            free = capacity - used
+            mem_idle += free * inv
+            bytes_idle += free * w
+            if mem_sum > used:
+                # Processes report more than the device has in use (sampled at another instant): the device
+                # total is authoritative, so scale the processes into it.
+                q_scaled += 1
+                scale = used / mem_sum
+                unexplained = 0.0
+            else:
+                scale = 1.0
+                unexplained = used - mem_sum
+            mem_unx += unexplained * inv
+            bytes_unx += unexplained * w
+            if mem_sum:
+                fi = scale * inv
+                bi = scale * w
+                for slot, m, _s in procs:
+                    if m:
+                        mem_frac[slot] += m * fi
+                        mem_bytes[slot] += m * bi
+        else:
+            q_mem_invalid += 1
+
+        # Compute: the tick's busy fraction b; idle is 1 - b; b is split among processes.
+        util = dev.gpu_utilization_percent
+        per_process_ok = use_per_process and dev.process_utilization_supported and sm_sum > 0
+        if util is not None:
+            if util < 0:
+                busy_fraction = 0.0
+                q_util_clamped += 1
+            elif util > 100:
+                busy_fraction = 1.0
+                q_util_clamped += 1
+            else:
+                busy_fraction = util / 100.0
+        elif occupancy:
+            # NVML has no utilization for MIG instances: the instance is busy while a process holds it.
+            busy_fraction = 1.0 if procs else 0.0
+        elif per_process_ok:
+            busy_fraction = sm_sum / 100.0 if sm_sum < 100 else 1.0
+        else:
+            q_comp_unknown += 1
+            continue
+        comp_w += w
+        comp_idle += (1.0 - busy_fraction) * w
+        busy = busy_fraction * w
+        if busy <= 0.0:
+            continue
+        if not procs:
+            comp_unx += busy
+            q_busy_unexplained += 1
+        elif mps_threads:
+            pct_of: dict[int, float] = {}
+            for slot, _m, _s in procs:
+                pct_of[slot] = thread_pct[slot]
+            pct_total = sum(pct_of.values())
+            c = busy / pct_total
+            for slot, pct in pct_of.items():
+                comp[slot] += pct * c
+        elif per_process_ok:
+            busy_per_process += busy
+            c = busy / sm_sum
+            for slot, _m, s in procs:
+                if s:
+                    comp[slot] += s * c
+        else:
+            busy_proxy += busy
+            if mem_sum:
+                c = busy / mem_sum
+                for slot, m, _s in procs:
+                    if m:
+                        comp[slot] += m * c
+            else:
+                c = busy / len(procs)
+                for slot, _m, _s in procs:
+                    comp[slot] += c
+
+    # Which pods get rows: those whose processes ran here and those holding the unit.
+    row_slots = sorted(
+        {s for s in present if s >= 0} | set(assignee_slots), key=lambda s: slots.uids[s]
+    )
+
+    # Memory and compute vectors: [pods in row order..., idle, reserved, unattributed].
+    n_rows = len(row_slots)
+    if mem_w > 0.0:
+        memory = [mem_frac[s] / mem_w for s in row_slots]
+        memory += [mem_idle / mem_w, mem_res / mem_w, (mem_unx + mem_frac[-1]) / mem_w]
+        bytes_avg = [mem_bytes[s] / mem_w for s in row_slots]
+        bytes_avg += [bytes_idle / mem_w, bytes_res / mem_w, (bytes_unx + mem_bytes[-1]) / mem_w]
+    else:
+        memory = [0.0] * n_rows + [0.0, 0.0, 1.0]
+        bytes_avg = [0.0] * (n_rows + 3)
+    if comp_w > 0.0:
+        compute = [comp[s] / comp_w for s in row_slots]
+        compute += [comp_idle / comp_w, 0.0, (comp_unx + comp[-1]) / comp_w]
+    else:
+        compute = [0.0] * n_rows + [0.0, 0.0, 1.0]
+
+    # Cost.
+    row_of_slot = {s: i for i, s in enumerate(row_slots)}
+    basis = policy.cost_basis
+    if basis is CostBasis.MEMORY:
+        cost = list(memory)
+    elif basis is CostBasis.COMPUTE:
+        cost = list(compute)
+    elif basis is CostBasis.BLEND:
+        a = float(policy.blend_alpha)
+        cost = [a * c + (1.0 - a) * m for m, c in zip(memory, compute)]
+    else:
+        cost = _request_cost(ticks, weights, total_weight, assignees, assignee_slots, row_of_slot, n_rows, replicas)
+    if decision.dedicated_owner is not None and basis is not CostBasis.REQUEST:
+        cost = _owner_pays(ticks, weights, total_weight, assignees, assignee_slots, decision, row_of_slot, cost)
+    if policy.idle_handling is IdleHandling.SPREAD and n_rows:
+        cost = _spread_idle(cost, n_rows)
+
+    if policy.cost_basis is CostBasis.REQUEST:
+        method = METHOD_REQUEST
+    elif occupancy:
+        method = METHOD_MIG_INSTANCE
+    elif mode is SharingMode.EXCLUSIVE:
+        method = METHOD_EXCLUSIVE
+    elif mode is SharingMode.MPS:
+        method = METHOD_MPS_THREADS if mps_threads else METHOD_MPS_MEMORY
+    elif busy_proxy > 0.0 or busy_per_process == 0.0:
+        method = METHOD_MEMORY_PROXY
+    else:
+        method = METHOD_PER_PROCESS_SM
+
+    rows = []
+    sample_count = len(ticks)
+    uuid, parent, model = unit.unit_uuid, unit.parent_uuid, unit.model
+    for i, slot in enumerate(row_slots):
+        uid = slots.uids[slot]
+        info = pods.pod(uid)
+        rows.append(
+            ShareRow(
+                uuid,
+                parent,
+                model,
+                gpu_fraction,
+                mode,
+                ShareSubjectKind.POD,
+                uid,
+                info.namespace if info is not None else None,
+                info.name if info is not None else None,
+                info.labels if info is not None else _EMPTY_LABELS,
+                info.workload_kind if info is not None else None,
+                info.workload_name if info is not None else None,
+                bytes_avg[i],
+                memory[i],
+                compute[i],
+                cost[i],
+                method,
+                sample_count,
+                covered_seconds,
+            )
+        )
+    for j, kind in enumerate((ShareSubjectKind.IDLE, ShareSubjectKind.DRIVER_RESERVED, ShareSubjectKind.UNATTRIBUTED)):
+        i = n_rows + j
+        rows.append(
+            ShareRow(
+                uuid,
+                parent,
+                model,
+                gpu_fraction,
+                mode,
+                kind,
+                None,
+                None,
+                None,
+                _EMPTY_LABELS,
+                None,
+                None,
+                bytes_avg[i],
+                memory[i],
+                compute[i],
+                cost[i],
+                method,
+                sample_count,
+                covered_seconds,
+            )
+        )
+    scale = covered_seconds / total_weight if total_weight else 0.0
+    return UnitAttribution(
+        unit_uuid=uuid,
+        parent_uuid=parent,
+        kind=unit.kind,
+        decision=decision,
+        method=method,
+        gpu_fraction=gpu_fraction,
+        sample_count=sample_count,
+        covered_seconds=covered_seconds,
+        memory_covered_seconds=min(mem_w * scale, covered_seconds),
+        compute_covered_seconds=min(comp_w * scale, covered_seconds),
+        quality=DataQuality(
+            ticks_zero_weight=zero_weight_ticks,
+            ticks_memory_invalid=q_mem_invalid,
+            ticks_memory_clamped=q_mem_clamped,
+            ticks_process_memory_scaled=q_scaled,
+            ticks_compute_unknown=q_comp_unknown,
+            ticks_utilization_clamped=q_util_clamped,
+            ticks_busy_unexplained=q_busy_unexplained,
+        ),
+        rows=tuple(rows),
+    )
+
+
+def _request_cost(
+    ticks: Sequence[UnitTick],
+    weights: Sequence[float],
+    total_weight: float,
+    assignees: Sequence[tuple[PodInfo, UnitAssignment]],
+    assignee_slots: Sequence[int],
+    row_of_slot: Mapping[int, int],
+    n_rows: int,
+    replicas: int,
+) -> list[float]:
+    """Each tick: every alive assignee pays claim / max(replicas, total claims); the rest is idle."""
+    cost = [0.0] * (n_rows + 3)
+    idle = n_rows
+    claims = [
+        (row_of_slot[s], info, claim.claim_replicas(replicas)) for s, (info, claim) in zip(assignee_slots, assignees)
+    ]
+    for tick, w in zip(ticks, weights):
+        if w <= 0.0:
+            continue
+        if tick.all_idle:
+            cost[idle] += w
+            continue
+        t = tick.sampled_at_unix_ms
+        alive = [(row, c) for row, info, c in claims if c > 0 and info.alive_at(t)]
+        claimed = sum(c for _, c in alive)
+        slots_total = max(replicas, claimed)
+        for row, c in alive:
+            cost[row] += w * c / slots_total
+        cost[idle] += w * (slots_total - claimed) / slots_total
+    return [c / total_weight for c in cost]
+
+
+def _owner_pays(
+    ticks: Sequence[UnitTick],
+    weights: Sequence[float],
+    total_weight: float,
+    assignees: Sequence[tuple[PodInfo, UnitAssignment]],
+    assignee_slots: Sequence[int],
+    decision: ModeDecision,
+    row_of_slot: Mapping[int, int],
+    basis_cost: list[float],
+) -> list[float]:
+    """A dedicated unit: the owner pays the whole unit for every tick it held it; ticks it did not hold are paid
+    by the cost basis."""
+    owner_row = None
+    owner_info = None
+    for slot, (info, _claim) in zip(assignee_slots, assignees):
+        if info.uid == decision.dedicated_owner:
+            owner_row, owner_info = row_of_slot[slot], info
+    if owner_row is None or owner_info is None:
+        return basis_cost
+    owned = sum(w for tick, w in zip(ticks, weights) if w > 0.0 and owner_info.alive_at(tick.sampled_at_unix_ms))
+    owned_fraction = min(owned / total_weight, 1.0)
+    rest = 1.0 - owned_fraction
+    cost = [c * rest for c in basis_cost]
+    cost[owner_row] += owned_fraction
+    return cost
+
+
+def _spread_idle(cost: list[float], n_rows: int) -> list[float]:
+    idle = cost[n_rows]
+    if idle <= 0.0:
+        return cost
+    pod_total = sum(cost[:n_rows])
+    spread = list(cost)
+    if pod_total > 0.0:
+        for i in range(n_rows):
+            spread[i] += idle * cost[i] / pod_total
+    else:
+        for i in range(n_rows):
+            spread[i] += idle / n_rows
+    spread[n_rows] = 0.0
+    return spread
+
+
+# --------------------------------------------------------------------------------------------------------------
+# A node window
+
+
+def attribute_node_window(window: NodeWindow, pods: PodIndex, policy: AttributionPolicy) -> tuple[GpuShare, ...]:
+    """Every unit's GpuShare rows for one node window, units in ``split_units`` order, rows as ``attribute_unit``."""
+    return attribute_node_window_detailed(window, pods, policy).shares
+
+
+def attribute_node_window_detailed(window: NodeWindow, pods: PodIndex, policy: AttributionPolicy) -> NodeAttribution:
+    """``attribute_node_window`` with each unit's mode decision and data-quality counts."""
+    if not window.samples:
+        return NodeAttribution((), (), 0.0)
+    window_ms = window.window_seconds * 1000
+    node_covered_seconds = min(sum(max(s.interval_ms, 0) for s in window.samples), window_ms) / 1000.0
+    facts = window.samples[-1]
+    slots = _PodSlots()
+    units = tuple(
+        _attribute(unit, pods, policy, slots)
+        for unit in split_units(window)
+        # A MIG GPU whose capacity is all in instances leaves nothing of its own to attribute.
+        if not (unit.kind is UnitKind.MIG_UNASSIGNED and all(t.capacity_fraction <= 0.0 for t in unit.ticks))
+    )
+    shares = []
+    units_in_node = len(units)
+    for unit in units:
+        rows_in_unit = len(unit.rows)
+        for row in unit.rows:
+            shares.append(
+                GpuShare(
+                    window.cluster,
+                    window.node_name,
+                    window.window_start_unix_ms,
+                    window.window_seconds,
+                    node_covered_seconds,
+                    units_in_node,
+                    rows_in_unit,
+                    facts.cloud_provider,
+                    facts.region,
+                    facts.instance_type,
+                    facts.price_model,
+                    row.gpu_uuid,
+                    row.parent_gpu_uuid,
+                    row.gpu_model,
+                    row.gpu_fraction,
+                    row.sharing_mode,
+                    row.subject_kind,
+                    row.pod_uid,
+                    row.namespace,
+                    row.pod_name,
+                    row.labels,
+                    row.workload_kind,
+                    row.workload_name,
+                    row.memory_used_bytes_avg,
+                    row.memory_share,
+                    row.compute_share,
+                    row.cost_share,
+                    row.method,
+                    row.sample_count,
+                    row.covered_seconds,
+                )
+            )
+    return NodeAttribution(tuple(shares), units, node_covered_seconds)

@@ -1,0 +1,293 @@
+"""The pod state a node's window is attributed against, built from PodEvents.
+
+Pure and immutable: ``apply_pod_event(index, event)`` returns a new ``PodIndex`` and leaves the old one as it was,
+so a window can be attributed against a snapshot while events keep arriving.
+
+Rules:
+
+* Events are applied by ``observed_at_unix_ms``: an event older than what the index holds for that pod is ignored
+  (a compacted topic, a replay or a redelivery can bring them out of order); an event with the same time and the
+  same ``resource_version`` is a duplicate and ignored.
+* A pod's life is ``[started_at, ended_at)``. ``started_at`` is ``status.startTime`` (unknown start: alive since
+  forever, since a pod in the index exists); ``ended_at`` is when a terminal phase (Succeeded, Failed) or the
+  deletion was first observed.
+* Deleted pods are kept for ``linger_ms`` after their deletion so that a window closing after a pod ended still
+  names it. The index's clock is the largest ``observed_at_unix_ms`` it has applied (or a time passed to
+  ``prune_pod_index``); pods whose deletion is older than clock − linger are dropped. Linger must be at least
+  window + grace + the pipeline's lag, or late windows lose pod names (their usage then stays with the pod uid
+  the collector saw, without namespace and name).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Iterable, Mapping
+
+from gpumeter.errors import ConfigError
+from schemas.records import PodEvent, PodEventType
+
+from services.attributor.modes import REPLICA_SEPARATOR, UnitAssignment
+
+DEFAULT_LINGER_MS = 15 * 60 * 1000
+TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
+_EMPTY: Mapping = MappingProxyType({})
+_FOREVER = 2**62
+
+
+@dataclass(frozen=True, slots=True)
+class PodDeviceAssignment:
+    """One device id one container of the pod was given. ``base_id`` is the id without ``::N``."""
+
+    container_name: str
+    resource_name: str
+    device_id: str
+    base_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class PodInfo:
+    """What attribution needs to know about one pod."""
+
+    uid: str
+    cluster: str
+    node_name: str
+    namespace: str
+    name: str
+    labels: Mapping[str, str]
+    annotations: Mapping[str, str]
+    workload_kind: str | None
+    workload_name: str | None
+    phase: str
+    started_at_unix_ms: int | None
+    ended_at_unix_ms: int | None
+    deleted_at_unix_ms: int | None
+    observed_at_unix_ms: int
+    resource_version: str
+    gpu_requests: Mapping[str, int]
+    assignments: tuple[PodDeviceAssignment, ...]
+
+    @property
+    def life_start_ms(self) -> int:
+        return self.started_at_unix_ms if self.started_at_unix_ms is not None else -_FOREVER
+
+    @property
+    def life_end_ms(self) -> int:
+        return self.ended_at_unix_ms if self.ended_at_unix_ms is not None else _FOREVER
+
+    def alive_at(self, t_unix_ms: int) -> bool:
+        """Whether the pod held its devices at ``t_unix_ms``: started_at <= t < ended_at."""
+        return self.life_start_ms <= t_unix_ms < self.life_end_ms
+
+    def overlaps(self, start_unix_ms: int, end_unix_ms: int) -> bool:
+        return self.life_start_ms < end_unix_ms and start_unix_ms < self.life_end_ms
+
+    def assignment_for(self, base_ids: Iterable[str]) -> UnitAssignment | None:
+        """The pod's claim on the unit named by ``base_ids``, or None when it holds none of them."""
+        wanted = set(base_ids)
+        resources: list[str] = []
+        ids: list[str] = []
+        for a in self.assignments:
+            if a.base_id in wanted:
+                ids.append(a.device_id)
+                if a.resource_name not in resources:
+                    resources.append(a.resource_name)
+        if not ids:
+            return None
+        return UnitAssignment(self.uid, tuple(resources), tuple(ids))
+
+
+def _pod_info(event: PodEvent, previous: PodInfo | None) -> PodInfo:
+    ended = previous.ended_at_unix_ms if previous is not None else None
+    deleted = previous.deleted_at_unix_ms if previous is not None else None
+    if event.event_type is PodEventType.DELETED:
+        deleted = event.observed_at_unix_ms if deleted is None else min(deleted, event.observed_at_unix_ms)
+    if event.event_type is PodEventType.DELETED or event.phase in TERMINAL_PHASES:
+        ended = event.observed_at_unix_ms if ended is None else min(ended, event.observed_at_unix_ms)
+    assignments: list[PodDeviceAssignment] = []
+    seen: set[str] = set()
+    for container in event.containers:
+        for assignment in container.assigned_devices:
+            for device_id in assignment.device_ids:
+                # Init containers hand their devices on to later containers: count each id once per pod.
+                if device_id in seen:
+                    continue
+                seen.add(device_id)
+                base = device_id.partition(REPLICA_SEPARATOR)[0]
+                assignments.append(PodDeviceAssignment(container.name, assignment.resource_name, device_id, base))
+    if not assignments and previous is not None and event.event_type is PodEventType.DELETED:
+        # A deletion event may come without the kubelet's assignments: keep what we knew.
+        assignments = list(previous.assignments)
+    started = event.started_at_unix_ms
+    if started is None and previous is not None:
+        started = previous.started_at_unix_ms
+    return PodInfo(
+        uid=event.uid,
+        cluster=event.cluster,
+        node_name=event.node_name,
+        namespace=event.namespace,
+        name=event.name,
+        labels=MappingProxyType(dict(event.labels)),
+        annotations=MappingProxyType(dict(event.annotations)),
+        workload_kind=event.workload_kind,
+        workload_name=event.workload_name,
+        phase=event.phase,
+        started_at_unix_ms=started,
+        ended_at_unix_ms=ended,
+        deleted_at_unix_ms=deleted,
+        observed_at_unix_ms=event.observed_at_unix_ms,
+        resource_version=event.resource_version,
+        gpu_requests=MappingProxyType(dict(event.gpu_requests)),
+        assignments=tuple(assignments),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class PodIndex:
+    """An immutable snapshot of the pods known, with lookups by uid and by device id.
+
+    Build with ``PodIndex.empty(linger_ms)`` and ``apply_pod_event``. Never mutate: every change returns a new one.
+    """
+
+    linger_ms: int = DEFAULT_LINGER_MS
+    clock_unix_ms: int = -_FOREVER
+    _pods: Mapping[str, PodInfo] = field(default_factory=lambda: _EMPTY)
+    _by_device: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: _EMPTY)
+    _next_expiry_ms: int = _FOREVER
+
+    def __post_init__(self) -> None:
+        if self.linger_ms < 0:
+            raise ConfigError(f"pod linger must be >= 0 ms, got {self.linger_ms}")
+
+    @classmethod
+    def empty(cls, linger_ms: int = DEFAULT_LINGER_MS) -> "PodIndex":
+        return cls(linger_ms=linger_ms)
+
+    def __len__(self) -> int:
+        return len(self._pods)
+
+    def __contains__(self, uid: object) -> bool:
+        return uid in self._pods
+
+    @property
+    def uids(self) -> tuple[str, ...]:
+        return tuple(sorted(self._pods))
+
+    def pod(self, uid: str) -> PodInfo | None:
+        """The pod with this uid, or None (never seen, or pruned after its linger)."""
+        return self._pods.get(uid)
+
+    def pods_for_device(self, device_id: str) -> tuple[PodInfo, ...]:
+        """Pods holding ``device_id`` or any replica of it (``GPU-x::3`` and ``GPU-x`` both find every holder of
+        ``GPU-x``), sorted by uid; deleted pods within their linger included."""
+        base = device_id.partition(REPLICA_SEPARATOR)[0]
+        return tuple(self._pods[uid] for uid in self._by_device.get(base, ()))
+
+    def assignments_for(self, base_ids: Iterable[str]) -> tuple[tuple[PodInfo, UnitAssignment], ...]:
+        """Every pod holding an id that names the unit named by ``base_ids``, with its claim, sorted by uid."""
+        base_ids = tuple(base_ids)
+        uids: set[str] = set()
+        for base in base_ids:
+            uids.update(self._by_device.get(base, ()))
+        result = []
+        for uid in sorted(uids):
+            info = self._pods[uid]
+            claim = info.assignment_for(base_ids)
+            if claim is not None:
+                result.append((info, claim))
+        return tuple(result)
+
+
+def apply_pod_event(index: PodIndex, event: PodEvent) -> PodIndex:
+    """The index after ``event``. Pure; ``index`` is unchanged. Stale and duplicate events return ``index``."""
+    previous = index._pods.get(event.uid)
+    if previous is not None:
+        if event.observed_at_unix_ms < previous.observed_at_unix_ms:
+            return _advance_clock(index, event.observed_at_unix_ms)
+        if (
+            event.observed_at_unix_ms == previous.observed_at_unix_ms
+            and event.resource_version == previous.resource_version
+            and (event.event_type is PodEventType.DELETED) == (previous.deleted_at_unix_ms is not None)
+        ):
+            return index
+    info = _pod_info(event, previous)
+    pods = dict(index._pods)
+    pods[event.uid] = info
+    by_device = index._by_device
+    old_bases = {a.base_id for a in previous.assignments} if previous is not None else set()
+    new_bases = {a.base_id for a in info.assignments}
+    if old_bases != new_bases:
+        by_device = dict(by_device)
+        for base in old_bases - new_bases:
+            remaining = tuple(u for u in by_device.get(base, ()) if u != event.uid)
+            if remaining:
+                by_device[base] = remaining
+            else:
+                by_device.pop(base, None)
+        for base in new_bases - old_bases:
+            by_device[base] = tuple(sorted(set(by_device.get(base, ())) | {event.uid}))
+        by_device = MappingProxyType(by_device)
+    next_expiry = index._next_expiry_ms
+    if info.deleted_at_unix_ms is not None:
+        next_expiry = min(next_expiry, info.deleted_at_unix_ms + index.linger_ms)
+    updated = PodIndex(
+        linger_ms=index.linger_ms,
+        clock_unix_ms=max(index.clock_unix_ms, event.observed_at_unix_ms),
+        _pods=MappingProxyType(pods),
+        _by_device=by_device,
+        _next_expiry_ms=next_expiry,
+    )
+    return _prune(updated, updated.clock_unix_ms)
+
+
+def apply_pod_events(index: PodIndex, events: Iterable[PodEvent]) -> PodIndex:
+    """``apply_pod_event`` over ``events`` in order."""
+    for event in events:
+        index = apply_pod_event(index, event)
+    return index
+
+
+def prune_pod_index(index: PodIndex, now_unix_ms: int) -> PodIndex:
+    """Move the index's clock to ``now_unix_ms`` (never back) and drop pods deleted longer than linger ago."""
+    return _prune(_advance_clock(index, now_unix_ms), max(index.clock_unix_ms, now_unix_ms))
+
+
+def _advance_clock(index: PodIndex, now_unix_ms: int) -> PodIndex:
+    if now_unix_ms <= index.clock_unix_ms:
+        return index
+    return _prune(
+        PodIndex(index.linger_ms, now_unix_ms, index._pods, index._by_device, index._next_expiry_ms), now_unix_ms
+    )
+
+
+def _prune(index: PodIndex, now_unix_ms: int) -> PodIndex:
+    # A pod deleted at d is kept while now < d + linger: the boundary is exclusive so linger 0 drops at once.
+    if now_unix_ms < index._next_expiry_ms:
+        return index
+    pods: dict[str, PodInfo] = {}
+    dropped: list[PodInfo] = []
+    next_expiry = _FOREVER
+    for uid, info in index._pods.items():
+        deleted = info.deleted_at_unix_ms
+        if deleted is not None:
+            expiry = deleted + index.linger_ms
+            if now_unix_ms >= expiry:
+                dropped.append(info)
+                continue
+            next_expiry = min(next_expiry, expiry)
+        pods[uid] = info
+    by_device = dict(index._by_device)
+    for info in dropped:
+        for base in {a.base_id for a in info.assignments}:
+            remaining = tuple(u for u in by_device.get(base, ()) if u != info.uid)
+            if remaining:
+                by_device[base] = remaining
+            else:
+                by_device.pop(base, None)
+    return PodIndex(
+        linger_ms=index.linger_ms,
+        clock_unix_ms=max(index.clock_unix_ms, now_unix_ms),
+        _pods=MappingProxyType(pods),
+        _by_device=MappingProxyType(by_device),
+        _next_expiry_ms=next_expiry,
+    )
