@@ -16,6 +16,7 @@ from gpumeter.settings import env_snapshot
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "topics": ("gpumeter.commands.topics", "create and list the catalog's Kafka topics"),
     "broker": ("gpumeter.commands.broker", "run a local Apache Kafka broker (development)"),
+    "report": ("services.billing.report", "costs from the ledger by namespace, label, node or GPU"),
 }
 
 

@@ -1,0 +1,550 @@
+"""Money for one node-window: share rows in, cost records that add up to the node's bill exactly. Pure.
+
+Contract of ``price_node_window(shares, price)`` (``cost_node_window`` returns just its records):
+
+* ``shares`` are all the ``GpuShare`` rows of one (cluster, node, window): ``units_in_node`` units, each with
+  ``rows_in_unit`` rows whose ``cost_share`` add up to 1 (within ``COST_SHARE_TOLERANCE``). Exact duplicates
+  (redelivery) are dropped; two different rows for the same (unit, subject kind, pod) are ``InconsistentShares``,
+  as are rows that disagree on the node's facts or an incomplete node-window.
+* **Billed time** is the node's covered seconds (``node_covered_seconds``, what the attributor saw of the
+  window), kept to the millisecond and capped at the window. Billing is per second of that time; the clouds'
+  per-instance minimums (AWS: 60 s per launch) are not applied per window.
+* **Node line item**: ``node_cost_micro_usd = round_half_up(rate × billed_seconds / 3600)`` in micro-dollars,
+  with the rate from ``price`` (``NodePrice``).
+* **Level 1, node → parts**: the node's micro-dollars are apportioned (largest remainder) over the parts whose exact
+  costs make up the node: every unit (its physical GPU's rate × ``gpu_fraction``), GPU capacity the price bills
+  but no unit reported (a GPU missing from the window: its own ``UNATTRIBUTED`` line with ``gpu_uuid`` None), and
+  ``node_other`` (its own ``NODE_OTHER`` line, always present). So per node and window the units, the missing
+  capacity and ``node_other`` equal the node's line item exactly.
+* **Level 2, unit → rows**: each unit's micro-dollars are apportioned over its rows by ``cost_share`` (pods, idle,
+  driver_reserved, unattributed), so per unit and window the rows equal the unit's cost exactly.
+* **Largest remainder** (Hamilton): every part gets the floor of its exact quota; the micro-dollars left go one
+  each to the largest fractional remainders. Ties go to the part that sorts first: units by ``gpu_uuid``, rows by
+  (subject kind POD < IDLE < DRIVER_RESERVED < UNATTRIBUTED, ``pod_uid``), then missing capacity, then node_other.
+  The result does not depend on the input order. Every part is within one micro-dollar of its exact quota, and
+  a part whose exact cost is zero gets zero.
+
+``NodeWindowAssembler`` collects rows from a stream and hands over a node-window once it is complete.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from fractions import Fraction
+from types import MappingProxyType
+from typing import Any, Iterable, Sequence
+
+from gpumeter.errors import InvalidMessage, OutOfRange
+from schemas.records import CostRecord, CostSubjectKind, GpuShare, ShareSubjectKind
+from services.billing.catalog import PriceCatalog, PriceError, normalize_price_model, normalize_provider
+from services.billing.pricing import (
+    DEFAULT_SPLIT_POLICY,
+    MICRO_USD_PER_USD,
+    SECONDS_PER_HOUR,
+    NodePrice,
+    SplitPolicy,
+    price_node,
+)
+
+COST_SHARE_TOLERANCE = 1e-6
+GPU_FRACTION_TOLERANCE = 1e-6
+COVERED_SECONDS_TOLERANCE = 1e-3
+# MIG fractions are k/7 or k/8 of a GPU; as floats they are recovered exactly with this denominator bound.
+_FRACTION_DENOMINATOR_LIMIT = 1_000_000
+_MS_PER_HOUR = SECONDS_PER_HOUR * 1000
+
+_SUBJECT_ORDER = {
+    ShareSubjectKind.POD: 0,
+    ShareSubjectKind.IDLE: 1,
+    ShareSubjectKind.DRIVER_RESERVED: 2,
+    ShareSubjectKind.UNATTRIBUTED: 3,
+}
+
+
+class InconsistentShares(InvalidMessage):
+    """Share rows that cannot all be true: conflicting duplicates, disagreeing node facts, an incomplete
+    node-window, or cost shares of a unit that do not add up to 1."""
+
+    reason_code = "INCONSISTENT_SHARES"
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class NodeWindowKey:
+    cluster: str
+    node_name: str
+    window_start_unix_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class NodeFacts:
+    """What every row of one node-window agrees on, plus the count of physical GPUs its units cover."""
+
+    key: NodeWindowKey
+    window_seconds: int
+    node_covered_seconds: float
+    cloud_provider: str
+    region: str
+    instance_type: str
+    price_model: str
+    gpu_model: str
+    units_in_node: int
+    physical_gpu_fractions: tuple[tuple[str, Fraction], ...]
+
+    @property
+    def physical_gpu_count(self) -> int:
+        return len(self.physical_gpu_fractions)
+
+    @property
+    def reported_gpus(self) -> Fraction:
+        """Whole GPUs the units stand for (each physical GPU counted at most once)."""
+        return sum((min(f, Fraction(1)) for _, f in self.physical_gpu_fractions), Fraction(0))
+
+
+@dataclass(frozen=True, slots=True)
+class UnitCost:
+    """One priced part of the node: a unit, missing GPU capacity (``gpu_uuid`` None, subject UNATTRIBUTED) or
+    node_other (``gpu_uuid`` None, subject NODE_OTHER). ``exact_micro_usd`` is the unrounded cost."""
+
+    gpu_uuid: str | None
+    subject_kind: CostSubjectKind | None
+    gpu_fraction: Fraction
+    exact_micro_usd: Fraction
+    cost_micro_usd: int
+
+
+@dataclass(frozen=True, slots=True)
+class NodeBill:
+    """The node's line item for one window and how it splits (GPU units + missing capacity vs node_other)."""
+
+    cluster: str
+    node_name: str
+    window_start_unix_ms: int
+    window_seconds: int
+    billed_milliseconds: int
+    provider: str
+    region: str
+    instance_type: str
+    price_model: str
+    gpu_count: int
+    node_cost_micro_usd: int
+    gpu_cost_micro_usd: int
+    node_other_micro_usd: int
+    price: NodePrice
+
+    @property
+    def key(self) -> NodeWindowKey:
+        return NodeWindowKey(self.cluster, self.node_name, self.window_start_unix_ms)
+
+    @property
+    def billed_seconds(self) -> float:
+        return self.billed_milliseconds / 1000
+
+    @property
+    def price_version(self) -> str:
+        return self.price.price_version
+
+    @property
+    def price_per_hour_usd(self) -> str:
+        return self.price.price_per_hour_usd_text
+
+    def as_json(self) -> dict[str, Any]:
+        """The ``bills.jsonl`` object: node, window_start (ISO 8601 UTC), window_seconds, instance_type,
+        price_per_hour_usd, node_cost_micro_usd, and the split."""
+        return {
+            "cluster": self.cluster,
+            "node": self.node_name,
+            "window_start": iso_utc(self.window_start_unix_ms),
+            "window_seconds": self.window_seconds,
+            "billed_seconds": self.billed_seconds,
+            "provider": self.provider,
+            "region": self.region,
+            "instance_type": self.instance_type,
+            "price_model": self.price_model,
+            "price_per_hour_usd": float(self.price_per_hour_usd),
+            "gpu_count": self.gpu_count,
+            "node_cost_micro_usd": self.node_cost_micro_usd,
+            "gpu_cost_micro_usd": self.gpu_cost_micro_usd,
+            "node_other_micro_usd": self.node_other_micro_usd,
+            "split_rule": self.price.split_rule.value,
+            "price_version": self.price_version,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class NodeWindowCost:
+    """Everything one node-window costs: the records (units' rows, missing capacity, node_other), the bill, and
+    the level-1 parts (units sorted by uuid, then missing capacity, then node_other)."""
+
+    costs: tuple[CostRecord, ...]
+    bill: NodeBill
+    parts: tuple[UnitCost, ...]
+
+
+def iso_utc(unix_ms: int) -> str:
+    """``2026-11-29T17:00:00Z`` (milliseconds shown only when not zero)."""
+    moment = datetime.fromtimestamp(unix_ms / 1000, tz=timezone.utc)
+    spec = "seconds" if unix_ms % 1000 == 0 else "milliseconds"
+    return moment.isoformat(timespec=spec).replace("+00:00", "Z")
+
+
+def cost_record_json(record: CostRecord) -> dict[str, Any]:
+    """The ``costs.jsonl`` object of one record (subject kinds in lower case, ``gpu_uuid`` null for node lines)."""
+    return {
+        "window_start": iso_utc(record.window_start_unix_ms),
+        "window_seconds": record.window_seconds,
+        "cluster": record.cluster,
+        "node": record.node_name,
+        "gpu_uuid": record.gpu_uuid,
+        "subject_kind": record.subject_kind.value.lower(),
+        "pod_uid": record.pod_uid,
+        "namespace": record.namespace,
+        "pod": record.pod_name,
+        "labels": dict(record.labels),
+        "cost_share": record.cost_share,
+        "cost_micro_usd": record.cost_micro_usd,
+        "instance_type": record.instance_type,
+        "price_model": record.price_model,
+        "price_version": record.price_version,
+    }
+
+
+def apportion(total: int, weights: Sequence[Fraction]) -> tuple[int, ...]:
+    """Split the integer ``total`` over ``weights`` by largest remainder (Hamilton's method).
+
+    Returns non-negative integers that add up to ``total``; each is the floor or the ceiling of
+    ``total × weight / sum(weights)``; ties in the remainder go to the lower index (callers sort by their
+    tie-break key). All-zero weights are allowed only for a zero total.
+    """
+    if total < 0:
+        raise ValueError(f"cannot apportion a negative total {total}")
+    if any(w < 0 for w in weights):
+        raise ValueError("weights must be >= 0")
+    weight_sum = sum(weights, Fraction(0))
+    if weight_sum == 0:
+        if total:
+            raise ValueError(f"cannot apportion {total} over zero weights")
+        return (0,) * len(weights)
+    quotas = [total * w / weight_sum for w in weights]
+    shares = [q.numerator // q.denominator for q in quotas]
+    left = total - sum(shares)
+    ranking = sorted(range(len(quotas)), key=lambda i: (shares[i] - quotas[i], i))
+    for index in ranking[:left]:
+        shares[index] += 1
+    return tuple(shares)
+
+
+def billed_milliseconds(node_covered_seconds: float, window_seconds: int) -> int:
+    """The node's billed time in whole milliseconds; ``OutOfRange`` when it cannot be true."""
+    if not math.isfinite(node_covered_seconds) or node_covered_seconds < 0:
+        raise OutOfRange(f"node_covered_seconds {node_covered_seconds} must be finite and >= 0")
+    if node_covered_seconds > window_seconds + COVERED_SECONDS_TOLERANCE:
+        raise OutOfRange(f"node_covered_seconds {node_covered_seconds} exceeds the window ({window_seconds} s)")
+    return min(math.floor(node_covered_seconds * 1000 + 0.5), window_seconds * 1000)
+
+
+def gpu_fraction_exact(value: float) -> Fraction:
+    """A unit's ``gpu_fraction`` as an exact rational (1/7 stays 1/7); ``OutOfRange`` outside (0, 1]."""
+    if not math.isfinite(value) or value <= 0 or value > 1 + GPU_FRACTION_TOLERANCE:
+        raise OutOfRange(f"gpu_fraction {value} must be within (0, 1]")
+    return min(Fraction(value).limit_denominator(_FRACTION_DENOMINATOR_LIMIT), Fraction(1))
+
+
+def _identity(share: GpuShare) -> tuple[str, str, str]:
+    return (share.gpu_uuid, share.subject_kind.value, share.pod_uid or "")
+
+
+def _row_order(share: GpuShare) -> tuple[int, str]:
+    return (_SUBJECT_ORDER[share.subject_kind], share.pod_uid or "")
+
+
+def _key(share: GpuShare) -> NodeWindowKey:
+    return NodeWindowKey(share.cluster, share.node_name, share.window_start_unix_ms)
+
+
+def dedupe_shares(shares: Iterable[GpuShare]) -> tuple[GpuShare, ...]:
+    """Drop exact duplicates; ``InconsistentShares`` when two rows share an identity but differ."""
+    seen: dict[tuple[NodeWindowKey, tuple[str, str, str]], GpuShare] = {}
+    for share in shares:
+        ident = (_key(share), _identity(share))
+        first = seen.setdefault(ident, share)
+        if first is not share and first != share:
+            raise InconsistentShares(f"two different rows for {ident} (a redelivered share must be identical)")
+    return tuple(seen.values())
+
+
+_NODE_FIELDS = ("window_seconds", "node_covered_seconds", "cloud_provider", "region", "instance_type",
+                "price_model", "units_in_node")
+_UNIT_FIELDS = ("parent_gpu_uuid", "gpu_model", "gpu_fraction", "rows_in_unit")
+
+
+def node_facts(shares: Sequence[GpuShare]) -> NodeFacts:
+    """Validate that ``shares`` are one complete, consistent node-window (after ``dedupe_shares``) and return
+    its facts. Raises ``InconsistentShares`` or ``OutOfRange``."""
+    if not shares:
+        raise InconsistentShares("no share rows")
+    first = shares[0]
+    key = _key(first)
+    units: dict[str, list[GpuShare]] = {}
+    for share in shares:
+        if _key(share) != key:
+            raise InconsistentShares(f"rows of {key} and {_key(share)} in one node-window")
+        for name in _NODE_FIELDS:
+            if getattr(share, name) != getattr(first, name):
+                raise InconsistentShares(f"{key}: rows disagree on {name}")
+        units.setdefault(share.gpu_uuid, []).append(share)
+    if first.window_seconds <= 0:
+        raise OutOfRange(f"window_seconds {first.window_seconds} must be > 0")
+    if first.units_in_node != len(units):
+        raise InconsistentShares(f"{key}: {len(units)} units present, units_in_node says {first.units_in_node}")
+    physical: dict[str, Fraction] = {}
+    for gpu_uuid, rows in units.items():
+        head = rows[0]
+        for row in rows:
+            for name in _UNIT_FIELDS:
+                if getattr(row, name) != getattr(head, name):
+                    raise InconsistentShares(f"{key} unit {gpu_uuid}: rows disagree on {name}")
+            if not math.isfinite(row.cost_share) or not (0 <= row.cost_share <= 1 + COST_SHARE_TOLERANCE):
+                raise OutOfRange(f"{key} unit {gpu_uuid}: cost_share {row.cost_share} must be within [0, 1]")
+            if (row.subject_kind is ShareSubjectKind.POD) != bool(row.pod_uid):
+                raise InconsistentShares(f"{key} unit {gpu_uuid}: a pod row needs a pod_uid, a bucket row has none")
+        if head.rows_in_unit != len(rows):
+            raise InconsistentShares(f"{key} unit {gpu_uuid}: {len(rows)} rows present, rows_in_unit says "
+                                     f"{head.rows_in_unit}")
+        total_share = math.fsum(r.cost_share for r in rows)
+        if abs(total_share - 1) > COST_SHARE_TOLERANCE:
+            raise InconsistentShares(f"{key} unit {gpu_uuid}: cost shares add up to {total_share!r}, not 1")
+        parent = head.parent_gpu_uuid or gpu_uuid
+        physical[parent] = physical.get(parent, Fraction(0)) + gpu_fraction_exact(head.gpu_fraction)
+    for parent, fraction in physical.items():
+        if fraction > 1 + Fraction(GPU_FRACTION_TOLERANCE):
+            raise InconsistentShares(f"{key}: units of GPU {parent} add up to {float(fraction)} GPUs")
+    billed_milliseconds(first.node_covered_seconds, first.window_seconds)
+    return NodeFacts(
+        key=key,
+        window_seconds=first.window_seconds,
+        node_covered_seconds=first.node_covered_seconds,
+        cloud_provider=first.cloud_provider,
+        region=first.region,
+        instance_type=first.instance_type,
+        price_model=first.price_model,
+        gpu_model=first.gpu_model,
+        units_in_node=first.units_in_node,
+        physical_gpu_fractions=tuple(sorted(physical.items())),
+    )
+
+
+def _check_price_fits(facts: NodeFacts, price: NodePrice) -> None:
+    mismatches = []
+    if normalize_provider(facts.cloud_provider) != price.provider:
+        mismatches.append(f"provider {facts.cloud_provider!r} vs {price.provider!r}")
+    if facts.region.strip().lower() != price.region:
+        mismatches.append(f"region {facts.region!r} vs {price.region!r}")
+    if facts.instance_type.strip().lower() != price.instance_type.lower():
+        mismatches.append(f"instance type {facts.instance_type!r} vs {price.instance_type!r}")
+    if normalize_price_model(facts.price_model) != price.price_model:
+        mismatches.append(f"price model {facts.price_model!r} vs {price.price_model!r}")
+    if mismatches:
+        raise PriceError(f"{facts.key}: the price is for another node: {', '.join(mismatches)}")
+    if facts.physical_gpu_count > price.gpu_count:
+        raise PriceError(f"{facts.key}: {facts.physical_gpu_count} GPUs in the window but the price covers "
+                         f"{price.gpu_count} ({price.instance_type}); fix the catalog's gpu_count")
+
+
+def price_node_window(shares: Sequence[GpuShare], price: NodePrice) -> NodeWindowCost:
+    """Cost one complete node-window (see the module docstring for the exact rules)."""
+    rows = dedupe_shares(shares)
+    facts = node_facts(rows)
+    _check_price_fits(facts, price)
+    billed_ms = billed_milliseconds(facts.node_covered_seconds, facts.window_seconds)
+    scale = Fraction(MICRO_USD_PER_USD * billed_ms, _MS_PER_HOUR)  # billed hours x 10^6: USD/h -> micro-dollars
+
+    units: dict[str, list[GpuShare]] = {}
+    for share in rows:
+        units.setdefault(share.gpu_uuid, []).append(share)
+    unit_ids = sorted(units)
+    fractions = [gpu_fraction_exact(units[u][0].gpu_fraction) for u in unit_ids]
+    # Units of one GPU may add up to a hair over 1 (float fractions within tolerance): count the GPU once.
+    missing_fraction = price.gpu_count - facts.reported_gpus
+
+    parts: list[tuple[str | None, CostSubjectKind | None, Fraction, Fraction]] = [
+        (u, None, f, price.gpu_usd_per_hour * f * scale) for u, f in zip(unit_ids, fractions)
+    ]
+    if missing_fraction > 0:
+        parts.append((None, CostSubjectKind.UNATTRIBUTED, missing_fraction,
+                      price.gpu_usd_per_hour * missing_fraction * scale))
+    parts.append((None, CostSubjectKind.NODE_OTHER, Fraction(0), price.node_other_usd_per_hour * scale))
+
+    node_exact = price.node_usd_per_hour * scale
+    node_micro = math.floor(node_exact + Fraction(1, 2))
+    part_micro = apportion(node_micro, [p[3] for p in parts])
+
+    common = dict(
+        cluster=facts.key.cluster,
+        node_name=facts.key.node_name,
+        window_start_unix_ms=facts.key.window_start_unix_ms,
+        window_seconds=facts.window_seconds,
+        instance_type=facts.instance_type,
+        price_model=price.price_model,
+        price_version=price.price_version,
+    )
+    records: list[CostRecord] = []
+    unit_costs: list[UnitCost] = []
+    for (gpu_uuid, kind, fraction, exact), micro in zip(parts, part_micro):
+        unit_costs.append(UnitCost(gpu_uuid, kind, fraction, exact, micro))
+        if gpu_uuid is None:
+            assert kind is not None
+            records.append(CostRecord(gpu_uuid=None, subject_kind=kind, pod_uid=None, namespace=None, pod_name=None,
+                                      labels=MappingProxyType({}), cost_share=1.0, cost_micro_usd=micro, **common))
+            continue
+        unit_rows = sorted(units[gpu_uuid], key=_row_order)
+        row_micro = apportion(micro, [Fraction(r.cost_share) for r in unit_rows])
+        for row, amount in zip(unit_rows, row_micro):
+            records.append(
+                CostRecord(
+                    gpu_uuid=gpu_uuid,
+                    subject_kind=CostSubjectKind(row.subject_kind.value),
+                    pod_uid=row.pod_uid,
+                    namespace=row.namespace,
+                    pod_name=row.pod_name,
+                    labels=row.labels,
+                    cost_share=row.cost_share,
+                    cost_micro_usd=amount,
+                    **common,
+                )
+            )
+    node_other_micro = part_micro[-1]
+    bill = NodeBill(
+        cluster=facts.key.cluster,
+        node_name=facts.key.node_name,
+        window_start_unix_ms=facts.key.window_start_unix_ms,
+        window_seconds=facts.window_seconds,
+        billed_milliseconds=billed_ms,
+        provider=price.provider,
+        region=price.region,
+        instance_type=facts.instance_type,
+        price_model=price.price_model,
+        gpu_count=price.gpu_count,
+        node_cost_micro_usd=node_micro,
+        gpu_cost_micro_usd=node_micro - node_other_micro,
+        node_other_micro_usd=node_other_micro,
+        price=price,
+    )
+    return NodeWindowCost(costs=tuple(records), bill=bill, parts=tuple(unit_costs))
+
+
+def cost_node_window(shares: Sequence[GpuShare], price: NodePrice) -> tuple[CostRecord, ...]:
+    """The cost records of one complete node-window (``price_node_window(...).costs``)."""
+    return price_node_window(shares, price).costs
+
+
+def bill_node_window(
+    shares: Sequence[GpuShare], catalog: PriceCatalog, policy: SplitPolicy = DEFAULT_SPLIT_POLICY
+) -> NodeWindowCost:
+    """Look the node's price up in ``catalog``, split it by ``policy`` and cost the node-window."""
+    rows = dedupe_shares(shares)
+    facts = node_facts(rows)
+    price = price_node(
+        catalog,
+        provider=facts.cloud_provider,
+        region=facts.region,
+        instance_type=facts.instance_type,
+        price_model=facts.price_model,
+        node_name=facts.key.node_name,
+        gpu_model=facts.gpu_model,
+        observed_gpu_count=facts.physical_gpu_count,
+        policy=policy,
+    )
+    return price_node_window(rows, price)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeWindow:
+    """A complete node-window: its key and its rows in a deterministic order (unit, then subject)."""
+
+    key: NodeWindowKey
+    shares: tuple[GpuShare, ...]
+
+
+@dataclass
+class _Pending:
+    units_in_node: int
+    rows: dict[tuple[str, str, str], GpuShare] = field(default_factory=dict)
+    rows_in_unit: dict[str, int] = field(default_factory=dict)
+    unit_row_counts: dict[str, int] = field(default_factory=dict)
+
+    def complete(self) -> bool:
+        return len(self.rows_in_unit) == self.units_in_node and all(
+            self.unit_row_counts[u] == n for u, n in self.rows_in_unit.items()
+        )
+
+
+class NodeWindowAssembler:
+    """Collects ``GpuShare`` rows and hands over each node-window once it is complete. Pure (no I/O, no clock).
+
+    ``add(share)`` returns the ``NodeWindow`` when this row completes it (``units_in_node`` units, each with
+    ``rows_in_unit`` rows), else None. Exact duplicates are ignored (redelivery), also after the node-window was
+    handed over; a different row with the identity of one already held, or counts that contradict earlier rows,
+    raise ``InconsistentShares`` and leave the state unchanged. ``expire_before(window_start_unix_ms)`` forgets
+    every node-window that starts earlier — pending ones (returned, never completed) and handed-over ones (whose
+    later redeliveries would then be handed over again; the ledger's idempotent write absorbs those).
+    """
+
+    def __init__(self) -> None:
+        self._pending: dict[NodeWindowKey, _Pending] = {}
+        self._emitted: set[NodeWindowKey] = set()
+        self.duplicates_ignored = 0
+
+    @property
+    def pending_keys(self) -> tuple[NodeWindowKey, ...]:
+        return tuple(sorted(self._pending))
+
+    @property
+    def emitted_count(self) -> int:
+        return len(self._emitted)
+
+    def add(self, share: GpuShare) -> NodeWindow | None:
+        key = _key(share)
+        if key in self._emitted:
+            self.duplicates_ignored += 1
+            return None
+        if share.units_in_node < 1 or share.rows_in_unit < 1:
+            raise OutOfRange(f"{key}: units_in_node and rows_in_unit must be >= 1")
+        state = self._pending.get(key)
+        if state is not None and state.units_in_node != share.units_in_node:
+            raise InconsistentShares(f"{key}: units_in_node {share.units_in_node} after {state.units_in_node}")
+        identity = _identity(share)
+        if state is not None and identity in state.rows:
+            if state.rows[identity] == share:
+                self.duplicates_ignored += 1
+                return None
+            raise InconsistentShares(f"{key}: a different row for {identity} (a redelivered share must be identical)")
+        if state is not None:
+            expected = state.rows_in_unit.get(share.gpu_uuid)
+            if expected is not None and expected != share.rows_in_unit:
+                raise InconsistentShares(f"{key} unit {share.gpu_uuid}: rows_in_unit {share.rows_in_unit} after "
+                                         f"{expected}")
+            if expected is not None and state.unit_row_counts[share.gpu_uuid] >= expected:
+                raise InconsistentShares(f"{key} unit {share.gpu_uuid}: more than {expected} rows")
+            if expected is None and len(state.rows_in_unit) >= state.units_in_node:
+                raise InconsistentShares(f"{key}: more than {state.units_in_node} units")
+        else:
+            state = self._pending[key] = _Pending(units_in_node=share.units_in_node)
+        state.rows[identity] = share
+        state.rows_in_unit[share.gpu_uuid] = share.rows_in_unit
+        state.unit_row_counts[share.gpu_uuid] = state.unit_row_counts.get(share.gpu_uuid, 0) + 1
+        if not state.complete():
+            return None
+        del self._pending[key]
+        self._emitted.add(key)
+        ordered = sorted(state.rows.values(), key=lambda s: (s.gpu_uuid, _row_order(s)))
+        return NodeWindow(key=key, shares=tuple(ordered))
+
+    def expire_before(self, window_start_unix_ms: int) -> tuple[NodeWindowKey, ...]:
+        """Forget node-windows starting before ``window_start_unix_ms``; return the pending (incomplete) ones."""
+        dropped = tuple(sorted(k for k in self._pending if k.window_start_unix_ms < window_start_unix_ms))
+        for key in dropped:
+            del self._pending[key]
+        self._emitted = {k for k in self._emitted if k.window_start_unix_ms >= window_start_unix_ms}
+        return dropped

@@ -1,0 +1,542 @@
+"""The SQL ledger of costs: SQLite file by default, PostgreSQL by URL (SQLAlchemy 2.x Core).
+
+Tables (created only by the alembic migrations in ``services/billing/migrations``; ``Ledger.migrate()`` runs
+``upgrade head``):
+
+``price_versions``
+    One row per ``NodePrice.price_version``: the rate, its split and the sources it came from.
+``node_bills``
+    One row per (window_start_unix_ms, cluster, node_name): the node's line item for the window and its split.
+``cost_lines``
+    One row per (window_start_unix_ms, cluster, node_name, gpu_uuid or '', subject_kind, pod_uid or ''): a
+    ``CostRecord``. References its node bill.
+
+Writes are idempotent and all-or-nothing per node-window. ``Ledger.write(costs, bills)`` checks that every cost
+line has its bill in the same call and that each node-window's lines add up to its bill, then, in one
+transaction, inserts the price versions and the bills with ``INSERT ... ON CONFLICT DO NOTHING RETURNING`` and
+the cost lines of exactly the bills that were new (again ``ON CONFLICT DO NOTHING``). A redelivered node-window —
+or any part of one — therefore never bills twice, and a node-window is never half-written: on PostgreSQL a
+concurrent writer of the same node-window waits on the bill's key and then skips it. The first write of a
+node-window wins: a later, different costing of it (say, after a price change) is skipped too, never mixed in.
+Inserts are bulk (executemany, which SQLAlchemy batches into multi-row ``VALUES``).
+
+Database errors are wrapped in ``LedgerError``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Iterable, Iterator, Mapping
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Column,
+    Double,
+    ForeignKeyConstraint,
+    Index,
+    Integer,
+    MetaData,
+    PrimaryKeyConstraint,
+    String,
+    Table,
+    Text,
+    create_engine,
+    event,
+    func,
+    select,
+    text,
+)
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Connection, Engine, make_url
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
+from sqlalchemy.pool import StaticPool
+
+from gpumeter.errors import ConfigError, GpumeterError
+from schemas.records import CostRecord, CostSubjectKind
+from services.billing.costing import NodeBill, NodeWindowKey
+
+MIGRATIONS_DIR = Path(__file__).with_name("migrations")
+VERSION_TABLE = "gpumeter_billing_alembic_version"
+DEFAULT_LEDGER_URL = "sqlite:///gpumeter-ledger.sqlite3"
+LEDGER_URL_ENV = "GPUMETER_LEDGER_URL"
+# Any constant works; it only has to be the same for every gpumeter process migrating one database.
+_MIGRATION_LOCK_ID = 0x6770756D6574  # "gpumet"
+
+NO_GPU = ""
+NO_POD = ""
+
+
+class LedgerError(GpumeterError):
+    """The ledger cannot be opened, migrated, written or read, or a write would break conservation."""
+
+
+metadata = MetaData(
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+        "pk": "pk_%(table_name)s",
+        "fk": "fk_%(table_name)s_%(referred_table_name)s",
+    }
+)
+
+LABELS_TYPE = JSON().with_variant(postgresql.JSONB(), "postgresql")
+
+price_versions = Table(
+    "price_versions",
+    metadata,
+    Column("price_version", String(255), nullable=False),
+    Column("provider", String(64), nullable=False),
+    Column("region", String(64), nullable=False),
+    Column("instance_type", String(128), nullable=False),
+    Column("price_model", String(16), nullable=False),
+    Column("price_per_hour_usd", String(40), nullable=False),
+    Column("gpu_count", Integer, nullable=False),
+    Column("gpu_price_per_hour_usd", String(40), nullable=False),
+    Column("node_other_price_per_hour_usd", String(40), nullable=False),
+    Column("split_rule", String(16), nullable=False),
+    Column("derivation", Text, nullable=False),
+    Column("sources", Text, nullable=False),
+    PrimaryKeyConstraint("price_version"),
+)
+
+node_bills = Table(
+    "node_bills",
+    metadata,
+    Column("window_start_unix_ms", BigInteger, nullable=False),
+    Column("cluster", String(253), nullable=False),
+    Column("node_name", String(253), nullable=False),
+    Column("window_seconds", Integer, nullable=False),
+    Column("billed_milliseconds", BigInteger, nullable=False),
+    Column("provider", String(64), nullable=False),
+    Column("region", String(64), nullable=False),
+    Column("instance_type", String(128), nullable=False),
+    Column("price_model", String(16), nullable=False),
+    Column("gpu_count", Integer, nullable=False),
+    Column("node_cost_micro_usd", BigInteger, nullable=False),
+    Column("gpu_cost_micro_usd", BigInteger, nullable=False),
+    Column("node_other_micro_usd", BigInteger, nullable=False),
+    Column("price_version", String(255), nullable=False),
+    PrimaryKeyConstraint("window_start_unix_ms", "cluster", "node_name"),
+    ForeignKeyConstraint(["price_version"], ["price_versions.price_version"]),
+    Index(None, "node_name", "window_start_unix_ms"),
+)
+
+cost_lines = Table(
+    "cost_lines",
+    metadata,
+    Column("window_start_unix_ms", BigInteger, nullable=False),
+    Column("cluster", String(253), nullable=False),
+    Column("node_name", String(253), nullable=False),
+    Column("gpu_uuid", String(128), nullable=False),
+    Column("subject_kind", String(16), nullable=False),
+    Column("pod_uid", String(128), nullable=False),
+    Column("window_seconds", Integer, nullable=False),
+    Column("namespace", String(253), nullable=True),
+    Column("pod_name", String(253), nullable=True),
+    Column("labels", LABELS_TYPE, nullable=False),
+    Column("cost_share", Double, nullable=False),
+    Column("cost_micro_usd", BigInteger, nullable=False),
+    Column("instance_type", String(128), nullable=False),
+    Column("price_model", String(16), nullable=False),
+    Column("price_version", String(255), nullable=False),
+    PrimaryKeyConstraint("window_start_unix_ms", "cluster", "node_name", "gpu_uuid", "subject_kind", "pod_uid"),
+    ForeignKeyConstraint(
+        ["window_start_unix_ms", "cluster", "node_name"],
+        ["node_bills.window_start_unix_ms", "node_bills.cluster", "node_bills.node_name"],
+    ),
+    Index(None, "namespace", "window_start_unix_ms"),
+)
+
+_LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._/-]{0,251}[A-Za-z0-9])?$")
+GROUP_KINDS = ("namespace", "label", "node", "gpu")
+
+
+@dataclass(frozen=True, slots=True)
+class Grouping:
+    """How cost lines are grouped: ``namespace``, ``label`` (with ``label_key``), ``node`` or ``gpu``."""
+
+    kind: str
+    label_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in GROUP_KINDS:
+            raise ConfigError(f"cannot group by {self.kind!r}; expected namespace, label:<key>, node or gpu")
+        if self.kind == "label":
+            if not self.label_key or not _LABEL_KEY_RE.match(self.label_key):
+                raise ConfigError(f"{self.label_key!r} is not a Kubernetes label key")
+        elif self.label_key is not None:
+            raise ConfigError(f"grouping by {self.kind} takes no label key")
+
+    @classmethod
+    def parse(cls, text: str) -> "Grouping":
+        """``namespace`` | ``label:<key>`` | ``node`` | ``gpu``."""
+        kind, sep, key = text.strip().partition(":")
+        if kind == "label":
+            return cls("label", key if sep else None)
+        if sep:
+            raise ConfigError(f"cannot group by {text!r}; expected namespace, label:<key>, node or gpu")
+        return cls(kind)
+
+    def describe(self) -> str:
+        return f"label:{self.label_key}" if self.kind == "label" else self.kind
+
+
+@dataclass(frozen=True, slots=True)
+class WriteResult:
+    """What one ``write`` did: node-windows newly billed or already present, and cost lines inserted."""
+
+    bills_written: int
+    bills_skipped: int
+    lines_written: int
+    lines_skipped: int
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerTotals:
+    """Sums over a time range: cost lines (also per subject kind) and node bills."""
+
+    cost_micro_usd: int
+    cost_lines: int
+    bill_micro_usd: int
+    node_windows: int
+    by_subject_kind: Mapping[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class CostGroupRow:
+    """Cost lines of one subject kind and group value (None where the grouping has no value, e.g. a bucket's
+    namespace or node_other's GPU)."""
+
+    subject_kind: str
+    group: str | None
+    cost_micro_usd: int
+    cost_lines: int
+
+
+def normalize_url(url: str) -> str:
+    """``postgres://`` and ``postgresql://`` use the installed psycopg 3 driver."""
+    for prefix in ("postgres://", "postgresql://"):
+        if url.startswith(prefix):
+            return "postgresql+psycopg://" + url[len(prefix):]
+    return url
+
+
+def _bill_row(bill: NodeBill) -> dict[str, Any]:
+    return {
+        "window_start_unix_ms": bill.window_start_unix_ms,
+        "cluster": bill.cluster,
+        "node_name": bill.node_name,
+        "window_seconds": bill.window_seconds,
+        "billed_milliseconds": bill.billed_milliseconds,
+        "provider": bill.provider,
+        "region": bill.region,
+        "instance_type": bill.instance_type,
+        "price_model": bill.price_model,
+        "gpu_count": bill.gpu_count,
+        "node_cost_micro_usd": bill.node_cost_micro_usd,
+        "gpu_cost_micro_usd": bill.gpu_cost_micro_usd,
+        "node_other_micro_usd": bill.node_other_micro_usd,
+        "price_version": bill.price_version,
+    }
+
+
+def _line_key(cost: CostRecord) -> tuple:
+    return (cost.window_start_unix_ms, cost.cluster, cost.node_name, cost.gpu_uuid or NO_GPU,
+            cost.subject_kind.value, cost.pod_uid or NO_POD)
+
+
+def _line_row(cost: CostRecord) -> dict[str, Any]:
+    return {
+        "window_start_unix_ms": cost.window_start_unix_ms,
+        "cluster": cost.cluster,
+        "node_name": cost.node_name,
+        "gpu_uuid": cost.gpu_uuid or NO_GPU,
+        "subject_kind": cost.subject_kind.value,
+        "pod_uid": cost.pod_uid or NO_POD,
+        "window_seconds": cost.window_seconds,
+        "namespace": cost.namespace,
+        "pod_name": cost.pod_name,
+        "labels": dict(cost.labels),
+        "cost_share": cost.cost_share,
+        "cost_micro_usd": cost.cost_micro_usd,
+        "instance_type": cost.instance_type,
+        "price_model": cost.price_model,
+        "price_version": cost.price_version,
+    }
+
+
+def _alembic_config(connection: Connection):
+    from alembic.config import Config
+
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    config.attributes["connection"] = connection
+    return config
+
+
+class Ledger:
+    """A cost ledger at ``url`` (``sqlite:///path`` or ``postgresql+psycopg://...``). See the module docstring."""
+
+    def __init__(self, url: str = DEFAULT_LEDGER_URL) -> None:
+        self.url = normalize_url(url)
+        try:
+            parsed = make_url(self.url)
+            backend = parsed.get_backend_name()
+            if backend not in ("sqlite", "postgresql"):
+                raise LedgerError(f"ledger dialect {backend!r} is not supported (sqlite or postgresql)")
+            in_memory = backend == "sqlite" and parsed.database in (None, "", ":memory:")
+            if in_memory:
+                # One shared connection, or every pooled connection would see its own empty database.
+                self.engine: Engine = create_engine(self.url, poolclass=StaticPool,
+                                                    connect_args={"check_same_thread": False})
+            else:
+                self.engine = create_engine(self.url, pool_pre_ping=True)
+        except (ArgumentError, NoSuchModuleError, ValueError) as exc:
+            raise LedgerError(f"cannot open ledger {url!r}: {exc}") from exc
+        self.dialect = self.engine.dialect.name
+        if self.dialect == "sqlite":
+            event.listen(self.engine, "connect", lambda dbapi, _record: _sqlite_pragmas(dbapi, in_memory))
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> "Ledger":
+        """The ledger named by ``GPUMETER_LEDGER_URL``, else the SQLite file ``gpumeter-ledger.sqlite3``."""
+        return cls(env.get(LEDGER_URL_ENV) or DEFAULT_LEDGER_URL)
+
+    def __repr__(self) -> str:
+        return f"Ledger({make_url(self.url).render_as_string(hide_password=True)!r})"
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def __enter__(self) -> "Ledger":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _insert(self, table: Table):
+        return (postgresql.insert(table) if self.dialect == "postgresql" else sqlite.insert(table))
+
+    # -- schema -----------------------------------------------------------------------------------------------
+
+    def migrate(self) -> str:
+        """Bring the schema to the newest migration (alembic ``upgrade head``); return that revision.
+
+        Safe to run from several processes at once on PostgreSQL (an advisory lock serialises them).
+        """
+        from alembic import command
+
+        try:
+            with self.engine.begin() as connection:
+                if self.dialect == "postgresql":
+                    connection.execute(text("SELECT pg_advisory_xact_lock(:lock)"), {"lock": _MIGRATION_LOCK_ID})
+                command.upgrade(_alembic_config(connection), "head")
+        except SQLAlchemyError as exc:
+            raise LedgerError(f"migrating {self!r} failed: {exc}") from exc
+        revision = self.current_revision()
+        assert revision is not None
+        return revision
+
+    def current_revision(self) -> str | None:
+        """The schema's migration revision, or None for a database no migration has touched."""
+        from alembic.runtime.migration import MigrationContext
+
+        try:
+            with self.engine.connect() as connection:
+                context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
+                return context.get_current_revision()
+        except SQLAlchemyError as exc:
+            raise LedgerError(f"cannot read the schema revision of {self!r}: {exc}") from exc
+
+    @staticmethod
+    def head_revision() -> str:
+        from alembic.script import ScriptDirectory
+        from alembic.config import Config
+
+        config = Config()
+        config.set_main_option("script_location", str(MIGRATIONS_DIR))
+        head = ScriptDirectory.from_config(config).get_current_head()
+        assert head is not None
+        return head
+
+    def require_schema(self) -> None:
+        """``LedgerError`` unless the schema is at the newest migration."""
+        current, head = self.current_revision(), self.head_revision()
+        if current != head:
+            raise LedgerError(
+                f"{self!r} is at schema revision {current or 'none'}, expected {head}: run the billing service "
+                "once or Ledger.migrate()"
+            )
+
+    # -- writing ----------------------------------------------------------------------------------------------
+
+    def write(self, costs: Iterable[CostRecord], bills: Iterable[NodeBill]) -> WriteResult:
+        """Record node-windows idempotently (see the module docstring). Every cost line's node-window must have
+        its bill in ``bills`` and the lines of each node-window must add up to its bill, else ``LedgerError``
+        and nothing is written."""
+        bills_by_key: dict[NodeWindowKey, NodeBill] = {}
+        for bill in bills:
+            first = bills_by_key.setdefault(bill.key, bill)
+            if first != bill:
+                raise LedgerError(f"two different bills for {bill.key} in one write")
+        lines: dict[tuple, CostRecord] = {}
+        sums: dict[NodeWindowKey, int] = defaultdict(int)
+        for cost in costs:
+            key = NodeWindowKey(cost.cluster, cost.node_name, cost.window_start_unix_ms)
+            if key not in bills_by_key:
+                raise LedgerError(f"cost line for {key} without its node bill in the same write")
+            line_key = _line_key(cost)
+            first_line = lines.setdefault(line_key, cost)
+            if first_line is cost:
+                sums[key] += cost.cost_micro_usd
+            elif first_line != cost:
+                raise LedgerError(f"two different cost lines for {line_key} in one write")
+        for key, bill in bills_by_key.items():
+            if sums.get(key, 0) != bill.node_cost_micro_usd:
+                raise LedgerError(
+                    f"cost lines of {key} add up to {sums.get(key, 0)} micro-USD, the bill says "
+                    f"{bill.node_cost_micro_usd}: refusing to write a ledger that does not reconcile"
+                )
+        if not bills_by_key:
+            return WriteResult(0, 0, 0, 0)
+        versions = {b.price_version: b.price.describe() for b in bills_by_key.values()}
+        pk = [node_bills.c.window_start_unix_ms, node_bills.c.cluster, node_bills.c.node_name]
+        try:
+            with self.engine.begin() as connection:
+                connection.execute(self._insert(price_versions).on_conflict_do_nothing(), list(versions.values()))
+                inserted = connection.execute(
+                    self._insert(node_bills).on_conflict_do_nothing().returning(*pk),
+                    [_bill_row(b) for b in bills_by_key.values()],
+                ).all()
+                new_keys = {NodeWindowKey(cluster, node, start) for start, cluster, node in inserted}
+                rows = [
+                    _line_row(cost)
+                    for cost in lines.values()
+                    if NodeWindowKey(cost.cluster, cost.node_name, cost.window_start_unix_ms) in new_keys
+                ]
+                if rows:
+                    connection.execute(self._insert(cost_lines).on_conflict_do_nothing(), rows)
+        except SQLAlchemyError as exc:
+            raise LedgerError(f"writing {len(bills_by_key)} node-windows to {self!r} failed: {exc}") from exc
+        return WriteResult(
+            bills_written=len(new_keys),
+            bills_skipped=len(bills_by_key) - len(new_keys),
+            lines_written=len(rows),
+            lines_skipped=len(lines) - len(rows),
+        )
+
+    # -- reading ----------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _range(table: Table, start_ms: int | None, end_ms: int | None, cluster: str | None) -> list:
+        conditions = []
+        if start_ms is not None:
+            conditions.append(table.c.window_start_unix_ms >= start_ms)
+        if end_ms is not None:
+            conditions.append(table.c.window_start_unix_ms < end_ms)
+        if cluster is not None:
+            conditions.append(table.c.cluster == cluster)
+        return conditions
+
+    def _read(self, statement) -> list:
+        try:
+            with self.engine.connect() as connection:
+                return connection.execute(statement).all()
+        except SQLAlchemyError as exc:
+            raise LedgerError(f"reading {self!r} failed: {exc}") from exc
+
+    def totals(self, *, start_ms: int | None = None, end_ms: int | None = None,
+               cluster: str | None = None) -> LedgerTotals:
+        """Sums of cost lines and node bills for windows starting in [start_ms, end_ms)."""
+        line_rows = self._read(
+            select(cost_lines.c.subject_kind, func.coalesce(func.sum(cost_lines.c.cost_micro_usd), 0), func.count())
+            .where(*self._range(cost_lines, start_ms, end_ms, cluster))
+            .group_by(cost_lines.c.subject_kind)
+        )
+        (bill_sum, bill_count), = self._read(
+            select(func.coalesce(func.sum(node_bills.c.node_cost_micro_usd), 0), func.count())
+            .where(*self._range(node_bills, start_ms, end_ms, cluster))
+        )
+        by_kind = {kind: int(total) for kind, total, _ in line_rows}
+        return LedgerTotals(
+            cost_micro_usd=sum(by_kind.values()),
+            cost_lines=sum(int(count) for _, _, count in line_rows),
+            bill_micro_usd=int(bill_sum),
+            node_windows=int(bill_count),
+            by_subject_kind=by_kind,
+        )
+
+    def cost_by(self, grouping: Grouping, *, start_ms: int | None = None, end_ms: int | None = None,
+                cluster: str | None = None) -> tuple[CostGroupRow, ...]:
+        """Cost lines summed per (subject kind, group value) for windows starting in [start_ms, end_ms)."""
+        if grouping.kind == "namespace":
+            group = cost_lines.c.namespace
+        elif grouping.kind == "node":
+            group = cost_lines.c.node_name
+        elif grouping.kind == "gpu":
+            group = func.nullif(cost_lines.c.gpu_uuid, NO_GPU)
+        else:
+            group = cost_lines.c.labels[grouping.label_key].as_string()
+        # Grouping over a subquery keeps PostgreSQL from seeing two differently-bound copies of the expression.
+        inner = (
+            select(cost_lines.c.subject_kind.label("kind"), group.label("grp"), cost_lines.c.cost_micro_usd)
+            .where(*self._range(cost_lines, start_ms, end_ms, cluster))
+            .subquery()
+        )
+        rows = self._read(
+            select(inner.c.kind, inner.c.grp, func.sum(inner.c.cost_micro_usd), func.count())
+            .group_by(inner.c.kind, inner.c.grp)
+        )
+        return tuple(CostGroupRow(kind, grp, int(total), int(count)) for kind, grp, total, count in rows)
+
+    def bills(self, *, start_ms: int | None = None, end_ms: int | None = None,
+              cluster: str | None = None) -> tuple[dict[str, Any], ...]:
+        """The node bills for windows starting in [start_ms, end_ms), oldest first, as column dicts."""
+        rows = self._read(
+            select(node_bills).where(*self._range(node_bills, start_ms, end_ms, cluster))
+            .order_by(node_bills.c.window_start_unix_ms, node_bills.c.cluster, node_bills.c.node_name)
+        )
+        return tuple(dict(row._mapping) for row in rows)
+
+    def iter_cost_lines(self, *, start_ms: int | None = None, end_ms: int | None = None,
+                        cluster: str | None = None) -> Iterator[CostRecord]:
+        """The stored cost lines as ``CostRecord``s, in key order."""
+        rows = self._read(
+            select(cost_lines).where(*self._range(cost_lines, start_ms, end_ms, cluster))
+            .order_by(*cost_lines.primary_key.columns)
+        )
+        for row in rows:
+            m = row._mapping
+            yield CostRecord(
+                cluster=m["cluster"],
+                node_name=m["node_name"],
+                window_start_unix_ms=m["window_start_unix_ms"],
+                window_seconds=m["window_seconds"],
+                gpu_uuid=m["gpu_uuid"] or None,
+                subject_kind=CostSubjectKind(m["subject_kind"]),
+                pod_uid=m["pod_uid"] or None,
+                namespace=m["namespace"],
+                pod_name=m["pod_name"],
+                labels=MappingProxyType(dict(m["labels"])),
+                cost_share=m["cost_share"],
+                cost_micro_usd=int(m["cost_micro_usd"]),
+                instance_type=m["instance_type"],
+                price_model=m["price_model"],
+                price_version=m["price_version"],
+            )
+
+
+def _sqlite_pragmas(dbapi_connection: Any, in_memory: bool) -> None:
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute("PRAGMA busy_timeout=30000")
+        if not in_memory:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA synchronous=NORMAL")
+    finally:
+        cursor.close()

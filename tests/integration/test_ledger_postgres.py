@@ -1,0 +1,168 @@
+"""The ledger and the report on a real PostgreSQL server (started by the session fixture ``postgres_url``)."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections import defaultdict
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import create_engine, event, inspect, text
+from sqlalchemy.engine import make_url
+
+from services.billing.catalog import PriceCatalog
+from services.billing.costing import NodeWindowAssembler, bill_node_window
+from services.billing.ledger import VERSION_TABLE, Grouping, Ledger, metadata
+from services.billing.report import build_report, format_report
+from tests.unit.billing.conftest import WINDOW_START_MS, sample_costs, sample_shares
+
+pytestmark = pytest.mark.postgres
+
+WINDOWS = 3
+END_MS = WINDOW_START_MS + WINDOWS * 60_000
+
+
+@pytest.fixture
+def database_url(postgres_url):
+    """A database of this test's own on the session server, dropped afterwards."""
+    name = f"ledger_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(postgres_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as connection:
+        connection.execute(text(f'CREATE DATABASE "{name}"'))
+    url = make_url(postgres_url).set(database=name).render_as_string(hide_password=False)
+    yield url
+    with admin.connect() as connection:
+        connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
+
+
+@pytest.fixture
+def pg_ledger(database_url):
+    ledger = Ledger(database_url)
+    ledger.migrate()
+    yield ledger
+    ledger.close()
+
+
+def everything(results):
+    return [c for r in results for c in r.costs], [r.bill for r in results]
+
+
+def test_migrations_create_the_schema_once_even_when_run_concurrently(database_url):
+    ledger = Ledger(database_url)
+    assert ledger.dialect == "postgresql"
+    assert inspect(ledger.engine).get_table_names() == []
+    revisions, errors = [], []
+
+    def migrate():
+        try:
+            with Ledger(database_url) as own:
+                revisions.append(own.migrate())
+        except Exception as exc:  # collected and asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=migrate) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert errors == [] and revisions == [Ledger.head_revision()] * 3
+    with ledger.engine.connect() as connection:
+        context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE, "compare_type": True})
+        assert compare_metadata(context, metadata) == []
+        labels_type = connection.execute(text(
+            "SELECT data_type FROM information_schema.columns WHERE table_name = 'cost_lines' "
+            "AND column_name = 'labels'")).scalar_one()
+    assert labels_type == "jsonb"
+    ledger.close()
+
+
+def test_write_redelivery_and_totals(pg_ledger):
+    catalog = PriceCatalog.load()
+    windows = sample_shares(WINDOWS)
+    results = [bill_node_window(w, catalog) for w in windows]
+    costs, bills = everything(results)
+    outcome = pg_ledger.write(costs, bills)
+    assert (outcome.bills_written, outcome.lines_written) == (len(bills), len(costs))
+    first = pg_ledger.totals()
+    assert first.cost_micro_usd == first.bill_micro_usd == sum(b.node_cost_micro_usd for b in bills)
+
+    # The same shares delivered twice, to a consumer that lost its state: the same ledger totals.
+    assembler = NodeWindowAssembler()
+    rows = [s for w in windows for s in w]
+    again = [bill_node_window(w.shares, catalog) for w in map(assembler.add, rows + rows[::-1]) if w is not None]
+    outcome = pg_ledger.write(*everything(again))
+    assert (outcome.bills_written, outcome.bills_skipped, outcome.lines_written) == (0, len(bills), 0)
+    assert pg_ledger.totals() == first
+
+    def key(c):
+        return (c.window_start_unix_ms, c.node_name, c.gpu_uuid or "", c.subject_kind.value, c.pod_uid or "")
+
+    assert sorted(pg_ledger.iter_cost_lines(), key=key) == sorted(costs, key=key)
+
+
+def test_concurrent_writers_of_the_same_node_windows_bill_them_once(pg_ledger, database_url):
+    costs, bills = everything(sample_costs(WINDOWS))
+    barrier = threading.Barrier(3)
+    outcomes, errors = [], []
+
+    def write():
+        try:
+            with Ledger(database_url) as own:
+                barrier.wait(30)
+                outcomes.append(own.write(costs, bills))
+        except Exception as exc:  # collected and asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert errors == []
+    assert sum(o.bills_written for o in outcomes) == len(bills)
+    assert sum(o.lines_written for o in outcomes) == len(costs)
+    totals = pg_ledger.totals()
+    assert totals.cost_micro_usd == totals.bill_micro_usd == sum(b.node_cost_micro_usd for b in bills)
+    assert totals.cost_lines == len(costs)
+
+
+def test_bulk_write_uses_batched_statements(pg_ledger):
+    costs, bills = everything(sample_costs(60))
+    assert len(costs) > 3000
+    statements = []
+    listener = lambda *args: statements.append(args[2])  # noqa: E731
+    event.listen(pg_ledger.engine, "before_cursor_execute", listener)
+    try:
+        pg_ledger.write(costs, bills)
+    finally:
+        event.remove(pg_ledger.engine, "before_cursor_execute", listener)
+    inserts = [s for s in statements if s.lstrip().upper().startswith("INSERT")]
+    assert len(inserts) <= 12
+    assert pg_ledger.totals().cost_lines == len(costs)
+
+
+@pytest.mark.parametrize("by", ["namespace", "label:team", "label:model", "node", "gpu"])
+def test_report_from_postgres_reconciles_to_the_node_bills(pg_ledger, by):
+    results = sample_costs(WINDOWS)
+    pg_ledger.write(*everything(results))
+    grouping = Grouping.parse(by)
+    report = build_report(pg_ledger, grouping, start_ms=WINDOW_START_MS, end_ms=END_MS)
+    group_of = {
+        "namespace": lambda c: c.namespace,
+        "node": lambda c: c.node_name,
+        "gpu": lambda c: c.gpu_uuid,
+    }.get(grouping.kind, lambda c: c.labels.get(grouping.label_key))
+    expected = defaultdict(int)
+    for cost in (c for r in results for c in r.costs):
+        group = group_of(cost)
+        if group is None and cost.subject_kind.value == "POD" and grouping.kind == "label":
+            group = f"(no {grouping.label_key} label)"
+        expected[(cost.subject_kind.value.lower(), group)] += cost.cost_micro_usd
+    assert {(line.kind, line.group): line.cost_micro_usd for line in report.lines} == dict(expected)
+    bills_total = sum(r.bill.node_cost_micro_usd for r in results)
+    assert report.total_micro_usd == report.reconciliation.node_bills_micro_usd == bills_total
+    assert report.reconciliation.reconciled and report.reconciliation.node_windows == len(results)
+    assert "reconciled, equal to the micro-dollar" in format_report(report, "table")

@@ -1,0 +1,155 @@
+"""Billing test helpers: share-row builders for node-windows and a migrated SQLite ledger per test."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping, Sequence
+
+import pytest
+
+from schemas.records import GpuShare, ShareSubjectKind, SharingMode
+
+WINDOW_START_MS = 1_795_000_020_000 - (1_795_000_020_000 % 60_000)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One subject's row of a unit: a pod (``pod_uid`` set) or a bucket."""
+
+    kind: ShareSubjectKind
+    cost_share: float
+    pod_uid: str | None = None
+    namespace: str | None = None
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A GPU unit: a whole GPU (``parent`` None, fraction 1) or a MIG instance / free MIG capacity."""
+
+    gpu_uuid: str
+    rows: Sequence[Row]
+    parent: str | None = None
+    fraction: float = 1.0
+
+
+def pod(uid: str, cost_share: float, namespace: str = "default", **labels: str) -> Row:
+    return Row(ShareSubjectKind.POD, cost_share, uid, namespace, dict(labels))
+
+
+def bucket(kind: ShareSubjectKind, cost_share: float) -> Row:
+    return Row(kind, cost_share)
+
+
+def node_window(
+    units: Sequence[Unit],
+    *,
+    cluster: str = "prod",
+    node: str = "node-a",
+    window_start_ms: int = WINDOW_START_MS,
+    window_seconds: int = 60,
+    covered_seconds: float | None = None,
+    provider: str = "aws",
+    region: str = "us-east-1",
+    instance_type: str = "p4d.24xlarge",
+    price_model: str = "on_demand",
+    gpu_model: str = "NVIDIA A100-SXM4-40GB",
+) -> tuple[GpuShare, ...]:
+    """The GpuShare rows of one complete node-window, counts filled in from ``units``."""
+    covered = float(window_seconds) if covered_seconds is None else covered_seconds
+    shares = []
+    for unit in units:
+        for row in unit.rows:
+            shares.append(
+                GpuShare(
+                    cluster=cluster,
+                    node_name=node,
+                    window_start_unix_ms=window_start_ms,
+                    window_seconds=window_seconds,
+                    node_covered_seconds=covered,
+                    units_in_node=len(units),
+                    rows_in_unit=len(unit.rows),
+                    cloud_provider=provider,
+                    region=region,
+                    instance_type=instance_type,
+                    price_model=price_model,
+                    gpu_uuid=unit.gpu_uuid,
+                    parent_gpu_uuid=unit.parent,
+                    gpu_model=gpu_model,
+                    gpu_fraction=unit.fraction,
+                    sharing_mode=SharingMode.MIG if unit.parent else SharingMode.TIME_SLICING,
+                    subject_kind=row.kind,
+                    pod_uid=row.pod_uid,
+                    namespace=row.namespace,
+                    pod_name=f"pod-{row.pod_uid}" if row.pod_uid else None,
+                    labels=MappingProxyType(dict(row.labels)),
+                    workload_kind=None,
+                    workload_name=None,
+                    memory_used_bytes_avg=0.0,
+                    memory_share=row.cost_share,
+                    compute_share=row.cost_share,
+                    cost_share=row.cost_share,
+                    method="memory_proxy",
+                    sample_count=60,
+                    covered_seconds=covered,
+                )
+            )
+    return tuple(shares)
+
+
+def shared_gpus(count: int, pods_per_gpu: Sequence[Row], *, prefix: str = "GPU-") -> list[Unit]:
+    """``count`` whole GPUs with the same rows (pod uids made unique per GPU)."""
+    units = []
+    for index in range(count):
+        rows = [
+            Row(r.kind, r.cost_share, f"{r.pod_uid}-{index}" if r.pod_uid else None, r.namespace, r.labels)
+            for r in pods_per_gpu
+        ]
+        units.append(Unit(f"{prefix}{index:04d}", rows))
+    return units
+
+
+@pytest.fixture
+def sqlite_ledger(tmp_path):
+    """A migrated SQLite ledger file of its own."""
+    from services.billing.ledger import Ledger
+
+    ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
+    ledger.migrate()
+    yield ledger
+    ledger.close()
+
+
+
+def sample_shares(windows: int = 3, *, start_ms: int = WINDOW_START_MS) -> list[tuple[GpuShare, ...]]:
+    """The rows of ``windows`` minutes of two nodes (an 8-GPU AWS node and a 1-GPU GCP node), one tuple per
+    node-window, with pods in two namespaces, two teams, one pod without a team label, and every bucket kind."""
+    node_windows = []
+    for w in range(windows):
+        start = start_ms + w * 60_000
+        aws_rows = [
+            pod("train", 0.55, "ml", team="research", model="llama"),
+            pod("serve", 0.25, "serving", team="prod", model="llama"),
+            pod("notebook", 0.05, "ml"),
+            bucket(ShareSubjectKind.IDLE, 0.1),
+            bucket(ShareSubjectKind.DRIVER_RESERVED, 0.03),
+            bucket(ShareSubjectKind.UNATTRIBUTED, 0.02),
+        ]
+        node_windows.append(node_window(shared_gpus(8, aws_rows, prefix="GPU-aws-"), node="aws-node",
+                                        window_start_ms=start, covered_seconds=60.0 - w % 30))
+        node_windows.append(node_window(
+            [Unit("GPU-gcp-0", [pod("embed", 0.7, "serving", team="prod"), bucket(ShareSubjectKind.IDLE, 0.3)])],
+            node="gcp-node", window_start_ms=start, provider="gcp", region="us-central1",
+            instance_type="a2-highgpu-1g",
+        ))
+    return node_windows
+
+
+def sample_costs(windows: int = 3, *, start_ms: int = WINDOW_START_MS):
+    """``sample_shares`` costed with the bundled catalog: one ``NodeWindowCost`` per node-window."""
+    from services.billing.catalog import PriceCatalog
+    from services.billing.costing import bill_node_window
+
+    catalog = PriceCatalog.load()
+    return [bill_node_window(shares, catalog) for shares in sample_shares(windows, start_ms=start_ms)]

@@ -1,0 +1,150 @@
+"""The SQL ledger on SQLite: migrations, idempotent bulk writes, totals and query helpers."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter, defaultdict
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import event, inspect, text
+
+from schemas.records import CostSubjectKind
+from services.billing.costing import NodeWindowAssembler, bill_node_window
+from services.billing.catalog import PriceCatalog
+from services.billing.ledger import VERSION_TABLE, Grouping, Ledger, LedgerError, metadata
+from tests.unit.billing.conftest import sample_costs, sample_shares
+
+
+def everything(results):
+    return [c for r in results for c in r.costs], [r.bill for r in results]
+
+
+def test_tables_exist_only_after_the_migration_and_match_the_model(tmp_path):
+    ledger = Ledger(f"sqlite:///{tmp_path / 'fresh.sqlite3'}")
+    assert inspect(ledger.engine).get_table_names() == []
+    assert ledger.current_revision() is None
+    with pytest.raises(LedgerError, match="schema revision none"):
+        ledger.require_schema()
+    assert ledger.migrate() == Ledger.head_revision()
+    assert ledger.migrate() == Ledger.head_revision()  # a second run is a no-op
+    assert set(inspect(ledger.engine).get_table_names()) == {"cost_lines", "node_bills", "price_versions",
+                                                             VERSION_TABLE}
+    with ledger.engine.connect() as connection:
+        context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE, "compare_type": True})
+        assert compare_metadata(context, metadata) == []
+    ledger.require_schema()
+    ledger.close()
+
+
+def test_write_then_totals_equal_the_node_bills(sqlite_ledger):
+    results = sample_costs()
+    costs, bills = everything(results)
+    outcome = sqlite_ledger.write(costs, bills)
+    assert (outcome.bills_written, outcome.bills_skipped, outcome.lines_written) == (len(bills), 0, len(costs))
+    totals = sqlite_ledger.totals()
+    assert totals.bill_micro_usd == sum(b.node_cost_micro_usd for b in bills)
+    assert totals.cost_micro_usd == totals.bill_micro_usd
+    assert (totals.cost_lines, totals.node_windows) == (len(costs), len(bills))
+    expected_by_kind = Counter()
+    for cost in costs:
+        expected_by_kind[cost.subject_kind.value] += cost.cost_micro_usd
+    assert dict(totals.by_subject_kind) == dict(expected_by_kind)
+    stored = list(sqlite_ledger.iter_cost_lines())
+    def key(c):
+        return (c.window_start_unix_ms, c.node_name, c.gpu_uuid or "", c.subject_kind.value, c.pod_uid or "")
+
+    assert sorted(stored, key=key) == sorted(costs, key=key)
+    bill_rows = sqlite_ledger.bills()
+    assert [r["node_cost_micro_usd"] for r in bill_rows] == [
+        b.node_cost_micro_usd for b in sorted(bills, key=lambda b: (b.window_start_unix_ms, b.cluster, b.node_name))]
+    with sqlite_ledger.engine.connect() as connection:
+        versions = connection.execute(text("SELECT price_version, split_rule FROM price_versions")).all()
+    assert {v for v, _ in versions} == {b.price_version for b in bills}
+
+
+def test_the_same_shares_delivered_twice_bill_once(sqlite_ledger):
+    catalog = PriceCatalog.load()
+    shares = [s for window in sample_shares() for s in window]
+    results = sample_costs()
+    assert sqlite_ledger.write(*everything(results)).bills_written == len(results)
+    before = sqlite_ledger.totals()
+
+    # Redelivered through a fresh consumer (state lost): every node-window is assembled and costed again.
+    assembler = NodeWindowAssembler()
+    again = [bill_node_window(w.shares, catalog) for w in map(assembler.add, shares + shares) if w is not None]
+    assert len(again) == len(results)
+    outcome = sqlite_ledger.write(*everything(again))
+    assert (outcome.bills_written, outcome.bills_skipped, outcome.lines_written) == (0, len(results), 0)
+    assert sqlite_ledger.totals() == before
+
+    # A batch mixing a redelivered node-window with a new one writes only the new one.
+    newer = sample_costs(1, start_ms=results[-1].bill.window_start_unix_ms + 60_000)
+    outcome = sqlite_ledger.write(*everything(results[:1] + newer))
+    assert (outcome.bills_written, outcome.bills_skipped) == (len(newer), 1)
+    after = sqlite_ledger.totals()
+    assert after.bill_micro_usd == before.bill_micro_usd + sum(r.bill.node_cost_micro_usd for r in newer)
+    assert after.cost_micro_usd == after.bill_micro_usd
+
+
+def test_a_write_that_does_not_reconcile_is_refused_whole(sqlite_ledger):
+    costs, bills = everything(sample_costs(1))
+    tampered = [dataclasses.replace(costs[0], cost_micro_usd=costs[0].cost_micro_usd + 1)] + costs[1:]
+    with pytest.raises(LedgerError, match="refusing"):
+        sqlite_ledger.write(tampered, bills)
+    with pytest.raises(LedgerError, match="without its node bill"):
+        sqlite_ledger.write(costs, bills[:1])
+    with pytest.raises(LedgerError, match="two different cost lines"):
+        sqlite_ledger.write(costs + [dataclasses.replace(costs[0], cost_share=0.5)], bills)
+    assert sqlite_ledger.totals().node_windows == 0
+    assert sqlite_ledger.write([], []).bills_written == 0
+
+
+def test_writes_are_bulk_not_per_row(sqlite_ledger):
+    costs, bills = everything(sample_costs(10))
+    assert len(costs) > 400
+    statements = []
+    listener = lambda *args: statements.append(args[2])  # noqa: E731
+    event.listen(sqlite_ledger.engine, "before_cursor_execute", listener)
+    try:
+        sqlite_ledger.write(costs, bills)
+    finally:
+        event.remove(sqlite_ledger.engine, "before_cursor_execute", listener)
+    inserts = [s for s in statements if s.lstrip().upper().startswith("INSERT")]
+    assert 3 <= len(inserts) <= 10
+    assert sqlite_ledger.totals().cost_lines == len(costs)
+
+
+def test_cost_by_groups_by_namespace_label_node_and_gpu(sqlite_ledger):
+    costs, bills = everything(sample_costs(2))
+    sqlite_ledger.write(costs, bills)
+    expected = {kind: defaultdict(int) for kind in ("namespace", "team", "node", "gpu")}
+    for c in costs:
+        expected["namespace"][(c.subject_kind.value, c.namespace)] += c.cost_micro_usd
+        expected["team"][(c.subject_kind.value, c.labels.get("team"))] += c.cost_micro_usd
+        expected["node"][(c.subject_kind.value, c.node_name)] += c.cost_micro_usd
+        expected["gpu"][(c.subject_kind.value, c.gpu_uuid)] += c.cost_micro_usd
+    for name, grouping in (("namespace", Grouping("namespace")), ("team", Grouping.parse("label:team")),
+                           ("node", Grouping.parse("node")), ("gpu", Grouping.parse("gpu"))):
+        rows = sqlite_ledger.cost_by(grouping)
+        assert {(r.subject_kind, r.group): r.cost_micro_usd for r in rows} == dict(expected[name]), name
+    window = sqlite_ledger.cost_by(Grouping("node"), start_ms=bills[-1].window_start_unix_ms)
+    assert sum(r.cost_micro_usd for r in window) == sum(
+        b.node_cost_micro_usd for b in bills if b.window_start_unix_ms == bills[-1].window_start_unix_ms)
+    assert {r.subject_kind for r in sqlite_ledger.cost_by(Grouping("gpu"))} == {k.value for k in CostSubjectKind}
+
+
+def test_bad_urls_and_groupings_are_typed_errors(tmp_path):
+    for url in ("not a url", "mysql+pymysql://u@h/db", "sqlite+nodriver:///x"):
+        with pytest.raises(LedgerError):
+            Ledger(url)
+    ledger = Ledger(f"sqlite:///{tmp_path / 'missing-dir' / 'x.sqlite3'}")
+    with pytest.raises(LedgerError):
+        ledger.migrate()
+    from gpumeter.errors import ConfigError
+
+    for bad in ("pod", "label:", "label:bad key", "node:x"):
+        with pytest.raises(ConfigError):
+            Grouping.parse(bad)
+    assert Ledger.from_env({"GPUMETER_LEDGER_URL": "postgres://u@h/db"}).url == "postgresql+psycopg://u@h/db"

@@ -1,0 +1,175 @@
+"""Reports from the ledger: by namespace, team label, node and GPU; formats; reconciliation to the node bills."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+from collections import defaultdict
+
+import pytest
+from sqlalchemy import text
+
+from gpumeter.clock import ManualClock
+from gpumeter.errors import ConfigError
+from services.billing import report as report_module
+from services.billing.costing import iso_utc
+from services.billing.ledger import Grouping
+from services.billing.report import (
+    build_report,
+    format_report,
+    parse_duration_seconds,
+    parse_instant_ms,
+    usd_text,
+)
+from tests.unit.billing.conftest import WINDOW_START_MS, sample_costs
+
+WINDOWS = 3
+END_MS = WINDOW_START_MS + WINDOWS * 60_000
+
+
+@pytest.fixture
+def filled_ledger(sqlite_ledger):
+    results = sample_costs(WINDOWS)
+    sqlite_ledger.write([c for r in results for c in r.costs], [r.bill for r in results])
+    return sqlite_ledger, results
+
+
+def expected_lines(results, key):
+    """(kind, group) → micro-dollars, computed from the cost records themselves."""
+    sums = defaultdict(int)
+    for cost in (c for r in results for c in r.costs):
+        sums[(cost.subject_kind.value.lower(), key(cost))] += cost.cost_micro_usd
+    return dict(sums)
+
+
+def lines_of(report):
+    return {(line.kind, line.group): line.cost_micro_usd for line in report.lines}
+
+
+def test_by_namespace_reconciles_to_the_node_bills(filled_ledger):
+    ledger, results = filled_ledger
+    report = build_report(ledger, Grouping("namespace"), start_ms=WINDOW_START_MS, end_ms=END_MS)
+    assert lines_of(report) == expected_lines(results, lambda c: c.namespace)
+    bills_total = sum(r.bill.node_cost_micro_usd for r in results)
+    assert report.total_micro_usd == bills_total
+    rec = report.reconciliation
+    assert (rec.node_bills_micro_usd, rec.node_windows, rec.reconciled) == (bills_total, len(results), True)
+    # Buckets are lines of their own, after the pods.
+    kinds = [line.kind for line in report.lines]
+    assert kinds == sorted(kinds, key=["pod", "idle", "driver_reserved", "unattributed", "node_other"].index)
+    assert {"idle", "driver_reserved", "unattributed", "node_other"} <= set(kinds)
+    assert all(line.group is None for line in report.lines if line.kind != "pod")
+    pod_costs = [line.cost_micro_usd for line in report.lines if line.kind == "pod"]
+    assert pod_costs == sorted(pod_costs, reverse=True)
+
+
+def test_by_team_label_puts_unlabelled_pods_on_their_own_line(filled_ledger):
+    ledger, results = filled_ledger
+    report = build_report(ledger, Grouping.parse("label:team"), start_ms=WINDOW_START_MS, end_ms=END_MS)
+    expected = expected_lines(results, lambda c: c.labels.get("team"))
+    expected = {(k, g if g is not None or k != "pod" else "(no team label)"): v for (k, g), v in expected.items()}
+    assert lines_of(report) == expected
+    assert ("pod", "(no team label)") in expected
+    assert report.reconciliation.reconciled
+    assert report.total_micro_usd == sum(r.bill.node_cost_micro_usd for r in results)
+
+
+def test_by_node_and_gpu_and_a_narrower_window(filled_ledger):
+    ledger, results = filled_ledger
+    by_node = build_report(ledger, Grouping("node"), start_ms=WINDOW_START_MS, end_ms=END_MS)
+    assert lines_of(by_node) == expected_lines(results, lambda c: c.node_name)
+    by_gpu = build_report(ledger, Grouping("gpu"), start_ms=WINDOW_START_MS, end_ms=END_MS)
+    assert lines_of(by_gpu) == expected_lines(results, lambda c: c.gpu_uuid)
+    last = build_report(ledger, Grouping("node"), start_ms=END_MS - 60_000, end_ms=END_MS)
+    last_bills = [r.bill for r in results if r.bill.window_start_unix_ms == END_MS - 60_000]
+    assert last.total_micro_usd == sum(b.node_cost_micro_usd for b in last_bills)
+    assert last.reconciliation.node_windows == len(last_bills) == 2
+    assert last.reconciliation.reconciled
+
+
+def test_a_ledger_that_does_not_add_up_is_reported_as_a_mismatch(filled_ledger):
+    ledger, _ = filled_ledger
+    with ledger.engine.begin() as connection:
+        connection.execute(text("UPDATE cost_lines SET cost_micro_usd = cost_micro_usd + 7 "
+                                "WHERE subject_kind = 'IDLE' AND gpu_uuid = 'GPU-gcp-0' AND "
+                                "window_start_unix_ms = :start"), {"start": WINDOW_START_MS})
+    report = build_report(ledger, Grouping("namespace"), start_ms=WINDOW_START_MS, end_ms=END_MS)
+    assert report.reconciliation.difference_micro_usd == 7
+    assert not report.reconciliation.reconciled
+    assert "MISMATCH by 0.000007 USD" in report.reconciliation.statement()
+
+
+def test_formats(filled_ledger):
+    ledger, results = filled_ledger
+    report = build_report(ledger, Grouping.parse("label:team"), start_ms=WINDOW_START_MS, end_ms=END_MS)
+    total = sum(r.bill.node_cost_micro_usd for r in results)
+
+    table = format_report(report, "table")
+    assert "label:team" in table and "TOTAL" in table and usd_text(total) in table
+    assert f"reconciliation: total {usd_text(total)} USD vs the sum of {len(results)} node bills" in table
+    assert "reconciled" in table.splitlines()[-1]
+
+    rows = list(csv.DictReader(io.StringIO(format_report(report, "csv"))))
+    lines = [r for r in rows if r["kind"] not in ("total", "node_bills", "reconciliation")]
+    assert sum(int(r["cost_micro_usd"]) for r in lines) == total
+    by_kind = {r["kind"]: r for r in rows}
+    assert int(by_kind["total"]["cost_micro_usd"]) == int(by_kind["node_bills"]["cost_micro_usd"]) == total
+    assert by_kind["reconciliation"]["group"] == "reconciled"
+
+    document = json.loads(format_report(report, "json"))
+    assert document["by"] == "label:team" and document["total_micro_usd"] == total
+    assert document["window_start"] == iso_utc(WINDOW_START_MS)
+    assert document["reconciliation"]["reconciled"] is True
+    assert sum(line["cost_micro_usd"] for line in document["lines"]) == total
+    assert {line["kind"] for line in document["lines"]} == {"pod", "idle", "driver_reserved", "unattributed",
+                                                             "node_other"}
+    with pytest.raises(ConfigError):
+        format_report(report, "xml")
+
+
+def _args(**overrides):
+    parser = argparse.ArgumentParser()
+    report_module.add_arguments(parser)
+    argv = []
+    for name, value in overrides.items():
+        argv += [f"--{name.replace('_', '-')}", value]
+    return parser.parse_args(argv)
+
+
+def test_command_line_reports_and_exit_codes(filled_ledger, tmp_path):
+    ledger, results = filled_ledger
+    out, err = io.StringIO(), io.StringIO()
+    clock = ManualClock(END_MS)
+    code = report_module.main(_args(window="3m", by="namespace", format="json"), {"GPUMETER_LEDGER_URL": ledger.url},
+                              clock=clock, out=out, err=err)
+    assert code == 0, err.getvalue()
+    document = json.loads(out.getvalue())
+    assert document["total_micro_usd"] == sum(r.bill.node_cost_micro_usd for r in results)
+    assert document["window_end"] == iso_utc(END_MS)
+
+    with ledger.engine.begin() as connection:
+        connection.execute(text("DELETE FROM cost_lines WHERE subject_kind = 'NODE_OTHER'"))
+    assert report_module.main(_args(window="3m", ledger_url=ledger.url), {}, clock=clock, out=io.StringIO(),
+                              err=io.StringIO()) == 1
+
+    empty_err = io.StringIO()
+    fresh = f"sqlite:///{tmp_path / 'never-migrated.sqlite3'}"
+    assert report_module.main(_args(ledger_url=fresh), {}, clock=clock, out=io.StringIO(), err=empty_err) == 2
+    assert "schema revision" in empty_err.getvalue()
+    assert report_module.main(_args(ledger_url=ledger.url, by="colour"), {}, clock=clock, out=io.StringIO(),
+                              err=io.StringIO()) == 2
+
+
+def test_durations_and_instants():
+    assert [parse_duration_seconds(t) for t in ("90m", "24h", "7d", "3600s", "2w")] == [
+        5400, 86400, 604800, 3600, 1209600]
+    for bad in ("", "0h", "24", "1.5h", "h"):
+        with pytest.raises(ConfigError):
+            parse_duration_seconds(bad)
+    assert parse_instant_ms(iso_utc(WINDOW_START_MS)) == WINDOW_START_MS
+    assert parse_instant_ms("2026-11-29T17:00:00") == parse_instant_ms("2026-11-29T18:00:00+01:00")
+    with pytest.raises(ConfigError):
+        parse_instant_ms("yesterday")
+    assert usd_text(1_234_567) == "1.234567" and usd_text(-7) == "-0.000007"
