@@ -16,7 +16,10 @@ from gpumeter.settings import env_snapshot
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "topics": ("gpumeter.commands.topics", "create and list the catalog's Kafka topics"),
     "broker": ("gpumeter.commands.broker", "run a local Apache Kafka broker (development)"),
+    "collector": ("services.collector.main", "the per-node agent: NVML samples and pod events to Kafka"),
+    "billing": ("services.billing.main", "the billing service: shares to node bills, cost records and the ledger"),
     "report": ("services.billing.report", "costs from the ledger by namespace, label, node or GPU"),
+    "attributor": ("services.attributor.main", "run the streaming attributor (per-pod GPU shares, a Faust worker)"),
 }
 
 

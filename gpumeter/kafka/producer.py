@@ -53,6 +53,11 @@ class RecordProducer:
         finally:
             await self._producer.stop()
 
+    async def abort(self) -> None:
+        """Close without waiting for unacknowledged records (after a delivery failure; the caller resends)."""
+        self._pending.clear()
+        await self._producer.stop()
+
     async def send(self, topic: str, record: Any, *, key: bytes | None = None, partition: int | None = None) -> asyncio.Future:
         """Encode and enqueue ``record``; returns the delivery future (already tracked for ``flush``)."""
         value = codec_for(type(record)).encode(record)

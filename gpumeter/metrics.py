@@ -1,0 +1,88 @@
+"""Every Prometheus metric gpumeter exports, in one registry of names.
+
+Services create their metrics through ``ServiceMetrics(service)``, which builds them on a private
+``CollectorRegistry`` (so tests and several services in one process never collide) from the definitions below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+
+@dataclass(frozen=True)
+class MetricDef:
+    name: str
+    kind: str  # counter | gauge | histogram
+    doc: str
+    labels: tuple[str, ...] = ()
+
+
+METRICS: dict[str, MetricDef] = {
+    m.name: m
+    for m in (
+        # collector
+        MetricDef("gpumeter_collector_ticks_total", "counter", "Collector ticks run."),
+        MetricDef("gpumeter_collector_tick_seconds", "histogram", "Wall time of one collector tick."),
+        MetricDef("gpumeter_collector_samples_sent_total", "counter", "NodeSample records acknowledged by Kafka."),
+        MetricDef("gpumeter_collector_pod_events_sent_total", "counter", "PodEvent records acknowledged by Kafka."),
+        MetricDef("gpumeter_collector_nvml_errors_total", "counter", "NVML errors recorded in samples.",
+                  ("nvml_function", "error_code")),
+        MetricDef("gpumeter_collector_buffer_depth", "gauge", "Records waiting in the local buffer for Kafka."),
+        MetricDef("gpumeter_collector_buffer_dropped_total", "counter", "Records dropped because the buffer was full."),
+        MetricDef("gpumeter_collector_unmapped_processes_total", "counter", "GPU processes mapped to no known pod."),
+        MetricDef("gpumeter_collector_kubelet_unavailable_total", "counter",
+                  "Ticks where the kubelet PodResources API could not be reached (cgroup-only mapping)."),
+        MetricDef("gpumeter_collector_pod_watch_restarts_total", "counter", "Pod watch reconnects and relists.",
+                  ("reason",)),
+        # every consumer
+        MetricDef("gpumeter_messages_consumed_total", "counter", "Input messages consumed.", ("service", "topic")),
+        MetricDef("gpumeter_dead_letters_total", "counter", "Input messages dead-lettered.",
+                  ("service", "topic", "reason_code")),
+        # attributor
+        MetricDef("gpumeter_attributor_windows_closed_total", "counter", "Node windows attributed and emitted."),
+        MetricDef("gpumeter_attributor_shares_emitted_total", "counter", "GpuShare records emitted."),
+        MetricDef("gpumeter_attributor_window_lag_seconds", "gauge",
+                  "Seconds between a window's close (end + grace) and its emission."),
+        # billing
+        MetricDef("gpumeter_pod_gpu_cost_micro_usd_total", "counter", "GPU cost billed to a pod.",
+                  ("namespace", "pod", "team")),
+        MetricDef("gpumeter_pod_gpu_memory_share", "gauge", "Pod's memory share of its GPU unit in the last window.",
+                  ("namespace", "pod", "team", "gpu_uuid")),
+        MetricDef("gpumeter_pod_gpu_compute_share", "gauge", "Pod's compute share of its GPU unit in the last window.",
+                  ("namespace", "pod", "team", "gpu_uuid")),
+        MetricDef("gpumeter_node_cost_micro_usd_total", "counter", "Node bills priced.", ("node", "instance_type")),
+        MetricDef("gpumeter_bucket_cost_micro_usd_total", "counter",
+                  "Cost billed to no pod: idle, driver_reserved, unattributed or node_other.", ("node", "kind")),
+        MetricDef("gpumeter_billing_ledger_rows_written_total", "counter", "Cost lines inserted into the ledger."),
+        MetricDef("gpumeter_billing_duplicate_rows_total", "counter", "Cost lines already in the ledger (redelivery)."),
+        # guard
+        MetricDef("gpumeter_guard_violations_firing", "gauge", "Violations firing now.", ("rule", "severity")),
+        MetricDef("gpumeter_guard_violation_transitions_total", "counter", "Violation state changes.",
+                  ("rule", "state")),
+    )
+}
+
+
+class ServiceMetrics:
+    """The metrics of one service on their own registry. ``get(name)`` returns the prometheus object."""
+
+    def __init__(self, service: str, names: tuple[str, ...] | None = None) -> None:
+        self.service = service
+        self.registry = CollectorRegistry()
+        self._metrics = {}
+        for name in names or tuple(METRICS):
+            definition = METRICS[name]
+            metric_type = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}[definition.kind]
+            # prometheus_client appends _total to counters itself.
+            base = name[: -len("_total")] if definition.kind == "counter" and name.endswith("_total") else name
+            self._metrics[name] = metric_type(base, definition.doc, definition.labels, registry=self.registry)
+
+    def get(self, name: str):
+        return self._metrics[name]
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
+        """Expose /metrics on ``port`` (0 disables)."""
+        if port:
+            start_http_server(port, addr=addr, registry=self.registry)

@@ -1,0 +1,156 @@
+"""``gpumeter collector``: the per-node agent. Wires settings, NVML (real or simulated), cgroups, the kubelet,
+the pod watch and the publisher; all behaviour lives in the modules it wires."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import tempfile
+from pathlib import Path
+from typing import Mapping
+
+from gpumeter.clock import SystemClock
+from gpumeter.errors import GpumeterError
+from gpumeter.kafka.producer import RecordProducer
+from gpumeter.metrics import ServiceMetrics
+from services.collector.assemble import NodeFacts
+from services.collector.cgroup import ProcessIdentityCache
+from services.collector.podresources.client import PodResourcesClient
+from services.collector.publisher import BufferedPublisher
+from services.collector.service import CollectorService
+from services.collector.settings import CollectorSettings, add_arguments, collector_settings
+
+log = logging.getLogger("gpumeter.collector")
+
+__all__ = ["add_arguments", "main"]
+
+
+def main(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    try:
+        settings = collector_settings(args, env)
+    except GpumeterError as exc:
+        print(f"error: {exc}")
+        return 2
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    print("gpumeter collector " + json.dumps(settings.describe(), sort_keys=True), flush=True)
+    try:
+        return asyncio.run(run(settings))
+    except KeyboardInterrupt:
+        return 0
+
+
+async def run(settings: CollectorSettings) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    metrics = ServiceMetrics("collector")
+    metrics.serve(settings.metrics_port)
+    workdir = None
+    simulated = None
+    if settings.simulate is not None:
+        from services.collector.sim.scenario import load_scenario
+        from services.collector.simulation import SimulatedNode
+
+        scenario = load_scenario(settings.simulate)
+        workdir = Path(tempfile.mkdtemp(prefix=f"gpumeter-sim-{settings.node_name}-", dir="/tmp"))
+        simulated = SimulatedNode(scenario, settings.node_name, settings.time_scale, workdir)
+        await simulated.start()
+        clock = simulated.clock
+        backend = simulated.backend
+        facts = simulated.facts
+        proc_root = simulated.proc_root
+        kubelet_socket = simulated.kubelet_socket
+        kube_api = simulated.apiserver.url
+        interval_seconds = scenario.interval_seconds
+    else:
+        import pynvml
+
+        from services.collector.nvml_backend import NvmlBackend
+
+        clock = SystemClock()
+        backend = NvmlBackend(pynvml, clock, sharing_by_gpu_uuid=parse_sharing(settings.sharing_config))
+        facts = NodeFacts(settings.cluster, settings.node_name, settings.cloud_provider, settings.region,
+                          settings.instance_type, settings.price_model)
+        proc_root = settings.proc_root
+        kubelet_socket = settings.kubelet_socket
+        kube_api = settings.kube_api
+        interval_seconds = settings.interval_seconds
+
+    delivery_timeout_ms = int(settings.delivery_timeout_seconds * 1000)
+    publisher = BufferedPublisher(lambda: RecordProducer(settings.kafka, request_timeout_ms=delivery_timeout_ms),
+                                  max_records=settings.buffer_max_records, metrics=metrics,
+                                  send_timeout_s=settings.delivery_timeout_seconds)
+    kubelet = PodResourcesClient(kubelet_socket, settings.kubelet_timeout_seconds)
+    service = CollectorService(
+        facts=facts, interval_seconds=interval_seconds, clock=clock, backend=backend,
+        identities=ProcessIdentityCache(proc_root), publisher=publisher, catalog=settings.kafka.catalog,
+        kubelet=kubelet, metrics=metrics,
+        before_tick=simulated.sync if simulated is not None else None,
+    )
+    publisher.start()
+    tasks = [asyncio.create_task(_refresh_loop(service, settings.kubelet_refresh_seconds, stop))]
+    api_client = await _api_client(kube_api)
+    if api_client is not None:
+        from services.collector.podwatch import PodWatcher
+
+        watcher = PodWatcher(
+            api_client, settings.node_name, facts.cluster, clock, service.on_pod_event,
+            on_watch_error=lambda kind: metrics.get("gpumeter_collector_pod_watch_restarts_total").labels(kind).inc(),
+        )
+        tasks.append(asyncio.create_task(watcher.run()))
+    if settings.duration_seconds is not None:
+        loop.call_later(settings.duration_seconds, stop.set)
+    try:
+        await service.run_ticks(stop, interval_seconds / (settings.time_scale if simulated else 1.0))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if api_client is not None:
+            await api_client.close()
+        await publisher.close(timeout_s=15)
+        await kubelet.close()
+        if simulated is not None:
+            await simulated.stop()
+        log.info("stopped after %d ticks; %d records dropped, %d undelivered", service.sequence,
+                 publisher.dropped_count, publisher.depth)
+    return 0
+
+
+async def _refresh_loop(service: CollectorService, every_s: float, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        await service.refresh_assignments()
+        try:
+            await asyncio.wait_for(stop.wait(), every_s)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def _api_client(kube_api: str):
+    from services.collector.podwatch import in_cluster_api_client, make_api_client
+
+    if kube_api == "none":
+        return None
+    if kube_api == "in-cluster":
+        return in_cluster_api_client()
+    return make_api_client(kube_api, token=None, ca_file=None, verify_ssl=False)
+
+
+def parse_sharing(text: str):
+    """``"<uuid|*>=<exclusive|time_slicing:N|mps:N>,..."`` → {uuid: (SharingMode, replicas)}."""
+    from schemas.records import SharingMode
+    from gpumeter.errors import ConfigError
+
+    result = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        uuid, _, spec = item.partition("=")
+        mode, _, replicas = spec.partition(":")
+        try:
+            result[uuid] = (SharingMode(mode.upper()), int(replicas or 1))
+        except ValueError as exc:
+            raise ConfigError(f"bad sharing entry {item!r}: {exc}") from exc
+    return result

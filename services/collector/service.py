@@ -1,0 +1,212 @@
+"""The collector's tick loop and pod-event path, wired from parts that are each tested on their own.
+
+Per tick: NVML backend sample → pid → (container, pod) from cgroups → one NodeSample → buffered publisher.
+Per pod change: the pod watch's PodEvent, merged with the devices the kubelet assigned to each container →
+buffered publisher (keyed ``<node>/<pod uid>``, partitioned by node). Assignments are re-read every
+``kubelet_refresh_seconds`` and a changed pod is published again as MODIFIED.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import replace
+from typing import Awaitable, Callable
+
+from gpumeter.clock import Clock
+from schemas.catalog import TopicCatalog, pod_event_key
+from schemas.records import DeviceAssignment, NodeSample, PodEvent, PodEventType
+from schemas.typed import codec_for
+from services.collector.assemble import (
+    NodeFacts,
+    TickInfo,
+    assemble_node_sample,
+    nvml_error_counts,
+    unmapped_process_count,
+)
+from services.collector.cgroup import CgroupReadError
+from services.collector.pods import with_assignments
+from services.collector.podresources.client import ContainerDeviceAssignment, PodResourcesError
+from services.collector.publisher import BufferedPublisher, OutboundRecord
+
+log = logging.getLogger(__name__)
+
+
+def group_assignments(
+    assignments: tuple[ContainerDeviceAssignment, ...],
+) -> dict[tuple[str, str], dict[str, tuple[DeviceAssignment, ...]]]:
+    """(namespace, pod) → container → its DeviceAssignments, in the kubelet's order."""
+    grouped: dict[tuple[str, str], dict[str, list[DeviceAssignment]]] = {}
+    for item in assignments:
+        containers = grouped.setdefault((item.namespace, item.pod_name), {})
+        containers.setdefault(item.container_name, []).append(
+            DeviceAssignment(item.resource_name, tuple(item.device_ids))
+        )
+    return {pod: {c: tuple(a) for c, a in containers.items()} for pod, containers in grouped.items()}
+
+
+def _assignments_of(event: PodEvent) -> dict[str, tuple[DeviceAssignment, ...]]:
+    return {c.name: c.assigned_devices for c in event.containers if c.assigned_devices}
+
+
+class CollectorService:
+    def __init__(
+        self,
+        *,
+        facts: NodeFacts,
+        interval_seconds: float,
+        clock: Clock,
+        backend,
+        identities,
+        publisher: BufferedPublisher,
+        catalog: TopicCatalog,
+        kubelet=None,
+        metrics=None,
+        before_tick: Callable[[int], Awaitable[None]] | None = None,
+    ) -> None:
+        self.facts = facts
+        self.interval_seconds = interval_seconds
+        self.clock = clock
+        self.backend = backend
+        self.identities = identities
+        self.publisher = publisher
+        self.catalog = catalog
+        self.kubelet = kubelet
+        self.metrics = metrics
+        self.before_tick = before_tick
+        self.started_at_unix_ms = clock.now_ms()
+        self.sequence = 0
+        self._last_sampled_at_ms: int | None = None
+        self._pods: dict[str, PodEvent] = {}
+        self._assignments: dict[tuple[str, str], dict[str, tuple[DeviceAssignment, ...]]] = {}
+        self.kubelet_available: bool | None = None
+        self.cgroup_read_errors = 0
+
+    # -- ticks ---------------------------------------------------------------------------------------------
+
+    def _identity_of(self, pid: int):
+        try:
+            return self.identities.lookup(pid)
+        except CgroupReadError as exc:
+            self.cgroup_read_errors += 1
+            log.debug("cgroup of pid %d unreadable: %s", pid, exc)
+            return None
+
+    async def tick(self) -> NodeSample:
+        """Sample once and hand the NodeSample to the publisher; returns it."""
+        now_ms = self.clock.now_ms()
+        if self.before_tick is not None:
+            await self.before_tick(now_ms)
+        raw_devices, node_errors = self.backend.read()
+        interval_ms = (
+            int(round(self.interval_seconds * 1000)) if self._last_sampled_at_ms is None
+            else max(1, now_ms - self._last_sampled_at_ms)
+        )
+        self._last_sampled_at_ms = now_ms
+        sample = assemble_node_sample(
+            self.facts,
+            TickInfo(self.sequence, self.started_at_unix_ms, now_ms, interval_ms),
+            raw_devices,
+            self._identity_of,
+            node_errors,
+        )
+        self.sequence += 1
+        self.identities.retain_only(pid for device in raw_devices for pid in device.process_pids)
+        self.publisher.offer(
+            OutboundRecord(
+                topic=self.catalog.node_samples,
+                key=self.facts.node_name.encode(),
+                partition=None,
+                value=codec_for(NodeSample).encode(sample),
+                kind="sample",
+            )
+        )
+        if self.metrics:
+            self.metrics.get("gpumeter_collector_ticks_total").inc()
+            unmapped = unmapped_process_count(sample)
+            if unmapped:
+                self.metrics.get("gpumeter_collector_unmapped_processes_total").inc(unmapped)
+            for (function, code), count in nvml_error_counts(sample).items():
+                self.metrics.get("gpumeter_collector_nvml_errors_total").labels(function, code).inc(count)
+        return sample
+
+    async def run_ticks(self, stop: asyncio.Event, real_interval_s: float, max_ticks: int | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        next_at = loop.time()
+        while not stop.is_set() and (max_ticks is None or self.sequence < max_ticks):
+            started = loop.time()
+            await self.tick()
+            if self.metrics:
+                self.metrics.get("gpumeter_collector_tick_seconds").observe(loop.time() - started)
+            next_at += real_interval_s
+            delay = next_at - loop.time()
+            if delay < 0:  # we fell behind (a slow NVML call): skip, don't burst
+                next_at = loop.time()
+                delay = 0
+            try:
+                await asyncio.wait_for(stop.wait(), delay)
+            except asyncio.TimeoutError:
+                pass
+
+    # -- pods ----------------------------------------------------------------------------------------------
+
+    async def refresh_assignments(self) -> None:
+        """Re-read the kubelet's assignments; republish pods whose devices changed."""
+        if self.kubelet is None:
+            return
+        try:
+            assignments = await self.kubelet.list()
+        except PodResourcesError as exc:
+            self._kubelet_down(exc)
+            return
+        self.kubelet_available = True
+        self._assignments = group_assignments(assignments)
+        for uid, event in list(self._pods.items()):
+            current = self._assignments.get((event.namespace, event.name), {})
+            if current and current != _assignments_of(event):
+                await self._publish_pod(
+                    replace(with_assignments(event, current), event_type=PodEventType.MODIFIED,
+                            observed_at_unix_ms=self.clock.now_ms())
+                )
+
+    def _kubelet_down(self, exc: Exception) -> None:
+        if self.kubelet_available is not False:
+            log.warning("kubelet PodResources API unavailable, mapping by cgroups only: %s", exc)
+        self.kubelet_available = False
+        if self.metrics:
+            self.metrics.get("gpumeter_collector_kubelet_unavailable_total").inc()
+
+    async def on_pod_event(self, event: PodEvent) -> None:
+        """Called by the pod watch for every change of a pod on this node."""
+        if event.event_type != PodEventType.DELETED and self.kubelet is not None:
+            try:
+                assignments = group_assignments(await self.kubelet.get(event.namespace, event.name))
+                self.kubelet_available = True
+                self._assignments.update(assignments)
+            except PodResourcesError as exc:
+                self._kubelet_down(exc)
+            per_container = self._assignments.get((event.namespace, event.name), {})
+            if per_container:
+                event = with_assignments(event, per_container)
+        elif event.event_type == PodEventType.DELETED:
+            previous = self._pods.get(event.uid)
+            if previous is not None:
+                event = with_assignments(event, _assignments_of(previous))
+        await self._publish_pod(event)
+
+    async def _publish_pod(self, event: PodEvent) -> None:
+        if event.event_type == PodEventType.DELETED:
+            self._pods.pop(event.uid, None)
+            self._assignments.pop((event.namespace, event.name), None)
+        else:
+            self._pods[event.uid] = event
+        self.publisher.offer(
+            OutboundRecord(
+                topic=self.catalog.pod_events,
+                key=pod_event_key(self.facts.node_name, event.uid),
+                partition=None,
+                value=codec_for(PodEvent).encode(event),
+                kind="pod_event",
+                partition_by_node=self.facts.node_name,
+            )
+        )

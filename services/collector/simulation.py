@@ -1,0 +1,220 @@
+"""Simulate mode: the collector's real code against simulated peers, fed by one scenario.
+
+Two shapes share the same parts:
+
+* ``SimulatedNode`` (async, ``gpumeter collector --simulate``): the real ``NvmlBackend`` over ``FakeNvml``, the
+  real cgroup reader over a fake proc root the world writes, the real PodResources client against our gRPC
+  ``FakeKubelet``, and the real pod watch against our ``FakeApiServer``. Time runs ``time_scale`` times faster
+  than the wall clock, from the scenario's start.
+* ``node_streams`` (sync, for ``gpumeter replay``): the same backend, cgroup reader, pod parser and assembly
+  ticked through the scenario with a manual clock — no sockets, deterministic.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Mapping
+
+from gpumeter.clock import Clock, ManualClock, SystemClock
+from schemas.records import NodeSample, PodEvent, PodEventType, SharingMode
+from services.collector.assemble import NodeFacts, TickInfo, assemble_node_sample
+from services.collector.cgroup import ProcessIdentityCache
+from services.collector.nvml_backend import NvmlBackend
+from services.collector.pods import pod_event_from_object, with_assignments
+from services.collector.sim.apiserver import make_pod_object
+from services.collector.sim.fake_pynvml import FakeNvml
+from services.collector.sim.scenario import NodeSpec, Scenario
+from services.collector.sim.world import SimPod, SimWorld
+
+_MODES = {
+    "exclusive": SharingMode.EXCLUSIVE,
+    "time_slicing": SharingMode.TIME_SLICING,
+    "mps": SharingMode.MPS,
+    "mig": SharingMode.MIG,
+}
+
+
+class ScaledClock:
+    """Scenario time: starts at ``start_ms`` and runs ``scale`` times as fast as ``base``."""
+
+    def __init__(self, start_ms: int, scale: float, base: Clock | None = None) -> None:
+        self._base = base or SystemClock()
+        self._origin_s = self._base.monotonic_s()
+        self._start_ms = start_ms
+        self._scale = scale
+
+    def now_ms(self) -> int:
+        return self._start_ms + int((self._base.monotonic_s() - self._origin_s) * 1000 * self._scale)
+
+    def monotonic_s(self) -> float:
+        return self.now_ms() / 1000.0
+
+
+def node_facts(scenario: Scenario, node: NodeSpec) -> NodeFacts:
+    return NodeFacts(scenario.cluster, node.name, node.cloud_provider, node.region, node.instance_type,
+                     node.price_model)
+
+
+def sharing_config(node: NodeSpec) -> dict[str, tuple[SharingMode, int]]:
+    """What the node's device-plugin configuration tells the collector (NVML cannot tell time-slicing apart)."""
+    return {gpu.uuid: (_MODES[gpu.sharing.mode], gpu.sharing.replicas) for gpu in node.gpus}
+
+
+def pod_object(pod: SimPod) -> dict:
+    """The simulated pod as the Kubernetes API server would serialise it."""
+    first = pod.containers[0]
+    obj = make_pod_object(
+        pod.namespace, pod.name, pod.uid, pod.node_name,
+        labels=pod.labels, annotations=pod.annotations,
+        gpu_requests=first.gpu_requests, container_ids=[c.container_id for c in pod.containers],
+        env=first.env, owner=(pod.owner_kind, pod.owner_name) if pod.owner_kind and pod.owner_name else None,
+        privileged=first.privileged, containers=[c.name for c in pod.containers],
+        started_at_unix_ms=pod.started_at_unix_ms,
+    )
+    # make_pod_object puts requests/env on the first container only; give every container its own.
+    for spec_container, container in zip(obj["spec"]["containers"], pod.containers):
+        if container is first:
+            continue
+        limits = {name: str(count) for name, count in container.gpu_requests.items()}
+        if limits:
+            resources = spec_container.setdefault("resources", {})
+            resources.setdefault("limits", {}).update(limits)
+            resources.setdefault("requests", {}).update(limits)
+        if container.env:
+            spec_container["env"] = [{"name": k, "value": v} for k, v in container.env.items()]
+        if container.privileged:
+            spec_container.setdefault("securityContext", {})["privileged"] = True
+    return obj
+
+
+def kubelet_assignments(pods: tuple[SimPod, ...]):
+    """What the kubelet's PodResources List returns for ``pods``."""
+    return tuple(
+        (pod.namespace, pod.name, container.name, assignment.resource_name, tuple(assignment.device_ids))
+        for pod in pods
+        for container in pod.containers
+        for assignment in container.assigned_devices
+    )
+
+
+def _pod_event(pod: SimPod, event_type: PodEventType, cluster: str, now_ms: int) -> PodEvent:
+    event = pod_event_from_object(pod_object(pod), event_type, cluster, now_ms)
+    return with_assignments(event, {c.name: c.assigned_devices for c in pod.containers if c.assigned_devices})
+
+
+@dataclass(frozen=True)
+class SimulatedTick:
+    sampled_at_unix_ms: int
+    sample: NodeSample
+    pod_events: tuple[PodEvent, ...]
+
+
+def node_streams(scenario: Scenario, node_name: str, proc_root: Path | None = None) -> Iterator[SimulatedTick]:
+    """Every tick of ``node_name`` through the collector's own sampling code, with the pod events that precede
+    it (ADDED when a pod appears, DELETED when it is gone). Deterministic for a scenario."""
+    node = scenario.node(node_name)
+    world = SimWorld(scenario)
+    clock = ManualClock(scenario.start_unix_ms)
+    backend = NvmlBackend(FakeNvml(world, clock, node_name), clock, sharing_by_gpu_uuid=sharing_config(node))
+    owned_root = proc_root is None
+    root = Path(tempfile.mkdtemp(prefix="gpumeter-proc-")) if owned_root else proc_root
+    identities = ProcessIdentityCache(root)
+    facts = node_facts(scenario, node)
+    interval_ms = int(round(scenario.interval_seconds * 1000))
+    known: dict[str, SimPod] = {}
+    previous_ms: int | None = None
+    try:
+        for sequence, now_ms in enumerate(scenario.tick_times_ms()):
+            clock.set_ms(now_ms)
+            world.step(now_ms)
+            world.write_proc(root, node_name)
+            events = []
+            current = {pod.uid: pod for pod in world.pods_at(now_ms, node_name)}
+            for uid, pod in current.items():
+                if uid not in known:
+                    events.append(_pod_event(pod, PodEventType.ADDED, scenario.cluster, now_ms))
+            for uid, pod in known.items():
+                if uid not in current:
+                    events.append(_pod_event(pod, PodEventType.DELETED, scenario.cluster, now_ms))
+            known = current
+            reading = backend.read()
+            sample = assemble_node_sample(
+                facts,
+                TickInfo(sequence, scenario.start_unix_ms, now_ms,
+                         interval_ms if previous_ms is None else now_ms - previous_ms),
+                reading.devices,
+                identities.lookup,
+                reading.node_errors,
+            )
+            previous_ms = now_ms
+            identities.retain_only(pid for device in reading.devices for pid in device.process_pids)
+            yield SimulatedTick(now_ms, sample, tuple(events))
+    finally:
+        if owned_root:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+class SimulatedNode:
+    """The simulated peers of one collector process: fake proc root, FakeKubelet, FakeApiServer, FakeNvml."""
+
+    def __init__(self, scenario: Scenario, node_name: str, time_scale: float, workdir: Path) -> None:
+        from services.collector.sim.apiserver import FakeApiServer
+        from services.collector.sim.kubelet import FakeKubelet
+
+        self.scenario = scenario
+        self.node = scenario.node(node_name)
+        self.world = SimWorld(scenario)
+        self.clock = ScaledClock(scenario.start_unix_ms, time_scale)
+        self.workdir = workdir
+        self.proc_root = workdir / "proc"
+        self.proc_root.mkdir(parents=True, exist_ok=True)
+        self.kubelet_socket = workdir / "kubelet.sock"
+        self._pods: tuple[SimPod, ...] = ()
+        self.kubelet = FakeKubelet(str(self.kubelet_socket), lambda: kubelet_assignments(self._pods))
+        self.apiserver = FakeApiServer()
+        self._served: dict[str, SimPod] = {}
+        self._api_started = False
+        self.backend = NvmlBackend(FakeNvml(self.world, self.clock, node_name), self.clock,
+                                   sharing_by_gpu_uuid=sharing_config(self.node))
+
+    @property
+    def facts(self) -> NodeFacts:
+        return node_facts(self.scenario, self.node)
+
+    async def start(self) -> None:
+        await self.kubelet.start()
+        await self.apiserver.start()
+        self._api_started = True
+        await self.sync(self.clock.now_ms())
+
+    async def stop(self) -> None:
+        await self.apiserver.stop()
+        await self.kubelet.stop()
+
+    async def sync(self, now_ms: int) -> None:
+        """Bring the simulated node to ``now_ms``: processes, proc files, kubelet and API server contents."""
+        self.world.step(max(now_ms, self.scenario.start_unix_ms))
+        self.world.write_proc(self.proc_root, self.node.name)
+        self._pods = self.world.pods_at(now_ms, self.node.name)
+        current = {pod.uid: pod for pod in self._pods}
+        if not self._api_started:
+            return
+        for uid, pod in current.items():
+            if uid not in self._served:
+                self.apiserver.add_pod(pod_object(pod))
+        for uid in list(self._served):
+            if uid not in current:
+                self.apiserver.delete_pod(uid)
+        self._served = current
+
+
+def scenario_node_names(scenario: Scenario) -> tuple[str, ...]:
+    return tuple(node.name for node in scenario.nodes)
+
+
+def truth_by_pod(world: SimWorld, now_ms: int) -> Mapping[tuple[str, str | None], tuple[int, float]]:
+    return {(row.gpu_uuid, row.pod_uid): (row.true_memory_bytes, row.true_compute_fraction)
+            for row in world.truth(now_ms)}
