@@ -1,0 +1,147 @@
+"""``gpumeter billing``: the billing service. Reads its settings once, prints them (secrets masked), migrates the
+ledger, creates missing topics, and runs ``BillingService`` until SIGTERM/SIGINT or ``--duration``; all behaviour
+lives in the modules it wires.
+
+Exit codes: 0 after a clean stop, 1 when Kafka, the ledger or the loop failed, 2 for unusable settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+from typing import Mapping
+
+from gpumeter.clock import Clock, SystemClock
+from gpumeter.errors import ConfigError, GpumeterError
+from gpumeter.kafka.admin import create_topics
+from gpumeter.kafka.producer import RecordProducer
+from gpumeter.metrics import ServiceMetrics
+from schemas.catalog import TopicCatalog
+from services.billing.ledger import Ledger, LedgerError
+from services.billing.service import (
+    BILLING_METRICS,
+    SERVICE_NAME,
+    BillingProcessor,
+    BillingService,
+    is_transient_ledger_error,
+    next_backoff_seconds,
+)
+from services.billing.settings import BillingSettings, add_arguments, billing_settings
+
+log = logging.getLogger("gpumeter.billing")
+
+__all__ = ["add_arguments", "main", "serve"]
+
+
+def main(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    try:
+        settings = billing_settings(args, env)
+    except GpumeterError as exc:
+        print(f"error: {exc}", flush=True)
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    print("gpumeter billing " + json.dumps(settings.describe(), sort_keys=True), flush=True)
+    try:
+        return asyncio.run(serve(settings, handle_signals=True))
+    except KeyboardInterrupt:
+        return 0
+
+
+async def _migrate(ledger: Ledger, settings: BillingSettings, stop: asyncio.Event) -> str | None:
+    """Migrate the ledger, waiting (with backoff) while the database cannot be reached; None if stopped first."""
+    delay = settings.ledger_retry_initial_seconds
+    while not stop.is_set():
+        try:
+            return await asyncio.to_thread(ledger.migrate)
+        except LedgerError as exc:
+            if not is_transient_ledger_error(exc):
+                raise
+            log.warning("ledger unavailable, migrating again in %.1f s: %s", delay, exc)
+            try:
+                await asyncio.wait_for(stop.wait(), delay)
+            except asyncio.TimeoutError:
+                pass
+            delay = next_backoff_seconds(delay, settings.ledger_retry_max_seconds)
+    return None
+
+
+async def serve(settings: BillingSettings, *, stop: asyncio.Event | None = None, clock: Clock | None = None,
+                handle_signals: bool = False) -> int:
+    """Run the billing service until ``stop`` is set (or SIGTERM/SIGINT with ``handle_signals``, or
+    ``settings.duration_seconds``). Returns the exit code."""
+    stop = stop or asyncio.Event()
+    clock = clock or SystemClock()
+    loop = asyncio.get_running_loop()
+    if handle_signals:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stop.set)
+    if settings.duration_seconds is not None:
+        loop.call_later(settings.duration_seconds, stop.set)
+    try:
+        catalog = settings.price_catalog()
+        ledger = Ledger(settings.ledger_url)
+    except ConfigError as exc:
+        log.error("%s", exc)
+        return 2
+    except LedgerError as exc:
+        log.error("%s", exc)
+        return 2
+    producer: RecordProducer | None = None
+    try:
+        revision = await _migrate(ledger, settings, stop)
+        if revision is None:
+            return 0
+        log.info("ledger %r at schema revision %s", ledger, revision)
+        topics = TopicCatalog(prefix=settings.kafka.topic_prefix, partitions_override=settings.topic_partitions)
+        for result in await create_topics(settings.kafka, topics):
+            if result.created:
+                log.info("created topic %s (%d partitions)", result.name, result.partitions)
+        metrics = ServiceMetrics(SERVICE_NAME, BILLING_METRICS)
+        metrics.serve(settings.metrics_port)
+        producer = RecordProducer(settings.kafka)
+        await producer.start()
+        processor = BillingProcessor(
+            catalog=catalog,
+            policy=settings.split_policy,
+            ledger=ledger,
+            producer=producer,
+            topics=topics,
+            clock=clock,
+            window_expiry_seconds=settings.window_expiry_seconds,
+            finished_window_memory_seconds=settings.finished_window_memory_seconds,
+            retry_initial_seconds=settings.ledger_retry_initial_seconds,
+            retry_max_seconds=settings.ledger_retry_max_seconds,
+            team_label=settings.team_label,
+            metrics=metrics,
+        )
+        service = BillingService(
+            kafka=settings.kafka,
+            topics=topics,
+            processor=processor,
+            consumer_group=settings.consumer_group,
+            auto_offset_reset=settings.auto_offset_reset,
+            max_poll_records=settings.max_poll_records,
+            max_poll_interval_seconds=settings.max_poll_interval_seconds,
+        )
+        log.info("billing %s as group %s", topics.gpu_shares, settings.consumer_group)
+        await service.run(stop)
+        stats = processor.stats
+        log.info("stopped: %d node-windows billed, %d already in the ledger, %d dead-lettered, %d duplicate rows, "
+                 "%d cost records, %d ledger retries, %d commits", stats.windows_billed,
+                 stats.windows_already_billed, stats.windows_dead_lettered, stats.rows_duplicate,
+                 stats.cost_records_sent, stats.ledger_retries, service.commits)
+        return 0
+    except GpumeterError as exc:
+        log.error("billing failed: %s", exc)
+        return 1
+    finally:
+        if producer is not None:
+            try:
+                await producer.stop()
+            except GpumeterError as exc:
+                log.warning("closing the producer: %s", exc)
+        ledger.close()

@@ -1,0 +1,838 @@
+"""The billing service: GpuShare rows in from Kafka, node bills into the ledger, CostRecords out to Kafka.
+
+Per message of the gpu-shares topic (``DeadLetterGuard``: bad input becomes a ``DeadLetter`` and the service
+carries on):
+
+1. decode the ``GpuShare`` and add it to the ``WindowBook`` (a ``NodeWindowAssembler`` plus the messages that hold
+   each incomplete node-window);
+2. when the row completes its node-window: ``bill_node_window`` → ``Ledger.write`` (in a worker thread) → if and
+   only if the ledger says the bill is new, the window's ``CostRecord``s go to the costs topic keyed by node name,
+   and the Prometheus metrics move. A bill the ledger already holds (redelivery) publishes nothing.
+
+Offsets are committed by hand, after every record enqueued so far (cost records and dead letters) is acknowledged,
+and only up to the oldest message still held by an unfinished node-window (``OffsetTracker``). A crash therefore
+re-reads exactly what was not billed yet, and the ledger's first-write-wins keeps the redelivery harmless.
+
+Failures:
+
+* no price for a node (``PriceError``) → every row of that node-window is dead-lettered ``NO_PRICE``;
+* rows that cannot all be true together (``InconsistentShares``, ``OutOfRange``) → every row of the window is
+  dead-lettered with that reason; a single row that contradicts its pending window is dead-lettered alone;
+* a node-window still incomplete ``window_expiry_seconds`` after its first row arrived → every row it holds is
+  dead-lettered ``INCOMPLETE_WINDOW`` (never dropped silently);
+* the ledger unreachable (connection refused, server restarting, connection lost) → the write is retried with
+  exponential backoff, forever, without consuming further or committing; the database refusing the data
+  (``DataError``/``IntegrityError``) → the window's rows are dead-lettered ``LEDGER_REJECTED``; anything else
+  from the ledger (missing schema, a write that would not reconcile) is a bug or a deployment error and stops the
+  service without committing;
+* Kafka not acknowledging produced records → they are re-sent with backoff; offsets are not committed meanwhile.
+
+The known gap: the ledger write and the CostRecords' delivery are two systems. A crash after the ledger commit and
+before the records are acknowledged loses those CostRecords (the redelivered window is then a ledger duplicate and
+publishes nothing); the ledger and ``gpumeter report`` stay exact.
+
+``OffsetTracker``, ``WindowBook`` and ``BillingProcessor`` hold no Kafka client (``BillingProcessor`` gets a producer
+with ``send``); ``BillingService`` wires them to aiokafka.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Iterable, Mapping, Protocol
+
+from sqlalchemy import exc as sa_exc
+
+from gpumeter.clock import Clock
+from gpumeter.errors import GpumeterError, InvalidMessage
+from gpumeter.kafka.deadletter import DeadLetterGuard, RawMessage
+from gpumeter.kafka.producer import DeliveryError
+from schemas.catalog import TopicCatalog
+from schemas.records import CostRecord, CostSubjectKind, GpuShare, ShareSubjectKind
+from schemas.typed import codec_for
+from services.billing.catalog import PriceCatalog, PriceError
+from services.billing.costing import NodeWindowAssembler, NodeWindowCost, NodeWindowKey, bill_node_window
+from services.billing.ledger import LedgerError, WriteResult
+from services.billing.pricing import SplitPolicy
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "billing"
+TopicPartition = tuple[str, int]
+
+# The metrics this service exports (all names from gpumeter.metrics.METRICS).
+BILLING_METRICS = (
+    "gpumeter_messages_consumed_total",
+    "gpumeter_dead_letters_total",
+    "gpumeter_pod_gpu_cost_micro_usd_total",
+    "gpumeter_pod_gpu_memory_share",
+    "gpumeter_pod_gpu_compute_share",
+    "gpumeter_node_cost_micro_usd_total",
+    "gpumeter_bucket_cost_micro_usd_total",
+    "gpumeter_billing_ledger_rows_written_total",
+    "gpumeter_billing_duplicate_rows_total",
+)
+
+
+class IncompleteWindow(InvalidMessage):
+    """A row of a node-window whose other rows did not all arrive within the expiry."""
+
+    reason_code = "INCOMPLETE_WINDOW"
+
+
+class NoPrice(InvalidMessage):
+    """A row of a node-window no price in the catalog covers."""
+
+    reason_code = "NO_PRICE"
+
+
+class LedgerRejected(InvalidMessage):
+    """A row of a node-window whose values the ledger's database refused (too long, out of range)."""
+
+    reason_code = "LEDGER_REJECTED"
+
+
+class ConsumerUnavailable(GpumeterError):
+    """The consumer could not connect to Kafka at start."""
+
+
+class ServiceStopping(Exception):
+    """Raised out of a retry pause when the service was asked to stop; nothing after it is committed."""
+
+
+# -- offsets ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _PartitionOffsets:
+    next_offset: int
+    held: set[int] = field(default_factory=set)
+
+    def position(self) -> int:
+        return min(min(self.held), self.next_offset) if self.held else self.next_offset
+
+
+class OffsetTracker:
+    """Which offset of each partition is safe to commit. Pure.
+
+    Every message is either ``done`` (dead-lettered, a duplicate, or billed) or ``hold``-ed by an unfinished
+    node-window until ``release``. The safe position of a partition is the oldest held offset, or one past the
+    newest finished message when nothing is held: committing it never skips a message whose effect is not yet
+    durable, and it never goes backwards. ``commit_positions()`` returns the positions that moved past the last
+    ``committed``; ``forget`` drops partitions that were revoked (their offsets are another consumer's now).
+    """
+
+    def __init__(self) -> None:
+        self._partitions: dict[TopicPartition, _PartitionOffsets] = {}
+        self._committed: dict[TopicPartition, int] = {}
+
+    def _state(self, tp: TopicPartition, offset: int) -> _PartitionOffsets:
+        state = self._partitions.get(tp)
+        if state is None:
+            state = self._partitions[tp] = _PartitionOffsets(next_offset=offset)
+        return state
+
+    def done(self, tp: TopicPartition, offset: int) -> None:
+        state = self._state(tp, offset)
+        state.next_offset = max(state.next_offset, offset + 1)
+
+    def hold(self, tp: TopicPartition, offset: int) -> None:
+        state = self._state(tp, offset)
+        state.held.add(offset)
+        state.next_offset = max(state.next_offset, offset + 1)
+
+    def release(self, tp: TopicPartition, offset: int) -> None:
+        """Un-hold ``offset`` (its window finished). Unknown partitions (revoked meanwhile) are ignored."""
+        state = self._partitions.get(tp)
+        if state is not None:
+            state.held.discard(offset)
+
+    def position(self, tp: TopicPartition) -> int | None:
+        state = self._partitions.get(tp)
+        return None if state is None else state.position()
+
+    def held_count(self, tp: TopicPartition | None = None) -> int:
+        if tp is not None:
+            state = self._partitions.get(tp)
+            return 0 if state is None else len(state.held)
+        return sum(len(s.held) for s in self._partitions.values())
+
+    def commit_positions(self) -> dict[TopicPartition, int]:
+        """Positions that are ahead of what was last committed (the next offset to read, Kafka's convention)."""
+        positions = {}
+        for tp, state in self._partitions.items():
+            position = state.position()
+            if position > self._committed.get(tp, -1):
+                positions[tp] = position
+        return positions
+
+    def committed(self, positions: Mapping[TopicPartition, int]) -> None:
+        for tp, position in positions.items():
+            if tp in self._partitions:
+                self._committed[tp] = max(self._committed.get(tp, -1), position)
+
+    def forget(self, tps: Iterable[TopicPartition]) -> None:
+        for tp in tps:
+            self._partitions.pop(tp, None)
+            self._committed.pop(tp, None)
+
+    @property
+    def partitions(self) -> tuple[TopicPartition, ...]:
+        return tuple(sorted(self._partitions))
+
+
+# -- node-windows -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class HeldRow:
+    """A decoded share and the message it came in."""
+
+    message: RawMessage
+    share: GpuShare
+
+    @property
+    def tp(self) -> TopicPartition:
+        return (self.message.topic, self.message.partition)
+
+    @property
+    def key(self) -> NodeWindowKey:
+        return window_key(self.share)
+
+
+def window_key(share: GpuShare) -> NodeWindowKey:
+    return NodeWindowKey(share.cluster, share.node_name, share.window_start_unix_ms)
+
+
+class AddStatus(enum.Enum):
+    HELD = "held"  # waiting for the rest of its node-window
+    DUPLICATE = "duplicate"  # an exact duplicate, or a row of a node-window already handed over
+    COMPLETE = "complete"  # completed its node-window: ``window`` is set
+
+
+@dataclass(frozen=True, slots=True)
+class CompleteWindow:
+    """A node-window ready to bill: the assembler's rows (deduplicated, ordered) and every message holding it."""
+
+    key: NodeWindowKey
+    shares: tuple[GpuShare, ...]
+    rows: tuple[HeldRow, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AddOutcome:
+    status: AddStatus
+    window: CompleteWindow | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ExpiredWindow:
+    """A node-window that did not complete in time, with every row it held and what was missing."""
+
+    key: NodeWindowKey
+    rows: tuple[HeldRow, ...]
+    first_seen_unix_ms: int
+    detail: str
+
+
+def describe_missing(rows: Iterable[GpuShare]) -> str:
+    """What an incomplete node-window lacks: units present vs ``units_in_node``, rows per unit vs ``rows_in_unit``."""
+    rows = list(rows)
+    if not rows:
+        return "no rows"
+    units: dict[str, list[GpuShare]] = {}
+    for share in rows:
+        units.setdefault(share.gpu_uuid, []).append(share)
+    parts = [f"{len(units)} of {rows[0].units_in_node} units"]
+    short = [f"{uuid} {len(unit)}/{unit[0].rows_in_unit} rows" for uuid, unit in sorted(units.items())
+             if len(unit) < unit[0].rows_in_unit]
+    if short:
+        parts.append("incomplete units: " + ", ".join(short))
+    return "; ".join(parts)
+
+
+class WindowBook:
+    """Node-windows being assembled, with the messages that hold them. Pure: time comes in as ``now_ms``.
+
+    * ``add(row, now_ms)``: hands the share to a ``NodeWindowAssembler``. Returns COMPLETE with the window when the
+      row completes it, HELD while it is incomplete, DUPLICATE for an exact duplicate or any row of a node-window
+      already handed over. Raises what the assembler raises (``InconsistentShares``, ``OutOfRange``), with the
+      state unchanged.
+    * A handed-over node-window is remembered while its start is within ``finished_memory_ms`` of the newest
+      window start seen; later rows of it are duplicates (the ledger would skip them anyway).
+    * ``expire(now_ms)`` removes and returns every pending node-window whose first row arrived at least
+      ``expiry_ms`` ago.
+    * ``drop_partitions(tps)`` forgets the rows that came from those partitions (revoked: another consumer
+      re-reads them); a pending window left with rows from other partitions keeps waiting, and expires if it
+      cannot complete.
+    """
+
+    def __init__(self, *, expiry_ms: int, finished_memory_ms: int) -> None:
+        if expiry_ms <= 0:
+            raise ValueError("expiry_ms must be > 0")
+        if finished_memory_ms < 0:
+            raise ValueError("finished_memory_ms must be >= 0")
+        self.expiry_ms = expiry_ms
+        self.finished_memory_ms = finished_memory_ms
+        self._assembler = NodeWindowAssembler()
+        self._pending: dict[NodeWindowKey, list[HeldRow]] = {}
+        self._first_seen_ms: dict[NodeWindowKey, int] = {}
+        self._finished: dict[NodeWindowKey, None] = {}
+        self._newest_start_ms: int | None = None
+
+    @property
+    def pending_keys(self) -> tuple[NodeWindowKey, ...]:
+        return tuple(sorted(self._pending))
+
+    def pending_rows(self, key: NodeWindowKey) -> tuple[HeldRow, ...]:
+        return tuple(self._pending.get(key, ()))
+
+    @property
+    def finished_count(self) -> int:
+        return len(self._finished)
+
+    def add(self, row: HeldRow, now_ms: int) -> AddOutcome:
+        key = row.key
+        if key in self._finished:
+            return AddOutcome(AddStatus.DUPLICATE)
+        ignored_before = self._assembler.duplicates_ignored
+        window = self._assembler.add(row.share)
+        if window is None:
+            if self._assembler.duplicates_ignored != ignored_before:
+                return AddOutcome(AddStatus.DUPLICATE)
+            self._pending.setdefault(key, []).append(row)
+            self._first_seen_ms.setdefault(key, now_ms)
+            self._note_start(key.window_start_unix_ms)
+            return AddOutcome(AddStatus.HELD)
+        rows = tuple(self._pending.pop(key, ())) + (row,)
+        self._first_seen_ms.pop(key, None)
+        self._finished[key] = None
+        self._note_start(key.window_start_unix_ms)
+        return AddOutcome(AddStatus.COMPLETE, CompleteWindow(key=key, shares=window.shares, rows=rows))
+
+    def next_expiry_ms(self) -> int | None:
+        """When the oldest pending node-window expires, or None when nothing is pending."""
+        if not self._first_seen_ms:
+            return None
+        return min(self._first_seen_ms.values()) + self.expiry_ms
+
+    def expire(self, now_ms: int) -> tuple[ExpiredWindow, ...]:
+        expired_keys = sorted(k for k, seen in self._first_seen_ms.items() if now_ms - seen >= self.expiry_ms)
+        expired = []
+        for key in expired_keys:
+            rows = tuple(self._pending.pop(key))
+            first_seen = self._first_seen_ms.pop(key)
+            detail = (f"node-window {key.cluster}/{key.node_name}@{key.window_start_unix_ms} incomplete "
+                      f"{(now_ms - first_seen) / 1000:g} s after its first row: "
+                      f"{describe_missing(r.share for r in rows)}")
+            expired.append(ExpiredWindow(key=key, rows=rows, first_seen_unix_ms=first_seen, detail=detail))
+        if expired:
+            self._rebuild()
+        return tuple(expired)
+
+    def drop_partitions(self, tps: Iterable[TopicPartition]) -> tuple[HeldRow, ...]:
+        gone = set(tps)
+        dropped: list[HeldRow] = []
+        for key in list(self._pending):
+            kept = [r for r in self._pending[key] if r.tp not in gone]
+            dropped.extend(r for r in self._pending[key] if r.tp in gone)
+            if kept:
+                self._pending[key] = kept
+            else:
+                del self._pending[key]
+                del self._first_seen_ms[key]
+        if dropped:
+            self._rebuild()
+        return tuple(dropped)
+
+    def _rebuild(self) -> None:
+        # The assembler can only forget windows by start time; replaying the rows still held gives it exactly
+        # the pending state. Handed-over windows are remembered here (``_finished``), not by the assembler.
+        assembler = NodeWindowAssembler()
+        for rows in self._pending.values():
+            for held in rows:
+                assert assembler.add(held.share) is None
+        self._assembler = assembler
+
+    def _note_start(self, window_start_ms: int) -> None:
+        if self._newest_start_ms is not None and window_start_ms <= self._newest_start_ms:
+            return
+        self._newest_start_ms = window_start_ms
+        cutoff = window_start_ms - self.finished_memory_ms
+        for key in [k for k in self._finished if k.window_start_unix_ms < cutoff]:
+            del self._finished[key]
+        # Bound the assembler's own memory of handed-over windows without touching pending ones.
+        oldest_pending = min((k.window_start_unix_ms for k in self._pending), default=cutoff)
+        self._assembler.expire_before(min(cutoff, oldest_pending))
+
+
+# -- processing -------------------------------------------------------------------------------------------------
+
+
+def is_transient_ledger_error(error: LedgerError) -> bool:
+    """True when the database could not be reached or the connection broke (retry); False for anything else."""
+    cause = error.__cause__
+    if isinstance(cause, (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.DisconnectionError,
+                          sa_exc.TimeoutError)):
+        return True
+    return isinstance(cause, sa_exc.DBAPIError) and bool(cause.connection_invalidated)
+
+
+def is_rejected_by_ledger(error: LedgerError) -> bool:
+    """True when the database refused the values themselves (the same write would fail again)."""
+    return isinstance(error.__cause__, (sa_exc.DataError, sa_exc.IntegrityError))
+
+
+def next_backoff_seconds(delay_seconds: float, max_seconds: float) -> float:
+    """Exponential backoff: double, capped."""
+    return min(delay_seconds * 2, max_seconds)
+
+
+class LedgerWriter(Protocol):
+    def write(self, costs: Iterable[CostRecord], bills: Iterable[Any]) -> WriteResult: ...
+
+
+class Producer(Protocol):
+    async def send(self, topic: str, record: Any, *, key: bytes | None = None) -> asyncio.Future: ...
+
+
+@dataclass
+class _Outgoing:
+    topic: str
+    key: bytes | None
+    record: Any
+    future: asyncio.Future | None = None
+    error: BaseException | None = None
+
+    def failed(self) -> bool:
+        if self.future is None:
+            return True
+        if not self.future.done():
+            return False
+        return self.future.cancelled() or self.future.exception() is not None
+
+
+@dataclass
+class ProcessorStats:
+    windows_billed: int = 0
+    windows_already_billed: int = 0
+    windows_dead_lettered: int = 0
+    rows_duplicate: int = 0
+    cost_records_sent: int = 0
+    ledger_retries: int = 0
+    delivery_retries: int = 0
+
+
+class BillingProcessor:
+    """Bills gpu-share messages one at a time; owns the offsets that are safe to commit. No Kafka client inside.
+
+    ``handle(message)`` processes one message completely (it returns once the message is held by a pending
+    window, dead-lettered, or its window billed and its records enqueued). ``expire_windows()`` dead-letters the
+    windows that timed out. ``flush()`` waits until every record enqueued so far is acknowledged (re-sending
+    failures with backoff); only after it returns are ``commit_positions()`` safe to commit. Retry pauses end
+    early with ``ServiceStopping`` once ``stop()`` was called.
+    """
+
+    def __init__(
+        self,
+        *,
+        catalog: PriceCatalog,
+        policy: SplitPolicy,
+        ledger: LedgerWriter,
+        producer: Producer,
+        topics: TopicCatalog,
+        clock: Clock,
+        window_expiry_seconds: float,
+        finished_window_memory_seconds: float,
+        retry_initial_seconds: float = 0.5,
+        retry_max_seconds: float = 30.0,
+        team_label: str = "team",
+        metrics=None,
+        sleep: Callable[[float], Awaitable[None]] | None = None,
+    ) -> None:
+        self.catalog = catalog
+        self.policy = policy
+        self.ledger = ledger
+        self.producer = producer
+        self.topics = topics
+        self.clock = clock
+        self.retry_initial_seconds = retry_initial_seconds
+        self.retry_max_seconds = retry_max_seconds
+        self.team_label = team_label
+        self.metrics = metrics
+        self._sleep = sleep or asyncio.sleep
+        self._stopping = asyncio.Event()
+        self.book = WindowBook(expiry_ms=int(window_expiry_seconds * 1000),
+                               finished_memory_ms=int(finished_window_memory_seconds * 1000))
+        self.offsets = OffsetTracker()
+        self.guard = DeadLetterGuard(SERVICE_NAME, topics.dead_letters, self._enqueue, clock, metrics)
+        self.stats = ProcessorStats()
+        self._outbox: list[_Outgoing] = []
+        self._codec = codec_for(GpuShare)
+        # node -> (window start, label sets of its share gauges) for removing series of pods that went away.
+        self._share_series: dict[tuple[str, str], tuple[int, set[tuple[str, str, str, str]]]] = {}
+
+    # -- lifecycle --
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    async def _pause(self, seconds: float) -> None:
+        if self._stopping.is_set():
+            raise ServiceStopping()
+        sleeper = asyncio.ensure_future(self._sleep(seconds))
+        stopper = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait((sleeper, stopper), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (sleeper, stopper):
+                task.cancel()
+        if self._stopping.is_set():
+            raise ServiceStopping()
+
+    # -- messages --
+
+    async def handle(self, message: RawMessage) -> AddStatus | None:
+        """Process one gpu-share message; returns what became of it (None: dead-lettered)."""
+        tp = (message.topic, message.partition)
+        outcome = await self.guard.handle(message, self._add)
+        if outcome is None:
+            self.offsets.done(tp, message.offset)
+            return None
+        if outcome.status is AddStatus.DUPLICATE:
+            self.stats.rows_duplicate += 1
+            self.offsets.done(tp, message.offset)
+            return outcome.status
+        self.offsets.hold(tp, message.offset)
+        if outcome.status is AddStatus.COMPLETE:
+            assert outcome.window is not None
+            await self._bill(outcome.window)
+        return outcome.status
+
+    async def _add(self, message: RawMessage) -> AddOutcome:
+        assert message.value is not None
+        share = self._codec.decode(message.value)
+        return self.book.add(HeldRow(message, share), self.clock.now_ms())
+
+    async def expire_windows(self) -> tuple[ExpiredWindow, ...]:
+        """Dead-letter (``INCOMPLETE_WINDOW``) every row of each node-window that timed out."""
+        expired = self.book.expire(self.clock.now_ms())
+        for window in expired:
+            log.warning("dead-lettering %d rows: %s", len(window.rows), window.detail)
+            await self._dead_letter_rows(window.rows, IncompleteWindow(window.detail))
+        return expired
+
+    def partitions_revoked(self, tps: Iterable[TopicPartition]) -> None:
+        """Forget the rows and offsets of partitions this consumer no longer owns."""
+        tps = set(tps)
+        dropped = self.book.drop_partitions(tps)
+        self.offsets.forget(tps)
+        if dropped:
+            log.info("dropped %d held rows of revoked partitions %s", len(dropped), sorted(tps))
+
+    async def _dead_letter_rows(self, rows: Iterable[HeldRow], error: InvalidMessage) -> None:
+        rows = tuple(rows)
+        for row in rows:
+            await self.guard.reject(row.message, error)
+        self.stats.windows_dead_lettered += 1
+        self._release(rows)
+
+    def _release(self, rows: Iterable[HeldRow]) -> None:
+        for row in rows:
+            self.offsets.release(row.tp, row.message.offset)
+
+    # -- billing --
+
+    async def _bill(self, window: CompleteWindow) -> None:
+        key = window.key
+        try:
+            priced = bill_node_window(window.shares, self.catalog, self.policy)
+        except PriceError as exc:
+            log.warning("no price for %s: %s", key, exc)
+            await self._dead_letter_rows(window.rows, NoPrice(f"{key.cluster}/{key.node_name}: {exc}"))
+            return
+        except InvalidMessage as exc:
+            await self._dead_letter_rows(window.rows, exc)
+            return
+        result = await self._write_ledger(window, priced)
+        if result is None:
+            return
+        if result.bills_written:
+            node_key = key.node_name.encode("utf-8")
+            for record in priced.costs:
+                await self._enqueue(self.topics.costs, node_key, record)
+            self.stats.windows_billed += 1
+            self.stats.cost_records_sent += len(priced.costs)
+            self._observe_new_bill(window, priced, result)
+            log.debug("billed %s: %d micro-USD in %d cost records", key, priced.bill.node_cost_micro_usd,
+                      len(priced.costs))
+        else:
+            self.stats.windows_already_billed += 1
+            if self.metrics:
+                self.metrics.get("gpumeter_billing_duplicate_rows_total").inc(result.lines_skipped)
+            log.debug("%s is already in the ledger: nothing published", key)
+        self._release(window.rows)
+
+    async def _write_ledger(self, window: CompleteWindow, priced: NodeWindowCost) -> WriteResult | None:
+        delay = self.retry_initial_seconds
+        while True:
+            try:
+                return await asyncio.to_thread(self.ledger.write, priced.costs, (priced.bill,))
+            except LedgerError as exc:
+                if is_transient_ledger_error(exc):
+                    self.stats.ledger_retries += 1
+                    log.warning("ledger unavailable, retrying %s in %.1f s: %s", window.key, delay, exc)
+                    await self._pause(delay)
+                    delay = next_backoff_seconds(delay, self.retry_max_seconds)
+                    continue
+                if is_rejected_by_ledger(exc):
+                    await self._dead_letter_rows(window.rows, LedgerRejected(str(exc)))
+                    return None
+                raise
+
+    # -- producing --
+
+    async def _enqueue(self, topic: str, key: bytes | None, record: Any) -> None:
+        outgoing = _Outgoing(topic, key, record)
+        self._outbox.append(outgoing)
+        await self._send(outgoing)
+
+    async def _send(self, outgoing: _Outgoing) -> None:
+        try:
+            outgoing.future = await self.producer.send(outgoing.topic, outgoing.record, key=outgoing.key)
+            outgoing.error = None
+        except DeliveryError as exc:
+            outgoing.future, outgoing.error = None, exc
+
+    @property
+    def unacknowledged(self) -> int:
+        return len(self._outbox)
+
+    async def flush(self, *, retry: bool = True) -> bool:
+        """Wait for every enqueued record; re-send failures with backoff (``retry``) until all are acknowledged.
+        Returns whether everything was acknowledged (always True when ``retry``, or ``ServiceStopping``)."""
+        delay = self.retry_initial_seconds
+        while self._outbox:
+            futures = [o.future for o in self._outbox if o.future is not None]
+            if futures:
+                await asyncio.gather(*futures, return_exceptions=True)
+            failed = [o for o in self._outbox if o.failed()]
+            if not failed:
+                self._outbox.clear()
+                return True
+            first = failed[0]
+            error = first.error or (first.future.exception() if first.future and not first.future.cancelled()
+                                    else "cancelled")
+            log.warning("%d of %d records not acknowledged (%r); re-sending in %.1f s", len(failed),
+                        len(self._outbox), error, delay)
+            if not retry:
+                return False
+            self.stats.delivery_retries += 1
+            await self._pause(delay)
+            delay = next_backoff_seconds(delay, self.retry_max_seconds)
+            self._outbox = failed
+            for outgoing in failed:
+                await self._send(outgoing)
+        return True
+
+    def commit_positions(self) -> dict[TopicPartition, int]:
+        """Offsets safe to commit once ``flush()`` returned (see ``OffsetTracker``)."""
+        return self.offsets.commit_positions()
+
+    def committed(self, positions: Mapping[TopicPartition, int]) -> None:
+        self.offsets.committed(positions)
+
+    # -- metrics --
+
+    def _team(self, labels: Mapping[str, str]) -> str:
+        return labels.get(self.team_label, "")
+
+    def _observe_new_bill(self, window: CompleteWindow, priced: NodeWindowCost, result: WriteResult) -> None:
+        if not self.metrics:
+            return
+        get = self.metrics.get
+        bill = priced.bill
+        get("gpumeter_node_cost_micro_usd_total").labels(bill.node_name, bill.instance_type).inc(
+            bill.node_cost_micro_usd)
+        get("gpumeter_billing_ledger_rows_written_total").inc(result.lines_written)
+        if result.lines_skipped:
+            get("gpumeter_billing_duplicate_rows_total").inc(result.lines_skipped)
+        for record in priced.costs:
+            if record.subject_kind is CostSubjectKind.POD:
+                get("gpumeter_pod_gpu_cost_micro_usd_total").labels(
+                    record.namespace or "", record.pod_name or "", self._team(record.labels)
+                ).inc(record.cost_micro_usd)
+            else:
+                get("gpumeter_bucket_cost_micro_usd_total").labels(
+                    bill.node_name, record.subject_kind.value.lower()
+                ).inc(record.cost_micro_usd)
+        self._set_share_gauges(window)
+
+    def _set_share_gauges(self, window: CompleteWindow) -> None:
+        node = (window.key.cluster, window.key.node_name)
+        previous = self._share_series.get(node)
+        if previous is not None and previous[0] > window.key.window_start_unix_ms:
+            return  # an older window billed late: the gauges already show a newer one
+        memory = self.metrics.get("gpumeter_pod_gpu_memory_share")
+        compute = self.metrics.get("gpumeter_pod_gpu_compute_share")
+        series: set[tuple[str, str, str, str]] = set()
+        for share in window.shares:
+            if share.subject_kind is not ShareSubjectKind.POD:
+                continue
+            labels = (share.namespace or "", share.pod_name or "", self._team(share.labels), share.gpu_uuid)
+            series.add(labels)
+            memory.labels(*labels).set(share.memory_share)
+            compute.labels(*labels).set(share.compute_share)
+        if previous is not None:
+            for labels in previous[1] - series:
+                memory.remove(*labels)
+                compute.remove(*labels)
+        self._share_series[node] = (window.key.window_start_unix_ms, series)
+
+
+# -- the Kafka loop ---------------------------------------------------------------------------------------------
+
+
+def raw_message(record: Any) -> RawMessage:
+    """An aiokafka ``ConsumerRecord`` as a ``RawMessage``."""
+    return RawMessage(topic=record.topic, partition=record.partition, offset=record.offset, key=record.key,
+                      value=record.value, timestamp_ms=record.timestamp)
+
+
+class BillingService:
+    """The consumer loop: one aiokafka consumer (manual commits, ``read_committed``) feeding a
+    ``BillingProcessor``. After every fetched batch it expires timed-out windows, flushes the processor's records
+    and commits the safe positions. A rebalance flushes and commits first, then drops the revoked partitions'
+    state. ``run(stop)`` returns when ``stop`` is set (after a last flush and commit, both best effort)."""
+
+    def __init__(self, *, kafka, topics: TopicCatalog, processor: BillingProcessor, consumer_group: str,
+                 auto_offset_reset: str = "earliest", max_poll_records: int = 2000,
+                 max_poll_interval_seconds: float = 600.0, poll_timeout_ms: int = 500) -> None:
+        self.kafka = kafka
+        self.topics = topics
+        self.processor = processor
+        self.consumer_group = consumer_group
+        self.auto_offset_reset = auto_offset_reset
+        self.max_poll_records = max_poll_records
+        self.max_poll_interval_seconds = max_poll_interval_seconds
+        self.poll_timeout_ms = poll_timeout_ms
+        self._lock = asyncio.Lock()
+        self._owned: set[TopicPartition] = set()
+        self._generation = 0
+        self._consumer = None
+        self.commits = 0
+
+    async def run(self, stop: asyncio.Event) -> None:
+        from aiokafka import AIOKafkaConsumer
+        from aiokafka.abc import ConsumerRebalanceListener
+        from aiokafka.errors import KafkaError
+
+        service = self
+
+        class Listener(ConsumerRebalanceListener):
+            async def on_partitions_revoked(self, revoked):
+                await service._revoked({(tp.topic, tp.partition) for tp in revoked})
+
+            async def on_partitions_assigned(self, assigned):
+                async with service._lock:
+                    service._owned |= {(tp.topic, tp.partition) for tp in assigned}
+                log.info("assigned %s", sorted((tp.topic, tp.partition) for tp in assigned))
+
+        consumer = AIOKafkaConsumer(
+            **self.kafka.client_kwargs(),
+            group_id=self.consumer_group,
+            enable_auto_commit=False,
+            auto_offset_reset=self.auto_offset_reset,
+            isolation_level="read_committed",
+            max_poll_records=self.max_poll_records,
+            max_poll_interval_ms=int(self.max_poll_interval_seconds * 1000),
+        )
+        self._consumer = consumer
+        consumer.subscribe([self.topics.gpu_shares], listener=Listener())
+        try:
+            await consumer.start()
+        except (KafkaError, OSError) as exc:
+            raise ConsumerUnavailable(f"cannot reach Kafka at {self.kafka.bootstrap_servers}: {exc!r}") from exc
+        relay = asyncio.ensure_future(self._relay_stop(stop))
+        try:
+            while not self.processor.stopping:
+                generation = self._generation
+                fetch = asyncio.ensure_future(consumer.getmany(timeout_ms=self.poll_timeout_ms))
+                await asyncio.wait((fetch, relay), return_when=asyncio.FIRST_COMPLETED)
+                if not fetch.done():
+                    fetch.cancel()
+                    break
+                batch = fetch.result()
+                async with self._lock:
+                    if generation != self._generation:
+                        # A rebalance ran while this batch was fetched: positions were reset to the committed
+                        # offsets, so these records come again from there. Handling them now would break the
+                        # offset bookkeeping's assumption that a partition is read in order from its commit.
+                        continue
+                    for records in batch.values():
+                        for record in records:
+                            if self.processor.stopping:
+                                break  # what is left of the batch is read again after the restart
+                            await self.processor.handle(raw_message(record))
+                    await self.processor.expire_windows()
+                    await self._checkpoint()
+        except ServiceStopping:
+            log.info("stopped in the middle of a retry; uncommitted input will be read again")
+        finally:
+            relay.cancel()
+            self.processor.stop()
+            async with self._lock:
+                try:
+                    if await self.processor.flush(retry=False):
+                        await self._commit()
+                except Exception as exc:  # best effort: whatever is not committed is read again
+                    log.warning("final commit failed: %r", exc)
+            await consumer.stop()
+
+    async def _relay_stop(self, stop: asyncio.Event) -> None:
+        await stop.wait()
+        self.processor.stop()
+
+    async def _checkpoint(self) -> None:
+        if self.processor.commit_positions() or self.processor.unacknowledged:
+            await self.processor.flush()
+            await self._commit()
+
+    async def _commit(self) -> None:
+        from aiokafka.errors import CommitFailedError, KafkaError
+        from aiokafka.structs import OffsetAndMetadata, TopicPartition as KafkaTopicPartition
+
+        positions = {tp: p for tp, p in self.processor.commit_positions().items() if tp in self._owned}
+        if not positions or self._consumer is None:
+            return
+        offsets = {KafkaTopicPartition(t, p): OffsetAndMetadata(position, "")
+                   for (t, p), position in positions.items()}
+        try:
+            await self._consumer.commit(offsets)
+        except CommitFailedError as exc:
+            log.warning("commit failed (group rebalanced); the new owner re-reads from the last commit: %s", exc)
+            return
+        except KafkaError as exc:
+            log.warning("commit failed, will retry with the next batch: %r", exc)
+            return
+        self.processor.committed(positions)
+        self.commits += 1
+
+    async def _revoked(self, tps: set[TopicPartition]) -> None:
+        async with self._lock:
+            try:
+                if await self.processor.flush(retry=False):
+                    await self._commit()
+            except Exception as exc:
+                log.warning("commit before revocation failed: %r", exc)
+            self._owned -= tps
+            self._generation += 1
+            self.processor.partitions_revoked(tps)
+        if tps:
+            log.info("revoked %s", sorted(tps))

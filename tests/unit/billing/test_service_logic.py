@@ -1,0 +1,703 @@
+"""The billing service's logic without Kafka: offset bookkeeping, node-window assembly and expiry, and the
+processor against a real SQLite ledger with a recording producer."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from sqlalchemy.exc import IntegrityError, OperationalError
+
+from gpumeter.clock import ManualClock
+from gpumeter.kafka.deadletter import RawMessage
+from gpumeter.kafka.producer import DeliveryError
+from gpumeter.metrics import ServiceMetrics
+from schemas.catalog import TopicCatalog
+from schemas.records import CostRecord, CostSubjectKind, DeadLetter, GpuShare, ShareSubjectKind
+from schemas.typed import codec_for
+from services.billing.catalog import PriceCatalog
+from services.billing.costing import InconsistentShares, NodeWindowKey, bill_node_window
+from services.billing.ledger import LedgerError
+from services.billing.pricing import DEFAULT_SPLIT_POLICY
+from services.billing.service import (
+    BILLING_METRICS,
+    AddStatus,
+    BillingProcessor,
+    HeldRow,
+    OffsetTracker,
+    ServiceStopping,
+    WindowBook,
+    describe_missing,
+    is_rejected_by_ledger,
+    is_transient_ledger_error,
+    next_backoff_seconds,
+)
+from tests.unit.billing.conftest import WINDOW_START_MS, Unit, bucket, node_window, pod, sample_shares
+
+TOPICS = TopicCatalog(prefix="test.")
+SHARES_TOPIC = TOPICS.gpu_shares
+TP0 = (SHARES_TOPIC, 0)
+TP1 = (SHARES_TOPIC, 1)
+MINUTE_MS = 60_000
+
+
+def encode(share: GpuShare) -> bytes:
+    return codec_for(GpuShare).encode(share)
+
+
+class Feed:
+    """Messages on the gpu-shares topic with increasing offsets per partition."""
+
+    def __init__(self) -> None:
+        self.next_offset: dict[int, int] = defaultdict(int)
+
+    def message(self, share: GpuShare | None = None, *, value: bytes | None = None, partition: int = 0) -> RawMessage:
+        offset = self.next_offset[partition]
+        self.next_offset[partition] += 1
+        payload = encode(share) if share is not None else value
+        key = share.node_name.encode() if share is not None else b"x"
+        return RawMessage(SHARES_TOPIC, partition, offset, key, payload, 0)
+
+    def messages(self, shares, partition: int = 0) -> list[RawMessage]:
+        return [self.message(s, partition=partition) for s in shares]
+
+
+class RecordingProducer:
+    """Encodes every record with its real codec (so it must fit the schema) and acknowledges it, or fails the
+    first ``fail_first`` sends."""
+
+    def __init__(self, fail_first: int = 0) -> None:
+        self.fail_first = fail_first
+        self.delivered: list[tuple[str, bytes | None, object]] = []
+        self.attempts = 0
+
+    async def send(self, topic, record, *, key=None):
+        codec_for(type(record)).encode(record)
+        self.attempts += 1
+        future = asyncio.get_running_loop().create_future()
+        if self.fail_first > 0:
+            self.fail_first -= 1
+            future.set_exception(DeliveryError("NOT_ENOUGH_REPLICAS"))
+        else:
+            self.delivered.append((topic, key, record))
+            future.set_result(None)
+        return future
+
+    def records(self, record_type, topic=None):
+        return [r for t, _, r in self.delivered if isinstance(r, record_type) and (topic is None or t == topic)]
+
+
+class Pauses:
+    """A sleep that records the requested pauses and runs ``on_pause`` (instead of waiting)."""
+
+    def __init__(self, on_pause=None) -> None:
+        self.seconds: list[float] = []
+        self.on_pause = on_pause
+
+    async def __call__(self, seconds: float) -> None:
+        self.seconds.append(seconds)
+        if self.on_pause:
+            self.on_pause(len(self.seconds))
+        await asyncio.sleep(0)
+
+
+def make_processor(ledger, producer=None, *, clock=None, expiry_s=60.0, memory_s=3600.0, catalog=None,
+                   sleep=None, metrics=None) -> BillingProcessor:
+    return BillingProcessor(
+        catalog=catalog or PriceCatalog.load(),
+        policy=DEFAULT_SPLIT_POLICY,
+        ledger=ledger,
+        producer=producer or RecordingProducer(),
+        topics=TOPICS,
+        clock=clock or ManualClock(WINDOW_START_MS + 90_000),
+        window_expiry_seconds=expiry_s,
+        finished_window_memory_seconds=memory_s,
+        retry_initial_seconds=0.5,
+        retry_max_seconds=4.0,
+        metrics=metrics,
+        sleep=sleep,
+    )
+
+
+def two_gpu_window(*, node="node-a", start_ms=WINDOW_START_MS, instance_type="p4d.24xlarge"):
+    units = [
+        Unit("GPU-0", [pod("p1", 0.6, "ml", team="research"), bucket(ShareSubjectKind.IDLE, 0.4)]),
+        Unit("GPU-1", [pod("p2", 0.3, "web", team="prod"), pod("p3", 0.5, "ml"),
+                       bucket(ShareSubjectKind.UNATTRIBUTED, 0.2)]),
+    ]
+    return node_window(units, node=node, window_start_ms=start_ms, instance_type=instance_type)
+
+
+def held(share, offset=0, partition=0):
+    return HeldRow(RawMessage(SHARES_TOPIC, partition, offset, None, b"", 0), share)
+
+
+# -- OffsetTracker ---------------------------------------------------------------------------------------------
+
+
+def test_offsets_advance_past_finished_messages_and_stop_at_the_oldest_held():
+    tracker = OffsetTracker()
+    tracker.done(TP0, 0)
+    tracker.done(TP0, 1)
+    assert tracker.commit_positions() == {TP0: 2}
+    tracker.hold(TP0, 2)
+    tracker.done(TP0, 3)
+    tracker.hold(TP0, 4)
+    tracker.done(TP0, 5)
+    assert tracker.position(TP0) == 2
+    tracker.release(TP0, 4)
+    assert tracker.position(TP0) == 2
+    tracker.release(TP0, 2)
+    assert tracker.position(TP0) == 6
+
+
+def test_only_positions_that_moved_are_committed_again():
+    tracker = OffsetTracker()
+    tracker.done(TP0, 10)
+    tracker.done(TP1, 3)
+    first = tracker.commit_positions()
+    assert first == {TP0: 11, TP1: 4}
+    tracker.committed(first)
+    assert tracker.commit_positions() == {}
+    tracker.hold(TP0, 11)
+    assert tracker.commit_positions() == {}
+    tracker.done(TP1, 4)
+    assert tracker.commit_positions() == {TP1: 5}
+
+
+def test_forgotten_partitions_are_not_committed_and_late_releases_are_ignored():
+    tracker = OffsetTracker()
+    tracker.hold(TP0, 7)
+    tracker.done(TP1, 0)
+    tracker.forget([TP0])
+    tracker.release(TP0, 7)
+    assert tracker.commit_positions() == {TP1: 1}
+    assert tracker.position(TP0) is None
+    # After re-assignment the partition starts again from the first offset handled.
+    tracker.hold(TP0, 5)
+    assert tracker.position(TP0) == 5
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["done", "hold", "release"]), st.integers(0, 7)), max_size=60))
+def test_committed_positions_never_skip_a_held_message_and_never_go_back(ops):
+    tracker = OffsetTracker()
+    next_offset = 0
+    held_offsets: set[int] = set()
+    finished: set[int] = set()
+    last_position = 0
+    for op, pick in ops:
+        if op == "done":
+            tracker.done(TP0, next_offset)
+            finished.add(next_offset)
+            next_offset += 1
+        elif op == "hold":
+            tracker.hold(TP0, next_offset)
+            held_offsets.add(next_offset)
+            next_offset += 1
+        elif held_offsets:
+            offset = sorted(held_offsets)[pick % len(held_offsets)]
+            tracker.release(TP0, offset)
+            held_offsets.discard(offset)
+            finished.add(offset)
+        position = tracker.position(TP0) or 0
+        assert position >= last_position
+        assert all(offset >= position for offset in held_offsets)
+        assert all(offset in finished for offset in range(position))
+        assert position == min(held_offsets | {next_offset})
+        last_position = position
+
+
+# -- WindowBook ------------------------------------------------------------------------------------------------
+
+
+def test_a_node_window_completes_with_every_message_that_held_it():
+    shares = two_gpu_window()
+    book = WindowBook(expiry_ms=60_000, finished_memory_ms=3_600_000)
+    rows = [held(s, i) for i, s in enumerate(shares)]
+    outcomes = [book.add(r, 0) for r in rows]
+    assert [o.status for o in outcomes] == [AddStatus.HELD] * (len(rows) - 1) + [AddStatus.COMPLETE]
+    window = outcomes[-1].window
+    assert window.key == NodeWindowKey("prod", "node-a", WINDOW_START_MS)
+    assert window.rows == tuple(rows)
+    assert sorted(window.shares, key=repr) == sorted(shares, key=repr)
+    assert book.pending_keys == ()
+
+
+def test_exact_duplicates_and_rows_of_finished_windows_are_duplicates():
+    shares = two_gpu_window()
+    book = WindowBook(expiry_ms=60_000, finished_memory_ms=3_600_000)
+    assert book.add(held(shares[0], 0), 0).status is AddStatus.HELD
+    assert book.add(held(shares[0], 1), 0).status is AddStatus.DUPLICATE
+    assert book.pending_rows(book.pending_keys[0]) == (held(shares[0], 0),)
+    for i, share in enumerate(shares[1:], start=2):
+        book.add(held(share, i), 0)
+    assert book.add(held(shares[3], 9), 0).status is AddStatus.DUPLICATE
+
+
+def test_a_contradicting_row_raises_and_leaves_the_window_as_it_was():
+    shares = two_gpu_window()
+    book = WindowBook(expiry_ms=60_000, finished_memory_ms=3_600_000)
+    book.add(held(shares[0], 0), 0)
+    with pytest.raises(InconsistentShares):
+        book.add(held(replace(shares[0], cost_share=0.5), 1), 0)
+    for i, share in enumerate(shares[1:], start=1):
+        outcome = book.add(held(share, i), 0)
+    assert outcome.status is AddStatus.COMPLETE
+    assert [r.message.offset for r in outcome.window.rows] == list(range(len(shares)))
+
+
+def test_incomplete_windows_expire_with_their_rows_after_the_expiry_and_not_before():
+    a = two_gpu_window(node="node-a")
+    b = two_gpu_window(node="node-b")
+    book = WindowBook(expiry_ms=30_000, finished_memory_ms=3_600_000)
+    book.add(held(a[0], 0), 1_000)
+    book.add(held(a[1], 1), 5_000)
+    book.add(held(b[0], 2), 20_000)
+    assert book.next_expiry_ms() == 31_000
+    assert book.expire(30_999) == ()
+    expired = book.expire(31_000)
+    assert [w.key.node_name for w in expired] == ["node-a"]
+    assert [r.message.offset for r in expired[0].rows] == [0, 1]
+    assert expired[0].first_seen_unix_ms == 1_000
+    # GPU-0 has both its rows, GPU-1 none: one unit of two, no unit short of rows
+    assert expired[0].detail.endswith("after its first row: 1 of 2 units")
+    # node-b is untouched and still completes; node-a starts over (its old rows are gone, not "different").
+    for i, share in enumerate(b[1:], start=3):
+        outcome = book.add(held(share, i), 40_000)
+    assert outcome.status is AddStatus.COMPLETE and len(outcome.window.rows) == len(b)
+    assert book.add(held(a[0], 10), 41_000).status is AddStatus.HELD
+    assert book.next_expiry_ms() == 71_000
+
+
+def test_describe_missing_names_units_and_short_units():
+    shares = two_gpu_window()
+    gpu1_rows = [s for s in shares if s.gpu_uuid == "GPU-1"][:2]
+    text = describe_missing(gpu1_rows)
+    assert text == "1 of 2 units; incomplete units: GPU-1 2/3 rows"
+    assert describe_missing([]) == "no rows"
+
+
+def test_dropping_a_partition_forgets_its_rows_and_they_can_come_again():
+    a = two_gpu_window(node="node-a")
+    b = two_gpu_window(node="node-b")
+    book = WindowBook(expiry_ms=30_000, finished_memory_ms=3_600_000)
+    book.add(held(a[0], 0, partition=0), 0)
+    book.add(held(a[1], 1, partition=0), 0)
+    book.add(held(b[0], 0, partition=1), 0)
+    dropped = book.drop_partitions([TP0])
+    assert [r.share for r in dropped] == [a[0], a[1]]
+    assert [k.node_name for k in book.pending_keys] == ["node-b"]
+    for i, share in enumerate(a):
+        outcome = book.add(held(share, 100 + i, partition=0), 0)
+    assert outcome.status is AddStatus.COMPLETE
+    assert [r.message.offset for r in outcome.window.rows] == list(range(100, 100 + len(a)))
+
+
+def test_finished_windows_are_remembered_only_within_the_memory():
+    old = two_gpu_window(start_ms=WINDOW_START_MS)
+    book = WindowBook(expiry_ms=30_000, finished_memory_ms=2 * MINUTE_MS)
+    for share in old:
+        book.add(held(share), 0)
+    newer = two_gpu_window(start_ms=WINDOW_START_MS + 2 * MINUTE_MS)
+    book.add(held(newer[0]), 0)
+    assert book.add(held(old[0]), 0).status is AddStatus.DUPLICATE  # exactly at the memory's edge
+    book.add(held(two_gpu_window(start_ms=WINDOW_START_MS + 3 * MINUTE_MS)[0]), 0)
+    assert book.add(held(old[0]), 0).status is AddStatus.HELD  # forgotten: a new (late) pending window
+
+
+# -- ledger error classification -------------------------------------------------------------------------------
+
+
+def ledger_error(cause: Exception | None) -> LedgerError:
+    error = LedgerError("writing failed")
+    error.__cause__ = cause
+    return error
+
+
+def test_connection_problems_are_retried_and_refused_values_are_not():
+    refused = OperationalError("INSERT", {}, Exception("connection refused"))
+    assert is_transient_ledger_error(ledger_error(refused))
+    integrity = IntegrityError("INSERT", {}, Exception("violates"))
+    assert not is_transient_ledger_error(ledger_error(integrity))
+    assert is_rejected_by_ledger(ledger_error(integrity))
+    assert not is_transient_ledger_error(ledger_error(None))
+    assert not is_rejected_by_ledger(ledger_error(None))
+    assert [next_backoff_seconds(d, 4.0) for d in (0.5, 1.0, 2.0, 4.0)] == [1.0, 2.0, 4.0, 4.0]
+
+
+# -- BillingProcessor ------------------------------------------------------------------------------------------
+
+
+async def test_complete_windows_are_billed_published_by_node_and_committed(sqlite_ledger):
+    producer = RecordingProducer()
+    processor = make_processor(sqlite_ledger, producer)
+    feed = Feed()
+    windows = sample_shares(2)
+    for shares in windows:
+        for message in feed.messages(shares):
+            await processor.handle(message)
+    await processor.flush()
+    costs = producer.records(CostRecord, TOPICS.costs)
+    bills = {(b["node_name"], b["window_start_unix_ms"]): b["node_cost_micro_usd"] for b in sqlite_ledger.bills()}
+    assert len(bills) == len(windows)
+    sums = defaultdict(int)
+    for record in costs:
+        sums[(record.node_name, record.window_start_unix_ms)] += record.cost_micro_usd
+    assert dict(sums) == bills
+    expected = [c for shares in windows for c in bill_node_window(shares, PriceCatalog.load()).costs]
+    assert sorted(costs, key=repr) == sorted(expected, key=repr)
+    assert all(key == record.node_name.encode() for _, key, record in producer.delivered)
+    assert processor.commit_positions() == {TP0: sum(len(s) for s in windows)}
+    assert processor.stats.windows_billed == len(windows)
+
+
+async def test_held_rows_pin_the_commit_until_their_window_is_billed(sqlite_ledger):
+    processor = make_processor(sqlite_ledger)
+    feed = Feed()
+    a, b = two_gpu_window(node="node-a"), two_gpu_window(node="node-b")
+    await processor.handle(feed.message(a[0]))
+    for share in b:
+        await processor.handle(feed.message(share))
+    await processor.flush()
+    assert processor.commit_positions() == {TP0: 0}
+    for share in a[1:]:
+        await processor.handle(feed.message(share))
+    assert processor.commit_positions() == {TP0: len(a) + len(b)}
+
+
+async def test_redelivery_to_a_fresh_processor_publishes_nothing_and_keeps_the_ledger(sqlite_ledger):
+    windows = sample_shares(2)
+    first = RecordingProducer()
+    processor = make_processor(sqlite_ledger, first)
+    for message in Feed().messages([s for w in windows for s in w]):
+        await processor.handle(message)
+    totals = sqlite_ledger.totals()
+    metrics = ServiceMetrics("billing", BILLING_METRICS)
+    again = RecordingProducer()
+    restarted = make_processor(sqlite_ledger, again, metrics=metrics)
+    for message in Feed().messages([s for w in windows for s in w]):
+        await restarted.handle(message)
+    await restarted.flush()
+    assert again.delivered == []
+    assert sqlite_ledger.totals() == totals
+    assert restarted.stats.windows_already_billed == len(windows)
+    duplicate_lines = metrics.registry.get_sample_value("gpumeter_billing_duplicate_rows_total")
+    assert duplicate_lines == totals.cost_lines
+    # and within one processor, the rows of a billed window are recognised before the ledger is asked
+    for message in Feed().messages(windows[0]):
+        assert await restarted.handle(message) is AddStatus.DUPLICATE
+
+
+async def test_garbage_is_dead_lettered_and_the_next_messages_are_billed(sqlite_ledger):
+    producer = RecordingProducer()
+    processor = make_processor(sqlite_ledger, producer)
+    feed = Feed()
+    garbage = feed.message(value=b"\x00not avro at all")
+    assert await processor.handle(garbage) is None
+    shares = two_gpu_window()
+    for message in feed.messages(shares):
+        await processor.handle(message)
+    await processor.flush()
+    (letter,) = producer.records(DeadLetter, TOPICS.dead_letters)
+    assert letter.reason_code == "CORRUPT"
+    assert letter.raw_bytes == garbage.value
+    assert (letter.source_offset, letter.service) == (0, "billing")
+    assert len(producer.records(CostRecord)) == len(bill_node_window(shares, PriceCatalog.load()).costs)
+    assert processor.commit_positions() == {TP0: 1 + len(shares)}
+
+
+async def test_a_node_without_a_price_dead_letters_each_row_and_the_service_goes_on(sqlite_ledger):
+    producer = RecordingProducer()
+    processor = make_processor(sqlite_ledger, producer)
+    feed = Feed()
+    unpriced = two_gpu_window(node="odd-node", instance_type="x9.nonexistent")
+    messages = feed.messages(unpriced)
+    for message in messages:
+        await processor.handle(message)
+    priced = two_gpu_window(node="node-a")
+    for message in feed.messages(priced):
+        await processor.handle(message)
+    await processor.flush()
+    letters = producer.records(DeadLetter)
+    assert [l.reason_code for l in letters] == ["NO_PRICE"] * len(unpriced)
+    assert [l.source_offset for l in letters] == [m.offset for m in messages]
+    assert [l.raw_bytes for l in letters] == [m.value for m in messages]
+    assert "x9.nonexistent" in letters[0].reason
+    assert {r.node_name for r in producer.records(CostRecord)} == {"node-a"}
+    assert sqlite_ledger.totals().node_windows == 1
+    assert processor.commit_positions() == {TP0: len(unpriced) + len(priced)}
+
+
+async def test_shares_that_do_not_add_up_dead_letter_the_whole_window(sqlite_ledger):
+    producer = RecordingProducer()
+    processor = make_processor(sqlite_ledger, producer)
+    units = [Unit("GPU-0", [pod("p1", 0.6), bucket(ShareSubjectKind.IDLE, 0.3)])]  # adds up to 0.9
+    shares = node_window(units)
+    for message in Feed().messages(shares):
+        await processor.handle(message)
+    await processor.flush()
+    assert [l.reason_code for l in producer.records(DeadLetter)] == ["INCONSISTENT_SHARES"] * 2
+    assert sqlite_ledger.totals().node_windows == 0
+    assert processor.commit_positions() == {TP0: 2}
+
+
+async def test_windows_that_never_complete_are_dead_lettered_after_the_expiry(sqlite_ledger):
+    clock = ManualClock(WINDOW_START_MS + 90_000)
+    producer = RecordingProducer()
+    processor = make_processor(sqlite_ledger, producer, clock=clock, expiry_s=120)
+    feed = Feed()
+    shares = two_gpu_window()
+    partial = feed.messages(shares[:3])
+    for message in partial:
+        await processor.handle(message)
+    clock.advance_ms(119_999)
+    assert await processor.expire_windows() == ()
+    assert processor.commit_positions() == {TP0: 0}
+    clock.advance_ms(1)
+    (expired,) = await processor.expire_windows()
+    await processor.flush()
+    letters = producer.records(DeadLetter)
+    assert [l.reason_code for l in letters] == ["INCOMPLETE_WINDOW"] * 3
+    assert [l.raw_bytes for l in letters] == [m.value for m in partial]
+    assert all(l.reason.endswith("2 of 2 units; incomplete units: GPU-1 1/3 rows") for l in letters)
+    assert processor.commit_positions() == {TP0: 3}
+    assert producer.records(CostRecord) == []
+
+
+class FlakyLedger:
+    """The real ledger behind a connection that is refused ``failures`` times."""
+
+    def __init__(self, ledger, failures: int, error: Exception | None = None) -> None:
+        self.ledger = ledger
+        self.failures = failures
+        self.error = error
+        self.calls = 0
+
+    def write(self, costs, bills):
+        self.calls += 1
+        if self.failures > 0:
+            self.failures -= 1
+            cause = self.error or OperationalError("INSERT", {}, Exception("connection refused"))
+            raise LedgerError("writing failed") from cause
+        return self.ledger.write(costs, bills)
+
+
+async def test_an_unavailable_ledger_is_retried_with_backoff_without_committing(sqlite_ledger):
+    producer = RecordingProducer()
+    positions_while_down = []
+    processor = None
+
+    def on_pause(_count):
+        positions_while_down.append(processor.commit_positions())
+
+    pauses = Pauses(on_pause)
+    ledger = FlakyLedger(sqlite_ledger, failures=5)
+    processor = make_processor(ledger, producer, sleep=pauses)
+    feed = Feed()
+    await processor.handle(feed.message(value=b"junk"))
+    shares = two_gpu_window()
+    for message in feed.messages(shares):
+        await processor.handle(message)
+    assert pauses.seconds == [0.5, 1.0, 2.0, 4.0, 4.0]
+    assert positions_while_down == [{TP0: 1}] * 5  # only the junk before the window could be committed
+    assert ledger.calls == 6
+    await processor.flush()
+    assert sqlite_ledger.totals().node_windows == 1
+    assert producer.records(CostRecord) == list(bill_node_window(shares, PriceCatalog.load()).costs)
+    assert processor.commit_positions() == {TP0: 1 + len(shares)}
+
+
+async def test_stopping_during_a_ledger_outage_leaves_the_window_uncommitted(sqlite_ledger):
+    processor = None
+    pauses = Pauses(lambda count: processor.stop() if count == 2 else None)
+    processor = make_processor(FlakyLedger(sqlite_ledger, failures=100), sleep=pauses)
+    shares = two_gpu_window()
+    with pytest.raises(ServiceStopping):
+        for message in Feed().messages(shares):
+            await processor.handle(message)
+    assert processor.commit_positions() == {TP0: 0}
+    assert sqlite_ledger.totals().node_windows == 0
+
+
+async def test_refused_values_dead_letter_the_window_and_bugs_stop_the_service(sqlite_ledger):
+    producer = RecordingProducer()
+    refused = FlakyLedger(sqlite_ledger, failures=1, error=IntegrityError("INSERT", {}, Exception("too long")))
+    processor = make_processor(refused, producer)
+    shares = two_gpu_window()
+    for message in Feed().messages(shares):
+        await processor.handle(message)
+    await processor.flush()
+    assert [l.reason_code for l in producer.records(DeadLetter)] == ["LEDGER_REJECTED"] * len(shares)
+    assert processor.commit_positions() == {TP0: len(shares)}
+
+    class BrokenLedger:
+        def write(self, costs, bills):
+            raise LedgerError("cost lines add up to 1 micro-USD, the bill says 2")
+
+    broken = make_processor(BrokenLedger(), RecordingProducer())
+    with pytest.raises(LedgerError):
+        for message in Feed().messages(shares):
+            await broken.handle(message)
+    assert broken.commit_positions() == {TP0: 0}
+
+
+async def test_unacknowledged_records_are_sent_again_before_anything_is_committed(sqlite_ledger):
+    producer = RecordingProducer(fail_first=2)
+    pauses = Pauses()
+    processor = make_processor(sqlite_ledger, producer, sleep=pauses)
+    shares = two_gpu_window()
+    for message in Feed().messages(shares):
+        await processor.handle(message)
+    expected = bill_node_window(shares, PriceCatalog.load()).costs
+    assert processor.unacknowledged == len(expected)
+    await processor.flush()
+    assert pauses.seconds == [0.5]
+    assert processor.unacknowledged == 0
+    costs = producer.records(CostRecord)
+    assert sorted(costs, key=repr) == sorted(expected, key=repr)  # each exactly once
+    assert producer.attempts == len(expected) + 2
+    assert sum(c.cost_micro_usd for c in costs) == sqlite_ledger.totals().bill_micro_usd
+    assert await processor.flush(retry=False) is True
+
+
+async def test_metrics_follow_the_bills_and_share_gauges_drop_pods_that_left(sqlite_ledger):
+    metrics = ServiceMetrics("billing", BILLING_METRICS)
+    processor = make_processor(sqlite_ledger, metrics=metrics)
+    feed = Feed()
+    first = two_gpu_window(start_ms=WINDOW_START_MS)
+    for message in feed.messages(first):
+        await processor.handle(message)
+    value = metrics.registry.get_sample_value
+    priced = bill_node_window(first, PriceCatalog.load())
+    for record in priced.costs:
+        if record.subject_kind is CostSubjectKind.POD:
+            team = record.labels.get("team", "")
+            assert value("gpumeter_pod_gpu_cost_micro_usd_total",
+                         {"namespace": record.namespace, "pod": record.pod_name, "team": team}) == record.cost_micro_usd
+    idle = sum(r.cost_micro_usd for r in priced.costs if r.subject_kind is CostSubjectKind.IDLE)
+    assert value("gpumeter_bucket_cost_micro_usd_total", {"node": "node-a", "kind": "idle"}) == idle
+    assert value("gpumeter_node_cost_micro_usd_total",
+                 {"node": "node-a", "instance_type": "p4d.24xlarge"}) == priced.bill.node_cost_micro_usd
+    assert value("gpumeter_billing_ledger_rows_written_total") == len(priced.costs)
+    p1 = {"namespace": "ml", "pod": "pod-p1", "team": "research", "gpu_uuid": "GPU-0"}
+    assert value("gpumeter_pod_gpu_memory_share", p1) == 0.6
+    # next window: p1 left GPU-0
+    units = [Unit("GPU-0", [bucket(ShareSubjectKind.IDLE, 1.0)]),
+             Unit("GPU-1", [pod("p2", 0.25, "web", team="prod"), bucket(ShareSubjectKind.IDLE, 0.75)])]
+    for message in feed.messages(node_window(units, window_start_ms=WINDOW_START_MS + MINUTE_MS)):
+        await processor.handle(message)
+    assert value("gpumeter_pod_gpu_memory_share", p1) is None
+    assert value("gpumeter_pod_gpu_compute_share",
+                 {"namespace": "web", "pod": "pod-p2", "team": "prod", "gpu_uuid": "GPU-1"}) == 0.25
+    assert value("gpumeter_dead_letters_total", {"service": "billing", "topic": SHARES_TOPIC,
+                                                 "reason_code": "CORRUPT"}) is None
+    await processor.handle(feed.message(value=b"zz"))
+    assert value("gpumeter_dead_letters_total", {"service": "billing", "topic": SHARES_TOPIC,
+                                                 "reason_code": "CORRUPT"}) == 1
+
+
+async def test_revoked_partitions_drop_their_rows_and_offsets(sqlite_ledger):
+    processor = make_processor(sqlite_ledger)
+    feed = Feed()
+    a = two_gpu_window(node="node-a")
+    b = two_gpu_window(node="node-b")
+    await processor.handle(feed.message(a[0], partition=0))
+    await processor.handle(feed.message(b[0], partition=1))
+    processor.partitions_revoked([TP0])
+    assert [k.node_name for k in processor.book.pending_keys] == ["node-b"]
+    assert processor.commit_positions() == {TP1: 0}
+    # the new owner of partition 0 would read a[0] again; if it comes back here, it starts a fresh window
+    replay = Feed()
+    for share in a:
+        status = await processor.handle(replay.message(share, partition=0))
+    assert status is AddStatus.COMPLETE
+    assert processor.commit_positions() == {TP0: len(a), TP1: 0}
+
+
+
+# -- settings --------------------------------------------------------------------------------------------------
+
+
+def parse_settings(argv, env):
+    import argparse
+
+    from services.billing.settings import add_arguments, billing_settings
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return billing_settings(parser.parse_args(argv), env)
+
+
+def test_settings_read_env_and_flags_win():
+    env = {
+        "KAFKA_BOOTSTRAP_SERVERS": "kafka:9092",
+        "GPUMETER_KAFKA_TOPIC_PREFIX": "prod.",
+        "GPUMETER_LEDGER_URL": "sqlite:///from-env.sqlite3",
+        "GPUMETER_BILLING_CONSUMER_GROUP": "env-group",
+        "GPUMETER_BILLING_WINDOW_EXPIRY_SECONDS": "120",
+        "GPUMETER_BILLING_SPLIT_RULE": "weights",
+        "GPUMETER_BILLING_SPOT_DISCOUNTS": "aws=0.6",
+        "GPUMETER_METRICS_PORT": "9999",
+    }
+    settings = parse_settings(["--group", "flag-group", "--split-rule", "gpu_fraction", "--gpu-fraction", "0.8"], env)
+    assert settings.kafka.bootstrap_servers == "kafka:9092"
+    assert settings.kafka.topic_prefix == "prod."
+    assert settings.kafka.client_id == "gpumeter-billing"
+    assert settings.ledger_url == "sqlite:///from-env.sqlite3"
+    assert settings.consumer_group == "flag-group"
+    assert settings.window_expiry_seconds == 120.0
+    assert settings.metrics_port == 9999
+    # the price settings go through the same parsers as PriceCatalog.from_env / SplitPolicy.from_env
+    from decimal import Decimal
+
+    from services.billing.pricing import SplitPolicy
+
+    assert settings.split_policy == SplitPolicy.from_env({"GPUMETER_BILLING_SPLIT_RULE": "gpu_fraction",
+                                                          "GPUMETER_BILLING_GPU_FRACTION": "0.8"})
+    assert settings.spot_discounts == {"aws": Decimal("0.6")}
+    assert settings.price_catalog().quote(provider="aws", region="us-east-1", instance_type="p4d.24xlarge",
+                                          price_model="spot").derivation.startswith("spot = on_demand")
+
+
+def test_settings_never_show_the_ledger_password():
+    settings = parse_settings(["--ledger-url", "postgresql+psycopg://billing:hunter2@db:5432/gpumeter"], {})
+    for text in (repr(settings), str(settings.describe())):
+        assert "hunter2" not in text
+    assert settings.describe()["ledger_url"] == "postgresql+psycopg://billing:***@db:5432/gpumeter"
+    assert settings.ledger_url.endswith("hunter2@db:5432/gpumeter")
+
+
+@pytest.mark.parametrize("argv, env", [
+    (["--window-expiry", "0"], {}),
+    (["--metrics-port", "70000"], {}),
+    ([], {"GPUMETER_BILLING_SPOT_DISCOUNTS": "aws=1.5"}),
+    ([], {"GPUMETER_BILLING_SPLIT_RULE": "by-vibes"}),
+    ([], {"GPUMETER_BILLING_WINDOW_EXPIRY_SECONDS": "soon"}),
+])
+def test_unusable_settings_are_config_errors(argv, env):
+    from gpumeter.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        parse_settings(argv, env)
+
+
+def test_the_entrypoint_refuses_unusable_settings_before_touching_anything(capsys):
+    from gpumeter import cli
+
+    assert cli.main(["billing", "--window-expiry", "-5"]) == 2
+    assert "expiry" in capsys.readouterr().out
+
+
+async def test_a_missing_price_folder_stops_the_service_before_it_connects(tmp_path):
+    from services.billing.main import serve
+    from services.billing.settings import BillingSettings
+
+    settings = BillingSettings(price_dir=tmp_path / "no-such-folder", ledger_url=f"sqlite:///{tmp_path}/l.db",
+                               metrics_port=0)
+    assert await serve(settings) == 2
+    assert not (tmp_path / "l.db").exists()
