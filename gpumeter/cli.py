@@ -19,22 +19,27 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "collector": ("services.collector.main", "the per-node agent: NVML samples and pod events to Kafka"),
     "billing": ("services.billing.main", "the billing service: shares to node bills, cost records and the ledger"),
     "report": ("services.billing.report", "costs from the ledger by namespace, label, node or GPU"),
+    "replay": ("services.attributor.replay_cli", "attribute and price a scenario or a recording offline, no broker"),
     "attributor": ("services.attributor.main", "run the streaming attributor (per-pod GPU shares, a Faust worker)"),
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only ``command``'s module is imported (all of them when None), so start-up stays cheap."""
     parser = argparse.ArgumentParser(prog="gpumeter", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         command_parser = sub.add_parser(name, help=help_text, description=help_text)
         command_parser.set_defaults(_module=module_name)
-        importlib.import_module(module_name).add_arguments(command_parser)
+        if command is None or command == name:
+            importlib.import_module(module_name).add_arguments(command_parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = argv[0] if argv and argv[0] in SUBCOMMANDS else ""
+    args = build_parser(command).parse_args(argv)
     module = importlib.import_module(args._module)
     return int(module.main(args, env_snapshot()) or 0)
 

@@ -1,0 +1,418 @@
+"""The streaming attributor: a Faust app that feeds node samples and pod events to one engine per partition.
+
+The agents only decode, check, call ``services.attributor.engine`` and forward; every decision about windows,
+pods and shares is the engine's. ``build_app(settings, clock)`` returns the ``faust.App``; ``main`` runs it.
+
+Topology (a node's samples and its pods' events share a partition number, so each partition is self-contained):
+
+* ``pod-events`` agent: decode ``PodEvent`` → ``engine.on_pod_event``; events that change the pod index are
+  stored raw in the table ``pods`` (key ``<node>/<uid>``, the topic's compaction key). A tombstone removes the key.
+* ``node-samples`` agent: decode ``NodeSample``, reject impossible ticks (``engine.check_sample``: ``OUT_OF_RANGE``)
+  → ``engine.on_sample``; an accepted tick is stored raw in the table ``open_samples`` (key
+  ``<node>|<collector_started_at>|<sequence>``: one small changelog record per tick, never a whole window); a late
+  tick is dead-lettered (``LATE``). Each closed window's ``GpuShare`` rows go to the gpu-shares topic keyed by node
+  name, all rows of a node-window together; once Kafka acknowledged them the node's progress record
+  (``<node>|progress|<cluster>``, same table) is written and the window's tick keys deleted.
+* A timer (every second) closes windows of nodes that went silent (``engine.on_clock``), only on partitions whose
+  input is caught up, and emits them. Tables can only be written inside an agent's event, so those windows'
+  progress records and deletions are written by the next event processed on that partition. A crash in between
+  re-emits such a window once after recovery; downstream billing is idempotent by (window, GPU, subject).
+* After every rebalance (and at start), once Faust has recovered the tables from their changelogs, the engine of
+  each newly assigned partition is rebuilt from the local table contents (``engine.restore``), before any of the
+  partition's input is processed. Windows stored whole without a progress record are emitted again then.
+* Bad input of any kind goes through ``DeadLetterGuard`` to the dead-letters topic; the agents carry on.
+
+Delivery: at-least-once (``processing_guarantee='at_least_once'``; Faust flushes the producer, changelogs
+included, before it commits input offsets). The changelog writes of one event go to that event's partition in
+order, which is what makes "progress record before deletes" hold after recovery (see ``engine``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Callable, Iterable
+
+import faust
+from faust.types import TP
+
+from gpumeter.clock import Clock
+from gpumeter.errors import ConfigError, InvalidMessage
+from gpumeter.kafka.deadletter import DeadLetterGuard, RawMessage
+from gpumeter.metrics import ServiceMetrics
+from gpumeter.settings import KafkaSettings
+from schemas.catalog import partition_for_node
+from schemas.records import DeadLetter, GpuShare, NodeSample, PodEvent
+from schemas.typed import codec_for
+from services.attributor.engine import (
+    AttributionEngine,
+    NodeProgress,
+    WindowResult,
+    is_progress_key,
+    node_of_table_key,
+    pod_table_key,
+    sample_table_key,
+)
+from services.attributor.settings import AttributorSettings
+
+log = logging.getLogger(__name__)
+
+SERVICE = "attributor"
+SAMPLES_TABLE = "open_samples"
+PODS_TABLE = "pods"
+CLOCK_INTERVAL_SECONDS = 1.0
+
+_SAMPLE_CODEC = codec_for(NodeSample)
+_POD_CODEC = codec_for(PodEvent)
+_SHARE_CODEC = codec_for(GpuShare)
+_DEAD_LETTER_CODEC = codec_for(DeadLetter)
+
+
+def faust_broker_urls(kafka: KafkaSettings) -> list[str]:
+    return [f"kafka://{host.strip()}" for host in kafka.bootstrap_servers.split(",") if host.strip()]
+
+
+def faust_credentials(kafka: KafkaSettings) -> Any:
+    """``KafkaSettings`` security as Faust credentials (None for PLAINTEXT)."""
+    protocol = kafka.security_protocol
+    if protocol == "PLAINTEXT":
+        return None
+    ssl_context = None
+    if protocol in ("SSL", "SASL_SSL"):
+        from aiokafka.helpers import create_ssl_context
+
+        ssl_context = create_ssl_context(cafile=kafka.ssl_cafile, certfile=kafka.ssl_certfile,
+                                         keyfile=kafka.ssl_keyfile)
+    if protocol == "SSL":
+        return faust.SSLCredentials(ssl_context)
+    return faust.SASLCredentials(username=kafka.sasl_username, password=kafka.sasl_password,
+                                 ssl_context=ssl_context, mechanism=kafka.sasl_mechanism)
+
+
+def raw_message(message: Any) -> RawMessage:
+    """A Faust message as the library-free ``RawMessage`` the dead-letter guard takes."""
+    timestamp = getattr(message, "timestamp", None)
+    return RawMessage(
+        topic=message.topic,
+        partition=message.partition,
+        offset=message.offset,
+        key=message.key,
+        value=message.value,
+        timestamp_ms=int(timestamp * 1000) if timestamp else None,
+    )
+
+
+class AttributorStream:
+    """The Faust app and the per-partition engines it drives. Build with ``build_app``."""
+
+    def __init__(self, settings: AttributorSettings, clock: Clock, metrics: ServiceMetrics | None = None,
+                 on_failure: Callable[[BaseException], None] | None = None) -> None:
+        if settings.partitions is None:
+            raise ConfigError("the attributor needs the input topics' partition count (settings.partitions)")
+        if settings.data_dir is None:
+            raise ConfigError("the attributor needs a data folder (settings.data_dir)")
+        self.settings = settings
+        self.clock = clock
+        self.metrics = metrics or ServiceMetrics(SERVICE)
+        self.partitions = settings.partitions
+        self.engine_config = settings.engine_config()
+        catalog = settings.kafka.catalog
+        self.samples_topic_name = catalog.node_samples
+        self.pods_topic_name = catalog.pod_events
+
+        self.engines: dict[int, AttributionEngine] = {}
+        self._assigned: set[int] = set()
+        self._processed_offset: dict[int, int] = {}
+        self._unreadable_keys: dict[int, list[tuple[str, str]]] = {}  # partition -> (table name, key)
+        self._ready = False
+        self._rebuild_lock = asyncio.Lock()
+        self._on_failure = on_failure
+        self.failure: BaseException | None = None
+
+        self.app = faust.App(
+            settings.app_id,
+            env={},  # settings come from AttributorSettings only, never from Faust's own environment variables
+            autodiscover=False,
+            broker=faust_broker_urls(settings.kafka),
+            broker_credentials=faust_credentials(settings.kafka),
+            broker_client_id=settings.kafka.client_id,
+            store=settings.store,
+            datadir=str(settings.data_dir),
+            broker_session_timeout=settings.session_timeout_seconds,
+            broker_heartbeat_interval=min(3.0, settings.session_timeout_seconds / 5),
+            processing_guarantee="at_least_once",
+            consumer_auto_offset_reset="earliest",
+            producer_acks=-1,
+            producer_compression_type=settings.kafka.compression_type,
+            topic_partitions=self.partitions,
+            topic_replication_factor=settings.topic_replication_factor,
+            topic_disable_leader=True,
+            web_enabled=False,
+        )
+        app = self.app
+        raw = {"key_type": bytes, "value_type": bytes, "key_serializer": "raw", "value_serializer": "raw"}
+        self.samples_topic = app.topic(self.samples_topic_name, partitions=self.partitions, **raw)
+        self.pods_topic = app.topic(self.pods_topic_name, partitions=self.partitions, **raw)
+        self.shares_topic = app.topic(catalog.gpu_shares, **raw)
+        self.dead_letters_topic = app.topic(catalog.dead_letters, **raw)
+        self.open_samples = app.Table(SAMPLES_TABLE, key_type=str, value_type=bytes, partitions=self.partitions,
+                                      help="Raw ticks of open windows and each node's progress record.")
+        self.pods = app.Table(PODS_TABLE, key_type=str, value_type=bytes, partitions=self.partitions,
+                              help="Raw latest PodEvent per pod of the partition's nodes.")
+        self.guard = DeadLetterGuard(SERVICE, catalog.dead_letters, self._publish_dead_letter, clock, self.metrics)
+
+        app.agent(self.samples_topic, name=f"{SERVICE}.node-samples")(self._samples_agent)
+        app.agent(self.pods_topic, name=f"{SERVICE}.pod-events")(self._pods_agent)
+        app.timer(CLOCK_INTERVAL_SECONDS, name=f"{SERVICE}.clock")(self._clock_timer)
+        app.on_partitions_revoked.connect(self._on_partitions_revoked)
+        app.on_partitions_assigned.connect(self._on_partitions_assigned)
+        app.on_rebalance_complete.connect(self._on_rebalance_complete)
+
+    # -- agents --------------------------------------------------------------------------------------------------
+
+    async def _samples_agent(self, stream: Any) -> None:
+        async for event in stream.events():
+            message = event.message
+            try:
+                engine = await self._engine_for(message.partition)
+                raw = raw_message(message)
+                await self.guard.handle(raw, lambda m: self._on_sample(engine, m))
+                self._apply_table_changes(message.partition, engine)
+            except Exception as exc:
+                self._fail("node-samples agent", exc)
+                raise
+            self._processed_offset[message.partition] = message.offset
+
+    async def _on_sample(self, engine: AttributionEngine, raw: RawMessage) -> None:
+        sample = _SAMPLE_CODEC.decode(raw.value or b"")
+        self._check_partition(raw, sample.node_name)
+        output = engine.on_sample(sample, self.clock.now_ms(), raw.offset)
+        if output.late:
+            await self.guard.reject(raw, output.late[0].error())
+            return
+        if output.accepted:
+            self.open_samples[sample_table_key(sample)] = raw.value
+        if output.windows:
+            await self._emit(output.windows)
+            engine.record_emitted(output.windows)
+
+    async def _pods_agent(self, stream: Any) -> None:
+        async for event in stream.events():
+            message = event.message
+            try:
+                engine = await self._engine_for(message.partition)
+                raw = raw_message(message)
+                if raw.value is None and raw.key is not None:
+                    # A tombstone on the compacted topic: the pod is gone for good; the index prunes it by itself.
+                    self.metrics.get("gpumeter_messages_consumed_total").labels(SERVICE, raw.topic).inc()
+                    key = raw.key.decode("utf-8", errors="replace")
+                    if key in self.pods:
+                        del self.pods[key]
+                else:
+                    await self.guard.handle(raw, lambda m: self._on_pod_event(engine, m))
+                self._apply_table_changes(message.partition, engine)
+            except Exception as exc:
+                self._fail("pod-events agent", exc)
+                raise
+
+    async def _on_pod_event(self, engine: AttributionEngine, raw: RawMessage) -> None:
+        event = _POD_CODEC.decode(raw.value or b"")
+        key = pod_table_key(event)
+        if raw.key is not None and raw.key != key.encode("utf-8"):
+            raise InvalidMessage(
+                f"pod event of {event.namespace}/{event.name} keyed {raw.key!r}; the topic's key is {key!r}",
+                reason_code="WRONG_KEY",
+            )
+        self._check_partition(raw, event.node_name)
+        if engine.on_pod_event(event):
+            self.pods[key] = raw.value
+
+    def _check_partition(self, raw: RawMessage, node_name: str) -> None:
+        # Samples and pod events of a node must share a partition, or its windows are attributed without its pods.
+        expected = partition_for_node(node_name, self.partitions)
+        if raw.partition != expected:
+            raise InvalidMessage(
+                f"record of node {node_name} on partition {raw.partition}; the catalog puts it on {expected} "
+                f"(Kafka's murmur2 of the node name over {self.partitions} partitions)",
+                reason_code="WRONG_PARTITION",
+            )
+
+    # -- timer -----------------------------------------------------------------------------------------------------
+
+    async def _clock_timer(self) -> None:
+        if not self._ready or self.app.rebalancing:
+            return
+        now_ms = self.clock.now_ms()
+        try:
+            for partition, engine in sorted(self.engines.items()):
+                if not self._caught_up(partition):
+                    continue
+                output = engine.on_clock(now_ms)
+                if output.windows:
+                    await self._emit(output.windows)
+                    engine.record_emitted(output.windows)
+        except Exception as exc:
+            self._fail("clock timer", exc)
+            raise
+
+    def _fail(self, where: str, exc: BaseException) -> None:
+        """An error that is not bad input (a bug, Kafka unreachable past its timeouts): windows may have closed
+        without their rows going out. Stop through ``on_failure`` so that a restart restores and re-emits them
+        from the tables, rather than run on with those windows lost."""
+        log.exception("%s failed: %r", where, exc)
+        if self.failure is None:
+            self.failure = exc
+            if self._on_failure is not None:
+                self._on_failure(exc)
+
+    def _caught_up(self, partition: int) -> bool:
+        """Whether every sample of the partition that Kafka holds has been processed. While a backlog is being
+        read, its own event time closes windows; a wall clock ahead of it would make the backlog late."""
+        tp = TP(self.samples_topic_name, partition)
+        consumer = self.app.consumer
+        try:
+            highwater = consumer.highwater(tp)
+        except Exception:  # not assigned (any more), or not fetched yet: not known to be caught up
+            return False
+        if highwater is None:
+            return False
+        processed = self._processed_offset.get(partition)
+        if processed is not None:
+            return processed + 1 >= highwater
+        # Nothing processed since the assignment: caught up when the group's committed offset is the end.
+        # faust-streaming 0.15 keeps the committed offsets it sought to in Consumer._committed_offset.
+        committed = getattr(consumer, "_committed_offset", {}).get(tp)
+        if committed is None:
+            return highwater == 0
+        return committed >= highwater
+
+    # -- emission --------------------------------------------------------------------------------------------------
+
+    async def _emit(self, windows: Iterable[WindowResult]) -> None:
+        """Send each window's rows keyed by node name and wait until Kafka acknowledged all of them."""
+        for window in windows:
+            key = window.node_name.encode("utf-8")
+            futures = [
+                await self.shares_topic.send(key=key, value=_SHARE_CODEC.encode(row)) for row in window.shares
+            ]
+            if futures:
+                await asyncio.gather(*futures)
+            now_ms = self.clock.now_ms()
+            closes_at_ms = window.window_end_unix_ms + self.settings.grace_seconds * 1000
+            self.metrics.get("gpumeter_attributor_windows_closed_total").inc()
+            self.metrics.get("gpumeter_attributor_shares_emitted_total").inc(len(window.shares))
+            self.metrics.get("gpumeter_attributor_window_lag_seconds").set(max(now_ms - closes_at_ms, 0) / 1000)
+            log.info("emitted %d shares of node %s window %d (%d ticks)", len(window.shares), window.node_name,
+                     window.window_start_unix_ms, len(window.sample_keys))
+
+    async def _publish_dead_letter(self, topic: str, key: bytes, record: DeadLetter) -> None:
+        await self.dead_letters_topic.send(key=key, value=_DEAD_LETTER_CODEC.encode(record))
+
+    def _apply_table_changes(self, partition: int, engine: AttributionEngine) -> None:
+        """Write the engine's queued table changes; only inside an event of ``partition`` (Faust writes a table's
+        changelog to the current event's partition)."""
+        changes = engine.take_table_changes()
+        for progress in changes.progress:
+            self.open_samples[progress.table_key] = progress.encode()
+        for key in changes.deleted_sample_keys:
+            if key in self.open_samples:
+                del self.open_samples[key]
+        for key in changes.deleted_pod_keys:
+            if key in self.pods:
+                del self.pods[key]
+        for table_name, key in self._unreadable_keys.pop(partition, ()):
+            table = self.open_samples if table_name == SAMPLES_TABLE else self.pods
+            if key in table:
+                del table[key]
+
+    # -- rebalance and restore -------------------------------------------------------------------------------------
+
+    async def _on_partitions_revoked(self, sender: Any, revoked: Any, **_: Any) -> None:
+        self._ready = False
+
+    async def _on_partitions_assigned(self, sender: Any, assigned: Any, **_: Any) -> None:
+        self._ready = False
+        self._assigned = {tp.partition for tp in assigned if tp.topic == self.samples_topic_name}
+
+    async def _on_rebalance_complete(self, sender: Any, **_: Any) -> None:
+        # Tables are recovered; streams have not resumed yet. Partitions kept across the rebalance keep their
+        # engine (it holds table changes not yet written); new ones are rebuilt from the tables.
+        for partition in list(self.engines):
+            if partition not in self._assigned:
+                del self.engines[partition]
+                self._processed_offset.pop(partition, None)
+                self._unreadable_keys.pop(partition, None)
+        await self._rebuild(self._assigned - set(self.engines))
+        self._ready = True
+
+    async def _engine_for(self, partition: int) -> AttributionEngine:
+        engine = self.engines.get(partition)
+        if engine is None:
+            # An event of a partition the rebalance hook did not rebuild (it could not have: the hook always runs
+            # first); rebuild now rather than process the event against empty state.
+            await self._rebuild({partition})
+            engine = self.engines[partition]
+        return engine
+
+    async def _rebuild(self, partitions: set[int]) -> None:
+        if not partitions:
+            return
+        async with self._rebuild_lock:
+            partitions = {p for p in partitions if p not in self.engines}
+            if not partitions:
+                return
+            samples: dict[int, list[NodeSample]] = {p: [] for p in partitions}
+            progress: dict[int, list[NodeProgress]] = {p: [] for p in partitions}
+            pod_events: dict[int, list[PodEvent]] = {p: [] for p in partitions}
+            for key, value in list(self.open_samples.items()):
+                partition = partition_for_node(node_of_table_key(key), self.partitions)
+                if partition not in partitions:
+                    continue
+                try:
+                    if is_progress_key(key):
+                        progress[partition].append(NodeProgress.decode(value))
+                    else:
+                        samples[partition].append(_SAMPLE_CODEC.decode(value))
+                except InvalidMessage as exc:
+                    log.warning("dropping unreadable %s entry %r: %s", SAMPLES_TABLE, key, exc)
+                    self._unreadable_keys.setdefault(partition, []).append((SAMPLES_TABLE, key))
+            for key, value in list(self.pods.items()):
+                partition = partition_for_node(key.split("/", 1)[0], self.partitions)
+                if partition not in partitions:
+                    continue
+                try:
+                    pod_events[partition].append(_POD_CODEC.decode(value))
+                except InvalidMessage as exc:
+                    log.warning("dropping unreadable %s entry %r: %s", PODS_TABLE, key, exc)
+                    self._unreadable_keys.setdefault(partition, []).append((PODS_TABLE, key))
+            restored: dict[int, tuple[AttributionEngine, tuple[WindowResult, ...]]] = {}
+            for partition in sorted(partitions):
+                engine = AttributionEngine(self.engine_config)
+                output = engine.restore(samples[partition], pod_events[partition], progress[partition])
+                self.engines[partition] = engine
+                self._processed_offset.pop(partition, None)
+                restored[partition] = (engine, output.windows)
+                log.info(
+                    "partition %d rebuilt: %d open ticks, %d pods, %d nodes with progress, %d windows to re-emit",
+                    partition, len(samples[partition]), len(pod_events[partition]), len(progress[partition]),
+                    len(output.windows),
+                )
+        for partition, (engine, windows) in sorted(restored.items()):
+            if windows:
+                try:
+                    await self._emit(windows)
+                except Exception as exc:
+                    self._fail(f"re-emission of partition {partition}", exc)
+                    raise
+                engine.record_emitted(windows)
+
+
+def build_app(settings: AttributorSettings, clock: Clock, metrics: ServiceMetrics | None = None,
+              on_failure: Callable[[BaseException], None] | None = None) -> faust.App:
+    """The attributor's Faust app for ``settings`` (``partitions`` and ``data_dir`` must be set; ``main`` fills
+    them in). ``metrics``: where to count (a fresh ``ServiceMetrics('attributor')`` when None). ``on_failure``:
+    called once with the first error that is not bad input (``main`` stops the worker with it). The
+    ``AttributorStream`` behind the app is ``app.attributor``."""
+    stream = AttributorStream(settings, clock, metrics, on_failure)
+    stream.app.attributor = stream  # type: ignore[attr-defined]
+    return stream.app

@@ -1,0 +1,552 @@
+"""The per-partition attribution engine: windows, pods and attribution as one state the streaming agents drive.
+
+No Kafka or Faust here: the Faust app (``services/attributor/app.py``) decodes messages and calls this; the offline
+replay can call the same engine with ``position=None``. One engine serves one input partition (a node's samples
+and its pods' events share a partition number), so it holds the pods of the partition's nodes and one
+``WindowAccumulator`` per node: the accumulator copies its node map on every ``add``, so one per node keeps each
+add proportional to that node's state, not to the partition's.
+
+Lifecycle of a window (what the caller does with each output):
+
+1. ``on_sample`` adds a tick; ticks past a window's end + grace close it. ``on_clock(now)`` closes windows of
+   nodes that went silent, once ``now >= end + grace + idle_close`` (the caller only calls it while its input is
+   caught up: during a backlog the backlog's own event time closes windows, and a clock ahead of the backlog
+   would wrongly make the backlog late).
+2. Every closed window comes out once as a ``WindowResult`` with its ``GpuShare`` rows and the state-table keys
+   of its ticks. The caller emits the rows, waits for them to be acknowledged, then calls ``record_emitted``.
+3. ``take_table_changes`` gives what the caller's state table must do, in this order: put the nodes' progress
+   records, then delete the emitted windows' tick keys and the pods pruned from the index. Progress before
+   deletes: a table recovered from a prefix of those writes never holds part of a window without its progress
+   record, so a restore re-emits a window whole or not at all.
+
+Replay feeds the same calls from recorded input (``position=None``, ``now_ms`` from its own clock) and ends with
+``flush()``, which closes whatever is still open.
+
+Restore (after a restart or a rebalance): ``restore(samples, pod_events, progress)`` from the tables' contents
+rebuilds the same open windows, the same pod index and each node's closed-before boundary; windows whose ticks
+are all stored but whose progress record is missing are closed and returned again (they may have been emitted
+before the crash: at-least-once, downstream is idempotent by (window, GPU, subject)).
+
+A progress record also carries ``position``: the largest input position (the Kafka offset on the partition) the
+engine had processed when it was written. Every input at or below it was processed and its table writes came
+before the record, so after a restore a tick of an already closed window at or below that position is a
+redelivery (dropped, counted) and one above it is really late (the caller dead-letters it).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+from gpumeter.errors import ConfigError, InvalidMessage, OutOfRange
+from schemas.catalog import pod_event_key
+from schemas.records import GpuShare, NodeSample, PodEvent
+
+from services.attributor.attribution import AttributionPolicy, attribute_node_window
+from services.attributor.pod_index import DEFAULT_LINGER_MS, PodIndex, apply_pod_event
+from services.attributor.windows import LateSample, NodeKey, NodeWindow, WindowAccumulator
+
+KEY_SEPARATOR = "|"
+PROGRESS_TAG = "progress"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# State-table keys
+
+
+def sample_table_key(sample: NodeSample) -> str:
+    """``<node>|<collector_started_at_unix_ms>|<sequence>``: one key per tick, so each tick is one small record."""
+    return f"{sample.node_name}{KEY_SEPARATOR}{sample.collector_started_at_unix_ms}{KEY_SEPARATOR}{sample.sequence}"
+
+
+def progress_table_key(cluster: str, node_name: str) -> str:
+    """``<node>|progress|<cluster>``: the node's progress record, in the same table as its ticks (see module doc)."""
+    return f"{node_name}{KEY_SEPARATOR}{PROGRESS_TAG}{KEY_SEPARATOR}{cluster}"
+
+
+def pod_table_key(event: PodEvent) -> str:
+    """The pod table's key of ``event``: its compaction key on the pod-events topic, ``<node>/<uid>``."""
+    return pod_event_key(event.node_name, event.uid).decode("utf-8")
+
+
+def node_of_table_key(key: str) -> str:
+    """The node name a sample or progress key belongs to (node names cannot contain ``|``)."""
+    return key.split(KEY_SEPARATOR, 1)[0]
+
+
+def is_progress_key(key: str) -> bool:
+    parts = key.split(KEY_SEPARATOR, 2)
+    return len(parts) == 3 and parts[1] == PROGRESS_TAG
+
+
+@dataclass(frozen=True, slots=True)
+class NodeProgress:
+    """How far a node's windows are closed and emitted: windows starting before ``closed_before_unix_ms`` are done.
+
+    ``position``: every input at or below it had been processed when this was written (None: positions unknown).
+    """
+
+    cluster: str
+    node_name: str
+    closed_before_unix_ms: int
+    position: int | None
+
+    @property
+    def table_key(self) -> str:
+        return progress_table_key(self.cluster, self.node_name)
+
+    def encode(self) -> bytes:
+        return json.dumps(
+            {
+                "cluster": self.cluster,
+                "node_name": self.node_name,
+                "closed_before_unix_ms": self.closed_before_unix_ms,
+                "position": self.position,
+            },
+            sort_keys=True,
+        ).encode("utf-8")
+
+    @classmethod
+    def decode(cls, data: bytes) -> "NodeProgress":
+        """Raises ``InvalidMessage`` (reason ``CORRUPT``) for bytes ``encode`` did not write."""
+        try:
+            d = json.loads(data)
+            position = d["position"]
+            progress = cls(str(d["cluster"]), str(d["node_name"]), int(d["closed_before_unix_ms"]),
+                           None if position is None else int(position))
+        except (ValueError, TypeError, KeyError) as exc:
+            raise InvalidMessage(f"not a progress record: {exc!r}", reason_code="CORRUPT") from None
+        return progress
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Range checks
+
+
+def check_sample(sample: NodeSample, now_unix_ms: int, max_clock_skew_ms: int) -> None:
+    """Raise ``OutOfRange`` when ``sample`` holds values no real tick can have; return None otherwise.
+
+    Impossible: sampled further in the future than ``now + max_clock_skew_ms`` (it would move the node's watermark
+    and make its real ticks late), a negative interval, negative memory, used or reserved memory above the total,
+    device utilization outside [0, 100], per-process arrays of different lengths, negative per-process memory, or
+    per-process SM utilization outside [-1, 100] (-1 is NVML's "no sample"). Values the attribution can use
+    (unknown utilization, a lost GPU's zeros, a process of no known pod) are not errors.
+    """
+    where = f"node {sample.node_name} tick {sample.collector_started_at_unix_ms}/{sample.sequence}"
+    if sample.sampled_at_unix_ms > now_unix_ms + max_clock_skew_ms:
+        raise OutOfRange(
+            f"{where}: sampled_at {sample.sampled_at_unix_ms} is {sample.sampled_at_unix_ms - now_unix_ms} ms in "
+            f"the future (allowed clock skew {max_clock_skew_ms} ms)"
+        )
+    if sample.interval_ms < 0:
+        raise OutOfRange(f"{where}: negative interval_ms {sample.interval_ms}")
+    for dev in sample.devices:
+        unit = f"{where} device {dev.uuid}"
+        for name in ("memory_total_bytes", "memory_used_bytes", "memory_free_bytes", "memory_reserved_bytes"):
+            if getattr(dev, name) < 0:
+                raise OutOfRange(f"{unit}: negative {name} {getattr(dev, name)}")
+        if dev.memory_used_bytes > dev.memory_total_bytes:
+            raise OutOfRange(f"{unit}: memory used {dev.memory_used_bytes} > total {dev.memory_total_bytes}")
+        if dev.memory_reserved_bytes > dev.memory_total_bytes:
+            raise OutOfRange(f"{unit}: memory reserved {dev.memory_reserved_bytes} > total {dev.memory_total_bytes}")
+        for name in ("gpu_utilization_percent", "memory_utilization_percent"):
+            value = getattr(dev, name)
+            if value is not None and not 0 <= value <= 100:
+                raise OutOfRange(f"{unit}: {name} {value} outside [0, 100]")
+        lengths = {
+            len(dev.process_pids),
+            len(dev.process_container_index),
+            len(dev.process_pod_index),
+            len(dev.process_used_memory_bytes),
+            len(dev.process_sm_utilization_percent),
+        }
+        if len(lengths) != 1:
+            raise OutOfRange(
+                f"{unit}: per-process arrays differ in length (pids {len(dev.process_pids)}, containers "
+                f"{len(dev.process_container_index)}, pods {len(dev.process_pod_index)}, memory "
+                f"{len(dev.process_used_memory_bytes)}, sm {len(dev.process_sm_utilization_percent)})"
+            )
+        for pid, used in zip(dev.process_pids, dev.process_used_memory_bytes):
+            if used < 0:
+                raise OutOfRange(f"{unit}: process {pid} has negative used memory {used}")
+        for pid, sm in zip(dev.process_pids, dev.process_sm_utilization_percent):
+            if not -1 <= sm <= 100:
+                raise OutOfRange(f"{unit}: process {pid} SM utilization {sm} outside [-1, 100]")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Engine
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """What an engine needs to know; the streaming app builds it from ``AttributorSettings``."""
+
+    window_seconds: int = 60
+    grace_seconds: int = 10
+    idle_close_seconds: int = 30
+    max_clock_skew_seconds: int = 120
+    pod_linger_ms: int = DEFAULT_LINGER_MS
+    policy: AttributionPolicy = field(default_factory=AttributionPolicy)
+    closed_key_retention: int = 2
+
+    def __post_init__(self) -> None:
+        # The accumulator validates window and grace; these are the engine's own.
+        WindowAccumulator(self.window_seconds, self.grace_seconds, self.closed_key_retention)
+        if not isinstance(self.idle_close_seconds, int) or self.idle_close_seconds < 0:
+            raise ConfigError(f"idle_close_seconds must be a non-negative integer, got {self.idle_close_seconds!r}")
+        if not isinstance(self.max_clock_skew_seconds, int) or self.max_clock_skew_seconds < 0:
+            raise ConfigError(
+                f"max_clock_skew_seconds must be a non-negative integer, got {self.max_clock_skew_seconds!r}"
+            )
+        if self.pod_linger_ms < 0:
+            raise ConfigError(f"pod linger must be >= 0 ms, got {self.pod_linger_ms}")
+
+
+@dataclass(frozen=True, slots=True)
+class WindowResult:
+    """One closed node window: its share rows (``attribute_node_window`` order) and its ticks' table keys."""
+
+    cluster: str
+    node_name: str
+    window_start_unix_ms: int
+    window_seconds: int
+    shares: tuple[GpuShare, ...]
+    sample_keys: tuple[str, ...]
+
+    @property
+    def window_end_unix_ms(self) -> int:
+        return self.window_start_unix_ms + self.window_seconds * 1000
+
+
+@dataclass(frozen=True, slots=True)
+class EngineOutput:
+    """What one engine call produced.
+
+    ``windows``: windows closed by this call, sorted by (window start, cluster, node). ``late``: the tick of this
+    call when its window was already closed (dead-letter it with ``late[0].error()``). ``accepted``: the tick was
+    added to an open window (store it in the state table). ``duplicate``: the tick was seen before, or is a
+    redelivery of a tick of an emitted window (nothing to do).
+    """
+
+    windows: tuple[WindowResult, ...] = ()
+    late: tuple[LateSample, ...] = ()
+    accepted: bool = False
+    duplicate: bool = False
+
+    @property
+    def shares(self) -> tuple[GpuShare, ...]:
+        return tuple(row for w in self.windows for row in w.shares)
+
+    @property
+    def closed_keys(self) -> tuple[str, ...]:
+        """Table keys of the ticks of the closed windows (deleted once the windows are emitted)."""
+        return tuple(k for w in self.windows for k in w.sample_keys)
+
+
+@dataclass(frozen=True, slots=True)
+class TableChanges:
+    """State-table writes, to apply in field order: progress puts, then sample deletes, then pod deletes."""
+
+    progress: tuple[NodeProgress, ...] = ()
+    deleted_sample_keys: tuple[str, ...] = ()
+    deleted_pod_keys: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.progress or self.deleted_sample_keys or self.deleted_pod_keys)
+
+
+def _window_order(w: WindowResult) -> tuple[int, str, str]:
+    return (w.window_start_unix_ms, w.cluster, w.node_name)
+
+
+class AttributionEngine:
+    """One partition's windows and pods. Mutable (it holds immutable accumulators and a ``PodIndex``); not
+    thread-safe: one caller at a time (the Faust agents and timer share one event loop)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self._accs: dict[NodeKey, WindowAccumulator] = {}
+        self._last_sampled_at: dict[NodeKey, int] = {}
+        self._pods = PodIndex.empty(config.pod_linger_ms)
+        self._pod_keys: dict[str, str] = {}  # uid -> pod table key
+        self._clock_watermark_ms: int | None = None
+        self._position: int | None = None
+        self._restored_positions: dict[NodeKey, int] = {}
+        self._has_progress: set[NodeKey] = set()
+        self._in_flight: dict[NodeKey, set[int]] = {}
+        self._pending_progress: dict[NodeKey, NodeProgress] = {}
+        self._pending_sample_deletes: list[str] = []
+        self._pending_pod_deletes: list[str] = []
+        self.redeliveries_ignored = 0
+        self.late_rejected = 0
+
+    # -- inputs ----------------------------------------------------------------------------------------------------
+
+    def on_sample(self, sample: NodeSample, now_ms: int, position: int | None = None) -> EngineOutput:
+        """Add one tick (``check_sample`` first: raises ``OutOfRange``). ``position``: the tick's place in the
+        input (its Kafka offset), or None when the input has no positions."""
+        check_sample(sample, now_ms, self.config.max_clock_skew_seconds * 1000)
+        key: NodeKey = (sample.cluster, sample.node_name)
+        acc = self._acc_for(key)
+        result = acc.add(sample, position)
+        self._accs[key] = result.state
+        if position is not None and (self._position is None or position > self._position):
+            self._position = position
+        if result.rejected:
+            restored = self._restored_positions.get(key)
+            if position is not None and restored is not None and position <= restored:
+                self.redeliveries_ignored += 1
+                return EngineOutput(duplicate=True)
+            self.late_rejected += 1
+            return EngineOutput(late=result.rejected)
+        if result.state.duplicates_ignored > acc.duplicates_ignored:
+            return EngineOutput(duplicate=True)
+        last = self._last_sampled_at.get(key)
+        if last is None or sample.sampled_at_unix_ms > last:
+            self._last_sampled_at[key] = sample.sampled_at_unix_ms
+        return EngineOutput(windows=self._attribute(key, result.closed), accepted=True)
+
+    def on_pod_event(self, event: PodEvent) -> bool:
+        """Apply a pod event; True when it changed the pod index (store it), False for a stale or repeated one.
+        Pods the index prunes (deleted longer than the linger ago) are queued for deletion from the pod table."""
+        before = self._pods
+        after = apply_pod_event(before, event)
+        if after is before:
+            return False
+        self._pods = after
+        self._pod_keys[event.uid] = pod_table_key(event)
+        expected = len(before) + (0 if event.uid in before else 1)
+        if len(after) < expected:
+            for uid in before.uids + (event.uid,):
+                if uid not in after:
+                    table_key = self._pod_keys.pop(uid, None)
+                    if table_key is not None:
+                        self._pending_pod_deletes.append(table_key)
+        return True
+
+    def on_clock(self, now_ms: int) -> EngineOutput:
+        """Close windows with ``end + grace + idle_close <= now_ms`` on every node (clock-driven watermark
+        ``now - idle_close``; it never goes back). Forgets nodes silent for longer than their key retention."""
+        watermark = now_ms - self.config.idle_close_seconds * 1000
+        if self._clock_watermark_ms is not None and watermark <= self._clock_watermark_ms:
+            return EngineOutput()
+        self._clock_watermark_ms = watermark
+        windows: list[WindowResult] = []
+        for key in sorted(self._accs):
+            result = self._accs[key].advance(watermark)
+            self._accs[key] = result.state
+            windows.extend(self._attribute(key, result.closed))
+        self._forget_silent_nodes(watermark)
+        windows.sort(key=_window_order)
+        return EngineOutput(windows=tuple(windows))
+
+    def flush(self) -> EngineOutput:
+        """Close every open window now, whatever the time (the end of a replay's input). Windows come sorted by
+        (window start, cluster, node)."""
+        windows: list[WindowResult] = []
+        for key in sorted(self._accs):
+            result = self._accs[key].flush()
+            self._accs[key] = result.state
+            windows.extend(self._attribute(key, result.closed))
+        windows.sort(key=_window_order)
+        return EngineOutput(windows=tuple(windows))
+
+    def restore(
+        self,
+        samples: Iterable[NodeSample],
+        pod_events: Iterable[PodEvent],
+        progress: Iterable[NodeProgress] = (),
+    ) -> EngineOutput:
+        """Rebuild a fresh engine from its state tables (call before any other input).
+
+        Pod events are applied in ``observed_at`` order; each node starts at its progress record's boundary;
+        samples are added in (sampled_at, collector start, sequence) order. Returns the windows that close while
+        rebuilding (stored whole but without a progress record: maybe emitted before, emit them again). Stored
+        ticks of windows before a node's boundary (their deletes were lost) are queued for deletion.
+        """
+        if self._accs or len(self._pods) or self._position is not None:
+            raise RuntimeError("restore() rebuilds a fresh engine; this one has processed input")
+        for event in sorted(pod_events, key=lambda e: (e.observed_at_unix_ms, e.uid, e.resource_version)):
+            self.on_pod_event(event)
+        grace_ms = self.config.grace_seconds * 1000
+        for record in progress:
+            key: NodeKey = (record.cluster, record.node_name)
+            acc = self._accs.get(key) or WindowAccumulator(
+                self.config.window_seconds, self.config.grace_seconds, self.config.closed_key_retention
+            )
+            # A clock-driven watermark of boundary + grace closes exactly the windows before the boundary.
+            self._accs[key] = acc.advance(record.closed_before_unix_ms + grace_ms).state
+            self._has_progress.add(key)
+            # Until it sends again, a node restored from its progress record alone was last heard of at its boundary.
+            boundary = record.closed_before_unix_ms
+            self._last_sampled_at[key] = max(boundary, self._last_sampled_at.get(key, boundary))
+            if record.position is not None:
+                self._restored_positions[key] = max(record.position, self._restored_positions.get(key, record.position))
+        positions = [p for p in self._restored_positions.values()]
+        self._position = max(positions) if positions else None
+        windows: list[WindowResult] = []
+        ordered = sorted(samples, key=lambda s: (s.sampled_at_unix_ms, s.collector_started_at_unix_ms, s.sequence))
+        for sample in ordered:
+            key = (sample.cluster, sample.node_name)
+            acc = self._acc_for(key)
+            result = acc.add(sample)
+            self._accs[key] = result.state
+            if result.rejected:
+                self._pending_sample_deletes.append(sample_table_key(sample))
+                continue
+            last = self._last_sampled_at.get(key)
+            if last is None or sample.sampled_at_unix_ms > last:
+                self._last_sampled_at[key] = sample.sampled_at_unix_ms
+            windows.extend(self._attribute(key, result.closed))
+        windows.sort(key=_window_order)
+        return EngineOutput(windows=tuple(windows))
+
+    # -- after emission --------------------------------------------------------------------------------------------
+
+    def record_emitted(self, windows: Iterable[WindowResult]) -> None:
+        """The rows of ``windows`` are acknowledged downstream: queue each node's progress record and the
+        windows' tick deletions (``take_table_changes``)."""
+        touched: list[NodeKey] = []
+        for w in windows:
+            key = (w.cluster, w.node_name)
+            flight = self._in_flight.get(key)
+            if flight is not None:
+                flight.discard(w.window_start_unix_ms)
+                if not flight:
+                    del self._in_flight[key]
+            self._pending_sample_deletes.extend(w.sample_keys)
+            if key not in touched:
+                touched.append(key)
+        for key in touched:
+            acc = self._accs.get(key)
+            if acc is None:
+                continue
+            watermark = acc.watermark(*key)
+            closed_before = acc.closed_before_for(watermark) if watermark is not None else None
+            flight = self._in_flight.get(key)
+            if flight:
+                # A window closed earlier but not yet acknowledged holds the boundary back: a restore must
+                # re-emit it rather than count it as done.
+                closed_before = min(flight) if closed_before is None else min(closed_before, min(flight))
+            if closed_before is None:
+                continue
+            self._pending_progress.pop(key, None)
+            self._pending_progress[key] = NodeProgress(key[0], key[1], closed_before, self._position)
+            self._has_progress.add(key)
+
+    def take_table_changes(self) -> TableChanges:
+        """The queued state-table writes (apply them in ``TableChanges`` field order); the queue is emptied."""
+        changes = TableChanges(
+            tuple(self._pending_progress.values()),
+            tuple(dict.fromkeys(self._pending_sample_deletes)),
+            tuple(dict.fromkeys(self._pending_pod_deletes)),
+        )
+        self._pending_progress.clear()
+        self._pending_sample_deletes.clear()
+        self._pending_pod_deletes.clear()
+        return changes
+
+    # -- introspection ---------------------------------------------------------------------------------------------
+
+    @property
+    def pods(self) -> PodIndex:
+        return self._pods
+
+    @property
+    def clock_watermark_ms(self) -> int | None:
+        return self._clock_watermark_ms
+
+    def nodes(self) -> tuple[NodeKey, ...]:
+        return tuple(sorted(self._accs))
+
+    def open_window_starts(self, cluster: str, node_name: str) -> tuple[int, ...]:
+        acc = self._accs.get((cluster, node_name))
+        return acc.open_window_starts(cluster, node_name) if acc is not None else ()
+
+    def open_sample_count(self) -> int:
+        return sum(acc.open_sample_count() for acc in self._accs.values())
+
+    def closed_before(self, cluster: str, node_name: str) -> int | None:
+        """Windows of the node starting before this are closed (None: node unknown)."""
+        acc = self._accs.get((cluster, node_name))
+        if acc is None:
+            return None
+        watermark = acc.watermark(cluster, node_name)
+        if watermark is None:
+            return None
+        return acc.closed_before_for(watermark)
+
+    def in_flight(self) -> Mapping[NodeKey, frozenset[int]]:
+        """Window starts closed but not yet recorded as emitted, per node."""
+        return {k: frozenset(v) for k, v in self._in_flight.items()}
+
+    # -- internals -------------------------------------------------------------------------------------------------
+
+    def _acc_for(self, key: NodeKey) -> WindowAccumulator:
+        acc = self._accs.get(key)
+        if acc is None:
+            acc = WindowAccumulator(
+                self.config.window_seconds, self.config.grace_seconds, self.config.closed_key_retention
+            )
+            if self._clock_watermark_ms is not None:
+                # A node first heard of now obeys the same clock as the others: its ticks of windows the clock
+                # has closed are late.
+                acc = acc.advance(self._clock_watermark_ms).state
+            self._accs[key] = acc
+        return acc
+
+    def _attribute(self, key: NodeKey, closed: tuple[NodeWindow, ...]) -> tuple[WindowResult, ...]:
+        results = []
+        for window in closed:
+            shares = attribute_node_window(window, self._pods, self.config.policy)
+            results.append(
+                WindowResult(
+                    window.cluster,
+                    window.node_name,
+                    window.window_start_unix_ms,
+                    window.window_seconds,
+                    shares,
+                    tuple(sample_table_key(s) for s in window.samples),
+                )
+            )
+            self._in_flight.setdefault(key, set()).add(window.window_start_unix_ms)
+        return tuple(results)
+
+    def _forget_silent_nodes(self, clock_watermark_ms: int) -> None:
+        # A node with no open window, nothing in flight and no tick for longer than its closed-key retention
+        # (plus grace) is dropped: a fresh accumulator under the same clock rejects the same ticks as late, and
+        # its redeliveries are long committed. Keeps memory bounded as nodes come and go.
+        window_ms = self.config.window_seconds * 1000
+        retained_ms = (self.config.closed_key_retention + 1) * window_ms + self.config.grace_seconds * 1000
+        horizon = clock_watermark_ms - retained_ms
+        for key in list(self._accs):
+            if key in self._in_flight or self._accs[key].open_window_starts(*key):
+                continue
+            last = self._last_sampled_at.get(key)
+            if last is not None and last >= horizon:
+                continue
+            del self._accs[key]
+            self._last_sampled_at.pop(key, None)
+            self._restored_positions.pop(key, None)
+            if key in self._has_progress:
+                self._has_progress.discard(key)
+                self._pending_progress.pop(key, None)
+                self._pending_sample_deletes.append(progress_table_key(*key))
+
+
+__all__ = [
+    "AttributionEngine",
+    "EngineConfig",
+    "EngineOutput",
+    "NodeProgress",
+    "TableChanges",
+    "WindowResult",
+    "check_sample",
+    "is_progress_key",
+    "node_of_table_key",
+    "pod_table_key",
+    "progress_table_key",
+    "sample_table_key",
+]
