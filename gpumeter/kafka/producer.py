@@ -85,7 +85,3 @@ class RecordProducer:
 
     async def partitions_for(self, topic: str) -> set[int]:
         return await self._producer.partitions_for(topic)
-
-    @property
-    def pending_count(self) -> int:
-        return len(self._pending)

@@ -399,18 +399,7 @@ class NvmlBackend:
             mig_profile=None,
             mig_compute_slices=0,
             mig_total_compute_slices=0,
-            memory_total_bytes=total,
-            memory_used_bytes=used,
-            memory_free_bytes=free,
-            memory_reserved_bytes=reserved,
-            gpu_utilization_percent=None if util is _FAILED else int(util.gpu),
-            memory_utilization_percent=None if util is _FAILED else int(util.memory),
-            power_milliwatts=None if power is _FAILED else int(power),
-            process_utilization_supported=supported,
-            errors=tuple(call.errors),
-            process_pids=tuple(pids),
-            process_used_memory_bytes=tuple(memory[p] for p in pids),
-            process_sm_utilization_percent=sm,
+            **_readings(call, (total, used, free, reserved), util, power, memory, pids, supported, sm),
         )
 
     # ---- MIG ------------------------------------------------------------------------------------------------
@@ -569,18 +558,7 @@ class NvmlBackend:
             mig_profile=profile,
             mig_compute_slices=slices,
             mig_total_compute_slices=0,
-            memory_total_bytes=total,
-            memory_used_bytes=used,
-            memory_free_bytes=free,
-            memory_reserved_bytes=reserved,
-            gpu_utilization_percent=None if util is _FAILED else int(util.gpu),
-            memory_utilization_percent=None if util is _FAILED else int(util.memory),
-            power_milliwatts=None if power is _FAILED else int(power),
-            process_utilization_supported=supported,
-            errors=tuple(call.errors),
-            process_pids=tuple(pids),
-            process_used_memory_bytes=tuple(memory[p] for p in pids),
-            process_sm_utilization_percent=sm,
+            **_readings(call, (total, used, free, reserved), util, power, memory, pids, supported, sm),
         )
         return sample, identity
 
@@ -628,6 +606,28 @@ class NvmlBackend:
                 )
             )
         return out
+
+
+def _readings(
+    call: "_Calls", memory_info: tuple[int, int, int, int], util: Any, power: Any, memory: dict[int, int],
+    pids: list[int], supported: bool, sm: tuple[int, ...],
+) -> dict[str, Any]:
+    """The RawDeviceSample fields a GPU and a MIG instance read the same way (failed calls become None)."""
+    total, used, free, reserved = memory_info
+    return dict(
+        memory_total_bytes=total,
+        memory_used_bytes=used,
+        memory_free_bytes=free,
+        memory_reserved_bytes=reserved,
+        gpu_utilization_percent=None if util is _FAILED else int(util.gpu),
+        memory_utilization_percent=None if util is _FAILED else int(util.memory),
+        power_milliwatts=None if power is _FAILED else int(power),
+        process_utilization_supported=supported,
+        errors=tuple(call.errors),
+        process_pids=tuple(pids),
+        process_used_memory_bytes=tuple(memory[p] for p in pids),
+        process_sm_utilization_percent=sm,
+    )
 
 
 def _empty_sample(

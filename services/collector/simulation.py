@@ -16,7 +16,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Iterator
 
 from gpumeter.clock import Clock, ManualClock, SystemClock
 from schemas.records import NodeSample, PodEvent, PodEventType, SharingMode
@@ -214,7 +214,3 @@ class SimulatedNode:
 def scenario_node_names(scenario: Scenario) -> tuple[str, ...]:
     return tuple(node.name for node in scenario.nodes)
 
-
-def truth_by_pod(world: SimWorld, now_ms: int) -> Mapping[tuple[str, str | None], tuple[int, float]]:
-    return {(row.gpu_uuid, row.pod_uid): (row.true_memory_bytes, row.true_compute_fraction)
-            for row in world.truth(now_ms)}

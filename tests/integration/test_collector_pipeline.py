@@ -23,17 +23,16 @@ from gpumeter.devtools.kafka_broker import KafkaBroker
 from gpumeter.kafka.admin import create_topics
 from gpumeter.settings import KafkaSettings
 from schemas.catalog import TopicCatalog, partition_for_node
-from schemas.records import NodeSample, PodEvent, PodEventType, SharingMode
+from schemas.records import NodeSample, PodEvent, PodEventType
 from schemas.typed import codec_for
 from services.collector.sim.scenario import load_scenario
 from services.collector.sim.world import SimWorld
+from services.collector.simulation import sharing_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 SCENARIO = REPO / "scenarios" / "two_nodes.yaml"
-MODES = {"exclusive": SharingMode.EXCLUSIVE, "time_slicing": SharingMode.TIME_SLICING, "mps": SharingMode.MPS,
-         "mig": SharingMode.MIG}
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +113,7 @@ def test_two_simulated_collectors_lose_no_tick_across_a_broker_restart(own_broke
 
     # Each sample equals the simulator's truth at its time.
     world = SimWorld(scenario)
-    gpu_modes = {gpu.uuid: MODES[gpu.sharing.mode] for node in scenario.nodes for gpu in node.gpus}
+    gpu_modes = {uuid: mode for node in scenario.nodes for uuid, (mode, _) in sharing_config(node).items()}
     pods_seen = set()
     for sample in samples:
         observed: dict[tuple[str, str | None], int] = defaultdict(int)
