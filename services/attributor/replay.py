@@ -33,8 +33,9 @@ stored with the message, the Kafka record timestamp when recorded from a topic).
 ``on_clock(received_at)`` runs once per new instant (a perfectly punctual timer with the input caught up); a pod
 event goes to ``on_pod_event``, a sample to ``on_sample(sample, received_at)``. Closed windows are written and
 acknowledged (``record_emitted``); the state-table changes a streaming app would write are discarded. At the end
-of input the engine has no flush, so replay calls ``on_clock`` at ``last time + window + grace + idle_close``,
-the first instant at which the streaming timer would have closed every open window.
+of input replay calls ``on_clock`` at ``last time + window + grace + idle_close`` rather than ``engine.flush()``:
+that is the instant at which the streaming timer would have closed every open window, so both paths close the
+last windows through the same rule.
 
 Ground truth (``truth.jsonl``)
 ------------------------------
