@@ -50,6 +50,7 @@ from sqlalchemy import (
     func,
     select,
     text,
+    update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, Engine, make_url
@@ -120,6 +121,7 @@ node_bills = Table(
     Column("gpu_cost_micro_usd", BigInteger, nullable=False),
     Column("node_other_micro_usd", BigInteger, nullable=False),
     Column("price_version", String(255), nullable=False),
+    Column("published_at_unix_ms", BigInteger, nullable=True),
     PrimaryKeyConstraint("window_start_unix_ms", "cluster", "node_name"),
     ForeignKeyConstraint(["price_version"], ["price_versions.price_version"]),
     Index(None, "node_name", "window_start_unix_ms"),
@@ -193,6 +195,10 @@ class WriteResult:
     bills_skipped: int
     lines_written: int
     lines_skipped: int
+    # Skipped node-windows already in the ledger, with the same total and price version, whose cost records were
+    # never marked published: the caller publishes them now (the ledger's lines are identical to the given ones).
+    unpublished: frozenset = frozenset()
+    written: frozenset = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -420,6 +426,8 @@ class Ledger:
                 ]
                 if rows:
                     connection.execute(self._insert(cost_lines).on_conflict_do_nothing(), rows)
+                unpublished = self._unpublished(connection, {k: b for k, b in bills_by_key.items()
+                                                             if k not in new_keys})
         except SQLAlchemyError as exc:
             raise LedgerError(f"writing {len(bills_by_key)} node-windows to {self!r} failed: {exc}") from exc
         return WriteResult(
@@ -427,7 +435,47 @@ class Ledger:
             bills_skipped=len(bills_by_key) - len(new_keys),
             lines_written=len(rows),
             lines_skipped=len(lines) - len(rows),
+            unpublished=frozenset(unpublished),
+            written=frozenset(new_keys),
         )
+
+    @staticmethod
+    def _unpublished(connection, existing: dict[NodeWindowKey, NodeBill]) -> set[NodeWindowKey]:
+        if not existing:
+            return set()
+        c = node_bills.c
+        starts = {k.window_start_unix_ms for k in existing}
+        stored = connection.execute(
+            select(c.window_start_unix_ms, c.cluster, c.node_name, c.node_cost_micro_usd, c.price_version)
+            .where(c.published_at_unix_ms.is_(None), c.window_start_unix_ms.in_(starts))
+        ).all()
+        result = set()
+        for start, cluster, node, cost, version in stored:
+            key = NodeWindowKey(cluster, node, start)
+            bill = existing.get(key)
+            if bill is not None and bill.node_cost_micro_usd == cost and bill.price_version == version:
+                result.add(key)
+        return result
+
+    def mark_published(self, keys: Iterable[NodeWindowKey], published_at_unix_ms: int) -> int:
+        """Record that the cost records of ``keys`` were acknowledged on the costs topic; returns rows updated."""
+        keys = list(keys)
+        if not keys:
+            return 0
+        c = node_bills.c
+        updated = 0
+        try:
+            with self.engine.begin() as connection:
+                for key in keys:
+                    updated += connection.execute(
+                        update(node_bills)
+                        .where(c.window_start_unix_ms == key.window_start_unix_ms, c.cluster == key.cluster,
+                               c.node_name == key.node_name, c.published_at_unix_ms.is_(None))
+                        .values(published_at_unix_ms=published_at_unix_ms)
+                    ).rowcount
+        except SQLAlchemyError as exc:
+            raise LedgerError(f"marking {len(keys)} node-windows published in {self!r} failed: {exc}") from exc
+        return updated
 
     # -- reading ----------------------------------------------------------------------------------------------
 

@@ -393,6 +393,8 @@ def next_backoff_seconds(delay_seconds: float, max_seconds: float) -> float:
 class LedgerWriter(Protocol):
     def write(self, costs: Iterable[CostRecord], bills: Iterable[Any]) -> WriteResult: ...
 
+    def mark_published(self, keys: Iterable[Any], published_at_unix_ms: int) -> int: ...
+
 
 class Producer(Protocol):
     async def send(self, topic: str, record: Any, *, key: bytes | None = None) -> asyncio.Future: ...
@@ -418,6 +420,7 @@ class _Outgoing:
 class ProcessorStats:
     windows_billed: int = 0
     windows_already_billed: int = 0
+    windows_republished: int = 0
     windows_dead_lettered: int = 0
     rows_duplicate: int = 0
     cost_records_sent: int = 0
@@ -464,6 +467,7 @@ class BillingProcessor:
         self.metrics = metrics
         self._sleep = sleep or asyncio.sleep
         self._stopping = asyncio.Event()
+        self._publishing: set = set()  # node-windows enqueued on the costs topic, not yet marked published
         self.book = WindowBook(expiry_ms=int(window_expiry_seconds * 1000),
                                finished_memory_ms=int(finished_window_memory_seconds * 1000))
         self.offsets = OffsetTracker()
@@ -563,15 +567,20 @@ class BillingProcessor:
         result = await self._write_ledger(window, priced)
         if result is None:
             return
-        if result.bills_written:
+        if result.bills_written or key in result.unpublished:
             node_key = key.node_name.encode("utf-8")
             for record in priced.costs:
                 await self._enqueue(self.topics.costs, node_key, record)
-            self.stats.windows_billed += 1
+            self._publishing.add(key)
             self.stats.cost_records_sent += len(priced.costs)
-            self._observe_new_bill(window, priced, result)
-            log.debug("billed %s: %d micro-USD in %d cost records", key, priced.bill.node_cost_micro_usd,
-                      len(priced.costs))
+            if result.bills_written:
+                self.stats.windows_billed += 1
+                self._observe_new_bill(window, priced, result)
+                log.debug("billed %s: %d micro-USD in %d cost records", key, priced.bill.node_cost_micro_usd,
+                          len(priced.costs))
+            else:
+                self.stats.windows_republished += 1
+                log.info("%s was in the ledger but never published: publishing its cost records now", key)
         else:
             self.stats.windows_already_billed += 1
             if self.metrics:
@@ -615,8 +624,21 @@ class BillingProcessor:
         return len(self._outbox)
 
     async def flush(self, *, retry: bool = True) -> bool:
-        """Wait for every enqueued record; re-send failures with backoff (``retry``) until all are acknowledged.
+        """Wait for every enqueued record; re-send failures with backoff (``retry``) until all are acknowledged,
+        then mark the node-windows whose cost records were acknowledged as published in the ledger.
         Returns whether everything was acknowledged (always True when ``retry``, or ``ServiceStopping``)."""
+        acknowledged = await self._flush_outbox(retry=retry)
+        if acknowledged and self._publishing:
+            keys = tuple(self._publishing)
+            try:
+                await asyncio.to_thread(self.ledger.mark_published, keys, self.clock.now_ms())
+                self._publishing.difference_update(keys)
+            except LedgerError as exc:
+                # Left unmarked, these windows are published once more after a restart: at least once, never lost.
+                log.warning("could not mark %d node-windows published, will retry: %s", len(keys), exc)
+        return acknowledged
+
+    async def _flush_outbox(self, *, retry: bool) -> bool:
         delay = self.retry_initial_seconds
         while self._outbox:
             futures = [o.future for o in self._outbox if o.future is not None]

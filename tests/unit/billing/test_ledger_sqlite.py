@@ -148,3 +148,24 @@ def test_bad_urls_and_groupings_are_typed_errors(tmp_path):
         with pytest.raises(ConfigError):
             Grouping.parse(bad)
     assert Ledger.from_env({"GPUMETER_LEDGER_URL": "postgres://u@h/db"}).url == "postgresql+psycopg://u@h/db"
+
+
+def test_unpublished_windows_are_reported_until_marked_published(sqlite_ledger):
+    results = sample_costs()
+    keys = {r.bill.key for r in results}
+    first = sqlite_ledger.write(*everything(results))
+    assert first.written == keys and first.unpublished == frozenset()
+    # Redelivered before anything was marked published: every window comes back to be published.
+    assert sqlite_ledger.write(*everything(results)).unpublished == keys
+    marked = sorted(keys, key=lambda k: k.window_start_unix_ms)[:1]
+    assert sqlite_ledger.mark_published(marked, 123) == 1
+    assert sqlite_ledger.mark_published(marked, 456) == 0  # marking is once
+    assert sqlite_ledger.write(*everything(results)).unpublished == keys - set(marked)
+    # A recomputed bill that differs from the stored one is not republished (the ledger keeps the first).
+    changed = [
+        dataclasses.replace(r, bill=dataclasses.replace(r.bill, price=dataclasses.replace(r.bill.price,
+                                                                                          price_version="other")))
+        for r in results
+    ]
+    assert {r.bill.price_version for r in changed} == {"other"}
+    assert sqlite_ledger.write(*everything(changed)).unpublished == frozenset()

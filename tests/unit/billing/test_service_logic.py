@@ -376,6 +376,7 @@ async def test_redelivery_to_a_fresh_processor_publishes_nothing_and_keeps_the_l
     processor = make_processor(sqlite_ledger, first)
     for message in Feed().messages([s for w in windows for s in w]):
         await processor.handle(message)
+    await processor.flush()  # acknowledged: the ledger marks these windows published
     totals = sqlite_ledger.totals()
     metrics = ServiceMetrics("billing", BILLING_METRICS)
     again = RecordingProducer()
@@ -469,6 +470,31 @@ async def test_windows_that_never_complete_are_dead_lettered_after_the_expiry(sq
     assert producer.records(CostRecord) == []
 
 
+async def test_a_crash_between_ledger_and_kafka_is_published_once_on_redelivery(sqlite_ledger):
+    """The ledger committed but the cost records were never acknowledged (the process died before flush)."""
+    windows = sample_shares(2)
+    shares = [s for w in windows for s in w]
+    crashed = make_processor(sqlite_ledger, RecordingProducer())
+    for message in Feed().messages(shares):
+        await crashed.handle(message)
+    totals = sqlite_ledger.totals()
+    again = RecordingProducer()
+    restarted = make_processor(sqlite_ledger, again)
+    for message in Feed().messages(shares):
+        await restarted.handle(message)
+    await restarted.flush()
+    expected = [record for record in crashed.producer.delivered]
+    assert again.delivered == expected and len(expected) > 0
+    assert restarted.stats.windows_republished == len(windows)
+    assert sqlite_ledger.totals() == totals
+    third = RecordingProducer()
+    once_more = make_processor(sqlite_ledger, third)
+    for message in Feed().messages(shares):
+        await once_more.handle(message)
+    await once_more.flush()
+    assert third.delivered == []
+
+
 class FlakyLedger:
     """The real ledger behind a connection that is refused ``failures`` times."""
 
@@ -485,6 +511,9 @@ class FlakyLedger:
             cause = self.error or OperationalError("INSERT", {}, Exception("connection refused"))
             raise LedgerError("writing failed") from cause
         return self.ledger.write(costs, bills)
+
+    def mark_published(self, keys, published_at_unix_ms):
+        return self.ledger.mark_published(keys, published_at_unix_ms)
 
 
 async def test_an_unavailable_ledger_is_retried_with_backoff_without_committing(sqlite_ledger):
