@@ -31,10 +31,19 @@ class KafkaSettings:
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
     compression_type: str = "lz4"
+    replication_factor: int = 1  # for topics gpumeter creates; 3 on a production cluster
+
 
     _PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 
     def __post_init__(self) -> None:
+        if isinstance(self.replication_factor, str):
+            try:
+                object.__setattr__(self, "replication_factor", int(self.replication_factor))
+            except ValueError as exc:
+                raise ConfigError(f"replication factor {self.replication_factor!r} is not a number") from exc
+        if self.replication_factor < 1:
+            raise ConfigError("replication factor must be at least 1")
         if self.security_protocol not in self._PROTOCOLS:
             raise ConfigError(f"security protocol {self.security_protocol!r} is not one of {self._PROTOCOLS}")
         if self.security_protocol.startswith("SASL") and not (self.sasl_mechanism and self.sasl_username):

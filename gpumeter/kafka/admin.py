@@ -40,7 +40,7 @@ async def create_topics(
                 NewTopic(
                     name=catalog.name(spec),
                     num_partitions=catalog.partitions(spec),
-                    replication_factor=1,
+                    replication_factor=settings.replication_factor,
                     topic_configs=spec.config(),
                 )
                 for spec in wanted

@@ -47,3 +47,11 @@ def test_manual_clock_moves_only_forward():
     assert clock.now_ms() == 1_500
     with pytest.raises(ValueError):
         clock.set_ms(10)
+
+
+def test_replication_factor_from_env_is_an_int_and_checked():
+    assert KafkaSettings.from_env({"GPUMETER_KAFKA_REPLICATION_FACTOR": "3"}).replication_factor == 3
+    with pytest.raises(ConfigError):
+        KafkaSettings.from_env({"GPUMETER_KAFKA_REPLICATION_FACTOR": "three"})
+    with pytest.raises(ConfigError):
+        KafkaSettings(replication_factor=0)
