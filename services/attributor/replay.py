@@ -22,6 +22,14 @@ streaming agents do, prices every closed node-window with billing's ``bill_node_
     undecodable recorded messages, node-windows billing rejects. Empty for a clean input.
 ``truth.jsonl`` (scenarios only)
     The simulator's ground truth on the same windows and units, defined below.
+``violations.jsonl``
+    What the guard (``services/guard``, thresholds from ``guard_config``) publishes over the same input, one
+    record per line in publication order (``services.guard.replay.violation_json``): ``rule``, ``state``
+    (``firing`` | ``resolved``), ``severity``, ``node``, ``gpu_uuid``, ``namespace``, ``pod``, ``fingerprint``,
+    ``first_seen``, ``last_seen``, ``resolved_at`` (ISO 8601 UTC), ``evidence``, ... The guard is fed each pod
+    event and sample when received, each share row and cost line when its window is closed and priced, and the
+    clock once per new instant; at the end of input its clock moves to the final instant without judging the
+    nodes silent (``GuardReplay.finish``).
 
 Every file is written in a deterministic order with sorted keys: the same input and options give byte-identical
 files.
@@ -85,7 +93,7 @@ from typing import IO, Any, Iterable, Iterator, Mapping, Sequence, Union
 
 from gpumeter.errors import ConfigError, InvalidMessage, WrongRecordType
 from schemas.codec import HEADER_BYTES, MAGIC, default_registry
-from schemas.records import RECORD_TYPES, GpuShare, NodeSample, PodEvent
+from schemas.records import RECORD_TYPES, GpuShare, NodeSample, PodEvent, Violation
 from schemas.typed import codec_for
 from services.attributor.attribution import AttributionPolicy
 from services.attributor.engine import AttributionEngine, EngineConfig, WindowResult
@@ -93,6 +101,8 @@ from services.attributor.pod_index import DEFAULT_LINGER_MS
 from services.billing.catalog import PriceCatalog, PriceError, bundled_catalog
 from services.billing.costing import bill_node_window, cost_record_json, iso_utc
 from services.billing.pricing import DEFAULT_SPLIT_POLICY, SplitPolicy
+from services.guard.config import GuardConfig
+from services.guard.replay import VIOLATIONS_FILE, GuardReplay, violation_json
 
 RECORDING_MAGIC = b"gpumeter-recording/1\n"
 RECORDING_SUFFIX = ".gmrec"
@@ -501,6 +511,8 @@ class ReplaySummary:
     duplicates_ignored: int
     recorded: int
     files: Mapping[str, Path]
+    violation_rows: int = 0
+    violations_firing_at_end: int = 0
 
     @property
     def dead_letter_count(self) -> int:
@@ -525,7 +537,8 @@ class _Outputs:
 
     def __init__(self, out_dir: Path, with_truth: bool) -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        names = [SHARES_FILE, COSTS_FILE, BILLS_FILE, DEAD_LETTERS_FILE] + ([TRUTH_FILE] if with_truth else [])
+        names = [SHARES_FILE, COSTS_FILE, BILLS_FILE, DEAD_LETTERS_FILE, VIOLATIONS_FILE] + (
+            [TRUTH_FILE] if with_truth else [])
         if not with_truth:
             # A truth left by an earlier scenario replay into this folder would not belong to these shares.
             (out_dir / TRUTH_FILE).unlink(missing_ok=True)
@@ -556,14 +569,17 @@ def replay(
     max_clock_skew_seconds: int = 120,
     pod_linger_ms: int = DEFAULT_LINGER_MS,
     record_path: str | Path | None = None,
+    guard_config: GuardConfig | None = None,
 ) -> ReplaySummary:
     """Replay ``input_path`` (a scenario YAML, a recording file, or a directory of recordings) into ``out_dir``.
 
     ``policy`` is the attribution policy (default: memory cost basis, idle kept); ``catalog`` and
     ``split_policy`` price the nodes (default: the bundled price files; a node-window no row prices is listed in
     ``ReplaySummary.unpriced`` and gets no cost or bill lines). ``node`` keeps one node's input only.
-    ``record_path`` also writes the replayed input as a recording (what was decoded and kept by ``node``). Raises ``ScenarioError``, ``RecordingError``
-    (broken recording structure) or ``ConfigError`` (bad options, unknown input, unknown node).
+    ``record_path`` also writes the replayed input as a recording (what was decoded and kept by ``node``).
+    ``guard_config``: the guard's thresholds for ``violations.jsonl`` (default ``GuardConfig()``).
+    Raises ``ScenarioError``, ``RecordingError`` (broken recording structure) or ``ConfigError`` (bad options,
+    unknown input, unknown node).
     """
     input_path = Path(input_path)
     out = Path(out_dir)
@@ -598,6 +614,7 @@ def replay(
                           f"(a file starting {RECORDING_MAGIC!r} or a directory of *{RECORDING_SUFFIX})")
 
     engine = AttributionEngine(config)
+    guard = GuardReplay(guard_config)
     outputs = _Outputs(out, with_truth=truth is not None)
     recorder = RecordingWriter(record_path) if record_path is not None else None
     nodes: dict[str, None] = {}
@@ -622,12 +639,17 @@ def replay(
             "node": None if message is None else message.node_name,
         })
 
-    def emit(results: Sequence[WindowResult]) -> None:
+    def guarded(violations: Sequence[Violation], now_ms: int) -> None:
+        for violation in violations:
+            outputs.write(VIOLATIONS_FILE, violation_json(violation, now_ms))
+
+    def emit(results: Sequence[WindowResult], now_ms: int) -> None:
         nonlocal windows, node_cost_micro
         for result in results:
             windows += 1
             for share in result.shares:
                 outputs.write(SHARES_FILE, share_json(share))
+                guarded(guard.share(share, now_ms), now_ms)
             if result.shares:
                 try:
                     cost = bill_node_window(result.shares, catalog, split_policy)
@@ -641,6 +663,7 @@ def replay(
                 else:
                     for record in cost.costs:
                         outputs.write(COSTS_FILE, cost_record_json(record))
+                        guarded(guard.cost(record, now_ms), now_ms)
                     outputs.write(BILLS_FILE, cost.bill.as_json())
                     node_cost_micro += cost.bill.node_cost_micro_usd
         if results:
@@ -656,7 +679,8 @@ def replay(
             latest_ms = now if latest_ms is None else max(latest_ms, now)
             if last_clock is None or now > last_clock:
                 last_clock = now
-                emit(engine.on_clock(now).windows)
+                guarded(guard.clock(now), now)
+                emit(engine.on_clock(now).windows, now)
                 if truth is not None:
                     for row in truth.take_closed(now):
                         outputs.write(TRUTH_FILE, row)
@@ -670,6 +694,7 @@ def replay(
             if isinstance(message, PodEvent):
                 pod_events += 1
                 engine.on_pod_event(message)
+                guarded(guard.pod_event(message, now), now)
                 continue
             samples += 1
             latest_ms = max(latest_ms, message.sampled_at_unix_ms)
@@ -680,6 +705,7 @@ def replay(
                             f"{message.collector_started_at_unix_ms}/{message.sequence}", now, type(exc).__name__,
                             message)
                 continue
+            guarded(guard.sample(message, now), now)
             for late in result.late:
                 error = late.error()
                 dead_letter(error.reason_code, late.reason, f"{message.node_name} tick "
@@ -689,11 +715,12 @@ def replay(
                 duplicates += 1
             if result.accepted and truth is not None:
                 truth.add_tick(message)
-            emit(result.windows)
+            emit(result.windows, now)
         if latest_ms is not None:
             # End of input: the first instant at which the streaming timer would have closed every open window.
             end_ms = latest_ms + (window_seconds + grace_seconds + idle_close_seconds) * 1000
-            emit(engine.on_clock(end_ms).windows)
+            emit(engine.on_clock(end_ms).windows, end_ms)
+            guarded(guard.finish(end_ms), end_ms)
         if truth is not None:
             for row in truth.take_closed(None):
                 outputs.write(TRUTH_FILE, row)
@@ -718,6 +745,8 @@ def replay(
         duplicates_ignored=duplicates,
         recorded=recorder.count if recorder is not None else 0,
         files=dict(outputs.paths),
+        violation_rows=outputs.counts[VIOLATIONS_FILE],
+        violations_firing_at_end=len(guard.engine.active()),
     )
 
 
@@ -742,6 +771,7 @@ __all__ = [
     "SHARES_FILE",
     "TRUTH_FILE",
     "UnpricedWindow",
+    "VIOLATIONS_FILE",
     "decode_message",
     "encode_message",
     "is_recording",

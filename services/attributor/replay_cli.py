@@ -1,8 +1,10 @@
-"""``gpumeter replay INPUT --out DIR``: the attributor and billing over a scenario or a recording, no broker.
+"""``gpumeter replay INPUT --out DIR``: the attributor, billing and the guard over a scenario or a recording, no
+broker.
 
 Options read the same ``GPUMETER_*`` variables as the streaming attributor (window, grace, policy) and the
-billing service (prices, split rule); a flag overrides its variable. See ``services/attributor/replay.py`` for the
-outputs, the ground truth and the recording format.
+billing service (prices, split rule); a flag overrides its variable. The guard's thresholds come from
+``--guard-config FILE`` (else ``GPUMETER_GUARD_CONFIG``) and ``GPUMETER_GUARD_*`` (``services/guard/config.py``).
+See ``services/attributor/replay.py`` for the outputs, the ground truth and the recording format.
 
 Exit status: 0 when done; 1 when some node-window had no price (its shares are written, its costs are not;
 ``--allow-unpriced`` makes that 0); 2 on a usage error or an input that cannot be read.
@@ -20,6 +22,7 @@ from services.attributor.attribution import AttributionPolicy
 from services.billing.catalog import PriceCatalog, PriceError
 from services.billing.costing import iso_utc
 from services.billing.pricing import SplitPolicy
+from services.guard.config import GuardConfig
 
 # option -> (environment variable, converter, default): the streaming attributor's variables.
 _ENGINE_OPTIONS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
@@ -48,8 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("input", metavar="INPUT", type=Path,
                         help="a scenario (.yaml), a recording (.gmrec) or a directory of recordings")
     parser.add_argument("--out", required=True, type=Path, metavar="DIR",
-                        help="output directory: shares.jsonl, costs.jsonl, bills.jsonl, dead_letters.jsonl "
-                             "(and truth.jsonl for a scenario)")
+                        help="output directory: shares.jsonl, costs.jsonl, bills.jsonl, dead_letters.jsonl, "
+                             "violations.jsonl (and truth.jsonl for a scenario)")
     parser.add_argument("--window-seconds", type=int, help="tumbling window (default 60; env GPUMETER_WINDOW_SECONDS)")
     parser.add_argument("--grace-seconds", type=int,
                         help="late ticks within this amend their window (default 10; env GPUMETER_GRACE_SECONDS)")
@@ -71,6 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--split-rule", help="auto | sku | weights | gpu_fraction (env GPUMETER_BILLING_SPLIT_RULE)")
     parser.add_argument("--gpu-fraction", help="GPU share of the node price for the gpu_fraction rule")
     parser.add_argument("--split-weights", help="cpu=0.031611,ram=0.004237,gpu=0.95 for the weights rule")
+    parser.add_argument("--guard-config", type=Path, metavar="FILE",
+                        help="the guard's thresholds and budgets (YAML/JSON) for violations.jsonl "
+                             "(env GPUMETER_GUARD_CONFIG; GPUMETER_GUARD_* override single values)")
     parser.add_argument("--allow-unpriced", action="store_true",
                         help="exit 0 even when some node-window had no price")
 
@@ -113,6 +119,7 @@ def replay_options(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str
         "split_policy": SplitPolicy.from_env(price_env),
         "node": args.node,
         "record_path": args.record,
+        "guard_config": GuardConfig.load(getattr(args, "guard_config", None), env),
     }
 
 
@@ -134,6 +141,9 @@ def main(args: argparse.Namespace, env: Mapping[str, str], *, out: TextIO | None
           f"{summary.bills} bills totalling {summary.node_cost_micro_usd / 1e6:.6f} USD", file=out)
     if summary.truth_rows:
         print(f"  {summary.truth_rows} truth rows", file=out)
+    if summary.violation_rows:
+        print(f"  {summary.violation_rows} violation records, {summary.violations_firing_at_end} still firing at the "
+              f"end", file=out)
     if summary.recorded:
         print(f"  recorded {summary.recorded} messages to {args.record}", file=out)
     for reason_code, count in summary.dead_letters.items():

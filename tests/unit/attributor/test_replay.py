@@ -50,7 +50,8 @@ REPO = Path(__file__).resolve().parents[3]
 SCENARIOS = tuple(sorted((REPO / "scenarios").glob("*.yaml")))
 SCENARIO_IDS = tuple(p.stem for p in SCENARIOS)
 WINDOW_SECONDS = 60
-OUTPUT_FILES = ("shares.jsonl", "costs.jsonl", "bills.jsonl", "dead_letters.jsonl", "truth.jsonl")
+OUTPUT_FILES = ("shares.jsonl", "costs.jsonl", "bills.jsonl", "dead_letters.jsonl", "violations.jsonl",
+                "truth.jsonl")
 
 CONSERVATION_TOLERANCE = 1e-9
 EXACT = 1e-9
@@ -382,7 +383,7 @@ def test_recorded_input_gives_the_same_output_as_the_scenario(replays, tmp_path,
     again = replay(recording, out, window_seconds=WINDOW_SECONDS, catalog=catalog)
     assert again.input_kind == "recording"
     assert (again.samples, again.pod_events, again.windows) == (summary.samples, summary.pod_events, summary.windows)
-    for file in ("shares.jsonl", "costs.jsonl", "bills.jsonl", "dead_letters.jsonl"):
+    for file in ("shares.jsonl", "costs.jsonl", "bills.jsonl", "dead_letters.jsonl", "violations.jsonl"):
         assert (out / file).read_bytes() == (first / file).read_bytes(), file
     assert not (out / "truth.jsonl").exists()
 

@@ -1,0 +1,679 @@
+"""The guard service: samples, pod events, shares and costs in from Kafka, violations out, state kept on disk.
+
+Per message of the four input topics (``DeadLetterGuard``: bad input becomes a ``DeadLetter`` and the service
+carries on): decode by topic (``NodeSample``, ``PodEvent``, ``GpuShare``, ``CostRecord``) and hand it to the
+``GuardEngine`` (``services/guard/engine.py``: the pure rules) with the clock's time. A clock task calls
+``engine.on_clock`` every ``clock_interval_seconds``; silent nodes are judged only while the consumer is caught
+up with every partition (during a backlog its samples are late, the nodes are not silent). Whatever the engine returns (state changes and periodic
+refreshes) is produced to the violations topic keyed by its fingerprint (compacted: the latest record is the
+state) and, when configured, handed to the ``AlertmanagerSink``.
+
+State and offsets: the engine's state lives in memory; every ``snapshot_interval_seconds`` (and at stop) the
+service waits until every violation produced so far is acknowledged, then writes the engine's snapshot together
+with the input positions it covers to ``state_path`` (``GuardStateStore``: one file, written atomically), then
+commits those positions to the consumer group. A restart restores the engine from the file and reads on from the
+positions in it, so state and input never disagree; what was read after the last snapshot is read again and the
+engine re-derives the same violations (the compacted topic and Alertmanager both deduplicate by fingerprint).
+A partition the state file has no position for is read from its beginning (the state covers none of it).
+Without a state file (first start, or none configured) pod events are read from the beginning of their compacted
+topic -- the rules need every live pod -- and the other topics from the group's committed offsets (else
+``auto_offset_reset``). An unreadable state file is moved aside (``<name>.corrupt-<unix ms>``) and the guard
+starts fresh, loudly.
+
+Budgets span nodes and stale-node detection needs every node, so one guard reads every partition of its input
+topics itself (manual assignment; the group only stores offsets): run one replica.
+
+Failures: Kafka not acknowledging produced violations → re-sent with backoff (only the newest record of a
+fingerprint, so a stale state never overwrites a newer one) while nothing is snapshotted or committed;
+Alertmanager unreachable → its alerts stay pending in the sink, consumption goes on.
+
+``GuardProcessor`` and ``GuardStateStore`` hold no Kafka client; ``GuardService`` wires them to aiokafka.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Iterable, Mapping, Protocol
+
+from gpumeter.clock import Clock
+from gpumeter.errors import GpumeterError, InvalidMessage
+from gpumeter.kafka.deadletter import DeadLetterGuard, RawMessage
+from gpumeter.kafka.producer import DeliveryError
+from schemas.catalog import TopicCatalog
+from schemas.records import CostRecord, GpuShare, NodeSample, PodEvent, Violation, ViolationState
+from schemas.typed import codec_for
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "guard"
+TopicPartition = tuple[str, int]
+
+# The metrics this service exports (all names from gpumeter.metrics.METRICS).
+GUARD_METRICS = (
+    "gpumeter_messages_consumed_total",
+    "gpumeter_dead_letters_total",
+    "gpumeter_guard_violations_firing",
+    "gpumeter_guard_violation_transitions_total",
+)
+
+
+class WrongTopic(InvalidMessage):
+    """A message from a topic the guard does not read (a wiring bug, kept out of the engine)."""
+
+    reason_code = "WRONG_TOPIC"
+
+
+class ConsumerUnavailable(GpumeterError):
+    """The consumer could not connect to Kafka at start."""
+
+
+class GuardStateError(GpumeterError):
+    """The state file cannot be read back (corrupt, truncated, another format) or cannot be written."""
+
+
+class ServiceStopping(Exception):
+    """Raised out of a retry pause when the service was asked to stop; nothing after it is committed."""
+
+
+class Engine(Protocol):
+    """What the service needs of ``services.guard.engine.GuardEngine``."""
+
+    def on_sample(self, sample: NodeSample, now_ms: int) -> tuple[Violation, ...]: ...
+
+    def on_pod_event(self, event: PodEvent, now_ms: int) -> tuple[Violation, ...]: ...
+
+    def on_share(self, share: GpuShare, now_ms: int) -> tuple[Violation, ...]: ...
+
+    def on_cost(self, cost: CostRecord, now_ms: int) -> tuple[Violation, ...]: ...
+
+    def on_clock(self, now_ms: int, *, detect_stale: bool = True) -> tuple[Violation, ...]: ...
+
+    def active(self) -> Iterable[Violation]: ...
+
+    def snapshot(self) -> bytes: ...
+
+
+class Producer(Protocol):
+    async def send(self, topic: str, record: Any, *, key: bytes | None = None) -> asyncio.Future: ...
+
+
+class Sink(Protocol):
+    def update(self, violations: Iterable[Violation]) -> None: ...
+
+
+def next_backoff_seconds(delay_seconds: float, max_seconds: float) -> float:
+    """Exponential backoff: double, capped."""
+    return min(delay_seconds * 2, max_seconds)
+
+
+# -- state on disk ----------------------------------------------------------------------------------------------
+
+STATE_MAGIC = b"GPUMETER-GUARD-STATE 1\n"
+
+
+@dataclass(frozen=True)
+class GuardState:
+    """The engine's snapshot and the input positions (next offset to read per topic-partition) it covers."""
+
+    engine_bytes: bytes
+    positions: Mapping[TopicPartition, int]
+    saved_at_unix_ms: int
+
+
+def encode_state(state: GuardState) -> bytes:
+    """``STATE_MAGIC``, one JSON header line (positions, length and SHA-256 of the engine bytes), the bytes."""
+    header = {
+        "saved_at_unix_ms": state.saved_at_unix_ms,
+        "positions": [[topic, partition, offset] for (topic, partition), offset in sorted(state.positions.items())],
+        "engine_bytes": len(state.engine_bytes),
+        "engine_sha256": hashlib.sha256(state.engine_bytes).hexdigest(),
+    }
+    return STATE_MAGIC + json.dumps(header, sort_keys=True).encode("utf-8") + b"\n" + state.engine_bytes
+
+
+def decode_state(data: bytes) -> GuardState:
+    """The inverse of ``encode_state``; ``GuardStateError`` for anything that is not exactly such a file."""
+    if not data.startswith(STATE_MAGIC):
+        raise GuardStateError("not a guard state file (bad magic)")
+    rest = data[len(STATE_MAGIC):]
+    end = rest.find(b"\n")
+    if end < 0:
+        raise GuardStateError("truncated guard state file (no header)")
+    try:
+        header = json.loads(rest[:end])
+        length = int(header["engine_bytes"])
+        digest = str(header["engine_sha256"])
+        positions = {(str(t), int(p)): int(o) for t, p, o in header["positions"]}
+        saved_at = int(header["saved_at_unix_ms"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise GuardStateError(f"unreadable guard state header: {exc!r}") from exc
+    body = rest[end + 1:]
+    if len(body) != length:
+        raise GuardStateError(f"guard state holds {len(body)} engine bytes, its header says {length}")
+    if hashlib.sha256(body).hexdigest() != digest:
+        raise GuardStateError("guard state engine bytes do not match their checksum")
+    return GuardState(engine_bytes=body, positions=positions, saved_at_unix_ms=saved_at)
+
+
+class GuardStateStore:
+    """One state file, replaced atomically: write a temporary file beside it, fsync, rename over it, fsync the
+    folder. A crash at any point leaves either the old file or the new one, never a mix."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+
+    def load(self) -> GuardState | None:
+        """The saved state, None when there is no file; ``GuardStateError`` when it cannot be read back."""
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise GuardStateError(f"cannot read {self.path}: {exc}") from exc
+        return decode_state(data)
+
+    def save(self, state: GuardState) -> None:
+        data = encode_state(state)
+        folder = self.path.parent
+        temporary = folder / f".{self.path.name}.{os.getpid()}.tmp"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with open(temporary, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(temporary, self.path)
+            directory = os.open(folder, os.O_RDONLY)
+            try:
+                os.fsync(directory)
+            finally:
+                os.close(directory)
+        except OSError as exc:
+            try:
+                temporary.unlink()
+            except OSError:
+                pass
+            raise GuardStateError(f"cannot write {self.path}: {exc}") from exc
+
+    def move_aside(self, now_ms: int) -> Path | None:
+        """Rename an unreadable file to ``<name>.corrupt-<now_ms>`` (kept for a post-mortem); returns the new path."""
+        target = self.path.with_name(f"{self.path.name}.corrupt-{now_ms}")
+        try:
+            os.replace(self.path, target)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise GuardStateError(f"cannot move {self.path} aside: {exc}") from exc
+        return target
+
+
+# -- processing -------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Outgoing:
+    key: bytes
+    record: Violation
+    future: asyncio.Future | None = None
+    error: BaseException | None = None
+
+    def failed(self) -> bool:
+        if self.future is None:
+            return True
+        if not self.future.done():
+            return False
+        return self.future.cancelled() or self.future.exception() is not None
+
+
+@dataclass
+class ProcessorStats:
+    messages: int = 0
+    violations_published: int = 0
+    transitions: int = 0
+    clock_runs: int = 0
+    delivery_retries: int = 0
+    by_topic: dict[str, int] = field(default_factory=dict)
+
+
+class GuardProcessor:
+    """Feeds decoded input to the engine and publishes what it returns. No Kafka client inside.
+
+    * ``handle(message)``: one input message through ``DeadLetterGuard`` → decode by topic → the engine; its
+      position counts as read whatever became of it. A tombstone on the compacted pod-events topic is skipped
+      (a pod's DELETED event precedes it; the topic's key carries nothing else).
+    * ``tick(caught_up)``: ``engine.on_clock(now)``; silent nodes are judged only when the input is caught up
+      (``detect_stale=caught_up``): while a backlog is read, its samples are late, the nodes are not silent.
+    * Violations go to the violations topic keyed by fingerprint, to the sink (if any), and move the metrics:
+      ``gpumeter_guard_violation_transitions_total{rule,state}`` once per state change of a fingerprint (not per
+      refresh), ``gpumeter_guard_violations_firing{rule,severity}`` from ``engine.active()``.
+    * ``flush()``: wait until every violation produced so far is acknowledged, re-sending failures with backoff.
+    * ``state()``: the engine's snapshot and the positions it covers (take it right after ``flush()``).
+    """
+
+    def __init__(self, *, engine: Engine, producer: Producer, topics: TopicCatalog, clock: Clock,
+                 sink: Sink | None = None, metrics=None, retry_initial_seconds: float = 0.5,
+                 retry_max_seconds: float = 30.0, positions: Mapping[TopicPartition, int] | None = None,
+                 sleep: Callable[[float], Awaitable[None]] | None = None) -> None:
+        self.engine = engine
+        self.producer = producer
+        self.topics = topics
+        self.clock = clock
+        self.sink = sink
+        self.metrics = metrics
+        self.retry_initial_seconds = retry_initial_seconds
+        self.retry_max_seconds = retry_max_seconds
+        self._sleep = sleep or asyncio.sleep
+        self._stopping = asyncio.Event()
+        self.guard = DeadLetterGuard(SERVICE_NAME, topics.dead_letters, self._dead_letter, clock, metrics)
+        self.positions: dict[TopicPartition, int] = dict(positions or {})
+        self.stats = ProcessorStats()
+        self._outbox: list[_Outgoing] = []
+        self._dead_letter_outbox: list[tuple[str, bytes, Any, asyncio.Future | None]] = []
+        self._states: dict[str, ViolationState] = {v.fingerprint: v.state for v in engine.active()
+                                                   if v.state is ViolationState.FIRING}
+        self._firing_series: set[tuple[str, str]] = set()
+        self._handlers: dict[str, Callable[[bytes, int], tuple[Violation, ...]]] = {
+            topics.node_samples: self._sample,
+            topics.pod_events: self._pod_event,
+            topics.gpu_shares: self._share,
+            topics.costs: self._cost,
+        }
+        self._refresh_firing_gauge()
+
+    @property
+    def input_topics(self) -> tuple[str, ...]:
+        return tuple(self._handlers)
+
+    # -- lifecycle --
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    async def _pause(self, seconds: float) -> None:
+        if self._stopping.is_set():
+            raise ServiceStopping()
+        sleeper = asyncio.ensure_future(self._sleep(seconds))
+        stopper = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait((sleeper, stopper), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (sleeper, stopper):
+                task.cancel()
+        if self._stopping.is_set():
+            raise ServiceStopping()
+
+    # -- input --
+
+    def _sample(self, value: bytes, now_ms: int) -> tuple[Violation, ...]:
+        return self.engine.on_sample(codec_for(NodeSample).decode(value), now_ms)
+
+    def _pod_event(self, value: bytes, now_ms: int) -> tuple[Violation, ...]:
+        return self.engine.on_pod_event(codec_for(PodEvent).decode(value), now_ms)
+
+    def _share(self, value: bytes, now_ms: int) -> tuple[Violation, ...]:
+        return self.engine.on_share(codec_for(GpuShare).decode(value), now_ms)
+
+    def _cost(self, value: bytes, now_ms: int) -> tuple[Violation, ...]:
+        return self.engine.on_cost(codec_for(CostRecord).decode(value), now_ms)
+
+    async def handle(self, message: RawMessage) -> tuple[Violation, ...] | None:
+        """Process one input message; returns the violations it produced (None: dead-lettered or skipped)."""
+        self.positions[(message.topic, message.partition)] = message.offset + 1
+        self.stats.messages += 1
+        self.stats.by_topic[message.topic] = self.stats.by_topic.get(message.topic, 0) + 1
+        if message.value is None and message.topic == self.topics.pod_events:
+            if self.metrics:
+                self.metrics.get("gpumeter_messages_consumed_total").labels(SERVICE_NAME, message.topic).inc()
+            return None
+        violations = await self.guard.handle(message, self._process)
+        if violations:
+            await self.publish(violations)
+        return violations
+
+    async def _process(self, message: RawMessage) -> tuple[Violation, ...]:
+        handler = self._handlers.get(message.topic)
+        if handler is None:
+            raise WrongTopic(f"the guard does not read {message.topic}")
+        assert message.value is not None
+        return tuple(handler(message.value, self.clock.now_ms()))
+
+    async def tick(self, *, caught_up: bool = True) -> tuple[Violation, ...]:
+        """Run the engine's clock rules now and publish what they return."""
+        self.stats.clock_runs += 1
+        violations = tuple(self.engine.on_clock(self.clock.now_ms(), detect_stale=caught_up))
+        if violations:
+            await self.publish(violations)
+        return violations
+
+    # -- output --
+
+    async def publish(self, violations: Iterable[Violation]) -> None:
+        """Produce ``violations`` (keyed by fingerprint), hand them to the sink, move the metrics."""
+        violations = tuple(violations)
+        changed = False
+        for violation in violations:
+            outgoing = _Outgoing(violation.fingerprint.encode("utf-8"), violation)
+            self._outbox.append(outgoing)
+            await self._send(outgoing)
+            self.stats.violations_published += 1
+            if self._states.get(violation.fingerprint) is not violation.state:
+                changed = True
+                self.stats.transitions += 1
+                if self.metrics:
+                    self.metrics.get("gpumeter_guard_violation_transitions_total").labels(
+                        violation.rule, violation.state.value.lower()).inc()
+                log.info("%s %s %s: %s", violation.state.value, violation.rule, violation.fingerprint,
+                         violation.summary)
+            if violation.state is ViolationState.FIRING:
+                self._states[violation.fingerprint] = violation.state
+            else:
+                self._states.pop(violation.fingerprint, None)
+        if self.sink is not None:
+            self.sink.update(violations)
+        if changed:
+            self._refresh_firing_gauge()
+
+    def _refresh_firing_gauge(self) -> None:
+        if not self.metrics:
+            return
+        counts: dict[tuple[str, str], int] = {}
+        for violation in self.engine.active():
+            if violation.state is ViolationState.FIRING:
+                series = (violation.rule, violation.severity.value.lower())
+                counts[series] = counts.get(series, 0) + 1
+        gauge = self.metrics.get("gpumeter_guard_violations_firing")
+        # Series that dropped to zero stay at 0 (a missing series reads as "no data", not "nothing firing").
+        for series in self._firing_series | set(counts):
+            gauge.labels(*series).set(counts.get(series, 0))
+        self._firing_series |= set(counts)
+
+    async def _send(self, outgoing: _Outgoing) -> None:
+        try:
+            outgoing.future = await self.producer.send(self.topics.violations, outgoing.record, key=outgoing.key)
+            outgoing.error = None
+        except DeliveryError as exc:
+            outgoing.future, outgoing.error = None, exc
+
+    async def _dead_letter(self, topic: str, key: bytes, record: Any) -> None:
+        try:
+            future = await self.producer.send(topic, record, key=key)
+        except DeliveryError as exc:
+            log.warning("could not enqueue a dead letter (%r); re-sent at the next flush", exc)
+            future = None
+        self._dead_letter_outbox.append((topic, key, record, future))
+
+    @property
+    def unacknowledged(self) -> int:
+        return len(self._outbox) + len(self._dead_letter_outbox)
+
+    async def flush(self, *, retry: bool = True) -> bool:
+        """Wait for every violation and dead letter enqueued so far; re-send failures with backoff (``retry``)
+        until all are acknowledged. Returns whether everything was acknowledged."""
+        delay = self.retry_initial_seconds
+        while self._outbox or self._dead_letter_outbox:
+            futures = [o.future for o in self._outbox if o.future is not None]
+            futures += [f for *_, f in self._dead_letter_outbox if f is not None]
+            if futures:
+                await asyncio.gather(*futures, return_exceptions=True)
+            failed = [o for o in self._outbox if o.failed()]
+            failed_letters = [entry for entry in self._dead_letter_outbox if _future_failed(entry[3])]
+            if not failed and not failed_letters:
+                self._outbox.clear()
+                self._dead_letter_outbox.clear()
+                return True
+            log.warning("%d violations and %d dead letters not acknowledged; re-sending in %.1f s",
+                        len(failed), len(failed_letters), delay)
+            if not retry:
+                return False
+            self.stats.delivery_retries += 1
+            await self._pause(delay)
+            delay = next_backoff_seconds(delay, self.retry_max_seconds)
+            self._outbox = _newest_per_fingerprint(self._outbox, failed)
+            for outgoing in self._outbox:
+                await self._send(outgoing)
+            self._dead_letter_outbox = []
+            for topic, key, record, _ in failed_letters:
+                await self._dead_letter(topic, key, record)
+        return True
+
+    def state(self) -> GuardState:
+        """The engine's snapshot with the positions it covers (consistent: both taken without an await)."""
+        return GuardState(engine_bytes=self.engine.snapshot(), positions=dict(self.positions),
+                          saved_at_unix_ms=self.clock.now_ms())
+
+
+def _future_failed(future: asyncio.Future | None) -> bool:
+    if future is None:
+        return True
+    return future.done() and (future.cancelled() or future.exception() is not None)
+
+
+def _newest_per_fingerprint(outbox: list[_Outgoing], failed: list[_Outgoing]) -> list[_Outgoing]:
+    """The failed records to send again: only those that are the newest of their fingerprint in ``outbox`` (a
+    newer record of the fingerprint, delivered or not, carries the state that must win on the compacted topic)."""
+    newest: dict[bytes, _Outgoing] = {}
+    for outgoing in outbox:
+        newest[outgoing.key] = outgoing
+    failed_ids = {id(o) for o in failed}
+    return [o for o in newest.values() if id(o) in failed_ids]
+
+
+# -- the Kafka loop ---------------------------------------------------------------------------------------------
+
+
+async def partition_numbers(kafka, topics: Iterable[str], timeout_s: float = 30.0) -> dict[str, tuple[int, ...]]:
+    """The partition numbers of each of ``topics`` from the broker's metadata (all topics are asked for, so a
+    missing one is never auto-created); a topic that does not exist is absent from the result. Raises what
+    aiokafka raises (``KafkaError``, ``OSError``) and ``asyncio.TimeoutError``."""
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    wanted = set(topics)
+    admin = AIOKafkaAdminClient(**kafka.client_kwargs(), request_timeout_ms=int(timeout_s * 1000))
+    try:
+        await asyncio.wait_for(admin.start(), timeout_s)
+        described = await asyncio.wait_for(admin.describe_topics(), timeout_s)
+    finally:
+        await admin.close()
+    return {t["topic"]: tuple(sorted(p["partition"] for p in t["partitions"]))
+            for t in described if t["topic"] in wanted and t["partitions"]}
+
+
+def raw_message(record: Any) -> RawMessage:
+    """An aiokafka ``ConsumerRecord`` as a ``RawMessage``."""
+    return RawMessage(topic=record.topic, partition=record.partition, offset=record.offset, key=record.key,
+                      value=record.value, timestamp_ms=record.timestamp)
+
+
+class GuardService:
+    """The consumer loop around a ``GuardProcessor``: one aiokafka consumer over the four input topics (every
+    partition assigned to it, manual commits, ``read_committed``), the clock task, and checkpoints (flush →
+    state file → commit) every ``snapshot_interval_seconds`` and at stop. ``run(stop)`` returns when ``stop`` is
+    set. ``restored`` says whether the processor's positions came from a state file (they win over the group's
+    committed offsets)."""
+
+    def __init__(self, *, kafka, topics: TopicCatalog, processor: GuardProcessor, consumer_group: str,
+                 store: GuardStateStore | None = None, restored: bool = False, auto_offset_reset: str = "earliest",
+                 snapshot_interval_seconds: float = 10.0, clock_interval_seconds: float = 1.0,
+                 max_poll_records: int = 2000, poll_timeout_ms: int = 500) -> None:
+        self.kafka = kafka
+        self.topics = topics
+        self.processor = processor
+        self.consumer_group = consumer_group
+        self.store = store
+        self.restored = restored
+        self.auto_offset_reset = auto_offset_reset
+        self.snapshot_interval_seconds = snapshot_interval_seconds
+        self.clock_interval_seconds = clock_interval_seconds
+        self.max_poll_records = max_poll_records
+        self.poll_timeout_ms = poll_timeout_ms
+        self._lock = asyncio.Lock()
+        self._consumer = None
+        self._partitions: tuple = ()
+        self._committed: dict[TopicPartition, int] = {}
+        self.commits = 0
+        self.snapshots = 0
+
+    async def run(self, stop: asyncio.Event) -> None:
+        from aiokafka import AIOKafkaConsumer
+        from aiokafka.errors import KafkaError
+
+        consumer = AIOKafkaConsumer(
+            **self.kafka.client_kwargs(),
+            group_id=self.consumer_group,
+            enable_auto_commit=False,
+            auto_offset_reset=self.auto_offset_reset,
+            isolation_level="read_committed",
+            max_poll_records=self.max_poll_records,
+        )
+        self._consumer = consumer
+        try:
+            try:
+                await consumer.start()
+                await self._assign(consumer)
+            except (KafkaError, OSError, asyncio.TimeoutError) as exc:
+                raise ConsumerUnavailable(f"cannot reach Kafka at {self.kafka.bootstrap_servers}: {exc!r}") from exc
+        except BaseException:
+            await consumer.stop()
+            raise
+        relay = asyncio.ensure_future(self._relay_stop(stop))
+        clock = asyncio.ensure_future(self._clock_loop())
+        timer = self.processor.clock
+        next_checkpoint = timer.monotonic_s() + self.snapshot_interval_seconds
+        try:
+            while not self.processor.stopping:
+                fetch = asyncio.ensure_future(consumer.getmany(timeout_ms=self.poll_timeout_ms))
+                await asyncio.wait((fetch, relay, clock), return_when=asyncio.FIRST_COMPLETED)
+                if clock.done():
+                    clock.result()  # the clock task only ends by raising: surface it
+                if not fetch.done():
+                    fetch.cancel()
+                    break
+                batch = fetch.result()
+                async with self._lock:
+                    for records in batch.values():
+                        for record in records:
+                            if self.processor.stopping:
+                                break
+                            await self.processor.handle(raw_message(record))
+                if timer.monotonic_s() >= next_checkpoint:
+                    await self.checkpoint()
+                    next_checkpoint = timer.monotonic_s() + self.snapshot_interval_seconds
+        except ServiceStopping:
+            log.info("stopped in the middle of a retry; what was read since the last snapshot is read again")
+        finally:
+            relay.cancel()
+            clock.cancel()
+            self.processor.stop()
+            async with self._lock:
+                try:
+                    if await self.processor.flush(retry=False):
+                        await self._save_and_commit()
+                except Exception as exc:  # best effort: whatever is not in the state file is read again
+                    log.warning("final checkpoint failed: %r", exc)
+            await consumer.stop()
+
+    async def _assign(self, consumer) -> None:
+        from aiokafka.structs import TopicPartition as KafkaTopicPartition
+
+        known = await partition_numbers(self.kafka, self.processor.input_topics)
+        partitions: list[KafkaTopicPartition] = []
+        for topic in self.processor.input_topics:
+            if topic not in known:
+                raise ConsumerUnavailable(f"topic {topic} does not exist (run `gpumeter topics create`)")
+            partitions.extend(KafkaTopicPartition(topic, p) for p in known[topic])
+        consumer.assign(partitions)
+        self._partitions = tuple(partitions)
+        positions = self.processor.positions
+        from_beginning, to_end = [], []
+        for tp in partitions:
+            key = (tp.topic, tp.partition)
+            if key in positions:
+                consumer.seek(tp, positions[key])
+                continue
+            if tp.topic == self.topics.pod_events or self.restored:
+                # Pod events: the rules need every live pod. Restored: the state covers none of this partition.
+                from_beginning.append(tp)
+                continue
+            committed = await consumer.committed(tp)
+            if committed is not None:
+                consumer.seek(tp, committed)
+            elif self.auto_offset_reset == "earliest":
+                from_beginning.append(tp)
+            else:
+                to_end.append(tp)
+        if from_beginning:
+            await consumer.seek_to_beginning(*from_beginning)
+        if to_end:
+            await consumer.seek_to_end(*to_end)
+        log.info("reading %d partitions of %s (%s)", len(partitions), ", ".join(self.processor.input_topics),
+                 "positions from the state file" if self.restored else "no state file: pod events from the start")
+
+    async def _relay_stop(self, stop: asyncio.Event) -> None:
+        await stop.wait()
+        self.processor.stop()
+
+    async def _clock_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.clock_interval_seconds)
+            async with self._lock:
+                if self.processor.stopping:
+                    return
+                await self.processor.tick(caught_up=await self._caught_up())
+
+    async def _caught_up(self) -> bool:
+        """Whether every assigned partition has been read up to its last stable offset (as of the latest fetch
+        response; unknown before the first one counts as not caught up)."""
+        consumer = self._consumer
+        if consumer is None:
+            return False
+        for tp in self._partitions:
+            end = consumer.last_stable_offset(tp)
+            if end is None:
+                end = consumer.highwater(tp)
+            if end is None or await consumer.position(tp) < end:
+                return False
+        return True
+
+    async def checkpoint(self) -> None:
+        """Flush (with retries), then write the state file and commit the positions it holds."""
+        async with self._lock:
+            await self.processor.flush()
+            await self._save_and_commit()
+
+    async def _save_and_commit(self) -> None:
+        state = self.processor.state()
+        if self.store is not None:
+            try:
+                await asyncio.to_thread(self.store.save, state)
+                self.snapshots += 1
+            except GuardStateError as exc:
+                # Committing anyway is safe: a restart prefers the (older) state file's own positions, and
+                # without any state file pod events are re-read from the start regardless.
+                log.error("state not saved, a restart re-reads from the previous snapshot: %s", exc)
+        await self._commit(state.positions)
+
+    async def _commit(self, positions: Mapping[TopicPartition, int]) -> None:
+        from aiokafka.errors import KafkaError
+        from aiokafka.structs import OffsetAndMetadata, TopicPartition as KafkaTopicPartition
+
+        moved = {tp: p for tp, p in positions.items() if self._committed.get(tp) != p}
+        if not moved or self._consumer is None:
+            return
+        offsets = {KafkaTopicPartition(t, p): OffsetAndMetadata(position, "") for (t, p), position in moved.items()}
+        try:
+            await self._consumer.commit(offsets)
+        except KafkaError as exc:
+            log.warning("commit failed, will retry at the next checkpoint: %r", exc)
+            return
+        self._committed.update(moved)
+        self.commits += 1
