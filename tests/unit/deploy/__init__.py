@@ -1,0 +1,82 @@
+"""Offline checks of the deployment files (docker-compose.yml, deploy/kubernetes/) against the code they run.
+
+Shared helpers: which settings function each ``gpumeter`` role reads, which environment variables its code reads,
+and how a command line plus an environment becomes that role's settings — the same path ``gpumeter <role>`` takes.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from gpumeter.cli import SUBCOMMANDS, build_parser
+from gpumeter.settings import KafkaSettings
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+# Long-running roles: name -> (module holding its settings function, function name, source folder of the role).
+SERVICE_ROLES: dict[str, tuple[str, str, str]] = {
+    "collector": ("services.collector.settings", "collector_settings", "services/collector"),
+    "attributor": ("services.attributor.settings", "attributor_settings", "services/attributor"),
+    "billing": ("services.billing.settings", "billing_settings", "services/billing"),
+    "guard": ("services.guard.settings", "guard_settings", "services/guard"),
+}
+
+# Read by the NVIDIA container toolkit, not by gpumeter: allowed on the collector only.
+NVIDIA_RUNTIME_VARIABLES = frozenset({"NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES"})
+
+_VARIABLE_RE = re.compile(r"""["'](GPUMETER_[A-Z0-9_]+|KAFKA_BOOTSTRAP_SERVERS)["']""")
+
+
+def _names_in_sources(folders: Sequence[str]) -> set[str]:
+    names: set[str] = set()
+    for folder in folders:
+        for path in (REPO_ROOT / folder).rglob("*.py"):
+            names.update(_VARIABLE_RE.findall(path.read_text(encoding="utf-8")))
+    return names
+
+
+def shared_variables() -> frozenset[str]:
+    """Variables every role reads: the Kafka client's (built from KafkaSettings' fields) and those of gpumeter/."""
+    kafka = {"GPUMETER_KAFKA_" + f.name.upper() for f in fields(KafkaSettings) if not f.name.startswith("_")}
+    return frozenset(kafka | _names_in_sources(["gpumeter"]))
+
+
+def variables_read_by(role: str) -> frozenset[str]:
+    """Every environment variable name the code of ``role`` (and the shared code) reads: the names its source
+    spells out, plus the guard config's ``GPUMETER_GUARD_<FIELD>`` names, which are built from its fields."""
+    own = _names_in_sources([SERVICE_ROLES[role][2]]) if role in SERVICE_ROLES else set()
+    if role == "guard":
+        from services.guard.config import ENV_PREFIX, GuardConfig
+
+        own |= {ENV_PREFIX + f.name.upper() for f in fields(GuardConfig)}
+    return frozenset(own | shared_variables())
+
+
+def role_of(command: Sequence[str]) -> str:
+    """The gpumeter subcommand a container command runs (its first word), checked against the CLI's table."""
+    if not command or command[0] not in SUBCOMMANDS:
+        raise AssertionError(f"{list(command)!r} does not start with a gpumeter subcommand ({sorted(SUBCOMMANDS)})")
+    return command[0]
+
+
+def settings_for(command: Sequence[str], env: Mapping[str, str]) -> Any:
+    """Parse ``command`` with the real CLI parser and build the role's settings from it and ``env``.
+
+    Raises AssertionError when argparse rejects the command line; the settings function raises ConfigError for
+    values it cannot use. ``topics`` has no settings object of its own: its KafkaSettings are returned.
+    """
+    role = role_of(command)
+    parser = build_parser(role)
+    try:
+        args = parser.parse_args(list(command))
+    except SystemExit as exc:
+        raise AssertionError(f"gpumeter rejects the command line {list(command)!r}") from exc
+    if role not in SERVICE_ROLES:
+        return KafkaSettings.from_env(env)
+    module_name, function_name, _folder = SERVICE_ROLES[role]
+    module = __import__(module_name, fromlist=[function_name])
+    function: Callable[[Any, Mapping[str, str]], Any] = getattr(module, function_name)
+    return function(args, env)
