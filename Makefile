@@ -26,10 +26,11 @@ test: deps kafka-jars
 test-unit: deps
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
-## run: start the local Kafka broker and create the topics.
+## run: the whole pipeline on a simulated 3-node cluster with a live view (Ctrl-C stops it cleanly):
+## the local Kafka broker, the topics, collectors, attributor, billing, guard, then the cost report.
+## `make run DURATION=60` stops by itself after 60 s. The broker keeps running afterwards; `make stop` stops it.
 run: deps kafka-jars
-	$(PY) -m gpumeter.devtools.kafka_broker start
-	$(VENV)/bin/gpumeter topics create
+	$(VENV)/bin/gpumeter run $(if $(DURATION),--duration $(DURATION))
 
 stop: deps
 	$(PY) -m gpumeter.devtools.kafka_broker stop

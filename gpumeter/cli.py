@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "report": ("services.billing.report", "costs from the ledger by namespace, label, node or GPU"),
     "replay": ("services.attributor.replay_cli", "attribute and price a scenario or a recording offline, no broker"),
     "attributor": ("services.attributor.main", "run the streaming attributor (per-pod GPU shares, a Faust worker)"),
+    "run": ("gpumeter.commands.run", "the whole pipeline on this machine (simulated cluster) with a live view"),
     "guard": ("services.guard.main", "the guard service: rules over samples, pods, shares and costs to violations"),
     "violations": ("services.guard.violations_cli", "the guard's violations from the compacted topic (--active)"),
 }

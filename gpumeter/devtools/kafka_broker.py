@@ -57,7 +57,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def ensure_kafka_jars(cache_dir: Path = DEFAULT_CACHE_DIR, log=print) -> Path:
+def _to_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def ensure_kafka_jars(cache_dir: Path = DEFAULT_CACHE_DIR, log=_to_stderr) -> Path:
     """Resolve the broker's jars into ``cache_dir/kafka/libs`` (once per pom contents); return that folder."""
     libs = cache_dir / "kafka" / "libs"
     marker = libs / ".pom-sha256"
