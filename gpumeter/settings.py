@@ -7,6 +7,7 @@ Sources, later wins: defaults, ``GPUMETER_*`` environment variables, command-lin
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
@@ -14,6 +15,15 @@ from gpumeter.errors import ConfigError
 from schemas.catalog import TopicCatalog
 
 SECRET_MARK = "***"
+# The password of ``scheme://user:password@host...``: up to the authority's last "@" (an unencoded "@" in a password
+# must not leave its tail visible).
+_URL_PASSWORD = re.compile(r"(?P<prefix>://[^/:@]*:)[^/]*@")
+
+
+def mask_url_userinfo(url: str) -> str:
+    """``url`` with the password of a ``user:password@`` part shown as ``***``, by its text alone: for strings that
+    do not parse as URLs (a bad port, a typo), which must still never show a password. Never raises."""
+    return _URL_PASSWORD.sub(lambda m: f"{m.group('prefix')}{SECRET_MARK}@", url)
 
 
 @dataclass(frozen=True)

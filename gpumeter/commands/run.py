@@ -248,7 +248,7 @@ def service_specs(config: RunConfig, node_names: Sequence[str], scenario_path: P
         name="billing",
         argv=(*base, "billing", "--ledger-url", config.ledger_url, "--group", billing_group,
               "--team-label", config.team_label, "--metrics-port", "0", "--partitions", str(config.partitions),
-              *kafka),
+              "--max-clock-skew-seconds", str(skew_seconds), *kafka),
         restart=True,
         stop_group=2,
         drain_group=billing_group,
@@ -259,7 +259,8 @@ def service_specs(config: RunConfig, node_names: Sequence[str], scenario_path: P
         specs.append(ServiceSpec(
             name="guard",
             argv=(*base, "guard", "--group", guard_group, "--state", str(config.workdir / "guard" / "state.json"),
-                  "--metrics-port", "0", "--partitions", str(config.partitions), *kafka),
+                  "--metrics-port", "0", "--partitions", str(config.partitions),
+                  "--max-clock-skew-seconds", str(skew_seconds), *kafka),
             restart=True,
             stop_group=3,
             drain_group=guard_group,

@@ -11,6 +11,8 @@ Contract:
   socket in that folder, waits until it accepts connections, creates the database and returns its SQLAlchemy URL
   (``postgresql+psycopg://gpumeter@127.0.0.1:<port>/gpumeter``). ``stop()`` shuts it down (``pg_ctl stop -m fast``)
   and removes the folder. Also a context manager.
+* For fault tests, ``stop_server()`` shuts the server down keeping its folder and port, ``start_server()`` brings
+  the same database back on the same URL, ``restart()`` does both.
 * PostgreSQL refuses to run as root. Run as root, the server runs as the unprivileged ``postgres`` system user
   (created with ``useradd --system`` when missing) through ``runuser``/``su``, and the folder is owned by it.
 
@@ -158,20 +160,55 @@ class PostgresServer:
                  "--encoding=UTF8", "--locale=C", "--no-sync"],
                 "initdb",
             )
-            options = (f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.socket_dir} -c fsync=off "
-                       "-c synchronous_commit=off -c full_page_writes=off -c max_connections=100")
-            self._run(
-                [str(self.pg_bin / "pg_ctl"), "-D", str(self.data_dir), "-l", str(self.log_file), "-o", options,
-                 "-w", "-t", str(int(timeout_s)), "start"],
-                "pg_ctl start",
-                timeout_s=timeout_s + 10,
-            )
-            self._started = True
+            self._pg_ctl_start(timeout_s)
             self._wait_and_create_database(timeout_s)
         except BaseException:
             self.stop()
             raise
         return self.url
+
+    def _pg_ctl_start(self, timeout_s: float) -> None:
+        options = (f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.socket_dir} -c fsync=off "
+                   "-c synchronous_commit=off -c full_page_writes=off -c max_connections=100")
+        self._run(
+            [str(self.pg_bin / "pg_ctl"), "-D", str(self.data_dir), "-l", str(self.log_file), "-o", options,
+             "-w", "-t", str(int(timeout_s)), "start"],
+            "pg_ctl start",
+            timeout_s=timeout_s + 10,
+        )
+        self._started = True
+
+    @property
+    def running(self) -> bool:
+        """Whether the server process is up (started and not stopped by ``stop_server``/``stop``)."""
+        return self._started and self.root is not None and (self.data_dir / "postmaster.pid").exists()
+
+    def stop_server(self, *, mode: str = "fast", timeout_s: float = 60.0) -> None:
+        """Shut the server down but keep its folder, data and port (a restart, or an outage, for fault tests):
+        clients see refused and broken connections until ``start_server``. ``mode``: ``fast`` (roll back open
+        transactions, disconnect) or ``immediate`` (no clean shutdown: recovery at the next start)."""
+        if self.root is None or self.pg_bin is None:
+            raise PostgresError("the server was never started")
+        if mode not in ("fast", "immediate"):
+            raise PostgresError(f"shutdown mode {mode!r} is not fast or immediate")
+        if (self.data_dir / "postmaster.pid").exists():
+            self._run([str(self.pg_bin / "pg_ctl"), "-D", str(self.data_dir), "-w", "stop", "-m", mode],
+                      f"pg_ctl stop -m {mode}", timeout_s=timeout_s)
+
+    def start_server(self, timeout_s: float = 60.0) -> str:
+        """Start the server ``stop_server`` stopped, on the same port and data; return once it accepts
+        connections. The URL stays the same."""
+        if self.root is None or self.pg_bin is None:
+            raise PostgresError("the server was never started: use start()")
+        if not (self.data_dir / "postmaster.pid").exists():
+            self._pg_ctl_start(timeout_s)
+        self._wait_and_create_database(timeout_s)
+        return self.url
+
+    def restart(self, *, mode: str = "fast", timeout_s: float = 60.0) -> str:
+        """``stop_server`` then ``start_server``."""
+        self.stop_server(mode=mode, timeout_s=timeout_s)
+        return self.start_server(timeout_s)
 
     def _wait_and_create_database(self, timeout_s: float) -> None:
         import psycopg

@@ -5,10 +5,11 @@ pods and shares is the engine's. ``build_app(settings, clock)`` returns the ``fa
 
 Topology (a node's samples and its pods' events share a partition number, so each partition is self-contained):
 
-* ``pod-events`` agent: decode ``PodEvent`` → ``engine.on_pod_event``; events that change the pod index are
-  stored raw in the table ``pods`` (key ``<node>/<uid>``, the topic's compaction key). A tombstone removes the key.
-* ``node-samples`` agent: decode ``NodeSample``, reject impossible ticks (``engine.check_sample``: ``OUT_OF_RANGE``)
-  → ``engine.on_sample``; an accepted tick is stored raw in the table ``open_samples`` (key
+* ``pod-events`` agent: decode ``PodEvent``, reject impossible ones (``gpumeter.validation.check_pod_event``:
+  ``OUT_OF_RANGE``) → ``engine.on_pod_event``; events that change the pod index are stored raw in the table
+  ``pods`` (key ``<node>/<uid>``, the topic's compaction key). A tombstone removes the key.
+* ``node-samples`` agent: decode ``NodeSample``, reject impossible ticks (``check_sample`` in ``engine.on_sample``:
+  ``OUT_OF_RANGE``) → ``engine.on_sample``; an accepted tick is stored raw in the table ``open_samples`` (key
   ``<node>|<collector_started_at>|<sequence>``: one small changelog record per tick, never a whole window); a late
   tick is dead-lettered (``LATE``). Each closed window's ``GpuShare`` rows go to the gpu-shares topic keyed by node
   name, all rows of a node-window together; once Kafka acknowledged them the node's progress record
@@ -37,10 +38,11 @@ import faust
 from faust.types import TP
 
 from gpumeter.clock import Clock
-from gpumeter.errors import ConfigError, InvalidMessage
+from gpumeter.errors import ConfigError, GpumeterError, InvalidMessage
 from gpumeter.kafka.deadletter import DeadLetterGuard, RawMessage
 from gpumeter.metrics import ServiceMetrics
 from gpumeter.settings import KafkaSettings
+from gpumeter.validation import check_pod_event
 from schemas.catalog import partition_for_node
 from schemas.records import DeadLetter, GpuShare, NodeSample, PodEvent
 from schemas.typed import codec_for
@@ -102,6 +104,10 @@ def raw_message(message: Any) -> RawMessage:
     )
 
 
+class WindowGap(GpumeterError):
+    """A partition resumed past where its durable state ends: carrying on would lose windows."""
+
+
 class AttributorStream:
     """The Faust app and the per-partition engines it drives. Build with ``build_app``."""
 
@@ -122,7 +128,11 @@ class AttributorStream:
 
         self.engines: dict[int, AttributionEngine] = {}
         self._assigned: set[int] = set()
-        self._processed_offset: dict[int, int] = {}
+        self._processed_offset: dict[int, int] = {}  # samples partition -> last offset processed
+        self._processed_pod_offset: dict[int, int] = {}  # pod-events partition -> last offset processed
+        # partition -> offset its tables end at after a rebuild; checked once, on the partition's first record
+        self._resume_samples_from: dict[int, int] = {}
+        self._resume_pods_from: dict[int, int] = {}
         self._unreadable_keys: dict[int, list[tuple[str, str]]] = {}  # partition -> (table name, key)
         self._ready = False
         self._rebuild_lock = asyncio.Lock()
@@ -172,16 +182,43 @@ class AttributorStream:
 
     async def _samples_agent(self, stream: Any) -> None:
         async for event in stream.events():
-            message = event.message
             try:
-                engine = await self._engine_for(message.partition)
-                raw = raw_message(message)
-                await self.guard.handle(raw, lambda m: self._on_sample(engine, m))
-                self._apply_table_changes(message.partition, engine)
+                await self.process_sample(raw_message(event.message))
             except Exception as exc:
                 self._fail("node-samples agent", exc)
                 raise
-            self._processed_offset[message.partition] = message.offset
+
+    async def process_sample(self, raw: RawMessage) -> None:
+        """One node-samples message, whole: decode, check, engine, emission, table writes (inside its event).
+        Bad input is dead-lettered here; anything else raised is not bad input (the agent stops the worker)."""
+        engine = await self._engine_for(raw.partition)
+        await self._check_resume(self.samples_topic_name, self._resume_samples_from, raw)
+        await self.guard.handle(raw, lambda m: self._on_sample(engine, m))
+        self._apply_table_changes(raw.partition, engine)
+        self._processed_offset[raw.partition] = raw.offset
+
+    async def _check_resume(self, topic: str, resume_from: dict[int, int], raw: RawMessage) -> None:
+        """Check the first record of a partition after a rebuild against where its tables end.
+
+        ``_rewind_streams`` seeks and commits every rebuilt partition to where its tables end before streams
+        resume, so the first record is normally at or before that offset (the engine drops what it already has as
+        duplicates). A record past it means that rewind did not hold (e.g. its commit failed and Faust sought to a
+        committed offset beyond what the changelog made durable): the records in between are in no table, and
+        carrying on would lose their windows silently. Seeking from inside the stream races with records Faust
+        still delivers, so the worker stops instead (``WindowGap``, through ``_fail``) and its restart rebuilds
+        and rewinds again. Records already gone from the topic (retention) cannot come back: that gap is accepted
+        with an error logged."""
+        expected = resume_from.pop(raw.partition, None)
+        if expected is None or raw.offset <= expected:
+            return
+        tp = TP(topic, raw.partition)
+        earliest = (await self.app.consumer.earliest_offsets(tp)).get(tp, 0)
+        if earliest > expected:
+            log.error("%s[%d]: records %d..%d are gone from the topic (retention); resuming at %d", topic,
+                      raw.partition, expected, earliest - 1, raw.offset)
+            return
+        raise WindowGap(f"{topic}[{raw.partition}] resumed at offset {raw.offset}, but the tables end at {expected}: "
+                        "records in between are in no table; restarting to rewind")
 
     async def _on_sample(self, engine: AttributionEngine, raw: RawMessage) -> None:
         sample = _SAMPLE_CODEC.decode(raw.value or b"")
@@ -198,25 +235,30 @@ class AttributorStream:
 
     async def _pods_agent(self, stream: Any) -> None:
         async for event in stream.events():
-            message = event.message
             try:
-                engine = await self._engine_for(message.partition)
-                raw = raw_message(message)
-                if raw.value is None and raw.key is not None:
-                    # A tombstone on the compacted topic: the pod is gone for good; the index prunes it by itself.
-                    self.metrics.get("gpumeter_messages_consumed_total").labels(SERVICE, raw.topic).inc()
-                    key = raw.key.decode("utf-8", errors="replace")
-                    if key in self.pods:
-                        del self.pods[key]
-                else:
-                    await self.guard.handle(raw, lambda m: self._on_pod_event(engine, m))
-                self._apply_table_changes(message.partition, engine)
+                await self.process_pod_event(raw_message(event.message))
             except Exception as exc:
                 self._fail("pod-events agent", exc)
                 raise
 
+    async def process_pod_event(self, raw: RawMessage) -> None:
+        """One pod-events message, whole (inside its event); a tombstone removes the pod's table entry."""
+        engine = await self._engine_for(raw.partition)
+        await self._check_resume(self.pods_topic_name, self._resume_pods_from, raw)
+        if raw.value is None and raw.key is not None:
+            # A tombstone on the compacted topic: the pod is gone for good; the index prunes it by itself.
+            self.metrics.get("gpumeter_messages_consumed_total").labels(SERVICE, raw.topic).inc()
+            key = raw.key.decode("utf-8", errors="replace")
+            if key in self.pods:
+                del self.pods[key]
+        else:
+            await self.guard.handle(raw, lambda m: self._on_pod_event(engine, m))
+        self._apply_table_changes(raw.partition, engine)
+        self._processed_pod_offset[raw.partition] = raw.offset
+
     async def _on_pod_event(self, engine: AttributionEngine, raw: RawMessage) -> None:
         event = _POD_CODEC.decode(raw.value or b"")
+        check_pod_event(event, self.clock.now_ms(), self.settings.max_clock_skew_seconds * 1000)
         key = pod_table_key(event)
         if raw.key is not None and raw.key != key.encode("utf-8"):
             raise InvalidMessage(
@@ -341,9 +383,64 @@ class AttributorStream:
             if partition not in self._assigned:
                 del self.engines[partition]
                 self._processed_offset.pop(partition, None)
+                self._processed_pod_offset.pop(partition, None)
                 self._unreadable_keys.pop(partition, None)
-        await self._rebuild(self._assigned - set(self.engines))
+        rebuilt = self._assigned - set(self.engines)
+        await self._rebuild(rebuilt)
+        await self._rewind_streams(rebuilt)
         self._ready = True
+
+    async def _rewind_streams(self, rebuilt: set[int]) -> None:
+        """Put every assigned input partition where this worker's processing must go on, before streams resume.
+
+        * a partition it kept: one past the last offset it processed there (its start if it processed none);
+        * a partition rebuilt from the tables: where the tables end (``_resume_samples_from``: one past the input
+          position of the newest progress record; pod events from the start). The group's committed offsets are
+          moved there too, because Faust seeks every partition to its committed offset right after this hook.
+
+        Why: Faust drops records it had already fetched when a rebalance interrupts a batch (and any queued from
+        the previous generation), relying on that seek to committed offsets to fetch them again. For a partition
+        without a committed offset (a new group, or a rebalance within the commit interval of its first records)
+        the seek does nothing, and the dropped records would never be processed: their windows would never close.
+        Where the group has committed, on a partition kept, its offset wins, and the engine takes the records read
+        again as duplicates. On a partition rebuilt, seeking there from inside a stream would race with the
+        records Faust still delivers from before the seek."""
+        consumer = self.app.consumer
+        commits: dict[TP, int] = {}
+        for partition in sorted(self._assigned):
+            if partition in rebuilt:
+                samples_at = self._resume_samples_from.get(partition, 0)
+                pods_at = self._resume_pods_from.get(partition, 0)
+                commits[TP(self.samples_topic_name, partition)] = samples_at
+                commits[TP(self.pods_topic_name, partition)] = pods_at
+            else:
+                processed, processed_pods = self._processed_offset.get(partition), self._processed_pod_offset.get(
+                    partition)
+                samples_at = 0 if processed is None else processed + 1
+                pods_at = 0 if processed_pods is None else processed_pods + 1
+            for tp, offset in ((TP(self.samples_topic_name, partition), samples_at),
+                               (TP(self.pods_topic_name, partition), pods_at)):
+                try:
+                    await consumer.seek(tp, offset)
+                except Exception as exc:  # another rebalance under way: the next one rewinds again
+                    log.warning("could not seek %s[%d] to %d: %r", tp.topic, tp.partition, offset, exc)
+        if commits:
+            await self._commit_positions(commits)
+
+    async def _commit_positions(self, offsets: dict[TP, int]) -> None:
+        """Commit ``offsets`` for the group as they are (backwards too), on Faust's consumer thread. Faust's own
+        commit only moves forward over acknowledged records and stops the worker on a failed commit; a failure
+        here leaves the committed offsets as they were (the streams then check their position themselves)."""
+        from aiokafka.structs import OffsetAndMetadata, TopicPartition
+
+        thread = self.app.consumer._thread  # faust-streaming's AIOKafkaConsumerThread
+        try:
+            client = thread._ensure_consumer()
+            await thread.call_thread(client.commit, {TopicPartition(tp.topic, tp.partition): OffsetAndMetadata(o, "")
+                                                     for tp, o in offsets.items()})
+        except Exception as exc:
+            log.warning("could not commit the rebuilt partitions' positions %s: %r",
+                        {f"{tp.topic}[{tp.partition}]": o for tp, o in sorted(offsets.items())}, exc)
 
     async def _engine_for(self, partition: int) -> AttributionEngine:
         engine = self.engines.get(partition)
@@ -391,6 +488,12 @@ class AttributorStream:
                 output = engine.restore(samples[partition], pod_events[partition], progress[partition])
                 self.engines[partition] = engine
                 self._processed_offset.pop(partition, None)
+                self._processed_pod_offset.pop(partition, None)
+                positions = [p.position for p in progress[partition] if p.position is not None]
+                # Every changelog write before the newest progress record is durable (one ordered partition).
+                self._resume_samples_from[partition] = max(positions) + 1 if positions else 0
+                # The pod table stores no positions: re-read the (compacted) pod events; stale ones are ignored.
+                self._resume_pods_from[partition] = 0
                 restored[partition] = (engine, output.windows)
                 log.info(
                     "partition %d rebuilt: %d open ticks, %d pods, %d nodes with progress, %d windows to re-emit",

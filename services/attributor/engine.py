@@ -39,7 +39,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-from gpumeter.errors import ConfigError, InvalidMessage, OutOfRange
+from gpumeter.errors import ConfigError, InvalidMessage
+from gpumeter.validation import DEFAULT_MAX_SAMPLE_AGE_SECONDS, check_sample
 from schemas.catalog import pod_event_key
 from schemas.records import GpuShare, NodeSample, PodEvent
 
@@ -121,62 +122,8 @@ class NodeProgress:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Range checks
-
-
-def check_sample(sample: NodeSample, now_unix_ms: int, max_clock_skew_ms: int) -> None:
-    """Raise ``OutOfRange`` when ``sample`` holds values no real tick can have; return None otherwise.
-
-    Impossible: sampled further in the future than ``now + max_clock_skew_ms`` (it would move the node's watermark
-    and make its real ticks late), a negative interval, negative memory, used or reserved memory above the total,
-    device utilization outside [0, 100], per-process arrays of different lengths, negative per-process memory, or
-    per-process SM utilization outside [-1, 100] (-1 is NVML's "no sample"). Values the attribution can use
-    (unknown utilization, a lost GPU's zeros, a process of no known pod) are not errors.
-    """
-    where = f"node {sample.node_name} tick {sample.collector_started_at_unix_ms}/{sample.sequence}"
-    if sample.sampled_at_unix_ms > now_unix_ms + max_clock_skew_ms:
-        raise OutOfRange(
-            f"{where}: sampled_at {sample.sampled_at_unix_ms} is {sample.sampled_at_unix_ms - now_unix_ms} ms in "
-            f"the future (allowed clock skew {max_clock_skew_ms} ms)"
-        )
-    if sample.interval_ms < 0:
-        raise OutOfRange(f"{where}: negative interval_ms {sample.interval_ms}")
-    for dev in sample.devices:
-        unit = f"{where} device {dev.uuid}"
-        for name in ("memory_total_bytes", "memory_used_bytes", "memory_free_bytes", "memory_reserved_bytes"):
-            if getattr(dev, name) < 0:
-                raise OutOfRange(f"{unit}: negative {name} {getattr(dev, name)}")
-        if dev.memory_used_bytes > dev.memory_total_bytes:
-            raise OutOfRange(f"{unit}: memory used {dev.memory_used_bytes} > total {dev.memory_total_bytes}")
-        if dev.memory_reserved_bytes > dev.memory_total_bytes:
-            raise OutOfRange(f"{unit}: memory reserved {dev.memory_reserved_bytes} > total {dev.memory_total_bytes}")
-        for name in ("gpu_utilization_percent", "memory_utilization_percent"):
-            value = getattr(dev, name)
-            if value is not None and not 0 <= value <= 100:
-                raise OutOfRange(f"{unit}: {name} {value} outside [0, 100]")
-        lengths = {
-            len(dev.process_pids),
-            len(dev.process_container_index),
-            len(dev.process_pod_index),
-            len(dev.process_used_memory_bytes),
-            len(dev.process_sm_utilization_percent),
-        }
-        if len(lengths) != 1:
-            raise OutOfRange(
-                f"{unit}: per-process arrays differ in length (pids {len(dev.process_pids)}, containers "
-                f"{len(dev.process_container_index)}, pods {len(dev.process_pod_index)}, memory "
-                f"{len(dev.process_used_memory_bytes)}, sm {len(dev.process_sm_utilization_percent)})"
-            )
-        for pid, used in zip(dev.process_pids, dev.process_used_memory_bytes):
-            if used < 0:
-                raise OutOfRange(f"{unit}: process {pid} has negative used memory {used}")
-        for pid, sm in zip(dev.process_pids, dev.process_sm_utilization_percent):
-            if not -1 <= sm <= 100:
-                raise OutOfRange(f"{unit}: process {pid} SM utilization {sm} outside [-1, 100]")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Engine
+# Engine (range checks: ``check_sample`` is ``gpumeter.validation.check_sample``, shared with the guard, re-exported
+# here)
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +134,7 @@ class EngineConfig:
     grace_seconds: int = 10
     idle_close_seconds: int = 30
     max_clock_skew_seconds: int = 120
+    max_sample_age_seconds: int | None = DEFAULT_MAX_SAMPLE_AGE_SECONDS
     pod_linger_ms: int = DEFAULT_LINGER_MS
     policy: AttributionPolicy = field(default_factory=AttributionPolicy)
     closed_key_retention: int = 2
@@ -199,6 +147,11 @@ class EngineConfig:
         if not isinstance(self.max_clock_skew_seconds, int) or self.max_clock_skew_seconds < 0:
             raise ConfigError(
                 f"max_clock_skew_seconds must be a non-negative integer, got {self.max_clock_skew_seconds!r}"
+            )
+        if self.max_sample_age_seconds is not None and (
+                not isinstance(self.max_sample_age_seconds, int) or self.max_sample_age_seconds <= 0):
+            raise ConfigError(
+                f"max_sample_age_seconds must be a positive integer or None, got {self.max_sample_age_seconds!r}"
             )
         if self.pod_linger_ms < 0:
             raise ConfigError(f"pod linger must be >= 0 ms, got {self.pod_linger_ms}")
@@ -285,9 +238,11 @@ class AttributionEngine:
     # -- inputs ----------------------------------------------------------------------------------------------------
 
     def on_sample(self, sample: NodeSample, now_ms: int, position: int | None = None) -> EngineOutput:
-        """Add one tick (``check_sample`` first: raises ``OutOfRange``). ``position``: the tick's place in the
-        input (its Kafka offset), or None when the input has no positions."""
-        check_sample(sample, now_ms, self.config.max_clock_skew_seconds * 1000)
+        """Add one tick (``check_sample`` first, with the config's clock skew and maximum age: raises
+        ``OutOfRange``). ``position``: the tick's place in the input (its Kafka offset), or None when the input has
+        no positions."""
+        age = self.config.max_sample_age_seconds
+        check_sample(sample, now_ms, self.config.max_clock_skew_seconds * 1000, None if age is None else age * 1000)
         key: NodeKey = (sample.cluster, sample.node_name)
         acc = self._acc_for(key)
         result = acc.add(sample, position)

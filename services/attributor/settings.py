@@ -10,6 +10,7 @@ from typing import Any, Mapping
 
 from gpumeter.errors import ConfigError
 from gpumeter.settings import KafkaSettings
+from gpumeter.validation import DEFAULT_MAX_SAMPLE_AGE_SECONDS
 from services.attributor.attribution import AttributionPolicy
 from services.attributor.engine import EngineConfig
 
@@ -27,7 +28,10 @@ class AttributorSettings:
     * ``cost_basis`` (``memory`` | ``compute`` | ``blend:<alpha>`` | ``request``), ``idle_handling`` (``keep`` |
       ``spread``), ``mps_compute`` (``memory`` | ``threads``): the attribution policy.
     * ``pod_linger_seconds``: how long a deleted pod stays known, for windows that close after it ended.
-    * ``max_clock_skew_seconds``: ticks sampled further in the future than the clock plus this are dead-lettered.
+    * ``max_clock_skew_seconds``: ticks sampled, and pod events observed, further in the future than the clock plus
+      this are dead-lettered (``OUT_OF_RANGE``).
+    * ``max_sample_age_seconds``: ticks sampled longer ago than this are dead-lettered (``OUT_OF_RANGE``): no
+      collector buffers that long and the samples topic keeps one day.
     * ``app_id``: Faust app id = consumer group and changelog topic prefix; default ``<topic prefix>`` +
       ``gpumeter-attributor``.
     * ``store``: ``memory://`` (tables rebuilt from their changelogs at start) or ``rocksdb://`` (local state
@@ -49,6 +53,7 @@ class AttributorSettings:
     mps_compute: str = "memory"
     pod_linger_seconds: int = 900
     max_clock_skew_seconds: int = 120
+    max_sample_age_seconds: int = DEFAULT_MAX_SAMPLE_AGE_SECONDS
     app_id: str = ""
     store: str = "memory://"
     data_dir: Path | None = None
@@ -92,6 +97,7 @@ class AttributorSettings:
             grace_seconds=self.grace_seconds,
             idle_close_seconds=self.idle_close_seconds,
             max_clock_skew_seconds=self.max_clock_skew_seconds,
+            max_sample_age_seconds=self.max_sample_age_seconds,
             pod_linger_ms=self.pod_linger_seconds * 1000,
             policy=self.policy,
         )
@@ -121,6 +127,7 @@ _OPTIONS: dict[str, tuple[str, Any, str]] = {
     "mps_compute": ("GPUMETER_MPS_COMPUTE", str, "--mps-compute"),
     "pod_linger_seconds": ("GPUMETER_POD_LINGER_SECONDS", _int, "--pod-linger-seconds"),
     "max_clock_skew_seconds": ("GPUMETER_MAX_CLOCK_SKEW_SECONDS", _int, "--max-clock-skew-seconds"),
+    "max_sample_age_seconds": ("GPUMETER_MAX_SAMPLE_AGE_SECONDS", _int, "--max-sample-age-seconds"),
     "app_id": ("GPUMETER_ATTRIBUTOR_APP_ID", str, "--app-id"),
     "store": ("GPUMETER_ATTRIBUTOR_STORE", str, "--store"),
     "data_dir": ("GPUMETER_ATTRIBUTOR_DATA_DIR", Path, "--data-dir"),
@@ -140,7 +147,9 @@ _HELP = {
     "idle_handling": "keep | spread (default keep)",
     "mps_compute": "memory | threads (default memory)",
     "pod_linger_seconds": "seconds a deleted pod stays known (default 900)",
-    "max_clock_skew_seconds": "ticks sampled further ahead of this clock are dead-lettered (default 120)",
+    "max_clock_skew_seconds": "ticks and pod events stamped further ahead of this clock are dead-lettered "
+                              "(default 120)",
+    "max_sample_age_seconds": f"ticks older than this are dead-lettered (default {DEFAULT_MAX_SAMPLE_AGE_SECONDS})",
     "app_id": "Faust app id: consumer group and changelog prefix (default <topic prefix>gpumeter-attributor)",
     "store": "table store: memory:// (default) or rocksdb://",
     "data_dir": "Faust data folder (default: a fresh temporary folder; required for rocksdb://)",

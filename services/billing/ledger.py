@@ -284,6 +284,15 @@ def _alembic_config(connection: Connection):
     return config
 
 
+def _shown_url(url: str) -> str:
+    """``url`` as it may be shown in errors and logs: its password masked; one that does not parse not at all (the
+    password could be anywhere in it)."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except (ArgumentError, ValueError):
+        return "<a URL that does not parse>"
+
+
 class Ledger:
     """A cost ledger at ``url`` (``sqlite:///path`` or ``postgresql+psycopg://...``). See the module docstring."""
 
@@ -302,7 +311,7 @@ class Ledger:
             else:
                 self.engine = create_engine(self.url, pool_pre_ping=True)
         except (ArgumentError, NoSuchModuleError, ValueError) as exc:
-            raise LedgerError(f"cannot open ledger {url!r}: {exc}") from exc
+            raise LedgerError(f"cannot open ledger {_shown_url(url)!r}: {exc}") from exc
         self.dialect = self.engine.dialect.name
         if self.dialect == "sqlite":
             event.listen(self.engine, "connect", lambda dbapi, _record: _sqlite_pragmas(dbapi, in_memory))

@@ -117,6 +117,7 @@ async def serve(settings: BillingSettings, *, stop: asyncio.Event | None = None,
             retry_max_seconds=settings.ledger_retry_max_seconds,
             team_label=settings.team_label,
             metrics=metrics,
+            max_clock_skew_seconds=settings.max_clock_skew_seconds,
         )
         service = BillingService(
             kafka=settings.kafka,

@@ -3,8 +3,10 @@
 Per message of the gpu-shares topic (``DeadLetterGuard``: bad input becomes a ``DeadLetter`` and the service
 carries on):
 
-1. decode the ``GpuShare`` and add it to the ``WindowBook`` (a ``NodeWindowAssembler`` plus the messages that hold
-   each incomplete node-window);
+1. decode the ``GpuShare``, reject a row impossible on its own (``gpumeter.validation.check_share``:
+   ``OUT_OF_RANGE``; a window that has not ended yet beyond ``max_clock_skew_seconds`` is one: billed, it would
+   take the real window's ledger keys), and add it to the ``WindowBook`` (a ``NodeWindowAssembler`` plus the
+   messages that hold each incomplete node-window);
 2. when the row completes its node-window: ``bill_node_window`` → ``Ledger.write`` (in a worker thread) → if and
    only if the ledger says the bill is new, the window's ``CostRecord``s go to the costs topic keyed by node name,
    and the Prometheus metrics move. A bill the ledger already holds (redelivery) publishes nothing.
@@ -49,6 +51,7 @@ from gpumeter.clock import Clock
 from gpumeter.errors import GpumeterError, InvalidMessage
 from gpumeter.kafka.deadletter import DeadLetterGuard, RawMessage
 from gpumeter.kafka.producer import DeliveryError
+from gpumeter.validation import DEFAULT_DOWNSTREAM_MAX_CLOCK_SKEW_SECONDS, check_share
 from schemas.catalog import TopicCatalog
 from schemas.records import CostRecord, CostSubjectKind, GpuShare, ShareSubjectKind
 from schemas.typed import codec_for
@@ -454,8 +457,10 @@ class BillingProcessor:
         team_label: str = "team",
         metrics=None,
         sleep: Callable[[float], Awaitable[None]] | None = None,
+        max_clock_skew_seconds: int = DEFAULT_DOWNSTREAM_MAX_CLOCK_SKEW_SECONDS,
     ) -> None:
         self.catalog = catalog
+        self.max_clock_skew_ms = max_clock_skew_seconds * 1000
         self.policy = policy
         self.ledger = ledger
         self.producer = producer
@@ -522,7 +527,9 @@ class BillingProcessor:
     async def _add(self, message: RawMessage) -> AddOutcome:
         assert message.value is not None
         share = self._codec.decode(message.value)
-        return self.book.add(HeldRow(message, share), self.clock.now_ms())
+        now_ms = self.clock.now_ms()
+        check_share(share, now_ms, self.max_clock_skew_ms)
+        return self.book.add(HeldRow(message, share), now_ms)
 
     async def expire_windows(self) -> tuple[ExpiredWindow, ...]:
         """Dead-letter (``INCOMPLETE_WINDOW``) every row of each node-window that timed out."""

@@ -20,7 +20,8 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
 from gpumeter.errors import ConfigError
-from gpumeter.settings import KafkaSettings
+from gpumeter.settings import KafkaSettings, mask_url_userinfo
+from gpumeter.validation import DEFAULT_DOWNSTREAM_MAX_CLOCK_SKEW_SECONDS
 from services.billing.catalog import PriceCatalog, PriceError, parse_spot_discounts
 from services.billing.ledger import DEFAULT_LEDGER_URL, LEDGER_URL_ENV
 from services.billing.pricing import DEFAULT_SPLIT_POLICY, SplitPolicy
@@ -43,11 +44,12 @@ _PRICE_ENV_FLAGS = {
 
 
 def mask_url_password(url: str) -> str:
-    """``url`` with its password (if any) shown as ``***``; a string that is no URL comes back unchanged."""
+    """``url`` with its password (if any) shown as ``***``; a string that does not parse as a URL comes back with
+    any ``user:password@`` password masked by its text (``gpumeter.settings.mask_url_userinfo``)."""
     try:
         parsed = make_url(url)
     except (ArgumentError, ValueError):
-        return url
+        return mask_url_userinfo(url)
     if parsed.password is None:
         return url
     return parsed.render_as_string(hide_password=True)
@@ -63,6 +65,8 @@ class BillingSettings:
       still remembered, so that redelivered rows of it are recognised as duplicates without a ledger round trip.
     * ``ledger_retry_*_seconds``: exponential backoff while the ledger cannot be reached.
     * ``team_label``: the pod label whose value is the ``team`` label of the cost metrics.
+    * ``max_clock_skew_seconds``: a share row whose window ends further ahead of this service's clock than this
+      is dead-lettered ``OUT_OF_RANGE`` (billed, it would take the real window's place in the ledger).
     * ``duration_seconds``: stop after this long (None: until SIGTERM/SIGINT).
     """
 
@@ -83,6 +87,7 @@ class BillingSettings:
     max_poll_records: int = 2000
     max_poll_interval_seconds: float = 600.0
     team_label: str = DEFAULT_TEAM_LABEL
+    max_clock_skew_seconds: int = DEFAULT_DOWNSTREAM_MAX_CLOCK_SKEW_SECONDS
     duration_seconds: float | None = None
     log_level: str = "INFO"
 
@@ -109,6 +114,8 @@ class BillingSettings:
             raise ConfigError("max poll interval must exceed the longest ledger retry pause")
         if not self.team_label:
             raise ConfigError("the team label key is empty")
+        if self.max_clock_skew_seconds < 0:
+            raise ConfigError("the allowed clock skew must be >= 0 seconds")
         if self.duration_seconds is not None and self.duration_seconds <= 0:
             raise ConfigError("duration must be > 0 seconds")
 
@@ -156,12 +163,13 @@ _ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "max_poll_records": ("GPUMETER_BILLING_MAX_POLL_RECORDS", int),
     "max_poll_interval_seconds": ("GPUMETER_BILLING_MAX_POLL_INTERVAL_SECONDS", float),
     "team_label": ("GPUMETER_BILLING_TEAM_LABEL", str),
+    "max_clock_skew_seconds": ("GPUMETER_MAX_CLOCK_SKEW_SECONDS", int),
     "log_level": ("GPUMETER_LOG_LEVEL", str),
 }
 
 # Flags that set a field directly (attribute name == field name).
 _FLAG_FIELDS = ("ledger_url", "consumer_group", "auto_offset_reset", "topic_partitions", "metrics_port",
-                "window_expiry_seconds", "team_label", "duration_seconds", "log_level")
+                "window_expiry_seconds", "team_label", "max_clock_skew_seconds", "duration_seconds", "log_level")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -188,6 +196,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds an incomplete node-window waits before it is dead-lettered "
                              f"(default {DEFAULT_WINDOW_EXPIRY_SECONDS:g})")
     parser.add_argument("--team-label", help=f"pod label used as the metrics' team (default {DEFAULT_TEAM_LABEL})")
+    parser.add_argument("--max-clock-skew-seconds", dest="max_clock_skew_seconds", type=int,
+                        help="share rows of windows ending further ahead of this clock are dead-lettered "
+                             "(env GPUMETER_MAX_CLOCK_SKEW_SECONDS, "
+                             f"default {DEFAULT_DOWNSTREAM_MAX_CLOCK_SKEW_SECONDS})")
     parser.add_argument("--metrics-port", type=int,
                         help=f"Prometheus /metrics port, 0 disables (default {DEFAULT_METRICS_PORT})")
     parser.add_argument("--duration", dest="duration_seconds", type=float, help="stop after this many seconds")

@@ -136,6 +136,8 @@ async def serve(settings: GuardSettings, *, config: Any = None, env: Mapping[str
             retry_initial_seconds=settings.retry_initial_seconds,
             retry_max_seconds=settings.retry_max_seconds,
             positions=state.positions if state is not None else None,
+            max_clock_skew_seconds=settings.max_clock_skew_seconds,
+            max_sample_age_seconds=settings.max_sample_age_seconds,
         )
         service = GuardService(
             kafka=settings.kafka,

@@ -1,8 +1,9 @@
 """The guard service: samples, pod events, shares and costs in from Kafka, violations out, state kept on disk.
 
 Per message of the four input topics (``DeadLetterGuard``: bad input becomes a ``DeadLetter`` and the service
-carries on): decode by topic (``NodeSample``, ``PodEvent``, ``GpuShare``, ``CostRecord``) and hand it to the
-``GuardEngine`` (``services/guard/engine.py``: the pure rules) with the clock's time. A clock task calls
+carries on): decode by topic (``NodeSample``, ``PodEvent``, ``GpuShare``, ``CostRecord``), reject values no real
+record holds (``gpumeter.validation``: ``OUT_OF_RANGE``) and hand it to the ``GuardEngine``
+(``services/guard/engine.py``: the pure rules) with the clock's time. A clock task calls
 ``engine.on_clock`` every ``clock_interval_seconds``; silent nodes are judged only while the consumer is caught
 up with every partition (during a backlog its samples are late, the nodes are not silent). Whatever the engine returns (state changes and periodic
 refreshes) is produced to the violations topic keyed by its fingerprint (compacted: the latest record is the
@@ -45,6 +46,14 @@ from gpumeter.clock import Clock
 from gpumeter.errors import GpumeterError, InvalidMessage
 from gpumeter.kafka.deadletter import DeadLetterGuard, RawMessage
 from gpumeter.kafka.producer import DeliveryError
+from gpumeter.validation import (
+    DEFAULT_DOWNSTREAM_MAX_CLOCK_SKEW_SECONDS,
+    DEFAULT_MAX_SAMPLE_AGE_SECONDS,
+    check_cost,
+    check_pod_event,
+    check_sample,
+    check_share,
+)
 from schemas.catalog import TopicCatalog
 from schemas.records import CostRecord, GpuShare, NodeSample, PodEvent, Violation, ViolationState
 from schemas.typed import codec_for
@@ -244,9 +253,10 @@ class ProcessorStats:
 class GuardProcessor:
     """Feeds decoded input to the engine and publishes what it returns. No Kafka client inside.
 
-    * ``handle(message)``: one input message through ``DeadLetterGuard`` → decode by topic → the engine; its
-      position counts as read whatever became of it. A tombstone on the compacted pod-events topic is skipped
-      (a pod's DELETED event precedes it; the topic's key carries nothing else).
+    * ``handle(message)``: one input message through ``DeadLetterGuard`` → decode by topic → range checks
+      (``gpumeter.validation``, with ``max_clock_skew_seconds`` and ``max_sample_age_seconds``: ``OUT_OF_RANGE``)
+      → the engine; its position counts as read whatever became of it. A tombstone on the compacted pod-events
+      topic is skipped (a pod's DELETED event precedes it; the topic's key carries nothing else).
     * ``tick(caught_up)``: ``engine.on_clock(now)``; silent nodes are judged only when the input is caught up
       (``detect_stale=caught_up``): while a backlog is read, its samples are late, the nodes are not silent.
     * Violations go to the violations topic keyed by fingerprint, to the sink (if any), and move the metrics:
@@ -259,8 +269,12 @@ class GuardProcessor:
     def __init__(self, *, engine: Engine, producer: Producer, topics: TopicCatalog, clock: Clock,
                  sink: Sink | None = None, metrics=None, retry_initial_seconds: float = 0.5,
                  retry_max_seconds: float = 30.0, positions: Mapping[TopicPartition, int] | None = None,
-                 sleep: Callable[[float], Awaitable[None]] | None = None) -> None:
+                 sleep: Callable[[float], Awaitable[None]] | None = None,
+                 max_clock_skew_seconds: int = DEFAULT_DOWNSTREAM_MAX_CLOCK_SKEW_SECONDS,
+                 max_sample_age_seconds: int = DEFAULT_MAX_SAMPLE_AGE_SECONDS) -> None:
         self.engine = engine
+        self.max_clock_skew_ms = max_clock_skew_seconds * 1000
+        self.max_sample_age_ms = max_sample_age_seconds * 1000
         self.producer = producer
         self.topics = topics
         self.clock = clock
@@ -314,17 +328,27 @@ class GuardProcessor:
 
     # -- input --
 
+    # Decode, range-check (gpumeter.validation: OUT_OF_RANGE), then the engine.
+
     def _sample(self, value: bytes, now_ms: int) -> tuple[Violation, ...]:
-        return self.engine.on_sample(codec_for(NodeSample).decode(value), now_ms)
+        sample = codec_for(NodeSample).decode(value)
+        check_sample(sample, now_ms, self.max_clock_skew_ms, self.max_sample_age_ms)
+        return self.engine.on_sample(sample, now_ms)
 
     def _pod_event(self, value: bytes, now_ms: int) -> tuple[Violation, ...]:
-        return self.engine.on_pod_event(codec_for(PodEvent).decode(value), now_ms)
+        event = codec_for(PodEvent).decode(value)
+        check_pod_event(event, now_ms, self.max_clock_skew_ms)
+        return self.engine.on_pod_event(event, now_ms)
 
     def _share(self, value: bytes, now_ms: int) -> tuple[Violation, ...]:
-        return self.engine.on_share(codec_for(GpuShare).decode(value), now_ms)
+        share = codec_for(GpuShare).decode(value)
+        check_share(share, now_ms, self.max_clock_skew_ms)
+        return self.engine.on_share(share, now_ms)
 
     def _cost(self, value: bytes, now_ms: int) -> tuple[Violation, ...]:
-        return self.engine.on_cost(codec_for(CostRecord).decode(value), now_ms)
+        cost = codec_for(CostRecord).decode(value)
+        check_cost(cost, now_ms, self.max_clock_skew_ms)
+        return self.engine.on_cost(cost, now_ms)
 
     async def handle(self, message: RawMessage) -> tuple[Violation, ...] | None:
         """Process one input message; returns the violations it produced (None: dead-lettered or skipped)."""

@@ -16,7 +16,9 @@ from typing import Any, Callable, Mapping
 from urllib.parse import urlsplit, urlunsplit
 
 from gpumeter.errors import ConfigError
-from gpumeter.settings import SECRET_MARK, KafkaSettings
+from gpumeter.settings import SECRET_MARK, KafkaSettings, mask_url_userinfo
+from gpumeter.validation import DEFAULT_DOWNSTREAM_MAX_CLOCK_SKEW_SECONDS as DEFAULT_MAX_CLOCK_SKEW_SECONDS
+from gpumeter.validation import DEFAULT_MAX_SAMPLE_AGE_SECONDS
 
 DEFAULT_CONSUMER_GROUP = "gpumeter-guard"
 DEFAULT_METRICS_PORT = 9405
@@ -34,13 +36,17 @@ ALERTMANAGER_URL_ENV = "GPUMETER_GUARD_ALERTMANAGER_URL"
 
 
 def mask_url_credentials(url: str) -> str:
-    """``url`` with its password (if any) shown as ``***``."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
+    """``url`` with its password (if any) shown as ``***``. Never raises: a URL that does not parse (a bad port)
+    is masked by its text (``gpumeter.settings.mask_url_userinfo``)."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+        host = parts.hostname or ""
+        if parts.port is not None:
+            host = f"{host}:{parts.port}"
+    except ValueError:
+        return mask_url_userinfo(url)
     return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:{SECRET_MARK}@{host}"))
 
 
@@ -71,6 +77,12 @@ class GuardSettings:
     * ``alertmanager_timeout_seconds``: one HTTP request's timeout.
     * ``external_url``: where people look at a violation (``generatorURL`` of every alert); None leaves it out.
     * ``clock_interval_seconds``: how often the engine's clock rules run (stale nodes, hold-downs, idle timers).
+    * ``max_clock_skew_seconds``: input stamped further ahead of the guard's clock than this (a sample, a pod
+      event, a share or cost window not ended yet) is dead-lettered ``OUT_OF_RANGE``: a record from the future
+      would make the real ones after it look stale (a node's samples, a pod's events, a unit's windows, a node's
+      cost lines). Looser than the attributor's default: a future record here misleads one node, pod or unit,
+      never a watermark.
+    * ``max_sample_age_seconds``: samples older than this are dead-lettered ``OUT_OF_RANGE``.
     * ``duration_seconds``: stop after this long (None: until SIGTERM/SIGINT).
     """
 
@@ -86,6 +98,8 @@ class GuardSettings:
     alertmanager_timeout_seconds: float = DEFAULT_ALERTMANAGER_TIMEOUT_SECONDS
     external_url: str | None = None
     clock_interval_seconds: float = DEFAULT_CLOCK_INTERVAL_SECONDS
+    max_clock_skew_seconds: int = DEFAULT_MAX_CLOCK_SKEW_SECONDS
+    max_sample_age_seconds: int = DEFAULT_MAX_SAMPLE_AGE_SECONDS
     metrics_port: int = DEFAULT_METRICS_PORT
     retry_initial_seconds: float = 0.5
     retry_max_seconds: float = 30.0
@@ -113,6 +127,10 @@ class GuardSettings:
             raise ConfigError("the Alertmanager timeout must be > 0 seconds")
         if self.clock_interval_seconds <= 0:
             raise ConfigError("the clock interval must be > 0 seconds")
+        if self.max_clock_skew_seconds < 0:
+            raise ConfigError("the allowed clock skew must be >= 0 seconds")
+        if self.max_sample_age_seconds <= 0:
+            raise ConfigError("the maximum sample age must be > 0 seconds")
         if not (0 <= self.metrics_port <= 65535):
             raise ConfigError(f"metrics port {self.metrics_port} is not a TCP port (0 disables)")
         if not (0 < self.retry_initial_seconds <= self.retry_max_seconds):
@@ -162,6 +180,8 @@ _ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "alertmanager_timeout_seconds": ("GPUMETER_GUARD_ALERTMANAGER_TIMEOUT_SECONDS", float),
     "external_url": ("GPUMETER_GUARD_EXTERNAL_URL", str),
     "clock_interval_seconds": ("GPUMETER_GUARD_CLOCK_INTERVAL_SECONDS", float),
+    "max_clock_skew_seconds": ("GPUMETER_MAX_CLOCK_SKEW_SECONDS", int),
+    "max_sample_age_seconds": ("GPUMETER_MAX_SAMPLE_AGE_SECONDS", int),
     "metrics_port": ("GPUMETER_METRICS_PORT", int),
     "retry_initial_seconds": ("GPUMETER_GUARD_RETRY_INITIAL_SECONDS", float),
     "retry_max_seconds": ("GPUMETER_GUARD_RETRY_MAX_SECONDS", float),
@@ -172,7 +192,8 @@ _ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
 # Flags that set a field directly (attribute name == field name).
 _FLAG_FIELDS = ("config_path", "consumer_group", "auto_offset_reset", "topic_partitions", "state_path",
                 "snapshot_interval_seconds", "alertmanager_url", "alertmanager_resend_seconds",
-                "alertmanager_timeout_seconds", "external_url", "clock_interval_seconds", "metrics_port",
+                "alertmanager_timeout_seconds", "external_url", "clock_interval_seconds", "max_clock_skew_seconds",
+                "max_sample_age_seconds", "metrics_port",
                 "duration_seconds", "log_level")
 
 
@@ -202,6 +223,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--external-url", help="generatorURL of every alert (env GPUMETER_GUARD_EXTERNAL_URL)")
     parser.add_argument("--clock-interval", dest="clock_interval_seconds", type=float,
                         help=f"seconds between clock rule runs (default {DEFAULT_CLOCK_INTERVAL_SECONDS:g})")
+    parser.add_argument("--max-clock-skew-seconds", dest="max_clock_skew_seconds", type=int,
+                        help="input stamped further ahead of this clock is dead-lettered "
+                             f"(env GPUMETER_MAX_CLOCK_SKEW_SECONDS, default {DEFAULT_MAX_CLOCK_SKEW_SECONDS})")
+    parser.add_argument("--max-sample-age-seconds", dest="max_sample_age_seconds", type=int,
+                        help="samples older than this are dead-lettered "
+                             f"(env GPUMETER_MAX_SAMPLE_AGE_SECONDS, default {DEFAULT_MAX_SAMPLE_AGE_SECONDS})")
     parser.add_argument("--metrics-port", type=int,
                         help=f"Prometheus /metrics port, 0 disables (default {DEFAULT_METRICS_PORT})")
     parser.add_argument("--duration", dest="duration_seconds", type=float, help="stop after this many seconds")

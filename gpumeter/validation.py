@@ -1,0 +1,238 @@
+"""Range checks on decoded input records: values no real record can hold. One module for every consumer.
+
+Each ``check_*`` function returns None for a possible record and raises ``OutOfRange`` (reason ``OUT_OF_RANGE``)
+naming the first impossible value otherwise; the caller's ``DeadLetterGuard`` turns that into a ``DeadLetter``.
+They are pure: the time to judge timestamps against comes in as ``now_unix_ms``.
+
+Who calls what (the decode/validate step of each service):
+
+* attributor: ``check_sample`` (inside ``AttributionEngine.on_sample``, so ``gpumeter replay`` judges alike) and
+  ``check_pod_event`` on its two input topics;
+* guard: all four, one per input topic (its rules read shares row by row; whether a unit's rows add up to 1 is
+  a matter of money, checked by billing);
+* billing: ``check_share`` per row, before the row joins its node-window (the window-level checks, such as unit
+  shares that must add up to 1, are the costing's: ``InconsistentShares``).
+
+Timestamps: a record stamped more than ``max_clock_skew_ms`` ahead of the consumer's clock is impossible (its
+clock is broken, or its unit is wrong); one before ``EARLIEST_UNIX_MS`` (2000-01-01) is a zero, a negative or a
+seconds-for-milliseconds mix-up. Samples also have a maximum age (``max_age_ms``): no collector buffers a tick
+for days and the samples topic keeps one day, so an older tick can only be garbage -- and attributed, it would
+open a window long closed everywhere else. Pod events have no maximum age (the compacted topic keeps a pod's
+last event for as long as the pod lives). Shares and costs have none either: the attributor only emits windows
+of ticks it accepted, and a ledger may legitimately receive an old window re-emitted after a restore.
+
+What is *not* an error here, because the collector reports it on purpose: a lost GPU's zeros, unknown
+utilization (None), a process of no known pod or container (index -1), unknown per-process memory (-1, NVML's
+"not available") and no per-process SM sample (-1).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+from gpumeter.errors import OutOfRange
+from schemas.records import CostRecord, CostSubjectKind, GpuShare, NodeSample, PodEvent
+
+EARLIEST_UNIX_MS = 946_684_800_000  # 2000-01-01T00:00:00Z
+DEFAULT_MAX_CLOCK_SKEW_SECONDS = 120  # the attributor: a tick from the future moves its node's watermark
+# Billing and the guard: a record from the future there misleads only what it is about (one node-window's bill,
+# one node's, pod's or unit's newest), so the bound only has to catch a broken clock or a wrong unit. An hour also
+# keeps ``gpumeter run``'s simulated clock (ahead of the wall clock by its speed-up) inside it for minutes of run.
+DEFAULT_DOWNSTREAM_MAX_CLOCK_SKEW_SECONDS = 3600
+DEFAULT_MAX_SAMPLE_AGE_SECONDS = 7 * 86_400
+SHARE_TOLERANCE = 1e-6
+COVERED_SECONDS_TOLERANCE = 1e-3  # as billing's costing: covered time is summed from float tick intervals
+
+__all__ = [
+    "DEFAULT_DOWNSTREAM_MAX_CLOCK_SKEW_SECONDS",
+    "DEFAULT_MAX_CLOCK_SKEW_SECONDS",
+    "DEFAULT_MAX_SAMPLE_AGE_SECONDS",
+    "EARLIEST_UNIX_MS",
+    "SHARE_TOLERANCE",
+    "check_cost",
+    "check_pod_event",
+    "check_sample",
+    "check_share",
+]
+
+
+def _check_time(where: str, name: str, value: int, now_unix_ms: int, max_clock_skew_ms: int) -> None:
+    if value < EARLIEST_UNIX_MS:
+        raise OutOfRange(f"{where}: {name} {value} is before 2000-01-01 (ms since the Unix epoch expected)")
+    if value > now_unix_ms + max_clock_skew_ms:
+        raise OutOfRange(f"{where}: {name} {value} is {value - now_unix_ms} ms in the future (allowed clock skew "
+                         f"{max_clock_skew_ms} ms)")
+
+
+def _check_fraction(where: str, name: str, value: float) -> None:
+    if not math.isfinite(value) or not -SHARE_TOLERANCE <= value <= 1 + SHARE_TOLERANCE:
+        raise OutOfRange(f"{where}: {name} {value!r} outside [0, 1]")
+
+
+def _first_duplicate(values: Iterable) -> object | None:
+    seen = set()
+    for value in values:
+        if value in seen:
+            return value
+        seen.add(value)
+    return None
+
+
+def check_sample(sample: NodeSample, now_unix_ms: int, max_clock_skew_ms: int,
+                 max_age_ms: int | None = None) -> None:
+    """Raise ``OutOfRange`` when ``sample`` holds values no real tick can have; return None otherwise.
+
+    Impossible: sampled further in the future than ``now + max_clock_skew_ms`` (it would move the node's watermark
+    and make its real ticks late), sampled before 2000 or more than ``max_age_ms`` before now (when given), a
+    negative sequence or interval; the same pod uid listed twice; per device: the same uuid twice in the tick, a
+    MIG instance whose parent GPU is not in the tick (an unknown GPU), negative or more-than-total memory (used,
+    free, reserved, and any one process), device utilization outside [0, 100], negative power, fewer than one
+    replica, MIG slices outside [0, total]; per process: arrays of different lengths, the same pid twice on one
+    device, a negative pid, a pod index outside [-1, pod count) (an unknown pod), memory below -1, SM
+    utilization outside [-1, 100]. Container ids and indexes are carried for people, read by no consumer, and
+    not checked.
+    """
+    where = f"node {sample.node_name} tick {sample.collector_started_at_unix_ms}/{sample.sequence}"
+    _check_time(where, "sampled_at", sample.sampled_at_unix_ms, now_unix_ms, max_clock_skew_ms)
+    if max_age_ms is not None and sample.sampled_at_unix_ms < now_unix_ms - max_age_ms:
+        raise OutOfRange(f"{where}: sampled_at {sample.sampled_at_unix_ms} is {now_unix_ms - sample.sampled_at_unix_ms}"
+                         f" ms old (at most {max_age_ms} ms allowed)")
+    if sample.sequence < 0:
+        raise OutOfRange(f"{where}: negative sequence {sample.sequence}")
+    if sample.interval_ms < 0:
+        raise OutOfRange(f"{where}: negative interval_ms {sample.interval_ms}")
+    duplicate = _first_duplicate(sample.pod_uids)
+    if duplicate is not None:
+        raise OutOfRange(f"{where}: pod_uids lists {duplicate!r} twice")
+    duplicate = _first_duplicate(dev.uuid for dev in sample.devices)
+    if duplicate is not None:
+        raise OutOfRange(f"{where}: device {duplicate} listed twice")
+    gpus = {dev.uuid: dev for dev in sample.devices if dev.parent_uuid is None}
+    pod_count = len(sample.pod_uids)
+    for dev in sample.devices:
+        unit = f"{where} device {dev.uuid}"
+        if dev.parent_uuid is not None and dev.parent_uuid not in gpus:
+            raise OutOfRange(f"{unit}: MIG instance of GPU {dev.parent_uuid}, which is not in the tick")
+        for name in ("memory_total_bytes", "memory_used_bytes", "memory_free_bytes", "memory_reserved_bytes"):
+            if getattr(dev, name) < 0:
+                raise OutOfRange(f"{unit}: negative {name} {getattr(dev, name)}")
+        for name in ("memory_used_bytes", "memory_free_bytes", "memory_reserved_bytes"):
+            if getattr(dev, name) > dev.memory_total_bytes:
+                raise OutOfRange(f"{unit}: {name} {getattr(dev, name)} > total {dev.memory_total_bytes}")
+        for name in ("gpu_utilization_percent", "memory_utilization_percent"):
+            value = getattr(dev, name)
+            if value is not None and not 0 <= value <= 100:
+                raise OutOfRange(f"{unit}: {name} {value} outside [0, 100]")
+        if dev.power_milliwatts is not None and dev.power_milliwatts < 0:
+            raise OutOfRange(f"{unit}: negative power_milliwatts {dev.power_milliwatts}")
+        if dev.replicas < 1:
+            raise OutOfRange(f"{unit}: replicas {dev.replicas} < 1")
+        # An instance may leave the GPU's slice count to its parent (0 on the instance).
+        total_slices = dev.mig_total_compute_slices or (
+            gpus[dev.parent_uuid].mig_total_compute_slices if dev.parent_uuid is not None else 0)
+        if dev.mig_compute_slices < 0 or dev.mig_total_compute_slices < 0 or (
+                total_slices > 0 and dev.mig_compute_slices > total_slices):
+            raise OutOfRange(f"{unit}: MIG slices {dev.mig_compute_slices} of {total_slices}")
+        lengths = {
+            len(dev.process_pids),
+            len(dev.process_container_index),
+            len(dev.process_pod_index),
+            len(dev.process_used_memory_bytes),
+            len(dev.process_sm_utilization_percent),
+        }
+        if len(lengths) != 1:
+            raise OutOfRange(
+                f"{unit}: per-process arrays differ in length (pids {len(dev.process_pids)}, containers "
+                f"{len(dev.process_container_index)}, pods {len(dev.process_pod_index)}, memory "
+                f"{len(dev.process_used_memory_bytes)}, sm {len(dev.process_sm_utilization_percent)})"
+            )
+        duplicate = _first_duplicate(dev.process_pids)
+        if duplicate is not None:
+            raise OutOfRange(f"{unit}: process {duplicate} listed twice")
+        for pid, pod, used, sm in zip(dev.process_pids, dev.process_pod_index, dev.process_used_memory_bytes,
+                                      dev.process_sm_utilization_percent):
+            if pid < 0:
+                raise OutOfRange(f"{unit}: negative pid {pid}")
+            if not -1 <= pod < pod_count:
+                raise OutOfRange(f"{unit}: process {pid} names pod {pod} of {pod_count} (unknown pod)")
+            if used < -1:
+                raise OutOfRange(f"{unit}: process {pid} has negative used memory {used}")
+            if used > dev.memory_total_bytes:
+                raise OutOfRange(f"{unit}: process {pid} uses {used} bytes of {dev.memory_total_bytes}")
+            if not -1 <= sm <= 100:
+                raise OutOfRange(f"{unit}: process {pid} SM utilization {sm} outside [-1, 100]")
+
+
+def check_pod_event(event: PodEvent, now_unix_ms: int, max_clock_skew_ms: int) -> None:
+    """Raise ``OutOfRange`` for a pod event no API server can have produced: no uid or node, observed before 2000
+    or further ahead than ``now + max_clock_skew_ms`` (an event from the future would make every real later event
+    of the pod look stale, and move the pod index's clock past every deleted pod's linger), started at a
+    negative time or in the future, or a negative GPU request."""
+    where = f"pod event of {event.namespace}/{event.name} ({event.uid or 'no uid'})"
+    if not event.uid:
+        raise OutOfRange(f"{where}: empty uid")
+    if not event.node_name:
+        raise OutOfRange(f"{where}: empty node name")
+    _check_time(where, "observed_at", event.observed_at_unix_ms, now_unix_ms, max_clock_skew_ms)
+    started = event.started_at_unix_ms
+    if started is not None and not 0 <= started <= now_unix_ms + max_clock_skew_ms:
+        raise OutOfRange(f"{where}: started_at {started} is negative or further ahead than the allowed clock skew")
+    for resource, count in event.gpu_requests.items():
+        if count < 0:
+            raise OutOfRange(f"{where}: negative request {count} of {resource}")
+    for container in event.containers:
+        for resource, count in container.gpu_requests.items():
+            if count < 0:
+                raise OutOfRange(f"{where} container {container.name}: negative request {count} of {resource}")
+
+
+def _check_window(where: str, start_unix_ms: int, window_seconds: int, now_unix_ms: int,
+                  max_clock_skew_ms: int) -> None:
+    if window_seconds <= 0:
+        raise OutOfRange(f"{where}: window_seconds {window_seconds} must be > 0")
+    _check_time(where, "window start", start_unix_ms, now_unix_ms, max_clock_skew_ms)
+    end = start_unix_ms + window_seconds * 1000
+    if end > now_unix_ms + max_clock_skew_ms:
+        raise OutOfRange(f"{where}: the window ends {end - now_unix_ms} ms in the future; a share or cost exists "
+                         f"only once its window closed (allowed clock skew {max_clock_skew_ms} ms)")
+
+
+def check_share(share: GpuShare, now_unix_ms: int, max_clock_skew_ms: int) -> None:
+    """Raise ``OutOfRange`` for a ``GpuShare`` row that cannot be true on its own: a window not ended yet (beyond
+    the clock skew) or starting before 2000, a non-positive window, covered seconds outside [0, window] or not
+    finite, fewer than one unit or row, a GPU fraction outside (0, 1], memory/compute/cost share outside [0, 1] or
+    not finite, negative average memory or sample count. Whether a unit's rows add up to 1 is a check of the
+    whole unit (billing's ``InconsistentShares``, the guard's engine)."""
+    where = (f"share of {share.cluster}/{share.node_name}@{share.window_start_unix_ms} unit {share.gpu_uuid} "
+             f"{share.subject_kind.value}{' ' + share.pod_uid if share.pod_uid else ''}")
+    _check_window(where, share.window_start_unix_ms, share.window_seconds, now_unix_ms, max_clock_skew_ms)
+    for name in ("node_covered_seconds", "covered_seconds"):
+        value = getattr(share, name)
+        if not math.isfinite(value) or not 0 <= value <= share.window_seconds + COVERED_SECONDS_TOLERANCE:
+            raise OutOfRange(f"{where}: {name} {value!r} outside [0, {share.window_seconds}]")
+    if share.units_in_node < 1 or share.rows_in_unit < 1:
+        raise OutOfRange(f"{where}: units_in_node {share.units_in_node} and rows_in_unit {share.rows_in_unit} "
+                         "must be >= 1")
+    if not math.isfinite(share.gpu_fraction) or not 0 < share.gpu_fraction <= 1 + SHARE_TOLERANCE:
+        raise OutOfRange(f"{where}: gpu_fraction {share.gpu_fraction!r} outside (0, 1]")
+    for name in ("memory_share", "compute_share", "cost_share"):
+        _check_fraction(where, name, getattr(share, name))
+    if not math.isfinite(share.memory_used_bytes_avg) or share.memory_used_bytes_avg < 0:
+        raise OutOfRange(f"{where}: memory_used_bytes_avg {share.memory_used_bytes_avg!r} must be >= 0")
+    if share.sample_count < 0:
+        raise OutOfRange(f"{where}: negative sample_count {share.sample_count}")
+
+
+def check_cost(cost: CostRecord, now_unix_ms: int, max_clock_skew_ms: int) -> None:
+    """Raise ``OutOfRange`` for a ``CostRecord`` that cannot be true: a negative cost, a cost share outside
+    [0, 1], a window not ended yet (beyond the clock skew) or starting before 2000, a non-positive window, or a
+    POD line without a pod uid."""
+    where = (f"cost line of {cost.cluster}/{cost.node_name}@{cost.window_start_unix_ms} "
+             f"{cost.subject_kind.value}{' ' + cost.pod_uid if cost.pod_uid else ''}")
+    if cost.cost_micro_usd < 0:
+        raise OutOfRange(f"{where}: negative cost {cost.cost_micro_usd} micro-USD")
+    _check_fraction(where, "cost_share", cost.cost_share)
+    _check_window(where, cost.window_start_unix_ms, cost.window_seconds, now_unix_ms, max_clock_skew_ms)
+    if cost.subject_kind is CostSubjectKind.POD and not cost.pod_uid:
+        raise OutOfRange(f"{where}: a POD line needs a pod_uid")

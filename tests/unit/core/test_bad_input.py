@@ -1,0 +1,648 @@
+"""Bad input on every input topic of every consuming service, in process (no broker).
+
+Each service is driven through its real entry point for one message -- the attributor's ``process_sample`` /
+``process_pod_event`` (the Faust agents' bodies, with plain dicts as tables and recording topics), billing's
+``BillingProcessor.handle`` (a real SQLite ledger), the guard's ``GuardProcessor.handle`` (the real engine) -- and
+every case must give:
+
+* a ``DeadLetter`` for the bad message with the expected ``reason_code``, the service's name, the source topic,
+  partition and offset, and the raw bytes unchanged;
+* ``gpumeter_dead_letters_total{service,topic,reason_code}`` counting every letter of that reason;
+* the next good message processed as if nothing had happened (its effect checked, no further dead letter).
+
+Cases: undecodable bytes (random, a cut header, an unknown schema fingerprint, another record type, a body cut
+short, trailing bytes, no value), values out of range (``gpumeter.validation``), and the service's own rules
+(wrong key or partition, late ticks, shares that do not add up, unpriced nodes). A hypothesis fuzz sends
+arbitrary bytes to every topic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+import struct
+from collections import Counter
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Callable
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gpumeter.clock import ManualClock
+from gpumeter.kafka.deadletter import RawMessage
+from gpumeter.metrics import ServiceMetrics
+from gpumeter.settings import KafkaSettings
+from schemas.catalog import TopicCatalog, partition_for_node, pod_event_key
+from schemas.codec import MAGIC
+from schemas.records import (
+    CostRecord,
+    CostSubjectKind,
+    DeadLetter,
+    GpuShare,
+    NodeSample,
+    PodEvent,
+    PodEventType,
+    ShareSubjectKind,
+    SharingMode,
+)
+from schemas.typed import codec_for
+from services.attributor.engine import pod_table_key, sample_table_key
+from services.billing.catalog import PriceCatalog
+from services.billing.ledger import Ledger
+from services.billing.pricing import DEFAULT_SPLIT_POLICY
+from services.billing.service import BILLING_METRICS, BillingProcessor
+from services.guard.config import Budget, GuardConfig
+from services.guard.engine import GuardEngine
+from services.guard.service import GUARD_METRICS, GuardProcessor
+from tests.unit.attributor import GIB, device, node_sample, pod_event
+from tests.unit.billing.conftest import WINDOW_START_MS, Unit, bucket, node_window, pod
+
+PREFIX = "bad."
+TOPICS = TopicCatalog(prefix=PREFIX)
+PARTITIONS = 3
+NOW_MS = 1_780_000_000_000  # the attributor's and the guard's clock
+WINDOW_S = 10
+DAY_MS = 86_400_000
+
+SAMPLES, PODS, SHARES, COSTS = "node-samples", "pod-events", "gpu-shares", "costs"
+TOPIC_NAMES = {SAMPLES: TOPICS.node_samples, PODS: TOPICS.pod_events, SHARES: TOPICS.gpu_shares,
+               COSTS: TOPICS.costs}
+
+
+def metric(metrics: ServiceMetrics, name: str, **labels) -> float:
+    value = metrics.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+class RecordingTopic:
+    """Stands in for a Faust topic: ``send`` keeps (key, value) and returns an acknowledged future."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[bytes | None, bytes]] = []
+
+    async def send(self, *, key=None, value=None):
+        self.sent.append((key, value))
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(None)
+        return future
+
+
+class RecordingProducer:
+    """Stands in for ``RecordProducer``: encodes every record with its codec and acknowledges it."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, bytes | None, Any]] = []
+
+    async def send(self, topic, record, *, key=None):
+        codec_for(type(record)).encode(record)
+        self.sent.append((topic, key, record))
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(None)
+        return future
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Good records (``n`` makes each one new: another tick, pod, window)
+
+
+def good_sample(now_ms: int, n: int, node: str = "gpu-node-a") -> NodeSample:
+    dev = device("GPU-0", used=4 * GIB, util=50, procs=[(0, 2 * GIB, 30), (-1, GIB, -1)])
+    return node_sample(now_ms - 5_000 + n, [dev], pod_uids=["pod-uid-a"], sequence=1000 + n, node=node)
+
+
+def good_pod_event(now_ms: int, n: int, node: str = "gpu-node-a") -> PodEvent:
+    return pod_event(f"uid-{n}", node=node, devices=[("nvidia.com/gpu", ["GPU-0"])],
+                     observed_at_unix_ms=now_ms - 1_000, started_at_unix_ms=now_ms - 60_000)
+
+
+def good_share(now_ms: int, n: int, **changes) -> GpuShare:
+    """The only row of a one-unit node-window that ended a minute ago (a new node per ``n``)."""
+    start = (now_ms - 120_000) // 60_000 * 60_000
+    (share,) = node_window([Unit("GPU-0", [pod(f"p{n}", 1.0, "ml", team="t")])], node=f"node-{n}",
+                           window_start_ms=start)
+    return dataclasses.replace(share, **changes)
+
+
+def good_cost(now_ms: int, n: int, **changes) -> CostRecord:
+    start = (now_ms - 120_000) // 60_000 * 60_000
+    record = CostRecord(cluster="prod", node_name="node-a", window_start_unix_ms=start, window_seconds=60,
+                        gpu_uuid="GPU-0", subject_kind=CostSubjectKind.POD, pod_uid=f"uid-{n}", namespace=f"ns-{n}",
+                        pod_name=f"pod-{n}", labels=MappingProxyType({}), cost_share=1.0, cost_micro_usd=1_000,
+                        instance_type="p5.48xlarge", price_model="on_demand", price_version="test")
+    return dataclasses.replace(record, **changes)
+
+
+def encode(record) -> bytes:
+    return codec_for(type(record)).encode(record)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One harness per service: ``deliver(kind, value, key, partition)`` runs one message through the service's entry
+# point; ``good(kind)`` sends a new good message of that topic and checks that the service used it.
+
+
+class Harness:
+    service: str
+    kinds: tuple[str, ...]
+    now_ms: int
+
+    def __init__(self, workdir: Path) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.offsets: Counter[tuple[str, int]] = Counter()
+        self.n = 0
+
+    def message(self, kind: str, value: bytes | None, key: bytes | None, partition: int) -> RawMessage:
+        topic = TOPIC_NAMES[kind]
+        offset = self.offsets[(topic, partition)]
+        self.offsets[(topic, partition)] += 1
+        return RawMessage(topic, partition, offset, key, value, self.now_ms)
+
+    async def send(self, kind: str, value: bytes | None, *, key: bytes | None = b"k",
+                   partition: int = 0) -> RawMessage:
+        raw = self.message(kind, value, key, partition)
+        await self.deliver(raw)
+        return raw
+
+    async def send_record(self, kind: str, record) -> RawMessage:
+        key, partition = self.address(kind, record)
+        return await self.send(kind, encode(record), key=key, partition=partition)
+
+    def address(self, kind: str, record) -> tuple[bytes, int]:
+        node = record.node_name
+        if kind == PODS:
+            return pod_event_key(node, record.uid), partition_for_node(node, PARTITIONS)
+        return node.encode(), partition_for_node(node, PARTITIONS)
+
+    def next_n(self) -> int:
+        self.n += 1
+        return self.n
+
+    async def deliver(self, raw: RawMessage) -> None:
+        raise NotImplementedError
+
+    def dead_letters(self) -> list[DeadLetter]:
+        raise NotImplementedError
+
+    async def good(self, kind: str) -> None:
+        raise NotImplementedError
+
+
+class AttributorHarness(Harness):
+    service = "attributor"
+    kinds = (SAMPLES, PODS)
+    now_ms = NOW_MS
+
+    def __init__(self, tmp_path: Path) -> None:
+        super().__init__(tmp_path)
+        from services.attributor.app import AttributorStream
+        from services.attributor.settings import AttributorSettings
+
+        settings = AttributorSettings(kafka=KafkaSettings(topic_prefix=PREFIX), partitions=PARTITIONS,
+                                      data_dir=tmp_path, metrics_port=0, window_seconds=WINDOW_S, grace_seconds=2,
+                                      pod_linger_seconds=600)
+        self.clock = ManualClock(NOW_MS)
+        self.metrics = ServiceMetrics(self.service)
+        self.stream = AttributorStream(settings, self.clock, self.metrics)
+        # Faust tables and topics need a running worker; the stream only uses them as mappings and senders.
+        self.stream.open_samples = {}
+        self.stream.pods = {}
+        self.stream.shares_topic = RecordingTopic()
+        self.stream.dead_letters_topic = RecordingTopic()
+
+    async def deliver(self, raw: RawMessage) -> None:
+        if raw.topic == TOPICS.node_samples:
+            await self.stream.process_sample(raw)
+        else:
+            await self.stream.process_pod_event(raw)
+
+    def dead_letters(self) -> list[DeadLetter]:
+        return [codec_for(DeadLetter).decode(value) for _, value in self.stream.dead_letters_topic.sent]
+
+    def shares(self) -> list[GpuShare]:
+        return [codec_for(GpuShare).decode(value) for _, value in self.stream.shares_topic.sent]
+
+    async def good(self, kind: str) -> None:
+        n = self.next_n()
+        if kind == SAMPLES:
+            sample = good_sample(self.now_ms, n)
+            await self.send_record(kind, sample)
+            assert sample_table_key(sample) in self.stream.open_samples
+        else:
+            event = good_pod_event(self.now_ms, n)
+            await self.send_record(kind, event)
+            assert self.stream.pods[pod_table_key(event)] == encode(event)
+
+
+class BillingHarness(Harness):
+    service = "billing"
+    kinds = (SHARES,)
+    now_ms = WINDOW_START_MS + 90_000
+
+    def __init__(self, tmp_path: Path) -> None:
+        super().__init__(tmp_path)
+        self.clock = ManualClock(self.now_ms)
+        self.metrics = ServiceMetrics(self.service, BILLING_METRICS)
+        self.ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
+        self.ledger.migrate()
+        self.producer = RecordingProducer()
+        self.processor = BillingProcessor(
+            catalog=PriceCatalog.load(), policy=DEFAULT_SPLIT_POLICY, ledger=self.ledger, producer=self.producer,
+            topics=TOPICS, clock=self.clock, window_expiry_seconds=600, finished_window_memory_seconds=3600,
+            metrics=self.metrics,
+        )
+
+    def close(self) -> None:
+        self.ledger.close()
+
+    async def deliver(self, raw: RawMessage) -> None:
+        await self.processor.handle(raw)
+
+    def dead_letters(self) -> list[DeadLetter]:
+        return [r for t, _, r in self.producer.sent if t == TOPICS.dead_letters]
+
+    async def good(self, kind: str) -> None:
+        billed = self.processor.stats.windows_billed
+        share = good_share(self.now_ms, self.next_n())
+        await self.send_record(kind, share)
+        assert self.processor.stats.windows_billed == billed + 1
+        bills = {(b["node_name"], b["window_start_unix_ms"]) for b in self.ledger.bills()}
+        assert (share.node_name, share.window_start_unix_ms) in bills
+        costs = [r for t, _, r in self.producer.sent if t == TOPICS.costs and r.node_name == share.node_name]
+        assert costs and all(c.window_start_unix_ms == share.window_start_unix_ms for c in costs)
+
+
+class GuardHarness(Harness):
+    service = "guard"
+    kinds = (SAMPLES, PODS, SHARES, COSTS)
+    now_ms = NOW_MS
+
+    def __init__(self, tmp_path: Path) -> None:
+        super().__init__(tmp_path)
+        self.clock = ManualClock(NOW_MS)
+        self.metrics = ServiceMetrics(self.service, GUARD_METRICS)
+        self.producer = RecordingProducer()
+        config = GuardConfig(namespace_budgets={f"ns-{n}": Budget(day_micro_usd=1) for n in range(1, 200)})
+        self.processor = GuardProcessor(engine=GuardEngine(config), producer=self.producer, topics=TOPICS,
+                                        clock=self.clock, metrics=self.metrics)
+
+    async def deliver(self, raw: RawMessage) -> None:
+        await self.processor.handle(raw)
+
+    def dead_letters(self) -> list[DeadLetter]:
+        return [r for t, _, r in self.producer.sent if t == TOPICS.dead_letters]
+
+    async def good(self, kind: str) -> None:
+        n = self.next_n()
+        engine = self.processor.engine
+        if kind == SAMPLES:
+            sample = good_sample(self.now_ms, n, node=f"gpu-node-{n}")
+            assert await self.processor.handle(self.message(kind, encode(sample), b"k", 0)) is not None
+            # The engine took it: the same tick again is a redelivery it recognises.
+            ignored = engine.old_samples_ignored
+            await self.processor.handle(self.message(kind, encode(sample), b"k", 0))
+            assert engine.old_samples_ignored == ignored + 1
+        elif kind == PODS:
+            # A pod that sets NVIDIA_VISIBLE_DEVICES=all and requests no GPU: the guard flags it from the event.
+            event = good_pod_event(self.now_ms, n)
+            containers = tuple(dataclasses.replace(c, visible_devices_env="all", gpu_requests={}, assigned_devices=())
+                               for c in event.containers)
+            event = dataclasses.replace(event, containers=containers, gpu_requests={})
+            violations = await self.processor.handle(self.message(kind, encode(event), b"k", 0))
+            assert [(v.rule, v.pod_uid) for v in violations] == [("visibility_leak", event.uid)]
+        elif kind == SHARES:
+            share = good_share(self.now_ms, n)
+            assert await self.processor.handle(self.message(kind, encode(share), b"k", 0)) is not None
+            ignored = engine.duplicate_shares_ignored
+            await self.processor.handle(self.message(kind, encode(share), b"k", 0))
+            assert engine.duplicate_shares_ignored == ignored + 1
+        else:
+            record = good_cost(self.now_ms, n)
+            violations = await self.processor.handle(self.message(kind, encode(record), b"k", 0))
+            assert [(v.rule, v.namespace) for v in violations] == [("budget_exceeded", record.namespace)]
+
+
+HARNESSES: dict[str, Callable[[Path], Harness]] = {
+    "attributor": AttributorHarness,
+    "billing": BillingHarness,
+    "guard": GuardHarness,
+}
+
+
+@pytest.fixture
+def make_harness(tmp_path):
+    made: list[Harness] = []
+
+    def make(service: str) -> Harness:
+        harness = HARNESSES[service](tmp_path / f"{service}-{len(made)}")
+        made.append(harness)
+        return harness
+
+    yield make
+    for harness in made:
+        if isinstance(harness, BillingHarness):
+            harness.close()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Cases. A case builds (prelude records, the bad message) from the harness; ``prelude`` records are good input the
+# case needs first (a window to be late for, the first row of a unit). Records are sent at their node's partition
+# and key; raw bytes go to partition 0 with key b"k".
+
+
+@dataclasses.dataclass(frozen=True)
+class Bad:
+    """The bad message: raw bytes, or a record (sent where the catalog puts it, unless ``key``/``partition``)."""
+
+    value: bytes | None = None
+    record: Any = None
+    key: bytes | None = None
+    partition: int | None = None
+
+
+def _random_bytes(seed: int, size: int) -> bytes:
+    data = random.Random(seed).randbytes(size)
+    return b"\x00" + data[1:]  # never the single-object magic c3 01
+
+
+def _other_type(kind: str, h: Harness) -> bytes:
+    # A valid message of another record type (one of the service's other inputs, or a record no one reads).
+    other = {SAMPLES: good_pod_event(h.now_ms, 0), PODS: good_sample(h.now_ms, 0), SHARES: good_cost(h.now_ms, 0),
+             COSTS: good_share(h.now_ms, 0)}[kind]
+    return encode(other)
+
+
+def _good_record(kind: str, h: Harness):
+    return {SAMPLES: good_sample, PODS: good_pod_event, SHARES: good_share, COSTS: good_cost}[kind](h.now_ms, 900)
+
+
+def codec_cases(kind: str) -> list[tuple[str, Callable[[Harness], tuple[list, Bad]], str]]:
+    cases = [
+        ("random bytes", lambda h: ([], Bad(_random_bytes(len(kind), 64))), "CORRUPT"),
+        ("a cut header", lambda h: ([], Bad(MAGIC + b"\x01\x02")), "TRUNCATED"),
+        ("an unknown schema fingerprint", lambda h: ([], Bad(MAGIC + struct.pack("<Q", 0x0123456789ABCDEF)
+                                                             + _random_bytes(7, 40))), "UNKNOWN_SCHEMA"),
+        ("another record type", lambda h: ([], Bad(_other_type(kind, h))), "WRONG_RECORD_TYPE"),
+        ("a body cut short", lambda h: ([], Bad(encode(_good_record(kind, h))[:-3])), "TRUNCATED"),
+        ("trailing bytes", lambda h: ([], Bad(encode(_good_record(kind, h)) + b"\x00")), "CORRUPT"),
+    ]
+    if kind != PODS:  # a pod-events value of None is the compacted topic's tombstone, not bad input
+        cases.append(("no value", lambda h: ([], Bad(None)), "EMPTY"))
+    return cases
+
+
+def _dev(**changes):
+    return dataclasses.replace(device("GPU-0", used=4 * GIB, util=50, procs=[(0, 2 * GIB, 30)]), **changes)
+
+
+def _sample(h: Harness, devices=None, **changes) -> NodeSample:
+    sample = node_sample(h.now_ms - 5_000, devices or [_dev()], pod_uids=["pod-uid-a"], sequence=7)
+    return dataclasses.replace(sample, **changes)
+
+
+def _mig_orphan() -> Any:
+    return dataclasses.replace(_dev(), uuid="MIG-1", parent_uuid="GPU-not-in-the-tick", mig_gpu_instance_id=1,
+                               mig_compute_instance_id=0, mig_profile="1g.10gb", mig_compute_slices=1,
+                               sharing_mode=SharingMode.MIG)
+
+
+SAMPLE_CASES = [
+    ("negative memory", lambda h: _sample(h, [_dev(memory_used_bytes=-1)])),
+    ("utilization over 100 %", lambda h: _sample(h, [_dev(gpu_utilization_percent=101)])),
+    ("used above total", lambda h: _sample(h, [_dev(memory_used_bytes=81 * GIB)])),
+    ("a process using more than the GPU", lambda h: _sample(h, [_dev(process_used_memory_bytes=(81 * GIB,))])),
+    ("sampled a day in the future", lambda h: _sample(h, sampled_at_unix_ms=h.now_ms + DAY_MS)),
+    ("sampled eight days ago", lambda h: _sample(h, sampled_at_unix_ms=h.now_ms - 8 * DAY_MS)),
+    ("sampled at time zero", lambda h: _sample(h, sampled_at_unix_ms=0)),
+    ("a MIG instance of an unknown GPU", lambda h: _sample(h, [_mig_orphan()])),
+    ("a process of an unknown pod", lambda h: _sample(h, [_dev(process_pod_index=(3,))])),
+    ("duplicate pids on one device", lambda h: _sample(h, [dataclasses.replace(
+        device("GPU-0", used=4 * GIB, util=50, procs=[(0, GIB, 10), (0, GIB, 10)]), process_pids=(7, 7))])),
+    ("process arrays of unequal length", lambda h: _sample(h, [_dev(process_pids=(1, 2))])),
+    ("the same GPU twice", lambda h: _sample(h, [_dev(), _dev()])),
+    ("a negative interval", lambda h: _sample(h, interval_ms=-1000)),
+    ("SM utilization over 100 %", lambda h: _sample(h, [_dev(process_sm_utilization_percent=(140,))])),
+]
+
+
+def _pod(h: Harness, **changes) -> PodEvent:
+    return dataclasses.replace(good_pod_event(h.now_ms, 77), **changes)
+
+
+POD_CASES = [
+    ("observed a day in the future", lambda h: _pod(h, observed_at_unix_ms=h.now_ms + DAY_MS)),
+    ("observed at time zero", lambda h: _pod(h, observed_at_unix_ms=0)),
+    ("started in the future", lambda h: _pod(h, started_at_unix_ms=h.now_ms + DAY_MS)),
+    ("a negative GPU request", lambda h: _pod(h, gpu_requests=MappingProxyType({"nvidia.com/gpu": -1}))),
+    ("no uid", lambda h: _pod(h, uid="")),
+]
+
+SHARE_CASES = [
+    ("memory share above 1", lambda h: good_share(h.now_ms, 500, memory_share=1.5)),
+    ("negative compute share", lambda h: good_share(h.now_ms, 500, compute_share=-0.2)),
+    ("cost share NaN", lambda h: good_share(h.now_ms, 500, cost_share=float("nan"))),
+    ("cost share above 1", lambda h: good_share(h.now_ms, 500, cost_share=2.0)),
+    ("GPU fraction zero", lambda h: good_share(h.now_ms, 500, gpu_fraction=0.0)),
+    ("a window ending a day in the future", lambda h: good_share(h.now_ms, 500,
+                                                                 window_start_unix_ms=h.now_ms + DAY_MS)),
+    ("a window at time zero", lambda h: good_share(h.now_ms, 500, window_start_unix_ms=0)),
+    ("a zero-second window", lambda h: good_share(h.now_ms, 500, window_seconds=0)),
+    ("covered longer than the window", lambda h: good_share(h.now_ms, 500, node_covered_seconds=61.0)),
+]
+
+COST_CASES = [
+    ("a negative cost", lambda h: good_cost(h.now_ms, 500, cost_micro_usd=-5)),
+    ("cost share above 1", lambda h: good_cost(h.now_ms, 500, cost_share=1.5)),
+    ("a window ending a day in the future", lambda h: good_cost(h.now_ms, 500,
+                                                                window_start_unix_ms=h.now_ms + DAY_MS)),
+    ("a window at time zero", lambda h: good_cost(h.now_ms, 500, window_start_unix_ms=0)),
+    ("a POD line without a pod", lambda h: good_cost(h.now_ms, 500, pod_uid=None)),
+]
+
+RANGE_CASES = {SAMPLES: SAMPLE_CASES, PODS: POD_CASES, SHARES: SHARE_CASES, COSTS: COST_CASES}
+
+
+def _late_tick(h: Harness) -> tuple[list, Bad]:
+    start = (h.now_ms - 60_000) // (WINDOW_S * 1000) * (WINDOW_S * 1000)
+    first = dataclasses.replace(_sample(h), sampled_at_unix_ms=start, sequence=1)
+    closing = dataclasses.replace(_sample(h), sampled_at_unix_ms=start + (WINDOW_S + 3) * 1000, sequence=2)
+    late = dataclasses.replace(_sample(h), sampled_at_unix_ms=start + 1_000, sequence=3)
+    return [(SAMPLES, first), (SAMPLES, closing)], Bad(record=late)
+
+
+def _unit_not_adding_up(h: Harness) -> tuple[list, Bad]:
+    rows = node_window([Unit("GPU-0", [pod("a", 0.5, "ml"), bucket(ShareSubjectKind.IDLE, 0.2)])], node="node-x",
+                       window_start_ms=(h.now_ms - 120_000) // 60_000 * 60_000)
+    return [(SHARES, rows[0])], Bad(record=rows[1])
+
+
+SERVICE_CASES = [
+    ("attributor", SAMPLES, "a tick on another node's partition",
+     lambda h: ([], Bad(record=_sample(h), partition=(partition_for_node("gpu-node-a", PARTITIONS) + 1) % 3)),
+     "WRONG_PARTITION"),
+    ("attributor", SAMPLES, "a tick of a closed window", _late_tick, "LATE"),
+    ("attributor", PODS, "a pod event under another pod's key",
+     lambda h: ([], Bad(record=_pod(h), key=b"gpu-node-a/another-uid")), "WRONG_KEY"),
+    ("attributor", PODS, "a pod event on another node's partition",
+     lambda h: ([], Bad(record=_pod(h), partition=(partition_for_node("gpu-node-a", PARTITIONS) + 1) % 3)),
+     "WRONG_PARTITION"),
+    ("billing", SHARES, "a unit whose cost shares do not add up to 1", _unit_not_adding_up, "INCONSISTENT_SHARES"),
+    ("billing", SHARES, "a node no price covers (unknown instance type)",
+     lambda h: ([], Bad(record=good_share(h.now_ms, 501, instance_type="x9.unknown"))), "NO_PRICE"),
+]
+
+
+def _params():
+    params = []
+    for service, harness in HARNESSES.items():
+        for kind in harness.kinds:
+            for name, build, reason in codec_cases(kind):
+                params.append(pytest.param(service, kind, build, reason, id=f"{service}-{kind}-{name}"))
+            for name, build_record in RANGE_CASES[kind]:
+                params.append(pytest.param(service, kind, (lambda b: lambda h: ([], Bad(record=b(h))))(build_record),
+                                           "OUT_OF_RANGE", id=f"{service}-{kind}-{name}"))
+    for service, kind, name, build, reason in SERVICE_CASES:
+        params.append(pytest.param(service, kind, build, reason, id=f"{service}-{kind}-{name}"))
+    return params
+
+
+@pytest.mark.parametrize("service, kind, build, reason", _params())
+async def test_bad_input_is_dead_lettered_counted_and_the_next_message_is_processed(make_harness, service, kind,
+                                                                                    build, reason):
+    h = make_harness(service)
+    prelude, bad = build(h)
+    for prelude_kind, record in prelude:
+        await h.send_record(prelude_kind, record)
+    assert h.dead_letters() == [], "the prelude is good input"
+    if bad.record is not None:
+        value = encode(bad.record)
+        key, partition = h.address(kind, bad.record)
+        key = bad.key if bad.key is not None else key
+        partition = bad.partition if bad.partition is not None else partition
+    else:
+        value, key, partition = bad.value, b"k", 0
+    raw = await h.send(kind, value, key=key, partition=partition)
+
+    letters = h.dead_letters()
+    (letter,) = [d for d in letters if (d.source_partition, d.source_offset) == (raw.partition, raw.offset)]
+    assert (letter.reason_code, letter.service, letter.source_topic) == (reason, service, TOPIC_NAMES[kind]), \
+        letter.reason
+    assert letter.raw_bytes == (value or b"") and letter.source_key == key
+    assert letter.error_type and letter.reason
+    assert {d.reason_code for d in letters} == {reason}
+    assert metric(h.metrics, "gpumeter_dead_letters_total", service=service, topic=TOPIC_NAMES[kind],
+                  reason_code=reason) == len(letters)
+
+    await h.good(kind)
+    assert len(h.dead_letters()) == len(letters)
+
+
+@pytest.mark.parametrize("service", sorted(HARNESSES))
+async def test_every_input_topic_survives_a_stream_of_bad_messages(make_harness, service):
+    """All of a service's bad cases, on every input topic, one after the other into one instance; then good
+    input on every topic is still processed."""
+    h = make_harness(service)
+    sent = 0
+    for kind in h.kinds:
+        for _name, build, _reason in codec_cases(kind):
+            _, bad = build(h)
+            await h.send(kind, bad.value)
+            sent += 1
+        for _name, build_record in RANGE_CASES[kind]:
+            record = build_record(h)
+            key, partition = h.address(kind, record)
+            await h.send(kind, encode(record), key=key, partition=partition)
+            sent += 1
+    letters = h.dead_letters()
+    assert len(letters) == sent
+    consumed = sum(metric(h.metrics, "gpumeter_messages_consumed_total", service=service, topic=TOPIC_NAMES[k])
+                   for k in h.kinds)
+    assert consumed == sent
+    for kind in h.kinds:
+        await h.good(kind)
+    assert len(h.dead_letters()) == sent
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_arbitrary_bytes_on_any_topic_are_dead_lettered_never_raised(tmp_path_factory, data):
+    service = data.draw(st.sampled_from(sorted(HARNESSES)), label="service")
+    tmp = tmp_path_factory.mktemp(service)
+    harness = HARNESSES[service](tmp)
+    kind = data.draw(st.sampled_from(harness.kinds), label="topic")
+    payloads = data.draw(st.lists(st.binary(max_size=300) | st.binary(max_size=60).map(lambda b: MAGIC + b),
+                                  min_size=1, max_size=8), label="payloads")
+
+    async def run() -> None:
+        for payload in payloads:
+            await harness.send(kind, payload)
+        letters = harness.dead_letters()
+        assert [(d.source_offset, d.raw_bytes) for d in letters] == list(enumerate(payloads))
+        assert {d.reason_code for d in letters} <= {"CORRUPT", "TRUNCATED", "UNKNOWN_SCHEMA", "WRONG_RECORD_TYPE",
+                                                     "EMPTY", "OUT_OF_RANGE"}
+        await harness.good(kind)
+        assert len(harness.dead_letters()) == len(payloads)
+
+    try:
+        asyncio.run(run())
+    finally:
+        if isinstance(harness, BillingHarness):
+            harness.close()
+
+
+def test_the_cases_cover_every_input_topic_of_every_consuming_service():
+    """The catalog says which service reads which topic; the harnesses above must drive exactly those."""
+    from schemas.catalog import ALL_TOPICS
+
+    inputs = {service: {spec.name for spec in ALL_TOPICS if service in spec.consumers}
+              for service in HARNESSES}
+    covered = {service: {TOPIC_NAMES[k][len(PREFIX):] for k in h.kinds} for service, h in HARNESSES.items()}
+    assert inputs == covered
+    assert {spec.name for spec in ALL_TOPICS if set(spec.consumers) & set(HARNESSES)} == {
+        name[len(PREFIX):] for name in TOPIC_NAMES.values()}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# What is not bad input: values the collector reports on purpose, and old records that are legitimately old
+
+
+POSSIBLE_SAMPLES = [
+    ("unknown per-process memory (NVML: not available)", lambda h: _sample(h, [_dev(process_used_memory_bytes=(-1,))])),
+    ("no per-process SM sample", lambda h: _sample(h, [_dev(process_sm_utilization_percent=(-1,))])),
+    ("a process of no known pod", lambda h: _sample(h, [_dev(process_pod_index=(-1,))])),
+    ("a lost GPU's zeros", lambda h: _sample(h, [device("GPU-0", total=0, used=0, util=None)])),
+    ("a MIG instance whose GPU holds the slice count", lambda h: _sample(h, [
+        dataclasses.replace(device("GPU-P", total=40 * GIB, util=None), sharing_mode=SharingMode.MIG,
+                            mig_total_compute_slices=7),
+        device("MIG-1", parent_uuid="GPU-P", gi=1, ci=0, profile="3g.20gb", slices=3, total_slices=0,
+               total=20 * GIB, used=4 * GIB, util=None, mode=SharingMode.MIG, procs=[(0, 2 * GIB, -1)])])),
+    ("sampled at the edge of the allowed skew", lambda h: _sample(h, sampled_at_unix_ms=h.now_ms + 120_000)),
+    ("sampled six days ago (a backlog)", lambda h: _sample(h, sampled_at_unix_ms=h.now_ms - 6 * DAY_MS)),
+]
+
+
+@pytest.mark.parametrize("service", ["attributor", "guard"])
+@pytest.mark.parametrize("build", [b for _, b in POSSIBLE_SAMPLES], ids=[n for n, _ in POSSIBLE_SAMPLES])
+async def test_values_the_collector_reports_on_purpose_are_not_bad_input(make_harness, service, build):
+    h = make_harness(service)
+    sample = build(h)
+    await h.send_record(SAMPLES, sample)
+    assert h.dead_letters() == []
+    if service == "attributor":
+        assert sample_table_key(sample) in h.stream.open_samples
+
+
+async def test_a_long_running_pods_old_event_and_an_old_window_are_not_bad_input(make_harness):
+    # The compacted pod topic keeps a pod's last event as long as it lives; a window may be re-emitted long after.
+    attributor, guard, billing = make_harness("attributor"), make_harness("guard"), make_harness("billing")
+    for h in (attributor, guard):
+        await h.send_record(PODS, _pod(h, observed_at_unix_ms=h.now_ms - 90 * DAY_MS,
+                                       started_at_unix_ms=h.now_ms - 91 * DAY_MS))
+    old_start = (billing.now_ms - 20 * DAY_MS) // 60_000 * 60_000
+    (old_share,) = node_window([Unit("GPU-0", [pod("old", 1.0, "ml")])], node="node-old", window_start_ms=old_start)
+    await billing.send_record(SHARES, old_share)
+    await guard.send_record(COSTS, good_cost(guard.now_ms, 7, window_start_unix_ms=guard.now_ms - 20 * DAY_MS))
+    assert [h.dead_letters() for h in (attributor, guard, billing)] == [[], [], []]
+    assert billing.processor.stats.windows_billed == 1
