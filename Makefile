@@ -35,5 +35,11 @@ run: deps kafka-jars
 stop: deps
 	$(PY) -m gpumeter.devtools.kafka_broker stop
 
+## bench: the benchmarks (never part of `make test`): figures in bench/results/*.json and the table in
+## docs/performance.md. Starts its own Kafka broker and PostgreSQL; about 10 minutes. `make bench BENCH_ARGS=--quick`
+## is a fast smoke run; `BENCH_ARGS="--only attribution"` runs one.
+bench: deps kafka-jars
+	$(PY) -m bench.run $(BENCH_ARGS)
+
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .hypothesis

@@ -1,0 +1,893 @@
+"""The whole stream through a real broker: latency from a window's close to its last cost record, and the
+throughput ceiling, with the attributor and billing running as real subprocesses.
+
+Set-up (all on this machine): a real Apache Kafka broker (``gpumeter.devtools.kafka_broker``), the catalog's
+topics (12 partitions each; ``gpu-shares`` and ``costs`` with ``message.timestamp.type=LogAppendTime`` so that
+every record carries the moment it landed on its topic), ``gpumeter attributor`` and ``gpumeter billing`` (SQLite
+ledger) started as subprocesses with their production defaults (60 s windows, 10 s grace, INFO logging), and a
+load generator in this process: ``bench.workload.Fleet`` nodes of 8 time-sliced GPUs × 8 single-process pods,
+sending one ``NodeSample`` per node per second through gpumeter's own producer, the nodes spread evenly over
+each second as independent collectors would be, each stamped with the wall-clock time it was sent.
+
+Phases:
+
+1. **Pods of the ceiling nodes** (``ceiling_nodes``, 250 by default): their ``PodEvent``s (64 per node) are
+   published; done when the attributor's group has committed them all.
+2. **Ceiling** (backlog drain): one whole window of ticks of those nodes, timestamped in the past, is produced
+   while the attributor is stopped (a running, caught-up attributor's clock rightly calls such ticks late), then
+   the attributor is restarted: it restores its tables (the restart time is reported) and works through the
+   backlog; the window closes on its clock once it has caught up. Ceiling = GPU-samples in the backlog /
+   (attributor ready → last cost record's append time): the rate at which the pipeline turned input into costs.
+3. **Pods of the other nodes**: the rest of the fleet's pods.
+4. **Live**: the generator sends at 1 Hz per node in real time until the first window that starts after it began
+   (the *full* window) has closed on every node. Latency of a node-window = append time of its last cost record
+   − (window end + grace). A *sustainable* phase runs first at ``sustainable_fraction`` of the measured ceiling
+   when the target rate is above what the ceiling allows; the *target* phase runs the whole fleet (10,000 GPUs).
+   The partial first window of each phase is reported apart. A phase whose windows are not all costed within
+   ``drain_timeout_s`` after sending stopped is reported as such (its latencies are then lower bounds), with the
+   attributor's input lag and the rate at which it took input in.
+
+A reader of the costs topic in this process follows the output (a few µs per record); CPU seconds of every
+process (broker, attributor, billing, this process) are read from ``/proc`` at each phase boundary: they show
+where the machine's cores went, which is what limits the figures on a small machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from schemas.catalog import COSTS, GPU_SHARES, NODE_SAMPLES, TopicCatalog, partition_for_node, pod_event_key
+from schemas.records import NodeSample, PodEvent
+from schemas.typed import codec_for
+
+from bench.common import Target, fmt_int
+from bench.workload import Fleet
+
+TARGET_P99_S = 2.0
+TARGET_GPUS = 10_000
+WINDOW_SECONDS = 60
+GRACE_SECONDS = 10
+IDLE_CLOSE_SECONDS = 30
+PREFIX = "bench."
+APP_ID = "bench-attributor"
+BILLING_GROUP = "bench-billing"
+CHANGELOG_TABLES = ("open_samples", "pods")  # services.attributor.app's tables
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Avro building blocks (the generator's fast path and the after-the-fact parsing of output keys)
+
+
+def zigzag(value: int) -> bytes:
+    """Avro's ``long``/``int`` encoding: zig-zag, then base-128 varint."""
+    n = (value << 1) ^ (value >> 63)
+    out = bytearray()
+    while n & ~0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def avro_string(text: str) -> bytes:
+    raw = text.encode("utf-8")
+    return zigzag(len(raw)) + raw
+
+
+def _read_long(data: bytes, pos: int) -> tuple[int, int]:
+    shift = result = 0
+    while True:
+        byte = data[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            break
+        shift += 7
+    return (result >> 1) ^ -(result & 1), pos
+
+
+def window_key_of(message: bytes) -> tuple[str, int]:
+    """(node name, window start) of a ``GpuShare`` or ``CostRecord`` message: both records begin with cluster,
+    node_name, window_start_unix_ms; read just those instead of decoding the whole record."""
+    pos = 10
+    length, pos = _read_long(message, pos)
+    pos += length
+    length, pos = _read_long(message, pos)
+    node = message[pos:pos + length].decode("utf-8")
+    pos += length
+    start, _ = _read_long(message, pos)
+    return node, start
+
+
+class SampleEncoder:
+    """Single-object ``NodeSample`` messages for the load generator at a few µs each.
+
+    A record's Avro encoding is the concatenation of its fields' encodings, so the fields that change every tick
+    and lead the record (cluster, node, sequence, collector start, sampled_at, interval) are encoded here and the
+    rest (the devices and ids: ``variants`` precomputed ticks per node, reused round-robin) is appended as bytes.
+    ``encode(...)`` equals ``codec_for(NodeSample).encode`` of the same sample (checked by the unit tests).
+    """
+
+    def __init__(self, fleet: Fleet, variants: int = 4) -> None:
+        codec = codec_for(NodeSample)
+        self.fleet = fleet
+        self.variants = variants
+        self._header = codec.avro.schema.header
+        self._cluster = avro_string(fleet.cluster)
+        self._names = [avro_string(fleet.node(i).name) for i in range(fleet.node_count)]
+        self.keys = [fleet.node(i).name.encode() for i in range(fleet.node_count)]
+        self._tails: list[list[bytes]] = []
+        for i in range(fleet.node_count):
+            tails = []
+            for v in range(variants):
+                sample = fleet.node_sample(i, v)
+                full = codec.encode(sample)
+                prefix = self._prefix(i, sample.sequence, sample.collector_started_at_unix_ms,
+                                      sample.sampled_at_unix_ms, sample.interval_ms)
+                if not full.startswith(prefix):
+                    raise AssertionError("NodeSample no longer starts with the fields SampleEncoder writes")
+                tails.append(full[len(prefix):])
+            self._tails.append(tails)
+
+    def _prefix(self, node: int, sequence: int, started_ms: int, sampled_ms: int, interval_ms: int) -> bytes:
+        return b"".join((self._header, self._cluster, self._names[node], zigzag(sequence), zigzag(started_ms),
+                         zigzag(sampled_ms), zigzag(interval_ms)))
+
+    def encode(self, node: int, sequence: int, started_ms: int, sampled_ms: int, interval_ms: int) -> bytes:
+        """Node ``node``'s tick ``sequence`` (device readings of variant ``sequence % variants``)."""
+        return self._prefix(node, sequence, started_ms, sampled_ms, interval_ms) + \
+            self._tails[node][sequence % self.variants]
+
+
+def rows_per_node_window(fleet: Fleet) -> int:
+    """Cost records per node-window: every unit's pods and three buckets, plus the node's node_other line."""
+    return fleet.gpus_per_node * (fleet.pods_per_gpu + 3) + 1
+
+
+def shares_per_node_window(fleet: Fleet) -> int:
+    return fleet.gpus_per_node * (fleet.pods_per_gpu + 3)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# processes
+
+
+def process_cpu_s(pid: int) -> float:
+    """utime + stime of ``pid`` (all its threads) in seconds, 0 when it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = text[text.rfind(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
+def gpumeter_command() -> list[str]:
+    script = Path(sys.executable).with_name("gpumeter")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "gpumeter.cli"]
+
+
+class Service:
+    """A service subprocess with its output in a log file."""
+
+    def __init__(self, name: str, command: list[str], log_path: Path) -> None:
+        self.name = name
+        self.command = command
+        self.log_path = log_path
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> "Service":
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUMETER_", "KAFKA_"))}
+        with self.log_path.open("w") as log:
+            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                            start_new_session=True)
+        return self
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    async def wait_for(self, text: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while text not in self.log():
+            if self.process is None or self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited:\n{self.log()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} did not log {text!r} within {timeout_s:.0f} s:\n{self.log()[-3000:]}")
+            await asyncio.sleep(0.25)
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(10)
+
+
+@dataclass
+class CpuLedger:
+    """CPU seconds per process at named moments."""
+
+    pids: dict[str, int]
+    marks: list[tuple[str, float, dict[str, float]]] = field(default_factory=list)
+
+    def mark(self, name: str) -> None:
+        usage = {who: process_cpu_s(pid) for who, pid in self.pids.items()}
+        usage["generator (this process)"] = time.process_time()
+        self.marks.append((name, time.time(), usage))
+
+    def between(self, first: str, last: str) -> dict[str, Any]:
+        a = next(m for m in self.marks if m[0] == first)
+        b = next(m for m in self.marks if m[0] == last)
+        wall = b[1] - a[1]
+        cpu = {who: round(b[2][who] - a[2].get(who, 0.0), 2) for who in b[2]}
+        return {"wall_s": round(wall, 2), "cpu_s": cpu, "cores_busy": round(sum(cpu.values()) / max(wall, 1e-9), 2)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kafka helpers
+
+
+async def create_bench_topics(settings: Any, catalog: TopicCatalog) -> None:
+    """The catalog's topics, with broker append times on the two output topics (for the latency), and the
+    attributor's changelog topics.
+
+    The changelogs are created here because an attributor that creates them itself on a fresh broker can fail on
+    its first pod event: its consumer subscribes before the new topics are in its metadata ("Ignoring missing
+    topic"), and Faust then raises ``PartitionsMismatch`` (changelog "has 0 partitions"); see docs/performance.md.
+    """
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+    admin = AIOKafkaAdminClient(**settings.client_kwargs())
+    await admin.start()
+    try:
+        topics = []
+        for spec in catalog:
+            config = spec.config()
+            if spec in (GPU_SHARES, COSTS):
+                config["message.timestamp.type"] = "LogAppendTime"
+            topics.append(NewTopic(catalog.name(spec), catalog.partitions(spec), 1, topic_configs=config))
+        partitions = catalog.partitions(NODE_SAMPLES)
+        for table in CHANGELOG_TABLES:
+            topics.append(NewTopic(f"{APP_ID}-{table}-changelog", partitions, 1,
+                                   topic_configs={"cleanup.policy": "compact"}))
+        await admin.create_topics(topics)
+    finally:
+        await admin.close()
+
+
+async def committed_total(settings: Any, group: str, topic: str) -> int:
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    admin = AIOKafkaAdminClient(**settings.client_kwargs())
+    await admin.start()
+    try:
+        offsets = await admin.list_consumer_group_offsets(group)
+    finally:
+        await admin.close()
+    return sum(meta.offset for tp, meta in offsets.items() if tp.topic == topic and meta.offset > 0)
+
+
+async def topic_partitions(settings: Any, topic: str) -> list[Any]:
+    """Every partition of ``topic`` from the broker's metadata."""
+    from aiokafka import TopicPartition
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    admin = AIOKafkaAdminClient(**settings.client_kwargs())
+    await admin.start()
+    try:
+        (described,) = await admin.describe_topics([topic])
+    finally:
+        await admin.close()
+    return [TopicPartition(topic, p["partition"]) for p in sorted(described["partitions"],
+                                                                   key=lambda p: p["partition"])]
+
+
+async def end_total(settings: Any, topic: str) -> int:
+    from aiokafka import AIOKafkaConsumer
+
+    partitions = await topic_partitions(settings, topic)
+    consumer = AIOKafkaConsumer(**settings.client_kwargs(), group_id=None)
+    await consumer.start()
+    try:
+        ends = await consumer.end_offsets(partitions)
+        return sum(ends.values())
+    finally:
+        await consumer.stop()
+
+
+async def wait_until(predicate: Callable[[], Any], timeout_s: float, what: str, every_s: float = 1.0,
+                     services: Iterable[Service] = ()) -> float:
+    """Poll ``await predicate()`` until true; returns when it became true (time.time()); TimeoutError after."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if await predicate():
+            return time.time()
+        for service in services:
+            if not service.alive():
+                raise RuntimeError(f"{service.name} exited during '{what}':\n{service.log()[-3000:]}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not done within {timeout_s:.0f} s")
+        await asyncio.sleep(every_s)
+
+
+async def window_stats(settings: Any, topic: str) -> dict[tuple[str, int], list[int]]:
+    """Every record on ``topic`` right now, as (node, window start) → [record count, first, last append ms]."""
+    from aiokafka import AIOKafkaConsumer
+
+    partitions = await topic_partitions(settings, topic)
+    consumer = AIOKafkaConsumer(**settings.client_kwargs(), group_id=None, enable_auto_commit=False,
+                                fetch_max_bytes=32 * 1024 * 1024, max_partition_fetch_bytes=8 * 1024 * 1024)
+    await consumer.start()
+    stats: dict[tuple[str, int], list[int]] = {}
+    try:
+        consumer.assign(partitions)
+        await consumer.seek_to_beginning(*partitions)
+        ends = await consumer.end_offsets(partitions)
+        remaining = {tp for tp in partitions if ends[tp] > 0}
+        while remaining:
+            batch = await consumer.getmany(timeout_ms=500, max_records=20_000)
+            for tp, records in batch.items():
+                for record in records:
+                    key = window_key_of(record.value)
+                    entry = stats.get(key)
+                    if entry is None:
+                        stats[key] = [1, record.timestamp, record.timestamp]
+                    else:
+                        entry[0] += 1
+                        entry[1] = min(entry[1], record.timestamp)
+                        entry[2] = max(entry[2], record.timestamp)
+                if records and records[-1].offset + 1 >= ends[tp]:
+                    remaining.discard(tp)
+        return stats
+    finally:
+        await consumer.stop()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# watching the output and the input lag
+
+
+class CostTail:
+    """Reads the costs topic from its beginning, continuously, into (node, window start) → [records, first append
+    ms, last append ms]. Parses only each record's leading key fields (a few µs per record)."""
+
+    def __init__(self, settings: Any, topic: str) -> None:
+        self.settings = settings
+        self.topic = topic
+        self.stats: dict[tuple[str, int], list[int]] = {}
+        self.records = 0
+        self._task: asyncio.Task | None = None
+        self._consumer: Any = None
+
+    async def start(self) -> None:
+        from aiokafka import AIOKafkaConsumer
+
+        partitions = await topic_partitions(self.settings, self.topic)
+        self._consumer = AIOKafkaConsumer(**self.settings.client_kwargs(), group_id=None, enable_auto_commit=False,
+                                          fetch_max_wait_ms=100)
+        await self._consumer.start()
+        self._consumer.assign(partitions)
+        await self._consumer.seek_to_beginning(*partitions)
+        self._task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        stats = self.stats
+        while True:
+            batch = await self._consumer.getmany(timeout_ms=200, max_records=20_000)
+            for records in batch.values():
+                self.records += len(records)
+                for record in records:
+                    key = window_key_of(record.value)
+                    entry = stats.get(key)
+                    if entry is None:
+                        stats[key] = [1, record.timestamp, record.timestamp]
+                    else:
+                        entry[0] += 1
+                        if record.timestamp < entry[1]:
+                            entry[1] = record.timestamp
+                        if record.timestamp > entry[2]:
+                            entry[2] = record.timestamp
+
+    def complete(self, keys: Iterable[tuple[str, int]], rows: int) -> int:
+        """How many of ``keys`` have all ``rows`` records."""
+        return sum(1 for k in keys if self.stats.get(k, (0,))[0] >= rows)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        if self._consumer is not None:
+            await self._consumer.stop()
+
+
+class LagMonitor:
+    """Every ``every_s``: the attributor's committed input offsets and the input topic's end; the lag between."""
+
+    def __init__(self, settings: Any, group: str, topic: str, every_s: float = 5.0) -> None:
+        self.settings = settings
+        self.group = group
+        self.topic = topic
+        self.every_s = every_s
+        self.points: list[tuple[float, int, int]] = []  # (time, committed, end)
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                committed = await committed_total(self.settings, self.group, self.topic)
+                end = await end_total(self.settings, self.topic)
+                self.points.append((time.time(), committed, end))
+            except Exception:  # a missed point is no reason to stop the benchmark
+                pass
+            await asyncio.sleep(self.every_s)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    def summary(self, gpus_per_message: int, sending_until: float) -> dict[str, Any]:
+        """Lag and rates; the rates over the points up to ``sending_until`` (while input was arriving)."""
+        sending = [p for p in self.points if p[0] <= sending_until]
+        if len(sending) < 2:
+            return {}
+        (t0, c0, e0), (t1, c1, e1) = sending[0], sending[-1]
+        span = max(t1 - t0, 1e-9)
+        return {
+            "max_lag_messages": max(e - c for _, c, e in self.points),
+            "lag_when_sending_stopped_messages": e1 - c1,
+            "input_gpu_samples_per_s": round((e1 - e0) / span * gpus_per_message, 1),
+            "attributor_committed_gpu_samples_per_s": round((c1 - c0) / span * gpus_per_message, 1),
+            "points": len(self.points),
+        }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the generator
+
+
+class Generator:
+    """Publishes the fleet's pod events and samples through gpumeter's own producer (idempotent, lz4)."""
+
+    def __init__(self, producer: Any, catalog: TopicCatalog, fleet: Fleet, partitions: int) -> None:
+        self.producer = producer
+        self.catalog = catalog
+        self.fleet = fleet
+        self.partitions = partitions
+        self.encoder = SampleEncoder(fleet)
+        self.max_behind_s = 0.0
+
+    async def pods(self, first: int, last: int) -> int:
+        """The ADDED events of every pod of nodes ``first`` .. ``last - 1``."""
+        codec = codec_for(PodEvent)
+        count = 0
+        for i in range(first, last):
+            name = self.fleet.node(i).name
+            partition = partition_for_node(name, self.partitions)
+            for event in self.fleet.pod_events(i):
+                await self.producer.send_bytes(self.catalog.pod_events, codec.encode(event),
+                                               key=pod_event_key(name, event.uid), partition=partition)
+                count += 1
+        await self.producer.flush()
+        return count
+
+    async def backlog(self, first_ms: int, ticks: int, started_ms: int, nodes: int) -> int:
+        """``ticks`` ticks of the first ``nodes`` nodes at ``first_ms + k s``, as fast as possible."""
+        topic = self.catalog.node_samples
+        for k in range(ticks):
+            sampled = first_ms + k * 1000
+            for i in range(nodes):
+                await self.producer.send_bytes(topic, self.encoder.encode(i, k, started_ms, sampled, 1000),
+                                               key=self.encoder.keys[i])
+        await self.producer.flush()
+        return ticks * nodes
+
+    async def live(self, stop_at_ms: int, nodes: int) -> int:
+        """The first ``nodes`` nodes once per second each in real time, evenly spread over the second, until
+        ``stop_at_ms``. A new collector start time per call (a fresh tick sequence)."""
+        topic = self.catalog.node_samples
+        self.max_behind_s = 0.0
+        started = time.time()
+        started_ms = int(started * 1000)
+        last_ms = [0] * nodes
+        sent = 0
+        tick = 0
+        while True:
+            base = started + tick
+            for i in range(nodes):
+                delay = base + i / nodes - time.time()
+                if delay > 0.001:
+                    await asyncio.sleep(delay)
+                elif delay < 0:
+                    self.max_behind_s = max(self.max_behind_s, -delay)
+                now_ms = int(time.time() * 1000)
+                if now_ms >= stop_at_ms:
+                    await self.producer.flush()
+                    return sent
+                interval = now_ms - last_ms[i] if last_ms[i] else 1000
+                last_ms[i] = now_ms
+                await self.producer.send_bytes(topic, self.encoder.encode(i, tick, started_ms, now_ms, interval),
+                                               key=self.encoder.keys[i])
+                sent += 1
+            tick += 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the benchmark
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0..100), nearest rank."""
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    rank = max(1, min(len(ordered), int(-(-q * len(ordered) // 100))))
+    return ordered[rank - 1]
+
+
+def latency_summary(latencies_s: list[float]) -> dict[str, Any]:
+    if not latencies_s:
+        return {"node_windows": 0}
+    return {
+        "node_windows": len(latencies_s),
+        "p50_s": round(percentile(latencies_s, 50), 3),
+        "p90_s": round(percentile(latencies_s, 90), 3),
+        "p99_s": round(percentile(latencies_s, 99), 3),
+        "max_s": round(max(latencies_s), 3),
+        "min_s": round(min(latencies_s), 3),
+        "mean_s": round(statistics.fmean(latencies_s), 3),
+    }
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """``nodes``: the target fleet (1,250 × 8 GPUs = 10,000 GPUs). ``ceiling_nodes``: nodes in the backlog the
+    ceiling is measured on (one whole window each). ``sustainable_fraction``: when the ceiling is below the
+    target's rate, a live phase also runs at this fraction of the ceiling, to show latency where the machine
+    keeps up."""
+
+    nodes: int = 1250
+    pods_per_gpu: int = 8
+    ceiling_nodes: int = 250
+    sustainable_fraction: float = 0.6
+    drain_timeout_s: float = 120.0
+    pods_timeout_s: float = 600.0
+
+
+@dataclass
+class Bench:
+    """What the phases share."""
+
+    config: StreamConfig
+    fleet: Fleet
+    settings: Any
+    catalog: TopicCatalog
+    generator: Generator
+    tail: CostTail
+    cpu: CpuLedger
+    services: list[Service]
+    log: Callable[[str], None]
+
+
+async def run_stream(config: StreamConfig, workdir: Path, log: Callable[[str], None] = print) -> dict[str, Any]:
+    from gpumeter.devtools.kafka_broker import KafkaBroker
+    from gpumeter.kafka.producer import RecordProducer
+    from gpumeter.settings import KafkaSettings
+
+    window_ms = WINDOW_SECONDS * 1000
+    now_ms = int(time.time() * 1000)
+    # The backlog window lies far enough in the past that the restarted attributor's clock closes it as soon as
+    # the attributor has caught up (end + grace + idle close < now).
+    backlog_start = (now_ms - window_ms - (GRACE_SECONDS + IDLE_CLOSE_SECONDS) * 1000 - 60_000) // window_ms * window_ms
+    fleet = Fleet(config.nodes, 8, config.pods_per_gpu, start_unix_ms=backlog_start)
+    figures: dict[str, Any] = {
+        "workload": {"nodes": config.nodes, "gpus": fleet.gpu_count, "pods": config.nodes * 8 * config.pods_per_gpu,
+                     "processes_per_gpu": config.pods_per_gpu, "window_seconds": WINDOW_SECONDS,
+                     "grace_seconds": GRACE_SECONDS, "idle_close_seconds": IDLE_CLOSE_SECONDS,
+                     "partitions": TopicCatalog().partitions(NODE_SAMPLES), "ledger": "SQLite (billing's default)",
+                     "share_rows_per_node_window": shares_per_node_window(fleet),
+                     "cost_records_per_node_window": rows_per_node_window(fleet)},
+    }
+    broker = KafkaBroker(workdir / "kafka", heap_mb=1024)
+    log("stream: starting the Kafka broker")
+    broker.start()
+    services: list[Service] = []
+    tail: CostTail | None = None
+    try:
+        settings = KafkaSettings(bootstrap_servers=broker.bootstrap_servers, topic_prefix=PREFIX,
+                                 client_id="gpumeter-bench")
+        catalog = TopicCatalog(prefix=PREFIX)
+        await create_bench_topics(settings, catalog)
+        partitions = catalog.partitions(NODE_SAMPLES)
+        common = ["--bootstrap-servers", broker.bootstrap_servers, "--topic-prefix", PREFIX, "--metrics-port", "0"]
+        attributor_command = gpumeter_command() + [
+            "attributor", *common, "--app-id", APP_ID, "--data-dir", str(workdir / "attributor"),
+            "--window-seconds", str(WINDOW_SECONDS), "--grace-seconds", str(GRACE_SECONDS),
+            "--idle-close-seconds", str(IDLE_CLOSE_SECONDS)]
+        services.append(Service("attributor", attributor_command, workdir / "attributor-1.log").start())
+        services.append(Service("billing", gpumeter_command() + [
+            "billing", *common, "--group", BILLING_GROUP,
+            "--ledger-url", f"sqlite:///{workdir / 'ledger.sqlite3'}"], workdir / "billing.log").start())
+        await services[0].wait_for("Worker ready", 120)
+        await services[1].wait_for("assigned", 120)
+        broker_pid = broker.process.pid if broker.process is not None else 0
+        cpu = CpuLedger({"kafka broker": broker_pid, "attributor": services[0].pid, "billing": services[1].pid})
+        tail = CostTail(settings, catalog.costs)
+        await tail.start()
+        log("stream: encoding the generator's messages")
+        producer = RecordProducer(settings)
+        await producer.start()
+        try:
+            generator = Generator(producer, catalog, fleet, partitions)
+            bench = Bench(config, fleet, settings, catalog, generator, tail, cpu, services, log)
+            ceiling_nodes = min(config.ceiling_nodes, config.nodes)
+            figures["pods"] = {"ceiling_nodes": await pods_phase(bench, 0, ceiling_nodes, "pods (ceiling nodes)")}
+            figures["ceiling"] = await ceiling_phase(bench, attributor_command, workdir, backlog_start)
+            if ceiling_nodes < config.nodes:
+                figures["pods"]["other_nodes"] = await pods_phase(bench, ceiling_nodes, config.nodes, "pods")
+            ceiling = figures["ceiling"]["gpu_samples_per_s_end_to_end"]
+            phases = []
+            sustainable = int(ceiling * config.sustainable_fraction / fleet.gpus_per_node)
+            if ceiling < fleet.gpu_count / config.sustainable_fraction and 1 <= sustainable < config.nodes:
+                phases.append(("sustainable", sustainable))
+            phases.append(("target", config.nodes))
+            figures["live"] = {}
+            for label, nodes in phases:
+                figures["live"][label] = await live_phase(bench, label, nodes)
+        finally:
+            await producer.stop()
+        log("stream: reading the gpu-shares topic for the attributor's part of the latency")
+        shares = await window_stats(settings, catalog.gpu_shares)
+        for phase in figures["live"].values():
+            for window in ("full_window", "partial_first_window"):
+                w = phase.get(window)
+                if w is None:
+                    continue
+                close_ms = w["window_start_unix_ms"] + window_ms + GRACE_SECONDS * 1000
+                latencies = [(v[2] - close_ms) / 1000 for (node, start), v in shares.items()
+                             if start == w["window_start_unix_ms"] and v[0] == shares_per_node_window(fleet)
+                             and node in phase["_nodes"]]
+                w["close_to_last_share_record"] = latency_summary(latencies)
+            del phase["_nodes"]
+        figures["service_logs"] = {p.name: _log_summary(p.read_text(errors="replace"))
+                                   for p in sorted(workdir.glob("*.log"))}
+        return figures
+    finally:
+        if tail is not None:
+            await tail.stop()
+        for service in services:
+            service.stop()
+        broker.stop()
+
+
+async def pods_phase(b: Bench, first: int, last: int, label: str) -> dict[str, Any]:
+    """Publish the pods of nodes ``first`` .. ``last - 1``; done when the attributor has committed them all."""
+    before = await committed_total(b.settings, APP_ID, b.catalog.pod_events)
+    b.cpu.mark(label)
+    started = time.time()
+    sent = await b.generator.pods(first, last)
+    b.log(f"stream: {sent:,} pod events sent ({label}); waiting for the attributor to take them in")
+    await wait_until(lambda: _committed_at_least(b.settings, APP_ID, b.catalog.pod_events, before + sent),
+                     b.config.pods_timeout_s, "attributor consuming the pod events", services=b.services)
+    done = time.time()
+    b.cpu.mark(f"{label} done")
+    return {"pod_events": sent, "pods_known_before": before, "pod_events_per_s": round(sent / (done - started), 1),
+            **b.cpu.between(label, f"{label} done")}
+
+
+async def ceiling_phase(b: Bench, attributor_command: list[str], workdir: Path, backlog_start: int) -> dict[str, Any]:
+    """A whole window of ticks for ``ceiling_nodes`` nodes, produced while the attributor is stopped (a running,
+    caught-up attributor's clock would rightly call such old ticks late), then drained by a restarted one."""
+    nodes = min(b.config.ceiling_nodes, b.fleet.node_count)
+    pods = nodes * b.fleet.gpus_per_node * b.fleet.pods_per_gpu
+    b.services[0].stop()
+    sent = await b.generator.backlog(backlog_start, WINDOW_SECONDS, started_ms=backlog_start - 3_600_000,
+                                     nodes=nodes)
+    b.log(f"stream: backlog of {sent:,} samples ({nodes} nodes x {WINDOW_SECONDS} s); restarting the attributor")
+    restarted_at = time.time()
+    attributor = Service("attributor", attributor_command, workdir / "attributor-2.log").start()
+    b.services[0] = attributor
+    b.cpu.pids["attributor"] = attributor.pid
+    b.cpu.mark("backlog")
+    await attributor.wait_for("Worker ready", 600)
+    ready_at = time.time()
+    keys = [(b.fleet.node(i).name, backlog_start) for i in range(nodes)]
+    rows = rows_per_node_window(b.fleet)
+
+    async def done() -> bool:
+        return b.tail.complete(keys, rows) == len(keys)
+
+    await wait_until(done, b.config.drain_timeout_s, "billing the backlog", every_s=0.25, services=b.services)
+    b.cpu.mark("backlog done")
+    last_cost_ms = max(b.tail.stats[k][2] for k in keys)
+    elapsed = last_cost_ms / 1000 - ready_at
+    gpu_samples = sent * b.fleet.gpus_per_node
+    figures = {
+        "backlog_nodes": nodes,
+        "pods_restored": pods,
+        "backlog_messages": sent,
+        "backlog_gpu_samples": gpu_samples,
+        "attributor_restart_to_ready_s": round(ready_at - restarted_at, 2),
+        "ready_to_last_cost_record_s": round(elapsed, 2),
+        "gpu_samples_per_s_end_to_end": round(gpu_samples / elapsed, 1),
+        **b.cpu.between("backlog", "backlog done"),
+    }
+    b.log(f"stream: restart with {pods:,} pods took {figures['attributor_restart_to_ready_s']} s; ceiling "
+          f"{figures['gpu_samples_per_s_end_to_end']:,.0f} GPU-samples/s end to end")
+    return figures
+
+
+async def live_phase(b: Bench, label: str, nodes: int) -> dict[str, Any]:
+    window_ms = WINDOW_SECONDS * 1000
+    grace_ms = GRACE_SECONDS * 1000
+    live_start_ms = int(time.time() * 1000)
+    first_full = -(-live_start_ms // window_ms) * window_ms
+    stop_at_ms = first_full + window_ms + grace_ms + 1500
+    windows = [first_full] + ([first_full - window_ms] if live_start_ms < first_full else [])
+    names = [b.fleet.node(i).name for i in range(nodes)]
+    keys = [(name, start) for start in windows for name in names]
+    rows = rows_per_node_window(b.fleet)
+    b.log(f"stream: live phase '{label}': {nodes * b.fleet.gpus_per_node:,} GPUs @ 1 Hz for "
+          f"{(stop_at_ms - live_start_ms) / 1000:.0f} s")
+    lag = LagMonitor(b.settings, APP_ID, b.catalog.node_samples)
+    await lag.start()
+    b.cpu.mark(f"{label}")
+    sent = await b.generator.live(stop_at_ms, nodes)
+    sending_until = time.time()
+    b.cpu.mark(f"{label} sent")
+
+    async def done() -> bool:
+        return b.tail.complete(keys, rows) == len(keys)
+
+    drained = True
+    try:
+        await wait_until(done, b.config.drain_timeout_s, f"billing the '{label}' windows", every_s=0.25,
+                         services=b.services)
+    except TimeoutError:
+        drained = False
+    b.cpu.mark(f"{label} drained")
+    await lag.stop()
+    out: dict[str, Any] = {
+        "nodes": nodes, "gpus": nodes * b.fleet.gpus_per_node, "messages_sent": sent,
+        "offered_gpu_samples_per_s": nodes * b.fleet.gpus_per_node,
+        "generator_max_behind_s": round(b.generator.max_behind_s, 3), "drained": drained,
+        "input_lag": lag.summary(b.fleet.gpus_per_node, sending_until + lag.every_s),
+        "drain_timeout_s": b.config.drain_timeout_s,
+        "cpu_while_sending": b.cpu.between(label, f"{label} sent"),
+        "cpu_until_drained": b.cpu.between(label, f"{label} drained"),
+        "_nodes": set(names),
+    }
+    for name, start in (("full_window", first_full), ("partial_first_window", first_full - window_ms)):
+        if start not in windows:
+            continue
+        close_ms = start + window_ms + grace_ms
+        entries = [b.tail.stats.get((node, start)) for node in names]
+        complete = [e for e in entries if e is not None and e[0] >= rows]
+        out[name] = {
+            "window_start_unix_ms": start,
+            "ticks_in_window": (start + window_ms - max(start, live_start_ms)) // 1000,
+            "node_windows_expected": nodes,
+            "node_windows_costed": len(complete),
+            "close_to_last_cost_record": latency_summary([(e[2] - close_ms) / 1000 for e in complete]),
+            "close_to_first_cost_record_s": (round((min(e[1] for e in complete) - close_ms) / 1000, 3)
+                                             if complete else None),
+        }
+    full = out["full_window"]["close_to_last_cost_record"]
+    b.log(f"stream: '{label}': {out['full_window']['node_windows_costed']}/{nodes} node-windows costed, p50 "
+          f"{full.get('p50_s')} s, p99 {full.get('p99_s')} s")
+    return out
+
+
+async def _committed_at_least(settings: Any, group: str, topic: str, count: int) -> bool:
+    return await committed_total(settings, group, topic) >= count
+
+
+def _log_summary(text: str) -> dict[str, int]:
+    return {"lines": text.count("\n"), "warnings": text.count("WARNING"), "errors": text.count("ERROR"),
+            "tracebacks": text.count("Traceback")}
+
+
+def run(quick: bool) -> tuple[dict[str, Any], list[Target], list[str]]:
+    config = StreamConfig(nodes=100, ceiling_nodes=50) if quick else StreamConfig()
+    workdir = Path(tempfile.mkdtemp(prefix="gpumeter-bench-stream-"))
+    try:
+        figures = asyncio.run(run_stream(config, workdir, log=lambda m: print(m, file=sys.stderr, flush=True)))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return figures, targets_for(figures), notes_for(figures)
+
+
+def _latency_text(phase: dict[str, Any]) -> tuple[str, float | None, bool]:
+    """(text, p99, every node-window costed) for a live phase's full window."""
+    full = phase.get("full_window", {})
+    summary = full.get("close_to_last_cost_record", {})
+    costed, expected = full.get("node_windows_costed", 0), full.get("node_windows_expected", 0)
+    p99 = summary.get("p99_s")
+    complete = costed == expected and expected > 0
+    if p99 is None:
+        return (f"no node-window costed within {phase.get('drain_timeout_s')} s of the end of sending "
+                f"(0 of {expected})", None, False)
+    text = f"p50 {summary['p50_s']} s, p99 {p99} s at {phase['gpus']:,} GPUs @ 1 Hz"
+    if not complete:
+        text = (f"only {costed:,} of {expected:,} node-windows costed within {phase.get('drain_timeout_s')} s of the "
+                f"end of sending; over those p50 {summary['p50_s']} s, p99 {p99} s (lower bounds) at "
+                f"{phase['gpus']:,} GPUs @ 1 Hz")
+    return text, p99, complete
+
+
+def targets_for(figures: dict[str, Any]) -> list[Target]:
+    gpus = figures["workload"]["gpus"]
+    live = figures.get("live", {})
+    target = live.get("target")
+    targets = []
+    if target is not None:
+        text, p99, complete = _latency_text(target)
+        met = bool(complete and p99 is not None and p99 < TARGET_P99_S and gpus >= TARGET_GPUS)
+        lag = target.get("input_lag", {})
+        taken = lag.get("attributor_committed_gpu_samples_per_s", 0)
+        offered = target["offered_gpu_samples_per_s"]
+        cause = ""
+        if not met and gpus < TARGET_GPUS:
+            cause = f"a run at {gpus:,} GPUs (--quick?), not at the target's {TARGET_GPUS:,}"
+        elif not met and (not complete or taken < 0.97 * offered):
+            cause = (f"overloaded: the attributor took in {fmt_int(taken)} of {fmt_int(offered)} GPU-samples/s "
+                     "offered, its input lag grew; see docs/performance.md")
+        elif not met:
+            cause = "windows are emitted one after another; see docs/performance.md"
+        targets.append(Target("stream latency", f"p99 < {TARGET_P99_S:g} s at {TARGET_GPUS:,} GPUs @ 1 Hz", text, met,
+                              cause))
+    ceiling = figures.get("ceiling", {}).get("gpu_samples_per_s_end_to_end")
+    if ceiling is not None:
+        met = ceiling >= TARGET_GPUS
+        targets.append(Target("stream throughput ceiling", f">= {TARGET_GPUS:,} GPU-samples/s (10,000 GPUs @ 1 Hz)",
+                              f"{fmt_int(ceiling)} GPU-samples/s end to end (backlog drain)", met,
+                              "" if met else "the attributor is the bottleneck; see docs/performance.md"))
+    sustainable = live.get("sustainable")
+    if sustainable is not None:
+        text, p99, complete = _latency_text(sustainable)
+        met = bool(complete and p99 is not None and p99 < TARGET_P99_S)
+        targets.append(Target("stream latency at 60 % of the ceiling", f"p99 < {TARGET_P99_S:g} s", text, met,
+                              "" if met else "windows are emitted one after another; see docs/performance.md"))
+    return targets
+
+
+def notes_for(figures: dict[str, Any]) -> list[str]:
+    return [
+        "latency = broker append time of a node-window's last CostRecord minus (window end + grace); it includes "
+        "up to one tick interval (1 s) of waiting for the node's first tick past end + grace, which is what closes "
+        "the window",
+        "every process runs on this machine: broker, attributor, billing and the load generator (with the "
+        "benchmark's cost-topic reader) share its cores",
+    ]

@@ -1,0 +1,161 @@
+"""The benchmark harness works: each pure benchmark runs end to end on minimal sizes and checks what it measures.
+
+No timing is asserted (figures on a shared machine are not test material); what is asserted is that the harness
+measures the real code on the input it claims, that its baselines compute the same answers, and that its results
+and the generated table are well formed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import fastavro
+import pytest
+
+from bench import attribution, codec, collector, common, ledger, run, stream
+from bench.workload import Fleet
+from schemas.records import CostRecord, GpuShare, NodeSample
+from schemas.typed import codec_for
+
+
+def test_attribution_measures_engine_and_baseline_that_agree():
+    nodes, ticks, gpus, pods = 2, 75, 2, 2
+    figures = attribution.measure(nodes=nodes, ticks=ticks, repeats=1, gpus_per_node=gpus, pods_per_gpu=pods)
+    workload = figures["workload"]
+    assert workload["messages"] == nodes * ticks
+    assert workload["gpu_samples"] == nodes * ticks * gpus
+    windows_per_node = -(-ticks // attribution.WINDOW_SECONDS)
+    assert workload["share_rows"] == nodes * windows_per_node * gpus * (pods + 3)
+    assert figures["max_share_difference"] <= 1e-9
+    for variant in ("gpumeter", "baseline"):
+        assert figures[variant]["runs"] == 1
+        assert figures[variant]["gpu_samples_per_cpu_s"] > 0
+    assert set(figures["breakdown"]) == {"decode", "engine"}
+
+
+def test_share_comparison_notices_a_disagreement():
+    data = attribution.build_input(nodes=1, ticks=61, gpus_per_node=1, pods_per_gpu=2)
+    shares = attribution.run_engine(attribution.engine_with_pods(data), data.avro_messages)
+    rows = attribution.run_naive(attribution.naive_with_pods(data), data.json_messages)
+    assert attribution.max_share_difference(shares, rows) <= 1e-9
+    rows[0] = {**rows[0], "memory_share": rows[0]["memory_share"] + 0.01}
+    assert attribution.max_share_difference(shares, rows) == pytest.approx(0.01)
+    with pytest.raises(AssertionError):
+        attribution.max_share_difference(shares, rows[1:])
+
+
+def test_codec_measures_every_record_type_with_identical_hinted_bytes():
+    figures = codec.measure(iterations=2, repeats=1)
+    assert set(figures) == {"NodeSample", "PodEvent", "GpuShare", "CostRecord", "Violation", "DeadLetter"}
+    for name, f in figures.items():
+        assert f["avro"]["bytes"] == f["avro_hinted"]["bytes"], name
+        assert f["avro"]["decode_us"] > 0 and f["json"]["decode_us"] > 0
+    # 8 GPUs x 8 processes: the columnar Avro message is smaller than its JSON.
+    assert figures["NodeSample"]["avro"]["bytes"] < figures["NodeSample"]["json"]["bytes"]
+
+
+def test_collector_runs_the_real_tick_over_a_replay_of_the_simulator():
+    figures = collector.measure(gpus=2, processes_per_gpu=3, ticks=2, repeats=1)
+    assert figures["workload"]["processes"] == 6
+    assert figures["workload"]["nvml_calls_per_tick"] > 0
+    for variant in ("gpumeter", "baseline_uncached_cgroups"):
+        assert figures[variant]["cpu_ms_per_tick"] > 0
+
+
+def test_replayed_nvml_gives_the_collector_the_simulators_answers(tmp_path):
+    from services.collector.cgroup import ProcessIdentityCache
+    from services.collector.sim.scenario import load_scenario
+
+    scenario = load_scenario(collector.scenario_yaml(gpus=1, processes_per_gpu=2, duration_seconds=10))
+    rig = collector.CollectorRig(scenario, ticks=2, workdir=tmp_path)
+    records = rig.run_ticks(rig.collector(ProcessIdentityCache(rig.proc_root)))
+    samples = [codec_for(NodeSample).decode(r.value) for r in records]
+    assert len(samples) == 2
+    for sample in samples:
+        (device,) = sample.devices
+        assert len(device.process_pids) == 2
+        assert all(i >= 0 for i in device.process_pod_index)  # every process mapped to its pod
+        assert device.errors == ()
+    service, replay, clock, sink = rig.collector(ProcessIdentityCache(rig.proc_root))
+    replay._calls = [(name, result, error) for name, result, error in replay._calls]
+    replay._calls[replay._next] = ("nvmlSomethingElse", None, None)
+    with pytest.raises(AssertionError):
+        rig.run_ticks((service, replay, clock, sink))
+
+
+def test_ledger_bulk_per_window_and_per_row_store_every_row():
+    figures = ledger.measure(windows_per_run=2, repeats=1, postgres=False)
+    sqlite = figures["sqlite"]
+    assert sqlite["rows_per_run"] == 2 * figures["rows_per_node_window"]
+    for variant in ledger.VARIANTS:
+        assert sqlite[variant]["cost_lines_stored"] == 2 * (figures["rows_per_node_window"] - 1)
+        assert sqlite[variant]["rows_per_wall_s"] > 0
+
+
+def test_sample_encoder_writes_what_the_codec_writes():
+    fleet = Fleet(2, gpus_per_node=2, pods_per_gpu=3)
+    encoder = stream.SampleEncoder(fleet, variants=2)
+    # Tick 3 carries the device readings of variant 3 % 2 = 1, under its own sequence and times.
+    sample = fleet.node_sample(1, 1)
+    expected = dataclasses.replace(sample, sequence=3, collector_started_at_unix_ms=111, sampled_at_unix_ms=2_000_123,
+                                   interval_ms=987)
+    data = encoder.encode(1, 3, 111, 2_000_123, 987)
+    assert data == codec_for(NodeSample).encode(expected)
+    assert codec_for(NodeSample).decode(data) == expected
+
+
+@pytest.mark.parametrize("value", [0, 1, -1, 63, -64, 64, 1000, -(2**40), 1_795_975_800_000])
+def test_zigzag_matches_fastavro(value):
+    import io
+
+    buffer = io.BytesIO()
+    fastavro.schemaless_writer(buffer, fastavro.parse_schema("long"), value)
+    assert stream.zigzag(value) == buffer.getvalue()
+
+
+def test_window_key_is_read_from_shares_and_cost_records():
+    records = codec.sample_records()
+    share, cost = records["GpuShare"], records["CostRecord"]
+    assert stream.window_key_of(codec_for(GpuShare).encode(share)) == (share.node_name, share.window_start_unix_ms)
+    assert stream.window_key_of(codec_for(CostRecord).encode(cost)) == (cost.node_name, cost.window_start_unix_ms)
+
+
+def test_rows_per_node_window_match_billing_output():
+    records = codec.sample_records()
+    template = ledger.template_window()
+    fleet = Fleet(1)
+    assert len(template.costs) == stream.rows_per_node_window(fleet)
+    assert records["GpuShare"].rows_in_unit == fleet.pods_per_gpu + 3
+
+
+def test_percentiles_and_latency_summary():
+    values = [float(v) for v in range(1, 101)]
+    assert stream.percentile(values, 50) == 50.0
+    assert stream.percentile(values, 99) == 99.0
+    assert stream.percentile(values, 100) == 100.0
+    summary = stream.latency_summary(values)
+    assert summary["node_windows"] == 100 and summary["max_s"] == 100.0
+    assert stream.latency_summary([]) == {"node_windows": 0}
+
+
+def test_results_and_the_generated_table(tmp_path):
+    started = 1_795_975_800.0
+    common.write_result("codec", quick=True, figures=codec.measure(iterations=1, repeats=1),
+                        targets=[common.Target("codec (no numeric target)", "measure", "x", True)],
+                        started_unix_s=started, results_dir=tmp_path)
+    common.write_result("collector", quick=True, figures=collector.measure(1, 2, ticks=1, repeats=1),
+                        targets=[common.Target("collector tick", "< 10 ms", "1 ms", False, "a cause")],
+                        started_unix_s=started, results_dir=tmp_path)
+    results = common.read_results(tmp_path)
+    assert set(results) == {"codec", "collector"}
+    saved = json.loads((tmp_path / "collector.json").read_text())
+    assert saved["machine"]["cores_usable"] >= 1 and saved["machine"]["cpu_model"]
+    doc = tmp_path / "performance.md"
+    doc.write_text(f"# Performance\n\nHand-written intro.\n\n{run.BEGIN}\nold table\n{run.END}\n\nHand-written tail.\n")
+    run.update_doc(results_dir=tmp_path, doc_path=doc)
+    text = doc.read_text()
+    assert "Hand-written intro." in text and "Hand-written tail." in text
+    assert "old table" not in text
+    assert "**no**: a cause" in text
+    assert "collector tick" in text and "(quick)" in text
