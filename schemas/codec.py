@@ -75,7 +75,8 @@ class RegisteredSchema:
 
 
 def make_registered_schema(schema_json: Mapping[str, Any], version: int) -> RegisteredSchema:
-    parsed = fastavro.parse_schema(dict(schema_json), _write_hint=False)
+    # The default write hint marks the schema parsed; without it fastavro re-parses it on every call.
+    parsed = fastavro.parse_schema(dict(schema_json))
     canonical = to_parsing_canonical_form(parsed)
     full_name = parsed["name"]
     return RegisteredSchema(

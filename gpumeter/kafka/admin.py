@@ -73,3 +73,31 @@ def _creation_errors(response) -> list[str]:
         if code not in (0, _TOPIC_ALREADY_EXISTS):
             errors.append(f"{name}: error {code} {message or ''}".strip())
     return errors
+
+
+async def ensure_topics(settings: KafkaSettings, topics: dict[str, tuple[int, dict[str, str]]],
+                        replication_factor: int, timeout_s: float = 60.0) -> list[TopicResult]:
+    """Create each ``name -> (partitions, config)`` topic that does not exist yet (topics outside the catalog,
+    e.g. the attributor's changelogs); existing ones are left as they are."""
+    admin = AIOKafkaAdminClient(**settings.client_kwargs(), request_timeout_ms=int(timeout_s * 1000))
+    try:
+        await asyncio.wait_for(admin.start(), timeout_s)
+        existing = set(await admin.list_topics())
+        wanted = {name: spec for name, spec in topics.items() if name not in existing}
+        if wanted:
+            try:
+                response = await admin.create_topics([
+                    NewTopic(name=name, num_partitions=partitions, replication_factor=replication_factor,
+                             topic_configs=config)
+                    for name, (partitions, config) in sorted(wanted.items())
+                ])
+            except TopicAlreadyExistsError:
+                response = None
+            errors = _creation_errors(response)
+            if errors:
+                raise TopicAdminError("; ".join(errors))
+        return [TopicResult(name, partitions, name in wanted) for name, (partitions, _) in sorted(topics.items())]
+    except (KafkaError, OSError, asyncio.TimeoutError) as exc:
+        raise TopicAdminError(f"cannot create topics on {settings.bootstrap_servers}: {exc!r}") from exc
+    finally:
+        await admin.close()

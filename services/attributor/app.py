@@ -62,6 +62,11 @@ log = logging.getLogger(__name__)
 SERVICE = "attributor"
 SAMPLES_TABLE = "open_samples"
 PODS_TABLE = "pods"
+
+
+def changelog_topic(app_id: str, table: str) -> str:
+    """The changelog topic Faust uses for ``table`` of app ``app_id``."""
+    return f"{app_id}-{table}-changelog"
 CLOCK_INTERVAL_SECONDS = 1.0
 
 _SAMPLE_CODEC = codec_for(NodeSample)

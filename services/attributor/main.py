@@ -67,7 +67,8 @@ async def input_partition_counts(
 
 
 async def _prepare_topics(settings: AttributorSettings) -> int:
-    from gpumeter.kafka.admin import create_topics
+    from gpumeter.kafka.admin import create_topics, ensure_topics
+    from services.attributor.app import PODS_TABLE, SAMPLES_TABLE, changelog_topic
 
     catalog = settings.kafka.catalog
     await create_topics(settings.kafka, catalog)
@@ -77,7 +78,16 @@ async def _prepare_topics(settings: AttributorSettings) -> int:
             f"samples and pod events must have the same partition count to be joined per node; broker has "
             + ", ".join(f"{name}={count}" for name, count in counts.items())
         )
-    return next(iter(counts.values()))
+    partitions = next(iter(counts.values()))
+    # Faust creates its changelogs itself, but on a fresh broker it can subscribe before they are in its
+    # metadata and then fail with PartitionsMismatch ("changelog has 0 partitions"): create them first.
+    await ensure_topics(
+        settings.kafka,
+        {changelog_topic(settings.app_id, table): (partitions, {"cleanup.policy": "compact"})
+         for table in (SAMPLES_TABLE, PODS_TABLE)},
+        settings.topic_replication_factor,
+    )
+    return partitions
 
 
 def resolve_settings(settings: AttributorSettings, partitions: int) -> AttributorSettings:

@@ -281,7 +281,8 @@ async def test_shares_through_the_broker_equal_direct_attribution_across_a_crash
             raw, samples_topic, offsets[id(payload)], "attributor"), reason_code
         assert letter.source_partition == partition_for_node(letter.source_key.decode(), PARTITIONS)
 
-    # Faust made its own changelog topics on a broker that creates none by itself.
+    # The changelog topics exist (gpumeter attributor creates them before Faust subscribes) on a broker that
+    # creates none by itself.
     admin = AIOKafkaAdminClient(**kafka_settings.client_kwargs())
     await admin.start()
     try:

@@ -122,6 +122,7 @@ class NoBroker:
         monkeypatch.setattr(AIOKafkaConsumer, "start", unreachable)
         monkeypatch.setattr(AIOKafkaConsumer, "stop", close_network)
         monkeypatch.setattr(AIOKafkaAdminClient, "start", nothing)
+        monkeypatch.setattr(AIOKafkaAdminClient, "create_topics", nothing)  # topics outside the catalog
         monkeypatch.setattr(AIOKafkaAdminClient, "close", close_network)
         monkeypatch.setattr(AIOKafkaAdminClient, "list_topics", list_topics)
         monkeypatch.setattr(AIOKafkaAdminClient, "describe_topics", describe_topics)
@@ -194,8 +195,9 @@ def test_the_attributors_faust_producer_consumer_and_topic_admin(monkeypatch, en
 
     broker = NoBroker(monkeypatch)
     monkeypatch.setattr(attributor_main, "_run_worker", lambda settings: 0)
-    assert attributor_main.main(args_for("attributor"), env) == 0  # topics created and checked: one admin each
-    assert broker.kinds() == ["admin", "admin"]
+    # Catalog topics created, input partitions checked, changelog topics created: one admin each.
+    assert attributor_main.main(args_for("attributor"), env) == 0
+    assert broker.kinds() == ["admin", "admin", "admin"]
 
     settings = attributor_settings(args_for("attributor"), env).replace(partitions=PARTITIONS)
 
@@ -206,7 +208,7 @@ def test_the_attributors_faust_producer_consumer_and_topic_admin(monkeypatch, en
         app.consumer._thread._create_worker_consumer(app.transport)  # what Faust's consumer thread starts
 
     asyncio.run(build())
-    assert broker.kinds() == ["admin", "admin", "consumer", "producer"]
+    assert broker.kinds() == ["admin", "admin", "admin", "consumer", "producer"]
     for _, client in broker.clients:
         assert_secured(client, tls_files)
     close_all(broker)
