@@ -38,7 +38,7 @@ import faust
 from faust.types import TP
 
 from gpumeter.clock import Clock
-from gpumeter.errors import ConfigError, GpumeterError, InvalidMessage
+from gpumeter.errors import ConfigError, InvalidMessage
 from gpumeter.kafka.deadletter import DeadLetterGuard, RawMessage
 from gpumeter.metrics import ServiceMetrics
 from gpumeter.settings import KafkaSettings
@@ -109,10 +109,6 @@ def raw_message(message: Any) -> RawMessage:
     )
 
 
-class WindowGap(GpumeterError):
-    """A partition resumed past where its durable state ends: carrying on would lose windows."""
-
-
 class AttributorStream:
     """The Faust app and the per-partition engines it drives. Build with ``build_app``."""
 
@@ -135,7 +131,7 @@ class AttributorStream:
         self._assigned: set[int] = set()
         self._processed_offset: dict[int, int] = {}  # samples partition -> last offset processed
         self._processed_pod_offset: dict[int, int] = {}  # pod-events partition -> last offset processed
-        # partition -> offset its tables end at after a rebuild; checked once, on the partition's first record
+        # partition -> one past its newest progress record after a rebuild; checked once, on its first record
         self._resume_samples_from: dict[int, int] = {}
         self._resume_pods_from: dict[int, int] = {}
         self._unreadable_keys: dict[int, list[tuple[str, str]]] = {}  # partition -> (table name, key)
@@ -203,27 +199,18 @@ class AttributorStream:
         self._processed_offset[raw.partition] = raw.offset
 
     async def _check_resume(self, topic: str, resume_from: dict[int, int], raw: RawMessage) -> None:
-        """Check the first record of a partition after a rebuild against where its tables end.
+        """Log when the first record of a partition after a rebuild lies past its newest progress record.
 
-        ``_rewind_streams`` seeks and commits every rebuilt partition to where its tables end before streams
-        resume, so the first record is normally at or before that offset (the engine drops what it already has as
-        duplicates). A record past it means that rewind did not hold (e.g. its commit failed and Faust sought to a
-        committed offset beyond what the changelog made durable): the records in between are in no table, and
-        carrying on would lose their windows silently. Seeking from inside the stream races with records Faust
-        still delivers, so the worker stops instead (``WindowGap``, through ``_fail``) and its restart rebuilds
-        and rewinds again. Records already gone from the topic (retention) cannot come back: that gap is accepted
-        with an error logged."""
+        ``_rewind_streams`` seeks and commits every rebuilt partition to one past its newest progress record before
+        streams resume, so the first record is normally at or before that offset (the engine drops what it already
+        has as duplicates). A later first record is usually harmless -- ticks stored after the progress record are
+        durable too, but the table keeps no offsets for them -- yet it is also what a commit beyond the changelog's
+        durable writes would look like, so it is logged for the operator rather than silently accepted."""
         expected = resume_from.pop(raw.partition, None)
-        if expected is None or raw.offset <= expected:
-            return
-        tp = TP(topic, raw.partition)
-        earliest = (await self.app.consumer.earliest_offsets(tp)).get(tp, 0)
-        if earliest > expected:
-            log.error("%s[%d]: records %d..%d are gone from the topic (retention); resuming at %d", topic,
-                      raw.partition, expected, earliest - 1, raw.offset)
-            return
-        raise WindowGap(f"{topic}[{raw.partition}] resumed at offset {raw.offset}, but the tables end at {expected}: "
-                        "records in between are in no table; restarting to rewind")
+        if expected is not None and raw.offset > expected:
+            log.warning("%s[%d]: resumed at offset %d, past the newest progress record (%d); ticks in between are "
+                        "either in the table already or were committed before their changelog writes", topic,
+                        raw.partition, raw.offset, expected)
 
     async def _on_sample(self, engine: AttributionEngine, raw: RawMessage) -> None:
         sample = _SAMPLE_CODEC.decode(raw.value or b"")
