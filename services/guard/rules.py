@@ -109,8 +109,11 @@ class Condition:
 
     @property
     def fingerprint(self) -> str:
+        """The subject's fingerprint. A pod subject's ``team`` (its team label, carried for routing) is not part of
+        it: the pod uid identifies the pod, and relabelling a pod must not turn its violation into a new one."""
+        team = None if self.pod_uid is not None else self.team
         return fingerprint_of(self.rule, self.cluster, self.node_name, self.gpu_uuid, self.namespace,
-                              self.pod_name, self.pod_uid, self.team, self.qualifier)
+                              self.pod_name, self.pod_uid, team, self.qualifier)
 
 
 def _condition(rule: str, severity: Severity, cluster: str, summary: str, evidence: Mapping[str, float], *,
@@ -373,7 +376,7 @@ def visibility_leak(sample: NodeSample, pods: Mapping[str, PodView], config: Gua
                 "assigned_device_count": len(pod.device_ids),
                 "other_holders_count": len(holders),
             },
-            node_name=sample.node_name, gpu_uuid=unit_uuid, pod=pod,
+            node_name=sample.node_name, gpu_uuid=unit_uuid, pod=pod, team=pod.team(config.team_label_key),
         ))
     for uid in sorted(pods):
         pod = pods[uid]
@@ -454,7 +457,7 @@ def visibility_leak_spec(pod: PodView, devices: Sequence[GpuDeviceSample],
             "unassigned_visible_devices_count": foreign_entries,
             "gpu_requested_count": requested,
         },
-        node_name=pod.node_name, pod=pod,
+        node_name=pod.node_name, pod=pod, team=pod.team(config.team_label_key),
     ),)
 
 
@@ -493,7 +496,7 @@ def unrequested_gpu_use(sample: NodeSample, pods: Mapping[str, PodView], config:
                 "memory_unknown_process_count": usage.memory_unknown,
                 "gpu_units_count": len(units),
             },
-            node_name=sample.node_name, pod=pod,
+            node_name=sample.node_name, pod=pod, team=pod.team(config.team_label_key),
         ))
     return tuple(out)
 
@@ -577,7 +580,7 @@ def shared_memory_pressure(sample: NodeSample, pods: Mapping[str, PodView],
                         "replicas_count": replicas,
                         "pod_replicas_count": held,
                     },
-                    node_name=sample.node_name, gpu_uuid=device.uuid, pod=pod,
+                    node_name=sample.node_name, gpu_uuid=device.uuid, pod=pod, team=pod.team(config.team_label_key),
                 ))
     return tuple(out)
 
@@ -790,7 +793,7 @@ def idle_allocation(run: IdleRun, pod: PodView | None, config: GuardConfig) -> t
             "idle_since_unix_ms": run.since_unix_ms,
             "windows_count": run.windows,
         },
-        node_name=run.node_name, gpu_uuid=run.gpu_uuid, pod=pod,
+        node_name=run.node_name, gpu_uuid=run.gpu_uuid, pod=pod, team=pod.team(config.team_label_key),
     ),)
 
 

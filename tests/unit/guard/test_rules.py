@@ -498,3 +498,20 @@ def test_conditions_carry_units_in_their_evidence_keys():
     for c in visibility_leak(s, pods, CONFIG) + unrequested_gpu_use(s, pods, CONFIG):
         assert all(key.endswith(allowed_suffixes) for key in c.evidence), c.evidence
         json.dumps(dict(c.evidence))  # JSON-able numbers
+
+
+def test_a_pod_subject_carries_its_team_label_for_routing_but_not_in_its_fingerprint():
+    s = sample([device(GPU_A, processes=[proc(11, 1, 3 * GIB)])], [UID_1, UID_2])
+    labelled = dict(labels={"team": "vision", "squad": "eyes"})
+    (unlabelled_leak,) = [c for c in visibility_leak(s, pods_of(owner_of(GPU_A), leaker(env=None)), CONFIG)]
+    (leak,) = [c for c in visibility_leak(s, pods_of(owner_of(GPU_A), leaker(env=None, **labelled)), CONFIG)]
+    assert (unlabelled_leak.team, leak.team) == (None, "vision")
+    assert leak.fingerprint == unlabelled_leak.fingerprint == fingerprint_of(
+        "visibility_leak", CLUSTER, NODE, GPU_A, "scratch", "leaker", UID_2)
+    # The label key comes from the config.
+    (squad_leak,) = visibility_leak(s, pods_of(owner_of(GPU_A), leaker(env=None, **labelled)),
+                                    GuardConfig(team_label_key="squad"))
+    assert squad_leak.team == "eyes" and squad_leak.fingerprint == leak.fingerprint
+    # A team subject's team is its identity.
+    assert fingerprint_of("budget_exceeded", CLUSTER, team="vision") != fingerprint_of(
+        "budget_exceeded", CLUSTER, team="speech")
