@@ -24,8 +24,9 @@ starts fresh, loudly.
 Budgets span nodes and stale-node detection needs every node, so one guard reads every partition of its input
 topics itself (manual assignment; the group only stores offsets): run one replica.
 
-Failures: Kafka not acknowledging produced violations → re-sent with backoff (only the newest record of a
-fingerprint, so a stale state never overwrites a newer one) while nothing is snapshotted or committed;
+Failures: Kafka not acknowledging produced violations → re-sent with backoff (``gpumeter.kafka.outbox``; only the
+newest record of a fingerprint, so a stale state never overwrites a newer one) while nothing is snapshotted or
+committed;
 Alertmanager unreachable → its alerts stay pending in the sink, consumption goes on.
 
 ``GuardProcessor`` and ``GuardStateStore`` hold no Kafka client; ``GuardService`` wires them to aiokafka.
@@ -45,7 +46,7 @@ from typing import Any, Awaitable, Callable, Iterable, Mapping, Protocol
 from gpumeter.clock import Clock
 from gpumeter.errors import GpumeterError, InvalidMessage
 from gpumeter.kafka.deadletter import DeadLetterGuard, RawMessage
-from gpumeter.kafka.producer import DeliveryError
+from gpumeter.kafka.outbox import Outbox, Producer, pause_unless_stopping
 from gpumeter.validation import (
     DEFAULT_DOWNSTREAM_MAX_CLOCK_SKEW_SECONDS,
     DEFAULT_MAX_SAMPLE_AGE_SECONDS,
@@ -108,17 +109,8 @@ class Engine(Protocol):
     def snapshot(self) -> bytes: ...
 
 
-class Producer(Protocol):
-    async def send(self, topic: str, record: Any, *, key: bytes | None = None) -> asyncio.Future: ...
-
-
 class Sink(Protocol):
     def update(self, violations: Iterable[Violation]) -> None: ...
-
-
-def next_backoff_seconds(delay_seconds: float, max_seconds: float) -> float:
-    """Exponential backoff: double, capped."""
-    return min(delay_seconds * 2, max_seconds)
 
 
 # -- state on disk ----------------------------------------------------------------------------------------------
@@ -225,19 +217,6 @@ class GuardStateStore:
 # -- processing -------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class _Outgoing:
-    key: bytes
-    record: Violation
-    future: asyncio.Future | None = None
-    error: BaseException | None = None
-
-    def failed(self) -> bool:
-        if self.future is None:
-            return True
-        if not self.future.done():
-            return False
-        return self.future.cancelled() or self.future.exception() is not None
 
 
 @dataclass
@@ -287,8 +266,9 @@ class GuardProcessor:
         self.guard = DeadLetterGuard(SERVICE_NAME, topics.dead_letters, self._dead_letter, clock, metrics)
         self.positions: dict[TopicPartition, int] = dict(positions or {})
         self.stats = ProcessorStats()
-        self._outbox: list[_Outgoing] = []
-        self._dead_letter_outbox: list[tuple[str, bytes, Any, asyncio.Future | None]] = []
+        # Violations and dead letters; violations are sent ``latest_wins`` (only a fingerprint's newest is re-sent).
+        self._outbox = Outbox(producer, pause=self._pause, retry_initial_seconds=retry_initial_seconds,
+                              retry_max_seconds=retry_max_seconds, on_retry=self._count_delivery_retry)
         self._states: dict[str, ViolationState] = {v.fingerprint: v.state for v in engine.active()
                                                    if v.state is ViolationState.FIRING}
         self._firing_series: set[tuple[str, str]] = set()
@@ -314,17 +294,7 @@ class GuardProcessor:
         return self._stopping.is_set()
 
     async def _pause(self, seconds: float) -> None:
-        if self._stopping.is_set():
-            raise ServiceStopping()
-        sleeper = asyncio.ensure_future(self._sleep(seconds))
-        stopper = asyncio.ensure_future(self._stopping.wait())
-        try:
-            await asyncio.wait((sleeper, stopper), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (sleeper, stopper):
-                task.cancel()
-        if self._stopping.is_set():
-            raise ServiceStopping()
+        await pause_unless_stopping(seconds, sleep=self._sleep, stopping=self._stopping, stopped=ServiceStopping)
 
     # -- input --
 
@@ -386,9 +356,8 @@ class GuardProcessor:
         violations = tuple(violations)
         changed = False
         for violation in violations:
-            outgoing = _Outgoing(violation.fingerprint.encode("utf-8"), violation)
-            self._outbox.append(outgoing)
-            await self._send(outgoing)
+            await self._outbox.send(self.topics.violations, violation.fingerprint.encode("utf-8"), violation,
+                                    latest_wins=True)
             self.stats.violations_published += 1
             if self._states.get(violation.fingerprint) is not violation.state:
                 changed = True
@@ -421,75 +390,25 @@ class GuardProcessor:
             gauge.labels(*series).set(counts.get(series, 0))
         self._firing_series |= set(counts)
 
-    async def _send(self, outgoing: _Outgoing) -> None:
-        try:
-            outgoing.future = await self.producer.send(self.topics.violations, outgoing.record, key=outgoing.key)
-            outgoing.error = None
-        except DeliveryError as exc:
-            outgoing.future, outgoing.error = None, exc
-
     async def _dead_letter(self, topic: str, key: bytes, record: Any) -> None:
-        try:
-            future = await self.producer.send(topic, record, key=key)
-        except DeliveryError as exc:
-            log.warning("could not enqueue a dead letter (%r); re-sent at the next flush", exc)
-            future = None
-        self._dead_letter_outbox.append((topic, key, record, future))
+        await self._outbox.send(topic, key, record)
+
+    def _count_delivery_retry(self) -> None:
+        self.stats.delivery_retries += 1
 
     @property
     def unacknowledged(self) -> int:
-        return len(self._outbox) + len(self._dead_letter_outbox)
+        return len(self._outbox)
 
     async def flush(self, *, retry: bool = True) -> bool:
         """Wait for every violation and dead letter enqueued so far; re-send failures with backoff (``retry``)
         until all are acknowledged. Returns whether everything was acknowledged."""
-        delay = self.retry_initial_seconds
-        while self._outbox or self._dead_letter_outbox:
-            futures = [o.future for o in self._outbox if o.future is not None]
-            futures += [f for *_, f in self._dead_letter_outbox if f is not None]
-            if futures:
-                await asyncio.gather(*futures, return_exceptions=True)
-            failed = [o for o in self._outbox if o.failed()]
-            failed_letters = [entry for entry in self._dead_letter_outbox if _future_failed(entry[3])]
-            if not failed and not failed_letters:
-                self._outbox.clear()
-                self._dead_letter_outbox.clear()
-                return True
-            log.warning("%d violations and %d dead letters not acknowledged; re-sending in %.1f s",
-                        len(failed), len(failed_letters), delay)
-            if not retry:
-                return False
-            self.stats.delivery_retries += 1
-            await self._pause(delay)
-            delay = next_backoff_seconds(delay, self.retry_max_seconds)
-            self._outbox = _newest_per_fingerprint(self._outbox, failed)
-            for outgoing in self._outbox:
-                await self._send(outgoing)
-            self._dead_letter_outbox = []
-            for topic, key, record, _ in failed_letters:
-                await self._dead_letter(topic, key, record)
-        return True
+        return await self._outbox.flush(retry=retry)
 
     def state(self) -> GuardState:
         """The engine's snapshot with the positions it covers (consistent: both taken without an await)."""
         return GuardState(engine_bytes=self.engine.snapshot(), positions=dict(self.positions),
                           saved_at_unix_ms=self.clock.now_ms())
-
-
-def _future_failed(future: asyncio.Future | None) -> bool:
-    if future is None:
-        return True
-    return future.done() and (future.cancelled() or future.exception() is not None)
-
-
-def _newest_per_fingerprint(outbox: list[_Outgoing], failed: list[_Outgoing]) -> list[_Outgoing]:
-    """The failed records to send again: only those that are the newest of their fingerprint in ``outbox`` (a
-    newer record of the fingerprint, delivered or not, carries the state that must win on the compacted topic)."""
-    newest: dict[bytes, _Outgoing] = {}
-    for outgoing in outbox:
-        newest[outgoing.key] = outgoing
-    failed_ids = {id(o) for o in failed}
-    return [o for o in newest.values() if id(o) in failed_ids]
 
 
 # -- the Kafka loop ---------------------------------------------------------------------------------------------

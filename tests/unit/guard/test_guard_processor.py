@@ -19,7 +19,7 @@ from schemas.records import DeadLetter, PodEvent, PodEventType, Violation, Viola
 from schemas.typed import codec_for
 from services.guard.config import GuardConfig
 from services.guard.engine import GuardEngine
-from services.guard.service import GUARD_METRICS, GuardProcessor, _newest_per_fingerprint, _Outgoing
+from services.guard.service import GUARD_METRICS, GuardProcessor
 from tests.unit.attributor import pod_event
 
 TOPICS = TopicCatalog(prefix="unit.")
@@ -167,13 +167,6 @@ async def test_failed_deliveries_are_sent_again_before_flush_returns():
     assert await processor.flush()
     assert violations_sent(producer) == [(fired.fingerprint.encode(), fired)]
     assert processor.stats.delivery_retries == 1
-
-
-def test_only_the_newest_record_of_a_fingerprint_is_sent_again():
-    older, newer, other = (_Outgoing(b"a", None), _Outgoing(b"a", None), _Outgoing(b"b", None))
-    outbox = [older, other, newer]
-    assert _newest_per_fingerprint(outbox, [older, other]) == [other]  # newer carries a's latest state
-    assert _newest_per_fingerprint(outbox, [older, newer]) == [newer]
 
 
 async def test_state_restores_the_same_engine():
