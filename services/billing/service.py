@@ -7,9 +7,13 @@ carries on):
    ``OUT_OF_RANGE``; a window that has not ended yet beyond ``max_clock_skew_seconds`` is one: billed, it would
    take the real window's ledger keys), and add it to the ``WindowBook`` (a ``NodeWindowAssembler`` plus the
    messages that hold each incomplete node-window);
-2. when the row completes its node-window: ``bill_node_window`` → ``Ledger.write`` (in a worker thread) → if and
-   only if the ledger says the bill is new, the window's ``CostRecord``s go to the costs topic keyed by node name,
-   and the Prometheus metrics move. A bill the ledger already holds (redelivery) publishes nothing.
+2. when the row completes its node-window: ``bill_node_window``; the node-window's messages stay held until the
+   end of the fetched batch;
+3. at the end of the batch every node-window it completed goes to the ledger in one ``Ledger.write`` (one worker
+   thread hop, one transaction; the ledger decides per node-window) → for each node-window, in the order they
+   completed: if and only if the ledger says its bill is new, its ``CostRecord``s go to the costs topic keyed by
+   node name, and the Prometheus metrics move. A bill the ledger already holds (redelivery) publishes nothing,
+   unless it was never marked published (below).
 
 Offsets are committed by hand, after every record enqueued so far (cost records and dead letters) is acknowledged,
 and only up to the oldest message still held by an unfinished node-window (``OffsetTracker``). A crash therefore
@@ -24,14 +28,18 @@ Failures:
   dead-lettered ``INCOMPLETE_WINDOW`` (never dropped silently);
 * the ledger unreachable (connection refused, server restarting, connection lost) → the write is retried with
   exponential backoff, forever, without consuming further or committing; the database refusing the data
-  (``DataError``/``IntegrityError``) → the window's rows are dead-lettered ``LEDGER_REJECTED``; anything else
+  (``DataError``/``IntegrityError``) → the batch's node-windows are written again one at a time, and the rows of
+  each one refused on its own are dead-lettered ``LEDGER_REJECTED`` (the others are billed); anything else
   from the ledger (missing schema, a write that would not reconcile) is a bug or a deployment error and stops the
   service without committing;
-* Kafka not acknowledging produced records → they are re-sent with backoff; offsets are not committed meanwhile.
+* Kafka not acknowledging produced records → they are re-sent with backoff (``gpumeter.kafka.outbox``); offsets
+  are not committed meanwhile.
 
-The known gap: the ledger write and the CostRecords' delivery are two systems. A crash after the ledger commit and
-before the records are acknowledged loses those CostRecords (the redelivered window is then a ledger duplicate and
-publishes nothing); the ledger and ``gpumeter report`` stay exact.
+The ledger write and the CostRecords' delivery are two systems. Once every record of a flush is acknowledged, the
+node-windows whose cost records it carried are marked published in the ledger. A crash after the ledger commit and
+before that mark leaves the node-window unpublished: its redelivery is a ledger duplicate the ledger reports as
+never published, and its cost records are published then (once: the mark follows). The ledger and ``gpumeter
+report`` stay exact either way.
 
 ``OffsetTracker``, ``WindowBook`` and ``BillingProcessor`` hold no Kafka client (``BillingProcessor`` gets a producer
 with ``send``); ``BillingService`` wires them to aiokafka.
@@ -50,7 +58,7 @@ from sqlalchemy import exc as sa_exc
 from gpumeter.clock import Clock
 from gpumeter.errors import GpumeterError, InvalidMessage
 from gpumeter.kafka.deadletter import DeadLetterGuard, RawMessage
-from gpumeter.kafka.producer import DeliveryError
+from gpumeter.kafka.outbox import Outbox, Producer, next_backoff_seconds, pause_unless_stopping
 from gpumeter.validation import DEFAULT_DOWNSTREAM_MAX_CLOCK_SKEW_SECONDS, check_share
 from schemas.catalog import TopicCatalog
 from schemas.records import CostRecord, CostSubjectKind, GpuShare, ShareSubjectKind
@@ -388,35 +396,18 @@ def is_rejected_by_ledger(error: LedgerError) -> bool:
     return isinstance(error.__cause__, (sa_exc.DataError, sa_exc.IntegrityError))
 
 
-def next_backoff_seconds(delay_seconds: float, max_seconds: float) -> float:
-    """Exponential backoff: double, capped."""
-    return min(delay_seconds * 2, max_seconds)
-
-
 class LedgerWriter(Protocol):
     def write(self, costs: Iterable[CostRecord], bills: Iterable[Any]) -> WriteResult: ...
 
     def mark_published(self, keys: Iterable[Any], published_at_unix_ms: int) -> int: ...
 
 
-class Producer(Protocol):
-    async def send(self, topic: str, record: Any, *, key: bytes | None = None) -> asyncio.Future: ...
+@dataclass(frozen=True, slots=True)
+class _PricedWindow:
+    """A complete node-window and its costing, waiting for the batch's ledger write."""
 
-
-@dataclass
-class _Outgoing:
-    topic: str
-    key: bytes | None
-    record: Any
-    future: asyncio.Future | None = None
-    error: BaseException | None = None
-
-    def failed(self) -> bool:
-        if self.future is None:
-            return True
-        if not self.future.done():
-            return False
-        return self.future.cancelled() or self.future.exception() is not None
+    window: CompleteWindow
+    priced: NodeWindowCost
 
 
 @dataclass
@@ -432,13 +423,14 @@ class ProcessorStats:
 
 
 class BillingProcessor:
-    """Bills gpu-share messages one at a time; owns the offsets that are safe to commit. No Kafka client inside.
+    """Bills gpu-share messages; owns the offsets that are safe to commit. No Kafka client inside.
 
-    ``handle(message)`` processes one message completely (it returns once the message is held by a pending
-    window, dead-lettered, or its window billed and its records enqueued). ``expire_windows()`` dead-letters the
-    windows that timed out. ``flush()`` waits until every record enqueued so far is acknowledged (re-sending
-    failures with backoff); only after it returns are ``commit_positions()`` safe to commit. Retry pauses end
-    early with ``ServiceStopping`` once ``stop()`` was called.
+    ``handle_batch(messages)`` processes the messages of one fetched batch completely: when it returns, each one
+    is held by a pending window, dead-lettered, or its window billed (every window the batch completed in one
+    ledger write) and its records enqueued. ``handle(message)`` is the same for a batch of one message.
+    ``expire_windows()`` dead-letters the windows that timed out. ``flush()`` waits until every record enqueued
+    so far is acknowledged (re-sending failures with backoff); only after it returns are ``commit_positions()``
+    safe to commit. Retry pauses end early with ``ServiceStopping`` once ``stop()`` was called.
     """
 
     def __init__(
@@ -478,7 +470,8 @@ class BillingProcessor:
         self.offsets = OffsetTracker()
         self.guard = DeadLetterGuard(SERVICE_NAME, topics.dead_letters, self._enqueue, clock, metrics)
         self.stats = ProcessorStats()
-        self._outbox: list[_Outgoing] = []
+        self._outbox = Outbox(producer, pause=self._pause, retry_initial_seconds=retry_initial_seconds,
+                              retry_max_seconds=retry_max_seconds, on_retry=self._count_delivery_retry)
         self._codec = codec_for(GpuShare)
         # node -> (window start, label sets of its share gauges) for removing series of pods that went away.
         self._share_series: dict[tuple[str, str], tuple[int, set[tuple[str, str, str, str]]]] = {}
@@ -493,22 +486,33 @@ class BillingProcessor:
         return self._stopping.is_set()
 
     async def _pause(self, seconds: float) -> None:
-        if self._stopping.is_set():
-            raise ServiceStopping()
-        sleeper = asyncio.ensure_future(self._sleep(seconds))
-        stopper = asyncio.ensure_future(self._stopping.wait())
-        try:
-            await asyncio.wait((sleeper, stopper), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (sleeper, stopper):
-                task.cancel()
-        if self._stopping.is_set():
-            raise ServiceStopping()
+        await pause_unless_stopping(seconds, sleep=self._sleep, stopping=self._stopping, stopped=ServiceStopping)
 
     # -- messages --
 
     async def handle(self, message: RawMessage) -> AddStatus | None:
-        """Process one gpu-share message; returns what became of it (None: dead-lettered)."""
+        """Process one gpu-share message completely; returns what became of it (None: dead-lettered)."""
+        completed: dict[NodeWindowKey, _PricedWindow] = {}
+        status = await self._take(message, completed)
+        await self._bill(list(completed.values()))
+        return status
+
+    async def handle_batch(self, messages: Iterable[RawMessage]) -> int:
+        """Process the messages of one fetched batch in order, then bill every node-window they completed with
+        one ledger write. Stops taking messages once ``stop()`` was called (what it did not take is read again
+        after the restart; the node-windows already completed are still billed). Returns how many it took."""
+        completed: dict[NodeWindowKey, _PricedWindow] = {}
+        taken = 0
+        for message in messages:
+            if self.stopping:
+                break
+            await self._take(message, completed)
+            taken += 1
+        await self._bill(list(completed.values()))
+        return taken
+
+    async def _take(self, message: RawMessage, completed: dict[NodeWindowKey, _PricedWindow]) -> AddStatus | None:
+        """One message into the book; a node-window it completes (and that could be priced) joins ``completed``."""
         tp = (message.topic, message.partition)
         outcome = await self.guard.handle(message, self._add)
         if outcome is None:
@@ -521,7 +525,14 @@ class BillingProcessor:
         self.offsets.hold(tp, message.offset)
         if outcome.status is AddStatus.COMPLETE:
             assert outcome.window is not None
-            await self._bill(outcome.window)
+            entry = await self._price(outcome.window)
+            if entry is not None:
+                if entry.window.key in completed:
+                    # The book forgot the key in between (its finished memory): bill the earlier one first, as
+                    # one message at a time would; one ledger write may not hold two bills of a node-window.
+                    await self._bill(list(completed.values()))
+                    completed.clear()
+                completed[entry.window.key] = entry
         return outcome.status
 
     async def _add(self, message: RawMessage) -> AddOutcome:
@@ -560,71 +571,94 @@ class BillingProcessor:
 
     # -- billing --
 
-    async def _bill(self, window: CompleteWindow) -> None:
+    async def _price(self, window: CompleteWindow) -> _PricedWindow | None:
+        """The window's costing, or None when its rows were dead-lettered (no price, shares inconsistent)."""
         key = window.key
         try:
             priced = bill_node_window(window.shares, self.catalog, self.policy)
         except PriceError as exc:
             log.warning("no price for %s: %s", key, exc)
             await self._dead_letter_rows(window.rows, NoPrice(f"{key.cluster}/{key.node_name}: {exc}"))
-            return
+            return None
         except InvalidMessage as exc:
             await self._dead_letter_rows(window.rows, exc)
+            return None
+        return _PricedWindow(window, priced)
+
+    async def _bill(self, entries: list[_PricedWindow]) -> None:
+        """Write ``entries`` (distinct node-windows) to the ledger in one call, then publish or skip each one."""
+        if not entries:
             return
-        result = await self._write_ledger(window, priced)
-        if result is None:
+        try:
+            result = await self._write_ledger(entries)
+        except LedgerError as exc:
+            if not is_rejected_by_ledger(exc):
+                raise
+            if len(entries) > 1:
+                # One refused node-window refuses the whole transaction: alone, each one is billed or refused.
+                log.warning("the ledger refused a write of %d node-windows, writing them one at a time: %s",
+                            len(entries), exc)
+                for entry in entries:
+                    await self._bill([entry])
+                return
+            await self._dead_letter_rows(entries[0].window.rows, LedgerRejected(str(exc)))
             return
-        if result.bills_written or key in result.unpublished:
+        for entry in entries:
+            await self._settle(entry, result)
+
+    async def _write_ledger(self, entries: list[_PricedWindow]) -> WriteResult:
+        """One ``Ledger.write`` of every entry, retried with backoff while the ledger is unreachable. Raises any
+        other ``LedgerError``, and ``ServiceStopping`` out of a pause."""
+        costs = [cost for entry in entries for cost in entry.priced.costs]
+        bills = [entry.priced.bill for entry in entries]
+        more = f" and {len(entries) - 1} more node-windows" if len(entries) > 1 else ""
+        delay = self.retry_initial_seconds
+        while True:
+            try:
+                return await asyncio.to_thread(self.ledger.write, costs, bills)
+            except LedgerError as exc:
+                if not is_transient_ledger_error(exc):
+                    raise
+                self.stats.ledger_retries += 1
+                log.warning("ledger unavailable, retrying %s%s in %.1f s: %s", entries[0].window.key, more, delay,
+                            exc)
+                await self._pause(delay)
+                delay = next_backoff_seconds(delay, self.retry_max_seconds)
+
+    async def _settle(self, entry: _PricedWindow, result: WriteResult) -> None:
+        """After the ledger write: enqueue the window's cost records when its bill is new or was never published,
+        move the stats and metrics, and release its messages."""
+        window, priced = entry.window, entry.priced
+        key = window.key
+        # One cost record per ledger line: bill_node_window's rows are unique per unit and subject.
+        lines = len(priced.costs)
+        if key in result.written or key in result.unpublished:
             node_key = key.node_name.encode("utf-8")
             for record in priced.costs:
                 await self._enqueue(self.topics.costs, node_key, record)
             self._publishing.add(key)
-            self.stats.cost_records_sent += len(priced.costs)
-            if result.bills_written:
+            self.stats.cost_records_sent += lines
+            if key in result.written:
                 self.stats.windows_billed += 1
-                self._observe_new_bill(window, priced, result)
-                log.debug("billed %s: %d micro-USD in %d cost records", key, priced.bill.node_cost_micro_usd,
-                          len(priced.costs))
+                self._observe_new_bill(window, priced)
+                log.debug("billed %s: %d micro-USD in %d cost records", key, priced.bill.node_cost_micro_usd, lines)
             else:
                 self.stats.windows_republished += 1
                 log.info("%s was in the ledger but never published: publishing its cost records now", key)
         else:
             self.stats.windows_already_billed += 1
             if self.metrics:
-                self.metrics.get("gpumeter_billing_duplicate_rows_total").inc(result.lines_skipped)
+                self.metrics.get("gpumeter_billing_duplicate_rows_total").inc(lines)
             log.debug("%s is already in the ledger: nothing published", key)
         self._release(window.rows)
-
-    async def _write_ledger(self, window: CompleteWindow, priced: NodeWindowCost) -> WriteResult | None:
-        delay = self.retry_initial_seconds
-        while True:
-            try:
-                return await asyncio.to_thread(self.ledger.write, priced.costs, (priced.bill,))
-            except LedgerError as exc:
-                if is_transient_ledger_error(exc):
-                    self.stats.ledger_retries += 1
-                    log.warning("ledger unavailable, retrying %s in %.1f s: %s", window.key, delay, exc)
-                    await self._pause(delay)
-                    delay = next_backoff_seconds(delay, self.retry_max_seconds)
-                    continue
-                if is_rejected_by_ledger(exc):
-                    await self._dead_letter_rows(window.rows, LedgerRejected(str(exc)))
-                    return None
-                raise
 
     # -- producing --
 
     async def _enqueue(self, topic: str, key: bytes | None, record: Any) -> None:
-        outgoing = _Outgoing(topic, key, record)
-        self._outbox.append(outgoing)
-        await self._send(outgoing)
+        await self._outbox.send(topic, key, record)
 
-    async def _send(self, outgoing: _Outgoing) -> None:
-        try:
-            outgoing.future = await self.producer.send(outgoing.topic, outgoing.record, key=outgoing.key)
-            outgoing.error = None
-        except DeliveryError as exc:
-            outgoing.future, outgoing.error = None, exc
+    def _count_delivery_retry(self) -> None:
+        self.stats.delivery_retries += 1
 
     @property
     def unacknowledged(self) -> int:
@@ -634,7 +668,7 @@ class BillingProcessor:
         """Wait for every enqueued record; re-send failures with backoff (``retry``) until all are acknowledged,
         then mark the node-windows whose cost records were acknowledged as published in the ledger.
         Returns whether everything was acknowledged (always True when ``retry``, or ``ServiceStopping``)."""
-        acknowledged = await self._flush_outbox(retry=retry)
+        acknowledged = await self._outbox.flush(retry=retry)
         if acknowledged and self._publishing:
             keys = tuple(self._publishing)
             try:
@@ -644,31 +678,6 @@ class BillingProcessor:
                 # Left unmarked, these windows are published once more after a restart: at least once, never lost.
                 log.warning("could not mark %d node-windows published, will retry: %s", len(keys), exc)
         return acknowledged
-
-    async def _flush_outbox(self, *, retry: bool) -> bool:
-        delay = self.retry_initial_seconds
-        while self._outbox:
-            futures = [o.future for o in self._outbox if o.future is not None]
-            if futures:
-                await asyncio.gather(*futures, return_exceptions=True)
-            failed = [o for o in self._outbox if o.failed()]
-            if not failed:
-                self._outbox.clear()
-                return True
-            first = failed[0]
-            error = first.error or (first.future.exception() if first.future and not first.future.cancelled()
-                                    else "cancelled")
-            log.warning("%d of %d records not acknowledged (%r); re-sending in %.1f s", len(failed),
-                        len(self._outbox), error, delay)
-            if not retry:
-                return False
-            self.stats.delivery_retries += 1
-            await self._pause(delay)
-            delay = next_backoff_seconds(delay, self.retry_max_seconds)
-            self._outbox = failed
-            for outgoing in failed:
-                await self._send(outgoing)
-        return True
 
     def commit_positions(self) -> dict[TopicPartition, int]:
         """Offsets safe to commit once ``flush()`` returned (see ``OffsetTracker``)."""
@@ -682,16 +691,15 @@ class BillingProcessor:
     def _team(self, labels: Mapping[str, str]) -> str:
         return labels.get(self.team_label, "")
 
-    def _observe_new_bill(self, window: CompleteWindow, priced: NodeWindowCost, result: WriteResult) -> None:
+    def _observe_new_bill(self, window: CompleteWindow, priced: NodeWindowCost) -> None:
         if not self.metrics:
             return
         get = self.metrics.get
         bill = priced.bill
         get("gpumeter_node_cost_micro_usd_total").labels(bill.node_name, bill.instance_type).inc(
             bill.node_cost_micro_usd)
-        get("gpumeter_billing_ledger_rows_written_total").inc(result.lines_written)
-        if result.lines_skipped:
-            get("gpumeter_billing_duplicate_rows_total").inc(result.lines_skipped)
+        # The ledger writes every line of a new bill.
+        get("gpumeter_billing_ledger_rows_written_total").inc(len(priced.costs))
         for record in priced.costs:
             if record.subject_kind is CostSubjectKind.POD:
                 get("gpumeter_pod_gpu_cost_micro_usd_total").labels(
@@ -804,11 +812,9 @@ class BillingService:
                         # offsets, so these records come again from there. Handling them now would break the
                         # offset bookkeeping's assumption that a partition is read in order from its commit.
                         continue
-                    for records in batch.values():
-                        for record in records:
-                            if self.processor.stopping:
-                                break  # what is left of the batch is read again after the restart
-                            await self.processor.handle(raw_message(record))
+                    # Once stopping, it takes no more records: the rest of the batch is read again after the restart.
+                    await self.processor.handle_batch(
+                        raw_message(record) for records in batch.values() for record in records)
                     await self.processor.expire_windows()
                     await self._checkpoint()
         except ServiceStopping:

@@ -649,6 +649,226 @@ async def test_revoked_partitions_drop_their_rows_and_offsets(sqlite_ledger):
 
 
 
+# -- one ledger write per fetched batch -----------------------------------------------------------------------
+
+
+class CountingLedger:
+    """The real ledger, counting its writes and the node-windows in each."""
+
+    def __init__(self, ledger) -> None:
+        self.ledger = ledger
+        self.writes: list[int] = []
+
+    def write(self, costs, bills):
+        bills = list(bills)
+        self.writes.append(len(bills))
+        return self.ledger.write(costs, bills)
+
+    def mark_published(self, keys, published_at_unix_ms):
+        return self.ledger.mark_published(keys, published_at_unix_ms)
+
+
+def costs_sent(producer: RecordingProducer) -> list[CostRecord]:
+    return producer.records(CostRecord, TOPICS.costs)
+
+
+async def test_a_batch_bills_every_window_it_completes_with_one_ledger_write(sqlite_ledger):
+    ledger = CountingLedger(sqlite_ledger)
+    producer = RecordingProducer()
+    processor = make_processor(ledger, producer)
+    feed = Feed()
+    windows = sample_shares(3)  # six node-windows
+    partial = two_gpu_window(node="node-late")
+    messages = [m for shares in windows for m in feed.messages(shares)] + [feed.message(partial[0])]
+    assert await processor.handle_batch(messages) == len(messages)
+    assert ledger.writes == [len(windows)]
+    assert sqlite_ledger.totals().node_windows == len(windows)
+    expected = [c for shares in windows for c in bill_node_window(shares, PriceCatalog.load()).costs]
+    assert costs_sent(producer) == expected  # in the order the windows completed
+    assert processor.stats.windows_billed == len(windows)
+    # the unfinished window's row pins the commit; everything before it is billed
+    await processor.flush()
+    assert processor.commit_positions() == {TP0: len(messages) - 1}
+
+
+async def test_a_batch_holds_its_completed_windows_until_the_write(sqlite_ledger):
+    ledger = FlakyLedger(sqlite_ledger, failures=2)
+    positions_while_down = []
+    processor = None
+    pauses = Pauses(lambda _count: positions_while_down.append(processor.commit_positions()))
+    processor = make_processor(ledger, sleep=pauses)
+    feed = Feed()
+    messages = [feed.message(value=b"junk")] + feed.messages(two_gpu_window(node="node-a")) + \
+        feed.messages(two_gpu_window(node="node-b"))
+    await processor.handle_batch(messages)
+    assert pauses.seconds == [0.5, 1.0]
+    assert positions_while_down == [{TP0: 1}] * 2  # both windows held while the ledger is down
+    assert ledger.calls == 3  # the same single write, retried
+    await processor.flush()
+    assert processor.commit_positions() == {TP0: len(messages)}
+    assert sqlite_ledger.totals().node_windows == 2
+
+
+async def test_a_batch_of_new_and_redelivered_windows_publishes_only_what_was_never_published(sqlite_ledger):
+    first, second, third = two_gpu_window(node="node-a"), two_gpu_window(node="node-b"), two_gpu_window(node="node-c")
+    published = make_processor(sqlite_ledger)
+    for message in Feed().messages(first):
+        await published.handle(message)
+    await published.flush()  # node-a: billed and marked published
+    crashed = make_processor(sqlite_ledger)
+    await crashed.handle_batch(Feed().messages(second))  # node-b: billed, then the process died before the flush
+
+    producer = RecordingProducer()
+    metrics = ServiceMetrics("billing", BILLING_METRICS)
+    ledger = CountingLedger(sqlite_ledger)
+    restarted = make_processor(ledger, producer, metrics=metrics)
+    feed = Feed()
+    await restarted.handle_batch(feed.messages(first) + feed.messages(second) + feed.messages(third))
+    await restarted.flush()
+    assert ledger.writes == [3]
+    catalog = PriceCatalog.load()
+    assert costs_sent(producer) == [*bill_node_window(second, catalog).costs, *bill_node_window(third, catalog).costs]
+    stats = restarted.stats
+    assert (stats.windows_already_billed, stats.windows_republished, stats.windows_billed) == (1, 1, 1)
+    value = metrics.registry.get_sample_value
+    assert value("gpumeter_billing_duplicate_rows_total") == len(bill_node_window(first, catalog).costs)
+    assert value("gpumeter_billing_ledger_rows_written_total") == len(bill_node_window(third, catalog).costs)
+    assert sqlite_ledger.totals().node_windows == 3
+    assert restarted.commit_positions() == {TP0: len(first) + len(second) + len(third)}
+    # marked published now: one more redelivery publishes nothing
+    again = RecordingProducer()
+    once_more = make_processor(sqlite_ledger, again)
+    await once_more.handle_batch(Feed().messages(first) + Feed().messages(second) + Feed().messages(third))
+    await once_more.flush()
+    assert again.delivered == []
+
+
+class RefusingLedger(CountingLedger):
+    """Refuses (IntegrityError) any write holding a bill of ``node``, like a value too long for its column."""
+
+    def __init__(self, ledger, node: str) -> None:
+        super().__init__(ledger)
+        self.node = node
+
+    def write(self, costs, bills):
+        bills = list(bills)
+        self.writes.append(len(bills))
+        if any(bill.node_name == self.node for bill in bills):
+            raise LedgerError("writing failed") from IntegrityError("INSERT", {}, Exception("value too long"))
+        return self.ledger.write(costs, bills)
+
+
+async def test_a_window_the_ledger_refuses_is_dead_lettered_alone_and_the_rest_of_the_batch_is_billed(sqlite_ledger):
+    ledger = RefusingLedger(sqlite_ledger, node="node-bad")
+    producer = RecordingProducer()
+    processor = make_processor(ledger, producer)
+    feed = Feed()
+    good_a, bad, good_b = two_gpu_window(node="node-a"), two_gpu_window(node="node-bad"), two_gpu_window(node="node-b")
+    messages = feed.messages(good_a) + feed.messages(bad) + feed.messages(good_b)
+    await processor.handle_batch(messages)
+    await processor.flush()
+    assert ledger.writes == [3, 1, 1, 1]  # the batch, then each window alone
+    letters = producer.records(DeadLetter)
+    assert [l.reason_code for l in letters] == ["LEDGER_REJECTED"] * len(bad)
+    assert [l.source_offset for l in letters] == list(range(len(good_a), len(good_a) + len(bad)))
+    assert {r.node_name for r in costs_sent(producer)} == {"node-a", "node-b"}
+    assert sqlite_ledger.totals().node_windows == 2
+    assert processor.commit_positions() == {TP0: len(messages)}
+
+
+async def test_a_ledger_bug_in_a_batch_stops_the_service_without_committing(sqlite_ledger):
+    class BrokenLedger:
+        def write(self, costs, bills):
+            raise LedgerError("cost lines add up to 1 micro-USD, the bill says 2")
+
+    processor = make_processor(BrokenLedger())
+    feed = Feed()
+    messages = feed.messages(two_gpu_window(node="node-a")) + feed.messages(two_gpu_window(node="node-b"))
+    with pytest.raises(LedgerError):
+        await processor.handle_batch(messages)
+    assert processor.commit_positions() == {TP0: 0}
+    assert processor.unacknowledged == 0
+
+
+async def test_a_batch_stops_taking_messages_once_stopping_and_bills_what_it_completed(sqlite_ledger):
+    producer = RecordingProducer()
+    processor = make_processor(sqlite_ledger, producer)
+    feed = Feed()
+    first, second = two_gpu_window(node="node-a"), two_gpu_window(node="node-b")
+    first_messages, second_messages = feed.messages(first), feed.messages(second)
+
+    def fetched():
+        yield from first_messages
+        processor.stop()
+        yield from second_messages
+
+    assert await processor.handle_batch(fetched()) == len(first_messages)
+    assert await processor.flush(retry=False) is True
+    assert sqlite_ledger.totals().node_windows == 1
+    assert {r.node_name for r in costs_sent(producer)} == {"node-a"}
+    assert processor.commit_positions() == {TP0: len(first_messages)}  # node-b is read again after the restart
+
+
+async def test_a_window_completed_twice_in_one_batch_is_written_in_two_ledger_calls(sqlite_ledger):
+    # With no memory of finished windows, a newer window's row makes the book forget node-a@start, and its rows
+    # coming again complete it again: one ledger write may not hold two bills of one node-window.
+    ledger = CountingLedger(sqlite_ledger)
+    producer = RecordingProducer()
+    processor = make_processor(ledger, producer, memory_s=0)
+    feed = Feed()
+    old = two_gpu_window(node="node-a")
+    newer = two_gpu_window(node="node-a", start_ms=WINDOW_START_MS + MINUTE_MS)
+    messages = feed.messages(old) + [feed.message(newer[0])] + feed.messages(old)
+    await processor.handle_batch(messages)
+    assert ledger.writes == [1, 1]
+    assert sqlite_ledger.totals().node_windows == 1
+    assert processor.commit_positions() == {TP0: len(old)}  # newer[0] is still held
+
+
+def mixed_feed() -> list[RawMessage]:
+    """Garbage, two nodes' windows interleaved, an unpriced window, exact duplicates, a half window."""
+    feed = Feed()
+    a, b = two_gpu_window(node="node-a"), two_gpu_window(node="node-b")
+    unpriced = two_gpu_window(node="odd-node", instance_type="x9.nonexistent")
+    messages = [feed.message(value=b"\x00junk")]
+    for share_a, share_b in zip(a, b):
+        messages += [feed.message(share_a), feed.message(share_b)]
+    messages += feed.messages(unpriced) + [feed.message(a[0])] + feed.messages(sample_shares(2)[0])
+    messages += feed.messages(two_gpu_window(node="node-c")[:2])
+    return messages
+
+
+async def test_a_batch_has_the_same_effects_as_its_messages_one_at_a_time(tmp_path):
+    from services.billing.ledger import Ledger
+
+    results = []
+    for name, batched in (("one-at-a-time", False), ("batched", True)):
+        ledger = Ledger(f"sqlite:///{tmp_path / name}.sqlite3")
+        ledger.migrate()
+        producer = RecordingProducer()
+        metrics = ServiceMetrics("billing", BILLING_METRICS)
+        processor = make_processor(ledger, producer, metrics=metrics)
+        messages = mixed_feed()
+        for _ in range(2):  # the second pass is a redelivery to the same processor
+            if batched:
+                await processor.handle_batch(messages)
+            else:
+                for message in messages:
+                    await processor.handle(message)
+        await processor.flush()
+        # Per topic: the order across topics (dead letters vs cost records) is not kept, nor needs to be.
+        by_topic = {topic: [(k, r) for t, k, r in producer.delivered if t == topic]
+                    for topic in (TOPICS.costs, TOPICS.dead_letters)}
+        assert len(producer.delivered) == sum(len(v) for v in by_topic.values())
+        results.append((by_topic, processor.commit_positions(), processor.stats, ledger.totals(),
+                        list(ledger.iter_cost_lines()), metrics.registry.get_sample_value(
+                            "gpumeter_billing_ledger_rows_written_total")))
+        ledger.close()
+    one_at_a_time, batched = results
+    assert batched == one_at_a_time
+    assert one_at_a_time[2].windows_billed == 3 and one_at_a_time[2].windows_dead_lettered == 1
+
+
 # -- settings --------------------------------------------------------------------------------------------------
 
 
