@@ -28,11 +28,11 @@ Parsing never raises: text that names no pod gives ``None``.
 from __future__ import annotations
 
 import errno
+import os
 import re
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
 from gpumeter.errors import GpumeterError
 
@@ -193,13 +193,34 @@ def _exited(exc: OSError) -> bool:
     )
 
 
-def read_process_identity(pid: int, proc_root: Path = Path("/proc")) -> CgroupIdentity | None:
+# Both files are a few hundred bytes; one read usually returns all of it.
+_READ_CHUNK_BYTES = 4096
+
+
+def _read_file(path: str) -> bytes:
+    """The whole file at ``path``, through ``os.open``/``os.read``: per process per tick, pathlib's path objects
+    and buffered file object cost more than the read itself. Raises ``OSError`` like ``open`` does."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        data = os.read(fd, _READ_CHUNK_BYTES)
+        if len(data) < _READ_CHUNK_BYTES:
+            # procfs and local files only return a short read at the end of the file.
+            return data
+        chunks = [data]
+        while chunk := os.read(fd, _READ_CHUNK_BYTES):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def read_process_identity(pid: int, proc_root: str | os.PathLike[str] = "/proc") -> CgroupIdentity | None:
     """The identity of host process ``pid``; ``None`` when it names no pod or the process has exited.
 
     Raises ``CgroupReadError`` when the file exists but cannot be read.
     """
     try:
-        raw = (proc_root / str(pid) / "cgroup").read_bytes()
+        raw = _read_file(f"{os.fspath(proc_root)}/{pid}/cgroup")
     except OSError as exc:
         if _exited(exc):
             return None
@@ -207,13 +228,13 @@ def read_process_identity(pid: int, proc_root: Path = Path("/proc")) -> CgroupId
     return parse_cgroup(raw.decode("utf-8", errors="replace"))
 
 
-def read_process_start_ticks(pid: int, proc_root: Path = Path("/proc")) -> int | None:
+def read_process_start_ticks(pid: int, proc_root: str | os.PathLike[str] = "/proc") -> int | None:
     """Field 22 of ``/proc/<pid>/stat`` (start time in clock ticks since boot), ``None`` when unreadable.
 
     Together with the PID it names one process for the life of the host: PIDs are reused, start times are not.
     """
     try:
-        raw = (proc_root / str(pid) / "stat").read_bytes()
+        raw = _read_file(f"{os.fspath(proc_root)}/{pid}/stat")
     except OSError:
         return None
     text = raw.decode("utf-8", errors="replace")
@@ -247,10 +268,11 @@ class ProcessIdentityCache:
     (host processes) are cached like any other. Not thread-safe: one collector loop owns it.
     """
 
-    def __init__(self, proc_root: Path = Path("/proc"), max_entries: int = 4096) -> None:
+    def __init__(self, proc_root: str | os.PathLike[str] = "/proc", max_entries: int = 4096) -> None:
         if max_entries < 1:
             raise ValueError("max_entries must be at least 1")
-        self._proc_root = proc_root
+        # A str, converted once: the reads build their paths from it on every lookup.
+        self._proc_root = os.fspath(proc_root)
         self._max_entries = max_entries
         self._entries: OrderedDict[tuple[int, int], CgroupIdentity | None] = OrderedDict()
         self._hits = 0

@@ -459,3 +459,60 @@ def test_cache_retain_only_drops_vanished_pids(tmp_path):
 def test_cache_rejects_zero_size():
     with pytest.raises(ValueError):
         ProcessIdentityCache(max_entries=0)
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_reads_take_the_root_as_str_or_path_alike(tmp_path):
+    _fake_proc(tmp_path, 4242, _line(UID, CID), 1000)
+    for root in (tmp_path, str(tmp_path), f"{tmp_path}/"):
+        assert read_process_identity(4242, root) == CgroupIdentity(UID, CID, "guaranteed", "containerd")
+        assert read_process_start_ticks(4242, root) == 1000
+        assert ProcessIdentityCache(root).lookup(4242).container_id == CID
+
+
+@pytest.mark.parametrize("size_bytes", [4095, 4096, 4097, 8192, 3 * 4096 + 17])
+def test_a_cgroup_file_of_any_length_is_read_whole(tmp_path, size_bytes):
+    # cgroup v1 hosts list a line per controller; the pod's line comes last, after kilobytes of others.
+    pod_line = f"12:pids:/kubepods/burstable/pod{UID}/{CID}\n"
+    filler = "".join(f"{n}:controller-{n}:/system.slice/some-daemon-{n:04d}.service\n" for n in range(1, 400))
+    head = filler[: size_bytes - len(pod_line) - 1]
+    text = head + "\n" + pod_line
+    assert len(text.encode()) == size_bytes
+    _fake_proc(tmp_path, 88, text, 1)
+    assert read_process_identity(88, tmp_path) == CgroupIdentity(UID, CID, "burstable", None)
+
+
+def test_reads_close_their_file_on_success_and_on_error(tmp_path):
+    _fake_proc(tmp_path, 5, _line(UID, CID), 50)
+    (tmp_path / "6" / "cgroup").mkdir(parents=True)  # opens, then the read fails (a directory)
+    (tmp_path / "6" / "stat").mkdir()
+    before = _open_fds()
+    for _ in range(50):
+        assert read_process_identity(5, tmp_path) is not None
+        assert read_process_start_ticks(5, tmp_path) == 50
+        with pytest.raises(CgroupReadError):
+            read_process_identity(6, tmp_path)
+        assert read_process_start_ticks(6, tmp_path) is None
+        assert read_process_identity(7, tmp_path) is None
+    assert _open_fds() == before
+
+
+def test_a_vanished_process_reads_as_exited_whatever_the_errno(tmp_path, monkeypatch):
+    import errno
+
+    from services.collector import cgroup
+
+    _fake_proc(tmp_path, 9, _line(UID, CID), 90)
+    real_read = os.read
+
+    def vanished(fd, size):  # the kernel answers ESRCH when the task exits between open and read
+        raise ProcessLookupError(errno.ESRCH, "No such process")
+
+    monkeypatch.setattr(cgroup.os, "read", vanished)
+    assert read_process_identity(9, tmp_path) is None
+    assert read_process_start_ticks(9, tmp_path) is None
+    monkeypatch.setattr(cgroup.os, "read", real_read)
+    assert read_process_identity(9, tmp_path) is not None
