@@ -201,7 +201,7 @@ class AttributorStream:
     async def process_sample(self, raw: RawMessage) -> None:
         """One node-samples message, whole: decode, check, engine, emission, table writes (inside its event).
         Bad input is dead-lettered here; anything else raised is not bad input (the agent stops the worker)."""
-        engine = await self._engine_for(raw.partition)
+        await self._engine_for(raw.partition)
         await self._check_resume(self.samples_topic_name, self._resume_samples_from, raw, self._sample_body)
         await self._sample_body(raw)
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
