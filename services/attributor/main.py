@@ -75,7 +75,7 @@ async def _prepare_topics(settings: AttributorSettings) -> int:
     counts = await input_partition_counts(settings.kafka, catalog)
     if len(set(counts.values())) != 1:
         raise ConfigError(
-            f"samples and pod events must have the same partition count to be joined per node; broker has "
+            "samples and pod events must have the same partition count to be joined per node; broker has "
             + ", ".join(f"{name}={count}" for name, count in counts.items())
         )
     partitions = next(iter(counts.values()))
