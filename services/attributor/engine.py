@@ -45,7 +45,7 @@ from schemas.catalog import pod_event_key
 from schemas.records import GpuShare, NodeSample, PodEvent
 
 from services.attributor.attribution import AttributionPolicy, attribute_node_window
-from services.attributor.pod_index import DEFAULT_LINGER_MS, PodIndex, apply_pod_event
+from services.attributor.pod_index import DEFAULT_LINGER_MS, LivePodIndex, PodIndex
 from services.attributor.windows import LateSample, NodeKey, NodeWindow, WindowAccumulator
 
 KEY_SEPARATOR = "|"
@@ -210,19 +210,23 @@ class TableChanges:
         return bool(self.progress or self.deleted_sample_keys or self.deleted_pod_keys)
 
 
+_NO_CHANGES = TableChanges()
+
+
 def _window_order(w: WindowResult) -> tuple[int, str, str]:
     return (w.window_start_unix_ms, w.cluster, w.node_name)
 
 
 class AttributionEngine:
-    """One partition's windows and pods. Mutable (it holds immutable accumulators and a ``PodIndex``); not
-    thread-safe: one caller at a time (the Faust agents and timer share one event loop)."""
+    """One partition's windows and pods. Mutable (it holds immutable accumulators and a ``LivePodIndex``, changed in
+    place per pod event; ``pods`` gives an immutable snapshot); not thread-safe: one caller at a time (the Faust
+    agents and timer share one event loop)."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self._accs: dict[NodeKey, WindowAccumulator] = {}
         self._last_sampled_at: dict[NodeKey, int] = {}
-        self._pods = PodIndex.empty(config.pod_linger_ms)
+        self._pods = LivePodIndex(config.pod_linger_ms)
         self._pod_keys: dict[str, str] = {}  # uid -> pod table key
         self._clock_watermark_ms: int | None = None
         self._position: int | None = None
@@ -266,19 +270,14 @@ class AttributionEngine:
     def on_pod_event(self, event: PodEvent) -> bool:
         """Apply a pod event; True when it changed the pod index (store it), False for a stale or repeated one.
         Pods the index prunes (deleted longer than the linger ago) are queued for deletion from the pod table."""
-        before = self._pods
-        after = apply_pod_event(before, event)
-        if after is before:
+        change = self._pods.apply(event)
+        if not change.changed:
             return False
-        self._pods = after
         self._pod_keys[event.uid] = pod_table_key(event)
-        expected = len(before) + (0 if event.uid in before else 1)
-        if len(after) < expected:
-            for uid in before.uids + (event.uid,):
-                if uid not in after:
-                    table_key = self._pod_keys.pop(uid, None)
-                    if table_key is not None:
-                        self._pending_pod_deletes.append(table_key)
+        for uid in change.pruned:
+            table_key = self._pod_keys.pop(uid, None)
+            if table_key is not None:
+                self._pending_pod_deletes.append(table_key)
         return True
 
     def on_clock(self, now_ms: int) -> EngineOutput:
@@ -393,6 +392,8 @@ class AttributionEngine:
 
     def take_table_changes(self) -> TableChanges:
         """The queued state-table writes (apply them in ``TableChanges`` field order); the queue is emptied."""
+        if not (self._pending_progress or self._pending_sample_deletes or self._pending_pod_deletes):
+            return _NO_CHANGES  # most calls (one per input message): nothing queued
         changes = TableChanges(
             tuple(self._pending_progress.values()),
             tuple(dict.fromkeys(self._pending_sample_deletes)),
@@ -407,7 +408,8 @@ class AttributionEngine:
 
     @property
     def pods(self) -> PodIndex:
-        return self._pods
+        """An immutable snapshot of the partition's pods (copied once after each change, when asked for)."""
+        return self._pods.snapshot()
 
     @property
     def clock_watermark_ms(self) -> int | None:

@@ -1,7 +1,10 @@
 """The pod state a node's window is attributed against, built from PodEvents.
 
 Pure and immutable: ``apply_pod_event(index, event)`` returns a new ``PodIndex`` and leaves the old one as it was,
-so a window can be attributed against a snapshot while events keep arriving.
+so a window can be attributed against a snapshot while events keep arriving. That copies the index per event
+(O(pods) each); ``LivePodIndex`` applies the same rules in place, O(1) amortised per event, for an owner that loads
+many pods (the attributor's engine: every pod of its partition) and takes an immutable ``snapshot()`` when it needs
+one. Both answer the same lookups (``PodLookup``), which is all attribution reads.
 
 Rules:
 
@@ -20,9 +23,10 @@ Rules:
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, NamedTuple
 
 from gpumeter.errors import ConfigError
 from schemas.records import PodEvent, PodEventType
@@ -142,26 +146,12 @@ def _pod_info(event: PodEvent, previous: PodInfo | None) -> PodInfo:
     )
 
 
-@dataclass(frozen=True, slots=True)
-class PodIndex:
-    """An immutable snapshot of the pods known, with lookups by uid and by device id.
+class PodLookup:
+    """The lookups of a pod index, by uid and by device id (``PodIndex`` and ``LivePodIndex``)."""
 
-    Build with ``PodIndex.empty(linger_ms)`` and ``apply_pod_event``. Never mutate: every change returns a new one.
-    """
-
-    linger_ms: int = DEFAULT_LINGER_MS
-    clock_unix_ms: int = -_FOREVER
-    _pods: Mapping[str, PodInfo] = field(default_factory=lambda: _EMPTY)
-    _by_device: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: _EMPTY)
-    _next_expiry_ms: int = _FOREVER
-
-    def __post_init__(self) -> None:
-        if self.linger_ms < 0:
-            raise ConfigError(f"pod linger must be >= 0 ms, got {self.linger_ms}")
-
-    @classmethod
-    def empty(cls, linger_ms: int = DEFAULT_LINGER_MS) -> "PodIndex":
-        return cls(linger_ms=linger_ms)
+    __slots__ = ()
+    _pods: Mapping[str, PodInfo]
+    _by_device: Mapping[str, tuple[str, ...]]  # base device id -> uids holding it, sorted
 
     def __len__(self) -> int:
         return len(self._pods)
@@ -196,6 +186,28 @@ class PodIndex:
             if claim is not None:
                 result.append((info, claim))
         return tuple(result)
+
+
+@dataclass(frozen=True, slots=True)
+class PodIndex(PodLookup):
+    """An immutable snapshot of the pods known, with lookups by uid and by device id.
+
+    Build with ``PodIndex.empty(linger_ms)`` and ``apply_pod_event``. Never mutate: every change returns a new one.
+    """
+
+    linger_ms: int = DEFAULT_LINGER_MS
+    clock_unix_ms: int = -_FOREVER
+    _pods: Mapping[str, PodInfo] = field(default_factory=lambda: _EMPTY)
+    _by_device: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: _EMPTY)
+    _next_expiry_ms: int = _FOREVER
+
+    def __post_init__(self) -> None:
+        if self.linger_ms < 0:
+            raise ConfigError(f"pod linger must be >= 0 ms, got {self.linger_ms}")
+
+    @classmethod
+    def empty(cls, linger_ms: int = DEFAULT_LINGER_MS) -> "PodIndex":
+        return cls(linger_ms=linger_ms)
 
 
 def apply_pod_event(index: PodIndex, event: PodEvent) -> PodIndex:
@@ -291,3 +303,123 @@ def _prune(index: PodIndex, now_unix_ms: int) -> PodIndex:
         _by_device=MappingProxyType(by_device),
         _next_expiry_ms=next_expiry,
     )
+
+
+class PodChange(NamedTuple):
+    """What ``LivePodIndex.apply`` did: ``changed`` is False for a stale or repeated event (as ``apply_pod_event``
+    returning its input); ``pruned`` are the uids the event's clock dropped (deleted longer than the linger ago),
+    sorted. (A new pod deleted before the clock minus linger is dropped on arrival; it is then the only one: an
+    event that moves the clock cannot also carry a deletion older than its own time.)"""
+
+    changed: bool
+    pruned: tuple[str, ...]
+
+
+class LivePodIndex(PodLookup):
+    """A mutable pod index with ``apply_pod_event``'s rules, changed in place: O(1) amortised per event, where
+    ``apply_pod_event`` copies every pod (loading n pods: O(n) instead of O(n²)).
+
+    After any sequence of events, ``snapshot()`` equals what ``apply_pod_events(PodIndex.empty(linger_ms), events)``
+    gives (same pods, device map, clock and next expiry). Its lookups read the current state: use them within one
+    synchronous step (attributing a window against the pods of the moment) and keep ``snapshot()``, never this
+    object, where the pods must not change afterwards. Not thread-safe: one owner.
+    """
+
+    __slots__ = ("linger_ms", "clock_unix_ms", "_pods", "_by_device", "_expiries", "_snapshot")
+
+    def __init__(self, linger_ms: int = DEFAULT_LINGER_MS) -> None:
+        if linger_ms < 0:
+            raise ConfigError(f"pod linger must be >= 0 ms, got {linger_ms}")
+        self.linger_ms = linger_ms
+        self.clock_unix_ms = -_FOREVER
+        self._pods: dict[str, PodInfo] = {}
+        self._by_device: dict[str, tuple[str, ...]] = {}
+        # (deleted_at + linger, uid) of every deleted pod, plus stale entries (pod since pruned, or its deletion
+        # time lowered by a later event) that are skipped when they come up.
+        self._expiries: list[tuple[int, str]] = []
+        self._snapshot: PodIndex | None = None
+
+    def apply(self, event: PodEvent) -> PodChange:
+        """Apply ``event`` as ``apply_pod_event`` would (stale and duplicate events change nothing)."""
+        uid = event.uid
+        previous = self._pods.get(uid)
+        if previous is not None:
+            if event.observed_at_unix_ms < previous.observed_at_unix_ms:
+                return self._advance_clock(event.observed_at_unix_ms)
+            if (
+                event.observed_at_unix_ms == previous.observed_at_unix_ms
+                and event.resource_version == previous.resource_version
+                and (event.event_type is PodEventType.DELETED) == (previous.deleted_at_unix_ms is not None)
+            ):
+                return PodChange(False, ())
+        self._snapshot = None
+        info = _pod_info(event, previous)
+        self._pods[uid] = info
+        old_bases = {a.base_id for a in previous.assignments} if previous is not None else set()
+        new_bases = {a.base_id for a in info.assignments}
+        if old_bases != new_bases:
+            by_device = self._by_device
+            for base in old_bases - new_bases:
+                self._remove_holder(base, uid)
+            for base in new_bases - old_bases:
+                by_device[base] = tuple(sorted(set(by_device.get(base, ())) | {uid}))
+        deleted = info.deleted_at_unix_ms
+        if deleted is not None and (previous is None or previous.deleted_at_unix_ms != deleted):
+            heapq.heappush(self._expiries, (deleted + self.linger_ms, uid))
+        self.clock_unix_ms = max(self.clock_unix_ms, event.observed_at_unix_ms)
+        return PodChange(True, tuple(sorted(self._prune())))
+
+    def snapshot(self) -> PodIndex:
+        """The current state as an immutable ``PodIndex`` (copied once per change, then shared)."""
+        if self._snapshot is None:
+            self._snapshot = PodIndex(
+                linger_ms=self.linger_ms,
+                clock_unix_ms=self.clock_unix_ms,
+                _pods=MappingProxyType(dict(self._pods)),
+                _by_device=MappingProxyType(dict(self._by_device)),
+                _next_expiry_ms=self._next_expiry(),
+            )
+        return self._snapshot
+
+    def _advance_clock(self, now_unix_ms: int) -> PodChange:
+        if now_unix_ms <= self.clock_unix_ms:
+            return PodChange(False, ())
+        self._snapshot = None
+        self.clock_unix_ms = now_unix_ms
+        return PodChange(True, tuple(sorted(self._prune())))
+
+    def _prune(self) -> list[str]:
+        # A pod deleted at d is kept while clock < d + linger, as ``_prune``.
+        heap = self._expiries
+        now = self.clock_unix_ms
+        dropped: list[str] = []
+        while heap and heap[0][0] <= now:
+            expiry, uid = heapq.heappop(heap)
+            if not self._is_current(expiry, uid):
+                continue
+            info = self._pods.pop(uid)
+            for base in {a.base_id for a in info.assignments}:
+                self._remove_holder(base, uid)
+            dropped.append(uid)
+        return dropped
+
+    def _next_expiry(self) -> int:
+        heap = self._expiries
+        while heap and not self._is_current(*heap[0]):
+            heapq.heappop(heap)
+        return heap[0][0] if heap else _FOREVER
+
+    def _is_current(self, expiry: int, uid: str) -> bool:
+        info = self._pods.get(uid)
+        return (
+            info is not None
+            and info.deleted_at_unix_ms is not None
+            and info.deleted_at_unix_ms + self.linger_ms == expiry
+        )
+
+    def _remove_holder(self, base: str, uid: str) -> None:
+        remaining = tuple(u for u in self._by_device.get(base, ()) if u != uid)
+        if remaining:
+            self._by_device[base] = remaining
+        else:
+            self._by_device.pop(base, None)
