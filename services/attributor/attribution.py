@@ -30,7 +30,7 @@ from services.attributor.modes import (
     device_keys,
     majority_sample_mode,
 )
-from services.attributor.pod_index import PodIndex, PodInfo
+from services.attributor.pod_index import PodInfo, PodLookup
 from services.attributor.windows import NodeWindow
 
 METHOD_EXCLUSIVE = "exclusive"
@@ -337,12 +337,13 @@ def _split_sample(sample: NodeSample, ticks_by_unit: dict[str, list[UnitTick]], 
 
 
 class _PodSlots:
-    __slots__ = ("slot_of", "uids", "maps")
+    __slots__ = ("slot_of", "uids", "maps", "_by_value")
 
     def __init__(self) -> None:
         self.slot_of: dict[str, int] = {}
         self.uids: list[str] = []
-        self.maps: dict[int, list[int]] = {}
+        self.maps: dict[int, list[int]] = {}  # id(pod_uids) -> slot per position
+        self._by_value: dict[tuple[str, ...], list[int]] = {}
 
     def slot(self, uid: str) -> int:
         slot = self.slot_of.get(uid)
@@ -352,11 +353,17 @@ class _PodSlots:
         return slot
 
     def map_for(self, pod_uids: tuple[str, ...]) -> list[int]:
-        # Keyed by identity: every device of a tick shares its NodeSample's pod_uids tuple, which the ticks keep
-        # alive for as long as this object lives.
-        found = self.maps.get(id(pod_uids))
+        # Keyed by identity for the hot lookups (every device of a tick shares its NodeSample's pod_uids tuple,
+        # which the ticks keep alive for as long as this object lives), and by value behind that: each tick is
+        # decoded into a new tuple, but a node lists the same pods tick after tick, so the window's ticks share
+        # one map instead of slotting every uid again per tick.
+        key = id(pod_uids)
+        found = self.maps.get(key)
         if found is None:
-            found = self.maps[id(pod_uids)] = [self.slot(uid) for uid in pod_uids]
+            found = self._by_value.get(pod_uids)
+            if found is None:
+                found = self._by_value[pod_uids] = [self.slot(uid) for uid in pod_uids]
+            self.maps[key] = found
         return found
 
 
@@ -364,12 +371,12 @@ class _PodSlots:
 # One unit
 
 
-def attribute_unit(unit: UnitWindow, pods: PodIndex, policy: AttributionPolicy) -> tuple[ShareRow, ...]:
+def attribute_unit(unit: UnitWindow, pods: PodLookup, policy: AttributionPolicy) -> tuple[ShareRow, ...]:
     """The unit's share rows: pods sorted by uid, then IDLE, DRIVER_RESERVED, UNATTRIBUTED."""
     return attribute_unit_detailed(unit, pods, policy).rows
 
 
-def attribute_unit_detailed(unit: UnitWindow, pods: PodIndex, policy: AttributionPolicy) -> UnitAttribution:
+def attribute_unit_detailed(unit: UnitWindow, pods: PodLookup, policy: AttributionPolicy) -> UnitAttribution:
     """``attribute_unit`` with the mode decision, method, coverage and data-quality counts."""
     return _attribute(unit, pods, policy, _PodSlots())
 
@@ -399,21 +406,19 @@ def _parse_thread_percent(info: PodInfo, annotation: str) -> float | None:
     return value
 
 
-def _attribute(unit: UnitWindow, pods: PodIndex, policy: AttributionPolicy, slots: _PodSlots) -> UnitAttribution:
+def _attribute(unit: UnitWindow, pods: PodLookup, policy: AttributionPolicy, slots: _PodSlots) -> UnitAttribution:
     ticks = unit.ticks
     weights, intervals, zero_weight_ticks = _weights(unit)
     total_weight = sum(weights)
+    interval_sum = sum(intervals)
+    # The interval-weighted mean capacity fraction: each weight is interval × clamped fraction (before the
+    # equal-weights fallback below).
+    gpu_fraction = total_weight / interval_sum if interval_sum > 0 else 0.0
     if total_weight <= 0.0:
         # Every tick had zero capacity (a fully partitioned MIG GPU's remainder): count ticks equally so the
         # shares are still defined.
         weights = [1.0] * len(ticks)
         total_weight = float(len(ticks))
-    interval_sum = sum(intervals)
-    gpu_fraction = (
-        sum(i * min(max(t.capacity_fraction, 0.0), 1.0) for i, t in zip(intervals, ticks)) / interval_sum
-        if interval_sum > 0
-        else 0.0
-    )
     window_ms = unit.window_seconds * 1000
     covered_seconds = min(sum(max(t.interval_ms, 0) for t in ticks), window_ms) / 1000.0
 
@@ -466,6 +471,9 @@ def _attribute(unit: UnitWindow, pods: PodIndex, policy: AttributionPolicy, slot
     busy_per_process = busy_proxy = 0.0
     q_mem_invalid = q_mem_clamped = q_scaled = q_comp_unknown = q_util_clamped = q_busy_unexplained = 0
     maps = slots.maps
+    last_smap: list[int] | None = None
+    last_ppi: tuple[int, ...] | None = None
+    last_slots: list[int] = []
 
     for tick, w in zip(ticks, weights):
         if w <= 0.0:
@@ -479,25 +487,44 @@ def _attribute(unit: UnitWindow, pods: PodIndex, policy: AttributionPolicy, slot
             continue
         dev = tick.device
         smap = maps[id(tick.pod_uids)]
-        nmap = len(smap)
         ppi = dev.process_pod_index
+        pmem = dev.process_used_memory_bytes
         psm = dev.process_sm_utilization_percent
-        if len(psm) < len(ppi):
-            psm = (-1,) * len(ppi)
-        procs = []
-        mem_sum = 0
-        sm_sum = 0
-        for p, m, s in zip(ppi, dev.process_used_memory_bytes, psm):
-            slot = smap[p] if 0 <= p < nmap else -1
-            if m < 0:
-                m = 0
-            if s < 0:
-                # -1: NVML gave no sample for the process, which on a supported device means it ran no kernel.
-                s = 0
-            mem_sum += m
-            sm_sum += s
-            procs.append((slot, m, s))
-            present.add(slot)
+        n_procs = len(ppi)
+        if len(psm) < n_procs:
+            psm = (-1,) * n_procs
+        # Per process: its pod's slot (-1: no known pod), its memory and its SM utilization, negatives as 0 (-1 is
+        # NVML's "no sample", which on a supported device means the process ran no kernel). The arrays are
+        # parallel (check_sample); the slots repeat from tick to tick while the node's pods and processes stay.
+        if len(pmem) == n_procs and len(psm) == n_procs:
+            if smap is last_smap and ppi == last_ppi:
+                tick_slots = last_slots
+            else:
+                nmap = len(smap)
+                tick_slots = [smap[p] if 0 <= p < nmap else -1 for p in ppi]
+                present.update(tick_slots)
+                last_smap, last_ppi, last_slots = smap, ppi, tick_slots
+            if n_procs:
+                # Whenever a value is below 0, so is min() or it is a NaN: either way the values are clamped one
+                # by one, as the plain loop would (a NaN stays a NaN).
+                if not min(pmem) >= 0:
+                    pmem = [0 if m < 0 else m for m in pmem]
+                if not min(psm) >= 0:
+                    psm = [0 if s < 0 else s for s in psm]
+            # Byte counts and percentages are ints: their sums are exact in any order.
+            mem_sum = sum(pmem)
+            sm_sum = sum(psm)
+        else:
+            # Arrays of unequal length (no checked tick has them): the processes all three arrays describe.
+            nmap = len(smap)
+            triples = list(zip(ppi, pmem, psm))
+            n_procs = len(triples)
+            tick_slots = [smap[p] if 0 <= p < nmap else -1 for p, _m, _s in triples]
+            present.update(tick_slots)
+            pmem = [0 if m < 0 else m for _p, m, _s in triples]
+            psm = [0 if s < 0 else s for _p, _m, s in triples]
+            mem_sum = sum(pmem)
+            sm_sum = sum(psm)
 
         # Memory: fractions of this tick's total, weighted by the tick's time.
         total = dev.memory_total_bytes
@@ -543,7 +570,7 @@ def _attribute(unit: UnitWindow, pods: PodIndex, policy: AttributionPolicy, slot
             if mem_sum:
                 fi = scale * inv
                 bi = scale * w
-                for slot, m, _s in procs:
+                for slot, m in zip(tick_slots, pmem):
                     if m:
                         mem_frac[slot] += m * fi
                         mem_bytes[slot] += m * bi
@@ -564,7 +591,7 @@ def _attribute(unit: UnitWindow, pods: PodIndex, policy: AttributionPolicy, slot
                 busy_fraction = util / 100.0
         elif occupancy:
             # NVML has no utilization for MIG instances: the instance is busy while a process holds it.
-            busy_fraction = 1.0 if procs else 0.0
+            busy_fraction = 1.0 if n_procs else 0.0
         elif per_process_ok:
             busy_fraction = sm_sum / 100.0 if sm_sum < 100 else 1.0
         else:
@@ -575,12 +602,12 @@ def _attribute(unit: UnitWindow, pods: PodIndex, policy: AttributionPolicy, slot
         busy = busy_fraction * w
         if busy <= 0.0:
             continue
-        if not procs:
+        if not n_procs:
             comp_unx += busy
             q_busy_unexplained += 1
         elif mps_threads:
             pct_of: dict[int, float] = {}
-            for slot, _m, _s in procs:
+            for slot in tick_slots:
                 pct_of[slot] = thread_pct[slot]
             pct_total = sum(pct_of.values())
             c = busy / pct_total
@@ -589,19 +616,19 @@ def _attribute(unit: UnitWindow, pods: PodIndex, policy: AttributionPolicy, slot
         elif per_process_ok:
             busy_per_process += busy
             c = busy / sm_sum
-            for slot, _m, s in procs:
+            for slot, s in zip(tick_slots, psm):
                 if s:
                     comp[slot] += s * c
         else:
             busy_proxy += busy
             if mem_sum:
                 c = busy / mem_sum
-                for slot, m, _s in procs:
+                for slot, m in zip(tick_slots, pmem):
                     if m:
                         comp[slot] += m * c
             else:
-                c = busy / len(procs)
-                for slot, _m, _s in procs:
+                c = busy / n_procs
+                for slot in tick_slots:
                     comp[slot] += c
 
     # Which pods get rows: those whose processes ran here and those holding the unit.
@@ -813,12 +840,12 @@ def _spread_idle(cost: list[float], n_rows: int) -> list[float]:
 # A node window
 
 
-def attribute_node_window(window: NodeWindow, pods: PodIndex, policy: AttributionPolicy) -> tuple[GpuShare, ...]:
+def attribute_node_window(window: NodeWindow, pods: PodLookup, policy: AttributionPolicy) -> tuple[GpuShare, ...]:
     """Every unit's GpuShare rows for one node window, units in ``split_units`` order, rows as ``attribute_unit``."""
     return attribute_node_window_detailed(window, pods, policy).shares
 
 
-def attribute_node_window_detailed(window: NodeWindow, pods: PodIndex, policy: AttributionPolicy) -> NodeAttribution:
+def attribute_node_window_detailed(window: NodeWindow, pods: PodLookup, policy: AttributionPolicy) -> NodeAttribution:
     """``attribute_node_window`` with each unit's mode decision and data-quality counts."""
     if not window.samples:
         return NodeAttribution((), (), 0.0)
