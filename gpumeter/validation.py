@@ -32,7 +32,7 @@ import math
 from typing import Iterable
 
 from gpumeter.errors import OutOfRange
-from schemas.records import CostRecord, CostSubjectKind, GpuShare, NodeSample, PodEvent
+from schemas.records import CostRecord, CostSubjectKind, GpuDeviceSample, GpuShare, NodeSample, PodEvent
 
 EARLIEST_UNIX_MS = 946_684_800_000  # 2000-01-01T00:00:00Z
 DEFAULT_MAX_CLOCK_SKEW_SECONDS = 120  # the attributor: a tick from the future moves its node's watermark
@@ -79,6 +79,16 @@ def _first_duplicate(values: Iterable) -> object | None:
     return None
 
 
+def _first_duplicate_in(values: tuple) -> object | None:
+    """``_first_duplicate`` of a sequence, with one C-level set build when there is none (the common case)."""
+    try:
+        if len(set(values)) == len(values):
+            return None
+    except TypeError:
+        pass  # an unhashable value: the loop raises where it always did
+    return _first_duplicate(values)
+
+
 def check_sample(sample: NodeSample, now_unix_ms: int, max_clock_skew_ms: int,
                  max_age_ms: int | None = None) -> None:
     """Raise ``OutOfRange`` when ``sample`` holds values no real tick can have; return None otherwise.
@@ -91,77 +101,115 @@ def check_sample(sample: NodeSample, now_unix_ms: int, max_clock_skew_ms: int,
     replica, MIG slices outside [0, total]; per process: arrays of different lengths, the same pid twice on one
     device, a negative pid, a pod index outside [-1, pod count) (an unknown pod), memory below -1, SM
     utilization outside [-1, 100]. Container ids and indexes are carried for people, read by no consumer, and
-    not checked.
+    not checked. The first impossible value in that order is the one named.
     """
-    where = f"node {sample.node_name} tick {sample.collector_started_at_unix_ms}/{sample.sequence}"
-    _check_time(where, "sampled_at", sample.sampled_at_unix_ms, now_unix_ms, max_clock_skew_ms)
-    if max_age_ms is not None and sample.sampled_at_unix_ms < now_unix_ms - max_age_ms:
-        raise OutOfRange(f"{where}: sampled_at {sample.sampled_at_unix_ms} is {now_unix_ms - sample.sampled_at_unix_ms}"
-                         f" ms old (at most {max_age_ms} ms allowed)")
-    if sample.sequence < 0:
-        raise OutOfRange(f"{where}: negative sequence {sample.sequence}")
-    if sample.interval_ms < 0:
+    # Runs on every tick the attributor takes in: each group of checks is one plain condition, and only when it
+    # fails are the values walked again, in the documented order, to name the first impossible one.
+    sampled_at = sample.sampled_at_unix_ms
+    if (sampled_at < EARLIEST_UNIX_MS or sampled_at > now_unix_ms + max_clock_skew_ms
+            or (max_age_ms is not None and sampled_at < now_unix_ms - max_age_ms)
+            or sample.sequence < 0 or sample.interval_ms < 0):
+        where = _sample_where(sample)
+        _check_time(where, "sampled_at", sampled_at, now_unix_ms, max_clock_skew_ms)
+        if max_age_ms is not None and sampled_at < now_unix_ms - max_age_ms:
+            raise OutOfRange(f"{where}: sampled_at {sampled_at} is {now_unix_ms - sampled_at}"
+                             f" ms old (at most {max_age_ms} ms allowed)")
+        if sample.sequence < 0:
+            raise OutOfRange(f"{where}: negative sequence {sample.sequence}")
         raise OutOfRange(f"{where}: negative interval_ms {sample.interval_ms}")
-    duplicate = _first_duplicate(sample.pod_uids)
+    pod_uids = sample.pod_uids
+    duplicate = _first_duplicate_in(pod_uids)
     if duplicate is not None:
-        raise OutOfRange(f"{where}: pod_uids lists {duplicate!r} twice")
-    duplicate = _first_duplicate(dev.uuid for dev in sample.devices)
+        raise OutOfRange(f"{_sample_where(sample)}: pod_uids lists {duplicate!r} twice")
+    devices = sample.devices
+    duplicate = _first_duplicate(dev.uuid for dev in devices)
     if duplicate is not None:
-        raise OutOfRange(f"{where}: device {duplicate} listed twice")
-    gpus = {dev.uuid: dev for dev in sample.devices if dev.parent_uuid is None}
-    pod_count = len(sample.pod_uids)
-    for dev in sample.devices:
-        unit = f"{where} device {dev.uuid}"
-        if dev.parent_uuid is not None and dev.parent_uuid not in gpus:
-            raise OutOfRange(f"{unit}: MIG instance of GPU {dev.parent_uuid}, which is not in the tick")
-        for name in ("memory_total_bytes", "memory_used_bytes", "memory_free_bytes", "memory_reserved_bytes"):
-            if getattr(dev, name) < 0:
-                raise OutOfRange(f"{unit}: negative {name} {getattr(dev, name)}")
-        for name in ("memory_used_bytes", "memory_free_bytes", "memory_reserved_bytes"):
-            if getattr(dev, name) > dev.memory_total_bytes:
-                raise OutOfRange(f"{unit}: {name} {getattr(dev, name)} > total {dev.memory_total_bytes}")
-        for name in ("gpu_utilization_percent", "memory_utilization_percent"):
-            value = getattr(dev, name)
-            if value is not None and not 0 <= value <= 100:
-                raise OutOfRange(f"{unit}: {name} {value} outside [0, 100]")
-        if dev.power_milliwatts is not None and dev.power_milliwatts < 0:
-            raise OutOfRange(f"{unit}: negative power_milliwatts {dev.power_milliwatts}")
-        if dev.replicas < 1:
-            raise OutOfRange(f"{unit}: replicas {dev.replicas} < 1")
-        # An instance may leave the GPU's slice count to its parent (0 on the instance).
-        total_slices = dev.mig_total_compute_slices or (
-            gpus[dev.parent_uuid].mig_total_compute_slices if dev.parent_uuid is not None else 0)
-        if dev.mig_compute_slices < 0 or dev.mig_total_compute_slices < 0 or (
-                total_slices > 0 and dev.mig_compute_slices > total_slices):
-            raise OutOfRange(f"{unit}: MIG slices {dev.mig_compute_slices} of {total_slices}")
-        lengths = {
-            len(dev.process_pids),
-            len(dev.process_container_index),
-            len(dev.process_pod_index),
-            len(dev.process_used_memory_bytes),
-            len(dev.process_sm_utilization_percent),
-        }
-        if len(lengths) != 1:
+        raise OutOfRange(f"{_sample_where(sample)}: device {duplicate} listed twice")
+    gpus = {dev.uuid: dev for dev in devices if dev.parent_uuid is None}
+    pod_count = len(pod_uids)
+    for dev in devices:
+        total = dev.memory_total_bytes
+        used = dev.memory_used_bytes
+        free = dev.memory_free_bytes
+        reserved = dev.memory_reserved_bytes
+        gpu_util = dev.gpu_utilization_percent
+        memory_util = dev.memory_utilization_percent
+        if ((dev.parent_uuid is not None and dev.parent_uuid not in gpus)
+                or total < 0 or used < 0 or free < 0 or reserved < 0
+                or used > total or free > total or reserved > total
+                or (gpu_util is not None and not 0 <= gpu_util <= 100)
+                or (memory_util is not None and not 0 <= memory_util <= 100)
+                or (dev.power_milliwatts is not None and dev.power_milliwatts < 0)
+                or dev.replicas < 1 or dev.mig_compute_slices < 0 or dev.mig_total_compute_slices < 0
+                or dev.mig_compute_slices > 0):
+            # Something to name, or MIG slices to compare with their total (the instance's or its parent's).
+            _check_device(_sample_where(sample), dev, gpus)
+        pids = dev.process_pids
+        pods = dev.process_pod_index
+        memory = dev.process_used_memory_bytes
+        sm = dev.process_sm_utilization_percent
+        n = len(pids)
+        if len(dev.process_container_index) != n or len(pods) != n or len(memory) != n or len(sm) != n:
             raise OutOfRange(
-                f"{unit}: per-process arrays differ in length (pids {len(dev.process_pids)}, containers "
-                f"{len(dev.process_container_index)}, pods {len(dev.process_pod_index)}, memory "
-                f"{len(dev.process_used_memory_bytes)}, sm {len(dev.process_sm_utilization_percent)})"
+                f"{_sample_where(sample)} device {dev.uuid}: per-process arrays differ in length (pids "
+                f"{len(dev.process_pids)}, containers {len(dev.process_container_index)}, pods "
+                f"{len(dev.process_pod_index)}, memory {len(dev.process_used_memory_bytes)}, sm "
+                f"{len(dev.process_sm_utilization_percent)})"
             )
-        duplicate = _first_duplicate(dev.process_pids)
+        duplicate = _first_duplicate_in(pids)
         if duplicate is not None:
-            raise OutOfRange(f"{unit}: process {duplicate} listed twice")
-        for pid, pod, used, sm in zip(dev.process_pids, dev.process_pod_index, dev.process_used_memory_bytes,
-                                      dev.process_sm_utilization_percent):
-            if pid < 0:
-                raise OutOfRange(f"{unit}: negative pid {pid}")
-            if not -1 <= pod < pod_count:
-                raise OutOfRange(f"{unit}: process {pid} names pod {pod} of {pod_count} (unknown pod)")
-            if used < -1:
-                raise OutOfRange(f"{unit}: process {pid} has negative used memory {used}")
-            if used > dev.memory_total_bytes:
-                raise OutOfRange(f"{unit}: process {pid} uses {used} bytes of {dev.memory_total_bytes}")
-            if not -1 <= sm <= 100:
-                raise OutOfRange(f"{unit}: process {pid} SM utilization {sm} outside [-1, 100]")
+            raise OutOfRange(f"{_sample_where(sample)} device {dev.uuid}: process {duplicate} listed twice")
+        for pid, pod, used_bytes, sm_percent in zip(pids, pods, memory, sm):
+            if (pid < 0 or not -1 <= pod < pod_count or used_bytes < -1 or used_bytes > total
+                    or not -1 <= sm_percent <= 100):
+                _check_process(f"{_sample_where(sample)} device {dev.uuid}", pid, pod, pod_count, used_bytes, total,
+                               sm_percent)
+
+
+def _sample_where(sample: NodeSample) -> str:
+    return f"node {sample.node_name} tick {sample.collector_started_at_unix_ms}/{sample.sequence}"
+
+
+def _check_process(unit: str, pid: int, pod: int, pod_count: int, used_bytes: int, total: int,
+                   sm_percent: int) -> None:
+    """The per-process checks of ``check_sample``, in its order, naming the first impossible value."""
+    if pid < 0:
+        raise OutOfRange(f"{unit}: negative pid {pid}")
+    if not -1 <= pod < pod_count:
+        raise OutOfRange(f"{unit}: process {pid} names pod {pod} of {pod_count} (unknown pod)")
+    if used_bytes < -1:
+        raise OutOfRange(f"{unit}: process {pid} has negative used memory {used_bytes}")
+    if used_bytes > total:
+        raise OutOfRange(f"{unit}: process {pid} uses {used_bytes} bytes of {total}")
+    if not -1 <= sm_percent <= 100:
+        raise OutOfRange(f"{unit}: process {pid} SM utilization {sm_percent} outside [-1, 100]")
+
+
+def _check_device(where: str, dev: GpuDeviceSample, gpus: dict[str, GpuDeviceSample]) -> None:
+    """The device-level checks of ``check_sample``, in its order, naming the first impossible value."""
+    unit = f"{where} device {dev.uuid}"
+    if dev.parent_uuid is not None and dev.parent_uuid not in gpus:
+        raise OutOfRange(f"{unit}: MIG instance of GPU {dev.parent_uuid}, which is not in the tick")
+    for name in ("memory_total_bytes", "memory_used_bytes", "memory_free_bytes", "memory_reserved_bytes"):
+        if getattr(dev, name) < 0:
+            raise OutOfRange(f"{unit}: negative {name} {getattr(dev, name)}")
+    for name in ("memory_used_bytes", "memory_free_bytes", "memory_reserved_bytes"):
+        if getattr(dev, name) > dev.memory_total_bytes:
+            raise OutOfRange(f"{unit}: {name} {getattr(dev, name)} > total {dev.memory_total_bytes}")
+    for name in ("gpu_utilization_percent", "memory_utilization_percent"):
+        value = getattr(dev, name)
+        if value is not None and not 0 <= value <= 100:
+            raise OutOfRange(f"{unit}: {name} {value} outside [0, 100]")
+    if dev.power_milliwatts is not None and dev.power_milliwatts < 0:
+        raise OutOfRange(f"{unit}: negative power_milliwatts {dev.power_milliwatts}")
+    if dev.replicas < 1:
+        raise OutOfRange(f"{unit}: replicas {dev.replicas} < 1")
+    # An instance may leave the GPU's slice count to its parent (0 on the instance).
+    total_slices = dev.mig_total_compute_slices or (
+        gpus[dev.parent_uuid].mig_total_compute_slices if dev.parent_uuid is not None else 0)
+    if dev.mig_compute_slices < 0 or dev.mig_total_compute_slices < 0 or (
+            total_slices > 0 and dev.mig_compute_slices > total_slices):
+        raise OutOfRange(f"{unit}: MIG slices {dev.mig_compute_slices} of {total_slices}")
 
 
 def check_pod_event(event: PodEvent, now_unix_ms: int, max_clock_skew_ms: int) -> None:
