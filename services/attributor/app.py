@@ -493,8 +493,8 @@ class AttributorStream:
         Where the group has committed, on a partition kept, its offset wins, and the engine takes the records read
         again as duplicates. On a partition rebuilt, seeking there from inside a stream would race with the
         records Faust still delivers from before the seek."""
-        consumer = self.app.consumer
         commits: dict[TP, int] = {}
+        seeks: dict[TP, int] = {}
         for partition in sorted(self._assigned):
             if partition in rebuilt:
                 samples_at = self._resume_samples_from.get(partition, 0)
@@ -506,14 +506,24 @@ class AttributorStream:
                     partition)
                 samples_at = 0 if processed is None else processed + 1
                 pods_at = 0 if processed_pods is None else processed_pods + 1
-            for tp, offset in ((TP(self.samples_topic_name, partition), samples_at),
-                               (TP(self.pods_topic_name, partition), pods_at)):
-                try:
-                    await consumer.seek(tp, offset)
-                except Exception as exc:  # another rebalance under way: the next one rewinds again
-                    log.warning("could not seek %s[%d] to %d: %r", tp.topic, tp.partition, offset, exc)
+            seeks[TP(self.samples_topic_name, partition)] = samples_at
+            seeks[TP(self.pods_topic_name, partition)] = pods_at
+        if seeks:
+            await self._seek_positions(seeks)
         if commits:
             await self._commit_positions(commits)
+
+    async def _seek_positions(self, offsets: dict[TP, int]) -> None:
+        """Seek on Faust's consumer thread and wait until the positions are set. ``Consumer.seek`` would call the
+        aiokafka consumer from this thread while its fetcher runs on the other one: seen in the stream benchmark,
+        the fetcher then crashed the worker with ``KeyError`` in ``fetched_records`` right after a restart (the
+        race faust-streaming and robinhood/aiokafka#19 report)."""
+        thread = self.app.consumer._thread  # faust-streaming's AIOKafkaConsumerThread
+        try:
+            await thread.seek_wait(offsets)
+        except Exception as exc:  # another rebalance under way: the next one rewinds again
+            log.warning("could not seek to %s: %r",
+                        {f"{tp.topic}[{tp.partition}]": o for tp, o in sorted(offsets.items())}, exc)
 
     async def _commit_positions(self, offsets: dict[TP, int]) -> None:
         """Commit ``offsets`` for the group as they are (backwards too), on Faust's consumer thread. Faust's own
