@@ -865,7 +865,7 @@ def targets_for(figures: dict[str, Any]) -> list[Target]:
             cause = (f"overloaded: the attributor took in {fmt_int(taken)} of {fmt_int(offered)} GPU-samples/s "
                      "offered, its input lag grew; see docs/performance.md")
         elif not met:
-            cause = "windows are emitted one after another; see docs/performance.md"
+            cause = "the close burst: every node-window closes in the same second and one process attributes and sends them (CPU-bound); see docs/performance.md"
         targets.append(Target("stream latency", f"p99 < {TARGET_P99_S:g} s at {TARGET_GPUS:,} GPUs @ 1 Hz", text, met,
                               cause))
     ceiling = figures.get("ceiling", {}).get("gpu_samples_per_s_end_to_end")
@@ -879,7 +879,7 @@ def targets_for(figures: dict[str, Any]) -> list[Target]:
         text, p99, complete = _latency_text(sustainable)
         met = bool(complete and p99 is not None and p99 < TARGET_P99_S)
         targets.append(Target("stream latency at 60 % of the ceiling", f"p99 < {TARGET_P99_S:g} s", text, met,
-                              "" if met else "windows are emitted one after another; see docs/performance.md"))
+                              "" if met else "the close burst: every node-window closes in the same second and one process attributes and sends them (CPU-bound); see docs/performance.md"))
     return targets
 
 
