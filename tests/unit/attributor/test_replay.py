@@ -335,12 +335,12 @@ def test_costs_sum_exactly_to_the_bills(replays, node_prices, name):
 
 
 def test_an_unpriced_node_keeps_its_shares_and_is_reported(tmp_path):
-    scenario = REPO / "scenarios" / "exclusive.yaml"  # g5.12xlarge: not in the bundled catalog
+    scenario = REPO / "scenarios" / "churn.yaml"  # g6.12xlarge in eu-west-1: not in the bundled catalog
     summary = replay(scenario, tmp_path, catalog=PriceCatalog(load_price_dir()))
     assert summary.share_rows > 0
     assert summary.cost_rows == 0 and summary.bills == 0
     assert len(summary.unpriced) == summary.windows
-    assert all("g5.12xlarge" in u.reason for u in summary.unpriced)
+    assert all("g6.12xlarge" in u.reason and "eu-west-1" in u.reason for u in summary.unpriced)
 
 
 def test_bundled_catalog_prices_the_time_slicing_scenario_to_the_micro_dollar(tmp_path):
@@ -558,7 +558,7 @@ def test_cli_replays_with_a_price_override_and_env_settings(tmp_path, replays):
 
 
 def test_cli_exit_codes(tmp_path):
-    scenario = REPO / "scenarios" / "exclusive.yaml"  # g5.12xlarge: not in the bundled catalog
+    scenario = REPO / "scenarios" / "churn.yaml"  # g6.12xlarge in eu-west-1: not in the bundled catalog
     err = io.StringIO()
     # No price for the node: shares written, exit 1 (0 with --allow-unpriced).
     args = _cli_args([str(scenario), "--out", str(tmp_path / "a")])

@@ -34,6 +34,9 @@ REFERENCE_PRICES = {
     ("aws", "us-east-1", "g5.xlarge", "on_demand"): "1.006",
     ("aws", "us-east-1", "g6.xlarge", "on_demand"): "0.8048",
     ("aws", "us-east-1", "g4dn.xlarge", "on_demand"): "0.526",
+    # karpenter-provider-aws zz_generated.pricing_aws.go, generated 2026-01-19 for us-east-1
+    ("aws", "us-east-1", "g5.12xlarge", "on_demand"): "5.672",
+    ("aws", "us-east-1", "g6.12xlarge", "on_demand"): "4.6016",
     ("gcp", "us-central1", "a2-highgpu-1g", "on_demand"): "3.673385",
     ("gcp", "us-central1", "a2-highgpu-1g", "spot"): "1.293355",
     ("azure", "eastus", "Standard_NC24ads_A100_v4", "on_demand"): "3.673",
