@@ -1,14 +1,22 @@
 """Every Prometheus metric gpumeter exports, in one registry of names.
 
 Services create their metrics through ``ServiceMetrics(service)``, which builds them on a private
-``CollectorRegistry`` (so tests and several services in one process never collide) from the definitions below.
+``CollectorRegistry`` (so tests and several services in one process never collide) from the definitions below,
+and holds the service's liveness ``Heartbeat`` (``gpumeter.health``): ``serve(port)`` answers ``/metrics`` and
+``/healthz`` on one port.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+
+from gpumeter.clock import Clock, SystemClock
+from gpumeter.health import DEFAULT_MAX_SILENCE_SECONDS, Heartbeat, health_wsgi_app
 
 
 @dataclass(frozen=True)
@@ -65,12 +73,26 @@ METRICS: dict[str, MetricDef] = {
 }
 
 
-class ServiceMetrics:
-    """The metrics of one service on their own registry. ``get(name)`` returns the prometheus object."""
+class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
 
-    def __init__(self, service: str, names: tuple[str, ...] | None = None) -> None:
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args):  # noqa: A002 - the stdlib's signature
+        pass  # a scrape every few seconds is not news
+
+
+class ServiceMetrics:
+    """The metrics of one service on their own registry, and its liveness heartbeat. ``get(name)`` returns the
+    prometheus object; ``beat()`` marks the service's loop as going round (``gpumeter.health``)."""
+
+    def __init__(self, service: str, names: tuple[str, ...] | None = None, *, clock: Clock | None = None,
+                 max_silence_seconds: float = DEFAULT_MAX_SILENCE_SECONDS) -> None:
         self.service = service
         self.registry = CollectorRegistry()
+        # Infrastructure, not logic: the heartbeat measures real silence, so the real clock unless a test passes one.
+        self.heartbeat = Heartbeat(clock or SystemClock(), max_silence_seconds)
+        self.server: WSGIServer | None = None
         self._metrics = {}
         for name in names or tuple(METRICS):
             definition = METRICS[name]
@@ -82,7 +104,19 @@ class ServiceMetrics:
     def get(self, name: str):
         return self._metrics[name]
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
-        """Expose /metrics on ``port`` (0 disables)."""
-        if port:
-            start_http_server(port, addr=addr, registry=self.registry)
+    def beat(self) -> None:
+        self.heartbeat.beat()
+
+    def wsgi_app(self):
+        """``/healthz`` from the heartbeat, every other path the Prometheus exposition of this registry."""
+        return health_wsgi_app(self.heartbeat, make_wsgi_app(self.registry))
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> WSGIServer | None:
+        """Serve ``/metrics`` and ``/healthz`` on ``port`` from a daemon thread (0 disables); returns the server."""
+        if not port:
+            return None
+        server = make_server(addr, port, self.wsgi_app(), server_class=_ThreadingWSGIServer,
+                             handler_class=_QuietHandler)
+        threading.Thread(target=server.serve_forever, name=f"{self.service}-metrics", daemon=True).start()
+        self.server = server
+        return server

@@ -329,6 +329,8 @@ class AttributorStream:
     # -- timer -----------------------------------------------------------------------------------------------------
 
     async def _clock_timer(self) -> None:
+        if self.failure is None:
+            self.metrics.beat()  # the event loop runs the timer: liveness (gpumeter.health)
         if not self._ready or self.app.rebalancing:
             return
         now_ms = self.clock.now_ms()

@@ -485,7 +485,13 @@ class BillingProcessor:
     def stopping(self) -> bool:
         return self._stopping.is_set()
 
+    def beat(self) -> None:
+        """The service's loop went round (liveness, ``gpumeter.health``)."""
+        if self.metrics is not None:
+            self.metrics.beat()
+
     async def _pause(self, seconds: float) -> None:
+        self.beat()  # waiting on purpose (Kafka or the ledger unreachable) is alive
         await pause_unless_stopping(seconds, sleep=self._sleep, stopping=self._stopping, stopped=ServiceStopping)
 
     # -- messages --
@@ -806,6 +812,7 @@ class BillingService:
                     fetch.cancel()
                     break
                 batch = fetch.result()
+                self.processor.beat()
                 async with self._lock:
                     if generation != self._generation:
                         # A rebalance ran while this batch was fetched: positions were reset to the committed

@@ -14,6 +14,7 @@ from typing import Mapping
 
 from gpumeter.clock import SystemClock
 from gpumeter.errors import GpumeterError
+from gpumeter.health import DEFAULT_MAX_SILENCE_SECONDS
 from gpumeter.kafka.producer import RecordProducer
 from gpumeter.metrics import ServiceMetrics
 from services.collector.assemble import NodeFacts
@@ -47,7 +48,9 @@ async def run(settings: CollectorSettings) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
-    metrics = ServiceMetrics("collector")
+    # Liveness: a beat per tick; a slow tick interval must not read as a stuck loop.
+    metrics = ServiceMetrics("collector", max_silence_seconds=max(DEFAULT_MAX_SILENCE_SECONDS,
+                                                                   3 * settings.interval_seconds))
     metrics.serve(settings.metrics_port)
     workdir = None
     simulated = None

@@ -138,6 +138,7 @@ class CollectorService:
             await self.tick()
             if self.metrics:
                 self.metrics.get("gpumeter_collector_tick_seconds").observe(loop.time() - started)
+                self.metrics.beat()
             next_at += real_interval_s
             delay = next_at - loop.time()
             if delay < 0:  # we fell behind (a slow NVML call): skip, don't burst

@@ -17,6 +17,7 @@ from typing import Any, Mapping
 
 from gpumeter.clock import Clock, SystemClock
 from gpumeter.errors import ConfigError, GpumeterError
+from gpumeter.health import DEFAULT_MAX_SILENCE_SECONDS
 from gpumeter.kafka.admin import create_topics
 from gpumeter.kafka.producer import RecordProducer
 from gpumeter.metrics import ServiceMetrics
@@ -114,7 +115,9 @@ async def serve(settings: GuardSettings, *, config: Any = None, env: Mapping[str
         for result in await create_topics(settings.kafka, topics):
             if result.created:
                 log.info("created topic %s (%d partitions)", result.name, result.partitions)
-        metrics = ServiceMetrics(SERVICE_NAME, GUARD_METRICS)
+        # Liveness: a beat per fetch and per retry pause; the longest pause must not read as a stuck loop.
+        metrics = ServiceMetrics(SERVICE_NAME, GUARD_METRICS, clock=clock, max_silence_seconds=max(
+            DEFAULT_MAX_SILENCE_SECONDS, 2 * settings.retry_max_seconds))
         metrics.serve(settings.metrics_port)
         producer = RecordProducer(settings.kafka)
         await producer.start()

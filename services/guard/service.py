@@ -293,7 +293,13 @@ class GuardProcessor:
     def stopping(self) -> bool:
         return self._stopping.is_set()
 
+    def beat(self) -> None:
+        """The service's loop went round (liveness, ``gpumeter.health``)."""
+        if self.metrics is not None:
+            self.metrics.beat()
+
     async def _pause(self, seconds: float) -> None:
+        self.beat()  # waiting on purpose (Kafka unreachable) is alive
         await pause_unless_stopping(seconds, sleep=self._sleep, stopping=self._stopping, stopped=ServiceStopping)
 
     # -- input --
@@ -502,6 +508,7 @@ class GuardService:
                     fetch.cancel()
                     break
                 batch = fetch.result()
+                self.processor.beat()
                 async with self._lock:
                     for records in batch.values():
                         for record in records:

@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from gpumeter.cli import build_parser
+from gpumeter.health import HEALTH_PATH
 from gpumeter.settings import KafkaSettings
 from services.collector.sim.scenario import load_scenario
 from tests.unit.deploy import (
@@ -169,7 +170,8 @@ def test_long_running_services_have_healthchecks_on_the_port_they_serve(compose)
             continue
         settings = settings_for(service["command"], environment(service))
         url = healthcheck_url(service)
-        assert url.hostname in ("127.0.0.1", "localhost") and url.path == "/metrics", f"{name}: probes {url}"
+        # The liveness endpoint (gpumeter.health): the loop goes round, not only HTTP answering.
+        assert url.hostname in ("127.0.0.1", "localhost") and url.path == HEALTH_PATH, f"{name}: probes {url}"
         assert url.port == settings.metrics_port, (
             f"{name}: the healthcheck probes port {url.port}, the service serves /metrics on {settings.metrics_port}")
     for name in ("kafka", "postgres"):

@@ -20,6 +20,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from gpumeter.health import HEALTH_PATH
 from gpumeter.settings import KafkaSettings
 from services.billing.catalog import OVERRIDE_COLUMNS, PriceCatalog, parse_override_csv
 from services.billing.settings import BillingSettings
@@ -423,8 +424,10 @@ def test_metrics_services_select_each_workload_and_carry_prometheus_annotations(
         (port,) = [p for p in container["ports"] if p["name"] == "metrics"]
         settings = settings_for(container["args"], container_env(container, docs))
         assert settings.metrics_port == port["containerPort"], container["name"]
-        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        for probe in ("startupProbe", "readinessProbe"):
             assert container[probe]["httpGet"] == {"path": "/metrics", "port": "metrics"}, (container["name"], probe)
+        # Liveness asks whether the service's loop goes round (gpumeter.health), not only whether HTTP answers.
+        assert container["livenessProbe"]["httpGet"] == {"path": HEALTH_PATH, "port": "metrics"}, container["name"]
         labels = workload["spec"]["template"]["metadata"]["labels"]
         matching = [s for s in services if s["spec"]["selector"].items() <= labels.items()]
         assert len(matching) == 1, f"{workload['metadata']['name']}: {len(matching)} Services select it"

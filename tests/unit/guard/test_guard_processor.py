@@ -160,6 +160,17 @@ async def test_violations_go_out_by_fingerprint_and_metrics_count_state_changes_
     assert processor.unacknowledged == 0
 
 
+async def test_a_retry_pause_counts_as_the_loop_going_round():
+    processor, _, _, _, clock, _ = make(fail_first=1)
+    processor.metrics = ServiceMetrics("guard", GUARD_METRICS, clock=clock, max_silence_seconds=10)
+    await processor.handle(Feed().pod(leaky(clock.now_ms())))
+    clock.advance_ms(11_000)
+    assert not processor.metrics.heartbeat.check().alive
+    assert await processor.flush()  # one failed delivery: one pause before the re-send
+    assert processor.stats.delivery_retries == 1
+    assert processor.metrics.heartbeat.check().alive
+
+
 async def test_failed_deliveries_are_sent_again_before_flush_returns():
     processor, producer, _, _, clock, _ = make(fail_first=1)
     (fired,) = await processor.handle(Feed().pod(leaky(clock.now_ms())))
