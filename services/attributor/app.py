@@ -9,21 +9,25 @@ Topology (a node's samples and its pods' events share a partition number, so eac
   ``OUT_OF_RANGE``) → ``engine.on_pod_event``; events that change the pod index are stored raw in the table
   ``pods`` (key ``<node>/<uid>``, the topic's compaction key). A tombstone removes the key.
 * ``node-samples`` agent: decode ``NodeSample``, reject impossible ticks (``check_sample`` in ``engine.on_sample``:
-  ``OUT_OF_RANGE``) → ``engine.on_sample``; an accepted tick is stored raw in the table ``open_samples`` (key
-  ``<node>|<collector_started_at>|<sequence>``: one small changelog record per tick, never a whole window); a late
+  ``OUT_OF_RANGE``) → ``engine.on_sample``; an accepted tick stays in the engine's memory only (ticks are not
+  written to a changelog: they are in the input topic already, and a rebuild reads them again from there); a late
   tick is dead-lettered (``LATE``). Each closed window's ``GpuShare`` rows go to the gpu-shares topic keyed by node
   name, all rows of a node-window together. The agent does not wait for Kafka's acknowledgement: it goes on with
   the next message while the rows are in flight (windows of every node close in the same second; waiting ~30 ms
   per node-window made the close of a large fleet serial). Once Kafka acknowledged them, the next event of the
-  partition writes the node's progress record (``<node>|progress|<cluster>``, same table) and deletes the
-  window's tick keys; until then the engine holds the window in flight (its progress stays behind it).
+  partition writes the node's progress record (``<node>|progress|<cluster>``, table ``open_samples``: how far its
+  windows are done, and the input position of the first tick of its oldest window not yet acknowledged); until
+  then the engine holds the window in flight (its progress stays behind it). A node's first tick after it had no
+  window open also writes its progress record (where to re-read from).
 * A timer (every second) closes windows of nodes that went silent (``engine.on_clock``), only on partitions whose
   input is caught up, and emits them. Tables can only be written inside an agent's event, so those windows'
   progress records and deletions are written by the next event processed on that partition. A crash in between
   re-emits such a window once after recovery; downstream billing is idempotent by (window, GPU, subject).
 * After every rebalance (and at start), once Faust has recovered the tables from their changelogs, the engine of
-  each newly assigned partition is rebuilt from the local table contents (``engine.restore``), before any of the
-  partition's input is processed. Windows stored whole without a progress record are emitted again then.
+  each newly assigned partition is rebuilt from the local table contents (``engine.restore``: pods and progress
+  records) before any of the partition's input is processed, and its samples are read again from
+  ``resume_position``: the first tick of the oldest window any node had not seen acknowledged. Ticks of windows
+  already emitted come back as redeliveries and are dropped; windows that were in flight are emitted again.
 * Bad input of any kind goes through ``DeadLetterGuard`` to the dead-letters topic; the agents carry on.
 
 Delivery: at-least-once (``processing_guarantee='at_least_once'``; Faust flushes the producer, changelogs
@@ -56,7 +60,6 @@ from services.attributor.engine import (
     is_progress_key,
     node_of_table_key,
     pod_table_key,
-    sample_table_key,
 )
 from services.attributor.settings import AttributorSettings
 
@@ -176,7 +179,7 @@ class AttributorStream:
         self.shares_topic = app.topic(catalog.gpu_shares, **raw)
         self.dead_letters_topic = app.topic(catalog.dead_letters, **raw)
         self.open_samples = app.Table(SAMPLES_TABLE, key_type=str, value_type=bytes, partitions=self.partitions,
-                                      help="Raw ticks of open windows and each node's progress record.")
+                                      help="Each node's progress record (raw ticks of open windows only in tables written by older versions).")
         self.pods = app.Table(PODS_TABLE, key_type=str, value_type=bytes, partitions=self.partitions,
                               help="Raw latest PodEvent per pod of the partition's nodes.")
         self.guard = DeadLetterGuard(SERVICE, catalog.dead_letters, self._publish_dead_letter, clock, self.metrics)
@@ -234,8 +237,36 @@ class AttributorStream:
             count += 1
         log.info("%s[%d]: %d records before offset %d processed again", topic, raw.partition, count, raw.offset)
 
-    async def _read_range(self, topic: str, partition: int, start: int, stop: int):
-        """Records of one partition with ``start <= offset < stop``, read by a group-less consumer."""
+    async def _preload_pod_events(self, partitions: set[int]) -> None:
+        """Apply every pod event Kafka holds for the rebuilt ``partitions`` to their engines before streams resume.
+
+        Samples and pod events are two topics read concurrently: after a restart or a rebalance the samples agent
+        can race ahead of the pod events its ticks need, and windows would close with their processes attributed
+        to no pod (seen in the stream-equals-replay test). Reading the partition's pod events (a compacted topic:
+        one record per live pod) first closes that race; the pods agent reads them again afterwards, and the engine
+        ignores what it already has. Bad records are left to the agent, which dead-letters them."""
+        await asyncio.gather(*(self._preload_partition(p) for p in sorted(partitions)))
+
+    async def _preload_partition(self, partition: int) -> None:
+        engine = self.engines.get(partition)
+        if engine is None:
+            return
+        applied = 0
+        async for record in self._read_range(self.pods_topic_name, partition, 0, None):
+            if record.value is None:
+                continue
+            try:
+                event = _POD_CODEC.decode(record.value)
+                check_pod_event(event, self.clock.now_ms(), self.settings.max_clock_skew_seconds * 1000)
+            except InvalidMessage:
+                continue
+            if partition_for_node(event.node_name, self.partitions) == partition and engine.on_pod_event(event):
+                applied += 1
+        log.info("partition %d: %d pod events applied before its streams resume", partition, applied)
+
+    async def _read_range(self, topic: str, partition: int, start: int, stop: int | None):
+        """Records of one partition with ``start <= offset < stop`` (``stop`` None: its end offset now), read by a
+        group-less consumer."""
         from aiokafka import AIOKafkaConsumer
         from aiokafka.structs import TopicPartition
 
@@ -245,6 +276,10 @@ class AttributorStream:
         await consumer.start()
         try:
             consumer.assign([tp])
+            if stop is None:
+                stop = (await consumer.end_offsets([tp]))[tp]
+            if start >= stop:
+                return
             consumer.seek(tp, start)
             idle_polls = 0
             while idle_polls < 3:
@@ -260,6 +295,8 @@ class AttributorStream:
                     if record.offset >= stop:
                         return
                     yield RawMessage(topic, partition, record.offset, record.key, record.value, record.timestamp)
+                if await consumer.position(tp) >= stop:
+                    return  # without waiting out another poll
         finally:
             await consumer.stop()
 
@@ -270,8 +307,6 @@ class AttributorStream:
         if output.late:
             await self.guard.reject(raw, output.late[0].error())
             return
-        if output.accepted:
-            self.open_samples[sample_table_key(sample)] = raw.value
         if output.windows:
             await self._send_windows(raw.partition, output.windows)
 
@@ -358,15 +393,20 @@ class AttributorStream:
     def _caught_up(self, partition: int) -> bool:
         """Whether every sample of the partition that Kafka holds has been processed. While a backlog is being
         read, its own event time closes windows; a wall clock ahead of it would make the backlog late."""
-        tp = TP(self.samples_topic_name, partition)
+        return self._topic_caught_up(self.samples_topic_name, partition, self._processed_offset) is True
+
+    def _topic_caught_up(self, topic: str, partition: int, processed_offsets: dict[int, int]) -> bool | None:
+        """Whether every record of ``topic[partition]`` that Kafka holds (as of the last fetch) was processed;
+        None when the consumer cannot say (the partition is not assigned to it)."""
+        tp = TP(topic, partition)
         consumer = self.app.consumer
         try:
             highwater = consumer.highwater(tp)
-        except Exception:  # not assigned (any more), or not fetched yet: not known to be caught up
+        except Exception:  # not assigned (any more)
+            return None
+        if highwater is None:  # not fetched yet
             return False
-        if highwater is None:
-            return False
-        processed = self._processed_offset.get(partition)
+        processed = processed_offsets.get(partition)
         if processed is not None:
             return processed + 1 >= highwater
         # Nothing processed since the assignment: caught up when the group's committed offset is the end.
@@ -477,6 +517,7 @@ class AttributorStream:
                 self._in_flight.pop(partition, None)  # the new owner re-emits them from the tables
         rebuilt = self._assigned - set(self.engines)
         await self._rebuild(rebuilt)
+        await self._preload_pod_events(rebuilt)
         await self._rewind_streams(rebuilt)
         self._ready = True
 
@@ -484,8 +525,8 @@ class AttributorStream:
         """Put every assigned input partition where this worker's processing must go on, before streams resume.
 
         * a partition it kept: one past the last offset it processed there (its start if it processed none);
-        * a partition rebuilt from the tables: where the tables end (``_resume_samples_from``: one past the input
-          position of the newest progress record; pod events from the start). The group's committed offsets are
+        * a partition rebuilt from the tables: ``_resume_samples_from`` (``resume_position``: the first tick of the
+          oldest window not yet acknowledged; pod events from the start). The group's committed offsets are
           moved there too, because Faust seeks every partition to its committed offset right after this hook.
 
         Why: Faust drops records it had already fetched when a rebalance interrupts a batch (and any queued from
@@ -589,9 +630,7 @@ class AttributorStream:
                 self.engines[partition] = engine
                 self._processed_offset.pop(partition, None)
                 self._processed_pod_offset.pop(partition, None)
-                positions = [p.position for p in progress[partition] if p.position is not None]
-                # Every changelog write before the newest progress record is durable (one ordered partition).
-                self._resume_samples_from[partition] = max(positions) + 1 if positions else 0
+                self._resume_samples_from[partition] = resume_position(progress[partition])
                 # The pod table stores no positions: re-read the (compacted) pod events; stale ones are ignored.
                 self._resume_pods_from[partition] = 0
                 restored[partition] = (engine, output.windows)
@@ -608,6 +647,23 @@ class AttributorStream:
                     self._fail(f"re-emission of partition {partition}", exc)
                     raise
                 engine.record_emitted(windows)
+
+
+def resume_position(progress: Iterable[NodeProgress]) -> int:
+    """Where a rebuilt partition's samples are read again from: the first tick of the oldest window any node had
+    not yet seen acknowledged (``reread_from_position``), else one past the newest processed position, else the
+    start. Open windows are not stored, so their ticks come back from the input topic; ticks of windows already
+    emitted come back too and are dropped as redeliveries (at or below their node's ``position``).
+
+    Why the smallest re-read point covers a node whose own progress record was lost: changelog writes of a
+    partition are ordered, so the records that survived were written before it, and each one's re-read point is at
+    or below the position processed then, which is below that node's first unrecorded tick."""
+    progress = list(progress)
+    rereads = [p.reread_from_position for p in progress if p.reread_from_position is not None]
+    if rereads:
+        return min(rereads)
+    positions = [p.position for p in progress if p.position is not None]
+    return max(positions) + 1 if positions else 0
 
 
 def build_app(settings: AttributorSettings, clock: Clock, metrics: ServiceMetrics | None = None,

@@ -23,9 +23,13 @@ Replay feeds the same calls from recorded input (``position=None``, ``now_ms`` f
 ``flush()``, which closes whatever is still open.
 
 Restore (after a restart or a rebalance): ``restore(samples, pod_events, progress)`` from the tables' contents
-rebuilds the same open windows, the same pod index and each node's closed-before boundary; windows whose ticks
-are all stored but whose progress record is missing are closed and returned again (they may have been emitted
-before the crash: at-least-once, downstream is idempotent by (window, GPU, subject)).
+rebuilds the pod index and each node's closed-before boundary. The streaming app stores no ticks: each progress
+record also carries ``reread_from_position``, the input position of the first tick of the node's oldest window
+not yet recorded as emitted, and the app reads its input again from the smallest of these
+(``services.attributor.app.resume_position``), which rebuilds the open windows and re-closes those that were in
+flight (they may have been emitted before the crash: at-least-once, downstream is idempotent by (window, GPU,
+subject)). ``samples`` restores ticks stored by older versions: windows whose ticks are all there but whose
+progress record is missing are closed and returned again.
 
 A progress record also carries ``position``: the largest input position (the Kafka offset on the partition) the
 engine had processed when it was written. Every input at or below it was processed and its table writes came
@@ -86,12 +90,16 @@ class NodeProgress:
     """How far a node's windows are closed and emitted: windows starting before ``closed_before_unix_ms`` are done.
 
     ``position``: every input at or below it had been processed when this was written (None: positions unknown).
+    ``reread_from_position``: the input position of the first tick of the node's oldest window not yet
+    acknowledged downstream (open or in flight) when this was written; None when the node had none. Open windows
+    are not stored: a rebuilt partition re-reads its input from the smallest of these (see the module doc).
     """
 
     cluster: str
     node_name: str
     closed_before_unix_ms: int
     position: int | None
+    reread_from_position: int | None = None
 
     @property
     def table_key(self) -> str:
@@ -104,6 +112,7 @@ class NodeProgress:
                 "node_name": self.node_name,
                 "closed_before_unix_ms": self.closed_before_unix_ms,
                 "position": self.position,
+                "reread_from_position": self.reread_from_position,
             },
             sort_keys=True,
         ).encode("utf-8")
@@ -114,8 +123,9 @@ class NodeProgress:
         try:
             d = json.loads(data)
             position = d["position"]
+            reread = d.get("reread_from_position")  # absent in records written before it existed
             progress = cls(str(d["cluster"]), str(d["node_name"]), int(d["closed_before_unix_ms"]),
-                           None if position is None else int(position))
+                           None if position is None else int(position), None if reread is None else int(reread))
         except (ValueError, TypeError, KeyError) as exc:
             raise InvalidMessage(f"not a progress record: {exc!r}", reason_code="CORRUPT") from None
         return progress
@@ -233,6 +243,9 @@ class AttributionEngine:
         self._restored_positions: dict[NodeKey, int] = {}
         self._has_progress: set[NodeKey] = set()
         self._in_flight: dict[NodeKey, set[int]] = {}
+        # node -> window start -> input position of the window's first tick, for every window not yet recorded
+        # as emitted (open or in flight): where a rebuild must re-read the input from (NodeProgress)
+        self._first_positions: dict[NodeKey, dict[int, int]] = {}
         self._pending_progress: dict[NodeKey, NodeProgress] = {}
         self._pending_sample_deletes: list[str] = []
         self._pending_pod_deletes: list[str] = []
@@ -265,6 +278,15 @@ class AttributionEngine:
         last = self._last_sampled_at.get(key)
         if last is None or sample.sampled_at_unix_ms > last:
             self._last_sampled_at[key] = sample.sampled_at_unix_ms
+        if position is not None:
+            firsts = self._first_positions.setdefault(key, {})
+            start = result.state.window_start_of(sample.sampled_at_unix_ms)
+            if start not in firsts:
+                firsts[start] = position
+                if len(firsts) == 1:
+                    # The node's only unacknowledged window starts here: the re-read point moved (from none), and
+                    # nothing else would record it until this window is acknowledged.
+                    self._queue_progress(key, result.state)
         return EngineOutput(windows=self._attribute(key, result.closed), accepted=True)
 
     def on_pod_event(self, event: PodEvent) -> bool:
@@ -370,25 +392,34 @@ class AttributionEngine:
                 flight.discard(w.window_start_unix_ms)
                 if not flight:
                     del self._in_flight[key]
+            firsts = self._first_positions.get(key)
+            if firsts is not None:
+                firsts.pop(w.window_start_unix_ms, None)
+                if not firsts:
+                    del self._first_positions[key]
             self._pending_sample_deletes.extend(w.sample_keys)
             if key not in touched:
                 touched.append(key)
         for key in touched:
             acc = self._accs.get(key)
-            if acc is None:
-                continue
-            watermark = acc.watermark(*key)
-            closed_before = acc.closed_before_for(watermark) if watermark is not None else None
-            flight = self._in_flight.get(key)
-            if flight:
-                # A window closed earlier but not yet acknowledged holds the boundary back: a restore must
-                # re-emit it rather than count it as done.
-                closed_before = min(flight) if closed_before is None else min(closed_before, min(flight))
-            if closed_before is None:
-                continue
-            self._pending_progress.pop(key, None)
-            self._pending_progress[key] = NodeProgress(key[0], key[1], closed_before, self._position)
-            self._has_progress.add(key)
+            if acc is not None:
+                self._queue_progress(key, acc)
+
+    def _queue_progress(self, key: NodeKey, acc: WindowAccumulator) -> None:
+        watermark = acc.watermark(*key)
+        closed_before = acc.closed_before_for(watermark) if watermark is not None else None
+        flight = self._in_flight.get(key)
+        if flight:
+            # A window closed earlier but not yet acknowledged holds the boundary back: a restore must
+            # re-emit it rather than count it as done.
+            closed_before = min(flight) if closed_before is None else min(closed_before, min(flight))
+        if closed_before is None:
+            return
+        firsts = self._first_positions.get(key)
+        reread = min(firsts.values()) if firsts else None
+        self._pending_progress.pop(key, None)
+        self._pending_progress[key] = NodeProgress(key[0], key[1], closed_before, self._position, reread)
+        self._has_progress.add(key)
 
     def take_table_changes(self) -> TableChanges:
         """The queued state-table writes (apply them in ``TableChanges`` field order); the queue is emptied."""
