@@ -56,9 +56,10 @@ from typing import Any, Awaitable, Callable, Iterable, Mapping, Protocol
 from sqlalchemy import exc as sa_exc
 
 from gpumeter.clock import Clock
-from gpumeter.errors import GpumeterError, InvalidMessage
+from gpumeter.errors import InvalidMessage
 from gpumeter.kafka.deadletter import DeadLetterGuard, RawMessage
-from gpumeter.kafka.outbox import Outbox, Producer, next_backoff_seconds, pause_unless_stopping
+from gpumeter.kafka.outbox import Outbox, Producer, next_backoff_seconds
+from gpumeter.kafka.processor import ConsumerUnavailable, ProcessorLifecycle, ServiceStopping, raw_message
 from gpumeter.validation import DEFAULT_DOWNSTREAM_MAX_CLOCK_SKEW_SECONDS, check_share
 from schemas.catalog import TopicCatalog
 from schemas.records import CostRecord, CostSubjectKind, GpuShare, ShareSubjectKind
@@ -103,14 +104,6 @@ class LedgerRejected(InvalidMessage):
     """A row of a node-window whose values the ledger's database refused (too long, out of range)."""
 
     reason_code = "LEDGER_REJECTED"
-
-
-class ConsumerUnavailable(GpumeterError):
-    """The consumer could not connect to Kafka at start."""
-
-
-class ServiceStopping(Exception):
-    """Raised out of a retry pause when the service was asked to stop; nothing after it is committed."""
 
 
 # -- offsets ----------------------------------------------------------------------------------------------------
@@ -422,7 +415,7 @@ class ProcessorStats:
     delivery_retries: int = 0
 
 
-class BillingProcessor:
+class BillingProcessor(ProcessorLifecycle):
     """Bills gpu-share messages; owns the offsets that are safe to commit. No Kafka client inside.
 
     ``handle_batch(messages)`` processes the messages of one fetched batch completely: when it returns, each one
@@ -461,9 +454,7 @@ class BillingProcessor:
         self.retry_initial_seconds = retry_initial_seconds
         self.retry_max_seconds = retry_max_seconds
         self.team_label = team_label
-        self.metrics = metrics
-        self._sleep = sleep or asyncio.sleep
-        self._stopping = asyncio.Event()
+        super().__init__(metrics, sleep)
         self._publishing: set = set()  # node-windows enqueued on the costs topic, not yet marked published
         self.book = WindowBook(expiry_ms=int(window_expiry_seconds * 1000),
                                finished_memory_ms=int(finished_window_memory_seconds * 1000))
@@ -475,24 +466,6 @@ class BillingProcessor:
         self._codec = codec_for(GpuShare)
         # node -> (window start, label sets of its share gauges) for removing series of pods that went away.
         self._share_series: dict[tuple[str, str], tuple[int, set[tuple[str, str, str, str]]]] = {}
-
-    # -- lifecycle --
-
-    def stop(self) -> None:
-        self._stopping.set()
-
-    @property
-    def stopping(self) -> bool:
-        return self._stopping.is_set()
-
-    def beat(self) -> None:
-        """The service's loop went round (liveness, ``gpumeter.health``)."""
-        if self.metrics is not None:
-            self.metrics.beat()
-
-    async def _pause(self, seconds: float) -> None:
-        self.beat()  # waiting on purpose (Kafka or the ledger unreachable) is alive
-        await pause_unless_stopping(seconds, sleep=self._sleep, stopping=self._stopping, stopped=ServiceStopping)
 
     # -- messages --
 
@@ -740,12 +713,6 @@ class BillingProcessor:
 
 
 # -- the Kafka loop ---------------------------------------------------------------------------------------------
-
-
-def raw_message(record: Any) -> RawMessage:
-    """An aiokafka ``ConsumerRecord`` as a ``RawMessage``."""
-    return RawMessage(topic=record.topic, partition=record.partition, offset=record.offset, key=record.key,
-                      value=record.value, timestamp_ms=record.timestamp)
 
 
 class BillingService:

@@ -46,7 +46,8 @@ from typing import Any, Awaitable, Callable, Iterable, Mapping, Protocol
 from gpumeter.clock import Clock
 from gpumeter.errors import GpumeterError, InvalidMessage
 from gpumeter.kafka.deadletter import DeadLetterGuard, RawMessage
-from gpumeter.kafka.outbox import Outbox, Producer, pause_unless_stopping
+from gpumeter.kafka.outbox import Outbox, Producer
+from gpumeter.kafka.processor import ConsumerUnavailable, ProcessorLifecycle, ServiceStopping, raw_message
 from gpumeter.validation import (
     DEFAULT_DOWNSTREAM_MAX_CLOCK_SKEW_SECONDS,
     DEFAULT_MAX_SAMPLE_AGE_SECONDS,
@@ -79,16 +80,8 @@ class WrongTopic(InvalidMessage):
     reason_code = "WRONG_TOPIC"
 
 
-class ConsumerUnavailable(GpumeterError):
-    """The consumer could not connect to Kafka at start."""
-
-
 class GuardStateError(GpumeterError):
     """The state file cannot be read back (corrupt, truncated, another format) or cannot be written."""
-
-
-class ServiceStopping(Exception):
-    """Raised out of a retry pause when the service was asked to stop; nothing after it is committed."""
 
 
 class Engine(Protocol):
@@ -229,7 +222,7 @@ class ProcessorStats:
     by_topic: dict[str, int] = field(default_factory=dict)
 
 
-class GuardProcessor:
+class GuardProcessor(ProcessorLifecycle):
     """Feeds decoded input to the engine and publishes what it returns. No Kafka client inside.
 
     * ``handle(message)``: one input message through ``DeadLetterGuard`` → decode by topic → range checks
@@ -258,11 +251,9 @@ class GuardProcessor:
         self.topics = topics
         self.clock = clock
         self.sink = sink
-        self.metrics = metrics
         self.retry_initial_seconds = retry_initial_seconds
         self.retry_max_seconds = retry_max_seconds
-        self._sleep = sleep or asyncio.sleep
-        self._stopping = asyncio.Event()
+        super().__init__(metrics, sleep)
         self.guard = DeadLetterGuard(SERVICE_NAME, topics.dead_letters, self._dead_letter, clock, metrics)
         self.positions: dict[TopicPartition, int] = dict(positions or {})
         self.stats = ProcessorStats()
@@ -283,24 +274,6 @@ class GuardProcessor:
     @property
     def input_topics(self) -> tuple[str, ...]:
         return tuple(self._handlers)
-
-    # -- lifecycle --
-
-    def stop(self) -> None:
-        self._stopping.set()
-
-    @property
-    def stopping(self) -> bool:
-        return self._stopping.is_set()
-
-    def beat(self) -> None:
-        """The service's loop went round (liveness, ``gpumeter.health``)."""
-        if self.metrics is not None:
-            self.metrics.beat()
-
-    async def _pause(self, seconds: float) -> None:
-        self.beat()  # waiting on purpose (Kafka unreachable) is alive
-        await pause_unless_stopping(seconds, sleep=self._sleep, stopping=self._stopping, stopped=ServiceStopping)
 
     # -- input --
 
@@ -435,12 +408,6 @@ async def partition_numbers(kafka, topics: Iterable[str], timeout_s: float = 30.
         await admin.close()
     return {t["topic"]: tuple(sorted(p["partition"] for p in t["partitions"]))
             for t in described if t["topic"] in wanted and t["partitions"]}
-
-
-def raw_message(record: Any) -> RawMessage:
-    """An aiokafka ``ConsumerRecord`` as a ``RawMessage``."""
-    return RawMessage(topic=record.topic, partition=record.partition, offset=record.offset, key=record.key,
-                      value=record.value, timestamp_ms=record.timestamp)
 
 
 class GuardService:
