@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
-import signal
 import tempfile
 from pathlib import Path
 from typing import Mapping
 
 from gpumeter.clock import SystemClock
 from gpumeter.errors import GpumeterError
+from gpumeter.entrypoint import start_logging, stop_on
 from gpumeter.health import DEFAULT_MAX_SILENCE_SECONDS
 from gpumeter.kafka.producer import RecordProducer
 from gpumeter.metrics import ServiceMetrics
@@ -35,8 +34,7 @@ def main(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     except GpumeterError as exc:
         print(f"error: {exc}")
         return 2
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    print("gpumeter collector " + json.dumps(settings.describe(), sort_keys=True), flush=True)
+    start_logging("collector", settings.log_level, settings.describe())
     try:
         return asyncio.run(run(settings))
     except KeyboardInterrupt:
@@ -45,9 +43,7 @@ def main(args: argparse.Namespace, env: Mapping[str, str]) -> int:
 
 async def run(settings: CollectorSettings) -> int:
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
+    stop_on(stop, handle_signals=True, duration_seconds=None)  # the duration starts once the collector is set up
     # Liveness: a beat per tick; a slow tick interval must not read as a stuck loop.
     metrics = ServiceMetrics("collector", max_silence_seconds=max(DEFAULT_MAX_SILENCE_SECONDS,
                                                                    3 * settings.interval_seconds))
@@ -105,8 +101,7 @@ async def run(settings: CollectorSettings) -> int:
             on_watch_error=lambda kind: metrics.get("gpumeter_collector_pod_watch_restarts_total").labels(kind).inc(),
         )
         tasks.append(asyncio.create_task(watcher.run()))
-    if settings.duration_seconds is not None:
-        loop.call_later(settings.duration_seconds, stop.set)
+    stop_on(stop, handle_signals=False, duration_seconds=settings.duration_seconds)
     try:
         await service.run_ticks(stop, interval_seconds / (settings.time_scale if simulated else 1.0))
     finally:

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
-import signal
 from typing import Any, Mapping
 
 from gpumeter.clock import Clock, SystemClock
 from gpumeter.errors import ConfigError, GpumeterError
+from gpumeter.entrypoint import start_logging, stop_on
 from gpumeter.health import DEFAULT_MAX_SILENCE_SECONDS
 from gpumeter.kafka.admin import create_topics
 from gpumeter.kafka.producer import RecordProducer
@@ -45,9 +44,7 @@ def main(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     except GpumeterError as exc:
         print(f"error: {exc}", flush=True)
         return 2
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    print("gpumeter guard " + json.dumps(settings.describe(), sort_keys=True), flush=True)
+    start_logging("guard", settings.log_level, settings.describe())
     try:
         return asyncio.run(serve(settings, config=config, handle_signals=True))
     except KeyboardInterrupt:
@@ -92,12 +89,7 @@ async def serve(settings: GuardSettings, *, config: Any = None, env: Mapping[str
     Returns the exit code."""
     stop = stop or asyncio.Event()
     clock = clock or SystemClock()
-    loop = asyncio.get_running_loop()
-    if handle_signals:
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, stop.set)
-    if settings.duration_seconds is not None:
-        loop.call_later(settings.duration_seconds, stop.set)
+    stop_on(stop, handle_signals=handle_signals, duration_seconds=settings.duration_seconds)
     try:
         if config is None:
             config = load_config(settings, env or {})
