@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Mapping
 
 from gpumeter.errors import ConfigError
@@ -73,6 +73,16 @@ class KafkaSettings:
             if raw is not None:
                 values[f.name] = raw
         return cls(**values)
+
+    def with_flags(self, args: Any) -> "KafkaSettings":
+        """These settings with a service's ``--bootstrap-servers`` and ``--topic-prefix`` flags on top (flags win
+        over the environment; an empty prefix flag is a prefix)."""
+        overrides: dict[str, Any] = {}
+        if getattr(args, "bootstrap_servers", None):
+            overrides["bootstrap_servers"] = args.bootstrap_servers
+        if getattr(args, "topic_prefix", None) is not None:
+            overrides["topic_prefix"] = args.topic_prefix
+        return replace(self, **overrides) if overrides else self
 
     @property
     def catalog(self) -> TopicCatalog:

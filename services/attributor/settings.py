@@ -185,12 +185,7 @@ def attributor_settings(args: argparse.Namespace, env: Mapping[str, str]) -> Att
         if value is not None:
             values[name] = value
     kafka = KafkaSettings.from_env(env)
-    overrides: dict[str, Any] = {}
     if kafka.client_id == KafkaSettings().client_id:
-        overrides["client_id"] = "gpumeter-attributor"
-    if getattr(args, "bootstrap_servers", None):
-        overrides["bootstrap_servers"] = args.bootstrap_servers
-    if getattr(args, "topic_prefix", None) is not None:
-        overrides["topic_prefix"] = args.topic_prefix
-    values["kafka"] = KafkaSettings(**{**kafka.__dict__, **overrides})
+        kafka = KafkaSettings(**{**kafka.__dict__, "client_id": "gpumeter-attributor"})
+    values["kafka"] = kafka.with_flags(args)
     return AttributorSettings(**values)

@@ -236,13 +236,8 @@ def billing_settings(args: argparse.Namespace, env: Mapping[str, str]) -> Billin
         raise ConfigError(str(exc)) from exc
     values["split_policy"] = SplitPolicy.from_env(price_env)
 
-    kafka = KafkaSettings.from_env(env)
-    overrides: dict[str, Any] = {}
-    if getattr(args, "bootstrap_servers", None):
-        overrides["bootstrap_servers"] = args.bootstrap_servers
-    if getattr(args, "topic_prefix", None) is not None:
-        overrides["topic_prefix"] = args.topic_prefix
+    kafka = KafkaSettings.from_env(env).with_flags(args)
     if not env.get("GPUMETER_KAFKA_CLIENT_ID"):
-        overrides["client_id"] = "gpumeter-billing"
-    values["kafka"] = replace(kafka, **overrides) if overrides else kafka
+        kafka = replace(kafka, client_id="gpumeter-billing")
+    values["kafka"] = kafka
     return BillingSettings(**values)

@@ -102,14 +102,7 @@ def collector_settings(args: argparse.Namespace, env: Mapping[str, str]) -> Coll
         value = getattr(args, name, None)
         if value is not None:
             values[name] = value
-    kafka = KafkaSettings.from_env(env)
-    kafka_overrides = {}
-    if getattr(args, "bootstrap_servers", None):
-        kafka_overrides["bootstrap_servers"] = args.bootstrap_servers
-    if getattr(args, "topic_prefix", None) is not None:
-        kafka_overrides["topic_prefix"] = args.topic_prefix
-    if kafka_overrides:
-        kafka = KafkaSettings(**{**kafka.__dict__, **kafka_overrides})
+    kafka = KafkaSettings.from_env(env).with_flags(args)
     if not values.get("node_name"):
         raise ConfigError("the collector needs --node or GPUMETER_NODE_NAME")
     values["kafka"] = KafkaSettings(**{**kafka.__dict__, "client_id": f"gpumeter-collector-{values['node_name']}"})

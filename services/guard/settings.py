@@ -250,13 +250,8 @@ def guard_settings(args: argparse.Namespace, env: Mapping[str, str]) -> GuardSet
         if value is not None:
             values[name] = value
 
-    kafka = KafkaSettings.from_env(env)
-    overrides: dict[str, Any] = {}
-    if getattr(args, "bootstrap_servers", None):
-        overrides["bootstrap_servers"] = args.bootstrap_servers
-    if getattr(args, "topic_prefix", None) is not None:
-        overrides["topic_prefix"] = args.topic_prefix
+    kafka = KafkaSettings.from_env(env).with_flags(args)
     if not env.get("GPUMETER_KAFKA_CLIENT_ID"):
-        overrides["client_id"] = "gpumeter-guard"
-    values["kafka"] = replace(kafka, **overrides) if overrides else kafka
+        kafka = replace(kafka, client_id="gpumeter-guard")
+    values["kafka"] = kafka
     return GuardSettings(**values)

@@ -55,3 +55,14 @@ def test_replication_factor_from_env_is_an_int_and_checked():
         KafkaSettings.from_env({"GPUMETER_KAFKA_REPLICATION_FACTOR": "three"})
     with pytest.raises(ConfigError):
         KafkaSettings(replication_factor=0)
+
+
+def test_kafka_flags_override_the_environment_and_an_empty_prefix_flag_counts():
+    import argparse
+
+    env_kafka = KafkaSettings(bootstrap_servers="broker-env:9092", topic_prefix="env.")
+    assert env_kafka.with_flags(argparse.Namespace()) is env_kafka
+    assert env_kafka.with_flags(argparse.Namespace(bootstrap_servers=None, topic_prefix=None)) is env_kafka
+    flagged = env_kafka.with_flags(argparse.Namespace(bootstrap_servers="broker-flag:9092", topic_prefix=""))
+    assert (flagged.bootstrap_servers, flagged.topic_prefix) == ("broker-flag:9092", "")
+    assert flagged.client_id == env_kafka.client_id
