@@ -217,19 +217,19 @@ class AttributorStream:
 
     async def _check_resume(self, topic: str, resume_from: dict[int, int], raw: RawMessage,
                             process: Callable[[RawMessage], Awaitable[None]]) -> None:
-        """Before the first record of a partition after a rebuild: process what lies between its newest progress
-        record and that record, read directly from Kafka.
+        """Before the first record of a partition after a rebuild: process what lies between its resume position
+        (``resume_position``) and that record, read directly from Kafka.
 
-        ``_rewind_streams`` seeks and commits every rebuilt partition to one past its newest progress record, but
-        Faust does not always honour it: after a crash it can resume at a committed offset beyond what its
-        changelog made durable (seen in CI: the table held 16 of the 36 ticks below the resume point, and a window
-        was lost). The records in between are therefore read again here, inside the current event so that their
-        table writes go to this partition's changelog, and processed in order; what the tables already hold comes
-        back as duplicates, which the engine drops."""
+        ``_rewind_streams`` seeks and commits every rebuilt partition to its resume position, but Faust does not
+        always honour it: after a crash it can resume at a committed offset beyond what its changelog made durable
+        (seen in CI, when open ticks were still stored: 16 of the 36 ticks below the resume point were missing,
+        and a window was lost). The records in between are therefore read again here, inside the current event so
+        that their table writes go to this partition's changelog, and processed in order; ticks of windows already
+        emitted come back as redeliveries, which the engine drops."""
         start = resume_from.pop(raw.partition, None)
         if start is None or raw.offset <= start:
             return
-        log.warning("%s[%d]: resumed at offset %d, past the newest progress record (%d): processing %d..%d from "
+        log.warning("%s[%d]: resumed at offset %d, past the resume position (%d): processing %d..%d from "
                     "Kafka first", topic, raw.partition, raw.offset, start, start, raw.offset - 1)
         count = 0
         async for record in self._read_range(topic, raw.partition, start, raw.offset):
@@ -393,20 +393,15 @@ class AttributorStream:
     def _caught_up(self, partition: int) -> bool:
         """Whether every sample of the partition that Kafka holds has been processed. While a backlog is being
         read, its own event time closes windows; a wall clock ahead of it would make the backlog late."""
-        return self._topic_caught_up(self.samples_topic_name, partition, self._processed_offset) is True
-
-    def _topic_caught_up(self, topic: str, partition: int, processed_offsets: dict[int, int]) -> bool | None:
-        """Whether every record of ``topic[partition]`` that Kafka holds (as of the last fetch) was processed;
-        None when the consumer cannot say (the partition is not assigned to it)."""
-        tp = TP(topic, partition)
+        tp = TP(self.samples_topic_name, partition)
         consumer = self.app.consumer
         try:
             highwater = consumer.highwater(tp)
-        except Exception:  # not assigned (any more)
-            return None
-        if highwater is None:  # not fetched yet
+        except Exception:  # not assigned (any more), or not fetched yet: not known to be caught up
             return False
-        processed = processed_offsets.get(partition)
+        if highwater is None:
+            return False
+        processed = self._processed_offset.get(partition)
         if processed is not None:
             return processed + 1 >= highwater
         # Nothing processed since the assignment: caught up when the group's committed offset is the end.
