@@ -9,13 +9,17 @@ import logging
 import signal
 from typing import Any, Mapping
 
+from gpumeter.logflood import guard_root_handlers
+
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 
 
 def start_logging(service: str, log_level: str, description: Mapping[str, Any]) -> None:
     """Configure the root logger at ``log_level`` and print ``gpumeter <service> {settings}`` (secrets already
-    masked by the settings' ``describe()``) as the first line of output."""
+    masked by the settings' ``describe()``) as the first line of output. Repeated messages are rate-limited
+    (``gpumeter.logflood``)."""
     logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
+    guard_root_handlers()
     print(f"gpumeter {service} " + json.dumps(description, sort_keys=True), flush=True)
 
 

@@ -47,6 +47,7 @@ from faust.types import TP
 from gpumeter.clock import Clock
 from gpumeter.errors import ConfigError, GpumeterError, InvalidMessage
 from gpumeter.kafka.deadletter import DeadLetterGuard, RawMessage
+from gpumeter.logflood import guard_root_handlers
 from gpumeter.metrics import ServiceMetrics
 from gpumeter.settings import KafkaSettings
 from gpumeter.validation import check_pod_event
@@ -659,6 +660,15 @@ def resume_position(progress: Iterable[NodeProgress]) -> int:
         return min(rereads)
     positions = [p.position for p in progress if p.position is not None]
     return max(positions) + 1 if positions else 0
+
+
+class AttributorWorker(faust.Worker):
+    """Faust's worker with the log-flood guard every gpumeter service has (``gpumeter.logflood``): Faust sets its
+    own logging up, so the guard goes onto the root handlers it made."""
+
+    def on_setup_root_logger(self, logger: logging.Logger, level: int) -> None:
+        super().on_setup_root_logger(logger, level)
+        guard_root_handlers()
 
 
 def build_app(settings: AttributorSettings, clock: Clock, metrics: ServiceMetrics | None = None,

@@ -135,10 +135,8 @@ def main(args: argparse.Namespace, env: Mapping[str, str]) -> int:
 
 
 def _run_worker(settings: AttributorSettings) -> int:
-    import faust
-
     from gpumeter.metrics import ServiceMetrics
-    from services.attributor.app import SERVICE, build_app
+    from services.attributor.app import SERVICE, AttributorWorker, build_app
 
     # asyncio.run above closed its loop and left none current; Faust's worker runs on the current one.
     asyncio.set_event_loop(asyncio.new_event_loop())
@@ -159,7 +157,7 @@ def _run_worker(settings: AttributorSettings) -> int:
             # The same path as an operator's SIGTERM: the worker's handler stops it cleanly.
             os.kill(os.getpid(), signal.SIGTERM)
 
-    worker = faust.Worker(app, loglevel=settings.log_level.lower(), quiet=True, redirect_stdouts=False)
+    worker = AttributorWorker(app, loglevel=settings.log_level.lower(), quiet=True, redirect_stdouts=False)
     try:
         worker.execute_from_commandline()
     except SystemExit as exc:
