@@ -116,7 +116,13 @@ class BufferedPublisher:
     async def _drain_once(self) -> None:
         if self._producer is None:
             producer = self._producer_factory()
-            await asyncio.wait_for(producer.start(), self._send_timeout_s)
+            try:
+                await asyncio.wait_for(producer.start(), self._send_timeout_s)
+            except BaseException:
+                # A client whose start failed still holds connections and tasks; left open, each one keeps
+                # retrying the broker on its own for as long as the outage lasts.
+                await self._discard(producer)
+                raise
             self._producer = producer
         batch = list(itertools.islice(self._buffer, self._batch_records))
         futures = []
@@ -159,8 +165,11 @@ class BufferedPublisher:
 
     async def _reset_producer(self) -> None:
         producer, self._producer = self._producer, None
-        if producer is None:
-            return
+        if producer is not None:
+            await self._discard(producer)
+
+    @staticmethod
+    async def _discard(producer) -> None:
         try:
             await asyncio.wait_for(producer.abort(), 5)
         except Exception as exc:  # a half-broken client may fail to close; it is discarded either way

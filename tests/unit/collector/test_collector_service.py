@@ -83,11 +83,10 @@ def test_assembly_maps_unknown_processes_to_minus_one_and_shares_ids_across_devi
 class _FlakyProducer:
     """Stands in for RecordProducer's interface; fails while ``down`` is set. Unit-tests the buffer logic only."""
 
-    instances: list = []
-
     def __init__(self, state):
         self.state = state
-        _FlakyProducer.instances.append(self)
+        self.closed = False
+        state.setdefault("producers", []).append(self)
 
     async def start(self):
         if self.state["down"]:
@@ -106,10 +105,10 @@ class _FlakyProducer:
         return {0, 1, 2}
 
     async def abort(self):
-        pass
+        self.closed = True
 
     async def stop(self):
-        pass
+        self.closed = True
 
 
 def _record(i: int) -> OutboundRecord:
@@ -130,6 +129,10 @@ async def test_buffer_keeps_records_through_an_outage_and_delivers_them_in_order
     await publisher.close(timeout_s=2)
     assert state["delivered"] == [str(i).encode() for i in range(10)]
     assert publisher.depth == 0 and publisher.sent_count["sample"] == 10
+    # Every client built on the way was closed, those whose start failed included: an open one keeps retrying
+    # the broker in the background.
+    assert len(state["producers"]) >= 2
+    assert all(producer.closed for producer in state["producers"])
 
 
 async def test_a_full_buffer_drops_the_oldest_and_counts_it():
