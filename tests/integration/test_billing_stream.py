@@ -19,7 +19,6 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
@@ -27,12 +26,12 @@ from sqlalchemy.engine import make_url
 from gpumeter import cli
 from gpumeter.kafka.producer import RecordProducer
 from schemas.records import CostRecord, CostSubjectKind, DeadLetter
-from schemas.typed import codec_for
 from services.billing.catalog import PriceCatalog
 from services.billing.costing import bill_node_window, iso_utc
 from services.billing.ledger import Ledger
 from services.billing.main import serve
 from services.billing.settings import BillingSettings
+from tests.integration.topic_reading import end_offsets, read_topic
 from tests.unit.billing.conftest import WINDOW_START_MS, sample_shares
 
 pytestmark = [pytest.mark.integration, pytest.mark.postgres]
@@ -56,48 +55,6 @@ def ledger_url(postgres_url):
     with admin.connect() as connection:
         connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
     admin.dispose()
-
-
-async def topic_partitions(settings, topic: str) -> list[TopicPartition]:
-    """Every partition of ``topic``, from the broker's metadata."""
-    admin = AIOKafkaAdminClient(**settings.client_kwargs())
-    await admin.start()
-    try:
-        (described,) = await admin.describe_topics([topic])
-    finally:
-        await admin.close()
-    return [TopicPartition(topic, p["partition"]) for p in sorted(described["partitions"],
-                                                                   key=lambda p: p["partition"])]
-
-
-async def read_topic(settings, topic: str, record_type) -> list:
-    """Every record on ``topic`` right now (all partitions, from the beginning), decoded."""
-    consumer = AIOKafkaConsumer(**settings.client_kwargs(), group_id=None, enable_auto_commit=False,
-                                isolation_level="read_committed")
-    partitions = await topic_partitions(settings, topic)
-    await consumer.start()
-    try:
-        consumer.assign(partitions)
-        await consumer.seek_to_beginning(*partitions)
-        ends = await consumer.end_offsets(partitions)
-        records = []
-        while [tp for tp in partitions if await consumer.position(tp) < ends[tp]]:
-            batch = await consumer.getmany(timeout_ms=200)
-            for messages in batch.values():
-                records.extend(codec_for(record_type).decode(m.value) for m in messages)
-        return records
-    finally:
-        await consumer.stop()
-
-
-async def end_offsets(settings, topic: str) -> dict[int, int]:
-    partitions = await topic_partitions(settings, topic)
-    consumer = AIOKafkaConsumer(**settings.client_kwargs(), group_id=None)
-    await consumer.start()
-    try:
-        return {tp.partition: offset for tp, offset in (await consumer.end_offsets(partitions)).items()}
-    finally:
-        await consumer.stop()
 
 
 async def wait_until_committed_to_end(settings, group: str, topic: str, what: str) -> None:

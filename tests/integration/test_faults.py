@@ -49,13 +49,8 @@ from tests.integration.test_attributor_stream import (
     pods_of,
     tick,
 )
-from tests.integration.test_billing_stream import (
-    committed_offsets,
-    end_offsets,
-    read_topic,
-    sums_by_node_window,
-    wait_until_committed_to_end,
-)
+from tests.integration.test_billing_stream import committed_offsets, sums_by_node_window, wait_until_committed_to_end
+from tests.integration.topic_reading import end_offsets, read_topic
 from tests.unit.attributor import device, node_sample, pod_event
 from tests.unit.billing.conftest import Unit, node_window, pod, sample_shares
 

@@ -48,7 +48,7 @@ from services.guard.config import GuardConfig
 from services.guard.main import serve
 from services.guard.replay import GuardReplay
 from services.guard.settings import GuardSettings
-from tests.integration.test_guard_stream import read_records
+from tests.integration.topic_reading import read_records
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

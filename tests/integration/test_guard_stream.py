@@ -18,8 +18,6 @@ import time
 import uuid
 
 import pytest
-from aiokafka import AIOKafkaConsumer
-from aiokafka.structs import TopicPartition
 
 from gpumeter import cli
 from gpumeter.clock import SystemClock
@@ -29,9 +27,10 @@ from schemas.records import DeadLetter, PodEventType, SharingMode, Violation, Vi
 from schemas.typed import codec_for
 from services.guard.config import GuardConfig
 from services.guard.main import serve
-from services.guard.service import GuardStateStore, partition_numbers
+from services.guard.service import GuardStateStore
 from services.guard.settings import GuardSettings
 from services.guard.violations_cli import violation_json
+from tests.integration.topic_reading import read_records
 from tests.unit.attributor import GIB, device, node_sample, pod_event
 
 pytestmark = pytest.mark.integration
@@ -43,25 +42,6 @@ WAIT_S = 20.0
 NODE = "gpu-node-1"
 CLUSTER = "it"
 GPU_UUID = "GPU-11111111-2222-3333-4444-555555555555"
-
-
-async def read_records(settings, topic: str, decode) -> list[tuple[bytes | None, object]]:
-    """Every (key, decoded value) on ``topic`` now, partition by partition in offset order."""
-    partitions = [TopicPartition(topic, p) for p in (await partition_numbers(settings, [topic]))[topic]]
-    consumer = AIOKafkaConsumer(**settings.client_kwargs(), group_id=None, enable_auto_commit=False,
-                                isolation_level="read_committed")
-    await consumer.start()
-    try:
-        consumer.assign(partitions)
-        await consumer.seek_to_beginning(*partitions)
-        ends = await consumer.end_offsets(partitions)
-        by_partition: dict[int, list] = {}
-        while [tp for tp in partitions if await consumer.position(tp) < ends[tp]]:
-            for tp, messages in (await consumer.getmany(timeout_ms=200)).items():
-                by_partition.setdefault(tp.partition, []).extend((m.key, decode(m.value)) for m in messages)
-        return [record for p in sorted(by_partition) for record in by_partition[p]]
-    finally:
-        await consumer.stop()
 
 
 async def violations_on_topic(settings, topic: str) -> list[tuple[bytes, Violation]]:

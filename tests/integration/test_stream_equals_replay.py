@@ -6,7 +6,6 @@ on which pods are still within their linger time; everything else is the scenari
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 import uuid
 from pathlib import Path
