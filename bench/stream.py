@@ -293,16 +293,10 @@ async def committed_total(settings: Any, group: str, topic: str) -> int:
 async def topic_partitions(settings: Any, topic: str) -> list[Any]:
     """Every partition of ``topic`` from the broker's metadata."""
     from aiokafka import TopicPartition
-    from aiokafka.admin import AIOKafkaAdminClient
 
-    admin = AIOKafkaAdminClient(**settings.client_kwargs())
-    await admin.start()
-    try:
-        (described,) = await admin.describe_topics([topic])
-    finally:
-        await admin.close()
-    return [TopicPartition(topic, p["partition"]) for p in sorted(described["partitions"],
-                                                                   key=lambda p: p["partition"])]
+    from gpumeter.kafka.admin import partition_numbers
+
+    return [TopicPartition(topic, p) for p in (await partition_numbers(settings, [topic]))[topic]]
 
 
 async def end_total(settings: Any, topic: str) -> int:

@@ -1,9 +1,10 @@
-"""Creates the catalog's topics idempotently with aiokafka's admin client."""
+"""Creates the catalog's topics idempotently, and reads topics' partition numbers, with aiokafka's admin client."""
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Iterable
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError
@@ -101,3 +102,18 @@ async def ensure_topics(settings: KafkaSettings, topics: dict[str, tuple[int, di
         raise TopicAdminError(f"cannot create topics on {settings.bootstrap_servers}: {exc!r}") from exc
     finally:
         await admin.close()
+
+
+async def partition_numbers(kafka, topics: Iterable[str], timeout_s: float = 30.0) -> dict[str, tuple[int, ...]]:
+    """The partition numbers of each of ``topics`` from the broker's metadata (all topics are asked for, so a
+    missing one is never auto-created); a topic that does not exist is absent from the result. Raises what
+    aiokafka raises (``KafkaError``, ``OSError``) and ``asyncio.TimeoutError``."""
+    wanted = set(topics)
+    admin = AIOKafkaAdminClient(**kafka.client_kwargs(), request_timeout_ms=int(timeout_s * 1000))
+    try:
+        await asyncio.wait_for(admin.start(), timeout_s)
+        described = await asyncio.wait_for(admin.describe_topics(), timeout_s)
+    finally:
+        await admin.close()
+    return {t["topic"]: tuple(sorted(p["partition"] for p in t["partitions"]))
+            for t in described if t["topic"] in wanted and t["partitions"]}

@@ -393,23 +393,6 @@ class GuardProcessor(ProcessorLifecycle):
 # -- the Kafka loop ---------------------------------------------------------------------------------------------
 
 
-async def partition_numbers(kafka, topics: Iterable[str], timeout_s: float = 30.0) -> dict[str, tuple[int, ...]]:
-    """The partition numbers of each of ``topics`` from the broker's metadata (all topics are asked for, so a
-    missing one is never auto-created); a topic that does not exist is absent from the result. Raises what
-    aiokafka raises (``KafkaError``, ``OSError``) and ``asyncio.TimeoutError``."""
-    from aiokafka.admin import AIOKafkaAdminClient
-
-    wanted = set(topics)
-    admin = AIOKafkaAdminClient(**kafka.client_kwargs(), request_timeout_ms=int(timeout_s * 1000))
-    try:
-        await asyncio.wait_for(admin.start(), timeout_s)
-        described = await asyncio.wait_for(admin.describe_topics(), timeout_s)
-    finally:
-        await admin.close()
-    return {t["topic"]: tuple(sorted(p["partition"] for p in t["partitions"]))
-            for t in described if t["topic"] in wanted and t["partitions"]}
-
-
 class GuardService:
     """The consumer loop around a ``GuardProcessor``: one aiokafka consumer over the four input topics (every
     partition assigned to it, manual commits, ``read_committed``), the clock task, and checkpoints (flush →
@@ -501,6 +484,8 @@ class GuardService:
 
     async def _assign(self, consumer) -> None:
         from aiokafka.structs import TopicPartition as KafkaTopicPartition
+
+        from gpumeter.kafka.admin import partition_numbers
 
         known = await partition_numbers(self.kafka, self.processor.input_topics)
         partitions: list[KafkaTopicPartition] = []

@@ -115,7 +115,7 @@ async def read_violations(kafka: KafkaSettings, topic: str, *, timeout_s: float 
     from aiokafka.errors import KafkaError
     from aiokafka.structs import TopicPartition
 
-    from services.guard.service import partition_numbers
+    from gpumeter.kafka.admin import partition_numbers
 
     try:
         numbers = (await partition_numbers(kafka, (topic,), timeout_s)).get(topic)

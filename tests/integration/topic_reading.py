@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient
 
+from gpumeter.kafka.admin import partition_numbers
 from schemas.typed import codec_for
 
 READ_TIMEOUT_S = 60.0
@@ -20,14 +20,7 @@ READ_TIMEOUT_S = 60.0
 
 async def topic_partitions(settings, topic: str) -> list[TopicPartition]:
     """Every partition of ``topic``, from the broker's metadata, in partition order."""
-    admin = AIOKafkaAdminClient(**settings.client_kwargs())
-    await admin.start()
-    try:
-        (described,) = await admin.describe_topics([topic])
-    finally:
-        await admin.close()
-    return [TopicPartition(topic, p["partition"]) for p in sorted(described["partitions"],
-                                                                   key=lambda p: p["partition"])]
+    return [TopicPartition(topic, p) for p in (await partition_numbers(settings, [topic]))[topic]]
 
 
 async def read_messages(settings, topic: str, timeout_s: float = READ_TIMEOUT_S) -> list:
