@@ -5,6 +5,8 @@
 * Integration tests share one real Kafka broker for the session (``kafka_bootstrap``): the one named by
   ``KAFKA_BOOTSTRAP_SERVERS`` when set, else one this session starts from the Maven jars.
 * ``topic_catalog`` gives each test its own random topic names, created on that broker.
+* Hypothesis prints the ``@reproduce_failure`` blob of a falsifying example, so a property that fails on CI's
+  random seed can be replayed here from the log alone.
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ import uuid
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+settings.register_profile("gpumeter", print_blob=True)
+settings.load_profile("gpumeter")
 
 OPT_IN_MARKERS = ("integration", "postgres", "alertmanager", "network")
 

@@ -828,7 +828,8 @@ def _spread_idle(cost: list[float], n_rows: int) -> list[float]:
     spread = list(cost)
     if pod_total > 0.0:
         for i in range(n_rows):
-            spread[i] += idle * cost[i] / pod_total
+            # Ratio first: with a subnormal pod cost, ``idle * cost[i]`` loses every bit of idle's precision.
+            spread[i] += idle * (cost[i] / pod_total)
     else:
         for i in range(n_rows):
             spread[i] += idle / n_rows

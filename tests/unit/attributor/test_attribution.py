@@ -451,6 +451,29 @@ def test_spread_idle_stays_idle_without_pods_and_goes_equally_to_idle_pods():
     assert rows["a"].cost_share == pytest.approx(0.5) and rows["b"].cost_share == pytest.approx(0.5)
 
 
+def test_spread_idle_conserves_cost_when_a_pods_cost_is_subnormal():
+    """Found by the property test (CI run, random seed): with blend:5e-324 a pod using no memory but 51 % of the SMs
+    costs 5e-324, a subnormal with a single bit of precision. Spreading idle as ``idle * cost / pod_total`` rounded
+    ``idle * 5e-324`` back to 5e-324 and gave the pod the whole GPU on top of the driver-reserved row (sum 1 + 1e-9).
+    The ratio must be taken first."""
+    reserved_bytes = 86  # about 1e-9 of the GPU: an error that small passes unless the sum is checked to 1e-12
+    win = window([node_sample(W0, [device(total=80 * GIB, used=reserved_bytes, reserved=reserved_bytes, util=51,
+                                          procs=[(0, 0, 51)])], pod_uids=["a"])])
+    pods = index_of(pod_event("a", devices=[("nvidia.com/gpu.shared", ["GPU-0::0"])]))
+    policy = AttributionPolicy(cost_basis=CostBasis.BLEND, blend_alpha=5e-324, idle_handling=IdleHandling.SPREAD)
+    keep = by_subject(attribute_node_window(win, pods, AttributionPolicy(cost_basis=CostBasis.BLEND,
+                                                                         blend_alpha=5e-324)))
+    assert 0.0 < keep["a"].cost_share < 1e-300  # the subnormal the case is about
+    assert keep[ShareSubjectKind.DRIVER_RESERVED].cost_share > 0.0
+    rows = by_subject(attribute_node_window(win, pods, policy))
+    assert math.fsum(r.cost_share for r in rows.values()) == pytest.approx(1.0, abs=TOL)
+    # The pod takes the idle cost, no more; the reserved and unattributed rows keep theirs.
+    assert rows["a"].cost_share == pytest.approx(keep[ShareSubjectKind.IDLE].cost_share, abs=TOL)
+    assert rows[ShareSubjectKind.IDLE].cost_share == 0.0
+    for kind in (ShareSubjectKind.DRIVER_RESERVED, ShareSubjectKind.UNATTRIBUTED):
+        assert rows[kind].cost_share == keep[kind].cost_share
+
+
 def test_policy_parsing():
     p = AttributionPolicy.parse("blend:0.3", "spread", "threads")
     assert (p.cost_basis, p.blend_alpha, p.idle_handling, p.mps_compute) == (
