@@ -139,6 +139,8 @@ class PodResourcesClient:
         self._timeout_s = float(timeout_s)
         self._channel: grpc.aio.Channel | None = None
         self._stub: api_pb2_grpc.PodResourcesListerStub | None = None
+        # The socket file the open channel was made for: (device, inode, change time). None: no socket seen.
+        self._channel_socket: tuple[int, int, int] | None = None
         self._get_served: bool | None = None
         self._fallbacks_since_probe = 0
 
@@ -217,16 +219,21 @@ class PodResourcesClient:
         self._get_served = None
         return KubeletUnavailable(detail, status_code=status_code)
 
-    def _check_socket(self) -> None:
+    def _check_socket(self) -> tuple[int, int, int]:
+        """The socket file's identity (device, inode, change time); ``KubeletUnavailable`` if there is none."""
         # Without this, a missing socket costs a connect attempt and a backoff inside gRPC; stat is immediate.
         try:
-            mode = os.stat(self._socket_path).st_mode
+            status = os.stat(self._socket_path)
         except FileNotFoundError:
+            self._channel_socket = None
             raise self._unavailable(f"no kubelet PodResources socket at {self._socket_path}") from None
         except OSError as exc:
+            self._channel_socket = None
             raise self._unavailable(f"cannot stat kubelet socket {self._socket_path}: {exc}") from exc
-        if not stat.S_ISSOCK(mode):
+        if not stat.S_ISSOCK(status.st_mode):
+            self._channel_socket = None
             raise self._unavailable(f"{self._socket_path} exists but is not a unix socket")
+        return (status.st_dev, status.st_ino, status.st_ctime_ns)
 
     def _ensure_stub(self) -> api_pb2_grpc.PodResourcesListerStub:
         if self._stub is None:
@@ -235,8 +242,13 @@ class PodResourcesClient:
         return self._stub
 
     async def _call(self, method: str, request):  # noqa: ANN001, ANN202 - the generated stubs are untyped
-        self._check_socket()
+        socket_identity = self._check_socket()
+        if self._channel is not None and socket_identity != self._channel_socket:
+            # A restarted kubelet re-creates its socket. The open channel's connection went to the process that
+            # is gone, and its next call would fail ("Stream removed") before gRPC reconnects: start afresh.
+            await self.close()
         stub = self._ensure_stub()
+        self._channel_socket = socket_identity
         try:
             return await getattr(stub, method)(request, timeout=self._timeout_s)
         except grpc.aio.AioRpcError as error:

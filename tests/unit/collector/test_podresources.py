@@ -160,6 +160,18 @@ async def test_get_reprobed_after_kubelet_unavailable(kubelet, client, state, so
 
 
 @network
+async def test_a_kubelet_restarted_between_two_calls_is_answered_on_the_first_call_after(kubelet, client, state):
+    """The kubelet restarts (socket removed and made again) while the client is idle: the client's open channel
+    points at the process that is gone. The next call must open a new one and succeed, not fail once first (found
+    as a flake of the test above under CPU load: "Stream removed (sendmsg: Broken pipe)")."""
+    for restart in range(5):
+        assert await client.list() == expected_gpu(state["assignments"])
+        await kubelet.stop()
+        await kubelet.start()
+        assert await client.list() == expected_gpu(state["assignments"]), f"restart {restart}"
+
+
+@network
 async def test_allocatable_lists_gpu_resources(socket_path):
     devices = [("nvidia.com/gpu", (G0, G1)), ("example.com/fpga", ("f0",)), ("nvidia.com/mig-1g.10gb", (MIG0,))]
     async with FakeKubelet(socket_path, lambda: [], allocatable_provider=lambda: devices):
