@@ -139,7 +139,8 @@ class PodResourcesClient:
         self._timeout_s = float(timeout_s)
         self._channel: grpc.aio.Channel | None = None
         self._stub: api_pb2_grpc.PodResourcesListerStub | None = None
-        # The socket file the open channel was made for: (device, inode, change time). None: no socket seen.
+        # The socket file the open channel was made for: (device, inode, change time). None: none, or the kubelet
+        # was found unavailable since.
         self._channel_socket: tuple[int, int, int] | None = None
         self._get_served: bool | None = None
         self._fallbacks_since_probe = 0
@@ -215,8 +216,10 @@ class PodResourcesClient:
         return tuple(a for a in await self.list() if a.namespace == namespace and a.pod_name == pod_name)
 
     def _unavailable(self, detail: str, status_code: str | None = None) -> KubeletUnavailable:
-        # The kubelet that comes back may be another version or have other feature gates: probe Get again.
+        # The kubelet that comes back may be another version or have other feature gates: probe Get again. Its
+        # socket will be another file too: an open channel is not reused for it (see ``_call``).
         self._get_served = None
+        self._channel_socket = None
         return KubeletUnavailable(detail, status_code=status_code)
 
     def _check_socket(self) -> tuple[int, int, int]:
@@ -225,13 +228,10 @@ class PodResourcesClient:
         try:
             status = os.stat(self._socket_path)
         except FileNotFoundError:
-            self._channel_socket = None
             raise self._unavailable(f"no kubelet PodResources socket at {self._socket_path}") from None
         except OSError as exc:
-            self._channel_socket = None
             raise self._unavailable(f"cannot stat kubelet socket {self._socket_path}: {exc}") from exc
         if not stat.S_ISSOCK(status.st_mode):
-            self._channel_socket = None
             raise self._unavailable(f"{self._socket_path} exists but is not a unix socket")
         return (status.st_dev, status.st_ino, status.st_ctime_ns)
 
