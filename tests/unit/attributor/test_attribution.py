@@ -452,10 +452,10 @@ def test_spread_idle_stays_idle_without_pods_and_goes_equally_to_idle_pods():
 
 
 def test_spread_idle_conserves_cost_when_a_pods_cost_is_subnormal():
-    """Found by the property test (CI run, random seed): with blend:5e-324 a pod using no memory but 51 % of the SMs
-    costs 5e-324, a subnormal with a single bit of precision. Spreading idle as ``idle * cost / pod_total`` rounded
-    ``idle * 5e-324`` back to 5e-324 and gave the pod the whole GPU on top of the driver-reserved row (sum 1 + 1e-9).
-    The ratio must be taken first."""
+    """Found by the property test on a random seed (a fresh-clone run of .ci/run): with blend:5e-324 a pod using
+    no memory but 51 % of the SMs costs 5e-324, a subnormal with a single bit of precision. Spreading idle as
+    ``idle * cost / pod_total`` rounded ``idle * 5e-324`` back to 5e-324 and gave the pod the whole GPU on top of the
+    driver-reserved row (sum 1 + 1e-9). The ratio must be taken first."""
     reserved_bytes = 86  # about 1e-9 of the GPU: an error that small passes unless the sum is checked to 1e-12
     win = window([node_sample(W0, [device(total=80 * GIB, used=reserved_bytes, reserved=reserved_bytes, util=51,
                                           procs=[(0, 0, 51)])], pod_uids=["a"])])
