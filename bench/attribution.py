@@ -216,6 +216,7 @@ class NaiveAttributor:
                 ("IDLE", idle_memory, idle_compute),
                 ("DRIVER_RESERVED", reserved_memory, 0.0),
                 ("UNATTRIBUTED", unexplained_memory + memory.get(None, 0.0), compute.get(None, 0.0)),
+                ("UNAVAILABLE", 0.0, 0.0),  # the workload loses no GPU
             )
             for kind, mem, comp in buckets:
                 rows.append({

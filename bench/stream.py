@@ -152,12 +152,12 @@ class SampleEncoder:
 
 
 def rows_per_node_window(fleet: Fleet) -> int:
-    """Cost records per node-window: every unit's pods and three buckets, plus the node's node_other line."""
-    return fleet.gpus_per_node * (fleet.pods_per_gpu + 3) + 1
+    """Cost records per node-window: every unit's pods and four buckets, plus the node's node_other line."""
+    return fleet.gpus_per_node * (fleet.pods_per_gpu + 4) + 1
 
 
 def shares_per_node_window(fleet: Fleet) -> int:
-    return fleet.gpus_per_node * (fleet.pods_per_gpu + 3)
+    return fleet.gpus_per_node * (fleet.pods_per_gpu + 4)
 
 
 # ---------------------------------------------------------------------------------------------------------------

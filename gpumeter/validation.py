@@ -21,7 +21,8 @@ open a window long closed everywhere else. Pod events have no maximum age (the c
 last event for as long as the pod lives). Shares and costs have none either: the attributor only emits windows
 of ticks it accepted, and a ledger may legitimately receive an old window re-emitted after a restore.
 
-What is *not* an error here, because the collector reports it on purpose: a lost GPU's zeros, unknown
+What is *not* an error here, because the collector reports it on purpose: a lost GPU's zeros, the zeros of a
+device whose memory info failed (its processes' memory is then not compared with them), unknown
 utilization (None), a process of no known pod or container (index -1), unknown per-process memory (-1, NVML's
 "not available") and no per-process SM sample (-1).
 """
@@ -42,6 +43,7 @@ DEFAULT_MAX_CLOCK_SKEW_SECONDS = 120  # the attributor: a tick from the future m
 DEFAULT_DOWNSTREAM_MAX_CLOCK_SKEW_SECONDS = 3600
 DEFAULT_MAX_SAMPLE_AGE_SECONDS = 7 * 86_400
 SHARE_TOLERANCE = 1e-6
+_NO_LIMIT = 2**63
 COVERED_SECONDS_TOLERANCE = 1e-3  # as billing's costing: covered time is summed from float tick intervals
 
 __all__ = [
@@ -159,11 +161,17 @@ def check_sample(sample: NodeSample, now_unix_ms: int, max_clock_skew_ms: int,
         duplicate = _first_duplicate_in(pids)
         if duplicate is not None:
             raise OutOfRange(f"{_sample_where(sample)} device {dev.uuid}: process {duplicate} listed twice")
+        # A device whose memory info failed has no total to compare a process with (its figures are 0, unknown).
+        limit = total if dev.memory_known else _NO_LIMIT
         for pid, pod, used_bytes, sm_percent in zip(pids, pods, memory, sm):
-            if (pid < 0 or not -1 <= pod < pod_count or used_bytes < -1 or used_bytes > total
+            if (pid < 0 or not -1 <= pod < pod_count or used_bytes < -1 or used_bytes > limit
                     or not -1 <= sm_percent <= 100):
-                _check_process(f"{_sample_where(sample)} device {dev.uuid}", pid, pod, pod_count, used_bytes, total,
+                _check_process(f"{_sample_where(sample)} device {dev.uuid}", pid, pod, pod_count, used_bytes, limit,
                                sm_percent)
+        servers = dev.mps_server_pids
+        if servers and not set(servers) <= set(pids):
+            raise OutOfRange(f"{_sample_where(sample)} device {dev.uuid}: MPS server pids {list(servers)} are not "
+                             "all among its processes")
 
 
 def _sample_where(sample: NodeSample) -> str:

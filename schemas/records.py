@@ -16,6 +16,11 @@ def _frozen_map(value: Mapping[str, Any] | None) -> Mapping[str, Any]:
     return MappingProxyType(dict(value or {}))
 
 
+# The NVML facts a record's meaning depends on (the collector writes them, every consumer reads them here).
+MEMORY_INFO_FUNCTION = "nvmlDeviceGetMemoryInfo"
+GPU_IS_LOST = "GPU_IS_LOST"
+
+
 class SharingMode(enum.StrEnum):
     UNKNOWN = "UNKNOWN"
     EXCLUSIVE = "EXCLUSIVE"
@@ -39,6 +44,7 @@ class ShareSubjectKind(enum.StrEnum):
     IDLE = "IDLE"
     DRIVER_RESERVED = "DRIVER_RESERVED"
     UNATTRIBUTED = "UNATTRIBUTED"
+    UNAVAILABLE = "UNAVAILABLE"  # v2: time the unit was lost or unreadable
 
 
 class CostSubjectKind(enum.StrEnum):
@@ -47,6 +53,7 @@ class CostSubjectKind(enum.StrEnum):
     DRIVER_RESERVED = "DRIVER_RESERVED"
     UNATTRIBUTED = "UNATTRIBUTED"
     NODE_OTHER = "NODE_OTHER"
+    UNAVAILABLE = "UNAVAILABLE"  # v2: lost or unreadable units, and GPUs billed but not reported
 
 
 class Severity(enum.StrEnum):
@@ -103,10 +110,33 @@ class GpuDeviceSample:
     process_pod_index: tuple[int, ...]
     process_used_memory_bytes: tuple[int, ...]
     process_sm_utilization_percent: tuple[int, ...]
+    mps_server_pids: tuple[int, ...] = ()  # v2
 
     @property
     def is_mig_instance(self) -> bool:
         return self.parent_uuid is not None
+
+    @property
+    def memory_known(self) -> bool:
+        """False when the memory figures are unknown, not empty: an nvmlDeviceGetMemoryInfo call failed (the four
+        figures are then 0 and per-process memory cannot be compared with them)."""
+        errors = self.errors
+        return not errors or not any(MEMORY_INFO_FUNCTION in e.nvml_function for e in errors)
+
+    @property
+    def unavailable(self) -> bool:
+        """The unit could not be used or read this tick: it is lost (an NVML call answered GPU_IS_LOST), or it
+        failed with no figure at all (no memory, no utilization, no process). Its time is nobody's use."""
+        errors = self.errors
+        if not errors:
+            return False
+        if any(e.error_code == GPU_IS_LOST for e in errors):
+            return True
+        return (
+            (self.memory_total_bytes <= 0 or not self.memory_known)
+            and self.gpu_utilization_percent is None
+            and not self.process_pids
+        )
 
     def to_avro(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -114,6 +144,7 @@ class GpuDeviceSample:
         d["errors"] = [e.to_avro() for e in self.errors]
         for name in _PROCESS_FIELDS:
             d[name] = list(d[name])
+        d["mps_server_pids"] = list(self.mps_server_pids)
         return d
 
     @classmethod
@@ -151,6 +182,7 @@ class GpuDeviceSample:
             tuple(d["process_pod_index"]),
             tuple(d["process_used_memory_bytes"]),
             tuple(d["process_sm_utilization_percent"]),
+            tuple(d["mps_server_pids"]) if d.get("mps_server_pids") else (),
         )
 
 
@@ -179,6 +211,8 @@ class NodeSample:
     pod_uids: tuple[str, ...]
     node_errors: tuple[NvmlError, ...]
     devices: tuple[GpuDeviceSample, ...]
+    zone: str = ""  # v2
+    provider_id: str = ""  # v2
 
     def to_avro(self) -> dict[str, Any]:
         return {
@@ -196,6 +230,8 @@ class NodeSample:
             "pod_uids": list(self.pod_uids),
             "node_errors": [e.to_avro() for e in self.node_errors],
             "devices": [dev.to_avro() for dev in self.devices],
+            "zone": self.zone,
+            "provider_id": self.provider_id,
         }
 
     @classmethod
@@ -217,6 +253,8 @@ class NodeSample:
             tuple(d["pod_uids"]),
             tuple([NvmlError.from_avro(e) for e in node_errors]) if len(node_errors) else (),
             tuple([device_from_avro(dev) for dev in d["devices"]]),
+            d.get("zone", ""),
+            d.get("provider_id", ""),
         )
 
 
@@ -366,6 +404,8 @@ class GpuShare:
     method: str
     sample_count: int
     covered_seconds: float
+    zone: str = ""  # v2
+    provider_id: str = ""  # v2
 
     def to_avro(self) -> dict[str, Any]:
         return _flat_to_avro(self, ("sharing_mode", "subject_kind"), ("labels",))

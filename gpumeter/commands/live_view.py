@@ -47,18 +47,21 @@ BUCKET_GROUPS: Mapping[CostSubjectKind, str] = MappingProxyType({
     CostSubjectKind.IDLE: "(idle)",
     CostSubjectKind.DRIVER_RESERVED: "(driver reserved)",
     CostSubjectKind.UNATTRIBUTED: "(unattributed)",
+    CostSubjectKind.UNAVAILABLE: "(unavailable GPU)",
     CostSubjectKind.NODE_OTHER: "(node, not GPU)",
 })
 SHARE_BUCKET_LABELS: Mapping[ShareSubjectKind, str] = MappingProxyType({
     ShareSubjectKind.IDLE: "idle",
     ShareSubjectKind.DRIVER_RESERVED: "reserved",
     ShareSubjectKind.UNATTRIBUTED: "unattributed",
+    ShareSubjectKind.UNAVAILABLE: "unavailable",
 })
 _SHARE_KIND_ORDER = {
     ShareSubjectKind.POD: 0,
     ShareSubjectKind.IDLE: 1,
     ShareSubjectKind.DRIVER_RESERVED: 2,
     ShareSubjectKind.UNATTRIBUTED: 3,
+    ShareSubjectKind.UNAVAILABLE: 4,
 }
 _SEVERITY_ORDER = {Severity.CRITICAL: 0, Severity.WARNING: 1, Severity.INFO: 2}
 # Cost-line keys are kept this far (event time) behind a node's newest billed window, to recognise a re-sent

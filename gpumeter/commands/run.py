@@ -525,7 +525,8 @@ async def delete_run_topics(kafka: KafkaSettings, prefix: str) -> list[str]:
 
 _POD_COLOURS = ("dodger_blue1", "green3", "orange1", "magenta", "cyan", "gold1", "medium_purple1", "spring_green2",
                 "deep_pink2", "turquoise2", "light_salmon1", "chartreuse2")
-_BUCKET_STYLE = {"idle": ("░", "grey62"), "reserved": ("▒", "grey42"), "unattributed": ("▓", "red3")}
+_BUCKET_STYLE = {"idle": ("░", "grey62"), "reserved": ("▒", "grey42"), "unattributed": ("▓", "red3"),
+                 "unavailable": ("╳", "dark_red")}
 
 
 def _segment_style(segment: live_view.BarSegment) -> tuple[str, str]:

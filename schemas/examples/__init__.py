@@ -15,8 +15,17 @@ def _bytes_fields(record_type: type) -> tuple[str, ...]:
     return tuple(n for n, t in record_type.__annotations__.items() if "bytes" in str(t))
 
 
-def load_example_dicts(record_name: str, version: int = 1) -> list[dict[str, Any]]:
-    """The example records of ``record_name`` (e.g. "NodeSample") as Avro dicts."""
+def example_versions(record_name: str) -> tuple[int, ...]:
+    """The schema versions ``record_name`` has example payloads for, oldest first."""
+    return tuple(sorted(int(p.name[len(record_name) + 2 : -len(".json")])
+                        for p in EXAMPLES_DIR.glob(f"{record_name}.v*.json")))
+
+
+def load_example_dicts(record_name: str, version: int | None = None) -> list[dict[str, Any]]:
+    """The example records of ``record_name`` (e.g. "NodeSample") as Avro dicts, of ``version`` (the newest
+    version with examples when None)."""
+    if version is None:
+        version = example_versions(record_name)[-1]
     records = json.loads((EXAMPLES_DIR / f"{record_name}.v{version}.json").read_text())
     record_type = RECORD_TYPES[f"gpumeter.{record_name}"]
     for record in records:
@@ -26,6 +35,6 @@ def load_example_dicts(record_name: str, version: int = 1) -> list[dict[str, Any
     return records
 
 
-def load_examples(record_type: type, version: int = 1) -> list[Any]:
+def load_examples(record_type: type, version: int | None = None) -> list[Any]:
     """The example records of ``record_type`` as typed records."""
     return [record_type.from_avro(d) for d in load_example_dicts(record_type.__name__, version)]

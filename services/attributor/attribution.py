@@ -43,6 +43,15 @@ METHOD_REQUEST = "request"
 
 DEFAULT_MPS_THREAD_ANNOTATION = "gpumeter.io/mps-active-thread-percentage"
 _EMPTY_LABELS: Mapping[str, str] = MappingProxyType({})
+# Every unit has one row per bucket, in this order, after its pod rows.
+BUCKET_KINDS = (
+    ShareSubjectKind.IDLE,
+    ShareSubjectKind.DRIVER_RESERVED,
+    ShareSubjectKind.UNATTRIBUTED,
+    ShareSubjectKind.UNAVAILABLE,
+)
+_BUCKETS = len(BUCKET_KINDS)
+_UNAVAILABLE = BUCKET_KINDS.index(ShareSubjectKind.UNAVAILABLE)
 
 
 class CostBasis(enum.StrEnum):
@@ -199,6 +208,16 @@ class DataQuality:
     ticks_compute_unknown: int = 0  # no device or per-process utilization: the tick does not count for compute
     ticks_utilization_clamped: int = 0  # utilization outside [0, 100]: clamped
     ticks_busy_unexplained: int = 0  # busy with no process seen: busy time went to UNATTRIBUTED
+    ticks_unavailable: int = 0  # the unit was lost or unreadable: memory, compute and cost went to UNAVAILABLE
+
+
+@dataclass(frozen=True, slots=True)
+class EpochDecision:
+    """How the unit was shared during part of the window (the ticks with the same holders alive), and the
+    fraction of the unit's weight those ticks carry."""
+
+    decision: ModeDecision
+    weight_fraction: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +236,7 @@ class UnitAttribution:
     compute_covered_seconds: float
     quality: DataQuality
     rows: tuple[ShareRow, ...]
+    decisions: tuple[EpochDecision, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,7 +254,9 @@ class NodeAttribution:
 
 def _instance_fraction(instance: GpuDeviceSample, parent: GpuDeviceSample | None) -> float:
     slices, total = instance.mig_compute_slices, instance.mig_total_compute_slices
-    if total > 0 and slices >= 0:
+    if total <= 0 and parent is not None:
+        total = parent.mig_total_compute_slices  # an instance may leave the GPU's slice count to its parent
+    if total > 0 and slices > 0:
         return min(slices / total, 1.0)
     if parent is not None and parent.memory_total_bytes > 0 and instance.memory_total_bytes >= 0:
         # No slice counts: the memory fraction is the closest thing NVML gives.
@@ -243,10 +265,10 @@ def _instance_fraction(instance: GpuDeviceSample, parent: GpuDeviceSample | None
 
 
 def _fraction_in_instances(children: Sequence[GpuDeviceSample], parent: GpuDeviceSample) -> float:
-    totals = {c.mig_total_compute_slices for c in children}
+    totals = {c.mig_total_compute_slices or parent.mig_total_compute_slices for c in children}
     if len(totals) == 1:
         total = totals.pop()
-        if total > 0 and all(c.mig_compute_slices >= 0 for c in children):
+        if total > 0 and all(c.mig_compute_slices > 0 for c in children):
             # Whole slices: exact, so a fully partitioned GPU leaves exactly 0, not a float crumb.
             return min(sum(c.mig_compute_slices for c in children), total) / total
     fraction = sum(_instance_fraction(c, parent) for c in children)
@@ -406,6 +428,62 @@ def _parse_thread_percent(info: PodInfo, annotation: str) -> float | None:
     return value
 
 
+class _Epoch:
+    """The ticks of one unit-window during which the same pods held the unit, and what they added up to.
+
+    A unit's sharing mode and its owner are decided per tick from the pods alive at that tick; ticks with the same
+    set of alive holders decide alike, so they are decided once, as one epoch. Memory and compute fractions are
+    summed per epoch (weighted by the tick's weight): the unit's shares are the sums over its epochs, and each
+    epoch's cost follows its own decision (an owner pays only the ticks it held the unit).
+    """
+
+    __slots__ = (
+        "holders", "ticks", "weight", "decision", "mode", "occupancy", "mps_threads", "use_per_process",
+        "mem_frac", "mem_bytes", "comp", "present", "mem_w", "comp_w", "mem_res", "mem_idle", "mem_unx",
+        "bytes_res", "bytes_idle", "bytes_unx", "comp_idle", "comp_unx", "busy_per_process", "busy_proxy",
+    )
+
+    def __init__(self, holders: tuple[int, ...], nslots: int) -> None:
+        self.holders = holders  # indexes into the unit's assignees alive in these ticks
+        self.ticks: list[tuple[UnitTick, float]] = []
+        self.weight = 0.0
+        self.decision: ModeDecision | None = None
+        self.mode = SharingMode.UNKNOWN
+        self.occupancy = False
+        self.mps_threads = False
+        self.use_per_process = False
+        # Index -1 (the extra last entry) collects processes of no known pod.
+        self.mem_frac = [0.0] * (nslots + 1)
+        self.mem_bytes = [0.0] * (nslots + 1)
+        self.comp = [0.0] * (nslots + 1)
+        self.present: set[int] = set()
+        self.mem_w = self.comp_w = 0.0
+        self.mem_res = self.mem_idle = self.mem_unx = 0.0
+        self.bytes_res = self.bytes_idle = self.bytes_unx = 0.0
+        self.comp_idle = self.comp_unx = 0.0
+        self.busy_per_process = self.busy_proxy = 0.0
+
+    def method(self, mps_compute: MpsCompute) -> str:
+        if self.occupancy:
+            return METHOD_MIG_INSTANCE
+        if self.mode is SharingMode.EXCLUSIVE:
+            return METHOD_EXCLUSIVE
+        if self.mode is SharingMode.MPS:
+            return METHOD_MPS_THREADS if mps_compute is MpsCompute.THREADS else METHOD_MPS_MEMORY
+        if self.busy_proxy > 0.0 or self.busy_per_process == 0.0:
+            return METHOD_MEMORY_PROXY
+        return METHOD_PER_PROCESS_SM
+
+
+class _Quality:
+    __slots__ = ("mem_invalid", "mem_clamped", "scaled", "comp_unknown", "util_clamped", "busy_unexplained",
+                 "unavailable")
+
+    def __init__(self) -> None:
+        self.mem_invalid = self.mem_clamped = self.scaled = self.comp_unknown = 0
+        self.util_clamped = self.busy_unexplained = self.unavailable = 0
+
+
 def _attribute(unit: UnitWindow, pods: PodLookup, policy: AttributionPolicy, slots: _PodSlots) -> UnitAttribution:
     ticks = unit.ticks
     weights, intervals, zero_weight_ticks = _weights(unit)
@@ -430,60 +508,237 @@ def _attribute(unit: UnitWindow, pods: PodLookup, policy: AttributionPolicy, slo
     for info, claim in pods.assignments_for(keys):
         if any(info.alive_at(t) for t in tick_times):
             assignees.append((info, claim))
-
-    sample_mode, mode_changed = majority_sample_mode(
-        (t.device, w) for t, w in zip(ticks, weights) if not t.all_idle or unit.kind is UnitKind.MIG_UNASSIGNED
-    )
-    replicas = max((t.device.replicas for t in ticks), default=1)
-    decision = decide_mode(
-        unit.kind, sample_mode, replicas, [c for _, c in assignees], sample_mode_changed=mode_changed
-    )
-    mode = decision.mode
-    replicas = decision.replicas
-
     assignee_slots = [slots.slot(info.uid) for info, _ in assignees]
     for t in ticks:
         slots.map_for(t.pod_uids)
     nslots = len(slots.uids)
-    occupancy = unit.kind is not UnitKind.GPU
-    mps_threads = mode is SharingMode.MPS and policy.mps_compute is MpsCompute.THREADS
-    use_per_process = mode is not SharingMode.MPS and not occupancy
 
-    thread_pct: list[float] = []
-    if mps_threads:
-        default_pct = 100.0 / replicas
-        thread_pct = [default_pct] * (nslots + 1)
-        for slot, (info, claim) in zip(assignee_slots, assignees):
-            configured = _parse_thread_percent(info, policy.mps_thread_annotation)
-            if configured is None:
-                configured = min(100.0, 100.0 * claim.claim_replicas(replicas) / replicas)
-            thread_pct[slot] = configured
+    epochs, unavailable_w, quality = _accumulate(unit, ticks, weights, assignees, assignee_slots, slots, nslots,
+                                                 policy)
+    main = max(epochs, key=lambda e: e.weight)
+    decision = main.decision
+    assert decision is not None
+    if len(epochs) > 1:
+        decision = _combined_decision(epochs, assignees, main)
+    mode = main.mode
 
-    # Accumulators. Index -1 (the extra last entry) collects processes of no known pod.
-    mem_frac = [0.0] * (nslots + 1)
-    mem_bytes = [0.0] * (nslots + 1)
-    comp = [0.0] * (nslots + 1)
-    present: set[int] = set()
-    mem_w = comp_w = 0.0
-    mem_res = mem_idle = mem_unx = 0.0
-    bytes_res = bytes_idle = bytes_unx = 0.0
-    comp_idle = comp_unx = 0.0
-    busy_per_process = busy_proxy = 0.0
-    q_mem_invalid = q_mem_clamped = q_scaled = q_comp_unknown = q_util_clamped = q_busy_unexplained = 0
-    maps = slots.maps
-    last_smap: list[int] | None = None
-    last_ppi: tuple[int, ...] | None = None
-    last_slots: list[int] = []
+    # Which pods get rows: those whose processes ran here and those holding the unit.
+    present: set[int] = set(assignee_slots)
+    for epoch in epochs:
+        present |= epoch.present
+    present.discard(-1)
+    row_slots = sorted(present, key=lambda s: slots.uids[s])
+    row_of_slot = {s: i for i, s in enumerate(row_slots)}
+    n_rows = len(row_slots)
 
+    # Memory and compute vectors: [pods in row order..., idle, reserved, unattributed, unavailable].
+    memory, bytes_avg, compute, available_memory, available_compute = _unit_vectors(
+        epochs, unavailable_w, row_slots, n_rows)
+
+    basis = policy.cost_basis
+    cost = [0.0] * (n_rows + _BUCKETS)
+    for epoch in epochs:
+        if epoch.weight <= 0.0:
+            continue
+        share = epoch.weight / total_weight
+        vector = _epoch_cost(epoch, policy, row_slots, row_of_slot, n_rows, assignees, assignee_slots,
+                             available_memory, available_compute)
+        for i, value in enumerate(vector):
+            cost[i] += share * value
+    cost[n_rows + _UNAVAILABLE] += unavailable_w / total_weight
+    if policy.idle_handling is IdleHandling.SPREAD and n_rows:
+        cost = _spread_idle(cost, n_rows)
+
+    if basis is CostBasis.REQUEST:
+        method = METHOD_REQUEST
+    else:
+        method = main.method(policy.mps_compute)
+
+    rows = []
+    sample_count = len(ticks)
+    uuid, parent, model = unit.unit_uuid, unit.parent_uuid, unit.model
+    for i, slot in enumerate(row_slots):
+        uid = slots.uids[slot]
+        info = pods.pod(uid)
+        rows.append(
+            ShareRow(
+                uuid,
+                parent,
+                model,
+                gpu_fraction,
+                mode,
+                ShareSubjectKind.POD,
+                uid,
+                info.namespace if info is not None else None,
+                info.name if info is not None else None,
+                info.labels if info is not None else _EMPTY_LABELS,
+                info.workload_kind if info is not None else None,
+                info.workload_name if info is not None else None,
+                bytes_avg[i],
+                memory[i],
+                compute[i],
+                cost[i],
+                method,
+                sample_count,
+                covered_seconds,
+            )
+        )
+    for j, kind in enumerate(BUCKET_KINDS):
+        i = n_rows + j
+        rows.append(
+            ShareRow(
+                uuid,
+                parent,
+                model,
+                gpu_fraction,
+                mode,
+                kind,
+                None,
+                None,
+                None,
+                _EMPTY_LABELS,
+                None,
+                None,
+                bytes_avg[i],
+                memory[i],
+                compute[i],
+                cost[i],
+                method,
+                sample_count,
+                covered_seconds,
+            )
+        )
+    mem_w = sum(e.mem_w for e in epochs) + unavailable_w
+    comp_w = sum(e.comp_w for e in epochs) + unavailable_w
+    scale = covered_seconds / total_weight if total_weight else 0.0
+    return UnitAttribution(
+        unit_uuid=uuid,
+        parent_uuid=parent,
+        kind=unit.kind,
+        decision=decision,
+        method=method,
+        gpu_fraction=gpu_fraction,
+        sample_count=sample_count,
+        covered_seconds=covered_seconds,
+        memory_covered_seconds=min(mem_w * scale, covered_seconds),
+        compute_covered_seconds=min(comp_w * scale, covered_seconds),
+        quality=DataQuality(
+            ticks_zero_weight=zero_weight_ticks,
+            ticks_memory_invalid=quality.mem_invalid,
+            ticks_memory_clamped=quality.mem_clamped,
+            ticks_process_memory_scaled=quality.scaled,
+            ticks_compute_unknown=quality.comp_unknown,
+            ticks_utilization_clamped=quality.util_clamped,
+            ticks_busy_unexplained=quality.busy_unexplained,
+            ticks_unavailable=quality.unavailable,
+        ),
+        rows=tuple(rows),
+        decisions=tuple(
+            EpochDecision(e.decision, e.weight / total_weight) for e in epochs if e.decision is not None
+        ),
+    )
+
+
+def _accumulate(
+    unit: UnitWindow,
+    ticks: Sequence[UnitTick],
+    weights: Sequence[float],
+    assignees: Sequence[tuple[PodInfo, UnitAssignment]],
+    assignee_slots: Sequence[int],
+    slots: _PodSlots,
+    nslots: int,
+    policy: AttributionPolicy,
+) -> tuple[list[_Epoch], float, _Quality]:
+    """Phase 1: group the unit's ticks into epochs (same alive holders), decide each epoch's mode, and sum each
+    tick's memory and compute fractions into its epoch. Ticks in which the unit was lost or unreadable go to the
+    returned unavailable weight instead."""
+    quality = _Quality()
+    epochs: dict[tuple[int, ...], _Epoch] = {}
+    unavailable_w = 0.0
     for tick, w in zip(ticks, weights):
         if w <= 0.0:
             continue
+        if tick.device.unavailable:
+            unavailable_w += w
+            quality.unavailable += 1
+            continue
+        t = tick.sampled_at_unix_ms
+        holders = tuple(i for i, (info, _claim) in enumerate(assignees) if info.alive_at(t))
+        epoch = epochs.get(holders)
+        if epoch is None:
+            epoch = epochs[holders] = _Epoch(holders, nslots)
+        epoch.ticks.append((tick, w))
+        epoch.weight += w
+    if not epochs:
+        # The unit was unavailable (or weightless) all window: one empty epoch still decides its mode label.
+        epoch = _Epoch((), nslots)
+        epoch.ticks = [(t, 0.0) for t in ticks]
+        epochs[()] = epoch
+
+    thread_pct_cache: dict[int, list[float]] = {}
+    for epoch in epochs.values():
+        _decide(epoch, unit, assignees, policy)
+        if epoch.mps_threads:
+            replicas = epoch.decision.replicas if epoch.decision is not None else 1
+            pct = thread_pct_cache.get(replicas)
+            if pct is None:
+                pct = thread_pct_cache[replicas] = _thread_percents(
+                    replicas, nslots, assignees, assignee_slots, policy)
+            _add_ticks(epoch, slots, quality, pct)
+        else:
+            _add_ticks(epoch, slots, quality, None)
+    return list(epochs.values()), unavailable_w, quality
+
+
+def _decide(epoch: _Epoch, unit: UnitWindow, assignees: Sequence[tuple[PodInfo, UnitAssignment]],
+            policy: AttributionPolicy) -> None:
+    sample_mode, mode_changed = majority_sample_mode(
+        (t.device, w) for t, w in epoch.ticks if not t.all_idle or unit.kind is UnitKind.MIG_UNASSIGNED
+    )
+    replicas = max((t.device.replicas for t, _w in epoch.ticks), default=1)
+    decision = decide_mode(
+        unit.kind, sample_mode, replicas, [assignees[i][1] for i in epoch.holders],
+        sample_mode_changed=mode_changed,
+    )
+    epoch.decision = decision
+    epoch.mode = decision.mode
+    epoch.occupancy = unit.kind is not UnitKind.GPU
+    epoch.mps_threads = decision.mode is SharingMode.MPS and policy.mps_compute is MpsCompute.THREADS
+    epoch.use_per_process = decision.mode is not SharingMode.MPS and not epoch.occupancy
+
+
+def _thread_percents(replicas: int, nslots: int, assignees: Sequence[tuple[PodInfo, UnitAssignment]],
+                     assignee_slots: Sequence[int], policy: AttributionPolicy) -> list[float]:
+    """Per pod slot: the active-thread percentage its MPS clients run with (the pod's annotation when set and
+    valid, else its replicas' 100/replicas each); processes of no known pod count with one replica's share."""
+    default_pct = 100.0 / replicas
+    thread_pct = [default_pct] * (nslots + 1)
+    for slot, (info, claim) in zip(assignee_slots, assignees):
+        configured = _parse_thread_percent(info, policy.mps_thread_annotation)
+        if configured is None:
+            configured = min(100.0, 100.0 * claim.claim_replicas(replicas) / replicas)
+        thread_pct[slot] = configured
+    return thread_pct
+
+
+def _add_ticks(epoch: _Epoch, slots: _PodSlots, quality: _Quality, thread_pct: list[float] | None) -> None:
+    """Sum the memory and compute fractions of each of the epoch's ticks, weighted by the tick's weight."""
+    maps = slots.maps
+    mem_frac, mem_bytes, comp, present = epoch.mem_frac, epoch.mem_bytes, epoch.comp, epoch.present
+    occupancy, use_per_process = epoch.occupancy, epoch.use_per_process
+    mps = epoch.mode is SharingMode.MPS
+    last_smap: list[int] | None = None
+    last_ppi: tuple[int, ...] | None = None
+    last_slots: list[int] = []
+    for tick, w in epoch.ticks:
+        if w <= 0.0:
+            continue
         if tick.all_idle:
-            mem_w += w
-            mem_idle += w
-            bytes_idle += tick.unassigned_memory_bytes * w
-            comp_w += w
-            comp_idle += w
+            epoch.mem_w += w
+            epoch.mem_idle += w
+            epoch.bytes_idle += tick.unassigned_memory_bytes * w
+            epoch.comp_w += w
+            epoch.comp_idle += w
             continue
         dev = tick.device
         smap = maps[id(tick.pod_uids)]
@@ -528,10 +783,7 @@ def _attribute(unit: UnitWindow, pods: PodLookup, policy: AttributionPolicy, slo
 
         # Memory: fractions of this tick's total, weighted by the tick's time.
         total = dev.memory_total_bytes
-        memory_ok = total > 0
-        if memory_ok and dev.errors:
-            memory_ok = not any("MemoryInfo" in e.nvml_function for e in dev.errors)
-        if memory_ok:
+        if total > 0 and dev.memory_known:
             reserved = dev.memory_reserved_bytes
             used = dev.memory_used_bytes
             clamped = False
@@ -548,25 +800,25 @@ def _attribute(unit: UnitWindow, pods: PodLookup, policy: AttributionPolicy, slo
             elif used > capacity:
                 used, clamped = capacity, True
             if clamped:
-                q_mem_clamped += 1
+                quality.mem_clamped += 1
             inv = w / total
-            mem_w += w
-            mem_res += reserved * inv
-            bytes_res += reserved * w
+            epoch.mem_w += w
+            epoch.mem_res += reserved * inv
+            epoch.bytes_res += reserved * w
             free = capacity - used
-            mem_idle += free * inv
-            bytes_idle += free * w
+            epoch.mem_idle += free * inv
+            epoch.bytes_idle += free * w
             if mem_sum > used:
                 # Processes report more than the device has in use (sampled at another instant): the device
                 # total is authoritative, so scale the processes into it.
-                q_scaled += 1
+                quality.scaled += 1
                 scale = used / mem_sum
                 unexplained = 0.0
             else:
                 scale = 1.0
                 unexplained = used - mem_sum
-            mem_unx += unexplained * inv
-            bytes_unx += unexplained * w
+            epoch.mem_unx += unexplained * inv
+            epoch.bytes_unx += unexplained * w
             if mem_sum:
                 fi = scale * inv
                 bi = scale * w
@@ -575,7 +827,7 @@ def _attribute(unit: UnitWindow, pods: PodLookup, policy: AttributionPolicy, slo
                         mem_frac[slot] += m * fi
                         mem_bytes[slot] += m * bi
         else:
-            q_mem_invalid += 1
+            quality.mem_invalid += 1
 
         # Compute: the tick's busy fraction b; idle is 1 - b; b is split among processes.
         util = dev.gpu_utilization_percent
@@ -583,10 +835,10 @@ def _attribute(unit: UnitWindow, pods: PodLookup, policy: AttributionPolicy, slo
         if util is not None:
             if util < 0:
                 busy_fraction = 0.0
-                q_util_clamped += 1
+                quality.util_clamped += 1
             elif util > 100:
                 busy_fraction = 1.0
-                q_util_clamped += 1
+                quality.util_clamped += 1
             else:
                 busy_fraction = util / 100.0
         elif occupancy:
@@ -595,17 +847,29 @@ def _attribute(unit: UnitWindow, pods: PodLookup, policy: AttributionPolicy, slo
         elif per_process_ok:
             busy_fraction = sm_sum / 100.0 if sm_sum < 100 else 1.0
         else:
-            q_comp_unknown += 1
+            quality.comp_unknown += 1
             continue
-        comp_w += w
-        comp_idle += (1.0 - busy_fraction) * w
+        epoch.comp_w += w
+        epoch.comp_idle += (1.0 - busy_fraction) * w
         busy = busy_fraction * w
         if busy <= 0.0:
             continue
+        servers = dev.mps_server_pids
+        if mps and servers and n_procs:
+            # An MPS server runs its clients' kernels: the busy time is the clients', never the server's own.
+            pids = dev.process_pids
+            clients = [i for i in range(n_procs) if i >= len(pids) or pids[i] not in servers]
+            if len(clients) < n_procs:
+                tick_slots = [tick_slots[i] for i in clients]
+                pmem = [pmem[i] for i in clients]
+                psm = [psm[i] for i in clients]
+                n_procs = len(clients)
+                mem_sum = sum(pmem)
+                last_smap = None  # the filtered slots must not be reused as the tick's own
         if not n_procs:
-            comp_unx += busy
-            q_busy_unexplained += 1
-        elif mps_threads:
+            epoch.comp_unx += busy
+            quality.busy_unexplained += 1
+        elif thread_pct is not None:
             pct_of: dict[int, float] = {}
             for slot in tick_slots:
                 pct_of[slot] = thread_pct[slot]
@@ -614,13 +878,13 @@ def _attribute(unit: UnitWindow, pods: PodLookup, policy: AttributionPolicy, slo
             for slot, pct in pct_of.items():
                 comp[slot] += pct * c
         elif per_process_ok:
-            busy_per_process += busy
+            epoch.busy_per_process += busy
             c = busy / sm_sum
             for slot, s in zip(tick_slots, psm):
                 if s:
                     comp[slot] += s * c
         else:
-            busy_proxy += busy
+            epoch.busy_proxy += busy
             if mem_sum:
                 c = busy / mem_sum
                 for slot, m in zip(tick_slots, pmem):
@@ -631,193 +895,204 @@ def _attribute(unit: UnitWindow, pods: PodLookup, policy: AttributionPolicy, slo
                 for slot in tick_slots:
                     comp[slot] += c
 
-    # Which pods get rows: those whose processes ran here and those holding the unit.
-    row_slots = sorted(
-        {s for s in present if s >= 0} | set(assignee_slots), key=lambda s: slots.uids[s]
-    )
 
-    # Memory and compute vectors: [pods in row order..., idle, reserved, unattributed].
-    n_rows = len(row_slots)
+def _unit_vectors(
+    epochs: Sequence[_Epoch], unavailable_w: float, row_slots: Sequence[int], n_rows: int
+) -> tuple[list[float], list[float], list[float], list[float] | None, list[float] | None]:
+    """Phase 2: the unit's memory share, average bytes and compute share per row (pods in row order, then the
+    buckets), as weighted means over its ticks; unavailable ticks count with all of their weight in UNAVAILABLE.
+    Also the memory and compute vectors of the available ticks alone (None when no tick had that figure), which
+    an epoch whose own ticks lack it falls back to."""
+    mem_w = sum(e.mem_w for e in epochs)
+    comp_w = sum(e.comp_w for e in epochs)
+
+    def summed(slot_attr: str) -> list[float]:
+        return [sum(getattr(e, slot_attr)[s] for e in epochs) for s in row_slots]
+
+    available_memory = available_compute = None
     if mem_w > 0.0:
-        memory = [mem_frac[s] / mem_w for s in row_slots]
-        memory += [mem_idle / mem_w, mem_res / mem_w, (mem_unx + mem_frac[-1]) / mem_w]
-        bytes_avg = [mem_bytes[s] / mem_w for s in row_slots]
-        bytes_avg += [bytes_idle / mem_w, bytes_res / mem_w, (bytes_unx + mem_bytes[-1]) / mem_w]
+        frac = summed("mem_frac")
+        nbytes = summed("mem_bytes")
+        idle = sum(e.mem_idle for e in epochs)
+        res = sum(e.mem_res for e in epochs)
+        unx = sum(e.mem_unx + e.mem_frac[-1] for e in epochs)
+        b_idle = sum(e.bytes_idle for e in epochs)
+        b_res = sum(e.bytes_res for e in epochs)
+        b_unx = sum(e.bytes_unx + e.mem_bytes[-1] for e in epochs)
+        total = mem_w + unavailable_w
+        memory = [f / total for f in frac] + [idle / total, res / total, unx / total, unavailable_w / total]
+        bytes_avg = [b / total for b in nbytes] + [b_idle / total, b_res / total, b_unx / total, 0.0]
+        available_memory = [f / mem_w for f in frac] + [idle / mem_w, res / mem_w, unx / mem_w, 0.0]
+    elif unavailable_w > 0.0:
+        memory = [0.0] * n_rows + [0.0, 0.0, 0.0, 1.0]
+        bytes_avg = [0.0] * (n_rows + _BUCKETS)
     else:
-        memory = [0.0] * n_rows + [0.0, 0.0, 1.0]
-        bytes_avg = [0.0] * (n_rows + 3)
+        memory = [0.0] * n_rows + [0.0, 0.0, 1.0, 0.0]
+        bytes_avg = [0.0] * (n_rows + _BUCKETS)
     if comp_w > 0.0:
-        compute = [comp[s] / comp_w for s in row_slots]
-        compute += [comp_idle / comp_w, 0.0, (comp_unx + comp[-1]) / comp_w]
+        frac = summed("comp")
+        idle = sum(e.comp_idle for e in epochs)
+        unx = sum(e.comp_unx + e.comp[-1] for e in epochs)
+        total = comp_w + unavailable_w
+        compute = [f / total for f in frac] + [idle / total, 0.0, unx / total, unavailable_w / total]
+        available_compute = [f / comp_w for f in frac] + [idle / comp_w, 0.0, unx / comp_w, 0.0]
+    elif unavailable_w > 0.0:
+        compute = [0.0] * n_rows + [0.0, 0.0, 0.0, 1.0]
     else:
-        compute = [0.0] * n_rows + [0.0, 0.0, 1.0]
+        compute = [0.0] * n_rows + [0.0, 0.0, 1.0, 0.0]
+    return memory, bytes_avg, compute, available_memory, available_compute
 
-    # Cost.
-    row_of_slot = {s: i for i, s in enumerate(row_slots)}
+
+def _epoch_vector(epoch: _Epoch, kind: str, row_slots: Sequence[int], fallback: list[float] | None,
+                  n_rows: int) -> list[float]:
+    """The epoch's own memory (or compute) fractions per row, normalised over its ticks that had the figure; the
+    available-ticks vector of the unit when none of the epoch's did; UNATTRIBUTED when no tick of the unit had it."""
+    if kind == "memory":
+        w = epoch.mem_w
+        if w > 0.0:
+            return [epoch.mem_frac[s] / w for s in row_slots] + [
+                epoch.mem_idle / w, epoch.mem_res / w, (epoch.mem_unx + epoch.mem_frac[-1]) / w, 0.0]
+    else:
+        w = epoch.comp_w
+        if w > 0.0:
+            return [epoch.comp[s] / w for s in row_slots] + [
+                epoch.comp_idle / w, 0.0, (epoch.comp_unx + epoch.comp[-1]) / w, 0.0]
+    if fallback is not None:
+        return fallback
+    return [0.0] * n_rows + [0.0, 0.0, 1.0, 0.0]
+
+
+def _epoch_cost(
+    epoch: _Epoch,
+    policy: AttributionPolicy,
+    row_slots: Sequence[int],
+    row_of_slot: Mapping[int, int],
+    n_rows: int,
+    assignees: Sequence[tuple[PodInfo, UnitAssignment]],
+    assignee_slots: Sequence[int],
+    available_memory: list[float] | None,
+    available_compute: list[float] | None,
+) -> list[float]:
+    """Phase 3: what the epoch's ticks cost each row, as fractions that add up to 1.
+
+    The cost basis over the epoch's own ticks; on a dedicated unit (an exclusive GPU, a MIG instance one pod
+    holds) the owner pays the epoch, except what pods that use the unit without holding it (a leak through
+    ``NVIDIA_VISIBLE_DEVICES=all``) pay for their use: the larger of their memory and compute fractions.
+    """
     basis = policy.cost_basis
+    if basis is CostBasis.REQUEST:
+        return _request_cost(epoch, assignees, assignee_slots, row_of_slot, n_rows)
+    memory = compute = None
+    if basis is not CostBasis.COMPUTE:
+        memory = _epoch_vector(epoch, "memory", row_slots, available_memory, n_rows)
+    if basis is not CostBasis.MEMORY:
+        compute = _epoch_vector(epoch, "compute", row_slots, available_compute, n_rows)
+    owner = epoch.decision.dedicated_owner if epoch.decision is not None else None
+    if owner is not None:
+        if memory is None:
+            memory = _epoch_vector(epoch, "memory", row_slots, available_memory, n_rows)
+        if compute is None:
+            compute = _epoch_vector(epoch, "compute", row_slots, available_compute, n_rows)
+        return _owner_pays(owner, epoch, row_slots, row_of_slot, n_rows, assignee_slots, assignees, memory,
+                           compute)
     if basis is CostBasis.MEMORY:
-        cost = list(memory)
-    elif basis is CostBasis.COMPUTE:
-        cost = list(compute)
-    elif basis is CostBasis.BLEND:
-        a = float(policy.blend_alpha)
-        cost = [a * c + (1.0 - a) * m for m, c in zip(memory, compute)]
-    else:
-        cost = _request_cost(ticks, weights, total_weight, assignees, assignee_slots, row_of_slot, n_rows, replicas)
-    if decision.dedicated_owner is not None and basis is not CostBasis.REQUEST:
-        cost = _owner_pays(ticks, weights, total_weight, assignees, assignee_slots, decision, row_of_slot, cost)
-    if policy.idle_handling is IdleHandling.SPREAD and n_rows:
-        cost = _spread_idle(cost, n_rows)
+        assert memory is not None
+        return memory
+    if basis is CostBasis.COMPUTE:
+        assert compute is not None
+        return compute
+    assert memory is not None and compute is not None
+    a = float(policy.blend_alpha)
+    return [a * c + (1.0 - a) * m for m, c in zip(memory, compute)]
 
-    if policy.cost_basis is CostBasis.REQUEST:
-        method = METHOD_REQUEST
-    elif occupancy:
-        method = METHOD_MIG_INSTANCE
-    elif mode is SharingMode.EXCLUSIVE:
-        method = METHOD_EXCLUSIVE
-    elif mode is SharingMode.MPS:
-        method = METHOD_MPS_THREADS if mps_threads else METHOD_MPS_MEMORY
-    elif busy_proxy > 0.0 or busy_per_process == 0.0:
-        method = METHOD_MEMORY_PROXY
-    else:
-        method = METHOD_PER_PROCESS_SM
 
-    rows = []
-    sample_count = len(ticks)
-    uuid, parent, model = unit.unit_uuid, unit.parent_uuid, unit.model
-    for i, slot in enumerate(row_slots):
-        uid = slots.uids[slot]
-        info = pods.pod(uid)
-        rows.append(
-            ShareRow(
-                uuid,
-                parent,
-                model,
-                gpu_fraction,
-                mode,
-                ShareSubjectKind.POD,
-                uid,
-                info.namespace if info is not None else None,
-                info.name if info is not None else None,
-                info.labels if info is not None else _EMPTY_LABELS,
-                info.workload_kind if info is not None else None,
-                info.workload_name if info is not None else None,
-                bytes_avg[i],
-                memory[i],
-                compute[i],
-                cost[i],
-                method,
-                sample_count,
-                covered_seconds,
-            )
-        )
-    for j, kind in enumerate((ShareSubjectKind.IDLE, ShareSubjectKind.DRIVER_RESERVED, ShareSubjectKind.UNATTRIBUTED)):
-        i = n_rows + j
-        rows.append(
-            ShareRow(
-                uuid,
-                parent,
-                model,
-                gpu_fraction,
-                mode,
-                kind,
-                None,
-                None,
-                None,
-                _EMPTY_LABELS,
-                None,
-                None,
-                bytes_avg[i],
-                memory[i],
-                compute[i],
-                cost[i],
-                method,
-                sample_count,
-                covered_seconds,
-            )
-        )
-    scale = covered_seconds / total_weight if total_weight else 0.0
-    return UnitAttribution(
-        unit_uuid=uuid,
-        parent_uuid=parent,
-        kind=unit.kind,
-        decision=decision,
-        method=method,
-        gpu_fraction=gpu_fraction,
-        sample_count=sample_count,
-        covered_seconds=covered_seconds,
-        memory_covered_seconds=min(mem_w * scale, covered_seconds),
-        compute_covered_seconds=min(comp_w * scale, covered_seconds),
-        quality=DataQuality(
-            ticks_zero_weight=zero_weight_ticks,
-            ticks_memory_invalid=q_mem_invalid,
-            ticks_memory_clamped=q_mem_clamped,
-            ticks_process_memory_scaled=q_scaled,
-            ticks_compute_unknown=q_comp_unknown,
-            ticks_utilization_clamped=q_util_clamped,
-            ticks_busy_unexplained=q_busy_unexplained,
-        ),
-        rows=tuple(rows),
-    )
+def _owner_pays(
+    owner: str,
+    epoch: _Epoch,
+    row_slots: Sequence[int],
+    row_of_slot: Mapping[int, int],
+    n_rows: int,
+    assignee_slots: Sequence[int],
+    assignees: Sequence[tuple[PodInfo, UnitAssignment]],
+    memory: list[float],
+    compute: list[float],
+) -> list[float]:
+    owner_row = None
+    for slot, (info, _claim) in zip(assignee_slots, assignees):
+        if info.uid == owner:
+            owner_row = row_of_slot[slot]
+    cost = [0.0] * (n_rows + _BUCKETS)
+    if owner_row is None:
+        return memory
+    leaked = 0.0
+    leakers = []
+    for slot in epoch.present:
+        if slot < 0:
+            continue
+        row = row_of_slot.get(slot)
+        if row is None or row == owner_row:
+            continue
+        use = max(memory[row], compute[row])
+        if use > 0.0:
+            leakers.append((row, use))
+            leaked += use
+    scale = 1.0 / leaked if leaked > 1.0 else 1.0
+    paid = 0.0
+    for row, use in leakers:
+        cost[row] = use * scale
+        paid += cost[row]
+    cost[owner_row] = max(1.0 - paid, 0.0)
+    return cost
 
 
 def _request_cost(
-    ticks: Sequence[UnitTick],
-    weights: Sequence[float],
-    total_weight: float,
+    epoch: _Epoch,
     assignees: Sequence[tuple[PodInfo, UnitAssignment]],
     assignee_slots: Sequence[int],
     row_of_slot: Mapping[int, int],
     n_rows: int,
-    replicas: int,
 ) -> list[float]:
-    """Each tick: every alive assignee pays claim / max(replicas, total claims); the rest is idle."""
-    cost = [0.0] * (n_rows + 3)
+    """Each tick of the epoch: every alive holder pays claim / max(replicas, total claims); the rest is idle."""
+    cost = [0.0] * (n_rows + _BUCKETS)
     idle = n_rows
-    claims = [
-        (row_of_slot[s], info, claim.claim_replicas(replicas)) for s, (info, claim) in zip(assignee_slots, assignees)
-    ]
-    for tick, w in zip(ticks, weights):
+    replicas = epoch.decision.replicas if epoch.decision is not None else 1
+    claims = [(row_of_slot[assignee_slots[i]], assignees[i][1].claim_replicas(replicas)) for i in epoch.holders]
+    alive = [(row, c) for row, c in claims if c > 0]
+    claimed = sum(c for _, c in alive)
+    slots_total = max(replicas, claimed)
+    weight = 0.0
+    for tick, w in epoch.ticks:
         if w <= 0.0:
             continue
+        weight += w
         if tick.all_idle:
             cost[idle] += w
             continue
-        t = tick.sampled_at_unix_ms
-        alive = [(row, c) for row, info, c in claims if c > 0 and info.alive_at(t)]
-        claimed = sum(c for _, c in alive)
-        slots_total = max(replicas, claimed)
         for row, c in alive:
             cost[row] += w * c / slots_total
         cost[idle] += w * (slots_total - claimed) / slots_total
-    return [c / total_weight for c in cost]
+    if weight <= 0.0:
+        cost[idle] = 1.0
+        return cost
+    return [c / weight for c in cost]
 
 
-def _owner_pays(
-    ticks: Sequence[UnitTick],
-    weights: Sequence[float],
-    total_weight: float,
-    assignees: Sequence[tuple[PodInfo, UnitAssignment]],
-    assignee_slots: Sequence[int],
-    decision: ModeDecision,
-    row_of_slot: Mapping[int, int],
-    basis_cost: list[float],
-) -> list[float]:
-    """A dedicated unit: the owner pays the whole unit for every tick it held it; ticks it did not hold are paid
-    by the cost basis."""
-    owner_row = None
-    owner_info = None
-    for slot, (info, _claim) in zip(assignee_slots, assignees):
-        if info.uid == decision.dedicated_owner:
-            owner_row, owner_info = row_of_slot[slot], info
-    if owner_row is None or owner_info is None:
-        return basis_cost
-    owned = sum(w for tick, w in zip(ticks, weights) if w > 0.0 and owner_info.alive_at(tick.sampled_at_unix_ms))
-    owned_fraction = min(owned / total_weight, 1.0)
-    rest = 1.0 - owned_fraction
-    cost = [c * rest for c in basis_cost]
-    cost[owner_row] += owned_fraction
-    return cost
+def _combined_decision(epochs: Sequence[_Epoch], assignees: Sequence[tuple[PodInfo, UnitAssignment]],
+                       main: _Epoch) -> ModeDecision:
+    """The unit-window's decision when its holders changed inside the window: the largest epoch's, with every
+    epoch's evidence."""
+    assert main.decision is not None
+    total = sum(e.weight for e in epochs) or 1.0
+    parts = []
+    for e in sorted(epochs, key=lambda e: (-e.weight, e.holders)):
+        if e.decision is None:
+            continue
+        holders = sorted(assignees[i][0].uid for i in e.holders) or ["none"]
+        parts.append(f"{e.weight / total:.0%} held by {', '.join(holders)}: {e.decision.mode} ({e.decision.evidence})")
+    evidence = f"holders changed within the window; {'; '.join(parts)}"
+    conflict = any(e.decision is not None and e.decision.conflict for e in epochs)
+    return ModeDecision(main.decision.mode, main.decision.dedicated_owner, evidence, conflict,
+                        main.decision.sample_mode, main.decision.replicas)
 
 
 def _spread_idle(cost: list[float], n_rows: int) -> list[float]:
@@ -897,6 +1172,8 @@ def attribute_node_window_detailed(window: NodeWindow, pods: PodLookup, policy: 
                     row.method,
                     row.sample_count,
                     row.covered_seconds,
+                    facts.zone,
+                    facts.provider_id,
                 )
             )
     return NodeAttribution(tuple(shares), units, node_covered_seconds)

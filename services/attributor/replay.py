@@ -49,8 +49,9 @@ Ground truth (``truth.jsonl``)
 ------------------------------
 For each window ``[k·W, (k+1)·W)``, unit (whole GPU or MIG instance, as ``gpu_uuid``) and pod (``pod_uid`` null
 for processes of no pod: host processes and MPS servers together), over the replayed ticks of the unit's node
-whose ``sampled_at`` lies in the window — the ticks the attribution puts in that window — and at which the
-unit's GPU was not lost:
+whose ``sampled_at`` lies in the window — the ticks the attribution puts in that window. A tick at which the
+unit's GPU was lost counts with its weight and no pod's use: that time was nobody's (the attribution's
+UNAVAILABLE bucket).
 
 * ``w_t = clamp(interval_ms_t, 0, W)``, the tick weight the attribution uses (equal weights when all are 0);
 * ``true_memory_share = Σ w_t · M_t / (Σ w_t · T)``, with ``M_t`` the pod's ``true_memory_bytes`` on the unit at
@@ -424,11 +425,11 @@ class _TruthAccumulator:
             if row.node_name == node:
                 by_unit.setdefault(row.gpu_uuid, []).append(row)
         for gpu_index, unit in self._units.get(node, ()):
-            if self._world.gpu_lost(node, gpu_index, t):
-                continue
             cell = self._cells.setdefault((window_start, node, unit.uuid), _TruthCell())
             cell.weight_ms += weight
             cell.ticks += 1
+            if self._world.gpu_lost(node, gpu_index, t):
+                continue
             for row in by_unit.get(unit.uuid, ()):
                 acc = cell.pods.setdefault(row.pod_uid, [0, 0.0, 0, 0, 0.0, 0])
                 acc[0] += weight * row.true_memory_bytes

@@ -13,14 +13,16 @@ Contract of ``price_node_window(shares, price)`` (``cost_node_window`` returns j
   with the rate from ``price`` (``NodePrice``).
 * **Level 1, node → parts**: the node's micro-dollars are apportioned (largest remainder) over the parts whose exact
   costs make up the node: every unit (its physical GPU's rate × ``gpu_fraction``), GPU capacity the price bills
-  but no unit reported (a GPU missing from the window: its own ``UNATTRIBUTED`` line with ``gpu_uuid`` None), and
+  but no unit reported (a GPU missing from the window, fallen off the bus: its own ``UNAVAILABLE`` line with
+  ``gpu_uuid`` None), and
   ``node_other`` (its own ``NODE_OTHER`` line, always present). So per node and window the units, the missing
   capacity and ``node_other`` equal the node's line item exactly.
 * **Level 2, unit → rows**: each unit's micro-dollars are apportioned over its rows by ``cost_share`` (pods, idle,
-  driver_reserved, unattributed), so per unit and window the rows equal the unit's cost exactly.
+  driver_reserved, unattributed, unavailable), so per unit and window the rows equal the unit's cost exactly.
 * **Largest remainder** (Hamilton): every part gets the floor of its exact quota; the micro-dollars left go one
   each to the largest fractional remainders. Ties go to the part that sorts first: units by ``gpu_uuid``, rows by
-  (subject kind POD < IDLE < DRIVER_RESERVED < UNATTRIBUTED, ``pod_uid``), then missing capacity, then node_other.
+  (subject kind POD < IDLE < DRIVER_RESERVED < UNATTRIBUTED < UNAVAILABLE, ``pod_uid``), then missing capacity,
+  then node_other.
   The result does not depend on the input order. Every part is within one micro-dollar of its exact quota, and
   a part whose exact cost is zero gets zero.
 
@@ -60,6 +62,7 @@ _SUBJECT_ORDER = {
     ShareSubjectKind.IDLE: 1,
     ShareSubjectKind.DRIVER_RESERVED: 2,
     ShareSubjectKind.UNATTRIBUTED: 3,
+    ShareSubjectKind.UNAVAILABLE: 4,
 }
 
 
@@ -91,6 +94,8 @@ class NodeFacts:
     gpu_model: str
     units_in_node: int
     physical_gpu_fractions: tuple[tuple[str, Fraction], ...]
+    zone: str = ""
+    provider_id: str = ""
 
     @property
     def physical_gpu_count(self) -> int:
@@ -104,7 +109,7 @@ class NodeFacts:
 
 @dataclass(frozen=True, slots=True)
 class UnitCost:
-    """One priced part of the node: a unit, missing GPU capacity (``gpu_uuid`` None, subject UNATTRIBUTED) or
+    """One priced part of the node: a unit, missing GPU capacity (``gpu_uuid`` None, subject UNAVAILABLE) or
     node_other (``gpu_uuid`` None, subject NODE_OTHER). ``exact_micro_usd`` is the unrounded cost."""
 
     gpu_uuid: str | None
@@ -132,6 +137,8 @@ class NodeBill:
     gpu_cost_micro_usd: int
     node_other_micro_usd: int
     price: NodePrice
+    zone: str = ""
+    provider_id: str = ""
 
     @property
     def key(self) -> NodeWindowKey:
@@ -160,6 +167,8 @@ class NodeBill:
             "billed_seconds": self.billed_seconds,
             "provider": self.provider,
             "region": self.region,
+            "zone": self.zone,
+            "provider_id": self.provider_id,
             "instance_type": self.instance_type,
             "price_model": self.price_model,
             "price_per_hour_usd": float(self.price_per_hour_usd),
@@ -275,7 +284,7 @@ def dedupe_shares(shares: Iterable[GpuShare]) -> tuple[GpuShare, ...]:
 
 
 _NODE_FIELDS = ("window_seconds", "node_covered_seconds", "cloud_provider", "region", "instance_type",
-                "price_model", "units_in_node")
+                "price_model", "units_in_node", "zone", "provider_id")
 _UNIT_FIELDS = ("parent_gpu_uuid", "gpu_model", "gpu_fraction", "rows_in_unit")
 
 
@@ -332,6 +341,8 @@ def node_facts(shares: Sequence[GpuShare]) -> NodeFacts:
         gpu_model=first.gpu_model,
         units_in_node=first.units_in_node,
         physical_gpu_fractions=tuple(sorted(physical.items())),
+        zone=first.zone,
+        provider_id=first.provider_id,
     )
 
 
@@ -372,7 +383,7 @@ def price_node_window(shares: Sequence[GpuShare], price: NodePrice) -> NodeWindo
         (u, None, f, price.gpu_usd_per_hour * f * scale) for u, f in zip(unit_ids, fractions)
     ]
     if missing_fraction > 0:
-        parts.append((None, CostSubjectKind.UNATTRIBUTED, missing_fraction,
+        parts.append((None, CostSubjectKind.UNAVAILABLE, missing_fraction,
                       price.gpu_usd_per_hour * missing_fraction * scale))
     parts.append((None, CostSubjectKind.NODE_OTHER, Fraction(0), price.node_other_usd_per_hour * scale))
 
@@ -430,6 +441,8 @@ def price_node_window(shares: Sequence[GpuShare], price: NodePrice) -> NodeWindo
         gpu_cost_micro_usd=node_micro - node_other_micro,
         node_other_micro_usd=node_other_micro,
         price=price,
+        zone=facts.zone,
+        provider_id=facts.provider_id,
     )
     return NodeWindowCost(costs=tuple(records), bill=bill, parts=tuple(unit_costs))
 

@@ -122,6 +122,8 @@ node_bills = Table(
     Column("node_other_micro_usd", BigInteger, nullable=False),
     Column("price_version", String(255), nullable=False),
     Column("published_at_unix_ms", BigInteger, nullable=True),
+    Column("zone", String(64), nullable=False, server_default=""),
+    Column("provider_id", String(512), nullable=False, server_default=""),
     PrimaryKeyConstraint("window_start_unix_ms", "cluster", "node_name"),
     ForeignKeyConstraint(["price_version"], ["price_versions.price_version"]),
     Index(None, "node_name", "window_start_unix_ms"),
@@ -223,6 +225,22 @@ class CostGroupRow:
     cost_lines: int
 
 
+@dataclass(frozen=True, slots=True)
+class NodePricingRow:
+    """The bills of one node under one price version: its split rule and how its cost divides."""
+
+    cluster: str
+    node_name: str
+    instance_type: str
+    price_model: str
+    split_rule: str
+    price_version: str
+    node_windows: int
+    node_cost_micro_usd: int
+    gpu_cost_micro_usd: int
+    node_other_micro_usd: int
+
+
 def normalize_url(url: str) -> str:
     """``postgres://`` and ``postgresql://`` use the installed psycopg 3 driver."""
     for prefix in ("postgres://", "postgresql://"):
@@ -247,6 +265,8 @@ def _bill_row(bill: NodeBill) -> dict[str, Any]:
         "gpu_cost_micro_usd": bill.gpu_cost_micro_usd,
         "node_other_micro_usd": bill.node_other_micro_usd,
         "price_version": bill.price_version,
+        "zone": bill.zone,
+        "provider_id": bill.provider_id,
     }
 
 
@@ -558,6 +578,26 @@ class Ledger:
             .order_by(node_bills.c.window_start_unix_ms, node_bills.c.cluster, node_bills.c.node_name)
         )
         return tuple(dict(row._mapping) for row in rows)
+
+    def node_pricing(self, *, start_ms: int | None = None, end_ms: int | None = None,
+                     cluster: str | None = None) -> tuple[NodePricingRow, ...]:
+        """Per node and price: which split rule priced its bills and how much of them went to node_other, for
+        windows starting in [start_ms, end_ms)."""
+        rows = self._read(
+            select(node_bills.c.cluster, node_bills.c.node_name, node_bills.c.instance_type,
+                   node_bills.c.price_model, price_versions.c.split_rule, node_bills.c.price_version,
+                   func.count(), func.sum(node_bills.c.node_cost_micro_usd),
+                   func.sum(node_bills.c.gpu_cost_micro_usd), func.sum(node_bills.c.node_other_micro_usd))
+            .join(price_versions, price_versions.c.price_version == node_bills.c.price_version)
+            .where(*self._range(node_bills, start_ms, end_ms, cluster))
+            .group_by(node_bills.c.cluster, node_bills.c.node_name, node_bills.c.instance_type,
+                      node_bills.c.price_model, price_versions.c.split_rule, node_bills.c.price_version)
+            .order_by(node_bills.c.cluster, node_bills.c.node_name, node_bills.c.price_version)
+        )
+        return tuple(
+            NodePricingRow(c, n, it, pm, rule, pv, int(count), int(node), int(gpu), int(other))
+            for c, n, it, pm, rule, pv, count, node, gpu, other in rows
+        )
 
     def iter_cost_lines(self, *, start_ms: int | None = None, end_ms: int | None = None,
                         cluster: str | None = None) -> Iterator[CostRecord]:

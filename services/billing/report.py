@@ -10,6 +10,8 @@ Contract:
 * The **reconciliation** compares the sum of the report's lines with the sum of the node bills, computed by two
   independent queries; the report says "reconciled" only when they are equal to the micro-dollar, and states
   the difference otherwise (and ``gpumeter report`` exits 1).
+* The **pricing** section says, per node and price, which split rule divided its price between its GPUs and
+  ``node_other``, and how much of its bills went to ``node_other`` (a line no team pays).
 * ``format_report(report, fmt)`` renders ``table`` (people), ``csv`` or ``json`` (machines). Money is shown in USD
   with six decimals and, in csv/json, also as exact integer micro-dollars. Pure.
 """
@@ -31,10 +33,17 @@ from gpumeter.clock import Clock, SystemClock
 from gpumeter.errors import ConfigError, GpumeterError
 from schemas.records import CostSubjectKind
 from services.billing.costing import iso_utc
-from services.billing.ledger import DEFAULT_LEDGER_URL, LEDGER_URL_ENV, CostGroupRow, Grouping, Ledger
+from services.billing.ledger import (
+    DEFAULT_LEDGER_URL,
+    LEDGER_URL_ENV,
+    CostGroupRow,
+    Grouping,
+    Ledger,
+    NodePricingRow,
+)
 
 FORMATS = ("table", "csv", "json")
-LINE_ORDER = ("pod", "idle", "driver_reserved", "unattributed", "node_other")
+LINE_ORDER = ("pod", "idle", "driver_reserved", "unattributed", "unavailable", "node_other")
 _KIND_TO_LINE = {kind.value: kind.value.lower() for kind in CostSubjectKind}
 _DURATION_RE = re.compile(r"^\s*(\d+)\s*([smhdw])\s*$")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -66,7 +75,7 @@ def usd_text(micro_usd: int) -> str:
 
 @dataclass(frozen=True, slots=True)
 class ReportLine:
-    """One line: ``kind`` is ``pod`` or a bucket (idle, driver_reserved, unattributed, node_other)."""
+    """One line: ``kind`` is ``pod`` or a bucket (idle, driver_reserved, unattributed, unavailable, node_other)."""
 
     kind: str
     group: str | None
@@ -106,10 +115,15 @@ class Report:
     cluster: str | None
     lines: tuple[ReportLine, ...]
     reconciliation: Reconciliation
+    pricing: tuple[NodePricingRow, ...] = ()
 
     @property
     def total_micro_usd(self) -> int:
         return sum(line.cost_micro_usd for line in self.lines)
+
+    @property
+    def node_other_micro_usd(self) -> int:
+        return sum(row.node_other_micro_usd for row in self.pricing)
 
 
 def report_lines(rows: Sequence[CostGroupRow], grouping: Grouping) -> tuple[ReportLine, ...]:
@@ -144,7 +158,8 @@ def build_report(ledger: Ledger, grouping: Grouping, *, start_ms: int, end_ms: i
         node_bills_micro_usd=totals.bill_micro_usd,
         node_windows=totals.node_windows,
     )
-    return Report(grouping, start_ms, end_ms, cluster, lines, reconciliation)
+    pricing = ledger.node_pricing(start_ms=start_ms, end_ms=end_ms, cluster=cluster)
+    return Report(grouping, start_ms, end_ms, cluster, lines, reconciliation, pricing)
 
 
 def _share_text(part: int, total: int) -> str:
@@ -175,8 +190,22 @@ def _format_table(report: Report) -> str:
 
     rule = "-" * len(render(header))
     out = [_title(report), render(header), rule, *(render(r) for r in body), rule, render(footer),
-           f"reconciliation: {report.reconciliation.statement()}"]
+           *_pricing_lines(report), f"reconciliation: {report.reconciliation.statement()}"]
     return "\n".join(out) + "\n"
+
+
+def _pricing_lines(report: Report) -> list[str]:
+    """How each node's price was split between its GPUs and the rest (node_other, a line no team pays)."""
+    if not report.pricing:
+        return []
+    bills = report.reconciliation.node_bills_micro_usd
+    out = [f"node_other: {usd_text(report.node_other_micro_usd)} USD, "
+           f"{_share_text(report.node_other_micro_usd, bills)} of the node bills; priced per node:"]
+    for row in report.pricing:
+        out.append(f"  {row.node_name} ({row.instance_type}, {row.price_model}): split rule {row.split_rule}, "
+                   f"node_other {_share_text(row.node_other_micro_usd, row.node_cost_micro_usd)} of "
+                   f"{usd_text(row.node_cost_micro_usd)} USD over {row.node_windows} node-windows")
+    return out
 
 
 def _format_csv(report: Report) -> str:
@@ -193,6 +222,11 @@ def _format_csv(report: Report) -> str:
                      rec.node_bills_micro_usd, ""])
     writer.writerow(["reconciliation", "reconciled" if rec.reconciled else "mismatch",
                      usd_text(rec.difference_micro_usd), rec.difference_micro_usd, ""])
+    # One row per node and price: the group names node, instance type, price model and split rule; the money is
+    # the node_other part of its bills, the count its node-windows.
+    for row in report.pricing:
+        writer.writerow(["node_pricing", f"{row.node_name}/{row.instance_type}/{row.price_model}/{row.split_rule}",
+                         usd_text(row.node_other_micro_usd), row.node_other_micro_usd, row.node_windows])
     return buffer.getvalue()
 
 
@@ -211,6 +245,14 @@ def report_as_json(report: Report) -> dict[str, Any]:
         ],
         "total_micro_usd": report.total_micro_usd,
         "total_usd": usd_text(report.total_micro_usd),
+        "node_other_micro_usd": report.node_other_micro_usd,
+        "pricing": [
+            {"cluster": r.cluster, "node": r.node_name, "instance_type": r.instance_type,
+             "price_model": r.price_model, "split_rule": r.split_rule, "price_version": r.price_version,
+             "node_windows": r.node_windows, "node_cost_micro_usd": r.node_cost_micro_usd,
+             "gpu_cost_micro_usd": r.gpu_cost_micro_usd, "node_other_micro_usd": r.node_other_micro_usd}
+            for r in report.pricing
+        ],
         "reconciliation": {
             "lines_total_micro_usd": rec.lines_total_micro_usd,
             "node_bills_micro_usd": rec.node_bills_micro_usd,

@@ -19,7 +19,7 @@ _COPIED_FIELDS = tuple(
 
 @dataclass(frozen=True)
 class NodeFacts:
-    """What the collector knows about its node for pricing (from node labels or configuration)."""
+    """What the collector knows about its node for pricing (``nodefacts``: its Node object, then configuration)."""
 
     cluster: str
     node_name: str
@@ -27,6 +27,8 @@ class NodeFacts:
     region: str
     instance_type: str
     price_model: str
+    zone: str = ""
+    provider_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,8 @@ def assemble_node_sample(
         pod_uids=tuple(pods.values),
         node_errors=tuple(node_errors),
         devices=tuple(devices),
+        zone=facts.zone,
+        provider_id=facts.provider_id,
     )
 
 

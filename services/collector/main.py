@@ -18,6 +18,7 @@ from gpumeter.kafka.producer import RecordProducer
 from gpumeter.metrics import ServiceMetrics
 from services.collector.assemble import NodeFacts
 from services.collector.cgroup import ProcessIdentityCache
+from services.collector.nodefacts import NodeFactOverrides, NodeReadError, node_facts_from_node, read_node_object
 from services.collector.podresources.client import PodResourcesClient
 from services.collector.publisher import BufferedPublisher
 from services.collector.service import CollectorService
@@ -60,7 +61,7 @@ async def run(settings: CollectorSettings) -> int:
         await simulated.start()
         clock = simulated.clock
         backend = simulated.backend
-        facts = simulated.facts
+        overrides = simulated.overrides
         proc_root = simulated.proc_root
         kubelet_socket = simulated.kubelet_socket
         kube_api = simulated.apiserver.url
@@ -72,12 +73,14 @@ async def run(settings: CollectorSettings) -> int:
 
         clock = SystemClock()
         backend = NvmlBackend(pynvml, clock, sharing_by_gpu_uuid=parse_sharing(settings.sharing_config))
-        facts = NodeFacts(settings.cluster, settings.node_name, settings.cloud_provider, settings.region,
-                          settings.instance_type, settings.price_model)
+        overrides = settings.node_fact_overrides
         proc_root = settings.proc_root
         kubelet_socket = settings.kubelet_socket
         kube_api = settings.kube_api
         interval_seconds = settings.interval_seconds
+
+    api_client = await _api_client(kube_api)
+    facts, node_read = await _node_facts(api_client, settings.cluster, settings.node_name, overrides)
 
     delivery_timeout_ms = int(settings.delivery_timeout_seconds * 1000)
     publisher = BufferedPublisher(lambda: RecordProducer(settings.kafka, request_timeout_ms=delivery_timeout_ms),
@@ -92,7 +95,8 @@ async def run(settings: CollectorSettings) -> int:
     )
     publisher.start()
     tasks = [asyncio.create_task(_refresh_loop(service, settings.kubelet_refresh_seconds, stop))]
-    api_client = await _api_client(kube_api)
+    if api_client is not None and not node_read:
+        tasks.append(asyncio.create_task(_node_facts_retry(service, api_client, overrides, stop)))
     if api_client is not None:
         from services.collector.podwatch import PodWatcher
 
@@ -126,6 +130,54 @@ async def _refresh_loop(service: CollectorService, every_s: float, stop: asyncio
             await asyncio.wait_for(stop.wait(), every_s)
         except asyncio.TimeoutError:
             pass
+
+
+NODE_READ_ATTEMPTS = 3
+NODE_READ_RETRY_SECONDS = 60.0
+
+
+async def _node_facts(api_client, cluster: str, node_name: str, overrides: NodeFactOverrides
+                      ) -> tuple[NodeFacts, bool]:
+    """The node's facts from its Node object (a few tries), configuration overriding; whether the Node was read."""
+    node = None
+    if api_client is not None:
+        for attempt in range(NODE_READ_ATTEMPTS):
+            try:
+                node = await read_node_object(api_client, node_name)
+                break
+            except NodeReadError as exc:
+                log.warning("%s (attempt %d of %d)", exc, attempt + 1, NODE_READ_ATTEMPTS)
+                if attempt + 1 < NODE_READ_ATTEMPTS:
+                    await asyncio.sleep(1.0 * (attempt + 1))
+    resolved = node_facts_from_node(cluster, node_name, node, overrides)
+    _log_facts(resolved, node is not None)
+    return resolved.facts, node is not None
+
+
+def _log_facts(resolved, node_read: bool) -> None:
+    facts = resolved.facts
+    log.info("node facts%s: %s", "" if node_read else " (Node object not read: configuration and defaults only)",
+             ", ".join(f"{name}={getattr(facts, name)!r} ({source})" for name, source in resolved.sources.items()))
+
+
+async def _node_facts_retry(service: CollectorService, api_client, overrides: NodeFactOverrides,
+                            stop: asyncio.Event) -> None:
+    """Keep trying to read the Node after a failed start, and switch to its facts once it is read."""
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), NODE_READ_RETRY_SECONDS)
+            return
+        except asyncio.TimeoutError:
+            pass
+        try:
+            node = await read_node_object(api_client, service.facts.node_name)
+        except NodeReadError as exc:
+            log.warning("%s; still using the configured node facts", exc)
+            continue
+        resolved = node_facts_from_node(service.facts.cluster, service.facts.node_name, node, overrides)
+        _log_facts(resolved, True)
+        service.facts = resolved.facts
+        return
 
 
 async def _api_client(kube_api: str):

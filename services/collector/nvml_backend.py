@@ -94,6 +94,7 @@ class RawDeviceSample:
     process_pids: tuple[int, ...]
     process_used_memory_bytes: tuple[int, ...]
     process_sm_utilization_percent: tuple[int, ...]
+    mps_server_pids: tuple[int, ...] = ()
 
     def to_device_sample(
         self, process_container_index: tuple[int, ...], process_pod_index: tuple[int, ...]
@@ -329,14 +330,24 @@ class NvmlBackend:
                 used -= reserved
         return total, used, free, reserved
 
-    def _read_processes(self, call: _Calls, handle: Any, *, with_mps: bool) -> tuple[dict[int, int], bool]:
-        """pid → usedGpuMemory (-1 unknown), in NVML order; and whether MPS clients were listed."""
+    def _read_processes(
+        self, call: _Calls, handle: Any, *, with_mps: bool, mps_configured: bool = False
+    ) -> tuple[dict[int, int], bool, tuple[int, ...]]:
+        """pid → usedGpuMemory (-1 unknown), in NVML order; whether MPS clients were listed; the MPS server pids.
+
+        On an MPS GPU the compute list holds the MPS server(s) and the MPS list the clients: a compute-list pid
+        that is no client is a server, when clients were listed or the GPU is configured as MPS.
+        """
         memory: dict[int, int] = {}
         listed = call("nvmlDeviceGetComputeRunningProcesses", handle)
+        compute_pids: list[int] = []
         mps_clients = False
         if listed is not _FAILED:
             for p in listed:
-                memory.setdefault(int(p.pid), -1 if p.usedGpuMemory is None else int(p.usedGpuMemory))
+                pid = int(p.pid)
+                compute_pids.append(pid)
+                memory.setdefault(pid, -1 if p.usedGpuMemory is None else int(p.usedGpuMemory))
+        client_pids: set[int] = set()
         if with_mps:
             clients = call(
                 "nvmlDeviceGetMPSComputeRunningProcesses",
@@ -346,8 +357,13 @@ class NvmlBackend:
             if clients is not _FAILED and clients:
                 mps_clients = True
                 for p in clients:
-                    memory.setdefault(int(p.pid), -1 if p.usedGpuMemory is None else int(p.usedGpuMemory))
-        return memory, mps_clients
+                    pid = int(p.pid)
+                    client_pids.add(pid)
+                    memory.setdefault(pid, -1 if p.usedGpuMemory is None else int(p.usedGpuMemory))
+        servers: tuple[int, ...] = ()
+        if mps_clients or mps_configured:
+            servers = tuple(dict.fromkeys(pid for pid in compute_pids if pid not in client_pids))
+        return memory, mps_clients, servers
 
     def _read_sm(self, call: _Calls, handle: Any, uuid: str, pids: list[int]) -> tuple[bool, tuple[int, ...]]:
         last_seen = self._last_seen_us.get(uuid, 0)
@@ -372,8 +388,10 @@ class NvmlBackend:
         total, used, free, reserved = self._read_memory(call, handle)
         util = call("nvmlDeviceGetUtilizationRates", handle)
         power = call("nvmlDeviceGetPowerUsage", handle)
-        memory, mps_clients = self._read_processes(call, handle, with_mps=True)
         mode, replicas = self._configured(uuid)
+        memory, mps_clients, mps_servers = self._read_processes(
+            call, handle, with_mps=True, mps_configured=mode == SharingMode.MPS
+        )
         if mps_clients and mode != SharingMode.MPS:
             mode, replicas = SharingMode.MPS, 1
         elif mode == SharingMode.MIG:
@@ -400,6 +418,7 @@ class NvmlBackend:
             mig_compute_slices=0,
             mig_total_compute_slices=0,
             **_readings(call, (total, used, free, reserved), util, power, memory, pids, supported, sm),
+            mps_server_pids=mps_servers,
         )
 
     # ---- MIG ------------------------------------------------------------------------------------------------
@@ -429,8 +448,14 @@ class NvmlBackend:
         util = call("nvmlDeviceGetUtilizationRates", handle, expected=(self._not_supported,))
         power = call("nvmlDeviceGetPowerUsage", handle)
         max_count = call("nvmlDeviceGetMaxMigDeviceCount", handle)
-        max_count = 0 if max_count is _FAILED else int(max_count)
         profiles = self._profile_infos(call, handle, uuid)
+        if max_count is _FAILED:
+            # Still look for the instances: no GPU has more MIG devices than compute slices, and the instances
+            # seen before are still there (a GPU read as having none would turn them into idle capacity).
+            known_count = max(self._migs.get(uuid, {}), default=-1) + 1
+            max_count = max(max((p.slices for p in profiles), default=0), known_count)
+        else:
+            max_count = int(max_count)
         total_slices = max((p.slices for p in profiles), default=max_count)
         instances: list[RawDeviceSample] = []
         identities: dict[int, _MigIdentity] = {}
@@ -440,8 +465,17 @@ class NvmlBackend:
             if call.lost:
                 break
             if mig_handle is _FAILED:
+                previous = known.get(mig_index)
+                if call.last_code != self._not_found and previous is not None:
+                    # The instance exists (it did last tick) but cannot be read now: report it, unreadable, so its
+                    # capacity is not mistaken for idle slices of the parent.
+                    instances.append(self._unreadable_instance(index, uuid, model, previous, total_slices,
+                                                               call.errors[-1:]))
+                    identities[mig_index] = previous
                 continue
-            sample, identity = self._read_mig_device(index, uuid, model, mig_index, mig_handle, profiles, known, call)
+            sample, identity = self._read_mig_device(
+                index, uuid, model, mig_index, mig_handle, profiles, known, call, total_slices
+            )
             if call.lost:
                 break
             if sample is not None and identity is not None:
@@ -488,6 +522,7 @@ class NvmlBackend:
         profiles: tuple[_ProfileInfo, ...],
         known: Mapping[int, _MigIdentity],
         parent_call: _Calls,
+        total_slices: int,
     ) -> tuple[RawDeviceSample | None, _MigIdentity | None]:
         call = _Calls(self)
         uuid = call("nvmlDeviceGetUUID", handle)
@@ -504,7 +539,14 @@ class NvmlBackend:
         ci = call("nvmlDeviceGetComputeInstanceId", handle)
         attributes = call("nvmlDeviceGetAttributes", handle)
         name = call("nvmlDeviceGetName", handle)
-        slices = 0 if attributes is _FAILED else int(attributes.gpuInstanceSliceCount)
+        # The compute instance's slices are what its processes can run on; its GPU instance's count stands in
+        # where a driver leaves the compute count 0. A GPU-instance slice in no compute instance is capacity no
+        # process can use: it stays with the parent's unassigned (idle) capacity.
+        slices = 0
+        if attributes is not _FAILED:
+            slices = int(getattr(attributes, "computeInstanceSliceCount", 0) or 0) or int(
+                attributes.gpuInstanceSliceCount
+            )
         profile: str | None = None
         if name is not _FAILED:
             match = _MIG_NAME.search(str(name))
@@ -526,7 +568,7 @@ class NvmlBackend:
         total, used, free, reserved = self._read_memory(call, handle)
         util = call("nvmlDeviceGetUtilizationRates", handle, expected=(self._not_supported,))
         power = call("nvmlDeviceGetPowerUsage", handle, expected=(self._not_supported,))
-        memory, _ = self._read_processes(call, handle, with_mps=False)
+        memory, _, _ = self._read_processes(call, handle, with_mps=False)
         pids = list(memory)
         if call.lost:
             parent_call.lost = True
@@ -557,12 +599,22 @@ class NvmlBackend:
             mig_compute_instance_id=identity.compute_instance_id,
             mig_profile=profile,
             mig_compute_slices=slices,
-            mig_total_compute_slices=0,
+            mig_total_compute_slices=total_slices,
             **_readings(call, (total, used, free, reserved), util, power, memory, pids, supported, sm),
         )
         return sample, identity
 
     # ---- unreadable GPUs ------------------------------------------------------------------------------------
+
+    def _unreadable_instance(
+        self, index: int, parent_uuid: str, model: str, mig: _MigIdentity, total_slices: int,
+        errors: list[NvmlError],
+    ) -> RawDeviceSample:
+        return _empty_sample(
+            uuid=mig.uuid, parent_uuid=parent_uuid, index=index, model=model, mode=SharingMode.MIG, replicas=1,
+            total_slices=total_slices, errors=tuple(errors), gpu_instance_id=mig.gpu_instance_id,
+            compute_instance_id=mig.compute_instance_id, profile=mig.profile, slices=mig.compute_slices,
+        )
 
     def _placeholders(self, index: int, errors: list[NvmlError], uuid: str | None = None) -> list[RawDeviceSample]:
         """The GPU at ``index`` (and its MIG devices) as last identified, carrying ``errors`` and no readings.
@@ -597,7 +649,7 @@ class NvmlBackend:
                     model=known.model,
                     mode=SharingMode.MIG,
                     replicas=1,
-                    total_slices=0,
+                    total_slices=known.mig_total_compute_slices,
                     errors=tuple(errors),
                     gpu_instance_id=mig.gpu_instance_id,
                     compute_instance_id=mig.compute_instance_id,

@@ -9,6 +9,7 @@ from typing import Any, Mapping
 
 from gpumeter.errors import ConfigError
 from gpumeter.settings import KafkaSettings
+from services.collector.nodefacts import NodeFactOverrides
 
 
 @dataclass(frozen=True)
@@ -24,10 +25,14 @@ class CollectorSettings:
     kubelet_refresh_seconds: float = 10.0
     proc_root: Path = Path("/proc")
     kube_api: str = "in-cluster"  # "in-cluster", "none", or an API server URL
-    cloud_provider: str = "unknown"
-    region: str = "unknown"
-    instance_type: str = "unknown"
-    price_model: str = "on_demand"
+    # Node facts the configuration sets (the ConfigMap): each one set here overrides the node's own (its Node
+    # object's labels and providerID, read at start); None leaves it to the Node.
+    cloud_provider: str | None = None
+    region: str | None = None
+    zone: str | None = None
+    instance_type: str | None = None
+    price_model: str | None = None
+    provider_id: str | None = None
     sharing_config: str = ""  # "<gpu uuid or *>=<exclusive|time_slicing:N|mps:N>[,...]" for facts NVML lacks
     buffer_max_records: int = 10_000
     delivery_timeout_seconds: float = 10.0  # past this an unacknowledged record is resent from the buffer
@@ -42,10 +47,15 @@ class CollectorSettings:
             raise ConfigError("interval must be positive")
         if self.time_scale <= 0:
             raise ConfigError("time scale must be positive")
-        if self.price_model not in ("on_demand", "spot", "committed"):
+        if self.price_model is not None and self.price_model not in ("on_demand", "spot", "committed"):
             raise ConfigError(f"price model {self.price_model!r} is not on_demand, spot or committed")
         if self.buffer_max_records < 1:
             raise ConfigError("buffer must hold at least one record")
+
+    @property
+    def node_fact_overrides(self) -> NodeFactOverrides:
+        return NodeFactOverrides(self.cloud_provider, self.region, self.zone, self.instance_type, self.price_model,
+                                 self.provider_id)
 
     def describe(self) -> dict[str, Any]:
         view = {k: (str(v) if isinstance(v, Path) else v) for k, v in self.__dict__.items() if k != "kafka"}
@@ -64,8 +74,10 @@ _ENV = {
     "kube_api": ("GPUMETER_KUBE_API", str),
     "cloud_provider": ("GPUMETER_CLOUD_PROVIDER", str),
     "region": ("GPUMETER_REGION", str),
+    "zone": ("GPUMETER_ZONE", str),
     "instance_type": ("GPUMETER_INSTANCE_TYPE", str),
     "price_model": ("GPUMETER_PRICE_MODEL", str),
+    "provider_id": ("GPUMETER_PROVIDER_ID", str),
     "sharing_config": ("GPUMETER_SHARING", str),
     "buffer_max_records": ("GPUMETER_BUFFER_MAX_RECORDS", int),
     "delivery_timeout_seconds": ("GPUMETER_DELIVERY_TIMEOUT_SECONDS", float),

@@ -22,9 +22,10 @@ from gpumeter.clock import Clock, ManualClock, SystemClock
 from schemas.records import NodeSample, PodEvent, PodEventType, SharingMode
 from services.collector.assemble import NodeFacts, TickInfo, assemble_node_sample
 from services.collector.cgroup import ProcessIdentityCache
+from services.collector.nodefacts import NodeFactOverrides, node_facts_from_node
 from services.collector.nvml_backend import NvmlBackend
 from services.collector.pods import pod_event_from_object, with_assignments
-from services.collector.sim.apiserver import make_pod_object
+from services.collector.sim.apiserver import make_node_object, make_pod_object
 from services.collector.sim.fake_pynvml import FakeNvml
 from services.collector.sim.scenario import NodeSpec, Scenario
 from services.collector.sim.world import SimPod, SimWorld
@@ -53,9 +54,25 @@ class ScaledClock:
         return self.now_ms() / 1000.0
 
 
+def node_object(node: NodeSpec) -> dict:
+    """The scenario node as the Kubernetes API server would serialise its Node object."""
+    return make_node_object(node.name, provider=node.cloud_provider, region=node.region, zone=node.zone,
+                            instance_type=node.instance_type, price_model=node.price_model,
+                            provider_id=node.provider_id, labels=node.labels)
+
+
+def node_overrides(node: NodeSpec) -> NodeFactOverrides:
+    """What the node's collector ConfigMap must say because the Node object cannot: the provider of a node
+    without a cloud providerID, and a committed-use price where the provider has no label for it."""
+    return NodeFactOverrides(
+        cloud_provider=node.cloud_provider if not node.provider_id else None,
+        price_model=node.price_model if node.price_model == "committed" and node.cloud_provider != "aws" else None,
+    )
+
+
 def node_facts(scenario: Scenario, node: NodeSpec) -> NodeFacts:
-    return NodeFacts(scenario.cluster, node.name, node.cloud_provider, node.region, node.instance_type,
-                     node.price_model)
+    """The facts the collector derives for ``node``: from its Node object, with its ConfigMap's overrides."""
+    return node_facts_from_node(scenario.cluster, node.name, node_object(node), node_overrides(node)).facts
 
 
 def sharing_config(node: NodeSpec) -> dict[str, tuple[SharingMode, int]]:
@@ -181,11 +198,12 @@ class SimulatedNode:
                                    sharing_by_gpu_uuid=sharing_config(self.node))
 
     @property
-    def facts(self) -> NodeFacts:
-        return node_facts(self.scenario, self.node)
+    def overrides(self) -> NodeFactOverrides:
+        return node_overrides(self.node)
 
     async def start(self) -> None:
         await self.kubelet.start()
+        self.apiserver.put_node(node_object(self.node))
         await self.apiserver.start()
         self._api_started = True
         await self.sync(self.clock.now_ms())

@@ -4,6 +4,8 @@ It is a protocol peer, not a mock: the collector's ``PodWatcher`` (through kuber
 to a real API server, and the collector's simulate mode runs a node's pods on it. What it implements, as the real
 server does:
 
+* ``GET /api/v1/nodes/{name}``: the Node object put with ``put_node`` (404 ``Status`` for another name), which
+  the collector reads for its node's facts;
 * ``GET /api/v1/pods`` and ``GET /api/v1/namespaces/{ns}/pods``: a ``PodList`` with ``metadata.resourceVersion``;
   ``fieldSelector`` (``=``, ``==``, ``!=`` over the pod fields the real server supports; others → 400),
   ``labelSelector`` accepted and ignored; ``limit``/``continue`` paging over a consistent snapshot, items ordered by
@@ -186,6 +188,7 @@ class FakeApiServer:
         self._resource_version = initial_resource_version
         self._compacted_resource_version = initial_resource_version
         self._pods: dict[str, dict[str, Any]] = {}
+        self._nodes: dict[str, dict[str, Any]] = {}
         self._history: list[_Change] = []
         self._snapshots: dict[int, list[dict[str, Any]]] = {}
         self._watches: set[_Watch] = set()
@@ -204,6 +207,7 @@ class FakeApiServer:
         app = web.Application(middlewares=[self._middleware])
         app.router.add_get("/api/v1/pods", self._handle_pods)
         app.router.add_get("/api/v1/namespaces/{namespace}/pods", self._handle_pods)
+        app.router.add_get("/api/v1/nodes/{name}", self._handle_node)
         app.router.add_route("*", "/{tail:.*}", self._handle_not_found)
         self._runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=0.5)
         await self._runner.setup()
@@ -385,6 +389,21 @@ class FakeApiServer:
 
     async def _handle_not_found(self, request: web.Request) -> web.StreamResponse:
         return _status_response(404, "NotFound", "the server could not find the requested resource")
+
+    async def _handle_node(self, request: web.Request) -> web.StreamResponse:
+        name = request.match_info["name"]
+        node = self._nodes.get(name)
+        if node is None:
+            return _status_response(404, "NotFound", f'nodes "{name}" not found')
+        return web.json_response(node)
+
+    def put_node(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        """Serve ``obj`` (a Node object) at ``GET /api/v1/nodes/<its name>``, replacing one of the same name."""
+        node = json.loads(json.dumps(obj))
+        self._resource_version += 1
+        node.setdefault("metadata", {})["resourceVersion"] = str(self._resource_version)
+        self._nodes[node["metadata"]["name"]] = node
+        return node
 
     async def _handle_pods(self, request: web.Request) -> web.StreamResponse:
         namespace = request.match_info.get("namespace")
@@ -827,3 +846,52 @@ def _short_hash(text: str, length: int) -> str:
 def _ip_from(text: str, prefix: str) -> str:
     digest = hashlib.sha256(text.encode("utf-8")).digest()
     return f"{prefix}.{digest[0]}.{min(max(digest[1], 1), 254)}"
+
+
+# The capacity-type labels each provider's node pools carry for a price model (see services/collector/nodefacts.py).
+_CAPACITY_LABELS: Mapping[tuple[str, str], Mapping[str, str]] = {
+    ("aws", "spot"): {"karpenter.sh/capacity-type": "spot", "eks.amazonaws.com/capacityType": "SPOT"},
+    ("aws", "on_demand"): {"karpenter.sh/capacity-type": "on-demand", "eks.amazonaws.com/capacityType": "ON_DEMAND"},
+    ("aws", "committed"): {"karpenter.sh/capacity-type": "reserved"},
+    ("gcp", "spot"): {"cloud.google.com/gke-spot": "true"},
+    ("azure", "spot"): {"kubernetes.azure.com/scalesetpriority": "spot"},
+}
+
+
+def make_node_object(
+    name: str,
+    *,
+    provider: str,
+    region: str,
+    zone: str,
+    instance_type: str,
+    price_model: str,
+    provider_id: str,
+    labels: Mapping[str, str] = MappingProxyType({}),
+) -> dict[str, Any]:
+    """A Node object as a managed cluster of ``provider`` serialises it: the well-known topology and
+    instance-type labels, the provider's capacity-type label for ``price_model`` (where it has one: GKE and AKS
+    label spot only, Karpenter also reserved capacity), ``spec.providerID``, plus ``labels``."""
+    node_labels = {
+        "kubernetes.io/hostname": name,
+        "kubernetes.io/os": "linux",
+        "kubernetes.io/arch": "amd64",
+        "node.kubernetes.io/instance-type": instance_type,
+        "topology.kubernetes.io/region": region,
+        "nvidia.com/gpu.present": "true",
+    }
+    if zone:
+        node_labels["topology.kubernetes.io/zone"] = zone
+    node_labels.update(_CAPACITY_LABELS.get((provider, price_model), {}))
+    node_labels.update(labels)
+    spec: dict[str, Any] = {}
+    if provider_id:
+        spec["providerID"] = provider_id
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": name, "uid": str(uuid.UUID(bytes=hashlib.sha256(name.encode()).digest()[:16])),
+                     "labels": node_labels},
+        "spec": spec,
+        "status": {"nodeInfo": {"kubeletVersion": "v1.34.2", "containerRuntimeVersion": "containerd://2.1.4"}},
+    }

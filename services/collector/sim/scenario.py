@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from types import MappingProxyType
@@ -280,6 +280,9 @@ class NodeSpec:
     uptime_seconds_at_start: int
     gpus: tuple[GpuSpec, ...]
     faults: tuple[GpuLostFault | NvmlErrorFault, ...]
+    zone: str = ""
+    provider_id: str = ""
+    labels: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
 
 
 @dataclass(frozen=True, slots=True)
@@ -472,6 +475,27 @@ def deterministic_gpu_uuid(seed: int, node: str, index: int) -> str:
 
 def deterministic_mig_uuid(seed: int, gpu_uuid: str, gpu_instance_id: int) -> str:
     return "MIG-" + _uuid_text(_digest(seed, "mig", gpu_uuid, gpu_instance_id))
+
+
+def default_zone(provider: str, region: str) -> str:
+    """The zone a node of ``provider`` in ``region`` is given when the scenario names none (each provider's own
+    zone naming: ``us-east-1a``, ``us-central1-a``, ``eastus-1``; none on premises)."""
+    return {"aws": f"{region}a", "gcp": f"{region}-a", "azure": f"{region}-1"}.get(provider, "")
+
+
+def deterministic_provider_id(seed: int, provider: str, zone: str, node: str) -> str:
+    """A ``spec.providerID`` in the provider's own form, from the seed (empty on premises)."""
+    digest = _digest(seed, "provider-id", node).hex()
+    if provider == "aws":
+        return f"aws:///{zone}/i-0{digest[:16]}"
+    if provider == "gcp":
+        return f"gce://gpumeter-sim-{digest[:6]}/{zone}/{node}"
+    if provider == "azure":
+        subscription = _uuid_text(_digest(seed, "azure-subscription"))
+        return (f"azure:///subscriptions/{subscription}/resourceGroups/mc_gpumeter-sim/providers/"
+                f"Microsoft.Compute/virtualMachineScaleSets/aks-gpu-{digest[:8]}-vmss/virtualMachines/"
+                f"{int(digest[8:12], 16) % 100}")
+    return ""
 
 
 def deterministic_pod_uid(seed: int, namespace: str, name: str) -> str:
@@ -812,10 +836,13 @@ def _read_nodes(raw: Any, seed: int, duration: float) -> tuple[NodeSpec, ...]:
             raise ScenarioError(m.sub("name"), f"node {name!r} is defined twice")
         names.add(name)
         gpus = _read_gpus(m.get("gpus"), m.sub("gpus"), name, seed)
+        provider = _choice(m.get("cloud_provider", "aws"), m.sub("cloud_provider"), CLOUD_PROVIDERS)
+        region = _str(m.get("region"), m.sub("region"))
+        zone = _str(m.get("zone"), m.sub("zone")) if m.has("zone") else default_zone(provider, region)
         node = NodeSpec(
             name=name,
-            cloud_provider=_choice(m.get("cloud_provider", "aws"), m.sub("cloud_provider"), CLOUD_PROVIDERS),
-            region=_str(m.get("region"), m.sub("region")),
+            cloud_provider=provider,
+            region=region,
             instance_type=_str(m.get("instance_type"), m.sub("instance_type")),
             price_model=_choice(m.get("price_model", "on_demand"), m.sub("price_model"), PRICE_MODELS),
             cgroup_driver=_choice(m.get("cgroup_driver", "systemd"), m.sub("cgroup_driver"), CGROUP_DRIVERS),
@@ -828,6 +855,10 @@ def _read_nodes(raw: Any, seed: int, duration: float) -> tuple[NodeSpec, ...]:
             ),
             gpus=gpus,
             faults=_read_node_faults(m.get("faults", []), m.sub("faults"), gpus, duration),
+            zone=zone,
+            provider_id=(_str(m.get("provider_id"), m.sub("provider_id")) if m.has("provider_id")
+                         else deterministic_provider_id(seed, provider, zone, name)),
+            labels=_str_map(m.get("labels", {}), m.sub("labels")),
         )
         m.done()
         nodes.append(node)

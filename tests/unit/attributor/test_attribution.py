@@ -193,9 +193,10 @@ def test_assigned_pod_without_processes_gets_a_row():
     shares = attribute_node_window(window([node_sample(W0, [dev], pod_uids=["a"])]), pods, AttributionPolicy())
     rows = by_subject(shares)
     assert rows["b"].memory_share == 0.0 and rows["b"].compute_share == 0.0 and rows["b"].cost_share == 0.0
-    assert {s.rows_in_unit for s in shares} == {5}
+    assert {s.rows_in_unit for s in shares} == {6}  # 2 pods + 4 buckets
     assert [s.subject_kind for s in shares] == [ShareSubjectKind.POD] * 2 + [
-        ShareSubjectKind.IDLE, ShareSubjectKind.DRIVER_RESERVED, ShareSubjectKind.UNATTRIBUTED
+        ShareSubjectKind.IDLE, ShareSubjectKind.DRIVER_RESERVED, ShareSubjectKind.UNATTRIBUTED,
+        ShareSubjectKind.UNAVAILABLE,
     ]
 
 
@@ -248,18 +249,21 @@ def test_exclusive_owner_pays_only_for_the_ticks_it_held_the_gpu():
     assert rows[ShareSubjectKind.IDLE].cost_share == pytest.approx(1 - owned, abs=TOL)
 
 
-def test_exclusive_owner_pays_even_when_another_pod_uses_its_gpu():
-    # A pod that sees every GPU (NVIDIA_VISIBLE_DEVICES=all) runs on the owner's GPU: its usage is reported, the
-    # owner still pays the GPU it reserved.
+def test_a_pod_leaking_onto_an_exclusive_gpu_pays_for_its_use_and_the_owner_the_rest():
+    # A pod that sees every GPU (NVIDIA_VISIBLE_DEVICES=all) runs on the owner's GPU: it pays what it used (the
+    # larger of its memory and compute fractions), the owner the rest of the GPU it reserved.
     total, owner_mem, rogue_mem = 80 * GIB, 10 * GIB, 30 * GIB
     pods = index_of(pod_event("owner", devices=[("nvidia.com/gpu", ["GPU-0"])]), pod_event("rogue"))
     dev = device(total=total, used=owner_mem + rogue_mem, util=100, mode=SharingMode.EXCLUSIVE,
                  procs=[(0, owner_mem, 20), (1, rogue_mem, 80)])
-    rows = by_subject(attribute_node_window(window([node_sample(W0, [dev], pod_uids=["owner", "rogue"])]), pods,
-                                            AttributionPolicy()))
-    assert rows["owner"].cost_share == pytest.approx(1.0, abs=TOL) and rows["rogue"].cost_share == 0.0
-    assert rows["rogue"].memory_share == pytest.approx(rogue_mem / total, abs=TOL)
-    assert rows["rogue"].compute_share == pytest.approx(80 / 100, abs=TOL)
+    for basis in ("memory", "compute", "blend:0.3"):
+        rows = by_subject(attribute_node_window(window([node_sample(W0, [dev], pod_uids=["owner", "rogue"])]),
+                                                pods, AttributionPolicy.parse(basis)))
+        assert rows["rogue"].memory_share == pytest.approx(rogue_mem / total, abs=TOL)
+        assert rows["rogue"].compute_share == pytest.approx(80 / 100, abs=TOL)
+        assert rows["rogue"].cost_share == pytest.approx(max(rogue_mem / total, 0.8), abs=TOL), basis
+        assert rows["owner"].cost_share == pytest.approx(1 - 0.8, abs=TOL), basis
+        assert rows[ShareSubjectKind.IDLE].cost_share == 0.0
 
 
 def test_mode_conflict_is_reported_with_its_evidence():
@@ -506,15 +510,40 @@ def test_unknown_utilization_everywhere_leaves_compute_unattributed():
 
 
 def test_ticks_without_memory_info_do_not_count_for_memory():
+    # The GPU works (utilization and processes are read) but its memory info failed: that tick's memory is
+    # unknown, not empty, so it leaves the mean; compute still counts it.
     total, mem = 80 * GIB, 20 * GIB
     good = device(total=total, used=mem, util=40, procs=[(0, mem, 40)])
-    lost = device(total=0, used=0, util=None, per_process_supported=False,
-                  errors=[NvmlError("nvmlDeviceGetMemoryInfo_v2", "GPU_IS_LOST", "lost")])
-    samples = [node_sample(W0 + 1000, [good], pod_uids=["a"]), node_sample(W0 + 2000, [lost])]
-    rows = by_subject(attribute_node_window(window(samples), PodIndex.empty(), AttributionPolicy()))
+    no_memory = device(total=0, used=0, util=60, procs=[(0, mem, 60)],
+                       errors=[NvmlError("nvmlDeviceGetMemoryInfo", "UNKNOWN", "unknown error")])
+    samples = [node_sample(W0 + 1000, [good], pod_uids=["a"]), node_sample(W0 + 2000, [no_memory], pod_uids=["a"])]
+    unit = split_units(window(samples))[0]
+    detail = attribute_unit_detailed(unit, PodIndex.empty(), AttributionPolicy())
+    rows = by_subject(detail.rows)
     assert rows["a"].memory_share == pytest.approx(mem / total, abs=TOL)
-    assert rows["a"].compute_share == pytest.approx(0.4, abs=TOL)
+    assert rows["a"].compute_share == pytest.approx(0.5, abs=TOL)
+    assert rows[ShareSubjectKind.UNAVAILABLE].memory_share == 0.0
     assert rows["a"].sample_count == 2
+    assert detail.quality.ticks_memory_invalid == 1 and detail.quality.ticks_unavailable == 0
+
+
+def test_ticks_of_a_lost_gpu_go_to_unavailable_and_its_owner_does_not_pay_them():
+    total, mem = 80 * GIB, 20 * GIB
+    pods = index_of(pod_event("a", devices=[("nvidia.com/gpu", ["GPU-0"])]))
+    good = device(total=total, used=mem, util=40, mode=SharingMode.EXCLUSIVE, procs=[(0, mem, 40)])
+    lost = device(total=0, used=0, util=None, per_process_supported=False, mode=SharingMode.EXCLUSIVE,
+                  errors=[NvmlError("nvmlDeviceGetMemoryInfo_v2", "GPU_IS_LOST", "lost")])
+    samples = [node_sample(W0 + 1000 * k, [good], pod_uids=["a"]) for k in range(1, 4)]
+    samples += [node_sample(W0 + 1000 * k, [lost]) for k in range(4, 5)]
+    unit = split_units(window(samples))[0]
+    detail = attribute_unit_detailed(unit, pods, AttributionPolicy())
+    rows = by_subject(detail.rows)
+    assert rows["a"].memory_share == pytest.approx(0.75 * mem / total, abs=TOL)
+    assert rows["a"].compute_share == pytest.approx(0.75 * 0.4, abs=TOL)
+    assert rows["a"].cost_share == pytest.approx(0.75, abs=TOL)
+    for field in ("memory_share", "compute_share", "cost_share"):
+        assert getattr(rows[ShareSubjectKind.UNAVAILABLE], field) == pytest.approx(0.25, abs=TOL)
+    assert detail.quality.ticks_unavailable == 1
 
 
 def test_absurd_values_are_clamped_and_counted():
@@ -551,9 +580,9 @@ def test_node_fields_and_counts():
     samples = [node_sample(W0 + k * 1500, devs, interval_ms=1500) for k in range(30)]
     detail = attribute_node_window_detailed(window(samples), PodIndex.empty(), AttributionPolicy())
     shares = detail.shares
-    assert len(shares) == 3 * 3  # three units, three buckets each
+    assert len(shares) == 3 * 4  # three units, four buckets each
     assert {s.units_in_node for s in shares} == {3}
-    assert {s.rows_in_unit for s in shares} == {3}
+    assert {s.rows_in_unit for s in shares} == {4}
     assert {s.node_covered_seconds for s in shares} == {min(30 * 1.5, 60)}
     assert {(s.cloud_provider, s.region, s.instance_type, s.price_model) for s in shares} == {
         ("aws", "us-east-1", "p5.48xlarge", "on_demand")
@@ -561,7 +590,7 @@ def test_node_fields_and_counts():
     assert {(s.cluster, s.node_name, s.window_start_unix_ms, s.window_seconds) for s in shares} == {
         ("c1", "node-a", W0, 60)
     }
-    assert [s.gpu_uuid for s in shares[::3]] == ["GPU-0", "GPU-1", "GPU-2"]
+    assert [s.gpu_uuid for s in shares[::4]] == ["GPU-0", "GPU-1", "GPU-2"]
     assert [u.kind for u in detail.units] == [UnitKind.GPU] * 3
     # Partial coverage: 10 ticks of 1.5 s.
     partial = attribute_node_window(window(samples[:10]), PodIndex.empty(), AttributionPolicy())

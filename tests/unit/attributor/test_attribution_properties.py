@@ -25,7 +25,8 @@ from tests.unit.attributor import GIB, device, node_sample, pod_event
 WINDOW_S = 60
 START = 1_700_000_040_000 - (1_700_000_040_000 % (WINDOW_S * 1000))
 TOL = 1e-9
-BUCKETS = (ShareSubjectKind.IDLE, ShareSubjectKind.DRIVER_RESERVED, ShareSubjectKind.UNATTRIBUTED)
+BUCKETS = (ShareSubjectKind.IDLE, ShareSubjectKind.DRIVER_RESERVED, ShareSubjectKind.UNATTRIBUTED,
+           ShareSubjectKind.UNAVAILABLE)
 PROPERTY_SETTINGS = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 memory_bytes = st.one_of(

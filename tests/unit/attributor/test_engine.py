@@ -187,7 +187,7 @@ def test_window_results_name_their_ticks_and_rows():
     first = [s for _, s in inputs if isinstance(s, NodeSample)]
     assert window.sample_keys == tuple(sample_table_key(s) for s in first)
     assert window.window_end_unix_ms == BASE + WINDOW_MS
-    assert len(window.shares) == window.shares[0].rows_in_unit  # one GPU: 2 pods + 3 buckets
+    assert len(window.shares) == window.shares[0].rows_in_unit  # one GPU: 2 pods + 4 buckets
     assert {r.pod_uid for r in window.shares} == {"node-a-a", "node-a-b", None}
 
 

@@ -139,7 +139,7 @@ def test_shares_conserve_per_window_and_gpu(replays, name):
             assert math.fsum(r[field] for r in rows) == pytest.approx(1.0, abs=CONSERVATION_TOLERANCE), (key, field)
             assert all(0.0 <= r[field] <= 1.0 + CONSERVATION_TOLERANCE for r in rows), (key, field)
         kinds = [r["subject_kind"] for r in rows]
-        assert sorted(k for k in kinds if k != "pod") == ["driver_reserved", "idle", "unattributed"], key
+        assert sorted(k for k in kinds if k != "pod") == ["driver_reserved", "idle", "unattributed", "unavailable"], key
         assert all((r["pod_uid"] is not None) == (r["subject_kind"] == "pod") for r in rows), key
         assert {r["rows_in_unit"] for r in rows} == {len(rows)}, key
         assert len({r["method"] for r in rows}) == 1, key

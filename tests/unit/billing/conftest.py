@@ -132,9 +132,10 @@ def sample_shares(windows: int = 3, *, start_ms: int = WINDOW_START_MS) -> list[
             pod("train", 0.55, "ml", team="research", model="llama"),
             pod("serve", 0.25, "serving", team="prod", model="llama"),
             pod("notebook", 0.05, "ml"),
-            bucket(ShareSubjectKind.IDLE, 0.1),
+            bucket(ShareSubjectKind.IDLE, 0.09),
             bucket(ShareSubjectKind.DRIVER_RESERVED, 0.03),
             bucket(ShareSubjectKind.UNATTRIBUTED, 0.02),
+            bucket(ShareSubjectKind.UNAVAILABLE, 0.01),
         ]
         node_windows.append(node_window(shared_gpus(8, aws_rows, prefix="GPU-aws-"), node="aws-node",
                                         window_start_ms=start, covered_seconds=60.0 - w % 30))

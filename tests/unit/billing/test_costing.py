@@ -27,7 +27,8 @@ from services.billing.costing import (
 from services.billing.pricing import NodePrice, SplitPolicy, SplitRule, price_node
 from tests.unit.billing.conftest import WINDOW_START_MS, Unit, bucket, node_window, pod, shared_gpus
 
-BUCKETS = (ShareSubjectKind.IDLE, ShareSubjectKind.DRIVER_RESERVED, ShareSubjectKind.UNATTRIBUTED)
+BUCKETS = (ShareSubjectKind.IDLE, ShareSubjectKind.DRIVER_RESERVED, ShareSubjectKind.UNATTRIBUTED,
+           ShareSubjectKind.UNAVAILABLE)
 HYPOTHESIS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -145,7 +146,7 @@ def test_conservation_to_the_micro_dollar_per_unit_and_per_node(case, random):
     assert len(other) == 1 and other[0].cost_micro_usd == bill.node_other_micro_usd
     assert abs(other[0].cost_micro_usd - price.node_other_usd_per_hour * scale) < Fraction(3, 2)
     missing_fraction = price.gpu_count - sum(fractions.values())
-    missing = [c for c in node_lines if c.subject_kind is CostSubjectKind.UNATTRIBUTED]
+    missing = [c for c in node_lines if c.subject_kind is CostSubjectKind.UNAVAILABLE]
     if missing_fraction:
         assert len(missing) == 1
         assert abs(missing[0].cost_micro_usd - price.gpu_usd_per_hour * missing_fraction * scale) < Fraction(3, 2)
@@ -230,7 +231,8 @@ def test_mig_units_are_priced_by_their_fraction_of_the_gpu(catalog):
         assert abs(parts[uuid].cost_micro_usd - gpu_rate * 10**6 * Fraction(sevenths, 7)) < Fraction(3, 2)
     gpu_total = sum(parts[u].cost_micro_usd for u in ("MIG-3g", "MIG-2g", "MIG-1g", "GPU-0"))
     assert gpu_total == result.bill.gpu_cost_micro_usd
-    assert not [c for c in result.costs if c.subject_kind is CostSubjectKind.UNATTRIBUTED and c.gpu_uuid is None]
+    assert not [c for c in result.costs if c.gpu_uuid is None and c.subject_kind in (
+        CostSubjectKind.UNATTRIBUTED, CostSubjectKind.UNAVAILABLE)]
 
 
 def test_mig_fractions_a_hair_over_one_count_the_gpu_once(catalog):
@@ -238,16 +240,19 @@ def test_mig_fractions_a_hair_over_one_count_the_gpu_once(catalog):
              Unit("MIG-b", [pod("b", 1.0)], parent="GPU-0", fraction=0.5)]
     result = bill_node_window(node_window(units, instance_type="g6.xlarge", gpu_model="NVIDIA L4"), catalog)
     assert sum(c.cost_micro_usd for c in result.costs) == result.bill.node_cost_micro_usd
-    assert not [c for c in result.costs if c.gpu_uuid is None and c.subject_kind is CostSubjectKind.UNATTRIBUTED]
+    assert not [c for c in result.costs if c.gpu_uuid is None and c.subject_kind in (
+        CostSubjectKind.UNATTRIBUTED, CostSubjectKind.UNAVAILABLE)]
     over = [Unit("MIG-a", [pod("a", 1.0)], parent="GPU-0", fraction=0.6), units[1]]
     with pytest.raises(InconsistentShares, match="add up to"):
         bill_node_window(node_window(over, instance_type="g6.xlarge", gpu_model="NVIDIA L4"), catalog)
 
 
-def test_gpu_missing_from_the_window_is_billed_as_its_own_unattributed_line(catalog):
+def test_gpu_missing_from_the_window_is_billed_as_its_own_unavailable_line(catalog):
+    # A GPU the price bills but NVML no longer lists (fallen off the bus) was nobody's to use: UNAVAILABLE.
     units = shared_gpus(7, [pod("p", 1.0)])
     result = bill_node_window(node_window(units), catalog)
-    missing = [c for c in result.costs if c.gpu_uuid is None and c.subject_kind is CostSubjectKind.UNATTRIBUTED]
+    assert not [c for c in result.costs if c.gpu_uuid is None and c.subject_kind is CostSubjectKind.UNATTRIBUTED]
+    missing = [c for c in result.costs if c.gpu_uuid is None and c.subject_kind is CostSubjectKind.UNAVAILABLE]
     assert len(missing) == 1
     per_gpu = result.bill.price.gpu_usd_per_hour * 10**6 / 60
     assert abs(missing[0].cost_micro_usd - per_gpu) < Fraction(3, 2)

@@ -58,8 +58,9 @@ def test_by_namespace_reconciles_to_the_node_bills(filled_ledger):
     assert (rec.node_bills_micro_usd, rec.node_windows, rec.reconciled) == (bills_total, len(results), True)
     # Buckets are lines of their own, after the pods.
     kinds = [line.kind for line in report.lines]
-    assert kinds == sorted(kinds, key=["pod", "idle", "driver_reserved", "unattributed", "node_other"].index)
-    assert {"idle", "driver_reserved", "unattributed", "node_other"} <= set(kinds)
+    assert kinds == sorted(kinds, key=["pod", "idle", "driver_reserved", "unattributed", "unavailable",
+                                       "node_other"].index)
+    assert {"idle", "driver_reserved", "unattributed", "unavailable", "node_other"} <= set(kinds)
     assert all(line.group is None for line in report.lines if line.kind != "pod")
     pod_costs = [line.cost_micro_usd for line in report.lines if line.kind == "pod"]
     assert pod_costs == sorted(pod_costs, reverse=True)
@@ -112,7 +113,7 @@ def test_formats(filled_ledger):
     assert "reconciled" in table.splitlines()[-1]
 
     rows = list(csv.DictReader(io.StringIO(format_report(report, "csv"))))
-    lines = [r for r in rows if r["kind"] not in ("total", "node_bills", "reconciliation")]
+    lines = [r for r in rows if r["kind"] not in ("total", "node_bills", "reconciliation", "node_pricing")]
     assert sum(int(r["cost_micro_usd"]) for r in lines) == total
     by_kind = {r["kind"]: r for r in rows}
     assert int(by_kind["total"]["cost_micro_usd"]) == int(by_kind["node_bills"]["cost_micro_usd"]) == total
@@ -124,9 +125,33 @@ def test_formats(filled_ledger):
     assert document["reconciliation"]["reconciled"] is True
     assert sum(line["cost_micro_usd"] for line in document["lines"]) == total
     assert {line["kind"] for line in document["lines"]} == {"pod", "idle", "driver_reserved", "unattributed",
-                                                             "node_other"}
+                                                             "unavailable", "node_other"}
     with pytest.raises(ConfigError):
         format_report(report, "xml")
+
+
+def test_the_report_says_how_each_node_was_split_and_what_went_to_node_other(filled_ledger):
+    ledger, results = filled_ledger
+    report = build_report(ledger, Grouping("namespace"), start_ms=WINDOW_START_MS, end_ms=END_MS)
+    expected = defaultdict(lambda: [0, 0, 0, set()])
+    for r in results:
+        entry = expected[r.bill.node_name]
+        entry[0] += 1
+        entry[1] += r.bill.node_cost_micro_usd
+        entry[2] += r.bill.node_other_micro_usd
+        entry[3].add(r.bill.price.split_rule.value)
+    assert {p.node_name: [p.node_windows, p.node_cost_micro_usd, p.node_other_micro_usd, {p.split_rule}]
+            for p in report.pricing} == {k: v for k, v in expected.items()}
+    node_other = sum(r.bill.node_other_micro_usd for r in results)
+    assert report.node_other_micro_usd == node_other
+    table = format_report(report, "table")
+    assert f"node_other: {usd_text(node_other)} USD" in table
+    for p in report.pricing:
+        assert f"{p.node_name} ({p.instance_type}, {p.price_model}): split rule {p.split_rule}" in table
+    rows = [r for r in csv.DictReader(io.StringIO(format_report(report, "csv"))) if r["kind"] == "node_pricing"]
+    assert sum(int(r["cost_micro_usd"]) for r in rows) == node_other
+    document = json.loads(format_report(report, "json"))
+    assert sum(p["node_other_micro_usd"] for p in document["pricing"]) == document["node_other_micro_usd"]
 
 
 def _args(**overrides):

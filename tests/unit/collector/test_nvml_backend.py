@@ -157,7 +157,8 @@ def check_device(s, world, node, device: RawDeviceSample, tick, observed):
         unit = obs.units[spec.index]
         assert (device.mig_profile, device.mig_compute_slices) == (spec.profile.name, spec.profile.compute_slices)
         assert (device.mig_gpu_instance_id, device.mig_compute_instance_id) == (spec.gpu_instance_id, 0)
-        assert device.power_milliwatts is None and device.mig_total_compute_slices == 0
+        # Each instance names the GPU's slice count, so its fraction needs no parent (and never memory).
+        assert device.power_milliwatts is None and device.mig_total_compute_slices == 7
         assert set(device.process_sm_utilization_percent) <= {-1}
     else:
         assert device.uuid == gpu.uuid and device.parent_uuid is None and device.mig_profile is None

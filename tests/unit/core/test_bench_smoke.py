@@ -26,7 +26,7 @@ def test_attribution_measures_engine_and_baseline_that_agree():
     assert workload["messages"] == nodes * ticks
     assert workload["gpu_samples"] == nodes * ticks * gpus
     windows_per_node = -(-ticks // attribution.WINDOW_SECONDS)
-    assert workload["share_rows"] == nodes * windows_per_node * gpus * (pods + 3)
+    assert workload["share_rows"] == nodes * windows_per_node * gpus * (pods + 4)
     assert figures["max_share_difference"] <= 1e-9
     for variant in ("gpumeter", "baseline"):
         assert figures[variant]["runs"] == 1
@@ -126,7 +126,7 @@ def test_rows_per_node_window_match_billing_output():
     template = ledger.template_window()
     fleet = Fleet(1)
     assert len(template.costs) == stream.rows_per_node_window(fleet)
-    assert records["GpuShare"].rows_in_unit == fleet.pods_per_gpu + 3
+    assert records["GpuShare"].rows_in_unit == fleet.pods_per_gpu + 4
 
 
 def test_percentiles_and_latency_summary():

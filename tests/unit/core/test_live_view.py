@@ -137,9 +137,10 @@ def test_every_demo_unit_bar_fills_the_width_and_its_percentages_add_to_100(demo
             assert abs(segment.cells - segment.share / total * BAR_WIDTH_CELLS) < 1
             assert abs(segment.tenths - segment.share / total * PERCENT_TENTHS) < 1
         kinds = [s.kind for s in segments]
-        # Pods first, then idle, driver-reserved and unattributed, each bucket exactly once.
-        assert kinds[-3:] == [ShareSubjectKind.IDLE, ShareSubjectKind.DRIVER_RESERVED, ShareSubjectKind.UNATTRIBUTED]
-        assert all(k is ShareSubjectKind.POD for k in kinds[:-3])
+        # Pods first, then idle, driver-reserved, unattributed and unavailable, each bucket exactly once.
+        assert kinds[-4:] == [ShareSubjectKind.IDLE, ShareSubjectKind.DRIVER_RESERVED, ShareSubjectKind.UNATTRIBUTED,
+                              ShareSubjectKind.UNAVAILABLE]
+        assert all(k is ShareSubjectKind.POD for k in kinds[:-4])
         modes.add(rows[0].sharing_mode.value)
     assert {"EXCLUSIVE", "TIME_SLICING", "MIG"} <= modes
 
@@ -174,7 +175,7 @@ def test_the_newest_complete_window_of_every_unit_is_shown(demo):
 
 def test_a_unit_window_shows_only_once_all_its_rows_are_in_and_duplicates_count_once(demo):
     groups = demo.unit_windows()
-    key, start = next(k for k in sorted(groups) if len(groups[k]) >= 4)  # pods and the three buckets
+    key, start = next(k for k in sorted(groups) if len(groups[k]) >= 5)  # pods and the four buckets
     rows = groups[(key, start)]
     partial = apply_records(ViewState.empty(), rows[:-1] + rows[:1])  # one row missing, one duplicated
     assert key not in partial.units

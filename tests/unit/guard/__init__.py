@@ -233,8 +233,8 @@ def share(
 def unit_window(gpu_uuid: str, window_start: int, pods: Sequence[tuple[str, float]], *,
                 unattributed_compute: float = 0.0, parent: str | None = None,
                 covered_seconds: float = 60.0) -> list[GpuShare]:
-    """A unit's complete rows for one window: one POD row per (uid, compute share), then the three buckets."""
-    rows_in_unit = len(pods) + 3
+    """A unit's complete rows for one window: one POD row per (uid, compute share), then the four buckets."""
+    rows_in_unit = len(pods) + 4
     rows = [
         share(gpu_uuid, window_start=window_start, pod_uid=uid, namespace="default", pod_name=f"pod-{uid[-1]}",
               compute=compute, rows_in_unit=rows_in_unit, parent=parent, covered_seconds=covered_seconds)
@@ -243,7 +243,7 @@ def unit_window(gpu_uuid: str, window_start: int, pods: Sequence[tuple[str, floa
     busy = sum(c for _, c in pods)
     idle = max(0.0, 1.0 - busy - unattributed_compute)
     for kind, compute in ((ShareSubjectKind.IDLE, idle), (ShareSubjectKind.DRIVER_RESERVED, 0.0),
-                          (ShareSubjectKind.UNATTRIBUTED, unattributed_compute)):
+                          (ShareSubjectKind.UNATTRIBUTED, unattributed_compute), (ShareSubjectKind.UNAVAILABLE, 0.0)):
         rows.append(share(gpu_uuid, window_start=window_start, kind=kind, compute=compute,
                           rows_in_unit=rows_in_unit, parent=parent, covered_seconds=covered_seconds))
     return rows

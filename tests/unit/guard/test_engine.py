@@ -258,7 +258,7 @@ def test_idle_allocation_fires_with_the_money_wasted_and_resolves_when_the_pod_g
     assert active.evidence["wasted_cost_micro_usd"] == 350
     # A redelivered window changes nothing.
     assert _feed(engine, unit_window(GPU_A, w[1], [(UID_1, 0.03)]), w[2] + 12 * S) == []
-    assert engine.duplicate_shares_ignored == 4
+    assert engine.duplicate_shares_ignored == 5  # each row of the redelivered unit: 1 pod + 4 buckets
     assert _feed(engine, unit_window(GPU_A, w[2], [(UID_1, 0.6)]), w[3] + 10 * S) == []
     (resolved,) = engine.on_clock(w[3] + 40 * S)
     assert resolved.state is ViolationState.RESOLVED and resolved.evidence["wasted_cost_micro_usd"] == 350

@@ -72,11 +72,30 @@ def test_every_record_type_round_trips_its_examples(record_name):
         assert codec.decode(encoded) == record
 
 
+def _latest_avsc(record_name: str) -> dict:
+    versions = sorted(int(p.name.rsplit(".v", 1)[1][: -len(".avsc")]) for p in AVRO_DIR.glob(f"{record_name}.v*.avsc"))
+    return json.loads((AVRO_DIR / f"{record_name}.v{versions[-1]}.avsc").read_text())
+
+
 @pytest.mark.parametrize("record_name", RECORD_NAMES)
 def test_dataclass_fields_match_the_avsc_fields(record_name):
+    """The typed record is the newest schema version, field for field and in order."""
     record_type = RECORD_TYPES[f"gpumeter.{record_name}"]
-    schema = json.loads((AVRO_DIR / f"{record_name}.v1.avsc").read_text())
+    schema = _latest_avsc(record_name)
     assert [f.name for f in fields(record_type)] == [f["name"] for f in schema["fields"]]
+
+
+@pytest.mark.parametrize("path", sorted(AVRO_DIR.glob("*.avsc")), ids=lambda p: p.name)
+def test_every_schema_version_only_adds_defaulted_fields_to_the_one_before(path):
+    """A newer version keeps every field of the one before and gives each new field a default, so readers of
+    either version read what writers of the other wrote."""
+    name, _, version = path.name[: -len(".avsc")].rpartition(".v")
+    if int(version) == 1:
+        return
+    older = {f["name"]: f for f in json.loads((AVRO_DIR / f"{name}.v{int(version) - 1}.avsc").read_text())["fields"]}
+    newer = {f["name"]: f for f in json.loads(path.read_text())["fields"]}
+    assert set(older) <= set(newer)
+    assert all("default" in newer[n] for n in set(newer) - set(older))
 
 
 def _all_fields(schema):
@@ -94,7 +113,7 @@ def _all_fields(schema):
 
 @pytest.mark.parametrize("record_name", RECORD_NAMES)
 def test_every_field_has_a_doc(record_name):
-    schema = json.loads((AVRO_DIR / f"{record_name}.v1.avsc").read_text())
+    schema = _latest_avsc(record_name)
     missing = [f"{record}.{field['name']}" for record, field in _all_fields(schema) if not field.get("doc")]
     assert missing == []
 
@@ -128,7 +147,7 @@ def _v1_v2_registry():
 
 def test_v1_reader_reads_a_v2_message():
     registry, _v1, v2 = _v1_v2_registry()
-    example = load_example_dicts("NodeSample")[0]
+    example = load_example_dicts("NodeSample", 1)[0]
     v2_bytes = AvroCodec(registry, "gpumeter.NodeSample", 2).encode({**example, "gpu_clock_mhz": 1980})
     assert v2_bytes[2:10] == struct.pack("<Q", v2.fingerprint)
     v1_record = RecordCodec(NodeSample, registry, version=1).decode(v2_bytes)
@@ -137,7 +156,7 @@ def test_v1_reader_reads_a_v2_message():
 
 def test_v2_reader_reads_a_v1_message_with_the_default():
     registry, v1, _v2 = _v1_v2_registry()
-    example = load_example_dicts("NodeSample")[0]
+    example = load_example_dicts("NodeSample", 1)[0]
     v1_bytes = AvroCodec(registry, "gpumeter.NodeSample", 1).encode(example)
     assert v1_bytes[2:10] == struct.pack("<Q", v1.fingerprint)
     decoded = AvroCodec(registry, "gpumeter.NodeSample", 2).decode(v1_bytes)

@@ -39,6 +39,7 @@ def _device_dict(**overrides):
         "process_pod_index": [0, -1],
         "process_used_memory_bytes": [300, -1],
         "process_sm_utilization_percent": [-1, 40],
+        "mps_server_pids": [102],
     }
     d.update(overrides)
     return d
@@ -60,6 +61,8 @@ def _node_dict(devices, **overrides):
         "pod_uids": ["p0", "p1"],
         "node_errors": [{"nvml_function": "nvmlInit", "error_code": "UNKNOWN", "message": "x"}],
         "devices": devices,
+        "zone": "us-east-1a",
+        "provider_id": "aws:///us-east-1a/i-0abc",
     }
     d.update(overrides)
     return d
@@ -81,12 +84,13 @@ def test_device_from_avro_puts_every_field_in_its_own_attribute():
         "process_pod_index": (0, -1),
         "process_used_memory_bytes": (300, -1),
         "process_sm_utilization_percent": (-1, 40),
+        "mps_server_pids": (102,),
     })
     assert {f.name: getattr(device, f.name) for f in fields(GpuDeviceSample)} == expected
     assert device.sharing_mode is SharingMode.MIG
     assert all(type(getattr(device, name)) is tuple for name in
                ("errors", "process_pids", "process_container_index", "process_pod_index",
-                "process_used_memory_bytes", "process_sm_utilization_percent"))
+                "process_used_memory_bytes", "process_sm_utilization_percent", "mps_server_pids"))
     assert GpuDeviceSample.from_avro(device.to_avro()) == device
 
 
