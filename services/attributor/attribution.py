@@ -7,7 +7,10 @@ in ``docs/attribution.md``; the contract in short:
 * A unit is a whole GPU, one MIG instance, or the capacity of a MIG-enabled GPU that lies in no instance (under
   the parent's uuid, all idle).
 * For each unit and window there is one row per pod (pods whose processes ran on the unit, and pods holding a
-  device id that names it) plus the three buckets IDLE, DRIVER_RESERVED and UNATTRIBUTED, always all three.
+  device id that names it) plus the four buckets IDLE, DRIVER_RESERVED, UNATTRIBUTED and UNAVAILABLE, always all
+  four.
+* The sharing mode and the owner of a unit are decided per tick (per epoch of ticks with the same alive holders),
+  and each epoch is costed by its own decision; ticks where the unit was lost or unreadable are UNAVAILABLE.
 * Invariant: over a unit's rows, ``memory_share``, ``compute_share`` and ``cost_share`` each add up to 1 within
   1e-9, for any input: values out of range are clamped, missing data moves weight to UNATTRIBUTED, never away.
 """

@@ -10,6 +10,10 @@ Contracts
   ``gpu_sku_price_per_hour_usd`` is set only where the cloud itself bills GPUs as their own SKU on top of the
   machine (GCP). ``gpu_count``, ``vcpu_count`` and ``memory_gib`` are facts of the instance type and must agree
   across the price models of one instance type.
+* **General-purpose rates** (``prices/rates/*.csv``, columns ``RATE_COLUMNS``): per (provider, region, price
+  model) what the same provider charges for one vCPU-hour and one GiB-hour of memory on its general-purpose
+  machines, each row with how it was derived (``derived_from``), its source and date. The ``marginal`` split
+  prices a GPU node's CPU and memory at these rates and gives its GPUs the rest.
 * **Custom override CSV** in OpenCost's custom-pricing layout (``EndTimestamp, InstanceID, Region, AssetClass,
   InstanceIDField, InstanceType, MarketPriceHourly, Version``) with optional extension columns ``Provider``,
   ``PriceModel``, ``GpuCount``, ``VCPUs``, ``MemoryGiB``, ``Source``, ``SourceDate``:
@@ -41,6 +45,7 @@ import io
 import re
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
+from fractions import Fraction
 from pathlib import Path
 from typing import Mapping
 
@@ -63,6 +68,20 @@ PRICE_COLUMNS = (
     "vcpu_count",
     "memory_gib",
     "gpu_sku_price_per_hour_usd",
+    "source",
+    "source_kind",
+    "source_date",
+    "notes",
+)
+
+RATES_DIR_NAME = "rates"
+RATE_COLUMNS = (
+    "provider",
+    "region",
+    "price_model",
+    "cpu_usd_per_vcpu_hour",
+    "ram_usd_per_gib_hour",
+    "derived_from",
     "source",
     "source_kind",
     "source_date",
@@ -258,6 +277,35 @@ class InstanceSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class GeneralPurposeRates:
+    """One rates row: a provider's general-purpose vCPU-hour and GiB-hour prices in one region and price model."""
+
+    provider: str
+    region: str
+    price_model: str
+    cpu_usd_per_vcpu_hour: Decimal
+    ram_usd_per_gib_hour: Decimal
+    derived_from: str
+    source: PriceSource
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.provider, self.region, self.price_model)
+
+
+@dataclass(frozen=True, slots=True)
+class MarginalRates:
+    """The CPU and memory rates a node's ``marginal`` split uses (each rate × ``scale``, exact), and how they were
+    obtained for this node."""
+
+    cpu_usd_per_vcpu_hour: Decimal
+    ram_usd_per_gib_hour: Decimal
+    derivation: str
+    sources: tuple[PriceSource, ...]
+    scale: Fraction = Fraction(1)
+
+
+@dataclass(frozen=True, slots=True)
 class PriceQuote:
     """What the catalog knows about one node's price. At least one of the two prices is set.
 
@@ -276,6 +324,61 @@ class PriceQuote:
     spec: InstanceSpec
     sources: tuple[PriceSource, ...]
     derivation: str = ""
+    marginal: MarginalRates | None = None
+
+
+def parse_rates_csv(text: str, origin: str) -> tuple[GeneralPurposeRates, ...]:
+    """Parse and validate one general-purpose rates file (``RATE_COLUMNS``)."""
+    reader = csv.DictReader(io.StringIO(text))
+    header = tuple(reader.fieldnames or ())
+    missing = [c for c in RATE_COLUMNS if c not in header]
+    if missing:
+        raise PriceError(f"{origin}: missing columns {missing}")
+    rows: list[GeneralPurposeRates] = []
+    for line_number, raw in enumerate(reader, start=2):
+        where = f"{origin}:{line_number}"
+        if None in raw or any(v is None for v in raw.values()):
+            raise PriceError(f"{where}: wrong number of fields")
+        provider = normalize_provider(raw["provider"])
+        region = raw["region"].strip().lower()
+        if not provider or not region:
+            raise PriceError(f"{where}: provider and region are required")
+        cpu = _decimal(raw["cpu_usd_per_vcpu_hour"], "cpu_usd_per_vcpu_hour", where, required=True)
+        ram = _decimal(raw["ram_usd_per_gib_hour"], "ram_usd_per_gib_hour", where, required=True)
+        assert cpu is not None and ram is not None
+        if not raw["derived_from"].strip():
+            raise PriceError(f"{where}: derived_from is empty; every rate says how it was obtained")
+        rows.append(GeneralPurposeRates(
+            provider=provider, region=region, price_model=normalize_price_model(raw["price_model"]),
+            cpu_usd_per_vcpu_hour=cpu, ram_usd_per_gib_hour=ram, derived_from=raw["derived_from"].strip(),
+            source=_source(raw, where),
+        ))
+    return tuple(rows)
+
+
+def _source(raw: Mapping[str, str], where: str) -> PriceSource:
+    source_text = raw["source"].strip()
+    source_kind = raw["source_kind"].strip()
+    source_date = raw["source_date"].strip()
+    if not source_text:
+        raise PriceError(f"{where}: source is empty; every price row names where it came from")
+    if source_kind not in SOURCE_KINDS:
+        raise PriceError(f"{where}: source_kind {source_kind!r} is not one of {SOURCE_KINDS}")
+    if not _DATE_RE.match(source_date):
+        raise PriceError(f"{where}: source_date {source_date!r} is not YYYY-MM or YYYY-MM-DD")
+    return PriceSource(where, source_text, source_kind, source_date)
+
+
+def load_rates_dir(price_dir: Path = DEFAULT_PRICE_DIR) -> tuple[GeneralPurposeRates, ...]:
+    """Every ``rates/*.csv`` under ``price_dir`` (none is fine: the marginal split is then not available)."""
+    rows: list[GeneralPurposeRates] = []
+    for path in sorted((Path(price_dir) / RATES_DIR_NAME).glob("*.csv")):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise PriceError(f"cannot read rates file {path}: {exc}") from exc
+        rows.extend(parse_rates_csv(text, f"{RATES_DIR_NAME}/{path.name}"))
+    return tuple(rows)
 
 
 def parse_price_csv(text: str, origin: str) -> tuple[CatalogRow, ...]:
@@ -307,15 +410,7 @@ def parse_price_csv(text: str, origin: str) -> tuple[CatalogRow, ...]:
                 f"{where}: {gpu_count} GPUs x {sku}/h exceed the node price {price}/h; the GPU SKU price is part of "
                 "the node's line item"
             )
-        source_text = raw["source"].strip()
-        source_kind = raw["source_kind"].strip()
-        source_date = raw["source_date"].strip()
-        if not source_text:
-            raise PriceError(f"{where}: source is empty; every price row names where it came from")
-        if source_kind not in SOURCE_KINDS:
-            raise PriceError(f"{where}: source_kind {source_kind!r} is not one of {SOURCE_KINDS}")
-        if not _DATE_RE.match(source_date):
-            raise PriceError(f"{where}: source_date {source_date!r} is not YYYY-MM or YYYY-MM-DD")
+        source = _source(raw, where)
         rows.append(
             CatalogRow(
                 provider=provider,
@@ -328,7 +423,7 @@ def parse_price_csv(text: str, origin: str) -> tuple[CatalogRow, ...]:
                 vcpu_count=_count(raw["vcpu_count"], "vcpu_count", where),
                 memory_gib=_decimal(raw["memory_gib"], "memory_gib", where, required=False),
                 gpu_sku_price_per_hour_usd=sku,
-                source=PriceSource(where, source_text, source_kind, source_date),
+                source=source,
                 notes=raw["notes"].strip(),
             )
         )
@@ -446,8 +541,10 @@ class PriceCatalog:
     rows: tuple[CatalogRow, ...]
     overrides: tuple[OverrideRow, ...] = ()
     spot_discounts: Mapping[str, Decimal] = field(default_factory=dict)
+    rates: tuple[GeneralPurposeRates, ...] = ()
     _by_key: dict = field(init=False, repr=False, compare=False)
     _specs: dict = field(init=False, repr=False, compare=False)
+    _rates: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         by_key: dict[tuple[str, str, str, str], CatalogRow] = {}
@@ -471,8 +568,15 @@ class PriceCatalog:
         for provider, discount in self.spot_discounts.items():
             if not (0 <= discount < 1):
                 raise PriceError(f"spot discount for {provider} must be in [0, 1), got {discount}")
+        rates: dict[tuple[str, str, str], GeneralPurposeRates] = {}
+        for rate in self.rates:
+            if rate.key in rates:
+                raise PriceError(f"{rate.source.origin}: duplicate rates for {rate.key} (first at "
+                                 f"{rates[rate.key].source.origin})")
+            rates[rate.key] = rate
         object.__setattr__(self, "_by_key", by_key)
         object.__setattr__(self, "_specs", specs)
+        object.__setattr__(self, "_rates", rates)
 
     @classmethod
     def load(
@@ -482,10 +586,16 @@ class PriceCatalog:
         *,
         spot_discounts: Mapping[str, Decimal] | None = None,
     ) -> "PriceCatalog":
-        """The bundled price files (or ``price_dir``), plus an optional override file and spot discounts."""
-        rows = load_price_dir(price_dir or DEFAULT_PRICE_DIR)
+        """The bundled price files (or ``price_dir``) and their general-purpose rates, plus an optional override
+        file and spot discounts."""
+        directory = price_dir or DEFAULT_PRICE_DIR
+        rows = load_price_dir(directory)
         overrides = load_override_csv(override_csv) if override_csv else ()
-        return cls(rows, overrides, dict(spot_discounts or {}))
+        return cls(rows, overrides, dict(spot_discounts or {}), load_rates_dir(directory))
+
+    def with_overrides(self, overrides: tuple[OverrideRow, ...]) -> "PriceCatalog":
+        """This catalog with ``overrides`` (parsed custom-pricing rows) in place of its own."""
+        return PriceCatalog(self.rows, tuple(overrides), dict(self.spot_discounts), self.rates)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "PriceCatalog":
@@ -581,6 +691,28 @@ class PriceCatalog:
             spec=spec,
             sources=tuple(sources),
             derivation=derivation,
+            marginal=self._marginal_rates(provider_n, region_n, type_n, model_n, node_price),
+        )
+
+    def _marginal_rates(self, provider: str, region: str, instance_type: str, price_model: str,
+                        node_price: Decimal | None) -> MarginalRates | None:
+        """The general-purpose rates for this node: the listed ones for its price model; else the on-demand ones
+        scaled by this node's price over its on-demand list price (its spot or committed discount applies to
+        the whole machine, CPU and memory included); None when neither is known."""
+        listed = self._rates.get((provider, region, price_model))
+        if listed is not None:
+            return MarginalRates(listed.cpu_usd_per_vcpu_hour, listed.ram_usd_per_gib_hour,
+                                 f"{price_model} general-purpose rates: {listed.derived_from}", (listed.source,))
+        on_demand = self._rates.get((provider, region, "on_demand"))
+        list_row = self._by_key.get((provider, region, instance_type, "on_demand"))
+        if on_demand is None or list_row is None or node_price is None or not list_row.price_per_hour_usd:
+            return None
+        return MarginalRates(
+            on_demand.cpu_usd_per_vcpu_hour, on_demand.ram_usd_per_gib_hour,
+            f"on-demand general-purpose rates x {node_price}/{list_row.price_per_hour_usd} (this node's price over "
+            f"its on-demand list price): {on_demand.derived_from}",
+            (on_demand.source, list_row.source),
+            Fraction(node_price) / Fraction(list_row.price_per_hour_usd),
         )
 
 

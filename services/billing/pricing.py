@@ -7,11 +7,19 @@ The cloud bills a GPU node as one line item (AWS, Azure) or as a machine plus GP
 
 ``auto`` (default)
     ``sku`` when the price has a per-GPU SKU figure (the cloud's own GPU line, or an ``AssetClass=gpu``
-    override); otherwise ``weights`` when the instance's vCPU and memory counts are known; otherwise
+    override); otherwise ``marginal`` when the instance's vCPU and memory counts and the provider's
+    general-purpose rates for its region are known; otherwise ``weights`` when the counts are known; otherwise
     ``gpu_fraction``.
 ``sku``
     GPU part = ``gpu_count × SKU price``; the rest is ``node_other``. A SKU total above the node price is a
     ``PriceError``.
+``marginal``
+    The node's CPU and memory cost what the same provider charges for them on its general-purpose machines in
+    the same region (``prices/rates/``, each rate with its derivation and date; for spot and committed nodes the
+    on-demand rates scaled by the node's own discount): ``node_other = vCPUs × cpu rate + GiB × ram rate``; the
+    GPUs get the rest. This is what a FinOps team means by "the GPU premium": on a p5.48xlarge the GPUs carry
+    74 % of the price, not the 34 % OpenCost's default weights give them. A CPU-and-memory part above the node
+    price is a ``PriceError``.
 ``weights``
     OpenCost's default unit prices used as weights: CPU 0.031611 per vCPU-hour, RAM 0.004237 per GiB-hour, GPU
     0.95 per GPU-hour (configurable). GPU part = node × g·W_gpu / (c·W_cpu + m·W_ram + g·W_gpu).
@@ -48,12 +56,14 @@ DEFAULT_GPU_FRACTION = Decimal("0.70")
 
 class SplitRule(enum.StrEnum):
     SKU = "sku"
+    MARGINAL = "marginal"
     WEIGHTS = "weights"
     GPU_FRACTION = "gpu_fraction"
     GPU_ONLY = "gpu_only"
 
 
-CONFIGURABLE_RULES = ("auto", SplitRule.SKU.value, SplitRule.WEIGHTS.value, SplitRule.GPU_FRACTION.value)
+CONFIGURABLE_RULES = ("auto", SplitRule.SKU.value, SplitRule.MARGINAL.value, SplitRule.WEIGHTS.value,
+                      SplitRule.GPU_FRACTION.value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +87,7 @@ class SplitPolicy:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "SplitPolicy":
-        """``GPUMETER_BILLING_SPLIT_RULE`` (auto|sku|weights|gpu_fraction), ``GPUMETER_BILLING_GPU_FRACTION``,
+        """``GPUMETER_BILLING_SPLIT_RULE`` (auto|sku|marginal|weights|gpu_fraction), ``GPUMETER_BILLING_GPU_FRACTION``,
         ``GPUMETER_BILLING_SPLIT_WEIGHTS`` (``cpu=0.031611,ram=0.004237,gpu=0.95``)."""
         values: dict[str, object] = {}
         if env.get("GPUMETER_BILLING_SPLIT_RULE"):
@@ -198,14 +208,19 @@ def split_node_price(
                          node_other_usd_per_hour=Fraction(0), split_rule=SplitRule.GPU_ONLY, **common)
     node = Fraction(quote.node_price_per_hour_usd)
     rule = policy.rule
+    counts_known = quote.spec.vcpu_count is not None and quote.spec.memory_gib is not None
+    derivation = quote.derivation
     if rule == "auto":
         if sku is not None:
             rule = SplitRule.SKU
-        elif quote.spec.vcpu_count is not None and quote.spec.memory_gib is not None:
+        elif counts_known and quote.marginal is not None and _marginal_part(quote) < node:
+            rule = SplitRule.MARGINAL
+        elif counts_known:
             rule = SplitRule.WEIGHTS
         else:
             rule = SplitRule.GPU_FRACTION
     rule = SplitRule(rule)
+    sources = quote.sources
     if rule is SplitRule.SKU:
         if sku is None:
             raise PriceError(f"{quote.instance_type}: split rule 'sku' but no per-GPU SKU price is known")
@@ -215,6 +230,17 @@ def split_node_price(
                 f"{quote.instance_type}: {gpu_count} GPUs x {quote.gpu_sku_price_per_hour_usd}/h exceed the node "
                 f"price {quote.node_price_per_hour_usd}/h"
             )
+    elif rule is SplitRule.MARGINAL:
+        if not counts_known or quote.marginal is None:
+            raise PriceError(f"{quote.instance_type}: split rule 'marginal' needs the vCPU and memory counts and "
+                             f"general-purpose rates for {quote.provider}/{quote.region}/{quote.price_model}")
+        other = _marginal_part(quote)
+        if other >= node:
+            raise PriceError(f"{quote.instance_type}: its CPU and memory at general-purpose rates "
+                             f"({float(other):.6f}/h) are not below the node price {quote.node_price_per_hour_usd}/h")
+        gpu_part = node - other
+        derivation = "; ".join(filter(None, (derivation, f"marginal: {quote.marginal.derivation}")))
+        sources = quote.sources + tuple(s for s in quote.marginal.sources if s not in quote.sources)
     elif rule is SplitRule.WEIGHTS:
         if quote.spec.vcpu_count is None or quote.spec.memory_gib is None:
             raise PriceError(f"{quote.instance_type}: split rule 'weights' needs the vCPU and memory counts")
@@ -227,8 +253,17 @@ def split_node_price(
         gpu_part = node * gpu_weight / total_weight
     else:
         gpu_part = node * Fraction(policy.gpu_fraction)
+    common.update(sources=sources, derivation=derivation)
     return NodePrice(node_usd_per_hour=node, gpu_usd_per_hour=gpu_part / gpu_count,
                      node_other_usd_per_hour=node - gpu_part, split_rule=rule, **common)
+
+
+def _marginal_part(quote: PriceQuote) -> Fraction:
+    """The node's vCPUs and memory at its general-purpose rates, per hour."""
+    assert quote.marginal is not None and quote.spec.vcpu_count is not None and quote.spec.memory_gib is not None
+    rates = quote.marginal
+    return rates.scale * (quote.spec.vcpu_count * Fraction(rates.cpu_usd_per_vcpu_hour)
+                          + Fraction(quote.spec.memory_gib) * Fraction(rates.ram_usd_per_gib_hour))
 
 
 def price_node(
@@ -247,3 +282,38 @@ def price_node(
     quote = catalog.quote(provider=provider, region=region, instance_type=instance_type, price_model=price_model,
                           node_name=node_name, gpu_model=gpu_model)
     return split_node_price(quote, observed_gpu_count=observed_gpu_count, policy=policy)
+
+
+def split_table(catalog: PriceCatalog, rules: tuple[str, ...] = ("marginal", "weights", "gpu_fraction", "sku")) -> str:
+    """A Markdown table of every catalog row: its price, and its GPUs' part and node_other under each rule
+    (``-`` where a rule cannot price it), plus the rule ``auto`` picks. What ``docs/billing.md`` shows."""
+    head = ["instance type", "provider / region", "price model", "GPUs", "USD/h", "auto"]
+    for rule in rules:
+        head += [f"{rule}: GPUs", f"{rule}: node_other"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in sorted(catalog.rows, key=lambda r: (r.provider, r.region, r.instance_type.lower(), r.price_model)):
+        facts = dict(provider=row.provider, region=row.region, instance_type=row.instance_type,
+                     price_model=row.price_model, observed_gpu_count=row.gpu_count)
+        auto = price_node(catalog, **facts)
+        cells = [row.instance_type, f"{row.provider} {row.region}", row.price_model,
+                 f"{row.gpu_count}× {row.gpu_model}", _money(auto.node_usd_per_hour), auto.split_rule.value]
+        for rule in rules:
+            try:
+                price = price_node(catalog, **facts, policy=SplitPolicy(rule=rule))
+            except PriceError:
+                cells += ["-", "-"]
+                continue
+            gpus = price.gpu_usd_per_hour * price.gpu_count
+            cells += [f"{_money(gpus)} ({_percent(gpus / price.node_usd_per_hour)})",
+                      f"{_money(price.node_other_usd_per_hour)} "
+                      f"({_percent(price.node_other_usd_per_hour / price.node_usd_per_hour)})"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _money(value: Fraction) -> str:
+    return str((Decimal(value.numerator) / Decimal(value.denominator)).quantize(Decimal("0.0001")))
+
+
+def _percent(value: Fraction) -> str:
+    return f"{(Decimal(value.numerator) * 100 / Decimal(value.denominator)).quantize(Decimal('0.1'))} %"

@@ -25,7 +25,10 @@ Contracts:
   ARGUMENT_VERSION_MISMATCH) are read through v1 with ``reserved`` 0.
 * Processes: ``nvmlDeviceGetComputeRunningProcesses`` plus ``nvmlDeviceGetMPSComputeRunningProcesses`` (MPS
   clients; the compute list shows only the MPS server there), merged by pid in that order. ``usedGpuMemory`` that
-  NVML cannot report (None) is -1.
+  NVML cannot report (None) is -1. On a GPU with MPS clients (or configured as MPS) the compute list's pids that
+  are no client are reported in ``mps_server_pids``: the server runs its clients' kernels.
+* One failing call never costs the other figures of its device, nor other devices: a failed memory read leaves
+  the four memory figures 0 (unknown: the error says so) beside the processes it did read.
 * Per-process SM utilization: ``nvmlDeviceGetProcessUtilization(h, lastSeen)`` with a per-device
   ``lastSeen`` (µs, the newest sample timestamp received so far, 0 at first). NVML returns one sample per process
   that ran kernels since then; a listed process without a sample ran none, so it gets 0; NOT_FOUND means no
@@ -39,10 +42,13 @@ Contracts:
 * MIG: the parent GPU is reported with sharing MIG, the aggregate memory, ``mig_total_compute_slices`` (the
   largest ``sliceCount`` of its GPU instance profiles, else ``nvmlDeviceGetMaxMigDeviceCount``), power, and no
   processes (each process is reported once, on its MIG device). Each MIG device (indices 0 ..
-  ``nvmlDeviceGetMaxMigDeviceCount`` − 1; NOT_FOUND means no device at that index) is reported with
-  ``parent_uuid``, GPU/compute instance ids, ``mig_profile`` (from its name, ``"... MIG 1g.10gb"``, else from the
-  profile whose slices and memory match its attributes), ``mig_compute_slices`` (``gpuInstanceSliceCount``), its
-  own memory and processes.
+  ``nvmlDeviceGetMaxMigDeviceCount`` − 1; NOT_FOUND means no device at that index; when the count itself fails,
+  up to the GPU's slices or the last index seen) is reported with ``parent_uuid``, GPU/compute instance ids,
+  ``mig_profile`` (from its name, ``"... MIG 1g.10gb"``, else from the profile whose slices and memory match its
+  attributes), ``mig_compute_slices`` (``computeInstanceSliceCount`` of ``nvmlDeviceGetAttributes``, else
+  ``gpuInstanceSliceCount``), the GPU's ``mig_total_compute_slices`` (so an instance's fraction of the GPU needs
+  nothing else), its own memory and processes. An instance seen before whose handle cannot be read this tick is
+  still reported, with its identity and the error and no figures: its capacity is not idle slices of the parent.
 """
 
 from __future__ import annotations

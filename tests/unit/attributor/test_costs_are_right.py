@@ -16,7 +16,7 @@ import pytest
 
 from services.attributor.attribution import AttributionPolicy
 from services.attributor.replay import read_jsonl, replay
-from services.billing.catalog import PriceCatalog, load_price_dir, parse_override_csv
+from services.billing.catalog import PriceCatalog, parse_override_csv
 from services.billing.costing import gpu_fraction_exact
 
 TOL = 1e-9
@@ -115,7 +115,7 @@ def test_a_partly_partitioned_mig_gpu_bills_its_free_slices_as_idle(tmp_path):
     prices = parse_override_csv("AssetClass,InstanceType,MarketPriceHourly,GpuCount,Source,SourceDate\n"
                                 "node,mig-test,4.0,1,test,2026-07\n", "p.csv")
     text = HEAD.format(duration=60, instance_type="mig-test", gpus=gpus, pods=pods)
-    _summary, out = run(tmp_path, text, catalog=PriceCatalog(load_price_dir(), prices))
+    _summary, out = run(tmp_path, text, catalog=PriceCatalog.load().with_overrides(prices))
     window = first_window(out)
     by_fraction = {}
     for unit, subjects in window.items():
@@ -237,7 +237,7 @@ def test_a_pod_leaking_onto_a_dedicated_mig_instance_pays_its_use(tmp_path):
     prices = parse_override_csv("AssetClass,InstanceType,MarketPriceHourly,GpuCount,Source,SourceDate\n"
                                 "node,mig-test,4.0,1,test,2026-07\n", "p.csv")
     text = HEAD.format(duration=60, instance_type="mig-test", gpus=gpus, pods=pods)
-    _summary, out = run(tmp_path, text, catalog=PriceCatalog(load_price_dir(), prices))
+    _summary, out = run(tmp_path, text, catalog=PriceCatalog.load().with_overrides(prices))
     (subjects,) = [s for s in first_window(out).values() if "owner" in s]
     leak = subjects["leaker"]
     assert leak["memory_share"] > 0.2
@@ -254,7 +254,7 @@ def test_a_lost_gpus_time_is_unavailable_and_its_owner_stops_paying(tmp_path):
     prices = parse_override_csv("AssetClass,InstanceID,InstanceIDField,MarketPriceHourly,GpuCount,Source,SourceDate\n"
                                 "node,gpu-faulty,metadata.name,8.0,2,test,2026-07\n", "p.csv")
     _summary, out = run(tmp_path, Path("scenarios/faults.yaml").read_text(),
-                        catalog=PriceCatalog(load_price_dir(), prices))
+                        catalog=PriceCatalog.load().with_overrides(prices))
     lost = None
     for (window, unit), subjects in sorted(units(out).items()):
         if subjects["unavailable"]["cost_share"] > 0:

@@ -85,7 +85,7 @@ def _override_csv_text() -> str:
 
 @pytest.fixture(scope="module")
 def catalog() -> PriceCatalog:
-    return PriceCatalog(load_price_dir(), parse_override_csv(_override_csv_text(), "test-prices.csv"))
+    return PriceCatalog.load().with_overrides(parse_override_csv(_override_csv_text(), "test-prices.csv"))
 
 
 @pytest.fixture(scope="module")
@@ -336,7 +336,7 @@ def test_costs_sum_exactly_to_the_bills(replays, node_prices, name):
 
 def test_an_unpriced_node_keeps_its_shares_and_is_reported(tmp_path):
     scenario = REPO / "scenarios" / "churn.yaml"  # g6.12xlarge in eu-west-1: not in the bundled catalog
-    summary = replay(scenario, tmp_path, catalog=PriceCatalog(load_price_dir()))
+    summary = replay(scenario, tmp_path, catalog=PriceCatalog.load())
     assert summary.share_rows > 0
     assert summary.cost_rows == 0 and summary.bills == 0
     assert len(summary.unpriced) == summary.windows
@@ -345,7 +345,7 @@ def test_an_unpriced_node_keeps_its_shares_and_is_reported(tmp_path):
 
 def test_bundled_catalog_prices_the_time_slicing_scenario_to_the_micro_dollar(tmp_path):
     scenario = REPO / "scenarios" / "time_slicing.yaml"  # g5.xlarge on-demand, us-east-1: $1.006/h
-    summary = replay(scenario, tmp_path, catalog=PriceCatalog(load_price_dir()))
+    summary = replay(scenario, tmp_path, catalog=PriceCatalog.load())
     assert summary.unpriced == ()
     bills = read_jsonl(tmp_path / "bills.jsonl")
     costs = read_jsonl(tmp_path / "costs.jsonl")

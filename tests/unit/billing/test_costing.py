@@ -211,8 +211,8 @@ def test_spot_costs_less_than_on_demand_for_the_same_shares(catalog):
     assert spot.bill.node_cost_micro_usd < on_demand.bill.node_cost_micro_usd
     assert spot.bill.price_model == "spot" and {c.price_model for c in spot.costs} == {"spot"}
     assert spot.bill.price_version != on_demand.bill.price_version
-    # On-demand uses GCP's GPU SKU; spot has no SKU figure and falls back to the weights rule.
-    assert on_demand.bill.price.split_rule is SplitRule.SKU and spot.bill.price.split_rule is SplitRule.WEIGHTS
+    # On-demand uses GCP's GPU SKU; spot has no SKU figure: its CPUs and memory at the A2 rates, discounted alike.
+    assert on_demand.bill.price.split_rule is SplitRule.SKU and spot.bill.price.split_rule is SplitRule.MARGINAL
 
 
 def test_mig_units_are_priced_by_their_fraction_of_the_gpu(catalog):

@@ -42,9 +42,41 @@ def test_gcp_uses_the_per_gpu_sku_and_keeps_the_machine_as_node_other(catalog):
     assert price.node_other_usd_per_hour == Fraction(Decimal("0.73948"))
 
 
-def test_aws_without_a_gpu_sku_splits_by_opencost_weights(catalog):
+def test_aws_without_a_gpu_sku_splits_at_the_general_purpose_rates_by_default(catalog):
     q = quote(catalog, "aws", "us-east-1", "p5.48xlarge")
     price = split_node_price(q, observed_gpu_count=8)
+    assert price.split_rule is SplitRule.MARGINAL
+    row = catalog.row("aws", "us-east-1", "p5.48xlarge", "on_demand")
+    # The rates file's figures, solved from c7i.xlarge and r7i.xlarge: the CPUs and memory cost what they cost
+    # on AWS's general-purpose machines; the GPUs the rest.
+    other = row.vcpu_count * Fraction("0.03745") + Fraction(row.memory_gib) * Fraction("0.0035875")
+    assert price.node_other_usd_per_hour == other == Fraction("14.5376")
+    assert price.gpu_count * price.gpu_usd_per_hour == Fraction(row.price_per_hour_usd) - other
+    assert "c7i.xlarge" in price.derivation and any("rates/general_purpose.csv" in s.origin for s in price.sources)
+
+
+def test_marginal_for_a_spot_node_scales_the_rates_by_its_own_discount(catalog):
+    spot = split_node_price(quote(catalog, "gcp", "us-central1", "a2-highgpu-1g", "spot"), observed_gpu_count=1)
+    on_demand = split_node_price(quote(catalog, "gcp", "us-central1", "a2-highgpu-1g"), observed_gpu_count=1,
+                                 policy=SplitPolicy(rule="marginal"))
+    assert spot.split_rule is SplitRule.MARGINAL
+    ratio = spot.node_usd_per_hour / on_demand.node_usd_per_hour
+    assert spot.node_other_usd_per_hour == on_demand.node_other_usd_per_hour * ratio
+    assert "over its on-demand list price" in spot.derivation
+
+
+def test_marginal_is_refused_where_cpu_and_memory_would_cost_the_whole_node(catalog):
+    custom = catalog.with_overrides(parse_override_csv(
+        "AssetClass,InstanceType,MarketPriceHourly,Provider,Region,Source,SourceDate\n"
+        "node,p5.48xlarge,10.0,aws,us-east-1,negotiated,2026-07\n", "o.csv"))
+    q = quote(custom, "aws", "us-east-1", "p5.48xlarge")
+    with pytest.raises(PriceError, match="not below the node price"):
+        split_node_price(q, observed_gpu_count=8, policy=SplitPolicy(rule="marginal"))
+
+
+def test_the_weights_rule_is_opencosts_default_unit_prices(catalog):
+    q = quote(catalog, "aws", "us-east-1", "p5.48xlarge")
+    price = split_node_price(q, observed_gpu_count=8, policy=SplitPolicy(rule="weights"))
     assert price.split_rule is SplitRule.WEIGHTS
     row = catalog.row("aws", "us-east-1", "p5.48xlarge", "on_demand")
     cpu = row.vcpu_count * Fraction(OPENCOST_CPU_USD_PER_VCPU_HOUR)
@@ -111,13 +143,14 @@ def test_every_bundled_price_splits_exactly(catalog, rule):
 
 def test_price_versions_identify_the_price_and_its_split(catalog):
     q = quote(catalog, "aws", "us-east-1", "g5.xlarge")
-    weights = split_node_price(q, observed_gpu_count=1)
+    marginal = split_node_price(q, observed_gpu_count=1)
     again = split_node_price(q, observed_gpu_count=1)
     fraction = split_node_price(q, observed_gpu_count=1, policy=SplitPolicy(rule="gpu_fraction"))
-    assert weights.price_version == again.price_version
-    assert weights.price_version != fraction.price_version
-    assert weights.price_version.startswith("aws:us-east-1:g5.xlarge:on_demand@2026-07/weights-")
-    assert len(weights.price_version) <= 255
+    assert marginal.price_version == again.price_version
+    assert marginal.price_version != fraction.price_version
+    # Both sources' dates: the instance's price row and the general-purpose rates.
+    assert marginal.price_version.startswith("aws:us-east-1:g5.xlarge:on_demand@2026-01-19+2026-07/marginal-")
+    assert len(marginal.price_version) <= 255
 
 
 def test_node_price_invariant_is_enforced():

@@ -93,7 +93,7 @@ FAULT = "      - {{kind: nvml_error, function: {function}, error: UNKNOWN, gpu: 
 
 
 def _replay(tmp_path: Path, shape: dict, function: str | None):
-    from services.billing.catalog import PriceCatalog, load_price_dir, parse_override_csv
+    from services.billing.catalog import PriceCatalog, parse_override_csv
 
     faults = FAULT.format(function=function) if function else "      []"
     text = SCENARIO.format(faults=faults, **shape)
@@ -105,7 +105,7 @@ def _replay(tmp_path: Path, shape: dict, function: str | None):
     prices = parse_override_csv("AssetClass,InstanceType,MarketPriceHourly,GpuCount,Source,SourceDate\n"
                                 "node,p4de-mig-test,27.44705,2,test,2026-07\n", "p.csv")
     out = tmp_path / f"{name}-out"
-    summary = replay(path, out, catalog=PriceCatalog(load_price_dir(), prices))
+    summary = replay(path, out, catalog=PriceCatalog.load().with_overrides(prices))
     return summary, out
 
 

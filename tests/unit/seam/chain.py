@@ -9,7 +9,7 @@ from schemas.records import GpuShare, NodeSample
 from services.attributor.attribution import AttributionPolicy, attribute_node_window
 from services.attributor.pod_index import PodIndex
 from services.attributor.windows import NodeWindow
-from services.billing.catalog import PriceCatalog, load_price_dir, parse_override_csv
+from services.billing.catalog import PriceCatalog, parse_override_csv
 from services.billing.costing import bill_node_window
 from services.collector.sim.scenario import load_scenario
 from services.collector.simulation import node_streams
@@ -45,7 +45,7 @@ def attributed_shares(sample: NodeSample) -> tuple[GpuShare, ...]:
 
 
 def catalog() -> PriceCatalog:
-    return PriceCatalog(load_price_dir(), parse_override_csv(OVERRIDE_CSV, "example-prices.csv"))
+    return PriceCatalog.load().with_overrides(parse_override_csv(OVERRIDE_CSV, "example-prices.csv"))
 
 
 def billed(shares: tuple[GpuShare, ...]):
