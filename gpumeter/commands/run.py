@@ -4,8 +4,9 @@ What it does, in order (each step prints a progress line):
 
 1. **Kafka.** Without ``--bootstrap-servers`` the local development broker (``gpumeter.devtools.kafka_broker``,
    127.0.0.1:$GPUMETER_KAFKA_PORT, default 9092) is started, or reused when it already runs; the first run
-   downloads Apache Kafka's jars from Maven Central (about 45 MB). The broker is left running afterwards so the next
-   run starts at once; ``make stop`` (``gpumeter broker stop``) stops it.
+   downloads Apache Kafka's pinned jars from Maven Central (44 MB, each checked against its pinned SHA-256). The
+   broker is left running afterwards so the next run starts at once; ``make stop`` (``gpumeter broker stop``)
+   stops it.
 2. **Topics.** The catalog's topics under a prefix of the run's own (``run-<run id>.``, or ``--topic-prefix``), so
    that runs never see each other's records or consumer state.
 3. **Scenario clock.** The scenario is copied into the workdir with its start moved to the first window boundary
@@ -419,8 +420,7 @@ def ensure_broker(progress: Callable[[str], None], env: Mapping[str, str]) -> st
     it when it is not running."""
     from gpumeter.devtools import kafka_broker
 
-    progress("Kafka: checking Apache Kafka's jars — the first run downloads them from Maven Central "
-             "(about 45 MB, a minute or two)...")
+    progress("Kafka: checking Apache Kafka's pinned jars (the first run downloads them from Maven Central)...")
     try:
         port = int(env.get("GPUMETER_KAFKA_PORT") or "9092")
     except ValueError as exc:

@@ -1,1 +1,2 @@
-"""Development and test infrastructure: a real Kafka broker and PostgreSQL server on loopback."""
+"""Development and test infrastructure: a real Kafka broker, PostgreSQL and Alertmanager on loopback, and the set-up
+that gets them on a machine with only Python and make (docs/setup.md)."""

