@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: deps kafka-jars test test-unit run stop bench clean
+.PHONY: deps kafka-jars deploy-tools test test-unit run stop bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@echo "setting up $(VENV) (Python deps, pinned by constraints.txt)..."
@@ -19,11 +19,16 @@ deps: $(STAMP)
 kafka-jars: deps
 	@$(PY) -m gpumeter.devtools.kafka_broker fetch >/dev/null
 
+## deploy-tools: helm and kustomize for the deployment tests, built from source with Go into .cache/ once (a few
+## minutes the first time; without Go on PATH, a pinned Go toolchain is downloaded and checked first).
+deploy-tools: deps
+	@$(PY) -m gpumeter.devtools.gotools build >/dev/null
+
 ## test: unit tests, then integration tests against a real Kafka broker and PostgreSQL that the tests start.
-test: deps kafka-jars
+test: deps kafka-jars deploy-tools
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-test-unit: deps
+test-unit: deps deploy-tools
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
 ## run: the whole pipeline on a simulated 3-node cluster with a live view (Ctrl-C stops it cleanly):
