@@ -292,9 +292,11 @@ def check_collector_host_access(docs: list[dict]) -> None:
         assert not spec.get("securityContext", {}).get("capabilities"), where
 
 
-def check_collector_pools_are_priced(docs: list[dict], scratch: Path) -> None:
-    """Each collector DaemonSet's node facts name a node that billing prices — with the catalog billing loads: the
-    bundled price files plus the override CSV mounted into its pod — and whose GPU count is known."""
+def check_collector_pools_are_priced(docs: list[dict], scratch: Path) -> int:
+    """Each collector DaemonSet that overrides its nodes' price facts names a node that billing prices — with the
+    catalog billing loads: the bundled price files plus the override CSV mounted into its pod — and whose GPU
+    count is known. A pool that overrides nothing takes every fact from its nodes' own Node objects (the collector
+    reads them; tests/unit/collector/test_nodefacts.py). Returns how many pools were checked."""
     (billing,) = by_role(docs, "billing")
     spec = pod_spec(billing)
     (container,) = spec["containers"]
@@ -302,14 +304,23 @@ def check_collector_pools_are_priced(docs: list[dict], scratch: Path) -> None:
     overrides = scratch / "overrides.csv"
     overrides.write_text(mounted_file(spec, container, str(settings.price_override_csv), docs), encoding="utf-8")
     catalog = replace(settings, price_override_csv=overrides).price_catalog()
+    checked = 0
     for daemonset in of_kind(docs, "DaemonSet"):
         (collector,) = pod_spec(daemonset)["containers"]
         facts = settings_for(collector["args"], container_env(collector, docs))
-        quote = catalog.quote(provider=facts.cloud_provider, region=facts.region, instance_type=facts.instance_type,
-                              price_model=facts.price_model)
+        overridden = [facts.cloud_provider, facts.region, facts.instance_type, facts.price_model]
+        if not any(overridden):
+            continue
         where = daemonset["metadata"]["name"]
+        # An instance type without its provider and region would be looked up with the node's: say all three.
+        assert facts.cloud_provider and facts.region and facts.instance_type, (
+            f"{where}: overrides some price facts but not provider, region and instance type together")
+        checked += 1
+        quote = catalog.quote(provider=facts.cloud_provider, region=facts.region, instance_type=facts.instance_type,
+                              price_model=facts.price_model or "on_demand")
         assert quote.node_price_per_hour_usd is not None and quote.node_price_per_hour_usd > 0, (where, quote)
         assert quote.spec.gpu_count, f"{where}: the instance type's GPU count is known, so the price can be split"
+    return checked
 
 
 def check_restricted_pods(docs: list[dict]) -> None:

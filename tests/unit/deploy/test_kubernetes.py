@@ -154,8 +154,12 @@ def test_collector_daemonset_reads_the_host_read_only_through_hostpid_and_two_pa
     check_workload_selectors_are_disjoint(docs)
 
 
-def test_collector_node_pool_is_priced_by_the_bundled_catalog(docs, tmp_path):
-    check_collector_pools_are_priced(docs, tmp_path)
+def test_the_collector_takes_its_price_facts_from_its_nodes_by_default(docs, tmp_path):
+    # No override in the shipped ConfigMap: every fact comes from each node's own Node object.
+    assert check_collector_pools_are_priced(docs, tmp_path) == 0
+    (configmap,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "gpumeter-collector"]
+    assert not {"GPUMETER_CLOUD_PROVIDER", "GPUMETER_REGION", "GPUMETER_INSTANCE_TYPE",
+                "GPUMETER_PRICE_MODEL"} & set(configmap["data"])
 
 
 # ----------------------------------------------------------------------------------------------------------------
