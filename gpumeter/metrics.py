@@ -48,6 +48,9 @@ METRICS: dict[str, MetricDef] = {
         MetricDef("gpumeter_messages_consumed_total", "counter", "Input messages consumed.", ("service", "topic")),
         MetricDef("gpumeter_dead_letters_total", "counter", "Input messages dead-lettered.",
                   ("service", "topic", "reason_code")),
+        MetricDef("gpumeter_dead_letters_truncated_total", "counter",
+                  "Dead letters whose value, key or reason was cut to fit the producer's max request size.",
+                  ("service", "topic")),
         # attributor
         MetricDef("gpumeter_attributor_windows_closed_total", "counter", "Node windows attributed and emitted."),
         MetricDef("gpumeter_attributor_shares_emitted_total", "counter", "GpuShare records emitted."),

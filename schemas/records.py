@@ -451,6 +451,11 @@ class DeadLetter:
     source_key: bytes | None
     raw_bytes: bytes
     failed_at_unix_ms: int
+    # Version 2 (defaults: what a version 1 record means -- raw_bytes whole, nothing cut).
+    payload_length_bytes: int = -1
+    payload_sha256: str = ""
+    source_key_length_bytes: int = -1
+    truncated: bool = False
 
     def to_avro(self) -> dict[str, Any]:
         return _flat_to_avro(self, (), ())

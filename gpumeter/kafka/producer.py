@@ -36,6 +36,7 @@ class RecordProducer:
             linger_ms=linger_ms,
             max_batch_size=max_batch_bytes,
             request_timeout_ms=request_timeout_ms,
+            max_request_size=settings.max_request_size_bytes,
             **extra,
         )
         self._pending: set[asyncio.Future] = set()

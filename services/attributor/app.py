@@ -168,6 +168,7 @@ class AttributorStream:
             consumer_auto_offset_reset="earliest",
             producer_acks=-1,
             producer_compression_type=settings.kafka.compression_type,
+            producer_max_request_size=settings.kafka.max_request_size_bytes,
             topic_partitions=self.partitions,
             topic_replication_factor=settings.topic_replication_factor,
             topic_disable_leader=True,
@@ -183,7 +184,8 @@ class AttributorStream:
                                       help="Each node's progress record (raw ticks of open windows only in tables written by older versions).")
         self.pods = app.Table(PODS_TABLE, key_type=str, value_type=bytes, partitions=self.partitions,
                               help="Raw latest PodEvent per pod of the partition's nodes.")
-        self.guard = DeadLetterGuard(SERVICE, catalog.dead_letters, self._publish_dead_letter, clock, self.metrics)
+        self.guard = DeadLetterGuard(SERVICE, catalog.dead_letters, self._publish_dead_letter, clock, self.metrics,
+                                     max_request_size_bytes=settings.kafka.max_request_size_bytes)
 
         app.agent(self.samples_topic, name=f"{SERVICE}.node-samples")(self._samples_agent)
         app.agent(self.pods_topic, name=f"{SERVICE}.pod-events")(self._pods_agent)

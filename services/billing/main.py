@@ -113,6 +113,7 @@ async def serve(settings: BillingSettings, *, stop: asyncio.Event | None = None,
             team_label=settings.team_label,
             metrics=metrics,
             max_clock_skew_seconds=settings.max_clock_skew_seconds,
+            max_request_size_bytes=settings.kafka.max_request_size_bytes,
         )
         service = BillingService(
             kafka=settings.kafka,

@@ -23,11 +23,19 @@ from gpumeter.errors import (
     WrongRecordType,
 )
 from schemas.codec import AVRO_DIR, AvroCodec, SchemaRegistry, crc64_avro, default_registry, make_registered_schema
-from schemas.examples import load_example_dicts, load_examples
+from schemas.examples import example_versions, load_example_dicts, load_examples
 from schemas.records import RECORD_TYPES, NodeSample, PodEvent
 from schemas.typed import RecordCodec, codec_for
 
 RECORD_NAMES = [name.split(".")[1] for name in RECORD_TYPES]
+
+
+def _versions(record_name: str) -> list[int]:
+    return sorted(int(p.name[len(record_name) + 2:-len(".avsc")]) for p in AVRO_DIR.glob(f"{record_name}.v*.avsc"))
+
+
+def _schema_file(record_name: str, version: int) -> dict:
+    return json.loads((AVRO_DIR / f"{record_name}.v{version}.avsc").read_text())
 
 
 def test_crc64_avro_matches_the_specification_vectors():
@@ -74,9 +82,35 @@ def test_every_record_type_round_trips_its_examples(record_name):
 
 @pytest.mark.parametrize("record_name", RECORD_NAMES)
 def test_dataclass_fields_match_the_avsc_fields(record_name):
+    """The typed record has exactly the fields of the newest version, in its order."""
     record_type = RECORD_TYPES[f"gpumeter.{record_name}"]
-    schema = json.loads((AVRO_DIR / f"{record_name}.v1.avsc").read_text())
+    schema = _schema_file(record_name, _versions(record_name)[-1])
     assert [f.name for f in fields(record_type)] == [f["name"] for f in schema["fields"]]
+
+
+@pytest.mark.parametrize("record_name", RECORD_NAMES)
+def test_each_version_keeps_the_fields_before_it_and_defaults_every_new_one(record_name):
+    """Old readers and writers keep working: a version adds fields with defaults and changes none it had."""
+    versions = _versions(record_name)
+    assert versions == list(range(1, len(versions) + 1))
+    for older, newer in zip(versions, versions[1:]):
+        before = {f["name"]: f for f in _schema_file(record_name, older)["fields"]}
+        after = {f["name"]: f for f in _schema_file(record_name, newer)["fields"]}
+        assert set(before) <= set(after), (older, newer)
+        assert all(after[name]["type"] == field["type"] for name, field in before.items()), (older, newer)
+        assert all("default" in after[name] for name in set(after) - set(before)), (older, newer)
+
+
+@pytest.mark.parametrize("record_name", RECORD_NAMES)
+def test_the_examples_of_every_version_are_read_by_the_newest_reader(record_name):
+    """A message written by any registered version decodes into today's typed record, new fields defaulted."""
+    record_type = RECORD_TYPES[f"gpumeter.{record_name}"]
+    newest = RecordCodec(record_type)
+    for version in example_versions(record_name):
+        writer = AvroCodec(default_registry(), f"gpumeter.{record_name}", version)
+        for example in load_example_dicts(record_name, version):
+            record = newest.decode(writer.encode(example))
+            assert {k: v for k, v in record.to_avro().items() if k in example} == example
 
 
 def _all_fields(schema):
@@ -94,9 +128,10 @@ def _all_fields(schema):
 
 @pytest.mark.parametrize("record_name", RECORD_NAMES)
 def test_every_field_has_a_doc(record_name):
-    schema = json.loads((AVRO_DIR / f"{record_name}.v1.avsc").read_text())
-    missing = [f"{record}.{field['name']}" for record, field in _all_fields(schema) if not field.get("doc")]
-    assert missing == []
+    for version in _versions(record_name):
+        schema = _schema_file(record_name, version)
+        missing = [f"{record}.{field['name']}" for record, field in _all_fields(schema) if not field.get("doc")]
+        assert missing == [], version
 
 
 @pytest.mark.parametrize("record_name", RECORD_NAMES)
