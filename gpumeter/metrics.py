@@ -16,7 +16,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
 from gpumeter.clock import Clock, SystemClock
-from gpumeter.health import DEFAULT_MAX_SILENCE_SECONDS, Heartbeat, health_wsgi_app
+from gpumeter.health import DEFAULT_MAX_SILENCE_SECONDS, DEFAULT_MAX_STALL_SECONDS, Heartbeat, health_wsgi_app
 
 
 @dataclass(frozen=True)
@@ -87,14 +87,16 @@ class _QuietHandler(WSGIRequestHandler):
 
 class ServiceMetrics:
     """The metrics of one service on their own registry, and its liveness heartbeat. ``get(name)`` returns the
-    prometheus object; ``beat()`` marks the service's loop as going round (``gpumeter.health``)."""
+    prometheus object; ``beat()`` marks the service's loop as going round and ``progress()`` where it is on its input
+    (``gpumeter.health``)."""
 
     def __init__(self, service: str, names: tuple[str, ...] | None = None, *, clock: Clock | None = None,
-                 max_silence_seconds: float = DEFAULT_MAX_SILENCE_SECONDS) -> None:
+                 max_silence_seconds: float = DEFAULT_MAX_SILENCE_SECONDS,
+                 max_stall_seconds: float = DEFAULT_MAX_STALL_SECONDS) -> None:
         self.service = service
         self.registry = CollectorRegistry()
         # Infrastructure, not logic: the heartbeat measures real silence, so the real clock unless a test passes one.
-        self.heartbeat = Heartbeat(clock or SystemClock(), max_silence_seconds)
+        self.heartbeat = Heartbeat(clock or SystemClock(), max_silence_seconds, max_stall_seconds)
         self.server: WSGIServer | None = None
         self._metrics = {}
         for name in names or tuple(METRICS):
@@ -109,6 +111,10 @@ class ServiceMetrics:
 
     def beat(self) -> None:
         self.heartbeat.beat()
+
+    def progress(self, name: str, position, waiting: bool) -> None:
+        """A loop's position on its input (``gpumeter.health.Heartbeat.progress``)."""
+        self.heartbeat.progress(name, position, waiting)
 
     def wsgi_app(self):
         """``/healthz`` from the heartbeat, every other path the Prometheus exposition of this registry."""

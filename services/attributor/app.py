@@ -371,6 +371,11 @@ class AttributorStream:
             self.metrics.beat()  # the event loop runs the timer: liveness (gpumeter.health)
         if not self._ready or self.app.rebalancing:
             return
+        # Progress (gpumeter.health): the offsets processed, and whether samples are waiting behind them; agents
+        # stuck on one record (retrying it, or awaiting what never comes) leave them standing while the timer runs.
+        self.metrics.progress("input", (tuple(sorted(self._processed_offset.items())),
+                                        tuple(sorted(self._processed_pod_offset.items()))),
+                              any(not self._caught_up(p) for p in sorted(self.engines)))
         now_ms = self.clock.now_ms()
         try:
             for partition, engine in sorted(self.engines.items()):

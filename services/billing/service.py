@@ -59,8 +59,14 @@ from gpumeter.clock import Clock
 from gpumeter.errors import InvalidMessage
 from gpumeter.kafka.deadletter import DeadLetterGuard, RawMessage
 from gpumeter.kafka.outbox import Outbox, Producer, next_backoff_seconds
+from gpumeter.kafka.processor import (
+    ConsumerUnavailable,
+    ProcessorLifecycle,
+    ServiceStopping,
+    input_behind,
+    raw_message,
+)
 from gpumeter.settings import DEFAULT_MAX_REQUEST_SIZE_BYTES
-from gpumeter.kafka.processor import ConsumerUnavailable, ProcessorLifecycle, ServiceStopping, raw_message
 from gpumeter.validation import DEFAULT_DOWNSTREAM_MAX_CLOCK_SKEW_SECONDS, check_share
 from schemas.catalog import TopicCatalog
 from schemas.records import CostRecord, CostSubjectKind, GpuShare, ShareSubjectKind
@@ -158,6 +164,10 @@ class OffsetTracker:
     def position(self, tp: TopicPartition) -> int | None:
         state = self._partitions.get(tp)
         return None if state is None else state.position()
+
+    def taken(self) -> tuple[tuple[TopicPartition, int], ...]:
+        """One past the newest message taken (done or held), per partition: how far the consumer got."""
+        return tuple(sorted((tp, state.next_offset) for tp, state in self._partitions.items()))
 
     def held_count(self, tp: TopicPartition | None = None) -> int:
         if tp is not None:
@@ -784,6 +794,8 @@ class BillingService:
                     break
                 batch = fetch.result()
                 self.processor.beat()
+                self.processor.note_input(self.processor.offsets.taken(),
+                                          any(batch.values()) or await input_behind(consumer))
                 async with self._lock:
                     if generation != self._generation:
                         # A rebalance ran while this batch was fetched: positions were reset to the committed

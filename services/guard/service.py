@@ -47,8 +47,14 @@ from gpumeter.clock import Clock
 from gpumeter.errors import GpumeterError, InvalidMessage
 from gpumeter.kafka.deadletter import DeadLetterGuard, RawMessage
 from gpumeter.kafka.outbox import Outbox, Producer
+from gpumeter.kafka.processor import (
+    ConsumerUnavailable,
+    ProcessorLifecycle,
+    ServiceStopping,
+    input_behind,
+    raw_message,
+)
 from gpumeter.settings import DEFAULT_MAX_REQUEST_SIZE_BYTES
-from gpumeter.kafka.processor import ConsumerUnavailable, ProcessorLifecycle, ServiceStopping, raw_message
 from gpumeter.validation import (
     DEFAULT_DOWNSTREAM_MAX_CLOCK_SKEW_SECONDS,
     DEFAULT_MAX_SAMPLE_AGE_SECONDS,
@@ -463,6 +469,8 @@ class GuardService:
                     break
                 batch = fetch.result()
                 self.processor.beat()
+                self.processor.note_input(tuple(sorted(self.processor.positions.items())),
+                                          any(batch.values()) or await input_behind(consumer))
                 async with self._lock:
                     for records in batch.values():
                         for record in records:
