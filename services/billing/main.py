@@ -76,7 +76,8 @@ async def serve(settings: BillingSettings, *, stop: asyncio.Event | None = None,
     stop_on(stop, handle_signals=handle_signals, duration_seconds=settings.duration_seconds)
     try:
         catalog = settings.price_catalog()
-        ledger = Ledger(settings.ledger_url)
+        # The ledger is the arbiter of who publishes a node-window's cost records: the group whose write inserted it.
+        ledger = Ledger(settings.ledger_url, publisher=settings.consumer_group)
     except ConfigError as exc:
         log.error("%s", exc)
         return 2
