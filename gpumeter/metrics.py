@@ -39,6 +39,9 @@ METRICS: dict[str, MetricDef] = {
                   ("nvml_function", "error_code")),
         MetricDef("gpumeter_collector_buffer_depth", "gauge", "Records waiting in the local buffer for Kafka."),
         MetricDef("gpumeter_collector_buffer_dropped_total", "counter", "Records dropped because the buffer was full."),
+        MetricDef("gpumeter_collector_undeliverable_records_total", "counter",
+                  "Records Kafka would not take (too large, or failing while others went through), given up: "
+                  "replaced by a dead letter, or dropped.", ("kind", "outcome")),
         MetricDef("gpumeter_collector_unmapped_processes_total", "counter", "GPU processes mapped to no known pod."),
         MetricDef("gpumeter_collector_kubelet_unavailable_total", "counter",
                   "Ticks where the kubelet PodResources API could not be reached (cgroup-only mapping)."),

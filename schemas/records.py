@@ -282,6 +282,10 @@ class PodEvent:
     started_at_unix_ms: int | None
     gpu_requests: Mapping[str, int]
     containers: tuple[PodContainer, ...]
+    # Version 2 (defaults: what a version 1 record means -- nothing left out by the collector).
+    labels_dropped: int = 0
+    annotations_dropped: int = 0
+    truncated: bool = False
 
     def to_avro(self) -> dict[str, Any]:
         return {
@@ -301,6 +305,9 @@ class PodEvent:
             "started_at_unix_ms": self.started_at_unix_ms,
             "gpu_requests": dict(self.gpu_requests),
             "containers": [c.to_avro() for c in self.containers],
+            "labels_dropped": self.labels_dropped,
+            "annotations_dropped": self.annotations_dropped,
+            "truncated": self.truncated,
         }
 
     @classmethod
@@ -322,6 +329,9 @@ class PodEvent:
             started_at_unix_ms=d["started_at_unix_ms"],
             gpu_requests=_frozen_map(d["gpu_requests"]),
             containers=tuple(PodContainer.from_avro(c) for c in d["containers"]),
+            labels_dropped=d.get("labels_dropped", 0),
+            annotations_dropped=d.get("annotations_dropped", 0),
+            truncated=d.get("truncated", False),
         )
 
 
