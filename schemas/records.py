@@ -344,6 +344,11 @@ def _flat_to_avro(record: Any, enum_fields: tuple[str, ...], map_fields: tuple[s
     return d
 
 
+CARRIED_LABELS_KEY = "gpumeter.io/carried-labels"
+"""A label of every POD share row (and the cost lines made from it) when the attributor carries only some labels:
+the carried label keys, sorted, comma-separated. Absent where all labels were carried (rows from before)."""
+
+
 @dataclass(frozen=True, slots=True)
 class GpuShare:
     cluster: str

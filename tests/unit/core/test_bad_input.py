@@ -240,7 +240,7 @@ class AttributorHarness(Harness):
         else:
             event = good_pod_event(self.now_ms, n)
             await self.send_record(kind, event)
-            assert self.stream.pods[pod_table_key(event)] == encode(event)
+            assert codec_for(PodEvent).decode(self.stream.pods[pod_table_key(event)]) == event
 
 
 class BillingHarness(Harness):
@@ -608,6 +608,36 @@ async def test_an_oversized_value_gets_a_dead_letter_that_fits_and_the_next_mess
                   topic=TOPIC_NAMES[kind]) == 1
     await h.good(kind)
     assert len(h.dead_letters()) == 1
+
+
+async def test_the_attributor_stores_a_pod_cut_to_what_it_keeps_and_refuses_one_that_stays_too_large(
+        make_harness):
+    """Any producer can put 30,000 labels and a 5 MB annotation in a valid pod event (one crashed the changelog
+    write): the pod table keeps only the grouping labels and the annotation attribution reads."""
+    from services.attributor.app import MAX_STORED_POD_BYTES
+    from services.attributor.attribution import DEFAULT_MPS_THREAD_ANNOTATION
+
+    h = make_harness("attributor")
+    event = dataclasses.replace(good_pod_event(h.now_ms, 901), labels={
+        "team": "t", "model": "m", **{f"acme.io/l-{i:05d}": "v" for i in range(30_000)}}, annotations={
+        DEFAULT_MPS_THREAD_ANNOTATION: "50", "big": "x" * 5_000_000})
+    await h.send_record(PODS, event)
+    assert h.dead_letters() == []
+    stored = h.stream.pods[pod_table_key(event)]
+    assert len(stored) < 4096
+    kept = codec_for(PodEvent).decode(stored)
+    assert (dict(kept.labels), dict(kept.annotations)) == ({"team": "t", "model": "m"},
+                                                           {DEFAULT_MPS_THREAD_ANNOTATION: "50"})
+    assert (kept.labels_dropped, kept.annotations_dropped) == (30_000, 1)
+
+    containers = tuple(dataclasses.replace(event.containers[0], name=f"c{i:05d}", assigned_devices=())
+                       for i in range(5_000))
+    huge = dataclasses.replace(good_pod_event(h.now_ms, 902), containers=containers)
+    raw = await h.send_record(PODS, huge)
+    (letter,) = h.dead_letters()
+    assert (letter.reason_code, letter.source_offset) == ("TOO_LARGE", raw.offset)
+    assert pod_table_key(huge) not in h.stream.pods and str(MAX_STORED_POD_BYTES) in letter.reason
+    await h.good(PODS)
 
 
 def test_a_small_bad_value_is_dead_lettered_whole_and_says_so():
