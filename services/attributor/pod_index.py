@@ -380,9 +380,9 @@ class LivePodIndex(PodLookup):
     ``apply_pod_event`` copies every pod (loading n pods: O(n) instead of O(n²)).
 
     After any sequence of events, ``snapshot()`` equals what ``apply_pod_events(PodIndex.empty(linger_ms, fields),
-    events)`` gives (same pods, device map, clock and next expiry). Its lookups read the current state: use them within one
-    synchronous step (attributing a window against the pods of the moment) and keep ``snapshot()``, never this
-    object, where the pods must not change afterwards. Not thread-safe: one owner.
+    events)`` gives (same pods, device map, clock and next expiry). Its lookups read the current state: use them
+    within one synchronous step (attributing a window against the pods of the moment) and keep ``snapshot()``,
+    never this object, where the pods must not change afterwards. Not thread-safe: one owner.
     """
 
     __slots__ = ("linger_ms", "fields", "clock_unix_ms", "_pods", "_by_device", "_expiries", "_snapshot")

@@ -33,9 +33,9 @@ def test_share_rows_carry_only_the_grouping_labels_and_say_which_were_carried():
     engine = AttributionEngine(config)
     assert engine.on_pod_event(_event(observed_at_unix_ms=1_000, started_at_unix_ms=0))
     base = 1_780_000_000_000 // 10_000 * 10_000
+    gpu = device("GPU-0", used=4 * GIB, util=50, procs=[(0, 2 * GIB, 30)])
     for k in range(3):
-        engine.on_sample(node_sample(base + k * 1000, [device("GPU-0", used=4 * GIB, util=50, procs=[(0, 2 * GIB, 30)])],
-                                     pod_uids=["uid-a"], sequence=k), base + 60_000, k)
+        engine.on_sample(node_sample(base + k * 1000, [gpu], pod_uids=["uid-a"], sequence=k), base + 60_000, k)
     (window,) = engine.flush().windows
     (row,) = [r for r in window.shares if r.subject_kind is ShareSubjectKind.POD]
     assert dict(row.labels) == {"team": "research", "model": "llama", CARRIED_LABELS_KEY: "model,team"}
