@@ -16,7 +16,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
 from gpumeter.clock import Clock, SystemClock
-from gpumeter.health import DEFAULT_MAX_SILENCE_SECONDS, Heartbeat, health_wsgi_app
+from gpumeter.health import DEFAULT_MAX_SILENCE_SECONDS, DEFAULT_MAX_STALL_SECONDS, Heartbeat, health_wsgi_app
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,9 @@ METRICS: dict[str, MetricDef] = {
                   ("nvml_function", "error_code")),
         MetricDef("gpumeter_collector_buffer_depth", "gauge", "Records waiting in the local buffer for Kafka."),
         MetricDef("gpumeter_collector_buffer_dropped_total", "counter", "Records dropped because the buffer was full."),
+        MetricDef("gpumeter_collector_undeliverable_records_total", "counter",
+                  "Records Kafka would not take (too large, or failing while others went through), given up: "
+                  "replaced by a dead letter, or dropped.", ("kind", "outcome")),
         MetricDef("gpumeter_collector_unmapped_processes_total", "counter", "GPU processes mapped to no known pod."),
         MetricDef("gpumeter_collector_kubelet_unavailable_total", "counter",
                   "Ticks where the kubelet PodResources API could not be reached (cgroup-only mapping)."),
@@ -48,6 +51,9 @@ METRICS: dict[str, MetricDef] = {
         MetricDef("gpumeter_messages_consumed_total", "counter", "Input messages consumed.", ("service", "topic")),
         MetricDef("gpumeter_dead_letters_total", "counter", "Input messages dead-lettered.",
                   ("service", "topic", "reason_code")),
+        MetricDef("gpumeter_dead_letters_truncated_total", "counter",
+                  "Dead letters whose value, key or reason was cut to fit the producer's max request size.",
+                  ("service", "topic")),
         # attributor
         MetricDef("gpumeter_attributor_windows_closed_total", "counter", "Node windows attributed and emitted."),
         MetricDef("gpumeter_attributor_shares_emitted_total", "counter", "GpuShare records emitted."),
@@ -84,14 +90,16 @@ class _QuietHandler(WSGIRequestHandler):
 
 class ServiceMetrics:
     """The metrics of one service on their own registry, and its liveness heartbeat. ``get(name)`` returns the
-    prometheus object; ``beat()`` marks the service's loop as going round (``gpumeter.health``)."""
+    prometheus object; ``beat()`` marks the service's loop as going round and ``progress()`` where it is on its input
+    (``gpumeter.health``)."""
 
     def __init__(self, service: str, names: tuple[str, ...] | None = None, *, clock: Clock | None = None,
-                 max_silence_seconds: float = DEFAULT_MAX_SILENCE_SECONDS) -> None:
+                 max_silence_seconds: float = DEFAULT_MAX_SILENCE_SECONDS,
+                 max_stall_seconds: float = DEFAULT_MAX_STALL_SECONDS) -> None:
         self.service = service
         self.registry = CollectorRegistry()
         # Infrastructure, not logic: the heartbeat measures real silence, so the real clock unless a test passes one.
-        self.heartbeat = Heartbeat(clock or SystemClock(), max_silence_seconds)
+        self.heartbeat = Heartbeat(clock or SystemClock(), max_silence_seconds, max_stall_seconds)
         self.server: WSGIServer | None = None
         self._metrics = {}
         for name in names or tuple(METRICS):
@@ -106,6 +114,10 @@ class ServiceMetrics:
 
     def beat(self) -> None:
         self.heartbeat.beat()
+
+    def progress(self, name: str, position, waiting: bool) -> None:
+        """A loop's position on its input (``gpumeter.health.Heartbeat.progress``)."""
+        self.heartbeat.progress(name, position, waiting)
 
     def wsgi_app(self):
         """``/healthz`` from the heartbeat, every other path the Prometheus exposition of this registry."""

@@ -15,6 +15,8 @@ from gpumeter.errors import ConfigError
 from schemas.catalog import TopicCatalog
 
 SECRET_MARK = "***"
+DEFAULT_MAX_REQUEST_SIZE_BYTES = 1_048_576
+"""aiokafka's default ``max_request_size``, and the broker's default ``message.max.bytes`` less its 12-byte slack."""
 # The password of ``scheme://user:password@host...``: up to the authority's last "@" (an unencoded "@" in a password
 # must not leave its tail visible).
 _URL_PASSWORD = re.compile(r"(?P<prefix>://[^/:@]*:)[^/]*@")
@@ -42,7 +44,8 @@ class KafkaSettings:
     ssl_keyfile: str | None = None
     compression_type: str = "lz4"
     replication_factor: int = 1  # for topics gpumeter creates; 3 on a production cluster
-
+    # The largest record (batch) every producer sends; dead letters are sized from it (gpumeter.kafka.deadletter).
+    max_request_size_bytes: int = DEFAULT_MAX_REQUEST_SIZE_BYTES
 
     _PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 
@@ -54,6 +57,13 @@ class KafkaSettings:
                 raise ConfigError(f"replication factor {self.replication_factor!r} is not a number") from exc
         if self.replication_factor < 1:
             raise ConfigError("replication factor must be at least 1")
+        if isinstance(self.max_request_size_bytes, str):
+            try:
+                object.__setattr__(self, "max_request_size_bytes", int(self.max_request_size_bytes))
+            except ValueError as exc:
+                raise ConfigError(f"max request size {self.max_request_size_bytes!r} is not a number") from exc
+        if self.max_request_size_bytes < 64 * 1024:
+            raise ConfigError("the max request size must be at least 65536 bytes")
         if self.security_protocol not in self._PROTOCOLS:
             raise ConfigError(f"security protocol {self.security_protocol!r} is not one of {self._PROTOCOLS}")
         if self.security_protocol.startswith("SASL") and not (self.sasl_mechanism and self.sasl_username):

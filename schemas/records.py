@@ -320,6 +320,10 @@ class PodEvent:
     started_at_unix_ms: int | None
     gpu_requests: Mapping[str, int]
     containers: tuple[PodContainer, ...]
+    # Version 2 (defaults: what a version 1 record means -- nothing left out by the collector).
+    labels_dropped: int = 0
+    annotations_dropped: int = 0
+    truncated: bool = False
 
     def to_avro(self) -> dict[str, Any]:
         return {
@@ -339,6 +343,9 @@ class PodEvent:
             "started_at_unix_ms": self.started_at_unix_ms,
             "gpu_requests": dict(self.gpu_requests),
             "containers": [c.to_avro() for c in self.containers],
+            "labels_dropped": self.labels_dropped,
+            "annotations_dropped": self.annotations_dropped,
+            "truncated": self.truncated,
         }
 
     @classmethod
@@ -360,6 +367,9 @@ class PodEvent:
             started_at_unix_ms=d["started_at_unix_ms"],
             gpu_requests=_frozen_map(d["gpu_requests"]),
             containers=tuple(PodContainer.from_avro(c) for c in d["containers"]),
+            labels_dropped=d.get("labels_dropped", 0),
+            annotations_dropped=d.get("annotations_dropped", 0),
+            truncated=d.get("truncated", False),
         )
 
 
@@ -370,6 +380,11 @@ def _flat_to_avro(record: Any, enum_fields: tuple[str, ...], map_fields: tuple[s
     for name in map_fields:
         d[name] = dict(d[name])
     return d
+
+
+CARRIED_LABELS_KEY = "gpumeter.io/carried-labels"
+"""A label of every POD share row (and the cost lines made from it) when the attributor carries only some labels:
+the carried label keys, sorted, comma-separated. Absent where all labels were carried (rows from before)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -491,6 +506,11 @@ class DeadLetter:
     source_key: bytes | None
     raw_bytes: bytes
     failed_at_unix_ms: int
+    # Version 2 (defaults: what a version 1 record means -- raw_bytes whole, nothing cut).
+    payload_length_bytes: int = -1
+    payload_sha256: str = ""
+    source_key_length_bytes: int = -1
+    truncated: bool = False
 
     def to_avro(self) -> dict[str, Any]:
         return _flat_to_avro(self, (), ())

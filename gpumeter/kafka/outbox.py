@@ -65,6 +65,7 @@ class Outgoing:
     record: Any
     topic: str = ""
     latest_wins: bool = False
+    sequence: int = 0  # its place in the outbox's order of sends (progress: ``Outbox.oldest_pending``)
     future: asyncio.Future | None = None
     error: BaseException | None = None
 
@@ -113,15 +114,27 @@ class Outbox:
         self._pause = pause
         self._on_retry = on_retry
         self._entries: list[Outgoing] = []
+        self._sent = 0
 
     def __len__(self) -> int:
         """Records sent and not yet known to be acknowledged (all of them until a ``flush`` saw them through)."""
         return len(self._entries)
 
+    @property
+    def oldest_pending(self) -> int | None:
+        """The ``sequence`` of the oldest record not (yet) acknowledged, None when every record was: while flushes
+        re-send the same records it stays the same, which is how a loop stuck on them shows (``gpumeter.health``)."""
+        for outgoing in self._entries:
+            future = outgoing.future
+            if future is None or not future.done() or future.cancelled() or future.exception() is not None:
+                return outgoing.sequence
+        return None
+
     async def send(self, topic: str, key: bytes | None, record: Any, *, latest_wins: bool = False) -> Outgoing:
         """Hand ``record`` to the producer and keep it until ``flush`` saw it acknowledged. A producer that cannot
         enqueue it (``DeliveryError``) does not fail the call: the record is re-sent by ``flush``."""
-        outgoing = Outgoing(key, record, topic, latest_wins)
+        self._sent += 1
+        outgoing = Outgoing(key, record, topic, latest_wins, self._sent)
         self._entries.append(outgoing)
         await self._send(outgoing)
         return outgoing

@@ -27,15 +27,33 @@ def raw_message(record: Any) -> RawMessage:
                       value=record.value, timestamp_ms=record.timestamp)
 
 
+async def input_behind(consumer: Any) -> bool:
+    """Whether an aiokafka consumer has input waiting beyond its fetch positions (a high-water mark ahead)."""
+    for tp in consumer.assignment():
+        highwater = consumer.highwater(tp)
+        if highwater is not None and highwater > await consumer.position(tp):
+            return True
+    return False
+
+
 class ProcessorLifecycle:
-    """The stop flag, the liveness beat (``gpumeter.health``, through ``metrics``; None: no metrics) and the retry
-    pause of a processor. ``_pause`` counts as the loop going round (waiting on purpose for an unreachable
-    dependency is alive) and raises ``ServiceStopping`` once ``stop()`` was called, before or during the pause."""
+    """The stop flag, the liveness beat and progress (``gpumeter.health``, through ``metrics``; None: no metrics)
+    and the retry pause of a processor. ``_pause`` counts as the loop going round (waiting on purpose for an
+    unreachable dependency is alive) and raises ``ServiceStopping`` once ``stop()`` was called, before or during
+    the pause.
+
+    Progress: every beat and every pause report two positions -- ``input`` (what the consumer loop last said with
+    ``note_input``: the offsets taken, and whether input was waiting behind them) and ``outbox`` (the oldest
+    unacknowledged record of ``self._outbox``, if the processor has one). A retry loop pauses with both standing
+    still: after ``max_stall_seconds`` that is a stall, not life."""
+
+    _outbox: Any = None
 
     def __init__(self, metrics: Any, sleep: Callable[[float], Awaitable[None]] | None = None) -> None:
         self.metrics = metrics
         self._sleep = sleep or asyncio.sleep
         self._stopping = asyncio.Event()
+        self._input: tuple[Any, bool] | None = None
 
     def stop(self) -> None:
         self._stopping.set()
@@ -48,10 +66,26 @@ class ProcessorLifecycle:
         """The service's loop went round."""
         if self.metrics is not None:
             self.metrics.beat()
+            self._report_progress()
+
+    def note_input(self, position: Any, waiting: bool) -> None:
+        """The consumer loop's position on its input (the offsets taken so far) and whether input is waiting behind
+        it (a fetched batch not yet handled, or the partitions' high-water marks ahead)."""
+        self._input = (position, waiting)
+        self._report_progress()
+
+    def _report_progress(self) -> None:
+        if self.metrics is None:
+            return
+        if self._input is not None:
+            self.metrics.progress("input", *self._input)
+        if self._outbox is not None:
+            oldest = self._outbox.oldest_pending
+            self.metrics.progress("outbox", oldest, oldest is not None)
 
     async def _pause(self, seconds: float) -> None:
         self.beat()
         await pause_unless_stopping(seconds, sleep=self._sleep, stopping=self._stopping, stopped=ServiceStopping)
 
 
-__all__ = ["ConsumerUnavailable", "ProcessorLifecycle", "ServiceStopping", "raw_message"]
+__all__ = ["ConsumerUnavailable", "ProcessorLifecycle", "ServiceStopping", "input_behind", "raw_message"]

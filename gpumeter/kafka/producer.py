@@ -11,7 +11,7 @@ import asyncio
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaError, MessageSizeTooLargeError, RecordListTooLargeError
 
 from gpumeter.errors import GpumeterError
 from gpumeter.settings import KafkaSettings
@@ -20,6 +20,21 @@ from schemas.typed import codec_for
 
 class DeliveryError(GpumeterError):
     """A record could not be delivered to Kafka."""
+
+
+# What Kafka answers about the record itself, not about its own state: sending the same bytes again cannot work.
+_REFUSED_FOR_GOOD = (MessageSizeTooLargeError, RecordListTooLargeError)
+
+
+def refused_for_good(error: BaseException | None) -> bool:
+    """Whether ``error`` -- raised by ``send``/``send_bytes`` or set on a delivery future -- says that Kafka will
+    never take this record (larger than the producer's ``max_request_size`` or the broker's ``message.max.bytes``),
+    as opposed to an outage that a retry outlasts."""
+    while error is not None:
+        if isinstance(error, _REFUSED_FOR_GOOD):
+            return True
+        error = error.__cause__
+    return False
 
 
 class RecordProducer:
@@ -36,6 +51,7 @@ class RecordProducer:
             linger_ms=linger_ms,
             max_batch_size=max_batch_bytes,
             request_timeout_ms=request_timeout_ms,
+            max_request_size=settings.max_request_size_bytes,
             **extra,
         )
         self._pending: set[asyncio.Future] = set()

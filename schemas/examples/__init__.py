@@ -16,14 +16,14 @@ def _bytes_fields(record_type: type) -> tuple[str, ...]:
 
 
 def example_versions(record_name: str) -> tuple[int, ...]:
-    """The schema versions ``record_name`` has example payloads for, oldest first."""
-    return tuple(sorted(int(p.name[len(record_name) + 2 : -len(".json")])
-                        for p in EXAMPLES_DIR.glob(f"{record_name}.v*.json")))
+    """The versions of ``record_name`` that ship example payloads, oldest first."""
+    prefix = f"{record_name}.v"
+    return tuple(sorted(int(p.name[len(prefix):-len(".json")]) for p in EXAMPLES_DIR.glob(f"{prefix}*.json")))
 
 
 def load_example_dicts(record_name: str, version: int | None = None) -> list[dict[str, Any]]:
-    """The example records of ``record_name`` (e.g. "NodeSample") as Avro dicts, of ``version`` (the newest
-    version with examples when None)."""
+    """The example records of ``record_name`` (e.g. "NodeSample") as Avro dicts of ``version`` (None: the newest
+    version with examples)."""
     if version is None:
         version = example_versions(record_name)[-1]
     records = json.loads((EXAMPLES_DIR / f"{record_name}.v{version}.json").read_text())
@@ -36,5 +36,5 @@ def load_example_dicts(record_name: str, version: int | None = None) -> list[dic
 
 
 def load_examples(record_type: type, version: int | None = None) -> list[Any]:
-    """The example records of ``record_type`` as typed records."""
+    """The example records of ``record_type`` as typed records (``version`` as in ``load_example_dicts``)."""
     return [record_type.from_avro(d) for d in load_example_dicts(record_type.__name__, version)]

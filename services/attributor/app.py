@@ -6,8 +6,10 @@ pods and shares is the engine's. ``build_app(settings, clock)`` returns the ``fa
 Topology (a node's samples and its pods' events share a partition number, so each partition is self-contained):
 
 * ``pod-events`` agent: decode ``PodEvent``, reject impossible ones (``gpumeter.validation.check_pod_event``:
-  ``OUT_OF_RANGE``) → ``engine.on_pod_event``; events that change the pod index are stored raw in the table
-  ``pods`` (key ``<node>/<uid>``, the topic's compaction key). A tombstone removes the key.
+  ``OUT_OF_RANGE``) → ``engine.on_pod_event``; events that change the pod index are stored in the table ``pods``
+  (key ``<node>/<uid>``, the topic's compaction key) as the engine keeps them: only the grouping labels
+  (``GPUMETER_GROUPING_LABELS``) and the annotation attribution reads, at most ``MAX_STORED_POD_BYTES`` (a larger
+  one is dead-lettered ``TOO_LARGE``). A tombstone removes the key.
 * ``node-samples`` agent: decode ``NodeSample``, reject impossible ticks (``check_sample`` in ``engine.on_sample``:
   ``OUT_OF_RANGE``) → ``engine.on_sample``; an accepted tick stays in the engine's memory only (ticks are not
   written to a changelog: they are in the input topic already, and a rebuild reads them again from there); a late
@@ -79,6 +81,9 @@ def changelog_topic(app_id: str, table: str) -> str:
     """The changelog topic Faust uses for ``table`` of app ``app_id``."""
     return f"{app_id}-{table}-changelog"
 CLOCK_INTERVAL_SECONDS = 1.0
+MAX_STORED_POD_BYTES = 64 * 1024
+"""The most the pod table stores per pod (its changelog record): a pod cut to the grouping labels takes a few
+hundred bytes per container; a larger one is dead-lettered ``TOO_LARGE`` rather than crash the changelog write."""
 
 _SAMPLE_CODEC = codec_for(NodeSample)
 _POD_CODEC = codec_for(PodEvent)
@@ -168,6 +173,7 @@ class AttributorStream:
             consumer_auto_offset_reset="earliest",
             producer_acks=-1,
             producer_compression_type=settings.kafka.compression_type,
+            producer_max_request_size=settings.kafka.max_request_size_bytes,
             topic_partitions=self.partitions,
             topic_replication_factor=settings.topic_replication_factor,
             topic_disable_leader=True,
@@ -183,7 +189,8 @@ class AttributorStream:
                                       help="Each node's progress record (raw ticks of open windows only in tables written by older versions).")
         self.pods = app.Table(PODS_TABLE, key_type=str, value_type=bytes, partitions=self.partitions,
                               help="Raw latest PodEvent per pod of the partition's nodes.")
-        self.guard = DeadLetterGuard(SERVICE, catalog.dead_letters, self._publish_dead_letter, clock, self.metrics)
+        self.guard = DeadLetterGuard(SERVICE, catalog.dead_letters, self._publish_dead_letter, clock, self.metrics,
+                                     max_request_size_bytes=settings.kafka.max_request_size_bytes)
 
         app.agent(self.samples_topic, name=f"{SERVICE}.node-samples")(self._samples_agent)
         app.agent(self.pods_topic, name=f"{SERVICE}.pod-events")(self._pods_agent)
@@ -349,8 +356,17 @@ class AttributorStream:
                 reason_code="WRONG_KEY",
             )
         self._check_partition(raw, event.node_name)
-        if engine.on_pod_event(event):
-            self.pods[key] = raw.value
+        # What is stored per pod is what the engine keeps of it (its grouping labels, the annotation attribution
+        # reads), bounded: whatever a producer puts in a pod event, its changelog record stays small.
+        record = engine.pod_record(event)
+        stored = raw.value if record is event else _POD_CODEC.encode(record)
+        if len(stored) > MAX_STORED_POD_BYTES:
+            raise InvalidMessage(
+                f"pod event of {event.namespace}/{event.name} is {len(stored)} bytes once cut to what attribution "
+                f"keeps ({len(event.containers)} containers); a pod's stored state is at most "
+                f"{MAX_STORED_POD_BYTES} bytes", reason_code="TOO_LARGE")
+        if engine.on_pod_event(record):
+            self.pods[key] = stored
 
     def _check_partition(self, raw: RawMessage, node_name: str) -> None:
         # Samples and pod events of a node must share a partition, or its windows are attributed without its pods.
@@ -369,6 +385,11 @@ class AttributorStream:
             self.metrics.beat()  # the event loop runs the timer: liveness (gpumeter.health)
         if not self._ready or self.app.rebalancing:
             return
+        # Progress (gpumeter.health): the offsets processed, and whether samples are waiting behind them; agents
+        # stuck on one record (retrying it, or awaiting what never comes) leave them standing while the timer runs.
+        self.metrics.progress("input", (tuple(sorted(self._processed_offset.items())),
+                                        tuple(sorted(self._processed_pod_offset.items()))),
+                              any(not self._caught_up(p) for p in sorted(self.engines)))
         now_ms = self.clock.now_ms()
         try:
             for partition, engine in sorted(self.engines.items()):

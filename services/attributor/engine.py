@@ -49,7 +49,7 @@ from schemas.catalog import pod_event_key
 from schemas.records import GpuShare, NodeSample, PodEvent
 
 from services.attributor.attribution import AttributionPolicy, attribute_node_window
-from services.attributor.pod_index import DEFAULT_LINGER_MS, LivePodIndex, PodIndex
+from services.attributor.pod_index import DEFAULT_LINGER_MS, LivePodIndex, PodFields, PodIndex, trim_pod_event
 from services.attributor.windows import LateSample, NodeKey, NodeWindow, WindowAccumulator
 
 KEY_SEPARATOR = "|"
@@ -148,6 +148,16 @@ class EngineConfig:
     pod_linger_ms: int = DEFAULT_LINGER_MS
     policy: AttributionPolicy = field(default_factory=AttributionPolicy)
     closed_key_retention: int = 2
+    # The labels share rows carry (``pod_index.PodFields``); None: every label (the streaming attributor and
+    # ``gpumeter replay`` pass ``GPUMETER_GROUPING_LABELS``, default ``pod_index.DEFAULT_GROUPING_LABELS``).
+    grouping_labels: tuple[str, ...] | None = None
+
+    @property
+    def pod_fields(self) -> PodFields:
+        """What the engine keeps of each pod: the grouping labels, and only the annotation attribution reads."""
+        if self.grouping_labels is None:
+            return PodFields()
+        return PodFields.for_grouping(self.grouping_labels, (self.policy.mps_thread_annotation,))
 
     def __post_init__(self) -> None:
         # The accumulator validates window and grace; these are the engine's own.
@@ -165,6 +175,10 @@ class EngineConfig:
             )
         if self.pod_linger_ms < 0:
             raise ConfigError(f"pod linger must be >= 0 ms, got {self.pod_linger_ms}")
+        if self.grouping_labels is not None and (
+                isinstance(self.grouping_labels, str)
+                or not all(isinstance(k, str) and k and "," not in k for k in self.grouping_labels)):
+            raise ConfigError(f"grouping labels must be label keys, got {self.grouping_labels!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,7 +250,7 @@ class AttributionEngine:
         self.config = config
         self._accs: dict[NodeKey, WindowAccumulator] = {}
         self._last_sampled_at: dict[NodeKey, int] = {}
-        self._pods = LivePodIndex(config.pod_linger_ms)
+        self._pods = LivePodIndex(config.pod_linger_ms, config.pod_fields)
         self._pod_keys: dict[str, str] = {}  # uid -> pod table key
         self._clock_watermark_ms: int | None = None
         self._position: int | None = None
@@ -288,6 +302,11 @@ class AttributionEngine:
                     # nothing else would record it until this window is acknowledged.
                     self._queue_progress(key, result.state)
         return EngineOutput(windows=self._attribute(key, result.closed), accepted=True)
+
+    def pod_record(self, event: PodEvent) -> PodEvent:
+        """``event`` as the engine keeps it (``pod_index.trim_pod_event`` with the config's ``pod_fields``): what
+        the pod table stores, so that a pod's stored size does not grow with labels and annotations no one reads."""
+        return trim_pod_event(event, self.config.pod_fields)
 
     def on_pod_event(self, event: PodEvent) -> bool:
         """Apply a pod event; True when it changed the pod index (store it), False for a stale or repeated one.

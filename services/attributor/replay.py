@@ -98,7 +98,7 @@ from schemas.records import RECORD_TYPES, GpuShare, NodeSample, PodEvent, Violat
 from schemas.typed import codec_for
 from services.attributor.attribution import AttributionPolicy
 from services.attributor.engine import AttributionEngine, EngineConfig, WindowResult
-from services.attributor.pod_index import DEFAULT_LINGER_MS
+from services.attributor.pod_index import DEFAULT_GROUPING_LABELS, DEFAULT_LINGER_MS
 from services.billing.catalog import PriceCatalog, PriceError, bundled_catalog
 from services.billing.costing import bill_node_window, cost_record_json, iso_utc
 from services.billing.pricing import DEFAULT_SPLIT_POLICY, SplitPolicy
@@ -571,6 +571,7 @@ def replay(
     pod_linger_ms: int = DEFAULT_LINGER_MS,
     record_path: str | Path | None = None,
     guard_config: GuardConfig | None = None,
+    grouping_labels: tuple[str, ...] | None = DEFAULT_GROUPING_LABELS,
 ) -> ReplaySummary:
     """Replay ``input_path`` (a scenario YAML, a recording file, or a directory of recordings) into ``out_dir``.
 
@@ -579,6 +580,8 @@ def replay(
     ``ReplaySummary.unpriced`` and gets no cost or bill lines). ``node`` keeps one node's input only.
     ``record_path`` also writes the replayed input as a recording (what was decoded and kept by ``node``).
     ``guard_config``: the guard's thresholds for ``violations.jsonl`` (default ``GuardConfig()``).
+    ``grouping_labels``: the pod labels share rows carry, as the streaming attributor's ``GPUMETER_GROUPING_LABELS``
+    (None: every label).
     Raises ``ScenarioError``, ``RecordingError`` (broken recording structure) or ``ConfigError`` (bad options,
     unknown input, unknown node).
     """
@@ -591,6 +594,7 @@ def replay(
         max_clock_skew_seconds=max_clock_skew_seconds,
         pod_linger_ms=pod_linger_ms,
         policy=policy or AttributionPolicy(),
+        grouping_labels=None if grouping_labels is None else tuple(sorted(set(grouping_labels))),
     )
     catalog = catalog if catalog is not None else bundled_catalog()
 

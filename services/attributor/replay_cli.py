@@ -19,6 +19,8 @@ from typing import Any, Callable, Mapping, TextIO
 
 from gpumeter.errors import ConfigError, GpumeterError
 from services.attributor.attribution import AttributionPolicy
+from services.attributor.pod_index import DEFAULT_GROUPING_LABELS
+from services.attributor.settings import parse_label_keys
 from services.billing.catalog import PriceCatalog, PriceError
 from services.billing.costing import iso_utc
 from services.billing.pricing import SplitPolicy
@@ -34,6 +36,7 @@ _ENGINE_OPTIONS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "cost_basis": ("GPUMETER_COST_BASIS", str, "memory"),
     "idle_handling": ("GPUMETER_IDLE_HANDLING", str, "keep"),
     "mps_compute": ("GPUMETER_MPS_COMPUTE", str, "memory"),
+    "grouping_labels": ("GPUMETER_GROUPING_LABELS", parse_label_keys, DEFAULT_GROUPING_LABELS),
 }
 
 # Price variables PriceCatalog.from_env and SplitPolicy.from_env read, and the flag that overrides each.
@@ -64,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cost-basis", help="memory | compute | blend:<alpha> | request (default memory)")
     parser.add_argument("--idle", "--idle-handling", dest="idle_handling", help="keep | spread (default keep)")
     parser.add_argument("--mps-compute", help="memory | threads (default memory)")
+    parser.add_argument("--grouping-labels", type=parse_label_keys,
+                        help="pod labels the share rows carry, comma-separated (default team,model; "
+                             "env GPUMETER_GROUPING_LABELS)")
     parser.add_argument("--node", help="replay this node only")
     parser.add_argument("--record", type=Path, metavar="FILE",
                         help="also write the replayed input as a recording (.gmrec) to FILE")
@@ -115,6 +121,7 @@ def replay_options(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str
         "max_clock_skew_seconds": values["max_clock_skew_seconds"],
         "pod_linger_ms": values["pod_linger_seconds"] * 1000,
         "policy": policy,
+        "grouping_labels": tuple(sorted(set(values["grouping_labels"]))),
         "catalog": catalog,
         "split_policy": SplitPolicy.from_env(price_env),
         "node": args.node,

@@ -13,6 +13,7 @@ from gpumeter.settings import KafkaSettings
 from gpumeter.validation import DEFAULT_MAX_SAMPLE_AGE_SECONDS
 from services.attributor.attribution import AttributionPolicy
 from services.attributor.engine import EngineConfig
+from services.attributor.pod_index import DEFAULT_GROUPING_LABELS
 
 STORES = ("memory://", "rocksdb://")
 APP_ID_SUFFIX = "gpumeter-attributor"
@@ -42,6 +43,10 @@ class AttributorSettings:
     * ``session_timeout_seconds``: consumer-group session timeout: how long a worker that died without leaving
       holds its partitions before the group moves them (the broker allows 6 s and up by default).
     * ``metrics_port``: Prometheus ``/metrics`` port, 0 for none.
+    * ``grouping_labels``: the pod labels share rows carry (``GPUMETER_GROUPING_LABELS``, comma-separated; default
+      ``team,model``). Every other label is left out of the rows and the pod table; rows say which keys they carry
+      (``schemas.records.CARRIED_LABELS_KEY``). Billing's and the guard's team label and every
+      ``gpumeter report --by label:<key>`` key must be among them.
     """
 
     kafka: KafkaSettings = field(default_factory=KafkaSettings)
@@ -63,8 +68,12 @@ class AttributorSettings:
     metrics_port: int = 9403
     log_level: str = "INFO"
     duration_seconds: float | None = None
+    grouping_labels: tuple[str, ...] = DEFAULT_GROUPING_LABELS
 
     def __post_init__(self) -> None:
+        keys = self.grouping_labels
+        object.__setattr__(self, "grouping_labels",
+                           parse_label_keys(keys if isinstance(keys, str) else ",".join(keys)))
         if not self.app_id:
             object.__setattr__(self, "app_id", f"{self.kafka.topic_prefix}{APP_ID_SUFFIX}")
         if self.store not in STORES:
@@ -100,6 +109,7 @@ class AttributorSettings:
             max_sample_age_seconds=self.max_sample_age_seconds,
             pod_linger_ms=self.pod_linger_seconds * 1000,
             policy=self.policy,
+            grouping_labels=tuple(self.grouping_labels),
         )
 
     def replace(self, **changes: Any) -> "AttributorSettings":
@@ -115,6 +125,11 @@ class AttributorSettings:
 
 def _int(text: str) -> int:
     return int(text)
+
+
+def parse_label_keys(text: str) -> tuple[str, ...]:
+    """``team, model`` → ``("model", "team")`` (sorted, without repeats); an empty text carries no label."""
+    return tuple(sorted({key.strip() for key in text.split(",") if key.strip()}))
 
 
 # setting -> (environment variable, converter, flag)
@@ -137,6 +152,7 @@ _OPTIONS: dict[str, tuple[str, Any, str]] = {
     "metrics_port": ("GPUMETER_METRICS_PORT", _int, "--metrics-port"),
     "log_level": ("GPUMETER_LOG_LEVEL", str, "--log-level"),
     "duration_seconds": ("GPUMETER_DURATION_SECONDS", float, "--duration"),
+    "grouping_labels": ("GPUMETER_GROUPING_LABELS", parse_label_keys, "--grouping-labels"),
 }
 
 _HELP = {
@@ -159,6 +175,7 @@ _HELP = {
     "metrics_port": "Prometheus /metrics port, 0 for none (default 9403)",
     "log_level": "DEBUG | INFO | WARNING | ERROR (default INFO)",
     "duration_seconds": "stop after this many seconds (default: run until SIGTERM/SIGINT)",
+    "grouping_labels": "pod labels the share rows carry, comma-separated (default team,model)",
 }
 
 

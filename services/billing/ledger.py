@@ -11,6 +11,14 @@ Tables (created only by the alembic migrations in ``services/billing/migrations`
     One row per (window_start_unix_ms, cluster, node_name, gpu_uuid or '', subject_kind, pod_uid or ''): a
     ``CostRecord``. References its node bill.
 
+**The ledger is the arbiter of who publishes.** A ``Ledger`` opened with ``publisher=`` (billing: its consumer
+group) records that name on every bill its write inserts (``node_bills.publisher``). A skipped node-window is
+reported ``unpublished`` (its cost records still to be published) only to the publisher that inserted it -- the
+same group after a crash between the ledger commit and Kafka's acknowledgement -- never to another instance that
+merely wrote it again; a bill from before the column existed (no publisher) is claimed by the first publisher
+that finds it unpublished, with a conditional UPDATE, so exactly one does. Every cost record therefore reaches the
+costs topic from one instance only, however many instances with different groups bill the same shares.
+
 Writes are idempotent and all-or-nothing per node-window. ``Ledger.write(costs, bills)`` checks that every cost
 line has its bill in the same call and that each node-window's lines add up to its bill, then, in one
 transaction, inserts the price versions and the bills with ``INSERT ... ON CONFLICT DO NOTHING RETURNING`` and
@@ -122,6 +130,7 @@ node_bills = Table(
     Column("node_other_micro_usd", BigInteger, nullable=False),
     Column("price_version", String(255), nullable=False),
     Column("published_at_unix_ms", BigInteger, nullable=True),
+    Column("publisher", String(255), nullable=True),
     Column("zone", String(64), nullable=False, server_default=""),
     Column("provider_id", String(512), nullable=False, server_default=""),
     PrimaryKeyConstraint("window_start_unix_ms", "cluster", "node_name"),
@@ -198,9 +207,12 @@ class WriteResult:
     lines_written: int
     lines_skipped: int
     # Skipped node-windows already in the ledger, with the same total and price version, whose cost records were
-    # never marked published: the caller publishes them now (the ledger's lines are identical to the given ones).
+    # never marked published and that this ledger's publisher inserted (or claimed): the caller publishes them now
+    # (the ledger's lines are identical to the given ones).
     unpublished: frozenset = frozenset()
     written: frozenset = frozenset()
+    # Skipped node-windows not yet published that another publisher inserted: theirs to publish, not the caller's.
+    others: frozenset = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,8 +328,11 @@ def _shown_url(url: str) -> str:
 class Ledger:
     """A cost ledger at ``url`` (``sqlite:///path`` or ``postgresql+psycopg://...``). See the module docstring."""
 
-    def __init__(self, url: str = DEFAULT_LEDGER_URL) -> None:
+    def __init__(self, url: str = DEFAULT_LEDGER_URL, *, publisher: str | None = None) -> None:
         self.url = normalize_url(url)
+        # Who this handle writes as (see the module docstring); None: a reader, or a writer that publishes nothing
+        # and so may be told of every unpublished bill.
+        self.publisher = publisher
         try:
             parsed = make_url(self.url)
             backend = parsed.get_backend_name()
@@ -445,7 +460,7 @@ class Ledger:
                 connection.execute(self._insert(price_versions).on_conflict_do_nothing(), list(versions.values()))
                 inserted = connection.execute(
                     self._insert(node_bills).on_conflict_do_nothing().returning(*pk),
-                    [_bill_row(b) for b in bills_by_key.values()],
+                    [{**_bill_row(b), "publisher": self.publisher} for b in bills_by_key.values()],
                 ).all()
                 new_keys = {NodeWindowKey(cluster, node, start) for start, cluster, node in inserted}
                 rows = [
@@ -455,8 +470,8 @@ class Ledger:
                 ]
                 if rows:
                     connection.execute(self._insert(cost_lines).on_conflict_do_nothing(), rows)
-                unpublished = self._unpublished(connection, {k: b for k, b in bills_by_key.items()
-                                                             if k not in new_keys})
+                unpublished, others = self._unpublished(connection, {k: b for k, b in bills_by_key.items()
+                                                                     if k not in new_keys})
         except SQLAlchemyError as exc:
             raise LedgerError(f"writing {len(bills_by_key)} node-windows to {self!r} failed: {exc}") from exc
         return WriteResult(
@@ -466,25 +481,39 @@ class Ledger:
             lines_skipped=len(lines) - len(rows),
             unpublished=frozenset(unpublished),
             written=frozenset(new_keys),
+            others=frozenset(others),
         )
 
-    @staticmethod
-    def _unpublished(connection, existing: dict[NodeWindowKey, NodeBill]) -> set[NodeWindowKey]:
+    def _unpublished(self, connection, existing: dict[NodeWindowKey, NodeBill]
+                     ) -> tuple[set[NodeWindowKey], set[NodeWindowKey]]:
+        """Of the ``existing`` bills (skipped by this write): those never published that are this publisher's to
+        publish (inserted by it, or claimed now because no one had), and those that are another publisher's."""
         if not existing:
-            return set()
+            return set(), set()
         c = node_bills.c
         starts = {k.window_start_unix_ms for k in existing}
         stored = connection.execute(
-            select(c.window_start_unix_ms, c.cluster, c.node_name, c.node_cost_micro_usd, c.price_version)
+            select(c.window_start_unix_ms, c.cluster, c.node_name, c.node_cost_micro_usd, c.price_version,
+                   c.publisher)
             .where(c.published_at_unix_ms.is_(None), c.window_start_unix_ms.in_(starts))
         ).all()
-        result = set()
-        for start, cluster, node, cost, version in stored:
+        ours, others = set(), set()
+        for start, cluster, node, cost, version, publisher in stored:
             key = NodeWindowKey(cluster, node, start)
             bill = existing.get(key)
-            if bill is not None and bill.node_cost_micro_usd == cost and bill.price_version == version:
-                result.add(key)
-        return result
+            if bill is None or bill.node_cost_micro_usd != cost or bill.price_version != version:
+                continue
+            if self.publisher is None or publisher == self.publisher:
+                ours.add(key)
+            elif publisher is None and connection.execute(
+                    update(node_bills)
+                    .where(c.window_start_unix_ms == start, c.cluster == cluster, c.node_name == node,
+                           c.publisher.is_(None), c.published_at_unix_ms.is_(None))
+                    .values(publisher=self.publisher)).rowcount == 1:
+                ours.add(key)  # a bill from before publishers were recorded: claimed by this one alone
+            else:
+                others.add(key)
+        return ours, others
 
     def mark_published(self, keys: Iterable[NodeWindowKey], published_at_unix_ms: int) -> int:
         """Record that the cost records of ``keys`` were acknowledged on the costs topic; returns rows updated."""

@@ -76,7 +76,8 @@ async def serve(settings: BillingSettings, *, stop: asyncio.Event | None = None,
     stop_on(stop, handle_signals=handle_signals, duration_seconds=settings.duration_seconds)
     try:
         catalog = settings.price_catalog()
-        ledger = Ledger(settings.ledger_url)
+        # The ledger is the arbiter of who publishes a node-window's cost records: the group whose write inserted it.
+        ledger = Ledger(settings.ledger_url, publisher=settings.consumer_group)
     except ConfigError as exc:
         log.error("%s", exc)
         return 2
@@ -113,6 +114,7 @@ async def serve(settings: BillingSettings, *, stop: asyncio.Event | None = None,
             team_label=settings.team_label,
             metrics=metrics,
             max_clock_skew_seconds=settings.max_clock_skew_seconds,
+            max_request_size_bytes=settings.kafka.max_request_size_bytes,
         )
         service = BillingService(
             kafka=settings.kafka,

@@ -14,6 +14,16 @@ Contract:
   ``node_other``, and how much of its bills went to ``node_other`` (a line no team pays).
 * ``format_report(report, fmt)`` renders ``table`` (people), ``csv`` or ``json`` (machines). Money is shown in USD
   with six decimals and, in csv/json, also as exact integer micro-dollars. Pure.
+* **Labels not carried.** The attributor carries only its grouping labels on share rows (and so on cost lines),
+  and every pod line names them (``schemas.records.CARRIED_LABELS_KEY``). Grouping by a label the lines did not
+  carry, the report says so: ``(label <key> not carried)`` instead of ``(no <key> label)`` when no line carried
+  it, and a note with the lines and cost concerned otherwise.
+* **Emitted windows not in the ledger.** Reconciling the ledger with itself cannot show what never reached it.
+  With Kafka configured (``--bootstrap-servers`` or ``KAFKA_BOOTSTRAP_SERVERS``), ``gpumeter report`` also reads
+  what the attributor emitted for the report's windows (``services.billing.emitted``) and ``check_emitted``
+  compares: every node-window emitted more than ``--settle-seconds`` ago must be in the ledger; one that is not
+  is listed as dead-lettered by billing (with the reason codes) or as not billed (billing behind, stopped or
+  stuck), and ``gpumeter report`` exits 1. Without Kafka the report says the check was not made.
 """
 
 from __future__ import annotations
@@ -24,15 +34,15 @@ import io
 import json
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from decimal import Decimal
 from typing import Any, Mapping, Sequence
 
 from gpumeter.clock import Clock, SystemClock
 from gpumeter.errors import ConfigError, GpumeterError
-from schemas.records import CostSubjectKind
-from services.billing.costing import iso_utc
+from schemas.records import CARRIED_LABELS_KEY, CostSubjectKind
+from services.billing.costing import NodeWindowKey, iso_utc
 from services.billing.ledger import (
     DEFAULT_LEDGER_URL,
     LEDGER_URL_ENV,
@@ -107,6 +117,76 @@ class Reconciliation:
         return f"{head}: MISMATCH by {usd_text(self.difference_micro_usd)} USD"
 
 
+DEFAULT_SETTLE_SECONDS = 120
+
+
+@dataclass(frozen=True, slots=True)
+class EmittedCheck:
+    """The report's node-windows as the attributor emitted them, against the ledger (``check_emitted``).
+
+    ``emitted``: node-windows emitted at least the settle time ago; ``missing``: those of them not in the ledger,
+    each with the reason codes billing dead-lettered its rows with (empty: not billed at all); ``in_flight``:
+    emitted more recently and not in the ledger yet (not counted as missing)."""
+
+    emitted: int
+    missing: tuple[tuple[NodeWindowKey, frozenset[str]], ...]
+    in_flight: int
+    settle_seconds: int
+
+    @property
+    def complete(self) -> bool:
+        return not self.missing
+
+    def statement(self) -> str:
+        head = f"{self.emitted} node-windows emitted more than {self.settle_seconds} s ago"
+        flight = f"; {self.in_flight} emitted since, not billed yet" if self.in_flight else ""
+        if self.complete:
+            return f"{head}: every one is in the ledger{flight}"
+        reasons: dict[str, int] = {}
+        unbilled = 0
+        for _key, codes in self.missing:
+            if not codes:
+                unbilled += 1
+            for code in codes:
+                reasons[code] = reasons.get(code, 0) + 1
+        parts = []
+        if unbilled:
+            parts.append(f"{unbilled} never billed (billing behind, stopped or stuck)")
+        if reasons:
+            parts.append("dead-lettered by billing: " + ", ".join(f"{code} {n}" for code, n in sorted(reasons.items())))
+        oldest = min(key.window_start_unix_ms for key, _ in self.missing)
+        return (f"WARNING: {len(self.missing)} of {head} are NOT in the ledger ({'; '.join(parts)}; oldest window "
+                f"{iso_utc(oldest)}){flight}")
+
+
+def check_emitted(emitted_at_ms: Mapping[NodeWindowKey, int], dead_lettered: Mapping[NodeWindowKey, frozenset[str]],
+                  billed: set[NodeWindowKey], *, now_ms: int,
+                  settle_seconds: int = DEFAULT_SETTLE_SECONDS) -> EmittedCheck:
+    """Compare what was emitted (node-window -> when its newest row was) with the ledger's node-windows. Pure."""
+    settled = {key for key, at in emitted_at_ms.items() if at <= now_ms - settle_seconds * 1000}
+    missing = tuple(sorted(((key, frozenset(dead_lettered.get(key, ()))) for key in settled - billed),
+                           key=lambda item: (item[0].window_start_unix_ms, item[0].cluster, item[0].node_name)))
+    in_flight = len(set(emitted_at_ms) - settled - billed)
+    return EmittedCheck(len(settled), missing, in_flight, settle_seconds)
+
+
+@dataclass(frozen=True, slots=True)
+class LabelCarriage:
+    """Grouping by ``label_key``: pod lines whose share rows named the labels they carried and left it out."""
+
+    label_key: str
+    lines_not_carried: int
+    cost_not_carried_micro_usd: int
+    pod_lines: int
+    carried_elsewhere: tuple[str, ...]  # the label sets those lines did carry
+
+    def statement(self) -> str:
+        return (f"label {self.label_key!r} was not carried on {self.lines_not_carried} of {self.pod_lines} pod lines "
+                f"({usd_text(self.cost_not_carried_micro_usd)} USD): the attributor carries only the labels of "
+                f"GPUMETER_GROUPING_LABELS (here {' / '.join(self.carried_elsewhere) or 'none'}); those lines are "
+                "in the line without the label")
+
+
 @dataclass(frozen=True, slots=True)
 class Report:
     grouping: Grouping
@@ -115,6 +195,8 @@ class Report:
     cluster: str | None
     lines: tuple[ReportLine, ...]
     reconciliation: Reconciliation
+    carriage: LabelCarriage | None = None  # a label grouping some lines did not carry
+    emitted: EmittedCheck | None = None  # None: not checked (no Kafka)
     pricing: tuple[NodePricingRow, ...] = ()
 
     @property
@@ -126,7 +208,19 @@ class Report:
         return sum(row.node_other_micro_usd for row in self.pricing)
 
 
-def report_lines(rows: Sequence[CostGroupRow], grouping: Grouping) -> tuple[ReportLine, ...]:
+def label_carriage(rows: Sequence[CostGroupRow], label_key: str) -> LabelCarriage | None:
+    """From the pod lines grouped by ``CARRIED_LABELS_KEY``: those that carried other labels but not ``label_key``
+    (None when every line carried it, or named nothing -- rows from before labels were selected)."""
+    pod_rows = [r for r in rows if r.subject_kind == CostSubjectKind.POD.value]
+    left_out = [r for r in pod_rows if r.group is not None and label_key not in r.group.split(",")]
+    if not left_out:
+        return None
+    return LabelCarriage(label_key, sum(r.cost_lines for r in left_out), sum(r.cost_micro_usd for r in left_out),
+                         sum(r.cost_lines for r in pod_rows), tuple(sorted({r.group for r in left_out})))
+
+
+def report_lines(rows: Sequence[CostGroupRow], grouping: Grouping,
+                 carriage: LabelCarriage | None = None) -> tuple[ReportLine, ...]:
     """Ledger rows → report lines: pods by cost (largest first), then each bucket kind in ``LINE_ORDER``."""
     lines = []
     for row in rows:
@@ -135,7 +229,8 @@ def report_lines(rows: Sequence[CostGroupRow], grouping: Grouping) -> tuple[Repo
             raise GpumeterError(f"ledger holds an unknown subject kind {row.subject_kind!r}")
         group = row.group
         if kind == "pod" and group is None and grouping.kind == "label":
-            group = f"(no {grouping.label_key} label)"
+            not_carried = carriage is not None and carriage.lines_not_carried == carriage.pod_lines
+            group = f"(label {grouping.label_key} not carried)" if not_carried else f"(no {grouping.label_key} label)"
         lines.append(ReportLine(kind, group, row.cost_micro_usd, row.cost_lines))
     return tuple(
         sorted(
@@ -151,7 +246,11 @@ def build_report(ledger: Ledger, grouping: Grouping, *, start_ms: int, end_ms: i
     if end_ms <= start_ms:
         raise ConfigError("the report's end must be after its start")
     rows = ledger.cost_by(grouping, start_ms=start_ms, end_ms=end_ms, cluster=cluster)
-    lines = report_lines(rows, grouping)
+    carriage = None
+    if grouping.kind == "label":
+        carriage = label_carriage(ledger.cost_by(Grouping("label", CARRIED_LABELS_KEY), start_ms=start_ms,
+                                                 end_ms=end_ms, cluster=cluster), grouping.label_key)
+    lines = report_lines(rows, grouping, carriage)
     totals = ledger.totals(start_ms=start_ms, end_ms=end_ms, cluster=cluster)
     reconciliation = Reconciliation(
         lines_total_micro_usd=sum(line.cost_micro_usd for line in lines),
@@ -159,7 +258,7 @@ def build_report(ledger: Ledger, grouping: Grouping, *, start_ms: int, end_ms: i
         node_windows=totals.node_windows,
     )
     pricing = ledger.node_pricing(start_ms=start_ms, end_ms=end_ms, cluster=cluster)
-    return Report(grouping, start_ms, end_ms, cluster, lines, reconciliation, pricing)
+    return Report(grouping, start_ms, end_ms, cluster, lines, reconciliation, carriage, pricing=pricing)
 
 
 def _share_text(part: int, total: int) -> str:
@@ -191,6 +290,9 @@ def _format_table(report: Report) -> str:
     rule = "-" * len(render(header))
     out = [_title(report), render(header), rule, *(render(r) for r in body), rule, render(footer),
            *_pricing_lines(report), f"reconciliation: {report.reconciliation.statement()}"]
+    if report.carriage is not None:
+        out.append(f"labels: {report.carriage.statement()}")
+    out.append(f"emitted windows: {_emitted_text(report)}")
     return "\n".join(out) + "\n"
 
 
@@ -206,6 +308,12 @@ def _pricing_lines(report: Report) -> list[str]:
                    f"node_other {_share_text(row.node_other_micro_usd, row.node_cost_micro_usd)} of "
                    f"{usd_text(row.node_cost_micro_usd)} USD over {row.node_windows} node-windows")
     return out
+
+
+def _emitted_text(report: Report) -> str:
+    if report.emitted is None:
+        return "not checked against the gpu-shares topic (no Kafka bootstrap servers given)"
+    return report.emitted.statement()
 
 
 def _format_csv(report: Report) -> str:
@@ -227,6 +335,13 @@ def _format_csv(report: Report) -> str:
     for row in report.pricing:
         writer.writerow(["node_pricing", f"{row.node_name}/{row.instance_type}/{row.price_model}/{row.split_rule}",
                          usd_text(row.node_other_micro_usd), row.node_other_micro_usd, row.node_windows])
+    if report.carriage is not None:
+        writer.writerow(["labels_not_carried", report.carriage.label_key,
+                         usd_text(report.carriage.cost_not_carried_micro_usd),
+                         report.carriage.cost_not_carried_micro_usd, report.carriage.lines_not_carried])
+    if report.emitted is not None:
+        writer.writerow(["emitted_not_in_ledger", f"{report.emitted.emitted} node-windows emitted", "", "",
+                         len(report.emitted.missing)])
     return buffer.getvalue()
 
 
@@ -261,6 +376,22 @@ def report_as_json(report: Report) -> dict[str, Any]:
             "reconciled": rec.reconciled,
             "statement": rec.statement(),
         },
+        "labels_not_carried": None if report.carriage is None else {
+            "label": report.carriage.label_key,
+            "cost_lines": report.carriage.lines_not_carried,
+            "cost_micro_usd": report.carriage.cost_not_carried_micro_usd,
+            "carried": list(report.carriage.carried_elsewhere),
+            "statement": report.carriage.statement(),
+        },
+        "emitted": None if report.emitted is None else {
+            "node_windows": report.emitted.emitted,
+            "missing_from_ledger": [
+                {"cluster": key.cluster, "node": key.node_name, "window_start": iso_utc(key.window_start_unix_ms),
+                 "dead_letter_reasons": sorted(codes)} for key, codes in report.emitted.missing],
+            "in_flight": report.emitted.in_flight,
+            "settle_seconds": report.emitted.settle_seconds,
+            "statement": report.emitted.statement(),
+        },
     }
 
 
@@ -286,11 +417,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cluster", default=None, help="only this cluster (default: all)")
     parser.add_argument("--ledger-url", default=None,
                         help=f"SQLAlchemy URL of the ledger (default: ${LEDGER_URL_ENV} or {DEFAULT_LEDGER_URL})")
+    parser.add_argument("--bootstrap-servers", default=None,
+                        help="Kafka, to check that every node-window the attributor emitted is in the ledger "
+                             "(env KAFKA_BOOTSTRAP_SERVERS; without it the check is not made)")
+    parser.add_argument("--topic-prefix", default=None, help="prefix of every topic name (env "
+                                                             "GPUMETER_KAFKA_TOPIC_PREFIX)")
+    parser.add_argument("--settle-seconds", type=int, default=DEFAULT_SETTLE_SECONDS,
+                        help="node-windows emitted more recently are in flight, not missing "
+                             f"(default {DEFAULT_SETTLE_SECONDS})")
+
+
+def _kafka_to_check(args: argparse.Namespace, env: Mapping[str, str]):
+    """The Kafka settings for the emitted-windows check, or None when no bootstrap servers were given."""
+    from gpumeter.settings import KafkaSettings
+
+    if not (getattr(args, "bootstrap_servers", None) or env.get("KAFKA_BOOTSTRAP_SERVERS")
+            or env.get("GPUMETER_KAFKA_BOOTSTRAP_SERVERS")):
+        return None
+    kafka = KafkaSettings.from_env(env).with_flags(args)
+    if not env.get("GPUMETER_KAFKA_CLIENT_ID"):
+        kafka = replace(kafka, client_id="gpumeter-report")
+    return kafka
 
 
 def main(args: argparse.Namespace, env: Mapping[str, str], *, clock: Clock | None = None,
          out=None, err=None) -> int:
-    """Print the report; exit 0 when it reconciles, 1 when it does not, 2 on a usage or ledger error."""
+    """Print the report; exit 0 when it reconciles (and every emitted node-window is in the ledger, when checked),
+    1 when not, 2 on a usage, ledger or Kafka error."""
     out = out or sys.stdout
     err = err or sys.stderr
     clock = clock or SystemClock()
@@ -298,11 +451,24 @@ def main(args: argparse.Namespace, env: Mapping[str, str], *, clock: Clock | Non
         grouping = Grouping.parse(args.by)
         end_ms = parse_instant_ms(args.end) if args.end else clock.now_ms()
         start_ms = end_ms - parse_duration_seconds(args.window) * 1000
+        settle_seconds = getattr(args, "settle_seconds", DEFAULT_SETTLE_SECONDS)
+        if settle_seconds < 0:
+            raise ConfigError("--settle-seconds must be >= 0")
+        kafka = _kafka_to_check(args, env)
         with Ledger(args.ledger_url or env.get(LEDGER_URL_ENV) or DEFAULT_LEDGER_URL) as ledger:
             ledger.require_schema()
             report = build_report(ledger, grouping, start_ms=start_ms, end_ms=end_ms, cluster=args.cluster)
+            if kafka is not None:
+                from services.billing.emitted import read_emitted
+
+                emitted = read_emitted(kafka, kafka.catalog, start_ms=start_ms, end_ms=end_ms, cluster=args.cluster)
+                billed = {NodeWindowKey(b["cluster"], b["node_name"], b["window_start_unix_ms"])
+                          for b in ledger.bills(start_ms=start_ms, end_ms=end_ms, cluster=args.cluster)}
+                report = replace(report, emitted=check_emitted(emitted.emitted_at_ms, emitted.dead_lettered, billed,
+                                                               now_ms=clock.now_ms(), settle_seconds=settle_seconds))
     except GpumeterError as exc:
         print(f"gpumeter report: {exc}", file=err)
         return 2
     out.write(format_report(report, args.format))
-    return 0 if report.reconciliation.reconciled else 1
+    complete = report.emitted is None or report.emitted.complete
+    return 0 if report.reconciliation.reconciled and complete else 1

@@ -59,7 +59,14 @@ from gpumeter.clock import Clock
 from gpumeter.errors import InvalidMessage
 from gpumeter.kafka.deadletter import DeadLetterGuard, RawMessage
 from gpumeter.kafka.outbox import Outbox, Producer, next_backoff_seconds
-from gpumeter.kafka.processor import ConsumerUnavailable, ProcessorLifecycle, ServiceStopping, raw_message
+from gpumeter.kafka.processor import (
+    ConsumerUnavailable,
+    ProcessorLifecycle,
+    ServiceStopping,
+    input_behind,
+    raw_message,
+)
+from gpumeter.settings import DEFAULT_MAX_REQUEST_SIZE_BYTES
 from gpumeter.validation import DEFAULT_DOWNSTREAM_MAX_CLOCK_SKEW_SECONDS, check_share
 from schemas.catalog import TopicCatalog
 from schemas.records import CostRecord, CostSubjectKind, GpuShare, ShareSubjectKind
@@ -78,6 +85,7 @@ TopicPartition = tuple[str, int]
 BILLING_METRICS = (
     "gpumeter_messages_consumed_total",
     "gpumeter_dead_letters_total",
+    "gpumeter_dead_letters_truncated_total",
     "gpumeter_pod_gpu_cost_micro_usd_total",
     "gpumeter_pod_gpu_memory_share",
     "gpumeter_pod_gpu_compute_share",
@@ -156,6 +164,10 @@ class OffsetTracker:
     def position(self, tp: TopicPartition) -> int | None:
         state = self._partitions.get(tp)
         return None if state is None else state.position()
+
+    def taken(self) -> tuple[tuple[TopicPartition, int], ...]:
+        """One past the newest message taken (done or held), per partition: how far the consumer got."""
+        return tuple(sorted((tp, state.next_offset) for tp, state in self._partitions.items()))
 
     def held_count(self, tp: TopicPartition | None = None) -> int:
         if tp is not None:
@@ -443,6 +455,7 @@ class BillingProcessor(ProcessorLifecycle):
         metrics=None,
         sleep: Callable[[float], Awaitable[None]] | None = None,
         max_clock_skew_seconds: int = DEFAULT_DOWNSTREAM_MAX_CLOCK_SKEW_SECONDS,
+        max_request_size_bytes: int = DEFAULT_MAX_REQUEST_SIZE_BYTES,
     ) -> None:
         self.catalog = catalog
         self.max_clock_skew_ms = max_clock_skew_seconds * 1000
@@ -459,7 +472,8 @@ class BillingProcessor(ProcessorLifecycle):
         self.book = WindowBook(expiry_ms=int(window_expiry_seconds * 1000),
                                finished_memory_ms=int(finished_window_memory_seconds * 1000))
         self.offsets = OffsetTracker()
-        self.guard = DeadLetterGuard(SERVICE_NAME, topics.dead_letters, self._enqueue, clock, metrics)
+        self.guard = DeadLetterGuard(SERVICE_NAME, topics.dead_letters, self._enqueue, clock, metrics,
+                                     max_request_size_bytes=max_request_size_bytes)
         self.stats = ProcessorStats()
         self._outbox = Outbox(producer, pause=self._pause, retry_initial_seconds=retry_initial_seconds,
                               retry_max_seconds=retry_max_seconds, on_retry=self._count_delivery_retry)
@@ -780,6 +794,8 @@ class BillingService:
                     break
                 batch = fetch.result()
                 self.processor.beat()
+                self.processor.note_input(self.processor.offsets.taken(),
+                                          any(batch.values()) or await input_behind(consumer))
                 async with self._lock:
                     if generation != self._generation:
                         # A rebalance ran while this batch was fetched: positions were reset to the committed

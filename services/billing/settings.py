@@ -27,6 +27,8 @@ from services.billing.ledger import DEFAULT_LEDGER_URL, LEDGER_URL_ENV
 from services.billing.pricing import DEFAULT_SPLIT_POLICY, SplitPolicy
 
 DEFAULT_CONSUMER_GROUP = "gpumeter-billing"
+"""The default group is the topic prefix followed by this, so deployments that share a broker under different
+prefixes never share a group (whose offsets would make each skip the other's input)."""
 DEFAULT_METRICS_PORT = 9404
 DEFAULT_WINDOW_EXPIRY_SECONDS = 600.0
 DEFAULT_FINISHED_WINDOW_MEMORY_SECONDS = 6 * 3600.0
@@ -65,6 +67,9 @@ class BillingSettings:
       still remembered, so that redelivered rows of it are recognised as duplicates without a ledger round trip.
     * ``ledger_retry_*_seconds``: exponential backoff while the ledger cannot be reached.
     * ``team_label``: the pod label whose value is the ``team`` label of the cost metrics.
+    * ``consumer_group``: the consumer group, default ``<topic prefix>gpumeter-billing``; it is also the name the
+      ledger records as a node-window's publisher (only the group whose write inserted a node-window publishes its
+      cost records: ``services.billing.ledger``).
     * ``max_clock_skew_seconds``: a share row whose window ends further ahead of this service's clock than this
       is dead-lettered ``OUT_OF_RANGE`` (billed, it would take the real window's place in the ledger).
     * ``duration_seconds``: stop after this long (None: until SIGTERM/SIGINT).
@@ -76,7 +81,7 @@ class BillingSettings:
     price_override_csv: Path | None = None
     spot_discounts: Mapping[str, Decimal] = field(default_factory=dict)
     split_policy: SplitPolicy = DEFAULT_SPLIT_POLICY
-    consumer_group: str = DEFAULT_CONSUMER_GROUP
+    consumer_group: str = ""
     auto_offset_reset: str = "earliest"
     topic_partitions: int | None = None
     metrics_port: int = DEFAULT_METRICS_PORT
@@ -95,7 +100,7 @@ class BillingSettings:
         if not self.ledger_url:
             raise ConfigError("the ledger URL is empty")
         if not self.consumer_group:
-            raise ConfigError("the consumer group is empty")
+            object.__setattr__(self, "consumer_group", f"{self.kafka.topic_prefix}{DEFAULT_CONSUMER_GROUP}")
         if self.auto_offset_reset not in ("earliest", "latest"):
             raise ConfigError(f"auto offset reset {self.auto_offset_reset!r} is not earliest or latest")
         if self.topic_partitions is not None and self.topic_partitions < 1:
@@ -181,7 +186,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ledger-url", help=f"SQLAlchemy URL of the ledger (env {LEDGER_URL_ENV}, "
                                              f"default {DEFAULT_LEDGER_URL})")
     parser.add_argument("--group", dest="consumer_group",
-                        help=f"consumer group (env GPUMETER_BILLING_CONSUMER_GROUP, default {DEFAULT_CONSUMER_GROUP})")
+                        help="consumer group, also the publisher name the ledger records (env "
+                             f"GPUMETER_BILLING_CONSUMER_GROUP, default <topic prefix>{DEFAULT_CONSUMER_GROUP})")
     parser.add_argument("--auto-offset-reset", choices=("earliest", "latest"),
                         help="where a new consumer group starts (default earliest)")
     parser.add_argument("--price-dir", type=Path, help="folder of price CSVs (env GPUMETER_BILLING_PRICE_DIR)")

@@ -85,7 +85,9 @@ async def run(settings: CollectorSettings) -> int:
     delivery_timeout_ms = int(settings.delivery_timeout_seconds * 1000)
     publisher = BufferedPublisher(lambda: RecordProducer(settings.kafka, request_timeout_ms=delivery_timeout_ms),
                                   max_records=settings.buffer_max_records, metrics=metrics,
-                                  send_timeout_s=settings.delivery_timeout_seconds)
+                                  send_timeout_s=settings.delivery_timeout_seconds,
+                                  dead_letter_topic=settings.kafka.catalog.dead_letters,
+                                  max_request_size_bytes=settings.kafka.max_request_size_bytes, clock=clock)
     kubelet = PodResourcesClient(kubelet_socket, settings.kubelet_timeout_seconds)
     service = CollectorService(
         facts=facts, interval_seconds=interval_seconds, clock=clock, backend=backend,

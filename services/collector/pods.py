@@ -6,6 +6,8 @@ passed through ``ApiClient.sanitize_for_serialization``). Anything that is not a
 
 Contracts worth knowing:
 
+* Labels and annotations are cut to size (``services.collector.podsize``: caps on count and bytes, long
+  annotation values truncated, the cut counted and flagged on the event), so no pod makes an event too large.
 * Containers are listed in pod-spec order: init containers, then regular containers, then ephemeral containers
   (debug containers cannot request resources but can set ``NVIDIA_VISIBLE_DEVICES`` and so see GPUs).
 * GPU resources are those ``is_gpu_resource`` names: nvidia.com/gpu, nvidia.com/gpu.shared, nvidia.com/mig-*.
@@ -32,11 +34,10 @@ from typing import Any, Mapping
 from gpumeter.errors import InvalidMessage
 from schemas.records import DeviceAssignment, PodContainer, PodEvent, PodEventType
 from services.collector.podresources.devices import is_gpu_resource
+from services.collector.podsize import ANNOTATION_VALUE_MAX_BYTES, cut_to_size  # noqa: F401 - the rule's caps
 
 BAD_POD_OBJECT = "BAD_POD_OBJECT"
 
-ANNOTATION_VALUE_MAX_BYTES = 1024
-"""Annotation values longer than this many UTF-8 bytes are cut (on a character boundary) to this length."""
 
 VISIBLE_DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"
 VALUE_FROM_MARK = "<valueFrom>"
@@ -78,10 +79,7 @@ def pod_event_from_object(
     name = _required_text(metadata.get("name"), "metadata.name")
     resource_version = _optional_text(metadata.get("resourceVersion"), "metadata.resourceVersion") or ""
     labels = _string_map(metadata.get("labels"), "metadata.labels")
-    annotations = {
-        key: _truncate_utf8(value, ANNOTATION_VALUE_MAX_BYTES)
-        for key, value in _string_map(metadata.get("annotations"), "metadata.annotations").items()
-    }
+    annotations = _string_map(metadata.get("annotations"), "metadata.annotations")
     workload_kind, workload_name = _workload(metadata.get("ownerReferences"), labels)
 
     node_name = _optional_text(spec.get("nodeName"), "spec.nodeName") or ""
@@ -126,7 +124,7 @@ def pod_event_from_object(
             elif field == "containers":
                 regular_requests.append(gpu_requests)
 
-    return PodEvent(
+    return cut_to_size(PodEvent(
         event_type=PodEventType(event_type),
         observed_at_unix_ms=observed_at_unix_ms,
         resource_version=resource_version,
@@ -143,7 +141,7 @@ def pod_event_from_object(
         started_at_unix_ms=started_at_unix_ms,
         gpu_requests=MappingProxyType(_effective_pod_requests(init_requests, regular_requests)),
         containers=tuple(containers),
-    )
+    ))
 
 
 def with_assignments(
@@ -302,13 +300,6 @@ def _optional_timestamp_ms(value: Any, where: str) -> int | None:
     if parsed.tzinfo is None:
         raise _bad(f"{where}: {text[:64]!r} has no UTC offset")
     return (parsed - _EPOCH) // _ONE_MS
-
-
-def _truncate_utf8(value: str, max_bytes: int) -> str:
-    encoded = value.encode("utf-8")
-    if len(encoded) <= max_bytes:
-        return value
-    return encoded[:max_bytes].decode("utf-8", errors="ignore")
 
 
 def _string_map(value: Any, where: str) -> dict[str, str]:

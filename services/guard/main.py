@@ -133,6 +133,7 @@ async def serve(settings: GuardSettings, *, config: Any = None, env: Mapping[str
             positions=state.positions if state is not None else None,
             max_clock_skew_seconds=settings.max_clock_skew_seconds,
             max_sample_age_seconds=settings.max_sample_age_seconds,
+            max_request_size_bytes=settings.kafka.max_request_size_bytes,
         )
         service = GuardService(
             kafka=settings.kafka,

@@ -47,7 +47,14 @@ from gpumeter.clock import Clock
 from gpumeter.errors import GpumeterError, InvalidMessage
 from gpumeter.kafka.deadletter import DeadLetterGuard, RawMessage
 from gpumeter.kafka.outbox import Outbox, Producer
-from gpumeter.kafka.processor import ConsumerUnavailable, ProcessorLifecycle, ServiceStopping, raw_message
+from gpumeter.kafka.processor import (
+    ConsumerUnavailable,
+    ProcessorLifecycle,
+    ServiceStopping,
+    input_behind,
+    raw_message,
+)
+from gpumeter.settings import DEFAULT_MAX_REQUEST_SIZE_BYTES
 from gpumeter.validation import (
     DEFAULT_DOWNSTREAM_MAX_CLOCK_SKEW_SECONDS,
     DEFAULT_MAX_SAMPLE_AGE_SECONDS,
@@ -69,6 +76,7 @@ TopicPartition = tuple[str, int]
 GUARD_METRICS = (
     "gpumeter_messages_consumed_total",
     "gpumeter_dead_letters_total",
+    "gpumeter_dead_letters_truncated_total",
     "gpumeter_guard_violations_firing",
     "gpumeter_guard_violation_transitions_total",
 )
@@ -243,7 +251,8 @@ class GuardProcessor(ProcessorLifecycle):
                  retry_max_seconds: float = 30.0, positions: Mapping[TopicPartition, int] | None = None,
                  sleep: Callable[[float], Awaitable[None]] | None = None,
                  max_clock_skew_seconds: int = DEFAULT_DOWNSTREAM_MAX_CLOCK_SKEW_SECONDS,
-                 max_sample_age_seconds: int = DEFAULT_MAX_SAMPLE_AGE_SECONDS) -> None:
+                 max_sample_age_seconds: int = DEFAULT_MAX_SAMPLE_AGE_SECONDS,
+                 max_request_size_bytes: int = DEFAULT_MAX_REQUEST_SIZE_BYTES) -> None:
         self.engine = engine
         self.max_clock_skew_ms = max_clock_skew_seconds * 1000
         self.max_sample_age_ms = max_sample_age_seconds * 1000
@@ -254,7 +263,8 @@ class GuardProcessor(ProcessorLifecycle):
         self.retry_initial_seconds = retry_initial_seconds
         self.retry_max_seconds = retry_max_seconds
         super().__init__(metrics, sleep)
-        self.guard = DeadLetterGuard(SERVICE_NAME, topics.dead_letters, self._dead_letter, clock, metrics)
+        self.guard = DeadLetterGuard(SERVICE_NAME, topics.dead_letters, self._dead_letter, clock, metrics,
+                                     max_request_size_bytes=max_request_size_bytes)
         self.positions: dict[TopicPartition, int] = dict(positions or {})
         self.stats = ProcessorStats()
         # Violations and dead letters; violations are sent ``latest_wins`` (only a fingerprint's newest is re-sent).
@@ -459,6 +469,8 @@ class GuardService:
                     break
                 batch = fetch.result()
                 self.processor.beat()
+                self.processor.note_input(tuple(sorted(self.processor.positions.items())),
+                                          any(batch.values()) or await input_behind(consumer))
                 async with self._lock:
                     for records in batch.values():
                         for record in records:

@@ -29,6 +29,7 @@ from schemas.records import DeadLetter, GpuShare, NodeSample
 from schemas.typed import codec_for
 from services.attributor.attribution import AttributionPolicy, attribute_node_window
 from services.attributor.pod_index import PodIndex, apply_pod_events
+from services.attributor.settings import AttributorSettings
 from services.attributor.windows import NodeWindow
 from tests.unit.attributor import CLUSTER, GIB, device, node_sample, pod_event
 
@@ -126,7 +127,8 @@ def tick(node: str, base_ms: int, k: int, *, at_ms: int | None = None, used_byte
 
 
 def expected_windows(samples, pods) -> dict[tuple[str, int], tuple[GpuShare, ...]]:
-    index = apply_pod_events(PodIndex.empty(600_000), pods)
+    # The pod state as ``gpumeter attributor`` keeps it by default: only the grouping labels (team, model).
+    index = apply_pod_events(PodIndex.empty(600_000, AttributorSettings().engine_config().pod_fields), pods)
     groups: dict[tuple[str, int], list[NodeSample]] = {}
     for s in samples:
         groups.setdefault((s.node_name, s.sampled_at_unix_ms // WINDOW_MS * WINDOW_MS), []).append(s)

@@ -169,3 +169,36 @@ def test_unpublished_windows_are_reported_until_marked_published(sqlite_ledger):
     ]
     assert {r.bill.price_version for r in changed} == {"other"}
     assert sqlite_ledger.write(*everything(changed)).unpublished == frozenset()
+
+
+def test_only_the_publisher_whose_write_inserted_a_window_is_told_to_publish_it(tmp_path):
+    """Two billing instances (consumer groups) on one ledger: the ledger is the arbiter of who publishes."""
+    url = f"sqlite:///{tmp_path / 'shared.sqlite3'}"
+    results = sample_costs()
+    keys = {r.bill.key for r in results}
+    with Ledger(url, publisher="group-a") as a, Ledger(url, publisher="group-b") as b:
+        a.migrate()
+        first = a.write(*everything(results))
+        assert first.written == keys
+        # The other group writes the same windows before the first one's cost records were acknowledged.
+        second = b.write(*everything(results))
+        assert (second.written, second.unpublished, second.others) == (frozenset(), frozenset(), keys)
+        # The first group re-reading them (a crash between the ledger and Kafka) publishes them, once marked no more.
+        assert a.write(*everything(results)).unpublished == keys
+        assert a.mark_published(keys, 1) == len(keys)
+        assert a.write(*everything(results)).unpublished == b.write(*everything(results)).others == frozenset()
+        assert {row["publisher"] for row in a.bills()} == {"group-a"}
+
+
+def test_a_bill_written_before_publishers_were_recorded_is_claimed_by_one_publisher_only(tmp_path):
+    url = f"sqlite:///{tmp_path / 'legacy.sqlite3'}"
+    results = sample_costs()
+    keys = {r.bill.key for r in results}
+    with Ledger(url) as legacy, Ledger(url, publisher="group-a") as a, Ledger(url, publisher="group-b") as b:
+        legacy.migrate()
+        legacy.write(*everything(results))  # as revision 0002 wrote them: no publisher, never published
+        assert {row["publisher"] for row in legacy.bills()} == {None}
+        assert b.write(*everything(results)).unpublished == keys  # the first to find them claims them
+        assert a.write(*everything(results)).others == keys
+        assert b.write(*everything(results)).unpublished == keys
+        assert {row["publisher"] for row in legacy.bills()} == {"group-b"}

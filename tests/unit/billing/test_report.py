@@ -110,7 +110,10 @@ def test_formats(filled_ledger):
     table = format_report(report, "table")
     assert "label:team" in table and "TOTAL" in table and usd_text(total) in table
     assert f"reconciliation: total {usd_text(total)} USD vs the sum of {len(results)} node bills" in table
-    assert "reconciled" in table.splitlines()[-1]
+    *_, reconciliation, emitted = table.splitlines()
+    assert reconciliation.startswith("reconciliation: ") and reconciliation.endswith("reconciled, equal to the "
+                                                                                    "micro-dollar")
+    assert emitted == "emitted windows: not checked against the gpu-shares topic (no Kafka bootstrap servers given)"
 
     rows = list(csv.DictReader(io.StringIO(format_report(report, "csv"))))
     lines = [r for r in rows if r["kind"] not in ("total", "node_bills", "reconciliation", "node_pricing")]
@@ -198,3 +201,57 @@ def test_durations_and_instants():
     with pytest.raises(ConfigError):
         parse_instant_ms("yesterday")
     assert usd_text(1_234_567) == "1.234567" and usd_text(-7) == "-0.000007"
+
+
+def _with_carried_labels(results, carried: str):
+    """``results`` as the attributor makes them when it carries only ``carried`` (comma-separated) labels."""
+    import dataclasses
+
+    from schemas.records import CARRIED_LABELS_KEY, CostSubjectKind
+
+    keys = carried.split(",")
+    out = []
+    for result in results:
+        costs = tuple(
+            dataclasses.replace(c, labels={**{k: v for k, v in c.labels.items() if k in keys},
+                                           CARRIED_LABELS_KEY: carried})
+            if c.subject_kind is CostSubjectKind.POD else c for c in result.costs)
+        out.append(dataclasses.replace(result, costs=costs))
+    return out
+
+
+def test_grouping_by_a_label_that_was_not_carried_says_so(sqlite_ledger):
+    results = _with_carried_labels(sample_costs(WINDOWS), "model,team")
+    sqlite_ledger.write([c for r in results for c in r.costs], [r.bill for r in results])
+    pods = [c for r in results for c in r.costs if c.subject_kind.value == "POD"]
+
+    by_owner = build_report(sqlite_ledger, Grouping.parse("label:owner"), start_ms=WINDOW_START_MS, end_ms=END_MS)
+    assert [line.group for line in by_owner.lines if line.kind == "pod"] == ["(label owner not carried)"]
+    carriage = by_owner.carriage
+    assert (carriage.lines_not_carried, carriage.pod_lines, carriage.carried_elsewhere) == (len(pods), len(pods),
+                                                                                             ("model,team",))
+    assert carriage.cost_not_carried_micro_usd == sum(c.cost_micro_usd for c in pods)
+    table = format_report(by_owner, "table")
+    assert "labels: label 'owner' was not carried on" in table and "GPUMETER_GROUPING_LABELS" in table
+    assert json.loads(format_report(by_owner, "json"))["labels_not_carried"]["cost_lines"] == len(pods)
+    assert by_owner.reconciliation.reconciled
+
+    by_team = build_report(sqlite_ledger, Grouping.parse("label:team"), start_ms=WINDOW_START_MS, end_ms=END_MS)
+    assert by_team.carriage is None  # carried: pods without it simply had none
+    assert "(no team label)" in {line.group for line in by_team.lines}
+
+
+def test_every_emitted_window_must_be_in_the_ledger_once_it_had_time_to_be_billed():
+    from services.billing.costing import NodeWindowKey
+    from services.billing.report import check_emitted
+
+    keys = [NodeWindowKey("c", f"node-{i}", WINDOW_START_MS) for i in range(5)]
+    emitted = {keys[0]: 1_000, keys[1]: 1_000, keys[2]: 2_000, keys[3]: 2_000, keys[4]: 100_000}
+    check = check_emitted(emitted, {keys[2]: frozenset({"NO_PRICE"})}, {keys[0]}, now_ms=110_000,
+                          settle_seconds=60)
+    assert not check.complete and (check.emitted, check.in_flight) == (4, 1)
+    assert check.missing == ((keys[1], frozenset()), (keys[2], frozenset({"NO_PRICE"})), (keys[3], frozenset()))
+    assert check.statement().startswith("WARNING: 3 of 4 node-windows emitted more than 60 s ago are NOT in the "
+                                        "ledger (2 never billed (billing behind, stopped or stuck); dead-lettered "
+                                        "by billing: NO_PRICE 1;")
+    assert check_emitted(emitted, {}, set(keys), now_ms=110_000).complete

@@ -882,6 +882,14 @@ def parse_settings(argv, env):
     return billing_settings(parser.parse_args(argv), env)
 
 
+def test_the_default_consumer_group_carries_the_topic_prefix():
+    assert parse_settings([], {"GPUMETER_KAFKA_TOPIC_PREFIX": "prod."}).consumer_group == "prod.gpumeter-billing"
+    assert parse_settings(["--topic-prefix", "t1."], {}).consumer_group == "t1.gpumeter-billing"
+    assert parse_settings([], {}).consumer_group == "gpumeter-billing"
+    assert parse_settings([], {"GPUMETER_KAFKA_TOPIC_PREFIX": "prod.",
+                               "GPUMETER_BILLING_CONSUMER_GROUP": "mine"}).consumer_group == "mine"
+
+
 def test_settings_read_env_and_flags_win():
     env = {
         "KAFKA_BOOTSTRAP_SERVERS": "kafka:9092",

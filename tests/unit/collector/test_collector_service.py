@@ -147,6 +147,93 @@ async def test_a_full_buffer_drops_the_oldest_and_counts_it():
     assert state["delivered"] == [b"2", b"3", b"4"]
 
 
+class _RefusingProducer(_FlakyProducer):
+    """Refuses the records ``refuse(topic, value)`` names: at enqueue (as aiokafka refuses one larger than
+    max_request_size), or on the delivery future (as the broker refuses one larger than message.max.bytes), or
+    fails them with an ordinary error every time (``how="flaky"``)."""
+
+    def __init__(self, state, refuse, how):
+        super().__init__(state)
+        self.refuse, self.how = refuse, how
+
+    async def send_bytes(self, topic, value, *, key=None, partition=None):
+        from aiokafka.errors import MessageSizeTooLargeError, RequestTimedOutError
+
+        from gpumeter.kafka.producer import DeliveryError
+
+        if not self.refuse(topic, value):
+            self.state.setdefault("topics", []).append(topic)
+            return await super().send_bytes(topic, value, key=key, partition=partition)
+        self.state["attempts"] = self.state.get("attempts", 0) + 1
+        if self.how == "enqueue":
+            try:
+                raise MessageSizeTooLargeError("The message is 1280000 bytes when serialized")
+            except MessageSizeTooLargeError as exc:
+                raise DeliveryError(f"cannot enqueue to {topic}: {exc!r}") from exc
+        future = asyncio.get_running_loop().create_future()
+        future.set_exception(MessageSizeTooLargeError() if self.how == "broker" else RequestTimedOutError())
+        return future
+
+
+@pytest.mark.parametrize("how", ["enqueue", "broker", "flaky"])
+async def test_a_record_kafka_will_not_take_is_dead_lettered_and_the_records_behind_it_flow(how):
+    from gpumeter.metrics import ServiceMetrics
+    from schemas.records import DeadLetter
+
+    state = {"down": False, "delivered": []}
+    poison = b"p" * 1000
+    metrics = ServiceMetrics("collector")
+    publisher = BufferedPublisher(lambda: _RefusingProducer(state, lambda t, v: v == poison, how), max_records=100,
+                                  retry_backoff_s=0.01, retry_backoff_max_s=0.02, metrics=metrics,
+                                  dead_letter_topic="dl", clock=ManualClock(77))
+    publisher.start()
+    publisher.offer(_record(0))
+    publisher.offer(OutboundRecord("t", b"node/uid", None, poison, "pod_event", partition_by_node="node"))
+    for i in range(1, 30):  # ticks keep coming, as a collector's do
+        await asyncio.sleep(0.01)
+        publisher.offer(_record(i))
+    await publisher.close(timeout_s=5)
+    (letter,) = [v for v in state["delivered"] if v.startswith(b"\xc3\x01")]  # in the poison's place
+    ticks = [v for v in state["delivered"] if not v.startswith(b"\xc3\x01")]
+    assert ticks == [str(i).encode() for i in range(30)]  # every tick, the ones behind the poison included
+    letter = codec_for(DeadLetter).decode(letter)
+    assert (letter.service, letter.source_topic, letter.source_offset, letter.source_key) == (
+        "collector", "t", -1, b"node/uid")
+    assert letter.reason_code == ("UNDELIVERABLE" if how == "flaky" else "TOO_LARGE")
+    assert (letter.raw_bytes, letter.payload_length_bytes, letter.failed_at_unix_ms) == (poison, 1000, 77)
+    assert state["attempts"] == (3 if how == "flaky" else 1)  # a bounded number of tries, then given up
+    assert publisher.depth == 0 and publisher.sent_count == {"sample": 30, "pod_event": 0, "dead_letter": 1}
+    assert metrics.registry.get_sample_value("gpumeter_collector_undeliverable_records_total",
+                                             {"kind": "pod_event", "outcome": "dead_lettered"}) == 1
+
+
+async def test_a_dead_letter_kafka_will_not_take_is_dropped_and_counted():
+    state = {"down": False, "delivered": []}
+    publisher = BufferedPublisher(lambda: _RefusingProducer(state, lambda t, v: t == "dl" or v == b"big", "broker"),
+                                  max_records=100, retry_backoff_s=0.01, dead_letter_topic="dl")
+    publisher.offer(OutboundRecord("t", b"k", None, b"big", "sample"))
+    publisher.offer(_record(1))
+    publisher.start()
+    await publisher.close(timeout_s=5)
+    assert state["delivered"] == [b"1"]
+    assert publisher.undeliverable == {"dead_lettered": 1, "dropped": 1} and publisher.depth == 0
+
+
+async def test_an_outage_gives_nothing_up_however_long_it_lasts():
+    state = {"down": True, "delivered": []}
+    publisher = BufferedPublisher(lambda: _FlakyProducer(state), max_records=100, retry_backoff_s=0.001,
+                                  retry_backoff_max_s=0.001, dead_letter_topic="dl", max_record_tries=1)
+    for i in range(5):
+        publisher.offer(_record(i))
+    publisher.start()
+    await asyncio.sleep(0.2)
+    assert publisher.delivery_failures > 5 and publisher.depth == 5
+    state["down"] = False
+    await publisher.close(timeout_s=2)
+    assert state["delivered"] == [str(i).encode() for i in range(5)]
+    assert publisher.undeliverable == {"dead_lettered": 0, "dropped": 0}
+
+
 @pytest.mark.network
 async def test_pod_events_carry_the_kubelets_assignments_and_changes_are_republished():
     socket_dir = Path(tempfile.mkdtemp(dir="/tmp"))

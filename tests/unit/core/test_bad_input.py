@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import random
 import struct
 from collections import Counter
@@ -239,7 +240,7 @@ class AttributorHarness(Harness):
         else:
             event = good_pod_event(self.now_ms, n)
             await self.send_record(kind, event)
-            assert self.stream.pods[pod_table_key(event)] == encode(event)
+            assert codec_for(PodEvent).decode(self.stream.pods[pod_table_key(event)]) == event
 
 
 class BillingHarness(Harness):
@@ -569,6 +570,85 @@ async def test_every_input_topic_survives_a_stream_of_bad_messages(make_harness,
     for kind in h.kinds:
         await h.good(kind)
     assert len(h.dead_letters()) == sent
+
+
+OVERSIZED = {
+    # What the broker accepts under its default limits: ~1 MiB sent uncompressed, 3 MiB sent gzip-compressed (the
+    # broker checks the compressed batch; the consumer gets the value whole).
+    "1 MiB of random bytes": lambda: b"\x00" + random.Random(1).randbytes(1_040_000),
+    "3 MiB behind a valid header": lambda: MAGIC + struct.pack("<Q", 0x0123456789ABCDEF) + b"\x07" * (3 << 20),
+}
+
+
+@pytest.mark.parametrize("size", sorted(OVERSIZED))
+@pytest.mark.parametrize("service, kind", [(s, k) for s, h in HARNESSES.items() for k in h.kinds])
+async def test_an_oversized_value_gets_a_dead_letter_that_fits_and_the_next_message_is_processed(
+        make_harness, service, kind, size):
+    from aiokafka.record.default_records import DefaultRecordBatchBuilder
+
+    from gpumeter.kafka.deadletter import dead_letter_budget_bytes
+    from gpumeter.settings import DEFAULT_MAX_REQUEST_SIZE_BYTES
+
+    h = make_harness(service)
+    value = OVERSIZED[size]()
+    key = b"k" * 5000  # a key longer than a dead letter carries
+    raw = await h.send(kind, value, key=key)
+    (letter,) = h.dead_letters()
+    assert (letter.source_offset, letter.service, letter.source_topic) == (raw.offset, service, TOPIC_NAMES[kind])
+    encoded = codec_for(DeadLetter).encode(letter)
+    dead_letter_key = TOPIC_NAMES[kind].encode()
+    assert len(encoded) + len(dead_letter_key) <= dead_letter_budget_bytes(DEFAULT_MAX_REQUEST_SIZE_BYTES)
+    # What aiokafka's producer checks against max_request_size before it sends.
+    assert DefaultRecordBatchBuilder.estimate_size_in_bytes(dead_letter_key, encoded, []) <= \
+        DEFAULT_MAX_REQUEST_SIZE_BYTES
+    assert letter.truncated and value.startswith(letter.raw_bytes) and len(letter.raw_bytes) > 900_000
+    assert (letter.payload_length_bytes, letter.payload_sha256) == (len(value), hashlib.sha256(value).hexdigest())
+    assert (letter.source_key, letter.source_key_length_bytes) == (key[:1024], len(key))
+    assert metric(h.metrics, "gpumeter_dead_letters_truncated_total", service=service,
+                  topic=TOPIC_NAMES[kind]) == 1
+    await h.good(kind)
+    assert len(h.dead_letters()) == 1
+
+
+async def test_the_attributor_stores_a_pod_cut_to_what_it_keeps_and_refuses_one_that_stays_too_large(
+        make_harness):
+    """Any producer can put 30,000 labels and a 5 MB annotation in a valid pod event (one crashed the changelog
+    write): the pod table keeps only the grouping labels and the annotation attribution reads."""
+    from services.attributor.app import MAX_STORED_POD_BYTES
+    from services.attributor.attribution import DEFAULT_MPS_THREAD_ANNOTATION
+
+    h = make_harness("attributor")
+    event = dataclasses.replace(good_pod_event(h.now_ms, 901), labels={
+        "team": "t", "model": "m", **{f"acme.io/l-{i:05d}": "v" for i in range(30_000)}}, annotations={
+        DEFAULT_MPS_THREAD_ANNOTATION: "50", "big": "x" * 5_000_000})
+    await h.send_record(PODS, event)
+    assert h.dead_letters() == []
+    stored = h.stream.pods[pod_table_key(event)]
+    assert len(stored) < 4096
+    kept = codec_for(PodEvent).decode(stored)
+    assert (dict(kept.labels), dict(kept.annotations)) == ({"team": "t", "model": "m"},
+                                                           {DEFAULT_MPS_THREAD_ANNOTATION: "50"})
+    assert (kept.labels_dropped, kept.annotations_dropped) == (30_000, 1)
+
+    containers = tuple(dataclasses.replace(event.containers[0], name=f"c{i:05d}", assigned_devices=())
+                       for i in range(5_000))
+    huge = dataclasses.replace(good_pod_event(h.now_ms, 902), containers=containers)
+    raw = await h.send_record(PODS, huge)
+    (letter,) = h.dead_letters()
+    assert (letter.reason_code, letter.source_offset) == ("TOO_LARGE", raw.offset)
+    assert pod_table_key(huge) not in h.stream.pods and str(MAX_STORED_POD_BYTES) in letter.reason
+    await h.good(PODS)
+
+
+def test_a_small_bad_value_is_dead_lettered_whole_and_says_so():
+    from gpumeter.errors import CorruptMessage
+    from gpumeter.kafka.deadletter import dead_letter_for
+
+    message = RawMessage("t", 2, 9, b"key", b"\x00bad", None)
+    letter = dead_letter_for(message, CorruptMessage("no"), "billing", 5)
+    assert (letter.raw_bytes, letter.source_key, letter.truncated) == (b"\x00bad", b"key", False)
+    assert (letter.payload_length_bytes, letter.payload_sha256, letter.source_key_length_bytes) == (
+        4, hashlib.sha256(b"\x00bad").hexdigest(), 3)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

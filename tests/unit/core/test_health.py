@@ -38,6 +38,44 @@ def test_alive_until_the_loop_is_silent_longer_than_the_limit():
     assert heartbeat.check().alive and heartbeat.check().silent_seconds == 0
 
 
+def test_a_position_standing_still_while_input_waits_is_a_stall_whatever_the_beats_say():
+    clock = ManualClock(0)
+    heartbeat = Heartbeat(clock, max_silence_seconds=60, max_stall_seconds=300)
+    heartbeat.progress("outbox", 7, waiting=True)
+    for _ in range(30):  # a retry loop: beats every 10 s, the same record still unacknowledged
+        clock.advance_ms(10_000)
+        heartbeat.beat()
+        heartbeat.progress("outbox", 7, waiting=True)
+    assert heartbeat.check().alive  # 300 s is the limit, not yet beyond it
+    clock.advance_ms(1)
+    heartbeat.beat()
+    liveness = heartbeat.check()
+    assert not liveness.alive and liveness.stalled == {"outbox": pytest.approx(300.001)}
+    assert liveness.silent_seconds == 0
+    assert json.loads(liveness.as_json())["stalled"] == {"outbox": 300.001}
+    heartbeat.progress("outbox", 8, waiting=True)  # it moved on
+    assert heartbeat.check().alive and heartbeat.check().stalled == {}
+
+
+def test_a_quiet_input_is_not_a_stall_and_waiting_restarts_the_count():
+    clock = ManualClock(0)
+    heartbeat = Heartbeat(clock, max_silence_seconds=60, max_stall_seconds=30)
+    heartbeat.progress("input", (("t", 0), 5), waiting=False)
+    clock.advance_ms(50_000)
+    heartbeat.beat()
+    assert heartbeat.check().alive  # nothing waiting: standing still is right
+    heartbeat.progress("input", (("t", 0), 5), waiting=True)
+    clock.advance_ms(20_000)
+    heartbeat.progress("input", (("t", 0), 5), waiting=False)
+    heartbeat.progress("input", (("t", 0), 5), waiting=True)
+    clock.advance_ms(20_000)
+    heartbeat.beat()
+    assert heartbeat.check().alive  # 20 s each time, never 30 s in a row
+    clock.advance_ms(10_001)
+    heartbeat.beat()
+    assert heartbeat.check().stalled == {"input": pytest.approx(30.001)}
+
+
 @pytest.mark.parametrize("limit", [0, -1, float("nan")])
 def test_a_limit_that_is_not_positive_is_refused(limit):
     with pytest.raises(ConfigError):
@@ -52,7 +90,8 @@ def test_healthz_answers_from_the_heartbeat_and_every_other_path_is_the_expositi
 
     status, headers, body = call(app, HEALTH_PATH)
     assert status == "200 OK" and headers["Content-Type"] == "application/json"
-    assert json.loads(body) == {"alive": True, "silent_seconds": 0.0, "max_silence_seconds": 30.0}
+    assert json.loads(body) == {"alive": True, "silent_seconds": 0.0, "max_silence_seconds": 30.0, "stalled": {},
+                                "max_stall_seconds": 300.0}
 
     clock.advance_ms(45_000)
     status, _, body = call(app, HEALTH_PATH)
@@ -118,3 +157,133 @@ def _serve_on_a_free_port(metrics: ServiceMetrics):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     return metrics.serve(port, addr="127.0.0.1")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The services' loops: retrying the same thing beats, but is not progress
+
+
+class AdvancingSleep:
+    """A retry pause that moves ``clock`` by the pause instead of waiting."""
+
+    def __init__(self, clock: ManualClock) -> None:
+        self.clock = clock
+        self.pauses = 0
+
+    async def __call__(self, seconds: float) -> None:
+        self.pauses += 1
+        self.clock.advance_ms(int(seconds * 1000))
+        await asyncio.sleep(0)
+
+
+class RefusingProducer:
+    """A producer that never gets a record acknowledged (e.g. one the broker refuses, every time)."""
+
+    async def send(self, topic, record, *, key=None):
+        from gpumeter.kafka.producer import DeliveryError
+
+        future = asyncio.get_running_loop().create_future()
+        future.set_exception(DeliveryError("MessageSizeTooLargeError"))
+        return future
+
+
+async def _stall_of(processor, clock: ManualClock, metrics: ServiceMetrics, name: str, work) -> None:
+    """Run ``work`` (a retry loop) until the clock passed the stall limit: /healthz must then say 503 and name the
+    loop ``name``, although the loop beat on every pause."""
+    started_s = clock.monotonic_s()
+    task = asyncio.ensure_future(work())
+    try:
+        while clock.monotonic_s() - started_s <= 301 and not task.done():
+            await asyncio.sleep(0)
+        assert not task.done(), "the retry loop ended"
+        liveness = metrics.heartbeat.check()
+        assert liveness.silent_seconds < 60, "the loop beat all along"
+        assert not liveness.alive and set(liveness.stalled) == {name}
+        status, _, body = call(metrics.wsgi_app(), HEALTH_PATH)
+        assert status.startswith("503") and name in json.loads(body)["stalled"]
+    finally:
+        processor.stop()
+        try:
+            await task
+        except Exception:  # ServiceStopping out of the pause
+            pass
+
+
+async def test_billing_retrying_an_outbox_that_is_never_acknowledged_is_a_stall(tmp_path):
+    from gpumeter.kafka.deadletter import RawMessage
+    from schemas.typed import codec_for
+    from services.billing.catalog import PriceCatalog
+    from services.billing.ledger import Ledger
+    from services.billing.pricing import DEFAULT_SPLIT_POLICY
+    from services.billing.service import BILLING_METRICS, BillingProcessor
+    from schemas.catalog import TopicCatalog
+    from tests.unit.billing.conftest import WINDOW_START_MS, Unit, node_window, pod
+
+    clock = ManualClock(WINDOW_START_MS + 90_000)
+    metrics = ServiceMetrics("billing", BILLING_METRICS, clock=clock)  # the default limits
+    sleep = AdvancingSleep(clock)
+    with Ledger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}") as ledger:
+        ledger.migrate()
+        processor = BillingProcessor(
+            catalog=PriceCatalog.load(), policy=DEFAULT_SPLIT_POLICY, ledger=ledger, producer=RefusingProducer(),
+            topics=TopicCatalog(prefix="h."), clock=clock, window_expiry_seconds=600,
+            finished_window_memory_seconds=3600, metrics=metrics, sleep=sleep)
+        (share,) = node_window([Unit("GPU-0", [pod("a", 1.0, "ml")])])
+        await processor.handle(RawMessage("h.gpumeter.gpu-shares.v1", 0, 0, b"node-a",
+                                          codec_for(type(share)).encode(share), None))
+        await _stall_of(processor, clock, metrics, "outbox", processor.flush)
+    assert sleep.pauses > 10
+
+
+async def test_billing_retrying_an_unreachable_ledger_with_input_waiting_is_a_stall(tmp_path):
+    from sqlalchemy.exc import OperationalError
+
+    from gpumeter.kafka.deadletter import RawMessage
+    from schemas.catalog import TopicCatalog
+    from schemas.typed import codec_for
+    from services.billing.catalog import PriceCatalog
+    from services.billing.ledger import LedgerError
+    from services.billing.pricing import DEFAULT_SPLIT_POLICY
+    from services.billing.service import BILLING_METRICS, BillingProcessor
+    from tests.unit.billing.conftest import WINDOW_START_MS, Unit, node_window, pod
+
+    class Unreachable:
+        def write(self, costs, bills):
+            raise LedgerError("writing failed") from OperationalError("INSERT", {}, Exception("connection refused"))
+
+    clock = ManualClock(WINDOW_START_MS + 90_000)
+    metrics = ServiceMetrics("billing", BILLING_METRICS, clock=clock)
+    processor = BillingProcessor(
+        catalog=PriceCatalog.load(), policy=DEFAULT_SPLIT_POLICY, ledger=Unreachable(), producer=RefusingProducer(),
+        topics=TopicCatalog(prefix="h."), clock=clock, window_expiry_seconds=600,
+        finished_window_memory_seconds=3600, metrics=metrics, sleep=AdvancingSleep(clock))
+    (share,) = node_window([Unit("GPU-0", [pod("a", 1.0, "ml")])])
+    message = RawMessage("h.gpumeter.gpu-shares.v1", 0, 0, b"node-a", codec_for(type(share)).encode(share), None)
+    processor.note_input(processor.offsets.taken(), True)  # what the consumer loop says after its fetch
+    await _stall_of(processor, clock, metrics, "input", lambda: processor.handle(message))
+
+
+async def test_the_guard_retrying_an_outbox_that_is_never_acknowledged_is_a_stall():
+    import dataclasses
+
+    from gpumeter.kafka.deadletter import RawMessage
+    from schemas.catalog import TopicCatalog
+    from schemas.typed import codec_for
+    from services.guard.config import GuardConfig
+    from services.guard.engine import GuardEngine
+    from services.guard.service import GUARD_METRICS, GuardProcessor
+    from tests.unit.attributor import pod_event
+
+    now_ms = 1_780_000_000_000
+    clock = ManualClock(now_ms)
+    metrics = ServiceMetrics("guard", GUARD_METRICS, clock=clock)
+    topics = TopicCatalog(prefix="h.")
+    processor = GuardProcessor(engine=GuardEngine(GuardConfig()), producer=RefusingProducer(), topics=topics,
+                               clock=clock, metrics=metrics, sleep=AdvancingSleep(clock))
+    leaky = pod_event("leaky", observed_at_unix_ms=now_ms, started_at_unix_ms=now_ms)
+    leaky = dataclasses.replace(leaky, containers=tuple(dataclasses.replace(c, visible_devices_env="all")
+                                                        for c in leaky.containers))
+    violations = await processor.handle(RawMessage(topics.pod_events, 0, 0, b"k", codec_for(type(leaky)).encode(leaky),
+                                                   None))
+    assert violations
+    await _stall_of(processor, clock, metrics, "outbox", processor.flush)

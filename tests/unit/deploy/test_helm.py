@@ -12,6 +12,7 @@ No cluster is needed; helm and kustomize come from the session fixture ``go_tool
 
 from __future__ import annotations
 
+import ast
 import copy
 import csv
 import hashlib
@@ -694,14 +695,27 @@ def roles_producing(metric: str) -> frozenset[str]:
         return frozenset(ROLES)
     base = re.sub(r"_(bucket|sum|count)$", "", metric) if metric not in METRICS else metric
     spelled = f'"{base}"'
-    shared = {".".join(path.relative_to(REPO_ROOT).with_suffix("").parts)
-              for path in (REPO_ROOT / "gpumeter").rglob("*.py")
-              if path.name != "metrics.py" and spelled in path.read_text(encoding="utf-8")}
+    # Shared module -> its top-level classes and functions whose code sets the metric (importing the module's
+    # other names, e.g. a pure helper beside the class that counts, sets nothing).
+    shared: dict[str, set[str]] = {}
+    for path in (REPO_ROOT / "gpumeter").rglob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        if path.name == "metrics.py" or spelled not in text:
+            continue
+        names = {node.name for node in ast.parse(text).body
+                 if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                 and spelled in (ast.get_source_segment(text, node) or "")}
+        shared[".".join(path.relative_to(REPO_ROOT).with_suffix("").parts)] = names
     roles = set()
     for role in ROLES:
         source = "\n".join(p.read_text(encoding="utf-8") for p in (REPO_ROOT / "services" / role).rglob("*.py"))
-        if spelled in source or any(re.search(rf"^\s*(from {re.escape(m)} import|import {re.escape(m)}\b)", source,
-                                              re.M) for m in shared):
+        imported = set()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ImportFrom) and node.module in shared:
+                imported |= {alias.name for alias in node.names} & shared[node.module]
+            elif isinstance(node, ast.Import) and any(alias.name in shared for alias in node.names):
+                imported.add(node.names[0].name)
+        if spelled in source or imported:
             roles.add(role)
     return frozenset(roles)
 

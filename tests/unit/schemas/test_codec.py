@@ -23,11 +23,19 @@ from gpumeter.errors import (
     WrongRecordType,
 )
 from schemas.codec import AVRO_DIR, AvroCodec, SchemaRegistry, crc64_avro, default_registry, make_registered_schema
-from schemas.examples import load_example_dicts, load_examples
+from schemas.examples import example_versions, load_example_dicts, load_examples
 from schemas.records import RECORD_TYPES, NodeSample, PodEvent
 from schemas.typed import RecordCodec, codec_for
 
 RECORD_NAMES = [name.split(".")[1] for name in RECORD_TYPES]
+
+
+def _versions(record_name: str) -> list[int]:
+    return sorted(int(p.name[len(record_name) + 2:-len(".avsc")]) for p in AVRO_DIR.glob(f"{record_name}.v*.avsc"))
+
+
+def _schema_file(record_name: str, version: int) -> dict:
+    return json.loads((AVRO_DIR / f"{record_name}.v{version}.avsc").read_text())
 
 
 def test_crc64_avro_matches_the_specification_vectors():
@@ -72,30 +80,78 @@ def test_every_record_type_round_trips_its_examples(record_name):
         assert codec.decode(encoded) == record
 
 
-def _latest_avsc(record_name: str) -> dict:
-    versions = sorted(int(p.name.rsplit(".v", 1)[1][: -len(".avsc")]) for p in AVRO_DIR.glob(f"{record_name}.v*.avsc"))
-    return json.loads((AVRO_DIR / f"{record_name}.v{versions[-1]}.avsc").read_text())
-
-
 @pytest.mark.parametrize("record_name", RECORD_NAMES)
 def test_dataclass_fields_match_the_avsc_fields(record_name):
-    """The typed record is the newest schema version, field for field and in order."""
+    """The typed record has exactly the fields of the newest version, in its order."""
     record_type = RECORD_TYPES[f"gpumeter.{record_name}"]
-    schema = _latest_avsc(record_name)
+    schema = _schema_file(record_name, _versions(record_name)[-1])
     assert [f.name for f in fields(record_type)] == [f["name"] for f in schema["fields"]]
 
 
-@pytest.mark.parametrize("path", sorted(AVRO_DIR.glob("*.avsc")), ids=lambda p: p.name)
-def test_every_schema_version_only_adds_defaulted_fields_to_the_one_before(path):
-    """A newer version keeps every field of the one before and gives each new field a default, so readers of
-    either version read what writers of the other wrote."""
-    name, _, version = path.name[: -len(".avsc")].rpartition(".v")
-    if int(version) == 1:
-        return
-    older = {f["name"]: f for f in json.loads((AVRO_DIR / f"{name}.v{int(version) - 1}.avsc").read_text())["fields"]}
-    newer = {f["name"]: f for f in json.loads(path.read_text())["fields"]}
-    assert set(older) <= set(newer)
-    assert all("default" in newer[n] for n in set(newer) - set(older))
+@pytest.mark.parametrize("record_name", RECORD_NAMES)
+def test_each_version_keeps_the_fields_before_it_and_defaults_every_new_one(record_name):
+    """Old readers and writers keep working: a version adds fields with defaults and changes none it had."""
+    versions = _versions(record_name)
+    assert versions == list(range(1, len(versions) + 1))
+    for older, newer in zip(versions, versions[1:]):
+        before = {f["name"]: f for f in _schema_file(record_name, older)["fields"]}
+        after = {f["name"]: f for f in _schema_file(record_name, newer)["fields"]}
+        assert set(before) <= set(after), (older, newer)
+        for name, field in before.items():
+            assert _evolves(field["type"], after[name]["type"]), (older, newer, name)
+        assert all("default" in after[name] for name in set(after) - set(before)), (older, newer)
+
+
+def _evolves(old, new) -> bool:
+    """Whether a reader of ``new`` reads what ``old`` wrote, and a reader of ``old`` what ``new`` wrote without its
+    new symbols, by Avro's resolution rules: the same type, where a nested record may add fields with defaults
+    (keeping its others alike), an enum may add symbols at its end once it has a default (so readers from then on
+    read symbols still newer as the default; a reader of an enum without one fails on a symbol it lacks), and docs
+    may change."""
+    if isinstance(old, str) or isinstance(new, str):
+        return old == new
+    if isinstance(old, list) or isinstance(new, list):
+        return (isinstance(old, list) and isinstance(new, list) and len(old) == len(new)
+                and all(_evolves(a, b) for a, b in zip(old, new)))
+    if old.get("type") != new.get("type"):
+        return False
+    kind = old["type"]
+    if kind == "record":
+        before = {f["name"]: f for f in old["fields"]}
+        after = {f["name"]: f for f in new["fields"]}
+        return (old["name"] == new["name"] and set(before) <= set(after)
+                and all(_evolves(f["type"], after[n]["type"]) for n, f in before.items())
+                and all("default" in after[n] for n in set(after) - set(before)))
+    if kind == "enum":
+        added = [s for s in new["symbols"] if s not in old["symbols"]]
+        return (old["name"] == new["name"] and new["symbols"][: len(old["symbols"])] == old["symbols"]
+                and (not added or "default" in new))
+    if kind == "array":
+        return _evolves(old["items"], new["items"])
+    if kind == "map":
+        return _evolves(old["values"], new["values"])
+    return {k: v for k, v in old.items() if k != "doc"} == {k: v for k, v in new.items() if k != "doc"}
+
+
+def _within(actual, example) -> bool:
+    """``example`` is ``actual`` less the fields a newer reader added (recursively, in records and lists)."""
+    if isinstance(example, dict) and isinstance(actual, dict):
+        return all(k in actual and _within(actual[k], v) for k, v in example.items())
+    if isinstance(example, list) and isinstance(actual, list):
+        return len(example) == len(actual) and all(_within(a, e) for a, e in zip(actual, example))
+    return actual == example
+
+
+@pytest.mark.parametrize("record_name", RECORD_NAMES)
+def test_the_examples_of_every_version_are_read_by_the_newest_reader(record_name):
+    """A message written by any registered version decodes into today's typed record, new fields defaulted."""
+    record_type = RECORD_TYPES[f"gpumeter.{record_name}"]
+    newest = RecordCodec(record_type)
+    for version in example_versions(record_name):
+        writer = AvroCodec(default_registry(), f"gpumeter.{record_name}", version)
+        for example in load_example_dicts(record_name, version):
+            record = newest.decode(writer.encode(example))
+            assert _within(record.to_avro(), example)
 
 
 def _all_fields(schema):
@@ -113,9 +169,10 @@ def _all_fields(schema):
 
 @pytest.mark.parametrize("record_name", RECORD_NAMES)
 def test_every_field_has_a_doc(record_name):
-    schema = _latest_avsc(record_name)
-    missing = [f"{record}.{field['name']}" for record, field in _all_fields(schema) if not field.get("doc")]
-    assert missing == []
+    for version in _versions(record_name):
+        schema = _schema_file(record_name, version)
+        missing = [f"{record}.{field['name']}" for record, field in _all_fields(schema) if not field.get("doc")]
+        assert missing == [], version
 
 
 @pytest.mark.parametrize("record_name", RECORD_NAMES)
