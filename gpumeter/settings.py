@@ -6,6 +6,7 @@ Sources, later wins: defaults, ``GPUMETER_*`` environment variables, command-lin
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from dataclasses import dataclass, field, fields, replace
@@ -115,6 +116,35 @@ class KafkaSettings:
         if view.get("sasl_password"):
             view["sasl_password"] = SECRET_MARK
         return view
+
+
+# Where every service's /metrics and /healthz server listens: all interfaces by default (a pod's IP is where
+# Prometheus scrapes it); ``gpumeter run`` passes the loopback address, its processes share one machine.
+METRICS_ADDRESS_ENV = "GPUMETER_METRICS_ADDRESS"
+DEFAULT_METRICS_ADDRESS = "0.0.0.0"
+LOOPBACK_METRICS_ADDRESS = "127.0.0.1"
+_HOST_NAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
+
+
+def check_metrics_address(address: str) -> str:
+    """``address`` (an IPv4 or IPv6 literal, or a host name) stripped; ``ConfigError`` for anything else, so a typo
+    fails at start instead of binding somewhere unexpected."""
+    value = address.strip()
+    try:
+        ipaddress.ip_address(value)
+        return value
+    except ValueError:
+        pass
+    if _HOST_NAME.fullmatch(value):
+        return value
+    raise ConfigError(f"metrics address {address!r} is not an IP address or host name")
+
+
+def add_metrics_address_argument(parser: Any) -> None:
+    """The ``--metrics-address`` flag every service has (env ``GPUMETER_METRICS_ADDRESS``)."""
+    parser.add_argument("--metrics-address", dest="metrics_address",
+                        help=f"address the /metrics and /healthz server listens on (env {METRICS_ADDRESS_ENV}, "
+                             f"default {DEFAULT_METRICS_ADDRESS}: every interface)")
 
 
 def env_snapshot() -> dict[str, str]:

@@ -96,7 +96,7 @@ async def serve(settings: BillingSettings, *, stop: asyncio.Event | None = None,
         # Liveness: a beat per fetch and per retry pause; the longest pause must not read as a stuck loop.
         metrics = ServiceMetrics(SERVICE_NAME, BILLING_METRICS, clock=clock, max_silence_seconds=max(
             DEFAULT_MAX_SILENCE_SECONDS, 2 * settings.ledger_retry_max_seconds))
-        metrics.serve(settings.metrics_port)
+        metrics.serve(settings.metrics_port, settings.metrics_address)
         producer = RecordProducer(settings.kafka)
         await producer.start()
         processor = BillingProcessor(

@@ -20,7 +20,14 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
 from gpumeter.errors import ConfigError
-from gpumeter.settings import KafkaSettings, mask_url_userinfo
+from gpumeter.settings import (
+    DEFAULT_METRICS_ADDRESS,
+    METRICS_ADDRESS_ENV,
+    KafkaSettings,
+    add_metrics_address_argument,
+    check_metrics_address,
+    mask_url_userinfo,
+)
 from gpumeter.validation import DEFAULT_DOWNSTREAM_MAX_CLOCK_SKEW_SECONDS
 from services.billing.catalog import PriceCatalog, PriceError, parse_spot_discounts
 from services.billing.ledger import DEFAULT_LEDGER_URL, LEDGER_URL_ENV
@@ -80,6 +87,7 @@ class BillingSettings:
     auto_offset_reset: str = "earliest"
     topic_partitions: int | None = None
     metrics_port: int = DEFAULT_METRICS_PORT
+    metrics_address: str = DEFAULT_METRICS_ADDRESS
     window_expiry_seconds: float = DEFAULT_WINDOW_EXPIRY_SECONDS
     finished_window_memory_seconds: float = DEFAULT_FINISHED_WINDOW_MEMORY_SECONDS
     ledger_retry_initial_seconds: float = 0.5
@@ -102,6 +110,7 @@ class BillingSettings:
             raise ConfigError("topic partitions must be >= 1")
         if not (0 <= self.metrics_port <= 65535):
             raise ConfigError(f"metrics port {self.metrics_port} is not a TCP port (0 disables)")
+        object.__setattr__(self, "metrics_address", check_metrics_address(self.metrics_address))
         if self.window_expiry_seconds <= 0:
             raise ConfigError("the incomplete-window expiry must be > 0 seconds")
         if self.finished_window_memory_seconds < 0:
@@ -156,6 +165,7 @@ _ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "auto_offset_reset": ("GPUMETER_BILLING_AUTO_OFFSET_RESET", str),
     "topic_partitions": ("GPUMETER_TOPIC_PARTITIONS", int),
     "metrics_port": ("GPUMETER_METRICS_PORT", int),
+    "metrics_address": (METRICS_ADDRESS_ENV, str),
     "window_expiry_seconds": ("GPUMETER_BILLING_WINDOW_EXPIRY_SECONDS", float),
     "finished_window_memory_seconds": ("GPUMETER_BILLING_FINISHED_WINDOW_MEMORY_SECONDS", float),
     "ledger_retry_initial_seconds": ("GPUMETER_BILLING_LEDGER_RETRY_INITIAL_SECONDS", float),
@@ -169,7 +179,8 @@ _ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
 
 # Flags that set a field directly (attribute name == field name).
 _FLAG_FIELDS = ("ledger_url", "consumer_group", "auto_offset_reset", "topic_partitions", "metrics_port",
-                "window_expiry_seconds", "team_label", "max_clock_skew_seconds", "duration_seconds", "log_level")
+                "metrics_address", "window_expiry_seconds", "team_label", "max_clock_skew_seconds", "duration_seconds",
+                "log_level")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -202,6 +213,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"default {DEFAULT_DOWNSTREAM_MAX_CLOCK_SKEW_SECONDS})")
     parser.add_argument("--metrics-port", type=int,
                         help=f"Prometheus /metrics port, 0 disables (default {DEFAULT_METRICS_PORT})")
+    add_metrics_address_argument(parser)
     parser.add_argument("--duration", dest="duration_seconds", type=float, help="stop after this many seconds")
     parser.add_argument("--log-level", help="DEBUG | INFO | WARNING | ERROR")
 

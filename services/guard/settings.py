@@ -16,7 +16,15 @@ from typing import Any, Callable, Mapping
 from urllib.parse import urlsplit, urlunsplit
 
 from gpumeter.errors import ConfigError
-from gpumeter.settings import SECRET_MARK, KafkaSettings, mask_url_userinfo
+from gpumeter.settings import (
+    DEFAULT_METRICS_ADDRESS,
+    METRICS_ADDRESS_ENV,
+    SECRET_MARK,
+    KafkaSettings,
+    add_metrics_address_argument,
+    check_metrics_address,
+    mask_url_userinfo,
+)
 from gpumeter.validation import DEFAULT_DOWNSTREAM_MAX_CLOCK_SKEW_SECONDS as DEFAULT_MAX_CLOCK_SKEW_SECONDS
 from gpumeter.validation import DEFAULT_MAX_SAMPLE_AGE_SECONDS
 
@@ -101,6 +109,7 @@ class GuardSettings:
     max_clock_skew_seconds: int = DEFAULT_MAX_CLOCK_SKEW_SECONDS
     max_sample_age_seconds: int = DEFAULT_MAX_SAMPLE_AGE_SECONDS
     metrics_port: int = DEFAULT_METRICS_PORT
+    metrics_address: str = DEFAULT_METRICS_ADDRESS
     retry_initial_seconds: float = 0.5
     retry_max_seconds: float = 30.0
     max_poll_records: int = 2000
@@ -133,6 +142,7 @@ class GuardSettings:
             raise ConfigError("the maximum sample age must be > 0 seconds")
         if not (0 <= self.metrics_port <= 65535):
             raise ConfigError(f"metrics port {self.metrics_port} is not a TCP port (0 disables)")
+        object.__setattr__(self, "metrics_address", check_metrics_address(self.metrics_address))
         if not (0 < self.retry_initial_seconds <= self.retry_max_seconds):
             raise ConfigError("retry backoff needs 0 < initial <= max seconds")
         if self.max_poll_records < 1:
@@ -183,6 +193,7 @@ _ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "max_clock_skew_seconds": ("GPUMETER_MAX_CLOCK_SKEW_SECONDS", int),
     "max_sample_age_seconds": ("GPUMETER_MAX_SAMPLE_AGE_SECONDS", int),
     "metrics_port": ("GPUMETER_METRICS_PORT", int),
+    "metrics_address": (METRICS_ADDRESS_ENV, str),
     "retry_initial_seconds": ("GPUMETER_GUARD_RETRY_INITIAL_SECONDS", float),
     "retry_max_seconds": ("GPUMETER_GUARD_RETRY_MAX_SECONDS", float),
     "max_poll_records": ("GPUMETER_GUARD_MAX_POLL_RECORDS", int),
@@ -193,7 +204,7 @@ _ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
 _FLAG_FIELDS = ("config_path", "consumer_group", "auto_offset_reset", "topic_partitions", "state_path",
                 "snapshot_interval_seconds", "alertmanager_url", "alertmanager_resend_seconds",
                 "alertmanager_timeout_seconds", "external_url", "clock_interval_seconds", "max_clock_skew_seconds",
-                "max_sample_age_seconds", "metrics_port",
+                "max_sample_age_seconds", "metrics_port", "metrics_address",
                 "duration_seconds", "log_level")
 
 
@@ -231,6 +242,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(env GPUMETER_MAX_SAMPLE_AGE_SECONDS, default {DEFAULT_MAX_SAMPLE_AGE_SECONDS})")
     parser.add_argument("--metrics-port", type=int,
                         help=f"Prometheus /metrics port, 0 disables (default {DEFAULT_METRICS_PORT})")
+    add_metrics_address_argument(parser)
     parser.add_argument("--duration", dest="duration_seconds", type=float, help="stop after this many seconds")
     parser.add_argument("--log-level", help="DEBUG | INFO | WARNING | ERROR")
 
