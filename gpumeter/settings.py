@@ -1,7 +1,8 @@
 """Settings shared by every service, read once at an entrypoint into frozen objects and passed down.
 
 Sources, later wins: defaults, ``GPUMETER_*`` environment variables, command-line flags. Secrets are kept out of
-``repr`` and ``describe()`` (what services print at start).
+``repr`` and ``describe()`` (what services print at start); URLs are shown through ``gpumeter.redact.mask_url``, the
+one masker.
 """
 
 from __future__ import annotations
@@ -13,18 +14,9 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Mapping
 
 from gpumeter.errors import ConfigError
+from gpumeter.redact import SECRET_MARK
 from schemas.catalog import TopicCatalog
 
-SECRET_MARK = "***"
-# The password of ``scheme://user:password@host...``: up to the authority's last "@" (an unencoded "@" in a password
-# must not leave its tail visible).
-_URL_PASSWORD = re.compile(r"(?P<prefix>://[^/:@]*:)[^/]*@")
-
-
-def mask_url_userinfo(url: str) -> str:
-    """``url`` with the password of a ``user:password@`` part shown as ``***``, by its text alone: for strings that
-    do not parse as URLs (a bad port, a typo), which must still never show a password. Never raises."""
-    return _URL_PASSWORD.sub(lambda m: f"{m.group('prefix')}{SECRET_MARK}@", url)
 
 
 @dataclass(frozen=True)

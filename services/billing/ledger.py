@@ -58,6 +58,7 @@ from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
 from sqlalchemy.pool import StaticPool
 
 from gpumeter.errors import ConfigError, GpumeterError
+from gpumeter.redact import mask_secrets, mask_url
 from schemas.records import CostRecord, CostSubjectKind
 from services.billing.costing import NodeBill, NodeWindowKey
 
@@ -284,22 +285,24 @@ def _alembic_config(connection: Connection):
     return config
 
 
-def _shown_url(url: str) -> str:
-    """``url`` as it may be shown in errors and logs: its password masked; one that does not parse not at all (the
-    password could be anywhere in it)."""
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except (ArgumentError, ValueError):
-        return "<a URL that does not parse>"
-
-
 class Ledger:
     """A cost ledger at ``url`` (``sqlite:///path`` or ``postgresql+psycopg://...``). See the module docstring."""
 
     def __init__(self, url: str = DEFAULT_LEDGER_URL) -> None:
         self.url = normalize_url(url)
+        shown = mask_url(url)
         try:
             parsed = make_url(self.url)
+        except (ArgumentError, ValueError):
+            # Not the library's message: it quotes the piece it could not read (a port), which may be a password's.
+            raise LedgerError(f"cannot open ledger {shown!r}: the URL does not parse (a port that is not a number, "
+                              "or an unencoded '@', ':' or '/' in the user name or password: percent-encode them)"
+                              ) from None
+        if parsed.host is not None and "@" in parsed.host:
+            # SQLAlchemy ends the password at its first "@": the rest of it would be sent out as the host name.
+            raise LedgerError(f"cannot open ledger {shown!r}: an '@' after the user info (percent-encode '@' in a "
+                              "user name or password as %40)")
+        try:
             backend = parsed.get_backend_name()
             if backend not in ("sqlite", "postgresql"):
                 raise LedgerError(f"ledger dialect {backend!r} is not supported (sqlite or postgresql)")
@@ -311,7 +314,7 @@ class Ledger:
             else:
                 self.engine = create_engine(self.url, pool_pre_ping=True)
         except (ArgumentError, NoSuchModuleError, ValueError) as exc:
-            raise LedgerError(f"cannot open ledger {_shown_url(url)!r}: {exc}") from exc
+            raise LedgerError(f"cannot open ledger {shown!r}: {mask_secrets(str(exc))}") from exc
         self.dialect = self.engine.dialect.name
         if self.dialect == "sqlite":
             event.listen(self.engine, "connect", lambda dbapi, _record: _sqlite_pragmas(dbapi, in_memory))
@@ -322,7 +325,7 @@ class Ledger:
         return cls(env.get(LEDGER_URL_ENV) or DEFAULT_LEDGER_URL)
 
     def __repr__(self) -> str:
-        return f"Ledger({make_url(self.url).render_as_string(hide_password=True)!r})"
+        return f"Ledger({mask_url(self.url)!r})"
 
     def close(self) -> None:
         self.engine.dispose()

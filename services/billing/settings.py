@@ -16,8 +16,6 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError
 
 from gpumeter.errors import ConfigError
 from gpumeter.settings import (
@@ -26,8 +24,8 @@ from gpumeter.settings import (
     KafkaSettings,
     add_metrics_address_argument,
     check_metrics_address,
-    mask_url_userinfo,
 )
+from gpumeter.redact import mask_url
 from gpumeter.validation import DEFAULT_DOWNSTREAM_MAX_CLOCK_SKEW_SECONDS
 from services.billing.catalog import PriceCatalog, PriceError, parse_spot_discounts
 from services.billing.ledger import DEFAULT_LEDGER_URL, LEDGER_URL_ENV
@@ -48,18 +46,6 @@ _PRICE_ENV_FLAGS = {
     "GPUMETER_BILLING_GPU_FRACTION": "gpu_fraction",
     "GPUMETER_BILLING_SPLIT_WEIGHTS": "split_weights",
 }
-
-
-def mask_url_password(url: str) -> str:
-    """``url`` with its password (if any) shown as ``***``; a string that does not parse as a URL comes back with
-    any ``user:password@`` password masked by its text (``gpumeter.settings.mask_url_userinfo``)."""
-    try:
-        parsed = make_url(url)
-    except (ArgumentError, ValueError):
-        return mask_url_userinfo(url)
-    if parsed.password is None:
-        return url
-    return parsed.render_as_string(hide_password=True)
 
 
 @dataclass(frozen=True)
@@ -147,7 +133,7 @@ class BillingSettings:
             if f.name == "kafka":
                 value = value.describe()
             elif f.name == "ledger_url":
-                value = mask_url_password(value)
+                value = mask_url(value)
             elif f.name == "split_policy":
                 value = {k.name: str(getattr(value, k.name)) for k in fields(value)}
             elif f.name == "spot_discounts":

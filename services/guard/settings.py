@@ -13,18 +13,17 @@ import argparse
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from gpumeter.errors import ConfigError
 from gpumeter.settings import (
     DEFAULT_METRICS_ADDRESS,
     METRICS_ADDRESS_ENV,
-    SECRET_MARK,
     KafkaSettings,
     add_metrics_address_argument,
     check_metrics_address,
-    mask_url_userinfo,
 )
+from gpumeter.redact import mask_url
 from gpumeter.validation import DEFAULT_DOWNSTREAM_MAX_CLOCK_SKEW_SECONDS as DEFAULT_MAX_CLOCK_SKEW_SECONDS
 from gpumeter.validation import DEFAULT_MAX_SAMPLE_AGE_SECONDS
 
@@ -43,27 +42,23 @@ STATE_PATH_ENV = "GPUMETER_GUARD_STATE_PATH"
 ALERTMANAGER_URL_ENV = "GPUMETER_GUARD_ALERTMANAGER_URL"
 
 
-def mask_url_credentials(url: str) -> str:
-    """``url`` with its password (if any) shown as ``***``. Never raises: a URL that does not parse (a bad port)
-    is masked by its text (``gpumeter.settings.mask_url_userinfo``)."""
+def _check_alertmanager_url(url: str) -> str:
+    """``url`` without a trailing "/"; ``ConfigError`` (showing it masked) unless urllib -- the parser aiohttp's
+    yarl follows -- reads an http(s) URL with a host, a numeric port if any, and no query or fragment. A password
+    holding an unencoded "/", "?" or "#" ends the authority early (``http://am:AM/x@host`` names host ``am``, port
+    ``AM``): refused here, not sent to the wrong host."""
+    shown = mask_url(url)
     try:
         parts = urlsplit(url)
-        if parts.password is None:
-            return url
-        host = parts.hostname or ""
-        if parts.port is not None:
-            host = f"{host}:{parts.port}"
+        parts.port  # raises ValueError for a port that is not a number
     except ValueError:
-        return mask_url_userinfo(url)
-    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:{SECRET_MARK}@{host}"))
-
-
-def _check_alertmanager_url(url: str) -> str:
-    parts = urlsplit(url)
+        # Not the library's message: it quotes what it could not read as a port, which may be a password's tail.
+        raise ConfigError(f"Alertmanager URL {shown!r} does not parse (a port that is not a number?); "
+                          "percent-encode '@', '/', '?' and '#' in a user name or password") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(f"Alertmanager URL {mask_url_credentials(url)!r} is not an http(s) URL with a host")
+        raise ConfigError(f"Alertmanager URL {shown!r} is not an http(s) URL with a host")
     if parts.query or parts.fragment:
-        raise ConfigError("the Alertmanager URL is the server's base URL: no query or fragment")
+        raise ConfigError(f"Alertmanager URL {shown!r}: the server's base URL has no query or fragment")
     return url.rstrip("/")
 
 
@@ -167,7 +162,7 @@ class GuardSettings:
             if f.name == "kafka":
                 value = value.describe()
             elif f.name == "alertmanager_url" and value is not None:
-                value = mask_url_credentials(value)
+                value = mask_url(value)
             elif isinstance(value, Path):
                 value = str(value)
             view[f.name] = value

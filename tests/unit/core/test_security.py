@@ -27,7 +27,6 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaConnectionError
-from sqlalchemy.engine import make_url
 
 from gpumeter import cli
 from gpumeter.settings import SECRET_MARK, KafkaSettings
@@ -342,8 +341,7 @@ def test_billing_prints_and_logs_without_the_sasl_or_ledger_password(monkeypatch
     out, err = capsys.readouterr()
     dump = config_dump(out, "gpumeter billing ")
     assert dump["kafka"]["sasl_password"] == SECRET_MARK
-    assert dump["ledger_url"] == make_url(LEDGER_URL).render_as_string(hide_password=True)
-    assert ":***@" in dump["ledger_url"]
+    assert dump["ledger_url"] == "postgresql+psycopg://billing:***@/ledger?host=/nonexistent-gpumeter-socket-dir"
     logs = logged(debug_logs)
     assert "ledger unavailable" in logs  # the retries ran and were logged
     settings = billing_settings(args, env)
