@@ -11,7 +11,10 @@ Contract:
   independent queries; the report says "reconciled" only when they are equal to the micro-dollar, and states
   the difference otherwise (and ``gpumeter report`` exits 1).
 * ``format_report(report, fmt)`` renders ``table`` (people), ``csv`` or ``json`` (machines). Money is shown in USD
-  with six decimals and, in csv/json, also as exact integer micro-dollars. Pure.
+  with six decimals and, in csv/json, also as exact integer micro-dollars. Pure. Group names are text others
+  chose: in csv a cell starting with ``=``, ``+``, ``-``, ``@``, a tab or a carriage return gets a leading ``'``
+  (OWASP's rule against formula injection) and control characters are escaped, in the table control characters
+  are escaped (``gpumeter.safetext``).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any, Mapping, Sequence
 
 from gpumeter.clock import Clock, SystemClock
 from gpumeter.errors import ConfigError, GpumeterError
+from gpumeter.safetext import csv_cell, escape_control
 from schemas.records import CostSubjectKind
 from services.billing.costing import iso_utc
 from services.billing.ledger import DEFAULT_LEDGER_URL, LEDGER_URL_ENV, CostGroupRow, Grouping, Ledger
@@ -161,7 +165,7 @@ def _format_table(report: Report) -> str:
     header = ("kind", report.grouping.describe(), "cost_usd", "share", "lines")
     total = report.total_micro_usd
     body = [
-        (line.kind, line.group if line.group is not None else "-", usd_text(line.cost_micro_usd),
+        (line.kind, escape_control(line.group) if line.group is not None else "-", usd_text(line.cost_micro_usd),
          _share_text(line.cost_micro_usd, total), str(line.cost_lines))
         for line in report.lines
     ]
@@ -184,7 +188,8 @@ def _format_csv(report: Report) -> str:
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow(["kind", "group", "cost_usd", "cost_micro_usd", "cost_lines"])
     for line in report.lines:
-        writer.writerow([line.kind, line.group or "", usd_text(line.cost_micro_usd), line.cost_micro_usd,
+        # The group is a namespace, label value, node or GPU someone else chose: never a formula.
+        writer.writerow([line.kind, csv_cell(line.group or ""), usd_text(line.cost_micro_usd), line.cost_micro_usd,
                          line.cost_lines])
     rec = report.reconciliation
     writer.writerow(["total", "", usd_text(report.total_micro_usd), report.total_micro_usd,
