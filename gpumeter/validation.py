@@ -297,7 +297,16 @@ def check_sample(sample: NodeSample, now_unix_ms: int, max_clock_skew_ms: int,
                                sm_percent)
 
 
+_VALID_SAMPLE_NAMES: set[tuple] = set()
+_VALID_SAMPLE_NAMES_MAX = 4096
+
+
 def _check_sample_names(sample: NodeSample) -> None:
+    # A node's names change rarely between its ticks: one set lookup for the common case keeps the hot path cheap.
+    key = (sample.cluster, sample.node_name, tuple(sample.pod_uids), tuple(sample.container_ids),
+           tuple([(dev.uuid, dev.parent_uuid) for dev in sample.devices]))
+    if key in _VALID_SAMPLE_NAMES:
+        return
     where = f"tick {sample.collector_started_at_unix_ms}/{sample.sequence}"
     _check_name(where, "cluster", sample.cluster, "id")
     _check_name(where, "node name", sample.node_name, "subdomain")
@@ -308,6 +317,9 @@ def _check_sample_names(sample: NodeSample) -> None:
     for dev in sample.devices:
         _check_name(where, "device uuid", dev.uuid, "id")
         _check_name(where, "device parent uuid", dev.parent_uuid, "id")
+    if len(_VALID_SAMPLE_NAMES) >= _VALID_SAMPLE_NAMES_MAX:
+        _VALID_SAMPLE_NAMES.clear()
+    _VALID_SAMPLE_NAMES.add(key)
 
 
 def _sample_where(sample: NodeSample) -> str:
