@@ -66,7 +66,7 @@ from schemas.records import CostRecord, CostSubjectKind, GpuShare, ShareSubjectK
 from schemas.typed import codec_for
 from services.billing.catalog import PriceCatalog, PriceError
 from services.billing.costing import NodeWindowAssembler, NodeWindowCost, NodeWindowKey, bill_node_window
-from services.billing.ledger import LedgerError, WriteResult
+from services.billing.ledger import LedgerError, LedgerUnusable, WriteResult
 from services.billing.metric_series import SeriesBook
 from services.billing.pricing import SplitPolicy
 
@@ -377,7 +377,10 @@ class WindowBook:
 
 
 def is_transient_ledger_error(error: LedgerError) -> bool:
-    """True when the database could not be reached or the connection broke (retry); False for anything else."""
+    """True when the database could not be reached or the connection broke, or a SQLite file cannot be used safely
+    for now (retry); False for anything else."""
+    if isinstance(error, LedgerUnusable):
+        return error.retry
     cause = error.__cause__
     if isinstance(cause, (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.DisconnectionError,
                           sa_exc.TimeoutError)):
