@@ -60,8 +60,9 @@ def load_config(settings: GuardSettings, env: Mapping[str, str]) -> Any:
 
 def restore_engine(config: Any, store: GuardStateStore | None, clock: Clock) -> tuple[Any, GuardState | None]:
     """A ``GuardEngine`` from the state file when there is a usable one (and that state), else a fresh engine.
-    A file that cannot be read back or restored is moved aside and the guard starts fresh (logged as an error:
-    firing violations the old state held are re-derived only if their condition still holds)."""
+    A file that cannot be read back or restored is moved aside and the guard starts without state (logged as an
+    error); the service then rebuilds from the violations topic before it raises anything
+    (``GuardService``)."""
     from services.guard.engine import GuardEngine
 
     if store is None:
