@@ -17,8 +17,8 @@ would take for a secret, so that a secret one library reads differently from ano
   secret-named keys are masked.
 
 ``mask_secrets(text)`` applies ``mask_url`` to every URL inside free text and masks ``password=...``-style pairs;
-every service's log handlers (``gpumeter.safetext.SafeTextFilter``) run every log line through it, behind the masking each
-message already does at its source.
+every service's log handlers (``gpumeter.safetext.SafeTextFilter``) run every log line through it, behind the
+masking each message already does at its source.
 """
 
 from __future__ import annotations

@@ -115,7 +115,8 @@ class KafkaSettings:
 METRICS_ADDRESS_ENV = "GPUMETER_METRICS_ADDRESS"
 DEFAULT_METRICS_ADDRESS = "0.0.0.0"
 LOOPBACK_METRICS_ADDRESS = "127.0.0.1"
-_HOST_NAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
+_HOST_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_HOST_NAME = re.compile(rf"(?=.{{1,253}}$){_HOST_LABEL}(\.{_HOST_LABEL})*")
 
 
 def check_metrics_address(address: str) -> str:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import csv
 import dataclasses
 import io
-import json
 import logging
 import subprocess
 import sys
