@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from gpumeter.errors import ConfigError
+from gpumeter.redact import mask_url
 from gpumeter.settings import (
     DEFAULT_METRICS_ADDRESS,
     METRICS_ADDRESS_ENV,
@@ -57,6 +58,7 @@ class CollectorSettings:
 
     def describe(self) -> dict[str, Any]:
         view = {k: (str(v) if isinstance(v, Path) else v) for k, v in self.__dict__.items() if k != "kafka"}
+        view["kube_api"] = mask_url(self.kube_api)  # an API server URL may carry credentials
         view["kafka"] = self.kafka.describe()
         return view
 

@@ -161,7 +161,7 @@ class GuardSettings:
             value = getattr(self, f.name)
             if f.name == "kafka":
                 value = value.describe()
-            elif f.name == "alertmanager_url" and value is not None:
+            elif f.name in ("alertmanager_url", "external_url") and value is not None:
                 value = mask_url(value)
             elif isinstance(value, Path):
                 value = str(value)

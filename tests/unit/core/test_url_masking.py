@@ -198,3 +198,18 @@ def test_urls_the_client_libraries_would_misread_are_refused_with_the_url_masked
         with pytest.raises(ConfigError, match="percent-encode") as refused:
             GuardSettings(alertmanager_url=url)
         assert secret not in str(refused.value) and "am:***@" in str(refused.value)
+
+
+def test_other_urls_in_settings_printouts_are_masked_too(capsys):
+    """The collector's API server URL and the guard's external URL go through the same masker."""
+    from services.collector.settings import collector_settings
+    from services.guard.settings import guard_settings
+
+    secret = _secret()
+    collector = collector_settings(cli.build_parser("collector").parse_args(
+        ["collector", "--node", "n1", "--kube-api", f"https://admin:{secret}@10.0.0.1:6443"]), {})
+    guard = guard_settings(cli.build_parser("guard").parse_args(
+        ["guard", "--external-url", f"https://ops:AB@{secret}@grafana.example/d/x"]), {})
+    assert collector.describe()["kube_api"] == "https://admin:***@10.0.0.1:6443"
+    assert guard.describe()["external_url"] == "https://ops:***@grafana.example/d/x"
+    assert secret not in repr(collector.describe()) + repr(guard.describe())
