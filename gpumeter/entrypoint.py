@@ -4,6 +4,7 @@ printed once at start, and the ways a running service is asked to stop."""
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import json
 import logging
 import signal
@@ -17,9 +18,14 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 def start_logging(service: str, log_level: str, description: Mapping[str, Any]) -> None:
     """Configure the root logger at ``log_level`` and print ``gpumeter <service> {settings}`` (secrets already
     masked by the settings' ``describe()``) as the first line of output. Repeated messages are rate-limited
-    (``gpumeter.logflood``)."""
+    (``gpumeter.logflood``), control characters escaped and secrets masked (``gpumeter.safetext``), and a fatal
+    signal dumps the Python stack to stderr (``faulthandler``)."""
     logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
     guard_root_handlers()
+    # A fatal signal (SIGSEGV, SIGBUS, SIGFPE, SIGABRT, SIGILL) still leaves a line and the Python stack on stderr
+    # (a SQLite mapping that lost its file dies of SIGBUS inside C, past every exception handler).
+    if not faulthandler.is_enabled():
+        faulthandler.enable()
     print(f"gpumeter {service} " + json.dumps(description, sort_keys=True), flush=True)
 
 

@@ -60,6 +60,13 @@ class OutOfRange(InvalidMessage):
     reason_code = "OUT_OF_RANGE"
 
 
+class InvalidName(InvalidMessage):
+    """A name, namespace, label, resource name or id whose syntax Kubernetes (or NVML) never produces: forged or
+    broken input, refused before it reaches a ledger, a report, a log line or an alert."""
+
+    reason_code = "INVALID_NAME"
+
+
 class LateMessage(InvalidMessage):
     """A record for a window that has already been closed and emitted."""
 

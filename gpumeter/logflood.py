@@ -65,10 +65,16 @@ class RepeatedMessageFilter(logging.Filter):
 
 
 def guard_root_handlers(burst: int = DEFAULT_BURST, window_seconds: float = DEFAULT_WINDOW_SECONDS) -> None:
-    """Give every handler of the root logger its own ``RepeatedMessageFilter`` (once; calling again is a no-op)."""
+    """Give every handler of the root logger its own ``RepeatedMessageFilter`` and, after it (it needs the message
+    template), a ``gpumeter.safetext.SafeTextFilter``: no flood, no secret, no control character in any service's
+    log output. Once; calling again is a no-op."""
+    from gpumeter.safetext import SafeTextFilter
+
     for handler in logging.getLogger().handlers:
         if not any(isinstance(f, RepeatedMessageFilter) for f in handler.filters):
             handler.addFilter(RepeatedMessageFilter(burst, window_seconds))
+        if not any(isinstance(f, SafeTextFilter) for f in handler.filters):
+            handler.addFilter(SafeTextFilter())
 
 
 __all__ = ["RepeatedMessageFilter", "guard_root_handlers"]

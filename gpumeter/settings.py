@@ -1,31 +1,24 @@
 """Settings shared by every service, read once at an entrypoint into frozen objects and passed down.
 
 Sources, later wins: defaults, ``GPUMETER_*`` environment variables, command-line flags. Secrets are kept out of
-``repr`` and ``describe()`` (what services print at start).
+``repr`` and ``describe()`` (what services print at start); URLs are shown through ``gpumeter.redact.mask_url``, the
+one masker.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Mapping
 
 from gpumeter.errors import ConfigError
+from gpumeter.redact import SECRET_MARK
 from schemas.catalog import TopicCatalog
 
-SECRET_MARK = "***"
 DEFAULT_MAX_REQUEST_SIZE_BYTES = 1_048_576
 """aiokafka's default ``max_request_size``, and the broker's default ``message.max.bytes`` less its 12-byte slack."""
-# The password of ``scheme://user:password@host...``: up to the authority's last "@" (an unencoded "@" in a password
-# must not leave its tail visible).
-_URL_PASSWORD = re.compile(r"(?P<prefix>://[^/:@]*:)[^/]*@")
-
-
-def mask_url_userinfo(url: str) -> str:
-    """``url`` with the password of a ``user:password@`` part shown as ``***``, by its text alone: for strings that
-    do not parse as URLs (a bad port, a typo), which must still never show a password. Never raises."""
-    return _URL_PASSWORD.sub(lambda m: f"{m.group('prefix')}{SECRET_MARK}@", url)
 
 
 @dataclass(frozen=True)
@@ -125,6 +118,36 @@ class KafkaSettings:
         if view.get("sasl_password"):
             view["sasl_password"] = SECRET_MARK
         return view
+
+
+# Where every service's /metrics and /healthz server listens: all interfaces by default (a pod's IP is where
+# Prometheus scrapes it); ``gpumeter run`` passes the loopback address, its processes share one machine.
+METRICS_ADDRESS_ENV = "GPUMETER_METRICS_ADDRESS"
+DEFAULT_METRICS_ADDRESS = "0.0.0.0"
+LOOPBACK_METRICS_ADDRESS = "127.0.0.1"
+_HOST_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_HOST_NAME = re.compile(rf"(?=.{{1,253}}$){_HOST_LABEL}(\.{_HOST_LABEL})*")
+
+
+def check_metrics_address(address: str) -> str:
+    """``address`` (an IPv4 or IPv6 literal, or a host name) stripped; ``ConfigError`` for anything else, so a typo
+    fails at start instead of binding somewhere unexpected."""
+    value = address.strip()
+    try:
+        ipaddress.ip_address(value)
+        return value
+    except ValueError:
+        pass
+    if _HOST_NAME.fullmatch(value):
+        return value
+    raise ConfigError(f"metrics address {address!r} is not an IP address or host name")
+
+
+def add_metrics_address_argument(parser: Any) -> None:
+    """The ``--metrics-address`` flag every service has (env ``GPUMETER_METRICS_ADDRESS``)."""
+    parser.add_argument("--metrics-address", dest="metrics_address",
+                        help=f"address the /metrics and /healthz server listens on (env {METRICS_ADDRESS_ENV}, "
+                             f"default {DEFAULT_METRICS_ADDRESS}: every interface)")
 
 
 def env_snapshot() -> dict[str, str]:

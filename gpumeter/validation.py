@@ -4,6 +4,26 @@ Each ``check_*`` function returns None for a possible record and raises ``OutOfR
 naming the first impossible value otherwise; the caller's ``DeadLetterGuard`` turns that into a ``DeadLetter``.
 They are pure: the time to judge timestamps against comes in as ``now_unix_ms``.
 
+Names first: every name, namespace, label, resource name and id a record carries must have the syntax Kubernetes
+itself enforces (or, for ids Kubernetes does not define, letters, digits and ``-._:/``), else ``InvalidName``
+(reason ``INVALID_NAME``). The API server refuses anything else, so such a record is forged or broken; refused
+here, its text never reaches the ledger, a report, a log line or an Alertmanager label (a namespace ``=cmd()``
+would be a spreadsheet formula, a pod name with a newline a forged log line, ANSI or HTML a label that rewrites
+someone's screen). The rules (``check_names`` of ``PodEvent``; the same for the names in samples, shares and cost
+lines):
+
+* pod name, node name, workload name, the prefix of a qualified name: DNS-1123 subdomain (lower-case letters,
+  digits, ``-`` and ``.``, at most 253, each dot-separated part at most 63, alphanumeric at both ends);
+* namespace, container name: DNS-1123 label (the same without dots, at most 63);
+* label keys, annotation keys, resource names (``nvidia.com/gpu``): qualified names (an optional subdomain prefix
+  and ``/``, then at most 63 of letters, digits, ``-``, ``_``, ``.``, alphanumeric at both ends);
+* label values: empty, or at most 63 with the name part's syntax;
+* uids, GPU and MIG uuids, container ids, device-plugin ids, the cluster name: ids as above, at most 253;
+  resource versions the same or empty; a phase letters only; a workload kind a letter then letters and digits.
+
+Annotation values and ``NVIDIA_VISIBLE_DEVICES`` values are free text in Kubernetes too and are not refused: where
+they are shown, ``gpumeter.safetext`` escapes them.
+
 Who calls what (the decode/validate step of each service):
 
 * attributor: ``check_sample`` (inside ``AttributionEngine.on_sample``, so ``gpumeter replay`` judges alike) and
@@ -30,9 +50,11 @@ utilization (None), a process of no known pod or container (index -1), unknown p
 from __future__ import annotations
 
 import math
-from typing import Iterable
+import re
+from functools import lru_cache
+from typing import Iterable, Mapping
 
-from gpumeter.errors import OutOfRange
+from gpumeter.errors import InvalidName, OutOfRange
 from schemas.records import CostRecord, CostSubjectKind, GpuDeviceSample, GpuShare, NodeSample, PodEvent
 
 EARLIEST_UNIX_MS = 946_684_800_000  # 2000-01-01T00:00:00Z
@@ -53,10 +75,117 @@ __all__ = [
     "EARLIEST_UNIX_MS",
     "SHARE_TOLERANCE",
     "check_cost",
+    "check_names",
     "check_pod_event",
     "check_sample",
     "check_share",
 ]
+
+
+# -- names ------------------------------------------------------------------------------------------------------
+
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_NAME_PART = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")
+_IDENTIFIER = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.:/]*[A-Za-z0-9])?")
+_PHASE = re.compile(r"[A-Za-z]*")
+_KIND = re.compile(r"[A-Za-z][A-Za-z0-9]*")
+
+
+def _dns_subdomain(value: str) -> bool:
+    return (0 < len(value) <= 253 and _DNS_SUBDOMAIN.fullmatch(value) is not None
+            and all(len(part) <= 63 for part in value.split(".")))
+
+
+def _qualified_name(value: str) -> bool:
+    prefix, slash, name = value.rpartition("/")
+    if slash and not _dns_subdomain(prefix):
+        return False
+    return 0 < len(name) <= 63 and _NAME_PART.fullmatch(name) is not None
+
+
+# kind -> (rule, what the error says it must be)
+_SYNTAX = {
+    "subdomain": (_dns_subdomain, "a DNS-1123 subdomain (lower-case letters, digits, '-', '.'; at most 253)"),
+    "label": (lambda v: 0 < len(v) <= 63 and _DNS_LABEL.fullmatch(v) is not None,
+              "a DNS-1123 label (lower-case letters, digits, '-'; at most 63)"),
+    "qualified": (_qualified_name, "a qualified name ([subdomain/]name; letters, digits, '-', '_', '.'; at most 63)"),
+    "label_value": (lambda v: len(v) <= 63 and (v == "" or _NAME_PART.fullmatch(v) is not None),
+                    "a label value (empty, or letters, digits, '-', '_', '.'; at most 63)"),
+    "id": (lambda v: 0 < len(v) <= 253 and _IDENTIFIER.fullmatch(v) is not None,
+           "an id (letters, digits, '-', '_', '.', ':', '/'; at most 253)"),
+    "version": (lambda v: v == "" or (len(v) <= 253 and _IDENTIFIER.fullmatch(v) is not None),
+                "a resource version (letters, digits, '-', '_', '.', ':', '/'; at most 253)"),
+    "phase": (lambda v: len(v) <= 63 and _PHASE.fullmatch(v) is not None, "a phase (letters only)"),
+    "kind": (lambda v: 0 < len(v) <= 63 and _KIND.fullmatch(v) is not None, "a kind (a letter, then letters and "
+                                                                              "digits)"),
+}
+
+
+@lru_cache(maxsize=1 << 16)
+def _valid(kind: str, value: str) -> bool:
+    # Cached: the same names come in with every tick, share and event.
+    return _SYNTAX[kind][0](value)
+
+
+def shown(value: object, limit: int = 80) -> str:
+    """``value`` as an error message may quote it: ``repr`` (every control character escaped), cut at ``limit``."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 4] + "...'"
+
+
+def _check_name(where: str, field: str, value: str | None, kind: str) -> None:
+    if value is None:
+        return
+    if not isinstance(value, str) or not _valid(kind, value):
+        raise InvalidName(f"{where}: {field} {shown(value)} is not {_SYNTAX[kind][1]}")
+
+
+def _check_labels(where: str, field: str, labels: Mapping[str, str], *, values: bool = True) -> None:
+    for key, value in labels.items():
+        _check_name(where, f"{field} key", key, "qualified")
+        if values:
+            _check_name(where, f"{field} {key}", value, "label_value")
+
+
+def check_names(event: PodEvent) -> None:
+    """Raise ``InvalidName`` for the first name, label, resource name or id of ``event`` whose syntax the API server
+    would have refused (see the module docstring); the message quotes it escaped."""
+    where = f"pod event {shown(event.uid, 60)}"
+    _check_name(where, "uid", event.uid, "id")
+    _check_name(where, "cluster", event.cluster, "id")
+    _check_name(where, "node name", event.node_name, "subdomain")
+    _check_name(where, "namespace", event.namespace, "label")
+    _check_name(where, "name", event.name, "subdomain")
+    _check_name(where, "resource version", event.resource_version, "version")
+    _check_name(where, "phase", event.phase, "phase")
+    _check_name(where, "workload kind", event.workload_kind, "kind")
+    _check_name(where, "workload name", event.workload_name, "subdomain")
+    _check_labels(where, "label", event.labels)
+    _check_labels(where, "annotation", event.annotations, values=False)
+    for resource in event.gpu_requests:
+        _check_name(where, "requested resource", resource, "qualified")
+    for container in event.containers:
+        _check_name(where, "container name", container.name, "label")
+        _check_name(where, f"container {container.name} id", container.container_id, "id")
+        for resource in container.gpu_requests:
+            _check_name(where, f"container {container.name} requested resource", resource, "qualified")
+        for assignment in container.assigned_devices:
+            _check_name(where, f"container {container.name} assigned resource", assignment.resource_name,
+                        "qualified")
+            for device_id in assignment.device_ids:
+                _check_name(where, f"container {container.name} device id", device_id, "id")
+
+
+def _check_record_names(where: str, cluster: str, node_name: str, gpu_uuid: str | None, pod_uid: str | None,
+                        namespace: str | None, pod_name: str | None, labels: Mapping[str, str]) -> None:
+    _check_name(where, "cluster", cluster, "id")
+    _check_name(where, "node name", node_name, "subdomain")
+    _check_name(where, "gpu uuid", gpu_uuid, "id")
+    _check_name(where, "pod uid", pod_uid, "id")
+    _check_name(where, "namespace", namespace, "label")
+    _check_name(where, "pod name", pod_name, "subdomain")
+    _check_labels(where, "label", labels)
 
 
 def _check_time(where: str, name: str, value: int, now_unix_ms: int, max_clock_skew_ms: int) -> None:
@@ -103,8 +232,10 @@ def check_sample(sample: NodeSample, now_unix_ms: int, max_clock_skew_ms: int,
     replica, MIG slices outside [0, total]; per process: arrays of different lengths, the same pid twice on one
     device, a negative pid, a pod index outside [-1, pod count) (an unknown pod), memory below -1, SM
     utilization outside [-1, 100]. Container ids and indexes are carried for people, read by no consumer, and
-    not checked. The first impossible value in that order is the one named.
+    not checked. The first impossible value in that order is the one named. Before all that, ``InvalidName`` for
+    a cluster, node name, pod uid, container id or GPU/MIG uuid of the wrong syntax.
     """
+    _check_sample_names(sample)
     # Runs on every tick the attributor takes in: each group of checks is one plain condition, and only when it
     # fails are the values walked again, in the documented order, to name the first impossible one.
     sampled_at = sample.sampled_at_unix_ms
@@ -174,6 +305,31 @@ def check_sample(sample: NodeSample, now_unix_ms: int, max_clock_skew_ms: int,
                              "all among its processes")
 
 
+_VALID_SAMPLE_NAMES: set[tuple] = set()
+_VALID_SAMPLE_NAMES_MAX = 4096
+
+
+def _check_sample_names(sample: NodeSample) -> None:
+    # A node's names change rarely between its ticks: one set lookup for the common case keeps the hot path cheap.
+    key = (sample.cluster, sample.node_name, tuple(sample.pod_uids), tuple(sample.container_ids),
+           tuple([(dev.uuid, dev.parent_uuid) for dev in sample.devices]))
+    if key in _VALID_SAMPLE_NAMES:
+        return
+    where = f"tick {sample.collector_started_at_unix_ms}/{sample.sequence}"
+    _check_name(where, "cluster", sample.cluster, "id")
+    _check_name(where, "node name", sample.node_name, "subdomain")
+    for uid in sample.pod_uids:
+        _check_name(where, "pod uid", uid, "id")
+    for container_id in sample.container_ids:
+        _check_name(where, "container id", container_id, "id")
+    for dev in sample.devices:
+        _check_name(where, "device uuid", dev.uuid, "id")
+        _check_name(where, "device parent uuid", dev.parent_uuid, "id")
+    if len(_VALID_SAMPLE_NAMES) >= _VALID_SAMPLE_NAMES_MAX:
+        _VALID_SAMPLE_NAMES.clear()
+    _VALID_SAMPLE_NAMES.add(key)
+
+
 def _sample_where(sample: NodeSample) -> str:
     return f"node {sample.node_name} tick {sample.collector_started_at_unix_ms}/{sample.sequence}"
 
@@ -224,12 +380,14 @@ def check_pod_event(event: PodEvent, now_unix_ms: int, max_clock_skew_ms: int) -
     """Raise ``OutOfRange`` for a pod event no API server can have produced: no uid or node, observed before 2000
     or further ahead than ``now + max_clock_skew_ms`` (an event from the future would make every real later event
     of the pod look stale, and move the pod index's clock past every deleted pod's linger), started at a
-    negative time or in the future, or a negative GPU request."""
-    where = f"pod event of {event.namespace}/{event.name} ({event.uid or 'no uid'})"
+    negative time or in the future, or a negative GPU request. ``InvalidName`` for a name of the wrong syntax
+    (``check_names``)."""
     if not event.uid:
-        raise OutOfRange(f"{where}: empty uid")
+        raise OutOfRange(f"pod event of {shown(event.namespace, 70)}/{shown(event.name, 70)}: empty uid")
     if not event.node_name:
-        raise OutOfRange(f"{where}: empty node name")
+        raise OutOfRange(f"pod event {shown(event.uid, 60)}: empty node name")
+    check_names(event)
+    where = f"pod event of {event.namespace}/{event.name} ({event.uid})"
     _check_time(where, "observed_at", event.observed_at_unix_ms, now_unix_ms, max_clock_skew_ms)
     started = event.started_at_unix_ms
     if started is not None and not 0 <= started <= now_unix_ms + max_clock_skew_ms:
@@ -259,7 +417,14 @@ def check_share(share: GpuShare, now_unix_ms: int, max_clock_skew_ms: int) -> No
     the clock skew) or starting before 2000, a non-positive window, covered seconds outside [0, window] or not
     finite, fewer than one unit or row, a GPU fraction outside (0, 1], memory/compute/cost share outside [0, 1] or
     not finite, negative average memory or sample count. Whether a unit's rows add up to 1 is a check of the
-    whole unit (billing's ``InconsistentShares``, the guard's engine)."""
+    whole unit (billing's ``InconsistentShares``, the guard's engine). ``InvalidName`` for a name of the wrong
+    syntax."""
+    _check_record_names(f"share of window {share.window_start_unix_ms}", share.cluster, share.node_name,
+                        share.gpu_uuid, share.pod_uid, share.namespace, share.pod_name, share.labels)
+    _check_name(f"share of window {share.window_start_unix_ms}", "parent gpu uuid", share.parent_gpu_uuid, "id")
+    _check_name(f"share of window {share.window_start_unix_ms}", "workload kind", share.workload_kind, "kind")
+    _check_name(f"share of window {share.window_start_unix_ms}", "workload name", share.workload_name,
+                "subdomain")
     where = (f"share of {share.cluster}/{share.node_name}@{share.window_start_unix_ms} unit {share.gpu_uuid} "
              f"{share.subject_kind.value}{' ' + share.pod_uid if share.pod_uid else ''}")
     _check_window(where, share.window_start_unix_ms, share.window_seconds, now_unix_ms, max_clock_skew_ms)
@@ -283,7 +448,9 @@ def check_share(share: GpuShare, now_unix_ms: int, max_clock_skew_ms: int) -> No
 def check_cost(cost: CostRecord, now_unix_ms: int, max_clock_skew_ms: int) -> None:
     """Raise ``OutOfRange`` for a ``CostRecord`` that cannot be true: a negative cost, a cost share outside
     [0, 1], a window not ended yet (beyond the clock skew) or starting before 2000, a non-positive window, or a
-    POD line without a pod uid."""
+    POD line without a pod uid. ``InvalidName`` for a name of the wrong syntax."""
+    _check_record_names(f"cost line of window {cost.window_start_unix_ms}", cost.cluster, cost.node_name,
+                        cost.gpu_uuid, cost.pod_uid, cost.namespace, cost.pod_name, cost.labels)
     where = (f"cost line of {cost.cluster}/{cost.node_name}@{cost.window_start_unix_ms} "
              f"{cost.subject_kind.value}{' ' + cost.pod_uid if cost.pod_uid else ''}")
     if cost.cost_micro_usd < 0:

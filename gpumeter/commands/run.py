@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from gpumeter.errors import ConfigError, GpumeterError
-from gpumeter.settings import KafkaSettings
+from gpumeter.settings import LOOPBACK_METRICS_ADDRESS, KafkaSettings
 
 from gpumeter.commands import live_view
 from gpumeter.commands.live_view import ProcessHealth, ProcessState, ViewState
@@ -221,12 +221,14 @@ def service_specs(config: RunConfig, node_names: Sequence[str], scenario_path: P
     prefix = config.prefix
     catalog = TopicCatalog(prefix=prefix)
     kafka = ("--bootstrap-servers", bootstrap_servers, "--topic-prefix", prefix)
+    # No metrics servers (the live view reads the topics); were a port set, only this machine could reach it.
+    metrics = ("--metrics-port", "0", "--metrics-address", LOOPBACK_METRICS_ADDRESS)
     base = gpumeter_argv()
     specs = [
         ServiceSpec(
             name=f"collector {node}",
             argv=(*base, "collector", "--node", node, "--simulate", str(scenario_path),
-                  "--time-scale", f"{config.time_scale:g}", "--metrics-port", "0", *kafka),
+                  "--time-scale", f"{config.time_scale:g}", *metrics, *kafka),
             restart=False,
             stop_group=0,
         )
@@ -236,7 +238,7 @@ def service_specs(config: RunConfig, node_names: Sequence[str], scenario_path: P
         name="attributor",
         argv=(*base, "attributor", "--window-seconds", str(config.window_seconds),
               "--grace-seconds", str(config.grace_seconds), "--max-clock-skew-seconds", str(skew_seconds),
-              "--session-timeout-seconds", str(ATTRIBUTOR_SESSION_TIMEOUT_SECONDS), "--metrics-port", "0",
+              "--session-timeout-seconds", str(ATTRIBUTOR_SESSION_TIMEOUT_SECONDS), *metrics,
               "--partitions", str(config.partitions), *kafka),
         restart=True,
         stop_group=1,
@@ -248,7 +250,7 @@ def service_specs(config: RunConfig, node_names: Sequence[str], scenario_path: P
     specs.append(ServiceSpec(
         name="billing",
         argv=(*base, "billing", "--ledger-url", config.ledger_url, "--group", billing_group,
-              "--team-label", config.team_label, "--metrics-port", "0", "--partitions", str(config.partitions),
+              "--team-label", config.team_label, *metrics, "--partitions", str(config.partitions),
               "--max-clock-skew-seconds", str(skew_seconds), *kafka),
         restart=True,
         stop_group=2,
@@ -260,7 +262,7 @@ def service_specs(config: RunConfig, node_names: Sequence[str], scenario_path: P
         specs.append(ServiceSpec(
             name="guard",
             argv=(*base, "guard", "--group", guard_group, "--state", str(config.workdir / "guard" / "state.json"),
-                  "--metrics-port", "0", "--partitions", str(config.partitions),
+                  *metrics, "--partitions", str(config.partitions),
                   "--max-clock-skew-seconds", str(skew_seconds), *kafka),
             restart=True,
             stop_group=3,

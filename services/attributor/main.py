@@ -141,7 +141,7 @@ def _run_worker(settings: AttributorSettings) -> int:
     # asyncio.run above closed its loop and left none current; Faust's worker runs on the current one.
     asyncio.set_event_loop(asyncio.new_event_loop())
     metrics = ServiceMetrics(SERVICE)
-    metrics.serve(settings.metrics_port)
+    metrics.serve(settings.metrics_port, settings.metrics_address)
 
     def stop_worker(exc: BaseException) -> None:
         # The same path as an operator's SIGTERM: the worker's handler stops it cleanly; main then exits non-zero.

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from gpumeter.errors import ConfigError
-from gpumeter.settings import KafkaSettings
+from gpumeter.settings import DEFAULT_METRICS_ADDRESS, METRICS_ADDRESS_ENV, KafkaSettings, check_metrics_address
 from gpumeter.validation import DEFAULT_MAX_SAMPLE_AGE_SECONDS
 from services.attributor.attribution import AttributionPolicy
 from services.attributor.engine import EngineConfig
@@ -42,7 +42,7 @@ class AttributorSettings:
     * ``topic_replication_factor``: replication of the changelog topics Faust creates.
     * ``session_timeout_seconds``: consumer-group session timeout: how long a worker that died without leaving
       holds its partitions before the group moves them (the broker allows 6 s and up by default).
-    * ``metrics_port``: Prometheus ``/metrics`` port, 0 for none.
+    * ``metrics_port``: Prometheus ``/metrics`` port, 0 for none; ``metrics_address``: where it listens.
     * ``grouping_labels``: the pod labels share rows carry (``GPUMETER_GROUPING_LABELS``, comma-separated; default
       ``team,model``). Every other label is left out of the rows and the pod table; rows say which keys they carry
       (``schemas.records.CARRIED_LABELS_KEY``). Billing's and the guard's team label and every
@@ -66,6 +66,7 @@ class AttributorSettings:
     topic_replication_factor: int = 1
     session_timeout_seconds: float = 30.0
     metrics_port: int = 9403
+    metrics_address: str = DEFAULT_METRICS_ADDRESS
     log_level: str = "INFO"
     duration_seconds: float | None = None
     grouping_labels: tuple[str, ...] = DEFAULT_GROUPING_LABELS
@@ -91,6 +92,7 @@ class AttributorSettings:
             raise ConfigError(f"session timeout must be positive, got {self.session_timeout_seconds}")
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics port {self.metrics_port} is not a port")
+        object.__setattr__(self, "metrics_address", check_metrics_address(self.metrics_address))
         if self.duration_seconds is not None and self.duration_seconds <= 0:
             raise ConfigError("duration must be positive")
         # Fail at start, not at the first window: the engine config and the policy validate themselves.
@@ -150,6 +152,7 @@ _OPTIONS: dict[str, tuple[str, Any, str]] = {
     "topic_replication_factor": ("GPUMETER_TOPIC_REPLICATION_FACTOR", _int, "--topic-replication-factor"),
     "session_timeout_seconds": ("GPUMETER_SESSION_TIMEOUT_SECONDS", float, "--session-timeout-seconds"),
     "metrics_port": ("GPUMETER_METRICS_PORT", _int, "--metrics-port"),
+    "metrics_address": (METRICS_ADDRESS_ENV, str, "--metrics-address"),
     "log_level": ("GPUMETER_LOG_LEVEL", str, "--log-level"),
     "duration_seconds": ("GPUMETER_DURATION_SECONDS", float, "--duration"),
     "grouping_labels": ("GPUMETER_GROUPING_LABELS", parse_label_keys, "--grouping-labels"),
@@ -173,6 +176,7 @@ _HELP = {
     "topic_replication_factor": "replication factor of the changelog topics (default 1)",
     "session_timeout_seconds": "consumer-group session timeout in seconds (default 30)",
     "metrics_port": "Prometheus /metrics port, 0 for none (default 9403)",
+    "metrics_address": f"address the /metrics server listens on (default {DEFAULT_METRICS_ADDRESS}: every interface)",
     "log_level": "DEBUG | INFO | WARNING | ERROR (default INFO)",
     "duration_seconds": "stop after this many seconds (default: run until SIGTERM/SIGINT)",
     "grouping_labels": "pod labels the share rows carry, comma-separated (default team,model)",

@@ -28,13 +28,18 @@ concurrent writer of the same node-window waits on the bill's key and then skips
 node-window wins: a later, different costing of it (say, after a price change) is skipped too, never mixed in.
 Inserts are bulk (executemany, which SQLAlchemy batches into multi-row ``VALUES``).
 
-Database errors are wrapped in ``LedgerError``.
+Database errors are wrapped in ``LedgerError``. A SQLite file ledger's files are checked before every use
+(``services.billing.sqlite_files``: folder, database, ``-wal`` and ``-shm`` writable, the mapped ``-shm`` neither
+made unwritable nor cut): SQLite maps the ``-shm``, and a mapping its file can no longer back kills the process
+with SIGBUS. Unfit files raise ``LedgerUnusable`` without calling SQLite, and ``close()`` then leaves the
+connections open (``abandoned_ledgers``) rather than write the index while closing.
 """
 
 from __future__ import annotations
 
 import re
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -66,8 +71,10 @@ from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
 from sqlalchemy.pool import StaticPool
 
 from gpumeter.errors import ConfigError, GpumeterError
+from gpumeter.redact import mask_secrets, mask_url
 from schemas.records import CostRecord, CostSubjectKind
 from services.billing.costing import NodeBill, NodeWindowKey
+from services.billing.sqlite_files import SqliteFiles
 
 MIGRATIONS_DIR = Path(__file__).with_name("migrations")
 VERSION_TABLE = "gpumeter_billing_alembic_version"
@@ -82,6 +89,27 @@ NO_POD = ""
 
 class LedgerError(GpumeterError):
     """The ledger cannot be opened, migrated, written or read, or a write would break conservation."""
+
+
+class LedgerUnusable(LedgerError):
+    """The SQLite ledger's files cannot be used safely now (``services.billing.sqlite_files``): SQLite was not
+    called. ``retry``: waiting may cure it (a file made unwritable); else the process must exit without closing
+    the ledger (a ``-shm`` truncated under its mapping)."""
+
+    def __init__(self, message: str, *, retry: bool) -> None:
+        super().__init__(message)
+        self.retry = retry
+
+
+# Engines whose SQLite files became unusable while mapped: kept referenced so that nothing ever closes them (closing
+# writes the WAL index: SIGBUS); the process exits without finalising them (``abandoned_ledgers``).
+_ABANDONED: list[Engine] = []
+_ABANDONED_REASONS: list[str] = []
+
+
+def abandoned_ledgers() -> tuple[str, ...]:
+    """Why each ledger this process could not close safely was left open (empty: none was)."""
+    return tuple(_ABANDONED_REASONS)
 
 
 metadata = MetaData(
@@ -316,15 +344,6 @@ def _alembic_config(connection: Connection):
     return config
 
 
-def _shown_url(url: str) -> str:
-    """``url`` as it may be shown in errors and logs: its password masked; one that does not parse not at all (the
-    password could be anywhere in it)."""
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except (ArgumentError, ValueError):
-        return "<a URL that does not parse>"
-
-
 class Ledger:
     """A cost ledger at ``url`` (``sqlite:///path`` or ``postgresql+psycopg://...``). See the module docstring."""
 
@@ -333,8 +352,19 @@ class Ledger:
         # Who this handle writes as (see the module docstring); None: a reader, or a writer that publishes nothing
         # and so may be told of every unpublished bill.
         self.publisher = publisher
+        shown = mask_url(url)
         try:
             parsed = make_url(self.url)
+        except (ArgumentError, ValueError):
+            # Not the library's message: it quotes the piece it could not read (a port), which may be a password's.
+            raise LedgerError(f"cannot open ledger {shown!r}: the URL does not parse (a port that is not a number, "
+                              "or an unencoded '@', ':' or '/' in the user name or password: percent-encode them)"
+                              ) from None
+        if parsed.host is not None and "@" in parsed.host:
+            # SQLAlchemy ends the password at its first "@": the rest of it would be sent out as the host name.
+            raise LedgerError(f"cannot open ledger {shown!r}: an '@' after the user info (percent-encode '@' in a "
+                              "user name or password as %40)")
+        try:
             backend = parsed.get_backend_name()
             if backend not in ("sqlite", "postgresql"):
                 raise LedgerError(f"ledger dialect {backend!r} is not supported (sqlite or postgresql)")
@@ -346,10 +376,45 @@ class Ledger:
             else:
                 self.engine = create_engine(self.url, pool_pre_ping=True)
         except (ArgumentError, NoSuchModuleError, ValueError) as exc:
-            raise LedgerError(f"cannot open ledger {_shown_url(url)!r}: {exc}") from exc
+            raise LedgerError(f"cannot open ledger {shown!r}: {mask_secrets(str(exc))}") from exc
         self.dialect = self.engine.dialect.name
+        # A SQLite file's -wal/-shm are checked before every use (sqlite_files): a -shm that cannot back its
+        # mapping kills the process with SIGBUS as soon as SQLite touches it.
+        self._files = SqliteFiles(Path(parsed.database)) if backend == "sqlite" and not in_memory else None
+        self._connections = 0
         if self.dialect == "sqlite":
             event.listen(self.engine, "connect", lambda dbapi, _record: _sqlite_pragmas(dbapi, in_memory))
+            event.listen(self.engine, "connect", lambda _dbapi, _record: self._count_connections(1))
+            event.listen(self.engine, "close", lambda _dbapi, _record: self._count_connections(-1))
+            event.listen(self.engine, "close_detached", lambda _dbapi: self._count_connections(-1))
+
+    def _count_connections(self, change: int) -> None:
+        self._connections = max(0, self._connections + change)
+
+    def _check_files(self, *, write: bool) -> None:
+        if self._files is None:
+            return
+        problem = self._files.problem(write=write, mapped=self._connections > 0)
+        if problem is not None:
+            raise LedgerUnusable(f"ledger {self!r} cannot be used: {problem.reason}", retry=problem.retry)
+
+    @contextmanager
+    def _begin(self) -> Iterator[Connection]:
+        """``engine.begin()`` once the files passed their check for a write."""
+        self._check_files(write=True)
+        with self.engine.begin() as connection:
+            yield connection
+        if self._files is not None:
+            self._files.remember(mapped=self._connections > 0)
+
+    @contextmanager
+    def _connect(self) -> Iterator[Connection]:
+        """``engine.connect()`` once the files passed their check for a read."""
+        self._check_files(write=False)
+        with self.engine.connect() as connection:
+            yield connection
+        if self._files is not None:
+            self._files.remember(mapped=self._connections > 0)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "Ledger":
@@ -357,10 +422,21 @@ class Ledger:
         return cls(env.get(LEDGER_URL_ENV) or DEFAULT_LEDGER_URL)
 
     def __repr__(self) -> str:
-        return f"Ledger({make_url(self.url).render_as_string(hide_password=True)!r})"
+        return f"Ledger({mask_url(self.url)!r})"
 
-    def close(self) -> None:
+    def close(self) -> bool:
+        """Close every connection. Returns False, closing nothing, when this process has the SQLite files mapped
+        and they cannot be used safely (closing writes the WAL index: SIGBUS): the engine is then kept open for
+        good and ``abandoned_ledgers()`` says why; the entrypoint exits without finalising it. Every committed
+        transaction is in the WAL already."""
+        if self._files is not None and self._connections > 0:
+            problem = self._files.problem(write=False, mapped=True)
+            if problem is not None:
+                _ABANDONED.append(self.engine)
+                _ABANDONED_REASONS.append(f"{self!r}: {problem.reason}")
+                return False
         self.engine.dispose()
+        return True
 
     def __enter__(self) -> "Ledger":
         return self
@@ -381,7 +457,7 @@ class Ledger:
         from alembic import command
 
         try:
-            with self.engine.begin() as connection:
+            with self._begin() as connection:
                 if self.dialect == "postgresql":
                     connection.execute(text("SELECT pg_advisory_xact_lock(:lock)"), {"lock": _MIGRATION_LOCK_ID})
                 command.upgrade(_alembic_config(connection), "head")
@@ -396,7 +472,7 @@ class Ledger:
         from alembic.runtime.migration import MigrationContext
 
         try:
-            with self.engine.connect() as connection:
+            with self._connect() as connection:
                 context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
                 return context.get_current_revision()
         except SQLAlchemyError as exc:
@@ -456,7 +532,7 @@ class Ledger:
         versions = {b.price_version: b.price.describe() for b in bills_by_key.values()}
         pk = [node_bills.c.window_start_unix_ms, node_bills.c.cluster, node_bills.c.node_name]
         try:
-            with self.engine.begin() as connection:
+            with self._begin() as connection:
                 connection.execute(self._insert(price_versions).on_conflict_do_nothing(), list(versions.values()))
                 inserted = connection.execute(
                     self._insert(node_bills).on_conflict_do_nothing().returning(*pk),
@@ -523,7 +599,7 @@ class Ledger:
         c = node_bills.c
         updated = 0
         try:
-            with self.engine.begin() as connection:
+            with self._begin() as connection:
                 for key in keys:
                     updated += connection.execute(
                         update(node_bills)
@@ -550,7 +626,7 @@ class Ledger:
 
     def _read(self, statement) -> list:
         try:
-            with self.engine.connect() as connection:
+            with self._connect() as connection:
                 return connection.execute(statement).all()
         except SQLAlchemyError as exc:
             raise LedgerError(f"reading {self!r} failed: {exc}") from exc

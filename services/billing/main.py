@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+import sys
 from typing import Mapping
 
 from gpumeter.clock import Clock, SystemClock
@@ -20,7 +22,7 @@ from gpumeter.kafka.admin import create_topics
 from gpumeter.kafka.producer import RecordProducer
 from gpumeter.metrics import ServiceMetrics
 from schemas.catalog import TopicCatalog
-from services.billing.ledger import Ledger, LedgerError
+from services.billing.ledger import Ledger, LedgerError, abandoned_ledgers
 from services.billing.service import (
     BILLING_METRICS,
     SERVICE_NAME,
@@ -44,9 +46,18 @@ def main(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         return 2
     start_logging("billing", settings.log_level, settings.describe())
     try:
-        return asyncio.run(serve(settings, handle_signals=True))
+        code = asyncio.run(serve(settings, handle_signals=True))
     except KeyboardInterrupt:
-        return 0
+        code = 0
+    if abandoned_ledgers():
+        # Finalising the interpreter would close the ledger's connections, and closing writes the WAL index of a
+        # -shm that can no longer back it: SIGBUS. Committed windows are in the WAL; the next start reads them.
+        log.error("exiting without closing the ledger: %s", "; ".join(abandoned_ledgers()))
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 async def _migrate(ledger: Ledger, settings: BillingSettings, stop: asyncio.Event) -> str | None:
@@ -97,7 +108,7 @@ async def serve(settings: BillingSettings, *, stop: asyncio.Event | None = None,
         # Liveness: a beat per fetch and per retry pause; the longest pause must not read as a stuck loop.
         metrics = ServiceMetrics(SERVICE_NAME, BILLING_METRICS, clock=clock, max_silence_seconds=max(
             DEFAULT_MAX_SILENCE_SECONDS, 2 * settings.ledger_retry_max_seconds))
-        metrics.serve(settings.metrics_port)
+        metrics.serve(settings.metrics_port, settings.metrics_address)
         producer = RecordProducer(settings.kafka)
         await producer.start()
         processor = BillingProcessor(
@@ -142,4 +153,6 @@ async def serve(settings: BillingSettings, *, stop: asyncio.Event | None = None,
                 await producer.stop()
             except GpumeterError as exc:
                 log.warning("closing the producer: %s", exc)
-        ledger.close()
+        if not ledger.close():
+            log.error("the ledger's files cannot be used safely; its connections are left open: %s",
+                      abandoned_ledgers()[-1])

@@ -13,7 +13,10 @@ Contract:
 * The **pricing** section says, per node and price, which split rule divided its price between its GPUs and
   ``node_other``, and how much of its bills went to ``node_other`` (a line no team pays).
 * ``format_report(report, fmt)`` renders ``table`` (people), ``csv`` or ``json`` (machines). Money is shown in USD
-  with six decimals and, in csv/json, also as exact integer micro-dollars. Pure.
+  with six decimals and, in csv/json, also as exact integer micro-dollars. Pure. Group names are text others
+  chose: in csv a cell starting with ``=``, ``+``, ``-``, ``@``, a tab or a carriage return gets a leading ``'``
+  (OWASP's rule against formula injection) and control characters are escaped, in the table control characters
+  are escaped (``gpumeter.safetext``).
 * **Labels not carried.** The attributor carries only its grouping labels on share rows (and so on cost lines),
   and every pod line names them (``schemas.records.CARRIED_LABELS_KEY``). Grouping by a label the lines did not
   carry, the report says so: ``(label <key> not carried)`` instead of ``(no <key> label)`` when no line carried
@@ -41,6 +44,7 @@ from typing import Any, Mapping, Sequence
 
 from gpumeter.clock import Clock, SystemClock
 from gpumeter.errors import ConfigError, GpumeterError
+from gpumeter.safetext import csv_cell, escape_control
 from schemas.records import CARRIED_LABELS_KEY, CostSubjectKind
 from services.billing.costing import NodeWindowKey, iso_utc
 from services.billing.ledger import (
@@ -275,7 +279,7 @@ def _format_table(report: Report) -> str:
     header = ("kind", report.grouping.describe(), "cost_usd", "share", "lines")
     total = report.total_micro_usd
     body = [
-        (line.kind, line.group if line.group is not None else "-", usd_text(line.cost_micro_usd),
+        (line.kind, escape_control(line.group) if line.group is not None else "-", usd_text(line.cost_micro_usd),
          _share_text(line.cost_micro_usd, total), str(line.cost_lines))
         for line in report.lines
     ]
@@ -304,7 +308,8 @@ def _pricing_lines(report: Report) -> list[str]:
     out = [f"node_other: {usd_text(report.node_other_micro_usd)} USD, "
            f"{_share_text(report.node_other_micro_usd, bills)} of the node bills; priced per node:"]
     for row in report.pricing:
-        out.append(f"  {row.node_name} ({row.instance_type}, {row.price_model}): split rule {row.split_rule}, "
+        out.append(f"  {escape_control(row.node_name)} ({escape_control(row.instance_type)}, {row.price_model}): "
+                   f"split rule {row.split_rule}, "
                    f"node_other {_share_text(row.node_other_micro_usd, row.node_cost_micro_usd)} of "
                    f"{usd_text(row.node_cost_micro_usd)} USD over {row.node_windows} node-windows")
     return out
@@ -321,7 +326,8 @@ def _format_csv(report: Report) -> str:
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow(["kind", "group", "cost_usd", "cost_micro_usd", "cost_lines"])
     for line in report.lines:
-        writer.writerow([line.kind, line.group or "", usd_text(line.cost_micro_usd), line.cost_micro_usd,
+        # The group is a namespace, label value, node or GPU someone else chose: never a formula.
+        writer.writerow([line.kind, csv_cell(line.group or ""), usd_text(line.cost_micro_usd), line.cost_micro_usd,
                          line.cost_lines])
     rec = report.reconciliation
     writer.writerow(["total", "", usd_text(report.total_micro_usd), report.total_micro_usd,
@@ -333,10 +339,11 @@ def _format_csv(report: Report) -> str:
     # One row per node and price: the group names node, instance type, price model and split rule; the money is
     # the node_other part of its bills, the count its node-windows.
     for row in report.pricing:
-        writer.writerow(["node_pricing", f"{row.node_name}/{row.instance_type}/{row.price_model}/{row.split_rule}",
+        writer.writerow(["node_pricing",
+                         csv_cell(f"{row.node_name}/{row.instance_type}/{row.price_model}/{row.split_rule}"),
                          usd_text(row.node_other_micro_usd), row.node_other_micro_usd, row.node_windows])
     if report.carriage is not None:
-        writer.writerow(["labels_not_carried", report.carriage.label_key,
+        writer.writerow(["labels_not_carried", csv_cell(report.carriage.label_key),
                          usd_text(report.carriage.cost_not_carried_micro_usd),
                          report.carriage.cost_not_carried_micro_usd, report.carriage.lines_not_carried])
     if report.emitted is not None:

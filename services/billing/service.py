@@ -73,7 +73,8 @@ from schemas.records import CostRecord, CostSubjectKind, GpuShare, ShareSubjectK
 from schemas.typed import codec_for
 from services.billing.catalog import PriceCatalog, PriceError
 from services.billing.costing import NodeWindowAssembler, NodeWindowCost, NodeWindowKey, bill_node_window
-from services.billing.ledger import LedgerError, WriteResult
+from services.billing.ledger import LedgerError, LedgerUnusable, WriteResult
+from services.billing.metric_series import SeriesBook
 from services.billing.pricing import SplitPolicy
 
 log = logging.getLogger(__name__)
@@ -388,7 +389,10 @@ class WindowBook:
 
 
 def is_transient_ledger_error(error: LedgerError) -> bool:
-    """True when the database could not be reached or the connection broke (retry); False for anything else."""
+    """True when the database could not be reached or the connection broke, or a SQLite file cannot be used safely
+    for now (retry); False for anything else."""
+    if isinstance(error, LedgerUnusable):
+        return error.retry
     cause = error.__cause__
     if isinstance(cause, (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.DisconnectionError,
                           sa_exc.TimeoutError)):
@@ -478,8 +482,24 @@ class BillingProcessor(ProcessorLifecycle):
         self._outbox = Outbox(producer, pause=self._pause, retry_initial_seconds=retry_initial_seconds,
                               retry_max_seconds=retry_max_seconds, on_retry=self._count_delivery_retry)
         self._codec = codec_for(GpuShare)
-        # node -> (window start, label sets of its share gauges) for removing series of pods that went away.
-        self._share_series: dict[tuple[str, str], tuple[int, set[tuple[str, str, str, str]]]] = {}
+        # Labelled series by the nodes that hold them (services.billing.metric_series): a pod's series go once a
+        # newer window of its node lacks it, a node's once it has billed nothing for the memory horizon.
+        self._node_memory_ms = int(max(finished_window_memory_seconds, window_expiry_seconds) * 1000)
+        self._node_newest: dict[tuple[str, str], int] = {}
+        self._newest_window_ms: int | None = None
+        self._series: dict[str, SeriesBook] = {}
+        if metrics:
+            for name in ("gpumeter_pod_gpu_cost_micro_usd_total", "gpumeter_node_cost_micro_usd_total",
+                         "gpumeter_bucket_cost_micro_usd_total"):
+                self._series[name] = SeriesBook(metrics.get(name).remove)
+            memory = metrics.get("gpumeter_pod_gpu_memory_share")
+            compute = metrics.get("gpumeter_pod_gpu_compute_share")
+
+            def remove_share(*labels: str) -> None:
+                memory.remove(*labels)
+                compute.remove(*labels)
+
+            self._series["gpumeter_pod_gpu_memory_share"] = SeriesBook(remove_share)
 
     # -- messages --
 
@@ -689,25 +709,35 @@ class BillingProcessor(ProcessorLifecycle):
             return
         get = self.metrics.get
         bill = priced.bill
-        get("gpumeter_node_cost_micro_usd_total").labels(bill.node_name, bill.instance_type).inc(
-            bill.node_cost_micro_usd)
+        node = (window.key.cluster, window.key.node_name)
+        start_ms = window.key.window_start_unix_ms
+        node_labels = (bill.node_name, bill.instance_type)
+        get("gpumeter_node_cost_micro_usd_total").labels(*node_labels).inc(bill.node_cost_micro_usd)
         # The ledger writes every line of a new bill.
         get("gpumeter_billing_ledger_rows_written_total").inc(len(priced.costs))
+        pods: set[tuple[str, ...]] = set()
+        buckets: set[tuple[str, ...]] = set()
         for record in priced.costs:
             if record.subject_kind is CostSubjectKind.POD:
-                get("gpumeter_pod_gpu_cost_micro_usd_total").labels(
-                    record.namespace or "", record.pod_name or "", self._team(record.labels)
-                ).inc(record.cost_micro_usd)
+                labels = (record.namespace or "", record.pod_name or "", self._team(record.labels))
+                get("gpumeter_pod_gpu_cost_micro_usd_total").labels(*labels).inc(record.cost_micro_usd)
+                pods.add(labels)
             else:
-                get("gpumeter_bucket_cost_micro_usd_total").labels(
-                    bill.node_name, record.subject_kind.value.lower()
-                ).inc(record.cost_micro_usd)
+                labels = (bill.node_name, record.subject_kind.value.lower())
+                get("gpumeter_bucket_cost_micro_usd_total").labels(*labels).inc(record.cost_micro_usd)
+                buckets.add(labels)
+        self._series["gpumeter_pod_gpu_cost_micro_usd_total"].observe(node, start_ms, pods)
+        # A node's own series are few and bounded: kept (a bucket missing from one window is no news) until the
+        # node is gone.
+        self._series["gpumeter_node_cost_micro_usd_total"].observe(node, start_ms, (node_labels,), prune=False)
+        self._series["gpumeter_bucket_cost_micro_usd_total"].observe(node, start_ms, buckets, prune=False)
         self._set_share_gauges(window)
+        self._forget_gone_nodes(node, start_ms)
 
     def _set_share_gauges(self, window: CompleteWindow) -> None:
         node = (window.key.cluster, window.key.node_name)
-        previous = self._share_series.get(node)
-        if previous is not None and previous[0] > window.key.window_start_unix_ms:
+        newest = self._node_newest.get(node)
+        if newest is not None and newest > window.key.window_start_unix_ms:
             return  # an older window billed late: the gauges already show a newer one
         memory = self.metrics.get("gpumeter_pod_gpu_memory_share")
         compute = self.metrics.get("gpumeter_pod_gpu_compute_share")
@@ -719,11 +749,23 @@ class BillingProcessor(ProcessorLifecycle):
             series.add(labels)
             memory.labels(*labels).set(share.memory_share)
             compute.labels(*labels).set(share.compute_share)
-        if previous is not None:
-            for labels in previous[1] - series:
-                memory.remove(*labels)
-                compute.remove(*labels)
-        self._share_series[node] = (window.key.window_start_unix_ms, series)
+        self._series["gpumeter_pod_gpu_memory_share"].observe(node, window.key.window_start_unix_ms, series)
+
+    def _forget_gone_nodes(self, node: tuple[str, str], start_ms: int) -> None:
+        """Remember ``node``'s newest billed window; when the newest window of all moves on, forget the series of
+        every node that billed nothing for the memory horizon (scaled down, renamed, gone)."""
+        if self._node_newest.get(node, start_ms - 1) < start_ms:
+            self._node_newest[node] = start_ms
+        if self._newest_window_ms is not None and start_ms <= self._newest_window_ms:
+            return
+        self._newest_window_ms = start_ms
+        horizon = start_ms - self._node_memory_ms
+        for gone in [n for n, newest in self._node_newest.items() if newest < horizon]:
+            del self._node_newest[gone]
+            for book in self._series.values():
+                book.forget(gone)
+            log.info("no window of node %s/%s for %.0f s: its metric series are removed", gone[0], gone[1],
+                     self._node_memory_ms / 1000)
 
 
 # -- the Kafka loop ---------------------------------------------------------------------------------------------

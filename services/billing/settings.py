@@ -16,11 +16,16 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError
 
 from gpumeter.errors import ConfigError
-from gpumeter.settings import KafkaSettings, mask_url_userinfo
+from gpumeter.settings import (
+    DEFAULT_METRICS_ADDRESS,
+    METRICS_ADDRESS_ENV,
+    KafkaSettings,
+    add_metrics_address_argument,
+    check_metrics_address,
+)
+from gpumeter.redact import mask_url
 from gpumeter.validation import DEFAULT_DOWNSTREAM_MAX_CLOCK_SKEW_SECONDS
 from services.billing.catalog import PriceCatalog, PriceError, parse_spot_discounts
 from services.billing.ledger import DEFAULT_LEDGER_URL, LEDGER_URL_ENV
@@ -43,18 +48,6 @@ _PRICE_ENV_FLAGS = {
     "GPUMETER_BILLING_GPU_FRACTION": "gpu_fraction",
     "GPUMETER_BILLING_SPLIT_WEIGHTS": "split_weights",
 }
-
-
-def mask_url_password(url: str) -> str:
-    """``url`` with its password (if any) shown as ``***``; a string that does not parse as a URL comes back with
-    any ``user:password@`` password masked by its text (``gpumeter.settings.mask_url_userinfo``)."""
-    try:
-        parsed = make_url(url)
-    except (ArgumentError, ValueError):
-        return mask_url_userinfo(url)
-    if parsed.password is None:
-        return url
-    return parsed.render_as_string(hide_password=True)
 
 
 @dataclass(frozen=True)
@@ -85,6 +78,7 @@ class BillingSettings:
     auto_offset_reset: str = "earliest"
     topic_partitions: int | None = None
     metrics_port: int = DEFAULT_METRICS_PORT
+    metrics_address: str = DEFAULT_METRICS_ADDRESS
     window_expiry_seconds: float = DEFAULT_WINDOW_EXPIRY_SECONDS
     finished_window_memory_seconds: float = DEFAULT_FINISHED_WINDOW_MEMORY_SECONDS
     ledger_retry_initial_seconds: float = 0.5
@@ -107,6 +101,7 @@ class BillingSettings:
             raise ConfigError("topic partitions must be >= 1")
         if not (0 <= self.metrics_port <= 65535):
             raise ConfigError(f"metrics port {self.metrics_port} is not a TCP port (0 disables)")
+        object.__setattr__(self, "metrics_address", check_metrics_address(self.metrics_address))
         if self.window_expiry_seconds <= 0:
             raise ConfigError("the incomplete-window expiry must be > 0 seconds")
         if self.finished_window_memory_seconds < 0:
@@ -143,7 +138,7 @@ class BillingSettings:
             if f.name == "kafka":
                 value = value.describe()
             elif f.name == "ledger_url":
-                value = mask_url_password(value)
+                value = mask_url(value)
             elif f.name == "split_policy":
                 value = {k.name: str(getattr(value, k.name)) for k in fields(value)}
             elif f.name == "spot_discounts":
@@ -161,6 +156,7 @@ _ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "auto_offset_reset": ("GPUMETER_BILLING_AUTO_OFFSET_RESET", str),
     "topic_partitions": ("GPUMETER_TOPIC_PARTITIONS", int),
     "metrics_port": ("GPUMETER_METRICS_PORT", int),
+    "metrics_address": (METRICS_ADDRESS_ENV, str),
     "window_expiry_seconds": ("GPUMETER_BILLING_WINDOW_EXPIRY_SECONDS", float),
     "finished_window_memory_seconds": ("GPUMETER_BILLING_FINISHED_WINDOW_MEMORY_SECONDS", float),
     "ledger_retry_initial_seconds": ("GPUMETER_BILLING_LEDGER_RETRY_INITIAL_SECONDS", float),
@@ -174,7 +170,8 @@ _ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
 
 # Flags that set a field directly (attribute name == field name).
 _FLAG_FIELDS = ("ledger_url", "consumer_group", "auto_offset_reset", "topic_partitions", "metrics_port",
-                "window_expiry_seconds", "team_label", "max_clock_skew_seconds", "duration_seconds", "log_level")
+                "metrics_address", "window_expiry_seconds", "team_label", "max_clock_skew_seconds", "duration_seconds",
+                "log_level")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -208,6 +205,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"default {DEFAULT_DOWNSTREAM_MAX_CLOCK_SKEW_SECONDS})")
     parser.add_argument("--metrics-port", type=int,
                         help=f"Prometheus /metrics port, 0 disables (default {DEFAULT_METRICS_PORT})")
+    add_metrics_address_argument(parser)
     parser.add_argument("--duration", dest="duration_seconds", type=float, help="stop after this many seconds")
     parser.add_argument("--log-level", help="DEBUG | INFO | WARNING | ERROR")
 

@@ -32,30 +32,45 @@ __all__ = ["add_arguments", "main"]
 def main(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     try:
         settings = collector_settings(args, env)
+        scenario = _scenario(settings)
+        if scenario is None:
+            parse_sharing(settings.sharing_config)
     except GpumeterError as exc:
         print(f"error: {exc}")
         return 2
     start_logging("collector", settings.log_level, settings.describe())
     try:
-        return asyncio.run(run(settings))
+        return asyncio.run(run(settings, scenario))
     except KeyboardInterrupt:
         return 0
 
 
-async def run(settings: CollectorSettings) -> int:
+def _scenario(settings: CollectorSettings):
+    """The simulated scenario (None outside simulate mode), checked to hold this node: ``ScenarioError``."""
+    if settings.simulate is None:
+        return None
+    from services.collector.sim.scenario import load_scenario
+
+    scenario = load_scenario(settings.simulate)
+    scenario.node(settings.node_name)
+    return scenario
+
+
+async def run(settings: CollectorSettings, scenario=None) -> int:
+    """The collector until SIGTERM/SIGINT or the duration; ``scenario``: the loaded simulate-mode scenario (read
+    from ``settings.simulate`` when None)."""
     stop = asyncio.Event()
     stop_on(stop, handle_signals=True, duration_seconds=None)  # the duration starts once the collector is set up
     # Liveness: a beat per tick; a slow tick interval must not read as a stuck loop.
     metrics = ServiceMetrics("collector", max_silence_seconds=max(DEFAULT_MAX_SILENCE_SECONDS,
                                                                    3 * settings.interval_seconds))
-    metrics.serve(settings.metrics_port)
+    metrics.serve(settings.metrics_port, settings.metrics_address)
     workdir = None
     simulated = None
     if settings.simulate is not None:
-        from services.collector.sim.scenario import load_scenario
         from services.collector.simulation import SimulatedNode
 
-        scenario = load_scenario(settings.simulate)
+        scenario = scenario or _scenario(settings)
         workdir = Path(tempfile.mkdtemp(prefix=f"gpumeter-sim-{settings.node_name}-", dir="/tmp"))
         simulated = SimulatedNode(scenario, settings.node_name, settings.time_scale, workdir)
         await simulated.start()

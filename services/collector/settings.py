@@ -8,7 +8,14 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from gpumeter.errors import ConfigError
-from gpumeter.settings import KafkaSettings
+from gpumeter.redact import mask_url
+from gpumeter.settings import (
+    DEFAULT_METRICS_ADDRESS,
+    METRICS_ADDRESS_ENV,
+    KafkaSettings,
+    add_metrics_address_argument,
+    check_metrics_address,
+)
 from services.collector.nodefacts import NodeFactOverrides
 
 
@@ -37,6 +44,7 @@ class CollectorSettings:
     buffer_max_records: int = 10_000
     delivery_timeout_seconds: float = 10.0  # past this an unacknowledged record is resent from the buffer
     metrics_port: int = 9402
+    metrics_address: str = DEFAULT_METRICS_ADDRESS
     log_level: str = "INFO"
     kafka: KafkaSettings = field(default_factory=KafkaSettings)
 
@@ -51,6 +59,7 @@ class CollectorSettings:
             raise ConfigError(f"price model {self.price_model!r} is not on_demand, spot or committed")
         if self.buffer_max_records < 1:
             raise ConfigError("buffer must hold at least one record")
+        object.__setattr__(self, "metrics_address", check_metrics_address(self.metrics_address))
 
     @property
     def node_fact_overrides(self) -> NodeFactOverrides:
@@ -59,6 +68,7 @@ class CollectorSettings:
 
     def describe(self) -> dict[str, Any]:
         view = {k: (str(v) if isinstance(v, Path) else v) for k, v in self.__dict__.items() if k != "kafka"}
+        view["kube_api"] = mask_url(self.kube_api)  # an API server URL may carry credentials
         view["kafka"] = self.kafka.describe()
         return view
 
@@ -82,6 +92,7 @@ _ENV = {
     "buffer_max_records": ("GPUMETER_BUFFER_MAX_RECORDS", int),
     "delivery_timeout_seconds": ("GPUMETER_DELIVERY_TIMEOUT_SECONDS", float),
     "metrics_port": ("GPUMETER_METRICS_PORT", int),
+    "metrics_address": (METRICS_ADDRESS_ENV, str),
     "log_level": ("GPUMETER_LOG_LEVEL", str),
 }
 
@@ -97,6 +108,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--proc-root", type=Path)
     parser.add_argument("--kube-api", help="in-cluster | none | API server URL")
     parser.add_argument("--metrics-port", type=int)
+    add_metrics_address_argument(parser)
     parser.add_argument("--bootstrap-servers", help="Kafka bootstrap servers")
     parser.add_argument("--topic-prefix")
 
@@ -110,7 +122,7 @@ def collector_settings(args: argparse.Namespace, env: Mapping[str, str]) -> Coll
             except ValueError as exc:
                 raise ConfigError(f"{variable}={env[variable]!r}: {exc}") from exc
     for name in ("node_name", "cluster", "simulate", "interval_seconds", "time_scale", "duration_seconds",
-                 "kubelet_socket", "proc_root", "kube_api", "metrics_port"):
+                 "kubelet_socket", "proc_root", "kube_api", "metrics_port", "metrics_address"):
         value = getattr(args, name, None)
         if value is not None:
             values[name] = value

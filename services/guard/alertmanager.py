@@ -8,7 +8,8 @@
   label as absent, and a labelset must be identical between the firing and the resolving post);
 * annotations describe it: ``summary``, ``description`` (the summary, the subject and every evidence number
   with its unit spelled out), ``pod_uid`` when known, and one ``evidence_<name>`` per evidence entry with the
-  raw number;
+  raw number; in labels and annotations every control character is escaped (``gpumeter.safetext``: no CRLF or
+  ANSI sequence reaches a receiver; names have Kubernetes' syntax already, ``gpumeter.validation``);
 * ``startsAt`` is the violation's first sighting (RFC 3339, UTC); ``endsAt`` is the resolution time for a
   resolved violation, and for a firing one ``now`` plus a lease: the sender re-posts firing alerts more often
   than the lease runs out, so Alertmanager resolves the alerts of a guard that died by itself (what Prometheus
@@ -34,6 +35,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 from gpumeter.clock import Clock, SystemClock
 from gpumeter.errors import GpumeterError
+from gpumeter.safetext import escape_control
 from schemas.records import Violation, ViolationState
 
 log = logging.getLogger(__name__)
@@ -139,7 +141,9 @@ def alert_labels(violation: Violation) -> dict[str, str]:
         ("team", violation.team),
         ("fingerprint", violation.fingerprint),
     )
-    return {name: value for name, value in candidates if value}
+    # Names are validated on input (gpumeter.validation); escaped again here so that no record from elsewhere (an
+    # older guard's topic, a foreign writer) puts a control character into a label.
+    return {name: escape_control(value) for name, value in candidates if value}
 
 
 def describe_subject(violation: Violation) -> str:
@@ -161,8 +165,8 @@ def describe_subject(violation: Violation) -> str:
 
 def describe_violation(violation: Violation) -> str:
     """The human description: summary, subject, evidence with units, and when it was seen (and resolved)."""
-    lines = [violation.summary.rstrip(".") + "."]
-    subject = describe_subject(violation)
+    lines = [escape_control(violation.summary).rstrip(".") + "."]
+    subject = escape_control(describe_subject(violation))
     if subject:
         lines.append(f"Subject: {subject}.")
     if violation.evidence:
@@ -189,9 +193,9 @@ def to_alertmanager(violation: Violation, *, generator_url: str | None = None, n
     """
     if lease_seconds <= 0:
         raise ValueError("the lease must be > 0 seconds")
-    annotations = {"summary": violation.summary, "description": describe_violation(violation)}
+    annotations = {"summary": escape_control(violation.summary), "description": describe_violation(violation)}
     if violation.pod_uid:
-        annotations["pod_uid"] = violation.pod_uid
+        annotations["pod_uid"] = escape_control(violation.pod_uid)
     for name, value in sorted(violation.evidence.items()):
         annotations[f"evidence_{name}"] = _raw_number(value)
     if violation.state is ViolationState.RESOLVED:

@@ -29,6 +29,14 @@ of the costs topic, or one engine per cluster). Cost lines are deduplicated by (
 a line older than that is ignored (``late_costs_ignored``).
 
 ``snapshot()`` → bytes (JSON) and ``GuardEngine.restore(config, data)`` carry the whole state across a restart.
+Without a snapshot (none kept, or a damaged one), the last state of every fingerprint on the compacted
+violations topic stands in for it: ``adopt(last_states, now)`` seeds a fresh engine with the firing ones (kept
+under their fingerprint and ``first_seen``, clearing unless the re-read input asserts them again) and the
+resolution times of the resolved ones; the caller re-reads its input while publishing nothing, then
+``settle(last_states, now)`` returns what the topic must hear so that it says what the engine knows: a violation
+firing now that the topic has resolved or never heard of (unless the re-read only replayed it: it is clearing,
+and the topic resolved it -- dropped silently), a new severity, and a resolution for what the topic has firing
+and the engine does not.
 Not thread-safe: one caller at a time.
 """
 
@@ -329,6 +337,50 @@ class GuardEngine:
                 if not t.published and t.scopes and not self._suppressed(fingerprint, now):
                     self._publish(fingerprint, t, now, out)
         self._expire(now, out)
+        return tuple(out)
+
+    # -- rebuilding from the violations topic ---------------------------------------------------------------------
+
+    def adopt(self, last_states: Iterable[Violation], now_ms: int) -> None:
+        """Seed a fresh engine with the violations topic's last state per fingerprint (see the module docstring)."""
+        now = self._tick(now_ms)
+        for v in last_states:
+            if v.state is ViolationState.FIRING:
+                condition = Condition(rule=v.rule, severity=v.severity, cluster=v.cluster, node_name=v.node_name,
+                                      gpu_uuid=v.gpu_uuid, namespace=v.namespace, pod_name=v.pod_name,
+                                      pod_uid=v.pod_uid, team=v.team, summary=v.summary, evidence=v.evidence)
+                # No scope asserts it yet: it resolves after the hold-down unless the re-read input holds it.
+                self._tracked[v.fingerprint] = _Tracked(condition, v.first_seen_unix_ms, v.last_seen_unix_ms, {},
+                                                        now, True, v.last_seen_unix_ms, v.severity)
+                self._clearing[v.fingerprint] = None
+            elif v.resolved_at_unix_ms is not None and self.config.refire_suppression_seconds > 0:
+                self._resolved_at[v.fingerprint] = v.resolved_at_unix_ms
+
+    def settle(self, last_states: Mapping[str, Violation], now_ms: int) -> tuple[Violation, ...]:
+        """After ``adopt`` and the re-read: what to publish so that the topic says what the engine knows."""
+        now = self._tick(now_ms)
+        out: list[Violation] = []
+        for fp, t in list(self._tracked.items()):
+            if not t.published:
+                continue
+            last = last_states.get(fp)
+            if last is not None and last.state is ViolationState.FIRING:
+                if last.severity is not t.condition.severity:
+                    self._publish(fp, t, now, out)
+                continue
+            if last is not None and t.cleared_since_ms is not None:
+                # Resolved on the topic and not holding now: the re-read replayed history.
+                del self._tracked[fp]
+                self._clearing.pop(fp, None)
+                for scope in t.scopes:
+                    self._scopes.get(scope, {}).pop(fp, None)
+                continue
+            self._publish(fp, t, now, out)
+        for fp, last in last_states.items():
+            if last.state is ViolationState.FIRING and fp not in self._tracked:
+                out.append(replace(last, state=ViolationState.RESOLVED, resolved_at_unix_ms=now))
+                if self.config.refire_suppression_seconds > 0:
+                    self._resolved_at[fp] = now
         return tuple(out)
 
     # -- views -----------------------------------------------------------------------------------------------------

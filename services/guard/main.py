@@ -60,8 +60,9 @@ def load_config(settings: GuardSettings, env: Mapping[str, str]) -> Any:
 
 def restore_engine(config: Any, store: GuardStateStore | None, clock: Clock) -> tuple[Any, GuardState | None]:
     """A ``GuardEngine`` from the state file when there is a usable one (and that state), else a fresh engine.
-    A file that cannot be read back or restored is moved aside and the guard starts fresh (logged as an error:
-    firing violations the old state held are re-derived only if their condition still holds)."""
+    A file that cannot be read back or restored is moved aside and the guard starts without state (logged as an
+    error); the service then rebuilds from the violations topic before it raises anything
+    (``GuardService``)."""
     from services.guard.engine import GuardEngine
 
     if store is None:
@@ -110,7 +111,7 @@ async def serve(settings: GuardSettings, *, config: Any = None, env: Mapping[str
         # Liveness: a beat per fetch and per retry pause; the longest pause must not read as a stuck loop.
         metrics = ServiceMetrics(SERVICE_NAME, GUARD_METRICS, clock=clock, max_silence_seconds=max(
             DEFAULT_MAX_SILENCE_SECONDS, 2 * settings.retry_max_seconds))
-        metrics.serve(settings.metrics_port)
+        metrics.serve(settings.metrics_port, settings.metrics_address)
         producer = RecordProducer(settings.kafka)
         await producer.start()
         if settings.alertmanager_url:

@@ -19,7 +19,12 @@ A partition the state file has no position for is read from its beginning (the s
 Without a state file (first start, or none configured) pod events are read from the beginning of their compacted
 topic -- the rules need every live pod -- and the other topics from the group's committed offsets (else
 ``auto_offset_reset``). An unreadable state file is moved aside (``<name>.corrupt-<unix ms>``) and the guard
-starts fresh, loudly.
+starts without one, loudly. A guard without a state file first reads the compacted violations topic whole (every
+fingerprint's last state) and seeds its engine with it, then re-reads its input publishing no violation until it
+has read as far as the input reached when it started, and only then publishes what the topic must hear
+(``GuardEngine.adopt``/``settle``): a replay of old pod events never fires an alert that had resolved, a firing
+violation keeps its fingerprint and ``first_seen``, and one whose condition ended meanwhile is resolved. No state
+file is written or offset committed before that.
 
 Budgets span nodes and stale-node detection needs every node, so one guard reads every partition of its input
 topics itself (manual assignment; the group only stores offsets): run one replica.
@@ -70,6 +75,7 @@ from schemas.typed import codec_for
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "guard"
+REBUILD_READ_TIMEOUT_S = 300.0  # reading the compacted violations topic whole at a start without state
 TopicPartition = tuple[str, int]
 
 # The metrics this service exports (all names from gpumeter.metrics.METRICS).
@@ -94,6 +100,10 @@ class GuardStateError(GpumeterError):
 
 class Engine(Protocol):
     """What the service needs of ``services.guard.engine.GuardEngine``."""
+
+    def adopt(self, last_states: Iterable[Violation], now_ms: int) -> None: ...
+
+    def settle(self, last_states: Mapping[str, Violation], now_ms: int) -> tuple[Violation, ...]: ...
 
     def on_sample(self, sample: NodeSample, now_ms: int) -> tuple[Violation, ...]: ...
 
@@ -244,6 +254,11 @@ class GuardProcessor(ProcessorLifecycle):
       refresh), ``gpumeter_guard_violations_firing{rule,severity}`` from ``engine.active()``.
     * ``flush()``: wait until every violation produced so far is acknowledged, re-sending failures with backoff.
     * ``state()``: the engine's snapshot and the positions it covers (take it right after ``flush()``).
+    * ``begin_rebuild(last_states)``: a guard without a usable state file seeds its engine from the violations
+      topic's last state per fingerprint (``GuardEngine.adopt``) and then publishes no violation while it re-reads
+      its input (``rebuilding``; dead letters still go out); ``finish_rebuild()`` publishes what the topic must
+      hear (``GuardEngine.settle``). Nothing old fires again: a pod deleted long ago whose alert had resolved is
+      replayed, found resolved, and dropped.
     """
 
     def __init__(self, *, engine: Engine, producer: Producer, topics: TopicCatalog, clock: Clock,
@@ -273,6 +288,7 @@ class GuardProcessor(ProcessorLifecycle):
         self._states: dict[str, ViolationState] = {v.fingerprint: v.state for v in engine.active()
                                                    if v.state is ViolationState.FIRING}
         self._firing_series: set[tuple[str, str]] = set()
+        self._rebuild_states: dict[str, Violation] | None = None
         self._handlers: dict[str, Callable[[bytes, int], tuple[Violation, ...]]] = {
             topics.node_samples: self._sample,
             topics.pod_events: self._pod_event,
@@ -309,8 +325,39 @@ class GuardProcessor(ProcessorLifecycle):
         check_cost(cost, now_ms, self.max_clock_skew_ms)
         return self.engine.on_cost(cost, now_ms)
 
+    @property
+    def rebuilding(self) -> bool:
+        return self._rebuild_states is not None
+
+    def begin_rebuild(self, last_states: Iterable[Violation]) -> None:
+        """Seed the engine from the violations topic and hold violations back until ``finish_rebuild``."""
+        states = {v.fingerprint: v for v in last_states}
+        self.engine.adopt(states.values(), self.clock.now_ms())
+        self._rebuild_states = states
+        firing = tuple(v for v in self.engine.active() if v.state is ViolationState.FIRING)
+        self._states = {v.fingerprint: v.state for v in firing}
+        self._refresh_firing_gauge()
+        if self.sink is not None and firing:
+            self.sink.update(firing)  # renew the leases of what the topic holds firing
+        log.info("rebuilding from the violations topic: %d fingerprints, %d firing; no violation is published "
+                 "until the input is re-read", len(states), len(firing))
+
+    async def finish_rebuild(self) -> tuple[Violation, ...]:
+        """The input is re-read: publish what the topic must hear (``GuardEngine.settle``) and go on normally."""
+        states, self._rebuild_states = self._rebuild_states, None
+        if states is None:
+            return ()
+        settled = self.engine.settle(states, self.clock.now_ms())
+        log.info("rebuilt from the violations topic: %d violations to publish", len(settled))
+        if settled:
+            await self.publish(settled)
+        else:
+            self._refresh_firing_gauge()
+        return settled
+
     async def handle(self, message: RawMessage) -> tuple[Violation, ...] | None:
-        """Process one input message; returns the violations it produced (None: dead-lettered or skipped)."""
+        """Process one input message; returns the violations it produced (None: dead-lettered or skipped), which
+        are published unless a rebuild holds them back."""
         self.positions[(message.topic, message.partition)] = message.offset + 1
         self.stats.messages += 1
         self.stats.by_topic[message.topic] = self.stats.by_topic.get(message.topic, 0) + 1
@@ -319,7 +366,7 @@ class GuardProcessor(ProcessorLifecycle):
                 self.metrics.get("gpumeter_messages_consumed_total").labels(SERVICE_NAME, message.topic).inc()
             return None
         violations = await self.guard.handle(message, self._process)
-        if violations:
+        if violations and not self.rebuilding:
             await self.publish(violations)
         return violations
 
@@ -334,7 +381,7 @@ class GuardProcessor(ProcessorLifecycle):
         """Run the engine's clock rules now and publish what they return."""
         self.stats.clock_runs += 1
         violations = tuple(self.engine.on_clock(self.clock.now_ms(), detect_stale=caught_up))
-        if violations:
+        if violations and not self.rebuilding:
             await self.publish(violations)
         return violations
 
@@ -429,6 +476,7 @@ class GuardService:
         self._consumer = None
         self._partitions: tuple = ()
         self._committed: dict[TopicPartition, int] = {}
+        self._rebuild_ends: dict = {}
         self.commits = 0
         self.snapshots = 0
 
@@ -449,6 +497,8 @@ class GuardService:
             try:
                 await consumer.start()
                 await self._assign(consumer)
+                if not self.restored:
+                    await self._begin_rebuild(consumer)
             except (KafkaError, OSError, asyncio.TimeoutError) as exc:
                 raise ConsumerUnavailable(f"cannot reach Kafka at {self.kafka.bootstrap_servers}: {exc!r}") from exc
         except BaseException:
@@ -477,6 +527,7 @@ class GuardService:
                             if self.processor.stopping:
                                 break
                             await self.processor.handle(raw_message(record))
+                    await self._finish_rebuild_when_read(consumer)
                 if timer.monotonic_s() >= next_checkpoint:
                     await self.checkpoint()
                     next_checkpoint = timer.monotonic_s() + self.snapshot_interval_seconds
@@ -532,6 +583,29 @@ class GuardService:
         log.info("reading %d partitions of %s (%s)", len(partitions), ", ".join(self.processor.input_topics),
                  "positions from the state file" if self.restored else "no state file: pod events from the start")
 
+    async def _begin_rebuild(self, consumer) -> None:
+        """No state file: seed the engine from the violations topic before anything is raised, and note how far
+        the input reaches now; until it is read that far, violations are held back (``GuardProcessor``)."""
+        from services.guard.violations_cli import ViolationsReadError, read_violations
+
+        try:
+            view = await read_violations(self.kafka, self.topics.violations, timeout_s=REBUILD_READ_TIMEOUT_S)
+        except ViolationsReadError as exc:
+            raise ConsumerUnavailable(f"cannot rebuild from {self.topics.violations}: {exc}") from exc
+        if view.undecodable:
+            log.warning("%d records on %s are no Violation: ignored", view.undecodable, self.topics.violations)
+        self._rebuild_ends = dict(await consumer.end_offsets(list(self._partitions)))
+        self.processor.begin_rebuild(view.violations)
+        await self._finish_rebuild_when_read(consumer)
+
+    async def _finish_rebuild_when_read(self, consumer) -> None:
+        if not self.processor.rebuilding:
+            return
+        for tp, end in self._rebuild_ends.items():
+            if await consumer.position(tp) < end:
+                return
+        await self.processor.finish_rebuild()
+
     async def _relay_stop(self, stop: asyncio.Event) -> None:
         await stop.wait()
         self.processor.stop()
@@ -565,6 +639,8 @@ class GuardService:
             await self._save_and_commit()
 
     async def _save_and_commit(self) -> None:
+        if self.processor.rebuilding:
+            return  # the engine holds back what the topic has not heard: a state file now would lose it
         state = self.processor.state()
         if self.store is not None:
             try:

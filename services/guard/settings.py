@@ -13,10 +13,17 @@ import argparse
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from gpumeter.errors import ConfigError
-from gpumeter.settings import SECRET_MARK, KafkaSettings, mask_url_userinfo
+from gpumeter.settings import (
+    DEFAULT_METRICS_ADDRESS,
+    METRICS_ADDRESS_ENV,
+    KafkaSettings,
+    add_metrics_address_argument,
+    check_metrics_address,
+)
+from gpumeter.redact import mask_url
 from gpumeter.validation import DEFAULT_DOWNSTREAM_MAX_CLOCK_SKEW_SECONDS as DEFAULT_MAX_CLOCK_SKEW_SECONDS
 from gpumeter.validation import DEFAULT_MAX_SAMPLE_AGE_SECONDS
 
@@ -35,27 +42,23 @@ STATE_PATH_ENV = "GPUMETER_GUARD_STATE_PATH"
 ALERTMANAGER_URL_ENV = "GPUMETER_GUARD_ALERTMANAGER_URL"
 
 
-def mask_url_credentials(url: str) -> str:
-    """``url`` with its password (if any) shown as ``***``. Never raises: a URL that does not parse (a bad port)
-    is masked by its text (``gpumeter.settings.mask_url_userinfo``)."""
+def _check_alertmanager_url(url: str) -> str:
+    """``url`` without a trailing "/"; ``ConfigError`` (showing it masked) unless urllib -- the parser aiohttp's
+    yarl follows -- reads an http(s) URL with a host, a numeric port if any, and no query or fragment. A password
+    holding an unencoded "/", "?" or "#" ends the authority early (``http://am:AM/x@host`` names host ``am``, port
+    ``AM``): refused here, not sent to the wrong host."""
+    shown = mask_url(url)
     try:
         parts = urlsplit(url)
-        if parts.password is None:
-            return url
-        host = parts.hostname or ""
-        if parts.port is not None:
-            host = f"{host}:{parts.port}"
+        parts.port  # raises ValueError for a port that is not a number
     except ValueError:
-        return mask_url_userinfo(url)
-    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:{SECRET_MARK}@{host}"))
-
-
-def _check_alertmanager_url(url: str) -> str:
-    parts = urlsplit(url)
+        # Not the library's message: it quotes what it could not read as a port, which may be a password's tail.
+        raise ConfigError(f"Alertmanager URL {shown!r} does not parse (a port that is not a number?); "
+                          "percent-encode '@', '/', '?' and '#' in a user name or password") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(f"Alertmanager URL {mask_url_credentials(url)!r} is not an http(s) URL with a host")
+        raise ConfigError(f"Alertmanager URL {shown!r} is not an http(s) URL with a host")
     if parts.query or parts.fragment:
-        raise ConfigError("the Alertmanager URL is the server's base URL: no query or fragment")
+        raise ConfigError(f"Alertmanager URL {shown!r}: the server's base URL has no query or fragment")
     return url.rstrip("/")
 
 
@@ -101,6 +104,7 @@ class GuardSettings:
     max_clock_skew_seconds: int = DEFAULT_MAX_CLOCK_SKEW_SECONDS
     max_sample_age_seconds: int = DEFAULT_MAX_SAMPLE_AGE_SECONDS
     metrics_port: int = DEFAULT_METRICS_PORT
+    metrics_address: str = DEFAULT_METRICS_ADDRESS
     retry_initial_seconds: float = 0.5
     retry_max_seconds: float = 30.0
     max_poll_records: int = 2000
@@ -133,6 +137,7 @@ class GuardSettings:
             raise ConfigError("the maximum sample age must be > 0 seconds")
         if not (0 <= self.metrics_port <= 65535):
             raise ConfigError(f"metrics port {self.metrics_port} is not a TCP port (0 disables)")
+        object.__setattr__(self, "metrics_address", check_metrics_address(self.metrics_address))
         if not (0 < self.retry_initial_seconds <= self.retry_max_seconds):
             raise ConfigError("retry backoff needs 0 < initial <= max seconds")
         if self.max_poll_records < 1:
@@ -156,8 +161,8 @@ class GuardSettings:
             value = getattr(self, f.name)
             if f.name == "kafka":
                 value = value.describe()
-            elif f.name == "alertmanager_url" and value is not None:
-                value = mask_url_credentials(value)
+            elif f.name in ("alertmanager_url", "external_url") and value is not None:
+                value = mask_url(value)
             elif isinstance(value, Path):
                 value = str(value)
             view[f.name] = value
@@ -183,6 +188,7 @@ _ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "max_clock_skew_seconds": ("GPUMETER_MAX_CLOCK_SKEW_SECONDS", int),
     "max_sample_age_seconds": ("GPUMETER_MAX_SAMPLE_AGE_SECONDS", int),
     "metrics_port": ("GPUMETER_METRICS_PORT", int),
+    "metrics_address": (METRICS_ADDRESS_ENV, str),
     "retry_initial_seconds": ("GPUMETER_GUARD_RETRY_INITIAL_SECONDS", float),
     "retry_max_seconds": ("GPUMETER_GUARD_RETRY_MAX_SECONDS", float),
     "max_poll_records": ("GPUMETER_GUARD_MAX_POLL_RECORDS", int),
@@ -193,7 +199,7 @@ _ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
 _FLAG_FIELDS = ("config_path", "consumer_group", "auto_offset_reset", "topic_partitions", "state_path",
                 "snapshot_interval_seconds", "alertmanager_url", "alertmanager_resend_seconds",
                 "alertmanager_timeout_seconds", "external_url", "clock_interval_seconds", "max_clock_skew_seconds",
-                "max_sample_age_seconds", "metrics_port",
+                "max_sample_age_seconds", "metrics_port", "metrics_address",
                 "duration_seconds", "log_level")
 
 
@@ -231,6 +237,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(env GPUMETER_MAX_SAMPLE_AGE_SECONDS, default {DEFAULT_MAX_SAMPLE_AGE_SECONDS})")
     parser.add_argument("--metrics-port", type=int,
                         help=f"Prometheus /metrics port, 0 disables (default {DEFAULT_METRICS_PORT})")
+    add_metrics_address_argument(parser)
     parser.add_argument("--duration", dest="duration_seconds", type=float, help="stop after this many seconds")
     parser.add_argument("--log-level", help="DEBUG | INFO | WARNING | ERROR")
 

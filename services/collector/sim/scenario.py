@@ -438,10 +438,12 @@ class Scenario:
         return self.start_unix_ms + round(self.duration_seconds * 1000)
 
     def node(self, name: str) -> NodeSpec:
+        """The node called ``name``; ``ScenarioError`` naming the scenario's nodes when there is none."""
         for node in self.nodes:
             if node.name == name:
                 return node
-        raise KeyError(name)
+        known = ", ".join(node.name for node in self.nodes)
+        raise ScenarioError("nodes", f"no node {name!r} in the scenario (its nodes: {known})")
 
     def tick_times_ms(self) -> tuple[int, ...]:
         """The collector ticks of a replay: ``start + k × interval`` for k = 1 .. duration // interval.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections import Counter, defaultdict
 
 import pytest
@@ -202,3 +203,45 @@ def test_a_bill_written_before_publishers_were_recorded_is_claimed_by_one_publis
         assert a.write(*everything(results)).others == keys
         assert b.write(*everything(results)).unpublished == keys
         assert {row["publisher"] for row in legacy.bills()} == {"group-b"}
+
+
+@pytest.mark.parametrize("break_it, what", [
+    (lambda db: db.parent.rename(db.parent.with_name("elsewhere")), "does not exist"),
+    (lambda db: db.with_name(db.name + "-wal").mkdir(), "-wal is not a regular file"),
+    (lambda db: os.mkfifo(db.with_name(db.name + "-shm")), "-shm is not a regular file"),
+    (lambda db: (db.unlink(), db.mkdir()), "ledger.sqlite3 is not a regular file"),
+], ids=["folder gone", "wal a folder", "shm a fifo", "database a folder"])
+def test_unusable_sqlite_files_are_reported_before_sqlite_touches_them_and_retried(tmp_path, break_it, what):
+    """A ledger whose files cannot be used says which and why, without calling SQLite (which maps the -shm), as a
+    ``LedgerUnusable`` billing retries; once the files are fixed the same ledger works."""
+    import shutil
+
+    from services.billing.ledger import LedgerUnusable
+    from services.billing.service import is_transient_ledger_error
+
+    folder = tmp_path / "ledger"
+    folder.mkdir()
+    db = folder / "ledger.sqlite3"
+    with Ledger(f"sqlite:///{db}") as ledger:
+        ledger.migrate()
+    backup = tmp_path / "backup.sqlite3"
+    shutil.copy(db, backup)
+    ledger = Ledger(f"sqlite:///{db}")
+    connects = []
+    event.listen(ledger.engine, "connect", lambda *args: connects.append(1))
+    break_it(db)
+    with pytest.raises(LedgerUnusable, match=what) as refused:
+        ledger.migrate()
+    assert is_transient_ledger_error(refused.value) and connects == []  # SQLite never opened it
+    # fixed: the folder back, the stray files gone, the database restored
+    if not folder.exists():
+        folder.with_name("elsewhere").rename(folder)
+    for stray in (db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm"), db):
+        if stray.is_dir():
+            stray.rmdir()
+        elif stray.exists() and not stray.is_file():
+            stray.unlink()
+    if not db.exists():
+        shutil.copy(backup, db)
+    assert ledger.migrate() == Ledger.head_revision()
+    assert ledger.close()

@@ -958,3 +958,62 @@ async def test_a_missing_price_folder_stops_the_service_before_it_connects(tmp_p
                                metrics_port=0)
     assert await serve(settings) == 2
     assert not (tmp_path / "l.db").exists()
+
+
+def exported_series(metrics: ServiceMetrics, name: str) -> dict[tuple, float]:
+    """The label sets (and values) ``name`` exports now, as a scrape of the registry sees them."""
+    samples = {}
+    for family in metrics.registry.collect():
+        for sample in family.samples:
+            if sample.name == name:
+                samples[tuple(sorted(sample.labels.items()))] = sample.value
+    return samples
+
+
+async def test_series_of_pods_that_came_and_went_are_removed_after_their_last_window(sqlite_ledger):
+    """1,000 pods come and go on two nodes, ten at a time per GPU; then one node goes away. Only the pods of the
+    newest windows keep their series, each with its whole cost; the node's series go once it has billed nothing
+    for the memory horizon."""
+    metrics = ServiceMetrics("billing", BILLING_METRICS)
+    clock = ManualClock(WINDOW_START_MS + 90_000)
+    processor = make_processor(sqlite_ledger, clock=clock, metrics=metrics, memory_s=600.0)
+    feed = Feed()
+    windows, pods_per_window = 50, 10
+    expected_cost: dict[tuple, int] = defaultdict(int)
+    catalog = PriceCatalog.load()
+    live: dict[str, set[tuple]] = {}
+    for w in range(windows):
+        start = WINDOW_START_MS + w * MINUTE_MS
+        clock.set_ms(start + 90_000)
+        for node in ("node-a", "node-b"):
+            rows = [pod(f"{node}-w{w}-{i}", 0.09, "ml", team=f"team-{i % 3}") for i in range(pods_per_window)]
+            rows.append(bucket(ShareSubjectKind.IDLE, 0.1))
+            shares = node_window([Unit("GPU-0", rows)], node=node, window_start_ms=start)
+            for message in feed.messages(shares):
+                await processor.handle(message)
+            live[node] = set()
+            for record in bill_node_window(shares, catalog).costs:
+                if record.subject_kind is CostSubjectKind.POD:
+                    labels = (("namespace", "ml"), ("pod", record.pod_name), ("team", record.labels["team"]))
+                    expected_cost[labels] += record.cost_micro_usd
+                    live[node].add(labels)
+    assert processor.stats.windows_billed == 2 * windows  # 1,000 pods billed
+    pod_cost = "gpumeter_pod_gpu_cost_micro_usd_total"
+    exported = exported_series(metrics, pod_cost)
+    assert set(exported) == live["node-a"] | live["node-b"]  # 20 series, not 1,000
+    assert all(exported[labels] == expected_cost[labels] for labels in exported)
+    assert len(exported_series(metrics, "gpumeter_pod_gpu_memory_share")) == 2 * pods_per_window
+
+    # node-b goes away; node-a bills on beyond the memory horizon (600 s): node-b's series go, all of them.
+    for w in range(windows, windows + 12):
+        start = WINDOW_START_MS + w * MINUTE_MS
+        clock.set_ms(start + 90_000)
+        shares = node_window([Unit("GPU-0", [pod("steady", 0.5, "ml", team="team-0"),
+                                             bucket(ShareSubjectKind.IDLE, 0.5)])], node="node-a",
+                             window_start_ms=start)
+        for message in feed.messages(shares):
+            await processor.handle(message)
+    for name in (pod_cost, "gpumeter_pod_gpu_memory_share", "gpumeter_pod_gpu_compute_share",
+                 "gpumeter_node_cost_micro_usd_total", "gpumeter_bucket_cost_micro_usd_total"):
+        nodes_and_pods = {dict(labels).get("node") or dict(labels)["pod"] for labels in exported_series(metrics, name)}
+        assert nodes_and_pods in ({"node-a"}, {"pod-steady"}), (name, nodes_and_pods)

@@ -402,3 +402,25 @@ def test_duplicate_keys_are_rejected_not_silently_dropped():
     with pytest.raises(ScenarioError) as info:
         load_scenario(text)
     assert "duplicate key 'seed'" in str(info.value) and info.value.path.startswith("line ")
+
+
+@pytest.mark.parametrize("argv", [
+    ["--simulate", "scenarios/demo.yaml", "--node", "no-such-node"],  # a node the scenario does not have
+    ["--node", "gpu-node-1", "--kube-api", "none"],  # with GPUMETER_SHARING unreadable (below)
+])
+def test_the_collector_refuses_a_node_the_scenario_lacks_or_bad_sharing_in_one_line(argv, capsys):
+    from gpumeter import cli
+
+    argv = [str(REPO / a) if a.endswith(".yaml") else a for a in argv]
+    env = {"GPUMETER_SHARING": "GPU-1=sometimes", "GPUMETER_METRICS_PORT": "0"}
+    args = cli.build_parser("collector").parse_args(["collector", *argv])
+    from services.collector import main as collector_main
+
+    assert collector_main.main(args, env) == 2
+    out, err = capsys.readouterr()
+    lines = (out + err).strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), out + err
+    if "--simulate" in argv:
+        assert "no-such-node" in lines[0] and "gpu-p5-a" in lines[0]  # what is missing, and what there is
+    else:
+        assert "sometimes" in lines[0]

@@ -470,6 +470,34 @@ COST_CASES = [
 
 RANGE_CASES = {SAMPLES: SAMPLE_CASES, PODS: POD_CASES, SHARES: SHARE_CASES, COSTS: COST_CASES}
 
+# Names the API server would have refused (INVALID_NAME): forged text that would otherwise reach a report CSV, a
+# log line or an Alertmanager label.
+FORMULA = '=HYPERLINK("http://evil.example/x","click")'
+NAME_CASES = {
+    PODS: [
+        ("a namespace that is a spreadsheet formula", lambda h: _pod(h, namespace=FORMULA)),
+        ("a pod name with a newline", lambda h: _pod(h, name="train-0\n2026-01-01 INFO guard: all clear")),
+        ("a label value with HTML", lambda h: _pod(h, labels=MappingProxyType({"team": "<b>ml</b>"}))),
+        ("a label key with CRLF", lambda h: _pod(h, labels=MappingProxyType({"team\r\nX-Evil": "ml"}))),
+        ("a label value with ANSI", lambda h: _pod(h, labels=MappingProxyType({"team": "\x1b[31mml"}))),
+        ("a label value starting with =", lambda h: _pod(h, labels=MappingProxyType({"team": "=1+2"}))),
+        ("an upper-case pod name", lambda h: _pod(h, name="Train-0")),
+        ("a resource name with a space", lambda h: _pod(h, gpu_requests=MappingProxyType({"nvidia.com/ gpu": 1}))),
+    ],
+    SAMPLES: [
+        ("a node name with ANSI", lambda h: _sample(h, node_name="gpu-node-a\x1b[2J")),
+        ("a GPU uuid with HTML", lambda h: _sample(h, [_dev(uuid="<i>GPU-0</i>")])),
+    ],
+    SHARES: [
+        ("a namespace that is a spreadsheet formula", lambda h: good_share(h.now_ms, 500, namespace=FORMULA)),
+        ("a label value with a newline", lambda h: good_share(h.now_ms, 500,
+                                                              labels=MappingProxyType({"team": "ml\nx"}))),
+    ],
+    COSTS: [
+        ("a pod name with CRLF", lambda h: good_cost(h.now_ms, 500, pod_name="p\r\nx")),
+    ],
+}
+
 
 def _late_tick(h: Harness) -> tuple[list, Bad]:
     start = (h.now_ms - 60_000) // (WINDOW_S * 1000) * (WINDOW_S * 1000)
@@ -510,6 +538,9 @@ def _params():
             for name, build_record in RANGE_CASES[kind]:
                 params.append(pytest.param(service, kind, (lambda b: lambda h: ([], Bad(record=b(h))))(build_record),
                                            "OUT_OF_RANGE", id=f"{service}-{kind}-{name}"))
+            for name, build_record in NAME_CASES[kind]:
+                params.append(pytest.param(service, kind, (lambda b: lambda h: ([], Bad(record=b(h))))(build_record),
+                                           "INVALID_NAME", id=f"{service}-{kind}-{name}"))
     for service, kind, name, build, reason in SERVICE_CASES:
         params.append(pytest.param(service, kind, build, reason, id=f"{service}-{kind}-{name}"))
     return params
@@ -557,7 +588,7 @@ async def test_every_input_topic_survives_a_stream_of_bad_messages(make_harness,
             _, bad = build(h)
             await h.send(kind, bad.value)
             sent += 1
-        for _name, build_record in RANGE_CASES[kind]:
+        for _name, build_record in (*RANGE_CASES[kind], *NAME_CASES[kind]):
             record = build_record(h)
             key, partition = h.address(kind, record)
             await h.send(kind, encode(record), key=key, partition=partition)

@@ -387,6 +387,7 @@ def test_service_specs_run_every_part_of_the_pipeline_on_the_runs_topics(tmp_pat
         assert flag(spec, "--bootstrap-servers") == "127.0.0.1:9"
         assert flag(spec, "--topic-prefix") == config.prefix == "run-20261129-120000-abcd."
         assert flag(spec, "--metrics-port") == "0"  # several services on one host: no port clashes
+        assert flag(spec, "--metrics-address") == "127.0.0.1"  # and were one enabled, only this machine's
         assert spec.argv[:3] == (sys.executable, "-m", "gpumeter.cli")
     for node in nodes:
         collector = by_name[f"collector {node}"]

@@ -27,7 +27,6 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaConnectionError
-from sqlalchemy.engine import make_url
 
 from gpumeter import cli
 from gpumeter.settings import SECRET_MARK, KafkaSettings
@@ -305,7 +304,7 @@ def debug_logs(caplog, monkeypatch):
 def test_the_collector_prints_its_settings_without_the_sasl_password(monkeypatch, env, capsys, debug_logs):
     from services.collector import main as collector_main
 
-    async def no_run(settings):
+    async def no_run(settings, scenario=None):
         return 0
 
     monkeypatch.setattr(collector_main, "run", no_run)
@@ -342,8 +341,7 @@ def test_billing_prints_and_logs_without_the_sasl_or_ledger_password(monkeypatch
     out, err = capsys.readouterr()
     dump = config_dump(out, "gpumeter billing ")
     assert dump["kafka"]["sasl_password"] == SECRET_MARK
-    assert dump["ledger_url"] == make_url(LEDGER_URL).render_as_string(hide_password=True)
-    assert ":***@" in dump["ledger_url"]
+    assert dump["ledger_url"] == "postgresql+psycopg://billing:***@/ledger?host=/nonexistent-gpumeter-socket-dir"
     logs = logged(debug_logs)
     assert "ledger unavailable" in logs  # the retries ran and were logged
     settings = billing_settings(args, env)
@@ -405,3 +403,74 @@ def test_the_clis_errors_do_not_show_the_sasl_password(monkeypatch, env, capsys,
     out, err = capsys.readouterr()
     assert "error: " in out + err
     assert_no_secret(out, err, logged(debug_logs))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Where the metrics server listens
+
+
+SERVICES = ("collector", "attributor", "billing", "guard")
+
+
+def _service_settings(command: str, argv: tuple[str, ...], env: dict[str, str]):
+    from services.attributor.settings import attributor_settings
+    from services.billing.settings import billing_settings
+    from services.collector.settings import collector_settings
+    from services.guard.settings import guard_settings
+
+    loaders = {"collector": collector_settings, "attributor": attributor_settings, "billing": billing_settings,
+               "guard": guard_settings}
+    return loaders[command](args_for(command, *argv), env)
+
+
+@pytest.mark.parametrize("command", SERVICES)
+def test_every_service_takes_its_metrics_address_from_the_flag_or_the_environment(command, capsys):
+    env = {"GPUMETER_NODE_NAME": "gpu-node-1"}
+    assert _service_settings(command, (), env).metrics_address == "0.0.0.0"  # the manifests' default
+    assert _service_settings(command, (), {**env, "GPUMETER_METRICS_ADDRESS": "10.1.2.3"}).metrics_address == \
+        "10.1.2.3"
+    flagged = _service_settings(command, ("--metrics-address", "::1"), {**env, "GPUMETER_METRICS_ADDRESS": "10.1.2.3"})
+    assert flagged.metrics_address == "::1"  # the flag wins
+    from gpumeter.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="metrics address"):
+        _service_settings(command, ("--metrics-address", "0.0.0.0; rm -rf /"), env)
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    help_text = capsys.readouterr().out
+    assert "--metrics-address" in help_text and "GPUMETER_METRICS_ADDRESS" in help_text
+
+
+def test_every_service_serves_its_metrics_on_the_configured_address(monkeypatch, env, tmp_path):
+    """Each service's real start-up hands its settings' address to the metrics server."""
+    from gpumeter.metrics import ServiceMetrics
+    from services.attributor import main as attributor_main
+    from services.billing import main as billing_main
+    from services.collector import main as collector_main
+    from services.guard import main as guard_main
+
+    served: dict[str, tuple[int, str]] = {}
+
+    class Served(Exception):
+        pass
+
+    def serve(metrics, port, address="unset"):
+        served[metrics.service] = (port, address)
+        if metrics.service in ("collector", "attributor"):
+            raise Served  # nothing further of these is needed
+        return None
+
+    monkeypatch.setattr(ServiceMetrics, "serve", serve)
+    broker = NoBroker(monkeypatch)
+    env = {**env, "GPUMETER_METRICS_PORT": "9999", "GPUMETER_METRICS_ADDRESS": "127.0.0.2",
+           "GPUMETER_LEDGER_URL": f"sqlite:///{tmp_path}/ledger.db"}
+    env.pop("GPUMETER_GUARD_ALERTMANAGER_URL")
+    with pytest.raises(Served):
+        asyncio.run(collector_main.run(_service_settings("collector", (), env)))
+    with pytest.raises(Served):
+        attributor_main._run_worker(_service_settings("attributor", (), env))
+    assert asyncio.run(billing_main.serve(_service_settings("billing", (), env))) == 1  # no broker for its consumer
+    assert asyncio.run(guard_main.serve(_service_settings("guard", (), env))) == 1
+    close_all(broker)
+    assert served == {service: (9999, "127.0.0.2") for service in SERVICES}
+

@@ -187,3 +187,48 @@ async def test_state_restores_the_same_engine():
     assert state.positions == processor.positions
     assert GuardEngine.restore(config, state.engine_bytes).active() == processor.engine.active()
     assert len(processor.engine.active()) == 1
+
+
+async def test_a_rebuild_from_the_violations_topic_publishes_only_what_the_topic_does_not_know():
+    """The four cases of a guard that lost its state: a resolved leak replayed (ADDED, DELETED) stays silent; a
+    firing one still leaky keeps its first_seen and is not sent again; a firing one whose pod was deleted resolves
+    after the hold-down; a new one fires. Nothing is published before ``finish_rebuild``; no state while
+    rebuilding is taken as published."""
+    first, producer, _, _, clock, _ = make()
+    feed = Feed()
+
+    def pod(uid: str, event_type: PodEventType = PodEventType.ADDED) -> PodEvent:
+        return dataclasses.replace(leaky(clock.now_ms(), event_type), uid=uid, name=f"nb-{uid}")
+
+    for uid in ("gone", "stays", "deleted"):
+        await first.handle(feed.pod(pod(uid)))
+    await first.handle(feed.pod(pod("gone", PodEventType.DELETED)))
+    clock.advance_ms(HOLD_DOWN_SECONDS * 1000)
+    await first.tick()
+    topic = {v.fingerprint: v for _, v in violations_sent(producer)}  # the compacted topic's last states
+    by_pod = {v.pod_uid: v for v in topic.values()}
+    assert by_pod["gone"].state is ViolationState.RESOLVED
+    assert by_pod["stays"].state is by_pod["deleted"].state is ViolationState.FIRING
+
+    clock.advance_ms(600_000)  # ten minutes later a guard without state starts: pod events from the beginning
+    second, sent, sink, metrics, second_clock, _ = make()
+    second_clock.set_ms(clock.now_ms())
+    second.begin_rebuild(topic.values())
+    assert sorted(v.pod_uid for v in sink.updates) == ["deleted", "stays"]  # the firing ones' leases renewed
+    replay = Feed()
+    for uid, event_type in (("gone", PodEventType.ADDED), ("stays", PodEventType.ADDED),
+                            ("deleted", PodEventType.ADDED), ("gone", PodEventType.DELETED),
+                            ("deleted", PodEventType.DELETED), ("new", PodEventType.ADDED)):
+        await second.handle(replay.pod(dataclasses.replace(pod(uid, event_type), observed_at_unix_ms=clock.now_ms())))
+    await second.tick()
+    assert violations_sent(sent) == [] and second.rebuilding
+    settled = await second.finish_rebuild()
+    assert [(v.pod_uid, v.state) for v in settled] == [("new", ViolationState.FIRING)]
+    second_clock.advance_ms(HOLD_DOWN_SECONDS * 1000)
+    await second.tick()
+    after = [(v.pod_uid, v.state) for _, v in violations_sent(sent)]
+    assert after == [("new", ViolationState.FIRING), ("deleted", ViolationState.RESOLVED)]
+    resolved = violations_sent(sent)[1][1]
+    assert resolved.first_seen_unix_ms == by_pod["deleted"].first_seen_unix_ms
+    assert {v.pod_uid: v.first_seen_unix_ms for v in second.engine.active()} == {
+        "stays": by_pod["stays"].first_seen_unix_ms, "new": second_clock.now_ms() - HOLD_DOWN_SECONDS * 1000}
