@@ -198,6 +198,7 @@ class ShareRow:
     method: str
     sample_count: int
     covered_seconds: float
+    carried_label_keys: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -584,6 +585,7 @@ def _attribute(unit: UnitWindow, pods: PodLookup, policy: AttributionPolicy, slo
                 method,
                 sample_count,
                 covered_seconds,
+                info.carried_label_keys if info is not None else (),
             )
         )
     for j, kind in enumerate(BUCKET_KINDS):
@@ -1177,6 +1179,7 @@ def attribute_node_window_detailed(window: NodeWindow, pods: PodLookup, policy: 
                     row.covered_seconds,
                     facts.zone,
                     facts.provider_id,
+                    row.carried_label_keys,
                 )
             )
     return NodeAttribution(tuple(shares), units, node_covered_seconds)
