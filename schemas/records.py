@@ -279,6 +279,7 @@ class PodContainer:
     assigned_devices: tuple[DeviceAssignment, ...]
     visible_devices_env: str | None
     privileged: bool = False
+    mps_active_thread_percentage: float | None = None  # v2
 
     def to_avro(self) -> dict[str, Any]:
         return {
@@ -288,6 +289,7 @@ class PodContainer:
             "assigned_devices": [a.to_avro() for a in self.assigned_devices],
             "visible_devices_env": self.visible_devices_env,
             "privileged": self.privileged,
+            "mps_active_thread_percentage": self.mps_active_thread_percentage,
         }
 
     @classmethod
@@ -299,6 +301,7 @@ class PodContainer:
             assigned_devices=tuple(DeviceAssignment.from_avro(a) for a in d["assigned_devices"]),
             visible_devices_env=d["visible_devices_env"],
             privileged=d["privileged"],
+            mps_active_thread_percentage=d.get("mps_active_thread_percentage"),
         )
 
 

@@ -714,12 +714,15 @@ def _decide(epoch: _Epoch, unit: UnitWindow, assignees: Sequence[tuple[PodInfo, 
 
 def _thread_percents(replicas: int, nslots: int, assignees: Sequence[tuple[PodInfo, UnitAssignment]],
                      assignee_slots: Sequence[int], policy: AttributionPolicy) -> list[float]:
-    """Per pod slot: the active-thread percentage its MPS clients run with (the pod's annotation when set and
-    valid, else its replicas' 100/replicas each); processes of no known pod count with one replica's share."""
+    """Per pod slot: the active-thread percentage its MPS clients run with -- the pod's annotation when set and
+    valid, else the ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` its container spec sets, else its replicas'
+    100/replicas each (the device plugin's cap); processes of no known pod count with one replica's share."""
     default_pct = 100.0 / replicas
     thread_pct = [default_pct] * (nslots + 1)
     for slot, (info, claim) in zip(assignee_slots, assignees):
         configured = _parse_thread_percent(info, policy.mps_thread_annotation)
+        if configured is None:
+            configured = info.mps_active_thread_percentage
         if configured is None:
             configured = min(100.0, 100.0 * claim.claim_replicas(replicas) / replicas)
         thread_pct[slot] = configured

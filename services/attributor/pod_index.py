@@ -130,6 +130,8 @@ class PodInfo:
     gpu_requests: Mapping[str, int]
     assignments: tuple[PodDeviceAssignment, ...]
     carried_label_keys: tuple[str, ...] = ()  # the keys ``labels`` was selected from; (): all of the pod's
+    # CUDA_MPS_ACTIVE_THREAD_PERCENTAGE its containers' specs set (the largest; None: none sets it).
+    mps_active_thread_percentage: float | None = None
 
     @property
     def life_start_ms(self) -> int:
@@ -193,6 +195,9 @@ def _pod_info(event: PodEvent, previous: PodInfo | None, fields: PodFields = ALL
         name=event.name,
         labels=fields.carried_labels(event.labels),
         carried_label_keys=fields.carried_label_keys,
+        mps_active_thread_percentage=max(
+            (c.mps_active_thread_percentage for c in event.containers if c.mps_active_thread_percentage is not None),
+            default=None),
         annotations=fields.kept_annotations(event.annotations),
         workload_kind=event.workload_kind,
         workload_name=event.workload_name,
