@@ -279,6 +279,7 @@ class PodContainer:
     assigned_devices: tuple[DeviceAssignment, ...]
     visible_devices_env: str | None
     privileged: bool = False
+    mps_active_thread_percentage: float | None = None  # v2
 
     def to_avro(self) -> dict[str, Any]:
         return {
@@ -288,6 +289,7 @@ class PodContainer:
             "assigned_devices": [a.to_avro() for a in self.assigned_devices],
             "visible_devices_env": self.visible_devices_env,
             "privileged": self.privileged,
+            "mps_active_thread_percentage": self.mps_active_thread_percentage,
         }
 
     @classmethod
@@ -299,6 +301,7 @@ class PodContainer:
             assigned_devices=tuple(DeviceAssignment.from_avro(a) for a in d["assigned_devices"]),
             visible_devices_env=d["visible_devices_env"],
             privileged=d["privileged"],
+            mps_active_thread_percentage=d.get("mps_active_thread_percentage"),
         )
 
 
@@ -382,11 +385,6 @@ def _flat_to_avro(record: Any, enum_fields: tuple[str, ...], map_fields: tuple[s
     return d
 
 
-CARRIED_LABELS_KEY = "gpumeter.io/carried-labels"
-"""A label of every POD share row (and the cost lines made from it) when the attributor carries only some labels:
-the carried label keys, sorted, comma-separated. Absent where all labels were carried (rows from before)."""
-
-
 @dataclass(frozen=True, slots=True)
 class GpuShare:
     cluster: str
@@ -421,9 +419,12 @@ class GpuShare:
     covered_seconds: float
     zone: str = ""  # v2
     provider_id: str = ""  # v2
+    carried_label_keys: tuple[str, ...] = ()  # v2
 
     def to_avro(self) -> dict[str, Any]:
-        return _flat_to_avro(self, ("sharing_mode", "subject_kind"), ("labels",))
+        d = _flat_to_avro(self, ("sharing_mode", "subject_kind"), ("labels",))
+        d["carried_label_keys"] = list(self.carried_label_keys)
+        return d
 
     @classmethod
     def from_avro(cls, d: Mapping[str, Any]) -> "GpuShare":
@@ -431,6 +432,7 @@ class GpuShare:
         values["sharing_mode"] = SharingMode(values["sharing_mode"])
         values["subject_kind"] = ShareSubjectKind(values["subject_kind"])
         values["labels"] = _frozen_map(values["labels"])
+        values["carried_label_keys"] = tuple(values.get("carried_label_keys") or ())
         return cls(**values)
 
 
@@ -451,15 +453,19 @@ class CostRecord:
     instance_type: str
     price_model: str
     price_version: str
+    carried_label_keys: tuple[str, ...] = ()  # v2
 
     def to_avro(self) -> dict[str, Any]:
-        return _flat_to_avro(self, ("subject_kind",), ("labels",))
+        d = _flat_to_avro(self, ("subject_kind",), ("labels",))
+        d["carried_label_keys"] = list(self.carried_label_keys)
+        return d
 
     @classmethod
     def from_avro(cls, d: Mapping[str, Any]) -> "CostRecord":
         values = dict(d)
         values["subject_kind"] = CostSubjectKind(values["subject_kind"])
         values["labels"] = _frozen_map(values["labels"])
+        values["carried_label_keys"] = tuple(values.get("carried_label_keys") or ())
         return cls(**values)
 
 

@@ -198,6 +198,7 @@ class ShareRow:
     method: str
     sample_count: int
     covered_seconds: float
+    carried_label_keys: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -584,6 +585,7 @@ def _attribute(unit: UnitWindow, pods: PodLookup, policy: AttributionPolicy, slo
                 method,
                 sample_count,
                 covered_seconds,
+                info.carried_label_keys if info is not None else (),
             )
         )
     for j, kind in enumerate(BUCKET_KINDS):
@@ -712,12 +714,15 @@ def _decide(epoch: _Epoch, unit: UnitWindow, assignees: Sequence[tuple[PodInfo, 
 
 def _thread_percents(replicas: int, nslots: int, assignees: Sequence[tuple[PodInfo, UnitAssignment]],
                      assignee_slots: Sequence[int], policy: AttributionPolicy) -> list[float]:
-    """Per pod slot: the active-thread percentage its MPS clients run with (the pod's annotation when set and
-    valid, else its replicas' 100/replicas each); processes of no known pod count with one replica's share."""
+    """Per pod slot: the active-thread percentage its MPS clients run with -- the pod's annotation when set and
+    valid, else the ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` its container spec sets, else its replicas'
+    100/replicas each (the device plugin's cap); processes of no known pod count with one replica's share."""
     default_pct = 100.0 / replicas
     thread_pct = [default_pct] * (nslots + 1)
     for slot, (info, claim) in zip(assignee_slots, assignees):
         configured = _parse_thread_percent(info, policy.mps_thread_annotation)
+        if configured is None:
+            configured = info.mps_active_thread_percentage
         if configured is None:
             configured = min(100.0, 100.0 * claim.claim_replicas(replicas) / replicas)
         thread_pct[slot] = configured
@@ -1177,6 +1182,7 @@ def attribute_node_window_detailed(window: NodeWindow, pods: PodLookup, policy: 
                     row.covered_seconds,
                     facts.zone,
                     facts.provider_id,
+                    row.carried_label_keys,
                 )
             )
     return NodeAttribution(tuple(shares), units, node_covered_seconds)

@@ -20,9 +20,9 @@ Rules:
   window + grace + the pipeline's lag, or late windows lose pod names (their usage then stays with the pod uid
   the collector saw, without namespace and name).
 * What of a pod's labels and annotations the index keeps is its ``PodFields``: with ``label_keys`` set (the
-  attributor's grouping labels, ``GPUMETER_GROUPING_LABELS``), only those labels, plus the label
-  ``schemas.records.CARRIED_LABELS_KEY`` naming them, so that every share row -- and every cost line made from
-  it -- says which labels were carried and a report can tell "not carried" from "the pod had none"; with
+  attributor's grouping labels, ``GPUMETER_GROUPING_LABELS``), only those labels, and ``carried_label_keys``
+  naming them (a field of every share row and every cost line made from it, ``GpuShare.carried_label_keys``), so
+  that a report can tell "not carried" from "the pod had none"; with
   ``annotation_keys`` set, only those annotations (attribution reads one: the MPS thread annotation). A pod with
   30,000 labels then costs the index, the share rows and the pod table what a pod with two does.
   ``trim_pod_event`` gives the event with the same cut (what the attributor stores per pod).
@@ -36,7 +36,7 @@ from types import MappingProxyType
 from typing import Iterable, Mapping, NamedTuple
 
 from gpumeter.errors import ConfigError
-from schemas.records import CARRIED_LABELS_KEY, PodEvent, PodEventType
+from schemas.records import PodEvent, PodEventType
 
 from services.attributor.modes import REPLICA_SEPARATOR, UnitAssignment
 
@@ -63,12 +63,15 @@ class PodFields:
                    None if annotation_keys is None else frozenset(annotation_keys))
 
     def carried_labels(self, labels: Mapping[str, str]) -> Mapping[str, str]:
-        """The labels a pod's share rows carry: the kept ones, and which keys were kept."""
+        """The labels a pod's share rows carry: the kept ones."""
         if self.label_keys is None:
             return MappingProxyType(dict(labels))
-        kept = {key: value for key, value in labels.items() if key in self.label_keys}
-        kept[CARRIED_LABELS_KEY] = ",".join(sorted(self.label_keys))
-        return MappingProxyType(kept)
+        return MappingProxyType({key: value for key, value in labels.items() if key in self.label_keys})
+
+    @property
+    def carried_label_keys(self) -> tuple[str, ...]:
+        """The keys share rows carry labels of, sorted; () when every label is carried."""
+        return () if self.label_keys is None else tuple(sorted(self.label_keys))
 
     def kept_annotations(self, annotations: Mapping[str, str]) -> Mapping[str, str]:
         if self.annotation_keys is None:
@@ -126,6 +129,9 @@ class PodInfo:
     resource_version: str
     gpu_requests: Mapping[str, int]
     assignments: tuple[PodDeviceAssignment, ...]
+    carried_label_keys: tuple[str, ...] = ()  # the keys ``labels`` was selected from; (): all of the pod's
+    # CUDA_MPS_ACTIVE_THREAD_PERCENTAGE its containers' specs set (the largest; None: none sets it).
+    mps_active_thread_percentage: float | None = None
 
     @property
     def life_start_ms(self) -> int:
@@ -188,6 +194,10 @@ def _pod_info(event: PodEvent, previous: PodInfo | None, fields: PodFields = ALL
         namespace=event.namespace,
         name=event.name,
         labels=fields.carried_labels(event.labels),
+        carried_label_keys=fields.carried_label_keys,
+        mps_active_thread_percentage=max(
+            (c.mps_active_thread_percentage for c in event.containers if c.mps_active_thread_percentage is not None),
+            default=None),
         annotations=fields.kept_annotations(event.annotations),
         workload_kind=event.workload_kind,
         workload_name=event.workload_name,

@@ -45,7 +45,7 @@ class AttributorSettings:
     * ``metrics_port``: Prometheus ``/metrics`` port, 0 for none; ``metrics_address``: where it listens.
     * ``grouping_labels``: the pod labels share rows carry (``GPUMETER_GROUPING_LABELS``, comma-separated; default
       ``team,model``). Every other label is left out of the rows and the pod table; rows say which keys they carry
-      (``schemas.records.CARRIED_LABELS_KEY``). Billing's and the guard's team label and every
+      (``GpuShare.carried_label_keys``). Billing's and the guard's team label and every
       ``gpumeter report --by label:<key>`` key must be among them.
     """
 

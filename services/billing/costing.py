@@ -422,6 +422,7 @@ def price_node_window(shares: Sequence[GpuShare], price: NodePrice) -> NodeWindo
                     labels=row.labels,
                     cost_share=row.cost_share,
                     cost_micro_usd=amount,
+                    carried_label_keys=row.carried_label_keys,
                     **common,
                 )
             )

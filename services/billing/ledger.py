@@ -184,6 +184,7 @@ cost_lines = Table(
     Column("instance_type", String(128), nullable=False),
     Column("price_model", String(16), nullable=False),
     Column("price_version", String(255), nullable=False),
+    Column("carried_label_keys", Text, nullable=False, server_default=""),
     PrimaryKeyConstraint("window_start_unix_ms", "cluster", "node_name", "gpu_uuid", "subject_kind", "pod_uid"),
     ForeignKeyConstraint(
         ["window_start_unix_ms", "cluster", "node_name"],
@@ -332,6 +333,7 @@ def _line_row(cost: CostRecord) -> dict[str, Any]:
         "instance_type": cost.instance_type,
         "price_model": cost.price_model,
         "price_version": cost.price_version,
+        "carried_label_keys": ",".join(cost.carried_label_keys),
     }
 
 
@@ -675,6 +677,22 @@ class Ledger:
         )
         return tuple(CostGroupRow(kind, grp, int(total), int(count)) for kind, grp, total, count in rows)
 
+    def cost_by_carried_label_keys(self, *, start_ms: int | None = None, end_ms: int | None = None,
+                                   cluster: str | None = None) -> tuple[CostGroupRow, ...]:
+        """Cost lines summed per (subject kind, carried label keys) -- the keys comma-separated, None where the
+        lines name none -- for windows starting in [start_ms, end_ms)."""
+        keys = func.nullif(cost_lines.c.carried_label_keys, "")
+        inner = (
+            select(cost_lines.c.subject_kind.label("kind"), keys.label("grp"), cost_lines.c.cost_micro_usd)
+            .where(*self._range(cost_lines, start_ms, end_ms, cluster))
+            .subquery()
+        )
+        rows = self._read(
+            select(inner.c.kind, inner.c.grp, func.sum(inner.c.cost_micro_usd), func.count())
+            .group_by(inner.c.kind, inner.c.grp)
+        )
+        return tuple(CostGroupRow(kind, grp, int(total), int(count)) for kind, grp, total, count in rows)
+
     def bills(self, *, start_ms: int | None = None, end_ms: int | None = None,
               cluster: str | None = None) -> tuple[dict[str, Any], ...]:
         """The node bills for windows starting in [start_ms, end_ms), oldest first, as column dicts."""
@@ -729,6 +747,7 @@ class Ledger:
                 instance_type=m["instance_type"],
                 price_model=m["price_model"],
                 price_version=m["price_version"],
+                carried_label_keys=tuple(filter(None, (m["carried_label_keys"] or "").split(","))),
             )
 
 

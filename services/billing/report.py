@@ -18,7 +18,7 @@ Contract:
   (OWASP's rule against formula injection) and control characters are escaped, in the table control characters
   are escaped (``gpumeter.safetext``).
 * **Labels not carried.** The attributor carries only its grouping labels on share rows (and so on cost lines),
-  and every pod line names them (``schemas.records.CARRIED_LABELS_KEY``). Grouping by a label the lines did not
+  and every pod line names them (``CostRecord.carried_label_keys``, kept by the ledger). Grouping by a label the lines did not
   carry, the report says so: ``(label <key> not carried)`` instead of ``(no <key> label)`` when no line carried
   it, and a note with the lines and cost concerned otherwise.
 * **Emitted windows not in the ledger.** Reconciling the ledger with itself cannot show what never reached it.
@@ -45,7 +45,7 @@ from typing import Any, Mapping, Sequence
 from gpumeter.clock import Clock, SystemClock
 from gpumeter.errors import ConfigError, GpumeterError
 from gpumeter.safetext import csv_cell, escape_control
-from schemas.records import CARRIED_LABELS_KEY, CostSubjectKind
+from schemas.records import CostSubjectKind
 from services.billing.costing import NodeWindowKey, iso_utc
 from services.billing.ledger import (
     DEFAULT_LEDGER_URL,
@@ -213,7 +213,7 @@ class Report:
 
 
 def label_carriage(rows: Sequence[CostGroupRow], label_key: str) -> LabelCarriage | None:
-    """From the pod lines grouped by ``CARRIED_LABELS_KEY``: those that carried other labels but not ``label_key``
+    """From the pod lines grouped by their carried label keys: those that carried other labels but not ``label_key``
     (None when every line carried it, or named nothing -- rows from before labels were selected)."""
     pod_rows = [r for r in rows if r.subject_kind == CostSubjectKind.POD.value]
     left_out = [r for r in pod_rows if r.group is not None and label_key not in r.group.split(",")]
@@ -252,8 +252,8 @@ def build_report(ledger: Ledger, grouping: Grouping, *, start_ms: int, end_ms: i
     rows = ledger.cost_by(grouping, start_ms=start_ms, end_ms=end_ms, cluster=cluster)
     carriage = None
     if grouping.kind == "label":
-        carriage = label_carriage(ledger.cost_by(Grouping("label", CARRIED_LABELS_KEY), start_ms=start_ms,
-                                                 end_ms=end_ms, cluster=cluster), grouping.label_key)
+        carriage = label_carriage(ledger.cost_by_carried_label_keys(start_ms=start_ms, end_ms=end_ms,
+                                                                    cluster=cluster), grouping.label_key)
     lines = report_lines(rows, grouping, carriage)
     totals = ledger.totals(start_ms=start_ms, end_ms=end_ms, cluster=cluster)
     reconciliation = Reconciliation(

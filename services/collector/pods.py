@@ -40,6 +40,7 @@ BAD_POD_OBJECT = "BAD_POD_OBJECT"
 
 
 VISIBLE_DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"
+MPS_THREAD_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 VALUE_FROM_MARK = "<valueFrom>"
 """``visible_devices_env`` when the spec sets NVIDIA_VISIBLE_DEVICES from a ConfigMap, Secret or field ref."""
 
@@ -116,6 +117,7 @@ def pod_event_from_object(
                     assigned_devices=(),
                     visible_devices_env=_visible_devices_env(entry.get("env"), f"{where}.env"),
                     privileged=_optional_bool(security_context.get("privileged"), f"{where}.securityContext"),
+                    mps_active_thread_percentage=_mps_thread_percentage(entry.get("env"), f"{where}.env"),
                 )
             )
             if field == "initContainers":
@@ -254,6 +256,27 @@ def _visible_devices_env(env: Any, where: str) -> str | None:
             found = VALUE_FROM_MARK
         else:
             found = _optional_text(entry.get("value"), f"{where}[{index}].value") or ""
+    return found
+
+
+def _mps_thread_percentage(env: Any, where: str) -> float | None:
+    """``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` of a container spec: its literal value when within (0, 100]. From a
+    ConfigMap or Secret (valueFrom) the collector cannot read it, and an unusable value caps nothing (MPS itself
+    ignores it): None either way."""
+    found: float | None = None
+    for index, entry in enumerate(_list(env, where)):
+        entry = _mapping(entry, f"{where}[{index}]")
+        if _required_text(entry.get("name"), f"{where}[{index}].name") != MPS_THREAD_ENV:
+            continue
+        found = None  # a later entry overrides an earlier one
+        if entry.get("valueFrom") is None:
+            text = (_optional_text(entry.get("value"), f"{where}[{index}].value") or "").strip().rstrip("%")
+            try:
+                value = float(text)
+            except ValueError:
+                continue
+            if 0.0 < value <= 100.0:
+                found = value
     return found
 
 

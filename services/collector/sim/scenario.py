@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from types import MappingProxyType
@@ -46,6 +46,7 @@ RESOURCE_GPU_SHARED = "nvidia.com/gpu.shared"
 RESOURCE_MIG_PREFIX = "nvidia.com/mig-"
 
 VISIBLE_DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"
+MPS_THREAD_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"  # what an MPS client's cap is set with
 
 # NVML functions a fault may target. The node-level ones take no device handle; a fault on them has no ``gpu``.
 NVML_NODE_FUNCTIONS = frozenset({"nvmlInit", "nvmlDeviceGetCount", "nvmlSystemGetDriverVersion"})
@@ -1191,6 +1192,7 @@ def _read_pods(raw: Any, nodes: tuple[NodeSpec, ...], seed: int, duration: float
                     )
                 )
             cm.done()
+            env, processes = _mps_thread_env(env, processes, cm.sub("env"))
             containers.append(
                 ContainerSpec(
                     name=cname,
@@ -1224,6 +1226,28 @@ def _read_pods(raw: Any, nodes: tuple[NodeSpec, ...], seed: int, duration: float
         )
     _check_no_double_assignment(pods)
     return tuple(pods)
+
+
+def _mps_thread_env(env: Mapping[str, str], processes: list[ProcessSpec], path: str
+                    ) -> tuple[Mapping[str, str], list[ProcessSpec]]:
+    """An MPS client's cap is set by ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` in its environment, which a pod spec
+    gives the whole container: a process's ``mps_active_thread_percentage`` appears in its container's env (the
+    first capped process's, when they differ), and a container env that sets it caps its processes that name no
+    cap of their own."""
+    given = env.get(MPS_THREAD_ENV)
+    if given is None:
+        capped = [p.mps_active_thread_percentage for p in processes if p.mps_active_thread_percentage is not None]
+        if not capped:
+            return env, processes
+        return MappingProxyType({**env, MPS_THREAD_ENV: f"{capped[0]:g}"}), processes
+    try:
+        cap = float(given)
+    except ValueError:
+        raise ScenarioError(path, f"{MPS_THREAD_ENV} {given!r} is not a number") from None
+    if not 0 < cap <= 100:
+        raise ScenarioError(path, f"{MPS_THREAD_ENV} must be within (0, 100], got {given!r}")
+    return env, [p if p.mps_active_thread_percentage is not None else replace(p, mps_active_thread_percentage=cap)
+                 for p in processes]
 
 
 def _check_no_double_assignment(pods: list[PodSpec]) -> None:

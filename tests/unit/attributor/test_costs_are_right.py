@@ -187,7 +187,9 @@ def test_a_job_retried_onto_the_same_gpu_pays_each_attempt_its_own_ticks(tmp_pat
 # 5. The MPS server holds no compute of its own
 
 
-def test_mps_threads_split_busy_time_among_clients_and_nothing_to_the_server(tmp_path):
+def test_mps_threads_split_busy_time_by_each_clients_cap_and_nothing_to_the_server(tmp_path):
+    # mps.yaml: four replicas (25 % of the threads each by the device plugin), ocr-0's client capped at 20 % by
+    # CUDA_MPS_ACTIVE_THREAD_PERCENTAGE in its spec; the MPS server is a host process on the GPU.
     _summary, out = run(tmp_path, Path("scenarios/mps.yaml").read_text(),
                         policy=AttributionPolicy.parse("memory", "keep", "threads"))
     for (_window, _unit), subjects in units(out).items():
@@ -195,6 +197,10 @@ def test_mps_threads_split_busy_time_among_clients_and_nothing_to_the_server(tmp
         pods = {name: r for name, r in subjects.items() if r["subject_kind"] == "pod"}
         busy = 1.0 - subjects["idle"]["compute_share"]
         assert math.fsum(r["compute_share"] for r in pods.values()) == pytest.approx(busy, abs=1e-9)
+        shares = {name: pods[name]["compute_share"] for name in ("asr-0", "tts-0", "ocr-0")}
+        assert shares["asr-0"] == pytest.approx(busy * 25 / 70, abs=1e-9)
+        assert shares["tts-0"] == pytest.approx(busy * 25 / 70, abs=1e-9)
+        assert shares["ocr-0"] == pytest.approx(busy * 20 / 70, abs=1e-9)
     assert_conserved(out)
 
 

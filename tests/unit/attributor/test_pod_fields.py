@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from gpumeter.errors import ConfigError
-from schemas.records import CARRIED_LABELS_KEY, ShareSubjectKind
+from gpumeter.validation import DEFAULT_MAX_CLOCK_SKEW_SECONDS, check_share
+from schemas.records import ShareSubjectKind
 from services.attributor.attribution import DEFAULT_MPS_THREAD_ANNOTATION
 from services.attributor.engine import AttributionEngine, EngineConfig
 from services.attributor.pod_index import (
@@ -38,7 +39,12 @@ def test_share_rows_carry_only_the_grouping_labels_and_say_which_were_carried():
         engine.on_sample(node_sample(base + k * 1000, [gpu], pod_uids=["uid-a"], sequence=k), base + 60_000, k)
     (window,) = engine.flush().windows
     (row,) = [r for r in window.shares if r.subject_kind is ShareSubjectKind.POD]
-    assert dict(row.labels) == {"team": "research", "model": "llama", CARRIED_LABELS_KEY: "model,team"}
+    assert dict(row.labels) == {"team": "research", "model": "llama"}
+    assert row.carried_label_keys == ("model", "team")
+    # What billing and the guard check every row with accepts it: the carried keys are a field, not a label whose
+    # value ("model,team") no Kubernetes label could hold (that version was dead-lettered INVALID_NAME).
+    for share in window.shares:
+        check_share(share, base + 60_000, DEFAULT_MAX_CLOCK_SKEW_SECONDS * 1000)
     info = engine.pods.pod("uid-a")
     assert dict(info.annotations) == {DEFAULT_MPS_THREAD_ANNOTATION: "40"}
 
@@ -57,7 +63,8 @@ def test_the_trimmed_event_gives_the_same_pod_state_and_is_small():
 
 def test_every_label_is_carried_when_no_grouping_is_configured():
     index = apply_pod_events(PodIndex.empty(600_000), [_event()])
-    assert len(index.pod("uid-a").labels) == 30_003 and CARRIED_LABELS_KEY not in index.pod("uid-a").labels
+    info = index.pod("uid-a")
+    assert len(info.labels) == 30_003 and info.carried_label_keys == ()
 
 
 def test_the_setting_reads_env_and_flags_and_defaults_to_team_and_model():

@@ -207,14 +207,14 @@ def _with_carried_labels(results, carried: str):
     """``results`` as the attributor makes them when it carries only ``carried`` (comma-separated) labels."""
     import dataclasses
 
-    from schemas.records import CARRIED_LABELS_KEY, CostSubjectKind
+    from schemas.records import CostSubjectKind
 
     keys = carried.split(",")
     out = []
     for result in results:
         costs = tuple(
-            dataclasses.replace(c, labels={**{k: v for k, v in c.labels.items() if k in keys},
-                                           CARRIED_LABELS_KEY: carried})
+            dataclasses.replace(c, labels={k: v for k, v in c.labels.items() if k in keys},
+                                carried_label_keys=tuple(sorted(keys)))
             if c.subject_kind is CostSubjectKind.POD else c for c in result.costs)
         out.append(dataclasses.replace(result, costs=costs))
     return out
