@@ -421,9 +421,8 @@ class _TruthAccumulator:
         weight = min(max(sample.interval_ms, 0), self._window_ms)
         window_start = (t // self._window_ms) * self._window_ms
         by_unit: dict[str, list] = {}
-        for row in self._world.truth(t):
-            if row.node_name == node:
-                by_unit.setdefault(row.gpu_uuid, []).append(row)
+        for row in self._world.truth(t, node):
+            by_unit.setdefault(row.gpu_uuid, []).append(row)
         for gpu_index, unit in self._units.get(node, ()):
             cell = self._cells.setdefault((window_start, node, unit.uuid), _TruthCell())
             cell.weight_ms += weight

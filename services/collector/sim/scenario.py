@@ -1364,7 +1364,7 @@ def _parse(document: Any) -> Scenario:
     )
 
 
-class _StrictLoader(yaml.SafeLoader):
+class _StrictLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # libyaml's parser where PyYAML has it: 10x
     """SafeLoader that refuses duplicate mapping keys (PyYAML would silently keep the last one)."""
 
     def construct_mapping(self, node, deep=False):

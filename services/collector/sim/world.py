@@ -250,12 +250,6 @@ class TruthRow:
     true_compute_fraction: float
 
 
-@dataclass(frozen=True)
-class _Snapshot:
-    now_ms: int
-    gpus: Mapping[tuple[str, int], GpuObservation]
-
-
 # --------------------------------------------------------------------------------------------------------------
 
 
@@ -301,6 +295,11 @@ class SimWorld:
                 for unit in self._gpu_units[(node.name, gpu.index)]:
                     self._units[unit.uuid] = unit
         self._processes: tuple[SimProcess, ...] = self._build_processes()
+        self._pod_of: dict[int, str | None] = {p.pid: p.pod_uid for p in self._processes}
+        # Per node, so one node's tick walks its own processes and pods only.
+        self._node_processes: dict[str, tuple[SimProcess, ...]] = {
+            name: tuple(p for p in self._processes if p.node_name == name) for name in self._nodes}
+        self._node_pods = {name: tuple(pod for pod in scenario.pods if pod.node == name) for name in self._nodes}
         self._by_unit: dict[str, list[SimProcess]] = {}
         for process in self._processes:
             for uuid in process.unit_uuids:
@@ -316,7 +315,8 @@ class SimWorld:
             for p in self._processes
             for u in p.unit_uuids
         }
-        self._cache: OrderedDict[int, _Snapshot] = OrderedDict()
+        self._cache: OrderedDict[tuple[int, str, int], GpuObservation] = OrderedDict()
+        self._cache_limit = 8 * max(1, len(self._gpu_units))
         self._written_pids: dict[Path, set[int]] = {}
 
     # ---- structure ------------------------------------------------------------------------------------------
@@ -546,20 +546,22 @@ class SimWorld:
 
     # ---- state ----------------------------------------------------------------------------------------------
 
-    def _snapshot(self, now_ms: int) -> _Snapshot:
-        cached = self._cache.get(now_ms)
-        if cached is not None:
-            self._cache.move_to_end(now_ms)
-            return cached
-        gpus: dict[tuple[str, int], GpuObservation] = {}
-        for node in self.scenario.nodes:
-            for gpu in node.gpus:
-                gpus[(node.name, gpu.index)] = self._observe_gpu(node, gpu, now_ms)
-        snap = _Snapshot(now_ms, MappingProxyType(gpus))
-        self._cache[now_ms] = snap
-        while len(self._cache) > 8:
-            self._cache.popitem(last=False)
-        return snap
+    def _gpu_at(self, now_ms: int, node_name: str, gpu_index: int) -> GpuObservation:
+        """One GPU's observation at ``now_ms``, computed once. GPUs do not depend on each other, so a node's tick
+        computes its own GPUs only: a replay of N nodes costs N times one node's, not N times N."""
+        key = (now_ms, node_name, gpu_index)
+        cached = self._cache.get(key)
+        if cached is None:
+            cached = self._cache[key] = self._observe_gpu(self._nodes[node_name],
+                                                          self._nodes[node_name].gpus[gpu_index], now_ms)
+            # A few instants of every GPU (the truth, NVML's calls of one tick and the next) stay cached.
+            while len(self._cache) > self._cache_limit:
+                self._cache.popitem(last=False)
+        return cached
+
+    def _gpus_at(self, now_ms: int, node_name: str | None) -> list[tuple[str, GpuObservation]]:
+        nodes = self.scenario.nodes if node_name is None else (self._nodes[node_name],)
+        return [(node.name, self._gpu_at(now_ms, node.name, gpu.index)) for node in nodes for gpu in node.gpus]
 
     def _observe_unit(self, unit: SimUnit, now_ms: int) -> UnitObservation:
         procs = [p for p in self._by_unit.get(unit.uuid, ()) if p.on_gpu(now_ms)]
@@ -663,17 +665,16 @@ class SimWorld:
 
     def gpu_observation(self, node_name: str, gpu_index: int) -> GpuObservation:
         """The driver's view of a physical GPU at the current time (whether or not it is lost)."""
-        return self._snapshot(self.now_ms).gpus[(node_name, gpu_index)]
+        return self._gpu_at(self.now_ms, node_name, gpu_index)
 
     def observation_at(self, now_ms: int, node_name: str, gpu_index: int) -> GpuObservation:
-        return self._snapshot(now_ms).gpus[(node_name, gpu_index)]
+        return self._gpu_at(now_ms, node_name, gpu_index)
 
     def process_observations(self, now_ms: int, node_name: str | None = None) -> tuple[ProcessObservation, ...]:
         """Every context the driver lists at ``now_ms`` on GPUs that are not lost (of one node, or all)."""
-        snap = self._snapshot(now_ms)
         out: list[ProcessObservation] = []
-        for (name, _), gpu in snap.gpus.items():
-            if gpu.lost or (node_name is not None and name != node_name):
+        for _name, gpu in self._gpus_at(now_ms, node_name):
+            if gpu.lost:
                 continue
             for unit in gpu.units:
                 out.extend(unit.processes)
@@ -681,16 +682,16 @@ class SimWorld:
 
     # ---- ground truth ---------------------------------------------------------------------------------------
 
-    def truth(self, now_ms: int) -> tuple[TruthRow, ...]:
-        """Per unit and pod (``pod_uid`` None for processes of no pod), what was really used at ``now_ms``.
+    def truth(self, now_ms: int, node_name: str | None = None) -> tuple[TruthRow, ...]:
+        """Per unit and pod (``pod_uid`` None for processes of no pod), what was really used at ``now_ms`` (on one
+        node, or all).
 
         One row per (unit, pod) with at least one context on the unit; lost GPUs have no rows. Rows are ordered
         by node, GPU index, unit and first appearance of the pod.
         """
-        snap = self._snapshot(now_ms)
         rows: list[TruthRow] = []
-        pod_of = {p.pid: p.pod_uid for p in self._processes}
-        for (node_name, _), gpu in snap.gpus.items():
+        pod_of = self._pod_of
+        for node_name, gpu in self._gpus_at(now_ms, node_name):
             if gpu.lost:
                 continue
             for unit in gpu.units:
@@ -718,9 +719,7 @@ class SimWorld:
         """Pods running at ``now_ms`` (started, not yet ended), in scenario order; of one node or all."""
         s = self.scenario
         out: list[SimPod] = []
-        for pod in s.pods:
-            if node_name is not None and pod.node != node_name:
-                continue
+        for pod in s.pods if node_name is None else self._node_pods[node_name]:
             start = s.start_unix_ms + round(pod.start_seconds * 1000)
             end = None if pod.end_seconds is None else s.start_unix_ms + round(pod.end_seconds * 1000)
             if now_ms < start or (end is not None and now_ms >= end):
@@ -783,9 +782,8 @@ class SimWorld:
         root = Path(root)
         root.mkdir(parents=True, exist_ok=True)
         now = self.now_ms
-        alive = [
-            p for p in self._processes if p.in_proc(now) and (node_name is None or p.node_name == node_name)
-        ]
+        candidates = self._processes if node_name is None else self._node_processes[node_name]
+        alive = [p for p in candidates if p.in_proc(now)]
         pids = {p.pid for p in alive}
         previous = self._written_pids.get(root, set())
         for pid in previous - pids:
