@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from datetime import datetime, timezone
 from typing import Protocol
 
 
@@ -45,3 +46,10 @@ class ManualClock:
         if now_ms < self._now_ms:
             raise ValueError("a clock does not go back")
         self._now_ms = now_ms
+
+
+def iso_utc(unix_ms: int) -> str:
+    """``2026-11-29T17:00:00Z`` (milliseconds shown only when not zero)."""
+    moment = datetime.fromtimestamp(unix_ms / 1000, tz=timezone.utc)
+    spec = "seconds" if unix_ms % 1000 == 0 else "milliseconds"
+    return moment.isoformat(timespec=spec).replace("+00:00", "Z")

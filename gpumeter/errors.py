@@ -7,51 +7,19 @@
 from __future__ import annotations
 
 
-class GpumeterError(Exception):
-    """Base of every error gpumeter raises on purpose."""
+from schemas.errors import (  # noqa: F401 - re-exported: the one place services import errors from
+    CorruptMessage,
+    GpumeterError,
+    InvalidMessage,
+    SchemaEncodeError,
+    TruncatedMessage,
+    UnknownSchema,
+    WrongRecordType,
+)
 
 
 class ConfigError(GpumeterError):
     """Settings that cannot be used: a bad flag, env value or file."""
-
-
-class InvalidMessage(GpumeterError):
-    """An input message that cannot be processed. ``reason_code`` is stable and machine-readable."""
-
-    reason_code: str = "INVALID"
-
-    def __init__(self, detail: str, *, reason_code: str | None = None) -> None:
-        super().__init__(detail)
-        if reason_code is not None:
-            self.reason_code = reason_code
-
-    @property
-    def detail(self) -> str:
-        return str(self.args[0])
-
-
-class UnknownSchema(InvalidMessage):
-    """The single-object header names a schema fingerprint no registry entry has."""
-
-    reason_code = "UNKNOWN_SCHEMA"
-
-
-class TruncatedMessage(InvalidMessage):
-    """Fewer bytes than the header or the body needs."""
-
-    reason_code = "TRUNCATED"
-
-
-class CorruptMessage(InvalidMessage):
-    """Bytes that are not a valid encoding: bad magic, undecodable body, trailing bytes."""
-
-    reason_code = "CORRUPT"
-
-
-class WrongRecordType(InvalidMessage):
-    """A valid message of another record type than the consumer reads."""
-
-    reason_code = "WRONG_RECORD_TYPE"
 
 
 class OutOfRange(InvalidMessage):
@@ -73,5 +41,3 @@ class LateMessage(InvalidMessage):
     reason_code = "LATE"
 
 
-class SchemaEncodeError(GpumeterError):
-    """A record that does not fit its schema on the way out: a bug in the producer, never input."""

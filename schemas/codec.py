@@ -22,7 +22,7 @@ from typing import Any, Mapping
 import fastavro
 from fastavro.schema import to_parsing_canonical_form
 
-from gpumeter.errors import (
+from schemas.errors import (
     CorruptMessage,
     SchemaEncodeError,
     TruncatedMessage,

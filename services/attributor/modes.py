@@ -20,12 +20,8 @@ import enum
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from schemas.devices import REPLICA_SEPARATOR, is_mig_resource, is_shared_resource, unit_keys
 from schemas.records import GpuDeviceSample, SharingMode
-
-SHARED_RESOURCE_SUFFIX = ".shared"
-MIG_RESOURCE_PREFIX = "nvidia.com/mig-"
-REPLICA_SEPARATOR = "::"
-
 
 class UnitKind(enum.StrEnum):
     """What a unit of attribution is."""
@@ -35,69 +31,16 @@ class UnitKind(enum.StrEnum):
     MIG_UNASSIGNED = "MIG_UNASSIGNED"  # the capacity of a MIG-enabled GPU that lies in no instance
 
 
-class DeviceIdKind(enum.StrEnum):
-    GPU = "GPU"  # GPU-<uuid>
-    MIG_UUID = "MIG_UUID"  # MIG-<uuid>
-    MIG_PATH = "MIG_PATH"  # MIG-GPU-<uuid>/<gi>/<ci>
-    OTHER = "OTHER"  # anything else (another vendor's plugin, an index): never matches a unit
-
-
-@dataclass(frozen=True, slots=True)
-class DeviceRef:
-    """A parsed device-plugin id. ``base_id`` is the id without its ``::N`` replica suffix."""
-
-    device_id: str
-    base_id: str
-    replica: int | None
-    kind: DeviceIdKind
-    gpu_uuid: str | None  # the physical GPU for GPU and MIG_PATH ids
-    mig_gpu_instance_id: int | None
-    mig_compute_instance_id: int | None
-
-    @property
-    def is_replica(self) -> bool:
-        return self.replica is not None
-
-
-def parse_device_id(device_id: str) -> DeviceRef:
-    """Parse one device-plugin id. Never raises: an id of no known form is kind OTHER."""
-    base_id, sep, tail = device_id.partition(REPLICA_SEPARATOR)
-    replica: int | None = None
-    if sep:
-        # A malformed replica suffix still marks a replica: the plugin only appends "::" for shared devices.
-        replica = int(tail) if tail.isdigit() else -1
-    if base_id.startswith("MIG-GPU-"):
-        path = base_id[len("MIG-") :].split("/")
-        if len(path) == 3 and path[1].isdigit() and path[2].isdigit():
-            return DeviceRef(device_id, base_id, replica, DeviceIdKind.MIG_PATH, path[0], int(path[1]), int(path[2]))
-        return DeviceRef(device_id, base_id, replica, DeviceIdKind.OTHER, None, None, None)
-    if base_id.startswith("MIG-"):
-        return DeviceRef(device_id, base_id, replica, DeviceIdKind.MIG_UUID, None, None, None)
-    if base_id.startswith("GPU-"):
-        return DeviceRef(device_id, base_id, replica, DeviceIdKind.GPU, base_id, None, None)
-    return DeviceRef(device_id, base_id, replica, DeviceIdKind.OTHER, None, None, None)
-
-
 def device_keys(
     kind: UnitKind, unit_uuid: str, parent_uuid: str | None, device: GpuDeviceSample | None
 ) -> tuple[str, ...]:
-    """The base device ids that name this unit: what the kubelet would have handed a pod holding it.
-
-    A MIG instance is named by its own ``MIG-<uuid>`` and by ``MIG-<parent>/<gi>/<ci>``; a whole GPU by its uuid.
-    The unassigned capacity of a MIG GPU is named by nothing a pod can hold; the parent uuid is returned so a pod
-    holding the plain id of a MIG-enabled GPU is seen (and reported as a conflict).
-    """
-    if kind is UnitKind.MIG_INSTANCE:
-        keys = [unit_uuid]
-        if (
-            parent_uuid is not None
-            and device is not None
-            and device.mig_gpu_instance_id is not None
-            and device.mig_compute_instance_id is not None
-        ):
-            keys.append(f"MIG-{parent_uuid}/{device.mig_gpu_instance_id}/{device.mig_compute_instance_id}")
-        return tuple(keys)
-    return (unit_uuid,)
+    """The base device ids that name this unit (``schemas.devices.unit_keys``): what the kubelet would have handed a
+    pod holding it. A MIG instance is named by its own ``MIG-<uuid>`` and by ``MIG-<parent>/<gi>/<ci>``; a whole
+    GPU, and the unassigned capacity of a MIG GPU (so a pod holding the plain id is seen), by the GPU's uuid."""
+    instance = kind is UnitKind.MIG_INSTANCE
+    gi = device.mig_gpu_instance_id if instance and device is not None else None
+    ci = device.mig_compute_instance_id if instance and device is not None else None
+    return unit_keys(unit_uuid, parent_uuid, gi, ci, mig_instance=instance)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,11 +61,11 @@ class UnitAssignment:
 
     @property
     def shared_resource(self) -> bool:
-        return any(r.endswith(SHARED_RESOURCE_SUFFIX) for r in self.resource_names)
+        return any(is_shared_resource(r) for r in self.resource_names)
 
     @property
     def mig_resource(self) -> bool:
-        return any(r.startswith(MIG_RESOURCE_PREFIX) for r in self.resource_names)
+        return any(is_mig_resource(r) for r in self.resource_names)
 
     def claim_replicas(self, unit_replicas: int) -> int:
         """How many of the unit's ``unit_replicas`` slots this pod holds: one per replica id, all for a plain id."""

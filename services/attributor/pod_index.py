@@ -38,13 +38,14 @@ from typing import Iterable, Mapping, NamedTuple
 from gpumeter.errors import ConfigError
 from schemas.records import PodEvent, PodEventType
 
-from services.attributor.modes import REPLICA_SEPARATOR, UnitAssignment
+from schemas.devices import base_device_id
+from schemas.pods import TERMINAL_PHASES, PodAssignment, fold_assignments, fold_life, fold_started, is_stale
+from services.attributor.modes import UnitAssignment
 
 DEFAULT_LINGER_MS = 15 * 60 * 1000
 DEFAULT_GROUPING_LABELS = ("team", "model")
 """The labels share rows carry by default: what ``gpumeter report --by label:team|label:model``, billing's and the
 guard's team label (``team``) read. Others need ``GPUMETER_GROUPING_LABELS``."""
-TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
 _EMPTY: Mapping = MappingProxyType({})
 _FOREVER = 2**62
 
@@ -164,29 +165,15 @@ class PodInfo:
 
 
 def _pod_info(event: PodEvent, previous: PodInfo | None, fields: PodFields = ALL_FIELDS) -> PodInfo:
-    ended = previous.ended_at_unix_ms if previous is not None else None
-    deleted = previous.deleted_at_unix_ms if previous is not None else None
-    if event.event_type is PodEventType.DELETED:
-        deleted = event.observed_at_unix_ms if deleted is None else min(deleted, event.observed_at_unix_ms)
-    if event.event_type is PodEventType.DELETED or event.phase in TERMINAL_PHASES:
-        ended = event.observed_at_unix_ms if ended is None else min(ended, event.observed_at_unix_ms)
-    assignments: list[PodDeviceAssignment] = []
-    seen: set[str] = set()
-    for container in event.containers:
-        for assignment in container.assigned_devices:
-            for device_id in assignment.device_ids:
-                # Init containers hand their devices on to later containers: count each id once per pod.
-                if device_id in seen:
-                    continue
-                seen.add(device_id)
-                base = device_id.partition(REPLICA_SEPARATOR)[0]
-                assignments.append(PodDeviceAssignment(container.name, assignment.resource_name, device_id, base))
-    if not assignments and previous is not None and event.event_type is PodEventType.DELETED:
-        # A deletion event may come without the kubelet's assignments: keep what we knew.
-        assignments = list(previous.assignments)
-    started = event.started_at_unix_ms
-    if started is None and previous is not None:
-        started = previous.started_at_unix_ms
+    # The fold's rules are the schema package's (schemas.pods), shared with the guard.
+    ended, deleted = fold_life(previous.ended_at_unix_ms if previous is not None else None,
+                               previous.deleted_at_unix_ms if previous is not None else None, event)
+    folded = fold_assignments(
+        (PodAssignment(a.container_name, a.resource_name, a.device_id) for a in previous.assignments)
+        if previous is not None else (), event)
+    assignments = [PodDeviceAssignment(a.container_name, a.resource_name, a.device_id, base_device_id(a.device_id))
+                   for a in folded]
+    started = fold_started(previous.started_at_unix_ms if previous is not None else None, event)
     return PodInfo(
         uid=event.uid,
         cluster=event.cluster,
@@ -236,7 +223,7 @@ class PodLookup:
     def pods_for_device(self, device_id: str) -> tuple[PodInfo, ...]:
         """Pods holding ``device_id`` or any replica of it (``GPU-x::3`` and ``GPU-x`` both find every holder of
         ``GPU-x``), sorted by uid; deleted pods within their linger included."""
-        base = device_id.partition(REPLICA_SEPARATOR)[0]
+        base = base_device_id(device_id)
         return tuple(self._pods[uid] for uid in self._by_device.get(base, ()))
 
     def assignments_for(self, base_ids: Iterable[str]) -> tuple[tuple[PodInfo, UnitAssignment], ...]:
@@ -280,15 +267,11 @@ class PodIndex(PodLookup):
 def apply_pod_event(index: PodIndex, event: PodEvent) -> PodIndex:
     """The index after ``event``. Pure; ``index`` is unchanged. Stale and duplicate events return ``index``."""
     previous = index._pods.get(event.uid)
-    if previous is not None:
+    if previous is not None and is_stale(previous.observed_at_unix_ms, previous.resource_version,
+                                         previous.deleted_at_unix_ms is not None, event):
         if event.observed_at_unix_ms < previous.observed_at_unix_ms:
             return _advance_clock(index, event.observed_at_unix_ms)
-        if (
-            event.observed_at_unix_ms == previous.observed_at_unix_ms
-            and event.resource_version == previous.resource_version
-            and (event.event_type is PodEventType.DELETED) == (previous.deleted_at_unix_ms is not None)
-        ):
-            return index
+        return index
     info = _pod_info(event, previous, index.fields)
     pods = dict(index._pods)
     pods[event.uid] = info
@@ -414,15 +397,11 @@ class LivePodIndex(PodLookup):
         """Apply ``event`` as ``apply_pod_event`` would (stale and duplicate events change nothing)."""
         uid = event.uid
         previous = self._pods.get(uid)
-        if previous is not None:
+        if previous is not None and is_stale(previous.observed_at_unix_ms, previous.resource_version,
+                                             previous.deleted_at_unix_ms is not None, event):
             if event.observed_at_unix_ms < previous.observed_at_unix_ms:
                 return self._advance_clock(event.observed_at_unix_ms)
-            if (
-                event.observed_at_unix_ms == previous.observed_at_unix_ms
-                and event.resource_version == previous.resource_version
-                and (event.event_type is PodEventType.DELETED) == (previous.deleted_at_unix_ms is not None)
-            ):
-                return PodChange(False, ())
+            return PodChange(False, ())
         self._snapshot = None
         info = _pod_info(event, previous, self.fields)
         self._pods[uid] = info

@@ -33,11 +33,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from fractions import Fraction
 from types import MappingProxyType
 from typing import Any, Iterable, Sequence
 
+from gpumeter.clock import iso_utc  # noqa: F401 - billing's records and reports print times with it
 from gpumeter.errors import InvalidMessage, OutOfRange
 from schemas.records import CostRecord, CostSubjectKind, GpuShare, ShareSubjectKind
 from services.billing.catalog import PriceCatalog, PriceError, normalize_price_model, normalize_provider
@@ -189,13 +189,6 @@ class NodeWindowCost:
     costs: tuple[CostRecord, ...]
     bill: NodeBill
     parts: tuple[UnitCost, ...]
-
-
-def iso_utc(unix_ms: int) -> str:
-    """``2026-11-29T17:00:00Z`` (milliseconds shown only when not zero)."""
-    moment = datetime.fromtimestamp(unix_ms / 1000, tz=timezone.utc)
-    spec = "seconds" if unix_ms % 1000 == 0 else "milliseconds"
-    return moment.isoformat(timespec=spec).replace("+00:00", "Z")
 
 
 def cost_record_json(record: CostRecord) -> dict[str, Any]:

@@ -33,16 +33,10 @@ from typing import Any, Mapping
 
 from gpumeter.errors import InvalidMessage
 from schemas.records import DeviceAssignment, PodContainer, PodEvent, PodEventType
-from services.collector.podresources.devices import is_gpu_resource
+from schemas.devices import MPS_THREAD_ENV, VALUE_FROM_MARK, VISIBLE_DEVICES_ENV, is_gpu_resource
 from services.collector.podsize import ANNOTATION_VALUE_MAX_BYTES, cut_to_size  # noqa: F401 - the rule's caps
 
 BAD_POD_OBJECT = "BAD_POD_OBJECT"
-
-
-VISIBLE_DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"
-MPS_THREAD_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
-VALUE_FROM_MARK = "<valueFrom>"
-"""``visible_devices_env`` when the spec sets NVIDIA_VISIBLE_DEVICES from a ConfigMap, Secret or field ref."""
 
 MAX_GPU_REQUEST_COUNT = 2**31 - 1
 """Larger per-container requests are rejected: no node has that many devices, and sums must fit an Avro long."""

@@ -48,6 +48,7 @@ from types import MappingProxyType
 from typing import Any, Iterable, Mapping, Sequence
 
 from gpumeter.errors import InvalidMessage, OutOfRange
+from schemas.pods import PodAssignment
 from schemas.records import (
     CostRecord,
     CostSubjectKind,
@@ -736,6 +737,7 @@ def _pod_json(p: PodView) -> dict[str, Any]:
         "gpu_requests": dict(p.gpu_requests),
         "containers": [c.to_avro() for c in p.containers],
         "device_ids": list(p.device_ids),
+        "assignments": [[a.container_name, a.resource_name, a.device_id] for a in p.assignments],
         "observed_at_unix_ms": p.observed_at_unix_ms,
         "resource_version": p.resource_version,
         "ended_at_unix_ms": p.ended_at_unix_ms,
@@ -746,6 +748,8 @@ def _pod_json(p: PodView) -> dict[str, Any]:
 def _pod_from_json(d: Mapping[str, Any]) -> PodView:
     ids = tuple(d["device_ids"])
     refs, unparsed = parse_device_ids(ids)
+    # Snapshots written before assignments were kept name the ids only.
+    assignments = tuple(PodAssignment(*entry) for entry in d.get("assignments", [["", "", i] for i in ids]))
     return PodView(
         uid=d["uid"], cluster=d["cluster"], node_name=d["node_name"], namespace=d["namespace"], name=d["name"],
         labels=MappingProxyType(dict(d["labels"])), phase=d["phase"],
@@ -753,7 +757,7 @@ def _pod_from_json(d: Mapping[str, Any]) -> PodView:
         containers=tuple(PodContainer.from_avro(c) for c in d["containers"]), device_ids=ids, device_refs=refs,
         unparsed_device_ids=unparsed, observed_at_unix_ms=int(d["observed_at_unix_ms"]),
         resource_version=d["resource_version"], ended_at_unix_ms=d["ended_at_unix_ms"],
-        deleted_at_unix_ms=d["deleted_at_unix_ms"],
+        deleted_at_unix_ms=d["deleted_at_unix_ms"], assignments=assignments,
     )
 
 

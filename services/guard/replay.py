@@ -17,7 +17,7 @@ import heapq
 from typing import Any, Iterable, Iterator, Union
 
 from schemas.records import CostRecord, GpuShare, NodeSample, PodEvent, Violation
-from services.billing.costing import iso_utc
+from gpumeter.clock import iso_utc
 from services.guard.config import GuardConfig
 from services.guard.engine import GuardEngine
 

@@ -34,7 +34,19 @@ from schemas.records import (
     ShareSubjectKind,
     SharingMode,
 )
-from services.collector.podresources.devices import DeviceRef, is_gpu_resource, parse_device_id
+from schemas.devices import (
+    NO_DEVICES_VALUES,
+    REPLICA_SEPARATOR,
+    VALUE_FROM_MARK,
+    VISIBLE_DEVICES_ENV,
+    DeviceIdKind,
+    DeviceRef,
+    covers,
+    holds_whole,
+    is_gpu_resource,
+    parse_device_id,
+)
+from schemas.pods import TERMINAL_PHASES, PodAssignment, fold_assignments, fold_life, is_stale
 from services.guard.config import (
     PERIOD_DAY,
     PERIOD_MONTH,
@@ -48,13 +60,7 @@ from services.guard.config import (
     GuardConfig,
 )
 
-REPLICA_SEPARATOR = "::"
-VISIBLE_DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"
-VALUE_FROM_MARK = "<valueFrom>"
-"""What the collector records when the spec takes NVIDIA_VISIBLE_DEVICES from a ConfigMap, Secret or field ref."""
-NO_GPU_VALUES = frozenset({"", "void", "none"})
-"""NVIDIA_VISIBLE_DEVICES values that give a container no GPU (``none``: driver libraries only)."""
-TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
+NO_GPU_VALUES = NO_DEVICES_VALUES
 GPU_IS_LOST = "GPU_IS_LOST"
 FINGERPRINT_HEX_CHARS = 16
 SUBJECT_NAMESPACE = "namespace"
@@ -164,6 +170,7 @@ class PodView:
     resource_version: str
     ended_at_unix_ms: int | None
     deleted_at_unix_ms: int | None
+    assignments: tuple[PodAssignment, ...] = ()
 
     @property
     def alive(self) -> bool:
@@ -196,41 +203,20 @@ class PodView:
         return self.labels.get(label_key) or None
 
 
-def _uuid_eq(a: str | None, b: str | None) -> bool:
-    return a is not None and b is not None and a.lower() == b.lower()
-
-
 def ref_covers(ref: DeviceRef, device: GpuDeviceSample) -> bool:
-    """Whether the device id ``ref`` names the unit ``device`` (whole GPU, replica, or MIG instance).
-
-    A ``GPU-…`` id (plain or ``::N``) covers that GPU and, when MIG is on, each of its instances; a MIG id covers
-    its instance only (``MIG-<uuid>`` by UUID, ``MIG-GPU-<uuid>/<gi>/<ci>`` by parent and instance ids).
-    """
-    if ref.kind in ("gpu", "gpu_replica"):
-        return _uuid_eq(ref.gpu_uuid, device.uuid) or _uuid_eq(ref.gpu_uuid, device.parent_uuid)
-    if ref.mig_uuid is not None:
-        return _uuid_eq(ref.mig_uuid, device.uuid)
-    return (
-        _uuid_eq(ref.gpu_uuid, device.parent_uuid)
-        and ref.mig_gpu_instance_id == device.mig_gpu_instance_id
-        and ref.mig_compute_instance_id == device.mig_compute_instance_id
-    )
+    """Whether the device id ``ref`` reaches the unit ``device`` (``schemas.devices.covers``: a GPU id covers the
+    GPU and, when MIG is on, each of its instances; a MIG id its instance only)."""
+    return covers(ref, device.uuid, device.parent_uuid, device.mig_gpu_instance_id, device.mig_compute_instance_id)
 
 
 def ref_holds_whole(ref: DeviceRef, unit_uuid: str, parent_uuid: str | None,
                     device: GpuDeviceSample | None) -> bool:
-    """Whether ``ref`` gives its pod the whole unit: a plain ``GPU-…`` id of a GPU that is not split into MIG
-    instances, or a MIG id (no ``::N``) of that instance. ``device`` (the unit's latest sample) is needed only
-    for the legacy ``MIG-GPU-<uuid>/<gi>/<ci>`` form."""
-    if ref.replica is not None:
-        return False
-    if ref.kind == "gpu":
-        return parent_uuid is None and _uuid_eq(ref.gpu_uuid, unit_uuid)
-    if ref.kind != "mig" or parent_uuid is None:
-        return False
-    if ref.mig_uuid is not None:
-        return _uuid_eq(ref.mig_uuid, unit_uuid)
-    return device is not None and _uuid_eq(device.uuid, unit_uuid) and ref_covers(ref, device)
+    """Whether ``ref`` gives its pod the whole unit (``schemas.devices.holds_whole``: a plain id that names a GPU
+    without MIG, or a MIG instance). ``device`` (the unit's latest sample) gives the instance ids the legacy
+    ``MIG-GPU-<uuid>/<gi>/<ci>`` form needs."""
+    gi = device.mig_gpu_instance_id if device is not None else None
+    ci = device.mig_compute_instance_id if device is not None else None
+    return holds_whole(ref, unit_uuid, parent_uuid, gi, ci)
 
 
 def parse_device_ids(device_ids: Iterable[str]) -> tuple[tuple[DeviceRef, ...], tuple[str, ...]]:
@@ -238,38 +224,26 @@ def parse_device_ids(device_ids: Iterable[str]) -> tuple[tuple[DeviceRef, ...], 
     refs: list[DeviceRef] = []
     unparsed: list[str] = []
     for device_id in device_ids:
-        try:
-            refs.append(parse_device_id(device_id))
-        except InvalidMessage:
+        ref = parse_device_id(device_id)
+        if ref.kind is DeviceIdKind.OTHER:
             unparsed.append(device_id)
+        else:
+            refs.append(ref)
     return tuple(refs), tuple(unparsed)
 
 
 def apply_pod_event(previous: PodView | None, event: PodEvent) -> PodView:
-    """The pod after ``event``. Pure. An event older than ``previous`` (by ``observed_at_unix_ms``) returns
-    ``previous`` unchanged; a deletion without assignments keeps the ones known before (the kubelet forgets a
-    deleted pod's devices before the API server's deletion event is read)."""
-    if previous is not None and event.observed_at_unix_ms < previous.observed_at_unix_ms:
+    """The pod after ``event``, by the fold rules of ``schemas.pods`` (stale events are ignored; a deletion
+    without assignments keeps the ones known before). Pure."""
+    if previous is not None and is_stale(previous.observed_at_unix_ms, previous.resource_version,
+                                         previous.deleted_at_unix_ms is not None, event):
         return previous
-    ids: list[str] = []
-    seen: set[str] = set()
-    for container in event.containers:
-        for assignment in container.assigned_devices:
-            if not is_gpu_resource(assignment.resource_name):
-                continue
-            for device_id in assignment.device_ids:
-                if device_id not in seen:
-                    seen.add(device_id)
-                    ids.append(device_id)
-    if not ids and previous is not None and event.event_type is PodEventType.DELETED:
-        ids = list(previous.device_ids)
+    previous_assignments = previous.assignments if previous is not None else ()
+    assignments = fold_assignments(previous_assignments, event)
+    ids = tuple(a.device_id for a in assignments)
     refs, unparsed = parse_device_ids(ids)
-    ended = previous.ended_at_unix_ms if previous is not None else None
-    deleted = previous.deleted_at_unix_ms if previous is not None else None
-    if event.event_type is PodEventType.DELETED and deleted is None:
-        deleted = event.observed_at_unix_ms
-    if (event.event_type is PodEventType.DELETED or event.phase in TERMINAL_PHASES) and ended is None:
-        ended = event.observed_at_unix_ms
+    ended, deleted = fold_life(previous.ended_at_unix_ms if previous is not None else None,
+                               previous.deleted_at_unix_ms if previous is not None else None, event)
     return PodView(
         uid=event.uid,
         cluster=event.cluster,
@@ -280,13 +254,14 @@ def apply_pod_event(previous: PodView | None, event: PodEvent) -> PodView:
         phase=event.phase,
         gpu_requests=MappingProxyType(dict(event.gpu_requests)),
         containers=tuple(event.containers),
-        device_ids=tuple(ids),
+        device_ids=ids,
         device_refs=refs,
         unparsed_device_ids=unparsed,
         observed_at_unix_ms=event.observed_at_unix_ms,
         resource_version=event.resource_version,
         ended_at_unix_ms=ended,
         deleted_at_unix_ms=deleted,
+        assignments=assignments,
     )
 
 
@@ -387,13 +362,9 @@ def visibility_leak(sample: NodeSample, pods: Mapping[str, PodView], config: Gua
 
 def _entry_is_own(entry: str, pod: PodView, devices: Sequence[GpuDeviceSample]) -> bool:
     """Whether one NVIDIA_VISIBLE_DEVICES entry names only units the pod was assigned."""
-    try:
-        ref: DeviceRef | None = parse_device_id(entry)
-    except InvalidMessage:
-        ref = None
-    if ref is not None:
-        base = entry.partition(REPLICA_SEPARATOR)[0].lower()
-        if any(own.partition(REPLICA_SEPARATOR)[0].lower() == base for own in pod.device_ids):
+    ref = parse_device_id(entry)
+    if ref.kind is not DeviceIdKind.OTHER:
+        if any(parse_device_id(own).base_id == ref.base_id for own in pod.device_ids):
             return True
         targets = [d for d in devices if ref_covers(ref, d)]
     elif entry.isdigit():

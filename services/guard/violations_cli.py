@@ -29,7 +29,7 @@ from gpumeter.errors import ConfigError, GpumeterError, InvalidMessage
 from gpumeter.settings import KafkaSettings
 from schemas.records import Severity, Violation, ViolationState
 from schemas.typed import codec_for
-from services.billing.costing import iso_utc
+from gpumeter.clock import iso_utc
 
 FORMATS = ("table", "json")
 _SEVERITY_ORDER = {Severity.CRITICAL: 0, Severity.WARNING: 1, Severity.INFO: 2}

@@ -12,5 +12,5 @@
   (the sed makes the grpc module import its pb2 sibling package-relatively; the proto is registered in the
   descriptor pool as ``services/collector/podresources/api.proto`` so it cannot clash with another ``api.proto``).
 * ``client.py`` — ``PodResourcesClient`` (grpc.aio over the kubelet's unix socket) and its typed errors.
-* ``devices.py`` — ``parse_device_id`` / ``is_gpu_resource`` for NVIDIA device-plugin ids and resource names.
+* device ids and GPU resource names: ``schemas.devices`` (shared with the attributor and the guard).
 """

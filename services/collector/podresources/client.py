@@ -15,7 +15,7 @@ back to ``List`` filtered to the pod and re-probes ``Get`` after ``GET_REPROBE_A
 kubelet was unavailable (it may have restarted with other flags). The kubelet answers an unknown pod with UNKNOWN
 "pod <name> in namespace <ns> not found": that is an empty result, not an error.
 
-Only GPU resources (``devices.is_gpu_resource``) are returned; device ids are passed through unparsed. A client
+Only GPU resources (``schemas.devices.is_gpu_resource``) are returned; device ids are passed through unparsed. A client
 lives in one event loop (its gRPC channel is bound to it); ``close()`` it when done.
 """
 
@@ -33,7 +33,7 @@ import grpc.aio
 from gpumeter.errors import ConfigError, GpumeterError
 
 from . import api_pb2, api_pb2_grpc
-from .devices import is_gpu_resource
+from schemas.devices import is_gpu_resource
 
 DEFAULT_SOCKET_PATH = "/var/lib/kubelet/pod-resources/kubelet.sock"
 DEFAULT_TIMEOUT_S = 2.0

@@ -24,6 +24,8 @@ from typing import Any, Mapping
 import pynvml
 import yaml
 
+from schemas.devices import MPS_THREAD_ENV, VISIBLE_DEVICES_ENV
+
 from gpumeter.errors import GpumeterError
 
 MIB = 1 << 20
@@ -45,8 +47,6 @@ RESOURCE_GPU = "nvidia.com/gpu"
 RESOURCE_GPU_SHARED = "nvidia.com/gpu.shared"
 RESOURCE_MIG_PREFIX = "nvidia.com/mig-"
 
-VISIBLE_DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"
-MPS_THREAD_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"  # what an MPS client's cap is set with
 
 # NVML functions a fault may target. The node-level ones take no device handle; a fault on them has no ``gpu``.
 NVML_NODE_FUNCTIONS = frozenset({"nvmlInit", "nvmlDeviceGetCount", "nvmlSystemGetDriverVersion"})

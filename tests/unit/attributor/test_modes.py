@@ -6,14 +6,13 @@ import pytest
 
 from gpumeter.errors import ConfigError
 from schemas.records import PodEventType, SharingMode
+from schemas.devices import DeviceIdKind, parse_device_id
 from services.attributor.modes import (
-    DeviceIdKind,
     UnitAssignment,
     UnitKind,
     decide_mode,
     device_keys,
     majority_sample_mode,
-    parse_device_id,
 )
 from services.attributor.pod_index import PodIndex, apply_pod_event, apply_pod_events, prune_pod_index
 from tests.unit.attributor import device, pod_event
@@ -44,7 +43,8 @@ def test_parse_device_id(device_id, kind, base, replica, gpu, gi, ci):
 
 def test_device_keys_name_a_mig_instance_both_ways():
     inst = device("MIG-abc", parent_uuid="GPU-P", gi=3, ci=1, mode=SharingMode.MIG)
-    assert device_keys(UnitKind.MIG_INSTANCE, "MIG-abc", "GPU-P", inst) == ("MIG-abc", "MIG-GPU-P/3/1")
+    # Keys are in the normal form of a device id (hex lowercased after the prefix), as the pod index keys them.
+    assert device_keys(UnitKind.MIG_INSTANCE, "MIG-abc", "GPU-P", inst) == ("MIG-abc", "MIG-GPU-p/3/1")
     assert device_keys(UnitKind.GPU, "GPU-0", None, device("GPU-0")) == ("GPU-0",)
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from gpumeter.clock import ManualClock
 from services.collector.cgroup import read_process_identity, read_process_start_ticks
-from services.collector.podresources.devices import parse_device_id
+from schemas.devices import parse_device_id
 from services.collector.sim.fake_pynvml import FakeNvml
 from services.collector.sim.scenario import MIB, Scenario, load_scenario
 from services.collector.sim.world import SimWorld

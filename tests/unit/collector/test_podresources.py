@@ -21,7 +21,7 @@ from services.collector.podresources.client import (
     PodResourcesError,
     assignments_from_pod,
 )
-from services.collector.podresources.devices import is_gpu_resource
+from schemas.devices import is_gpu_resource
 from services.collector.sim.kubelet import FakeKubelet, build_pod_resources
 
 G0 = "GPU-0b1c2d3e-4f50-6172-8394-a5b6c7d8e9f0"

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from gpumeter.errors import GpumeterError
-from services.collector.podresources.devices import parse_device_id
+from schemas.devices import DeviceIdKind, parse_device_id
 from services.collector.sim.scenario import (
     GIB,
     MIB,
@@ -218,9 +218,9 @@ def test_device_ids_are_what_the_device_plugin_hands_out():
     replica, mig = scenario.pods[1].containers[0].devices
     assert parse_device_id(whole.device_id).gpu_uuid == gpus[0].uuid
     ref = parse_device_id(replica.device_id)
-    assert (ref.kind, ref.gpu_uuid, ref.replica) == ("gpu_replica", gpus[1].uuid, 3)
+    assert (ref.kind, ref.gpu_uuid, ref.replica) == (DeviceIdKind.GPU, gpus[1].uuid, 3)
     ref = parse_device_id(mig.device_id)
-    assert ref.kind == "mig" and ref.mig_uuid == gpus[2].sharing.mig_instances[1].uuid
+    assert ref.kind is DeviceIdKind.MIG_UUID and ref.mig_uuid == gpus[2].sharing.mig_instances[1].uuid
     # requests default to the assignments
     assert dict(scenario.pods[1].containers[0].requests) == {"nvidia.com/gpu.shared": 1, "nvidia.com/mig-2g.20gb": 1}
 

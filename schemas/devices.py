@@ -1,0 +1,165 @@
+"""What a device-plugin id and a GPU resource name mean: the one owner of that knowledge for every service.
+
+The collector records the ids the kubelet handed each container (PodResources API) and the ``NVIDIA_VISIBLE_DEVICES``
+a spec sets; the attributor decides from them who holds a unit; the guard who may see one. They must agree, so the
+grammar and the matching rules live here, in the schema package the three share.
+
+Device ids (NVIDIA device plugin, ``deviceIDStrategy: uuid``):
+
+* ``GPU-<uuid>`` — a whole GPU; ``GPU-<uuid>::<n>`` — replica ``n`` of a time-sliced or MPS-shared GPU;
+* ``MIG-<uuid>`` — a MIG device by its own UUID; ``MIG-GPU-<uuid>/<gi>/<ci>`` — by parent GPU, GPU instance and
+  compute instance (older drivers); either with ``::<n>``: a replica of a shared MIG device.
+
+Anything else parses as kind ``OTHER`` (never raises): it names a unit only if it is that unit's uuid verbatim, and
+reaches none. Hex digits of known forms are lowercased, as NVML reports UUIDs (units are named by NVML's strings). Two questions are answered about an id and a unit, and they differ on purpose:
+
+* ``covers`` — could a container given this id reach the unit (visibility): a GPU id reaches the GPU and every MIG
+  instance on it;
+* ``names_unit`` — is the unit what the id hands out (attribution: who holds it): a GPU id names a whole GPU, a
+  MIG id its instance; the plain id of a MIG-enabled GPU names none of its instances.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+
+REPLICA_SEPARATOR = "::"
+VISIBLE_DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"
+MPS_THREAD_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+VALUE_FROM_MARK = "<valueFrom>"
+"""What the collector records for ``NVIDIA_VISIBLE_DEVICES`` set from a ConfigMap, Secret or field ref."""
+NO_DEVICES_VALUES = frozenset({"", "void", "none"})
+"""``NVIDIA_VISIBLE_DEVICES`` values that give a container no GPU (``none``: driver libraries only)."""
+
+GPU_RESOURCE = "nvidia.com/gpu"
+SHARED_RESOURCE_SUFFIX = ".shared"
+MIG_RESOURCE_PREFIX = "nvidia.com/mig-"
+# nvidia.com/gpu, its time-slicing rename nvidia.com/gpu.shared, and MIG mixed-strategy profiles such as
+# nvidia.com/mig-1g.10gb, nvidia.com/mig-1g.10gb+me, nvidia.com/mig-1c.3g.40gb (and their ".shared" renames).
+# Profile names grow with each GPU generation, so any name under nvidia.com/mig- counts.
+_GPU_RESOURCE = re.compile(r"nvidia\.com/(?:gpu(?:\.shared)?|mig-[0-9a-z][0-9a-z.+-]*)")
+
+_INSTANCE_PATH = re.compile(r"(?P<gpu>GPU-[^/]+)/(?P<gi>0|[1-9][0-9]{0,8})/(?P<ci>0|[1-9][0-9]{0,8})")
+
+
+class DeviceIdKind(enum.StrEnum):
+    GPU = "GPU"  # GPU-<uuid>
+    MIG_UUID = "MIG_UUID"  # MIG-<uuid>
+    MIG_PATH = "MIG_PATH"  # MIG-GPU-<uuid>/<gi>/<ci>
+    OTHER = "OTHER"  # anything else (another vendor's plugin, the index strategy): names no unit
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceRef:
+    """A parsed device id. ``base_id`` is the id without its ``::N`` replica suffix, lowercased where it is a known
+    form; ``gpu_uuid`` the physical GPU (GPU and MIG_PATH ids), ``mig_uuid`` the instance (MIG_UUID ids)."""
+
+    device_id: str
+    base_id: str
+    replica: int | None
+    kind: DeviceIdKind
+    gpu_uuid: str | None
+    mig_uuid: str | None
+    mig_gpu_instance_id: int | None
+    mig_compute_instance_id: int | None
+
+    @property
+    def is_replica(self) -> bool:
+        return self.replica is not None
+
+    @property
+    def is_mig(self) -> bool:
+        return self.kind in (DeviceIdKind.MIG_UUID, DeviceIdKind.MIG_PATH)
+
+
+def parse_device_id(device_id: str) -> DeviceRef:
+    """Parse one device id. Never raises: an id of no known form is kind ``OTHER``. The forms are told apart by
+    their prefixes (``GPU-``, ``MIG-``, ``MIG-GPU-…/<gi>/<ci>``), not by the UUID's shape, so a new UUID format of
+    a driver still parses; what follows a prefix is lowercased."""
+    text = device_id if isinstance(device_id, str) else str(device_id)
+    base, sep, tail = text.partition(REPLICA_SEPARATOR)
+    replica: int | None = None
+    if sep:
+        # A malformed replica suffix still marks a replica: the plugin only appends "::" for shared devices.
+        replica = int(tail) if tail.isdigit() and len(tail) < 10 else -1
+    if base.startswith("MIG-GPU-"):
+        match = _INSTANCE_PATH.fullmatch(base[len("MIG-"):])
+        if match and len(match.group("gpu")) > len("GPU-"):
+            gpu = "GPU-" + match.group("gpu")[len("GPU-"):].lower()
+            gi, ci = int(match.group("gi")), int(match.group("ci"))
+            return DeviceRef(text, f"MIG-{gpu}/{gi}/{ci}", replica, DeviceIdKind.MIG_PATH, gpu, None, gi, ci)
+        return DeviceRef(text, base, replica, DeviceIdKind.OTHER, None, None, None, None)
+    if base.startswith("MIG-") and len(base) > len("MIG-") and "/" not in base:
+        mig = "MIG-" + base[len("MIG-"):].lower()
+        return DeviceRef(text, mig, replica, DeviceIdKind.MIG_UUID, None, mig, None, None)
+    if base.startswith("GPU-") and len(base) > len("GPU-") and "/" not in base:
+        gpu = "GPU-" + base[len("GPU-"):].lower()
+        return DeviceRef(text, gpu, replica, DeviceIdKind.GPU, gpu, None, None, None)
+    return DeviceRef(text, base, replica, DeviceIdKind.OTHER, None, None, None, None)
+
+
+def base_device_id(device_id: str) -> str:
+    """The id without its replica suffix, in the form ``unit_keys`` names units by."""
+    return parse_device_id(device_id).base_id
+
+
+def is_gpu_resource(resource_name: str) -> bool:
+    """True for the extended resources the NVIDIA device plugin advertises for GPUs and MIG devices."""
+    return isinstance(resource_name, str) and _GPU_RESOURCE.fullmatch(resource_name) is not None
+
+
+def is_shared_resource(resource_name: str) -> bool:
+    """A time-slicing or MPS rename (``nvidia.com/gpu.shared``, ``nvidia.com/mig-1g.10gb.shared``)."""
+    return resource_name.endswith(SHARED_RESOURCE_SUFFIX)
+
+
+def is_mig_resource(resource_name: str) -> bool:
+    return resource_name.startswith(MIG_RESOURCE_PREFIX)
+
+
+def unit_keys(unit_uuid: str, parent_uuid: str | None, gpu_instance_id: int | None,
+              compute_instance_id: int | None, *, mig_instance: bool) -> tuple[str, ...]:
+    """The base ids that name a unit (``names_unit``): a whole GPU by its uuid; a MIG instance by ``MIG-<uuid>``
+    and, when its instance ids are known, ``MIG-<parent>/<gi>/<ci>``. The capacity of a MIG-enabled GPU in no
+    instance is named by nothing a pod can hold: its parent uuid is returned, so a pod holding the plain id of a
+    MIG-enabled GPU is seen (and reported as a conflict)."""
+    unit = base_device_id(unit_uuid)  # NVML's uuid in the form a device id takes
+    if not mig_instance:
+        return (unit,)
+    keys = [unit]
+    if parent_uuid is not None and gpu_instance_id is not None and compute_instance_id is not None:
+        keys.append(f"MIG-{base_device_id(parent_uuid)}/{gpu_instance_id}/{compute_instance_id}")
+    return tuple(keys)
+
+
+def names_unit(ref: DeviceRef, unit_uuid: str, parent_uuid: str | None, gpu_instance_id: int | None,
+               compute_instance_id: int | None) -> bool:
+    """Whether ``ref`` hands out the unit (a whole GPU when ``parent_uuid`` is None, else a MIG instance)."""
+    return ref.base_id in unit_keys(unit_uuid, parent_uuid, gpu_instance_id, compute_instance_id,
+                                    mig_instance=parent_uuid is not None)
+
+
+def covers(ref: DeviceRef, unit_uuid: str, parent_uuid: str | None, gpu_instance_id: int | None,
+           compute_instance_id: int | None) -> bool:
+    """Whether a container given ``ref`` can reach the unit: a GPU id (plain or ``::N``) reaches that GPU and,
+    when MIG is on, each of its instances; a MIG id its instance only."""
+    unit = unit_uuid.lower()
+    parent = parent_uuid.lower() if parent_uuid is not None else None
+    if ref.kind is DeviceIdKind.GPU:
+        gpu = ref.gpu_uuid.lower()  # type: ignore[union-attr]
+        return gpu == unit or gpu == parent
+    if ref.kind is DeviceIdKind.MIG_UUID:
+        return ref.mig_uuid.lower() == unit  # type: ignore[union-attr]
+    if ref.kind is DeviceIdKind.MIG_PATH:
+        return (ref.gpu_uuid.lower() == parent  # type: ignore[union-attr]
+                and ref.mig_gpu_instance_id == gpu_instance_id
+                and ref.mig_compute_instance_id == compute_instance_id)
+    return False
+
+
+def holds_whole(ref: DeviceRef, unit_uuid: str, parent_uuid: str | None, gpu_instance_id: int | None,
+                compute_instance_id: int | None) -> bool:
+    """Whether ``ref`` gives its pod the whole unit: a plain (no ``::N``) id that names it."""
+    return ref.replica is None and names_unit(ref, unit_uuid, parent_uuid, gpu_instance_id, compute_instance_id)
