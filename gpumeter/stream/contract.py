@@ -1,0 +1,145 @@
+"""The one processing contract every service's logic is written against: ``handle(event, position) -> Result``.
+
+A **processor** is the whole of a service's logic, free of Kafka: the runner (``gpumeter.stream.runner``) decodes
+each consumed message into a typed record, checks it, and hands it to the processor as an ``Event`` with its
+``Position``; the processor answers with an immutable ``Result`` — the records to emit, the state changes its
+driver must make durable before the input is committed, and rejections of the event it found only after decoding
+(each becomes a dead letter through the runner, like a message that did not decode). ``on_clock(now_ms)`` is the
+same for time passing (windows of silent nodes closing, violations resolving).
+
+The same processor runs under every driver: an aiokafka consumer group (billing, guard), a Faust worker (the
+attributor), and the in-memory broker (``gpumeter.stream.memory``) that ``gpumeter replay`` and the tests use. What
+a driver adds is transport: fetching, producing, committing after what the results asked for is durable. So
+replay and the stream produce the same records, bad input included, by construction.
+
+Outputs and inputs are named by role (``Input.name``, ``Emit.output``: ``samples``, ``pod_events``,
+``window_shares``, ``costs``, ...); the driver maps roles to topics (``schemas.catalog``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generic, Mapping, Protocol, Sequence, TypeVar
+
+from gpumeter.errors import InvalidMessage
+
+T = TypeVar("T")
+
+DEAD_LETTERS = "dead_letters"
+"""The output role of dead letters, which the runner emits for every rejected message."""
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Position:
+    """Where a message was read: its topic, partition and offset (the in-memory broker numbers alike)."""
+
+    topic: str
+    partition: int
+    offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class Event(Generic[T]):
+    """One decoded, checked input record. ``input`` is its role; ``received_at_unix_ms`` the runner's clock when it
+    was handed over (what range checks judge timestamps against); ``timestamp_ms`` the message's own."""
+
+    input: str
+    record: T
+    key: bytes | None
+    received_at_unix_ms: int
+    timestamp_ms: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Emit:
+    """One record to produce. ``partition_by_node``: send it to ``partition_for_node(this)`` (co-partitioned with
+    the node's samples) instead of by key; ``latest_wins``: it is a state on a compacted topic (an older state of
+    the same key is never re-sent over a newer one)."""
+
+    output: str
+    key: bytes | None
+    record: Any
+    partition_by_node: str | None = None
+    latest_wins: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """What one ``handle`` or ``on_clock`` produced. ``emits`` go out in order; ``changes`` are the processor's own
+    state changes (its driver applies them before committing the input they came from); ``rejected`` are reasons
+    the event itself is bad, found after decoding (each is dead-lettered with the event's bytes)."""
+
+    emits: tuple[Emit, ...] = ()
+    changes: tuple[Any, ...] = ()
+    rejected: tuple[InvalidMessage, ...] = ()
+
+    def __add__(self, other: "Result") -> "Result":
+        if not other:
+            return self
+        if not self:
+            return other
+        return Result(self.emits + other.emits, self.changes + other.changes, self.rejected + other.rejected)
+
+    def __bool__(self) -> bool:
+        return bool(self.emits or self.changes or self.rejected)
+
+
+NOTHING = Result()
+
+
+@dataclass(frozen=True)
+class Input:
+    """One input role of a processor: the record type its messages decode to, and the range check the runner applies
+    before ``handle`` (``check(record, now_ms)`` raises ``InvalidMessage``; None: none)."""
+
+    name: str
+    record_type: type
+    check: Callable[[Any, int], None] | None = None
+    tombstones: bool = False  # a message without value is a deletion (compacted topics) rather than bad input
+
+
+class Processor(Protocol):
+    """A service's logic. ``service`` names it in dead letters and metrics."""
+
+    service: str
+    inputs: Sequence[Input]
+
+    def handle(self, event: Event, position: Position) -> Result:
+        """The result of one input record. Raises ``InvalidMessage`` to reject it (dead-lettered by the runner);
+        any other exception is a bug and stops the service."""
+        ...
+
+    def on_clock(self, now_ms: int) -> Result:
+        """The result of time passing to ``now_ms``."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """What the runner made of one message: the processor's result (its emits, then the dead letters of anything
+    rejected, as emits to ``DEAD_LETTERS``), and whether the message was handled at all."""
+
+    position: Position
+    result: Result
+    handled: bool
+    dead_lettered: int = 0
+
+
+@dataclass
+class Inputs:
+    """A processor's inputs by role and, once the driver binds them, by topic."""
+
+    by_role: Mapping[str, Input]
+    by_topic: dict[str, Input] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, processor: Processor, topics: Mapping[str, str]) -> "Inputs":
+        """``topics``: role -> topic name."""
+        by_role = {i.name: i for i in processor.inputs}
+        missing = set(by_role) - set(topics)
+        if missing:
+            raise ValueError(f"no topic for input role(s) {sorted(missing)} of {processor.service}")
+        return cls(by_role, {topics[name]: spec for name, spec in by_role.items()})
+
+
+__all__ = ["DEAD_LETTERS", "NOTHING", "Emit", "Event", "Input", "Inputs", "Position", "Processor", "Result", "Step"]

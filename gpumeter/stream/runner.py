@@ -1,0 +1,135 @@
+"""The one runner: decode, check, hand to the processor, dead-letter what is bad, count, beat. No I/O.
+
+``MessageRunner(processor, topics, clock)`` binds a processor's input roles to topics and turns each consumed
+``RawMessage`` into a ``Step`` (``step``) and each clock tick into a ``Result`` (``tick``). Per message, in this
+order — the same for every driver, so a message is accepted or rejected alike by the stream and by replay:
+
+1. a message of a topic the processor does not read → ``WRONG_TOPIC``; a message without value → ``EMPTY``
+   (unless the input takes tombstones: then its record is None);
+2. decode with the input's record type (``schemas.typed``: unknown schema, truncated, corrupt, wrong record type
+   are the codec's ``InvalidMessage`` kinds);
+3. the input's range check with the runner's clock (``gpumeter.validation``);
+4. ``processor.handle(event, position)``: raising ``InvalidMessage`` rejects the message; so does every error in
+   the result's ``rejected``.
+
+A rejected message becomes one dead letter (``gpumeter.kafka.deadletter.dead_letter_for``: always within the
+producer's request size), emitted to ``DEAD_LETTERS`` keyed by its source topic, counted
+(``gpumeter_dead_letters_total``, ``gpumeter_dead_letters_truncated_total``) and logged; the runner carries on.
+Any other exception is a bug and propagates. Every message counts in ``gpumeter_messages_consumed_total`` and
+every step beats the liveness heartbeat.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping
+
+from gpumeter.clock import Clock
+from gpumeter.errors import InvalidMessage
+from gpumeter.kafka.deadletter import RawMessage, cut_text, dead_letter_budget_bytes, dead_letter_for
+from gpumeter.settings import DEFAULT_MAX_REQUEST_SIZE_BYTES
+from gpumeter.stream.contract import DEAD_LETTERS, NOTHING, Emit, Event, Inputs, Position, Processor, Result, Step
+from schemas.typed import RecordCodec, codec_for
+
+log = logging.getLogger(__name__)
+
+
+class WrongTopic(InvalidMessage):
+    """A message of a topic the processor does not read (a wiring bug, kept out of the logic)."""
+
+    reason_code = "WRONG_TOPIC"
+
+
+class EmptyMessage(InvalidMessage):
+    """A message without value on an input that takes no tombstones."""
+
+    reason_code = "EMPTY"
+
+
+class MessageRunner:
+    """Runs ``processor`` over raw messages of ``topics`` (role -> topic name). See the module docstring."""
+
+    def __init__(self, processor: Processor, topics: Mapping[str, str], clock: Clock, *, metrics: Any = None,
+                 max_request_size_bytes: int = DEFAULT_MAX_REQUEST_SIZE_BYTES) -> None:
+        self.processor = processor
+        self.service = processor.service
+        self.inputs = Inputs.of(processor, topics)
+        self.clock = clock
+        self.metrics = metrics
+        self.max_request_size_bytes = max_request_size_bytes
+        self._codecs: dict[type, RecordCodec] = {}
+        self.consumed = 0
+        self.dead_lettered = 0
+        self.truncated = 0
+
+    def _codec(self, record_type: type) -> RecordCodec:
+        codec = self._codecs.get(record_type)
+        if codec is None:
+            codec = self._codecs[record_type] = codec_for(record_type)
+        return codec
+
+    def decode(self, message: RawMessage) -> Event:
+        """The message as the processor's ``Event``; raises ``InvalidMessage`` (steps 1-3 of the module doc)."""
+        spec = self.inputs.by_topic.get(message.topic)
+        if spec is None:
+            raise WrongTopic(f"{self.service} reads no topic {message.topic!r}")
+        now_ms = self.clock.now_ms()
+        if message.value is None:
+            if not spec.tombstones:
+                raise EmptyMessage("message has no value (tombstone on a non-compacted topic)")
+            record = None
+        else:
+            record = self._codec(spec.record_type).decode(message.value)
+            if spec.check is not None:
+                spec.check(record, now_ms)
+        return Event(spec.name, record, message.key, now_ms, message.timestamp_ms)
+
+    def step(self, message: RawMessage) -> Step:
+        """Run one message through decode, check and the processor; reject it on ``InvalidMessage``."""
+        self.consumed += 1
+        if self.metrics is not None:
+            self.metrics.get("gpumeter_messages_consumed_total").labels(self.service, message.topic).inc()
+            self.metrics.beat()
+        position = Position(message.topic, message.partition, message.offset)
+        try:
+            event = self.decode(message)
+            result = self.processor.handle(event, position)
+        except InvalidMessage as error:
+            return Step(position, self.reject(message, error), handled=False, dead_lettered=1)
+        if result.rejected:
+            letters = NOTHING
+            for error in result.rejected:
+                letters = letters + self.reject(message, error)
+            result = Result(result.emits, result.changes) + letters
+            return Step(position, result, handled=True, dead_lettered=len(letters.emits))
+        return Step(position, result, handled=True)
+
+    def tick(self, now_ms: int) -> Result:
+        """``processor.on_clock(now_ms)``."""
+        if self.metrics is not None:
+            self.metrics.beat()
+        return self.processor.on_clock(now_ms)
+
+    def reject(self, message: RawMessage, error: InvalidMessage) -> Result:
+        """The dead letter of ``message`` for ``error``, as a result to emit; counted and logged."""
+        key = message.topic.encode("utf-8")
+        letter = dead_letter_for(message, error, self.service, self.clock.now_ms(),
+                                 max_request_size_bytes=self.max_request_size_bytes, dead_letter_key=key)
+        self.dead_lettered += 1
+        if self.metrics is not None:
+            self.metrics.get("gpumeter_dead_letters_total").labels(self.service, message.topic,
+                                                                  error.reason_code).inc()
+        log.warning("dead-lettered %s[%d]@%d: %s %s", message.topic, message.partition, message.offset,
+                    error.reason_code, cut_text(error.detail, 512)[0])
+        if letter.truncated:
+            self.truncated += 1
+            if self.metrics is not None:
+                self.metrics.get("gpumeter_dead_letters_truncated_total").labels(self.service, message.topic).inc()
+            log.warning("dead letter of %s[%d]@%d cut to fit %d bytes: value %d of %d bytes kept (sha256 %s)",
+                        message.topic, message.partition, message.offset,
+                        dead_letter_budget_bytes(self.max_request_size_bytes), len(letter.raw_bytes),
+                        letter.payload_length_bytes, letter.payload_sha256)
+        return Result(emits=(Emit(DEAD_LETTERS, key, letter),))
+
+
+__all__ = ["EmptyMessage", "MessageRunner", "WrongTopic"]
