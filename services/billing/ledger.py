@@ -919,7 +919,8 @@ class Ledger:
                     [{"trueup_id": trueup_id, "bill_name": bill.name, "bill_format": bill.format,
                       "basis": bill.basis, "scope_start_unix_ms": bill.scope_start_ms,
                       "scope_end_unix_ms": bill.scope_end_ms, "applied_at_unix_ms": applied_at_unix_ms,
-                      "line_items": len(bill.items), "billed_micro_usd": sum(m.billed_micro_usd for m in result.machines),
+                      "line_items": len(bill.items),
+                      "billed_micro_usd": sum(m.billed_micro_usd for m in result.machines),
                       "trued_micro_usd": result.trued_micro_usd, "summary": summary}],
                 ).all()
         except SQLAlchemyError as exc:

@@ -36,9 +36,9 @@ Formats:
 ``azure-retail``
     Azure Retail Prices API (``prices.azure.com/api/retail/prices``): ``Items`` with ``armSkuName``,
     ``armRegionName``, ``retailPrice``, ``unitOfMeasure`` ``1 Hour``, ``type`` ``Consumption``, ``productName``
-    (``… Series`` is Linux, ``… Series Windows`` is not kept), ``skuName`` (``… Spot`` is spot; ``… Low Priority``
-    only where no Spot price is given), ``isPrimaryMeterRegion``. The latest ``effectiveStartDate`` wins. Instance
-    facts from gpumeter's. Dated like GCP's.
+    (``… Series`` is Linux, ``… Series Windows`` is not kept), ``skuName`` (``… Spot`` is spot; ``… Low
+    Priority`` only where no Spot price is given), ``isPrimaryMeterRegion``. The latest ``effectiveStartDate``
+    wins. Instance facts from gpumeter's. Dated like GCP's.
 
 **Rates** (``prices/rates/``), where the input has what they need: AWS and Azure, per region and price model,
 solved from two general-purpose instance types of one generation with different memory per vCPU (``cpu × v +
@@ -550,9 +550,9 @@ def _gcp(document: Mapping[str, Any], name: str, facts: Mapping[tuple[str, str],
             ram = components.get((model, "ram", rates_family_upper, region))
             if core is None or ram is None:
                 continue
-            rates.append(ImportedRates("gcp", region, model, core[0], ram[0],
-                                       f"the {rates_family_upper} machine family's own vCPU and memory SKUs: {core[1]}; "
-                                       f"{ram[1]}", source, date, dated_note.lstrip("; ")))
+            derived = f"the {rates_family_upper} machine family's own vCPU and memory SKUs: {core[1]}; {ram[1]}"
+            rates.append(ImportedRates("gcp", region, model, core[0], ram[0], derived, source, date,
+                                       dated_note.lstrip("; ")))
     if not prices:
         result.skip("gcp: no machine type with its core, RAM and GPU SKUs all priced in a region")
     return prices, rates
@@ -628,7 +628,7 @@ def _solved_rates(reference: Mapping[tuple[str, str, str, str], tuple], result: 
         second = reference.get((provider, region, model, pair[1].lower()))
         if first is None or second is None:
             continue
-        (f1, p1, source, date), (f2, p2, _s, _d) = first, second
+        (f1, p1, source, date), (f2, p2) = first, second[:2]
         v1, m1, v2, m2 = Decimal(f1.vcpu_count), f1.memory_gib, Decimal(f2.vcpu_count), f2.memory_gib
         det = v1 * m2 - v2 * m1
         if det == 0:

@@ -46,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     imp.add_argument("--facts", type=Path, default=DEFAULT_FACTS,
                      help="instance facts CSV (default: the bundled prices/facts/instance_types.csv)")
     imp.add_argument("--gcp-rates-family", default=DEFAULT_GCP_RATES_FAMILY,
-                     help=f"GCP machine family whose core and RAM SKUs are the rates (default {DEFAULT_GCP_RATES_FAMILY})")
+                     help="GCP machine family whose core and RAM SKUs are the rates "
+                          f"(default {DEFAULT_GCP_RATES_FAMILY})")
 
 
 def main(args: argparse.Namespace, env: Mapping[str, str], *, out=None, err=None) -> int:

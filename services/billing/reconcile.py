@@ -73,7 +73,8 @@ def summary_json(result: TrueUp, written: TrueUpWrite | None) -> dict[str, Any]:
         "list_micro_usd": result.list_micro_usd,
         "trued_micro_usd": result.trued_micro_usd,
         "machines": [
-            {"provider_id": m.provider_id, "nodes": [f"{c}/{n}" for c, n in m.nodes], "resource_ids": list(m.resource_ids),
+            {"provider_id": m.provider_id, "nodes": [f"{c}/{n}" for c, n in m.nodes],
+             "resource_ids": list(m.resource_ids),
              "line_items": m.line_items, "charges": {k: str(v) for k, v in m.charges.items()},
              "billed_micro_usd": m.billed_micro_usd, "trued_micro_usd": m.trued_micro_usd,
              "list_micro_usd": m.list_micro_usd, "windows_trued": m.windows_trued,
@@ -107,8 +108,8 @@ def format_table(result: TrueUp, written: TrueUpWrite | None) -> str:
         nodes = ", ".join(escape_control(f"{c}/{n}") for c, n in m.nodes)
         charges = ", ".join(f"{kind} {cost}" for kind, cost in m.charges.items())
         out.append(f"  {nodes} ({escape_control(m.provider_id)}): {m.windows_trued} node-windows, list "
-                   f"{usd_text(m.list_micro_usd)} -> {usd_text(m.trued_micro_usd)} USD; {_count(m.line_items, 'line item')} "
-                   f"({charges})")
+                   f"{usd_text(m.list_micro_usd)} -> {usd_text(m.trued_micro_usd)} USD; "
+                   f"{_count(m.line_items, 'line item')} ({charges})")
         if m.windows_not_covered:
             out.append(f"    not covered by the bill's line items: {m.windows_not_covered} node-windows (list "
                        f"{usd_text(m.not_covered_list_micro_usd)} USD), left at list price")
@@ -119,8 +120,8 @@ def format_table(result: TrueUp, written: TrueUpWrite | None) -> str:
     for u in result.billed_not_seen:
         why = (f"names {len(u.ambiguous_with)} machines: {', '.join(u.ambiguous_with)}" if u.ambiguous_with
                else "no node in the ledger is this machine")
-        out.append(f"billed but never seen: {escape_control(u.resource_id)} {u.cost} USD ({_count(u.line_items, 'line item')}: "
-                   f"{', '.join(u.charges)}; {why})")
+        out.append(f"billed but never seen: {escape_control(u.resource_id)} {u.cost} USD "
+                   f"({_count(u.line_items, 'line item')}: {', '.join(u.charges)}; {why})")
     for u in result.seen_not_billed:
         out.append(f"seen but not billed: {escape_control(u.cluster)}/{escape_control(u.node_name)} "
                    f"({escape_control(u.provider_id) or 'no provider id'}): {u.windows} node-windows, list "

@@ -45,7 +45,8 @@ from services.billing.pricing import MICRO_USD_PER_USD
 
 NODE_OTHER = "NODE_OTHER"
 
-LineKey = tuple  # the ledger's cost line key: (window_start_unix_ms, cluster, node_name, gpu_uuid, subject_kind, pod_uid)
+# The ledger's cost line key: (window_start_unix_ms, cluster, node_name, gpu_uuid, subject_kind, pod_uid).
+LineKey = tuple
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,7 +229,8 @@ def true_up(bill: Bill, windows: Iterable[LedgerWindow]) -> TrueUp:
     unseen: dict[str, list[BillLineItem]] = defaultdict(list)
     ambiguous: dict[str, tuple[str, ...]] = {}
     for item in sorted(bill.items, key=lambda i: (i.resource_id, i.start_ms, i.end_ms, i.origin)):
-        machines = [p for p in by_instance.get(resource_key(item.resource_id), ()) if resource_matches(p, item.resource_id)]
+        machines = [p for p in by_instance.get(resource_key(item.resource_id), ())
+                    if resource_matches(p, item.resource_id)]
         if len(machines) == 1:
             items_of[machines[0]].append(item)
         else:
@@ -240,7 +242,8 @@ def true_up(bill: Bill, windows: Iterable[LedgerWindow]) -> TrueUp:
     trued_lines: dict[LineKey, int] = {}
     machines_out = []
     for provider_id in sorted(items_of):
-        machine_windows = sorted(by_machine[provider_id], key=lambda w: (w.window_start_unix_ms, w.cluster, w.node_name))
+        machine_windows = sorted(by_machine[provider_id],
+                                 key=lambda w: (w.window_start_unix_ms, w.cluster, w.node_name))
         starts = [w.window_start_unix_ms for w in machine_windows]
         exact = [Fraction(0)] * len(machine_windows)
         covered = [False] * len(machine_windows)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from services.billing.ledger import Ledger
-from tests.integration.test_ledger_postgres import database_url  # noqa: F401 (fixture)
+from tests.integration.test_ledger_postgres import database_url  # noqa: F401 (the fixture, used by name)
 from tests.unit.billing.test_reconcile import (
     FOCUS,
     FOCUS_AMENDED,

@@ -154,7 +154,8 @@ def test_a_focus_bill_trues_each_machine_up_to_the_micro_dollar_keeping_each_pod
     with ledger.engine.connect() as connection:
         listed = {tuple(r[:6]): r[6] for r in connection.execute(
             select(cost_lines.c.window_start_unix_ms, cost_lines.c.cluster, cost_lines.c.node_name,
-                   cost_lines.c.gpu_uuid, cost_lines.c.subject_kind, cost_lines.c.pod_uid, cost_lines.c.cost_micro_usd))}
+                   cost_lines.c.gpu_uuid, cost_lines.c.subject_kind, cost_lines.c.pod_uid,
+                   cost_lines.c.cost_micro_usd))}
     per_window = {}
     for key, trued in lines.items():
         per_window.setdefault(key[:3], []).append((trued, listed[key]))
@@ -170,7 +171,8 @@ def test_a_focus_bill_trues_each_machine_up_to_the_micro_dollar_keeping_each_pod
 
     # The report says what matched and what did not.
     assert "billed but never seen: i-0fffffffffffffff9 3.06 USD" in out
-    assert "seen but not billed: prod/gpu-gcp-c (gce://gpumeter-example/us-central1-a/gpu-gcp-c): 24 node-windows" in out
+    assert ("seen but not billed: prod/gpu-gcp-c (gce://gpumeter-example/us-central1-a/gpu-gcp-c): "
+            "24 node-windows") in out
     assert "not covered by the bill's line items: 2 node-windows" in out
     assert "not a node's: tax without a resource id 1, usage of service category Networking 1" in out
     assert "42 of 68 node-windows" in out
