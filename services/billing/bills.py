@@ -59,6 +59,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from gpumeter.errors import GpumeterError
+from services.billing.catalog import normalize_provider
 
 BILL_FORMATS = ("focus", "cur2")
 BASES = ("effective", "billed")
@@ -116,8 +117,10 @@ class Skipped:
 
 @dataclass(frozen=True)
 class Bill:
-    """A parsed billing export: its line items (see the module docstring) and the time it covers (``scope``: the
-    billing periods it names, else the span of its charge periods)."""
+    """A parsed billing export: its line items (see the module docstring), the time it covers (``scope``: the
+    billing periods it names, else the span of its charge periods), the providers it is of (FOCUS
+    ``ProviderName``; a CUR is AWS's; empty: not said) and the billing accounts (FOCUS ``BillingAccountId``, CUR
+    ``bill_payer_account_id``; empty: not said)."""
 
     name: str
     format: str
@@ -127,14 +130,23 @@ class Bill:
     items: tuple[BillLineItem, ...]
     skipped: tuple[Skipped, ...] = ()
     rows: int = 0
+    providers: tuple[str, ...] = ()
+    accounts: tuple[str, ...] = ()
     _digest: str = field(default="", init=False, repr=False, compare=False)
+
+    @property
+    def scope_key(self) -> str:
+        """Which bill this is, whatever version: providers, billing accounts and billing period. An amended export
+        of the same accounts and period has the same scope key and another digest."""
+        return (f"{','.join(self.providers)}|{','.join(self.accounts)}|{self.scope_start_ms}|"
+                f"{self.scope_end_ms}")
 
     def digest(self) -> str:
         """A stable id of what this bill says (format, basis, scope and every line item, in a canonical order):
         the same export read twice -- or the same rows as CSV and as Parquet -- has the same digest; an amended
         export has another."""
         if not self._digest:
-            hasher = hashlib.sha256(f"{self.format}|{self.basis}|{self.scope_start_ms}|{self.scope_end_ms}".encode())
+            hasher = hashlib.sha256(f"{self.format}|{self.basis}|{self.scope_key}".encode())
             for item in sorted(self.items, key=_canonical):
                 hasher.update(("\n" + "|".join(_canonical(item))).encode())
             object.__setattr__(self, "_digest", hasher.hexdigest())
@@ -204,6 +216,19 @@ def _text(row: Mapping[str, Any], column: str) -> str:
 # -- formats ------------------------------------------------------------------------------------------------------
 
 
+def focus_provider(name: str) -> str:
+    """gpumeter's provider name (``aws``, ``gcp``, ``azure``) for a FOCUS ``ProviderName`` (``AWS``, ``Google
+    Cloud``, ``Microsoft``); any other name lower-cased; empty for empty."""
+    key = name.strip().lower()
+    if key in ("aws", "amazon web services") or key.startswith("amazon"):
+        return "aws"
+    if key.startswith("google") or key == "gcp":
+        return "gcp"
+    if key.startswith("microsoft") or key.startswith("azure"):
+        return "azure"
+    return normalize_provider(key)
+
+
 def detect_format(header: Sequence[str]) -> str:
     """``focus`` or ``cur2`` from a header; ``BillError`` for anything else."""
     names = set(header)
@@ -223,6 +248,8 @@ class _Collector:
         self.items: list[BillLineItem] = []
         self.skipped: dict[str, list] = {}
         self.periods: list[tuple[int, int]] = []
+        self.providers: set[str] = set()
+        self.accounts: set[str] = set()
         self.rows = 0
 
     def skip(self, reason: str, cost: Decimal | None) -> None:
@@ -252,7 +279,8 @@ class _Collector:
             raise BillError(f"{self.name}: no billing period and no line item of a resource: nothing to true up to")
         skipped = tuple(Skipped(reason, count, cost) for reason, (count, cost) in sorted(self.skipped.items()))
         return Bill(self.name, self.format, self.basis, min(s for s, _ in spans), max(e for _, e in spans),
-                    tuple(self.items), skipped, self.rows)
+                    tuple(self.items), skipped, self.rows, tuple(sorted(self.providers - {""})),
+                    tuple(sorted(self.accounts - {""})))
 
 
 def _check_columns(header: Sequence[str], required: Sequence[str], name: str, fmt: str) -> None:
@@ -273,6 +301,8 @@ def parse_focus_rows(rows: Iterable[Mapping[str, Any]], header: Sequence[str], *
         if currency != CURRENCY:
             raise BillError(f"{where}: BillingCurrency {currency!r}: gpumeter's ledger is in {CURRENCY}")
         out.period(row, "BillingPeriodStart", "BillingPeriodEnd", where)
+        out.providers.add(focus_provider(_text(row, "ProviderName")))
+        out.accounts.add(_text(row, "BillingAccountId"))
         effective = parse_money(row.get("EffectiveCost"), "EffectiveCost", where)
         billed = parse_money(row.get("BilledCost"), "BilledCost", where)
         cost = effective if basis == "effective" else billed
@@ -315,6 +345,8 @@ def parse_cur2_rows(rows: Iterable[Mapping[str, Any]], header: Sequence[str], *,
         if currency != CURRENCY:
             raise BillError(f"{where}: line_item_currency_code {currency!r}: gpumeter's ledger is in {CURRENCY}")
         out.period(row, "bill_billing_period_start_date", "bill_billing_period_end_date", where)
+        out.providers.add("aws")
+        out.accounts.add(_text(row, "bill_payer_account_id"))
         line_type = _text(row, "line_item_line_item_type")
         unblended = parse_money(row.get("line_item_unblended_cost"), "line_item_unblended_cost", where)
         assert unblended is not None

@@ -12,7 +12,8 @@ Tables (created only by the alembic migrations in ``services/billing/migrations`
     ``CostRecord``. References its node bill.
 ``trueups``
     One row per bill applied by ``gpumeter reconcile`` (``trueup_id``: the bill's digest): its file, format,
-    basis, scope and totals.
+    basis, scope (``bill_scope``: providers, billing accounts and period, the same for every version of one bill)
+    and totals.
 
 **Trued-up cost** (``apply_trueup``): ``node_bills.trued_cost_micro_usd`` and ``cost_lines.trued_cost_micro_usd``
 hold what a node-window and each of its lines cost once trued up to the invoice (``services.billing.trueup``),
@@ -216,6 +217,7 @@ trueups = Table(
     Column("bill_name", Text, nullable=False),
     Column("bill_format", String(16), nullable=False),
     Column("basis", String(16), nullable=False),
+    Column("bill_scope", Text, nullable=False),
     Column("scope_start_unix_ms", BigInteger, nullable=False),
     Column("scope_end_unix_ms", BigInteger, nullable=False),
     Column("applied_at_unix_ms", BigInteger, nullable=False),
@@ -826,7 +828,8 @@ class Ledger:
         b, c = node_bills.c, cost_lines.c
         bills = self._read(
             select(b.window_start_unix_ms, b.cluster, b.node_name, b.window_seconds, b.billed_milliseconds,
-                   b.node_cost_micro_usd, b.provider_id)
+                   b.node_cost_micro_usd, b.provider_id, b.provider, trueups.c.bill_scope)
+            .select_from(node_bills.outerjoin(trueups, trueups.c.trueup_id == b.trueup_id))
             .where(b.window_start_unix_ms >= start_ms, b.window_start_unix_ms < end_ms)
             .order_by(b.window_start_unix_ms, b.cluster, b.node_name)
         )
@@ -840,12 +843,13 @@ class Ledger:
                 LedgerLine((start, cluster, node, gpu, kind, pod), kind, int(micro)))
         return tuple(
             LedgerWindow(cluster, node, start, seconds, int(billed), int(cost), provider_id or "",
-                         tuple(lines.get(NodeWindowKey(cluster, node, start), ())))
-            for start, cluster, node, seconds, billed, cost, provider_id in bills)
+                         tuple(lines.get(NodeWindowKey(cluster, node, start), ())), provider, scope or "")
+            for start, cluster, node, seconds, billed, cost, provider_id, provider, scope in bills)
 
     def apply_trueup(self, result: TrueUp, *, applied_at_unix_ms: int, summary: str = "{}") -> TrueUpWrite:
-        """Store ``result``: every node-window of its scope gets the trued-up cost it says (NULL where it says
-        none) and ``trueup_id`` = the bill's digest, every line of those windows likewise; only values that differ
+        """Store ``result``: every node-window of its scope (``TrueUp.scope_keys``: not those another bill trued
+        up) gets the trued-up cost it says (NULL where it says none) and ``trueup_id`` = the bill's digest, every
+        line of those windows likewise; only values that differ
         are written, in one transaction, and the bill is recorded in ``trueups`` (once per digest). So applying
         the same bill again changes nothing; applying an amended bill replaces the trued-up values of its scope
         (the list-price columns are never touched). ``LedgerError`` (nothing written) when a trued window's lines
@@ -917,7 +921,7 @@ class Ledger:
                 recorded = connection.execute(
                     self._insert(trueups).on_conflict_do_nothing().returning(trueups.c.trueup_id),
                     [{"trueup_id": trueup_id, "bill_name": bill.name, "bill_format": bill.format,
-                      "basis": bill.basis, "scope_start_unix_ms": bill.scope_start_ms,
+                      "basis": bill.basis, "bill_scope": bill.scope_key, "scope_start_unix_ms": bill.scope_start_ms,
                       "scope_end_unix_ms": bill.scope_end_ms, "applied_at_unix_ms": applied_at_unix_ms,
                       "line_items": len(bill.items),
                       "billed_micro_usd": sum(m.billed_micro_usd for m in result.machines),

@@ -6,6 +6,10 @@ could true up. Nothing is overwritten: the ledger keeps the list-price cost besi
 
 Rules:
 
+* **Scope.** The bill's billing period, and of the ledger's windows in it those of the bill's providers (an AWS
+  bill says nothing of a GCP node). A window another bill -- other accounts, or another provider's -- trued up is
+  that bill's and is left alone, unless this bill charges its machine; a window an earlier version of this bill
+  (same providers, accounts and period) trued up is this bill's to set again.
 * **Machines.** A node-window belongs to the machine of its provider id (``node_bills.provider_id``, the Node's
   ``spec.providerID``). A line item belongs to the machine whose provider id it names
   (``gpumeter.provider_ids.resource_matches``: the instance id is the resource id's last segment; Azure's whole
@@ -60,7 +64,8 @@ class LedgerLine:
 
 @dataclass(frozen=True, slots=True)
 class LedgerWindow:
-    """One node-window of the ledger at list price, with its cost lines (which add up to ``node_cost_micro_usd``)."""
+    """One node-window of the ledger at list price, with its cost lines (which add up to ``node_cost_micro_usd``);
+    ``provider`` its node's cloud, ``trueup_scope`` the scope key of the bill that last trued it up (empty: none)."""
 
     cluster: str
     node_name: str
@@ -70,6 +75,8 @@ class LedgerWindow:
     node_cost_micro_usd: int
     provider_id: str
     lines: tuple[LedgerLine, ...]
+    provider: str = ""
+    trueup_scope: str = ""
 
     @property
     def key(self) -> NodeWindowKey:
@@ -214,9 +221,10 @@ def true_up(bill: Bill, windows: Iterable[LedgerWindow]) -> TrueUp:
     """True ``windows`` (the ledger's node-windows of the bill's scope) up to ``bill`` (see the module docstring)."""
     by_machine: dict[str, list[LedgerWindow]] = defaultdict(list)
     unidentified: dict[tuple[str, str], list[LedgerWindow]] = defaultdict(list)
-    scope_keys = set()
+    providers = set(bill.providers)
     for window in windows:
-        scope_keys.add(window.key)
+        if providers and window.provider not in providers:
+            continue
         if window.provider_id.strip():
             by_machine[window.provider_id.strip()].append(window)
         else:
@@ -285,11 +293,19 @@ def true_up(bill: Bill, windows: Iterable[LedgerWindow]) -> TrueUp:
             unallocated=tuple(unallocated),
         ))
 
-    unbilled = [UnbilledNode(cluster, node, "", len(ws), sum(w.node_cost_micro_usd for w in ws))
-                for (cluster, node), ws in unidentified.items()]
+    scope_keys = {w.key for provider_id in items_of for w in by_machine[provider_id]}
+
+    def unclaimed(ws: list[LedgerWindow]) -> list[LedgerWindow]:
+        mine = [w for w in ws if w.trueup_scope in ("", bill.scope_key)]
+        scope_keys.update(w.key for w in mine)
+        return mine
+
+    unbilled = [UnbilledNode(cluster, node, "", len(mine), sum(w.node_cost_micro_usd for w in mine))
+                for (cluster, node), ws in unidentified.items() if (mine := unclaimed(ws))]
     for provider_id, ws in by_machine.items():
         if provider_id in items_of:
             continue
+        ws = unclaimed(ws)
         for cluster, node in sorted({(w.cluster, w.node_name) for w in ws}):
             mine = [w for w in ws if (w.cluster, w.node_name) == (cluster, node)]
             unbilled.append(UnbilledNode(cluster, node, provider_id, len(mine),

@@ -35,6 +35,9 @@ def test_focus_rows_become_the_machines_charges_and_the_rest_is_counted():
         ("tax without a resource id", 1, Decimal("3.21")), ("usage of service category Networking", 1, Decimal("0.36"))]
     billed = read_bill(BILLS / "focus_1_0_aws.csv", basis="billed")
     assert sum(i.cost for i in billed.items) == Decimal("9.762221")
+    # Whose bill it is: the provider and the payer account, the same in the CUR of the same month.
+    assert (bill.providers, bill.accounts) == (("aws",), ("123456789012",))
+    assert bill.scope_key == read_bill(BILLS / "cur2_aws.csv").scope_key
 
 
 def test_cur2_effective_and_billed_cost_follow_the_line_item_types():

@@ -1,11 +1,12 @@
 """``gpumeter reconcile --bill FILE``: the ledger's node-windows trued up to a bill written by us in the published
 formats (``tests/fixtures/bills/``: FOCUS 1.0 CSV, AWS CUR 2.0 CSV; FOCUS Parquet written here from the same rows).
 
-The ledger holds three machines over 2026-11-10 10:00-12:10 UTC (5-minute windows), costed by billing at list
+The ledger holds four machines over 2026-11-10 10:00-12:10 UTC (5-minute windows), costed by billing at list
 price: a spot g5.xlarge (``i-…0001``, running past the bill's last line item), a p4d.24xlarge (``i-…0002``: its
 first hour covered by a Savings Plan, then half an hour on demand -- a partial hour, its last window half covered --
-and a promotional credit over the whole month) and a GCP a2-highgpu-1g the bill does not know. The bill also
-charges an instance gpumeter never saw, tax, a Savings Plan fee, data transfer and an EBS volume.
+and a promotional credit over the whole month), a g4dn.xlarge the AWS bill does not charge (``i-…0003``) and a GCP
+a2-highgpu-1g (not the AWS bill's at all). The bill also charges an instance gpumeter never saw, tax, a Savings
+Plan fee, data transfer and an EBS volume.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ T10 = parse_instant_ms("2026-11-10T10:00:00Z")
 WINDOW_S = 300
 SPOT = "aws:///us-east-1a/i-0a1b2c3d4e5f60001"
 ON_DEMAND = "aws:///us-east-1b/i-0a1b2c3d4e5f60002"
+UNBILLED = "aws:///us-east-1c/i-0a1b2c3d4e5f60003"
 GCP = "gce://gpumeter-example/us-central1-a/gpu-gcp-c"
 # What the bill charges each machine (effective cost), to the micro-dollar: 2 × 0.3617; 15.370349 + 10.978821 - 5.
 SPOT_BILLED = 723_400
@@ -74,6 +76,8 @@ def world():
                  price_model="spot", gpu_model="NVIDIA A10G")
         + _windows("gpu-od-b", ON_DEMAND, 18, units=shared_gpus(8, on_demand_rows, prefix="GPU-od-"),
                    last_covered=150.0)
+        + _windows("gpu-od-d", UNBILLED, 12, units=[Unit("GPU-od-d-0", [pod("dev-d", 1.0, "dev")])],
+                   instance_type="g4dn.xlarge", gpu_model="Tesla T4")
         + _windows("gpu-gcp-c", GCP, 24, units=[Unit("GPU-gcp-0", [pod("embed-c", 0.7, "serving", team="prod"),
                                                                      bucket(ShareSubjectKind.IDLE, 0.3)])],
                    provider="gcp", region="us-central1", instance_type="a2-highgpu-1g")
@@ -144,8 +148,8 @@ def test_a_focus_bill_trues_each_machine_up_to_the_micro_dollar_keeping_each_pod
     assert sum(machines[ON_DEMAND]) == ON_DEMAND_BILLED
     # The spot machine ran 10 minutes past the bill's last line item: those two windows keep no trued-up cost.
     assert machines[SPOT].count(None) == 2 and len(machines[SPOT]) == 26
-    # The machine the bill does not know keeps its list price only.
-    assert set(machines[GCP]) == {None}
+    # The machines the bill does not charge keep their list price only.
+    assert set(machines[GCP]) == set(machines[UNBILLED]) == {None}
     # Nothing of the list-price ledger changed.
     assert list_columns(ledger) == before
 
@@ -171,11 +175,11 @@ def test_a_focus_bill_trues_each_machine_up_to_the_micro_dollar_keeping_each_pod
 
     # The report says what matched and what did not.
     assert "billed but never seen: i-0fffffffffffffff9 3.06 USD" in out
-    assert ("seen but not billed: prod/gpu-gcp-c (gce://gpumeter-example/us-central1-a/gpu-gcp-c): "
-            "24 node-windows") in out
+    assert "seen but not billed: prod/gpu-od-d (aws:///us-east-1c/i-0a1b2c3d4e5f60003): 12 node-windows" in out
+    assert "gpu-gcp-c" not in out  # an AWS bill says nothing of a GCP node
     assert "not covered by the bill's line items: 2 node-windows" in out
     assert "not a node's: tax without a resource id 1, usage of service category Networking 1" in out
-    assert "42 of 68 node-windows" in out
+    assert "42 of 56 node-windows" in out
     # --strict makes the mismatches an exit status.
     assert run(ledger, FOCUS, "--strict")[0] == 1
 
@@ -221,12 +225,55 @@ def test_an_amended_bill_replaces_the_trued_up_cost_of_its_scope_and_both_bills_
     assert sum(machines[ON_DEMAND]) == ON_DEMAND_BILLED
     runs = ledger.trueup_runs()
     assert [r["bill_name"] for r in runs] == ["focus_1_0_aws.csv", "focus_1_0_aws_amended.csv"]
+    assert runs[0]["bill_scope"] == runs[1]["bill_scope"] != ""  # two versions of one bill
     with ledger.engine.connect() as connection:
-        assert set(connection.execute(select(node_bills.c.trueup_id)).scalars()) == {runs[1]["trueup_id"]}
+        ids = set(connection.execute(select(node_bills.c.provider, node_bills.c.trueup_id)).all())
+    assert ids == {("aws", runs[1]["trueup_id"]), ("gcp", None)}
     assert list_columns(ledger) == before
     # Applying the first bill again makes it the one that counts, as it was.
     run(ledger, FOCUS)
     assert sum(v for v in trued_by_machine(ledger)[SPOT] if v is not None) == SPOT_BILLED
+
+
+def _focus_bill(path: Path, rows: list[dict]) -> Path:
+    """A FOCUS bill of ``rows`` (column -> value; the rest empty) in the fixture's columns."""
+    header = next(csv.reader(FOCUS.open(encoding="utf-8")))
+    with path.open("w", encoding="utf-8", newline="") as stream:
+        writer = csv.DictWriter(stream, fieldnames=header, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows({c: row.get(c, "") for c in header} for row in rows)
+    return path
+
+
+def _usage(resource, provider, account, start, end, cost):
+    return {"ResourceId": resource, "ProviderName": provider, "PublisherName": provider, "InvoiceIssuerName": provider,
+            "BillingAccountId": account, "BillingCurrency": "USD", "BillingPeriodStart": "2026-11-01T00:00:00Z",
+            "BillingPeriodEnd": "2026-12-01T00:00:00Z", "ChargePeriodStart": start, "ChargePeriodEnd": end,
+            "ChargeCategory": "Usage", "ServiceCategory": "Compute", "BilledCost": cost, "EffectiveCost": cost,
+            "ListCost": cost, "ContractedCost": cost}
+
+
+def test_bills_of_other_providers_and_accounts_leave_each_others_machines_alone(ledger, tmp_path):
+    """A GCP bill trues the GCP node up; the AWS bill applied again leaves it so. A second AWS payer account's bill
+    charging the g4dn.xlarge keeps it when the first account's bill, which does not charge it, is applied again."""
+    gcp_bill = _focus_bill(tmp_path / "gcp.csv", [
+        _usage("//compute.googleapis.com/projects/gpumeter-example/zones/us-central1-a/instances/gpu-gcp-c",
+               "Google Cloud", "01ABCD-234567-89EFGH", f"2026-11-10T{h}:00:00Z", f"2026-11-10T{h + 1}:00:00Z", "2.6")
+        for h in (10, 11)])
+    other_account = _focus_bill(tmp_path / "aws-other.csv", [
+        _usage("i-0a1b2c3d4e5f60003", "AWS", "999999999999", "2026-11-10T10:00:00Z", "2026-11-10T11:00:00Z",
+               "0.2104")])
+    run(ledger, FOCUS)
+    code, out, _ = run(ledger, gcp_bill, now_ms=T10 + 2 * 86_400_000)
+    assert code == 0 and "seen but not billed" not in out and "gpu-spot-a" not in out
+    assert sum(trued_by_machine(ledger)[GCP]) == 5_200_000
+    run(ledger, other_account, now_ms=T10 + 3 * 86_400_000)
+    assert sum(trued_by_machine(ledger)[UNBILLED]) == 210_400
+    _, out, _ = run(ledger, FOCUS, now_ms=T10 + 4 * 86_400_000)
+    machines = trued_by_machine(ledger)
+    assert sum(machines[GCP]) == 5_200_000 and sum(machines[UNBILLED]) == 210_400
+    assert sum(v for v in machines[SPOT] if v is not None) == SPOT_BILLED
+    assert "seen but not billed" not in out  # the g4dn.xlarge is the other account's bill's now
 
 
 def test_cur2_and_focus_exports_of_the_same_charges_true_up_alike(ledger, tmp_path):
@@ -288,11 +335,9 @@ def test_the_report_shows_the_trued_up_cost_with_a_flag(ledger):
     assert trued.reconciliation.reconciled and trued.trued_windows == 42
     machines = trued_by_machine(ledger)
     with ledger.engine.connect() as connection:
-        gcp_list = sum(connection.execute(select(node_bills.c.node_cost_micro_usd)
-                                          .where(node_bills.c.provider_id == GCP)).scalars())
-        spot_tail = sum(connection.execute(select(node_bills.c.node_cost_micro_usd).where(
-            node_bills.c.provider_id == SPOT, node_bills.c.trued_cost_micro_usd.is_(None))).scalars())
-    assert trued.total_micro_usd == SPOT_BILLED + ON_DEMAND_BILLED + gcp_list + spot_tail
+        at_list = sum(connection.execute(select(node_bills.c.node_cost_micro_usd)
+                                         .where(node_bills.c.trued_cost_micro_usd.is_(None))).scalars())
+    assert trued.total_micro_usd == SPOT_BILLED + ON_DEMAND_BILLED + at_list
     assert trued.total_micro_usd != listed.total_micro_usd
     assert build_report(ledger, Grouping("namespace"), start_ms=start, end_ms=end) == replace(
         build_report(ledger, Grouping("namespace"), start_ms=start, end_ms=end), cost="list")
@@ -310,7 +355,7 @@ def test_the_report_shows_the_trued_up_cost_with_a_flag(ledger):
                               "--ledger-url", ledger.url])
     out = io.StringIO()
     assert report_module.main(args, {}, out=out, err=io.StringIO()) == 0
-    assert "trued up to the invoice: 42 of 68 node-windows, the rest at list price" in out.getvalue()
+    assert "trued up to the invoice: 42 of 80 node-windows, the rest at list price" in out.getvalue()
 
 
 def test_the_command_is_wired_into_gpumeter_and_rejects_a_bill_it_cannot_use(ledger, tmp_path, capsys,

@@ -32,6 +32,7 @@ def upgrade() -> None:
         sa.Column("bill_name", sa.Text(), nullable=False),
         sa.Column("bill_format", sa.String(16), nullable=False),
         sa.Column("basis", sa.String(16), nullable=False),
+        sa.Column("bill_scope", sa.Text(), nullable=False),
         sa.Column("scope_start_unix_ms", sa.BigInteger(), nullable=False),
         sa.Column("scope_end_unix_ms", sa.BigInteger(), nullable=False),
         sa.Column("applied_at_unix_ms", sa.BigInteger(), nullable=False),
