@@ -682,7 +682,7 @@ class Ledger:
             raise LedgerError(f"reading {self!r} failed: {exc}") from exc
 
     @staticmethod
-    def _cost(table: Table, cost: str):
+    def cost_expression(table: Table, cost: str):
         """The cost column of ``table`` for a cost basis: ``list`` as billed at list price, ``trued`` the trued-up
         cost where there is one and the list price elsewhere."""
         if cost not in COST_BASES:
@@ -694,13 +694,13 @@ class Ledger:
                cluster: str | None = None, cost: str = "list") -> LedgerTotals:
         """Sums of cost lines and node bills for windows starting in [start_ms, end_ms), in the ``cost`` basis."""
         line_rows = self._read(
-            select(cost_lines.c.subject_kind, func.coalesce(func.sum(self._cost(cost_lines, cost)), 0),
+            select(cost_lines.c.subject_kind, func.coalesce(func.sum(self.cost_expression(cost_lines, cost)), 0),
                    func.count())
             .where(*self._range(cost_lines, start_ms, end_ms, cluster))
             .group_by(cost_lines.c.subject_kind)
         )
         (bill_sum, bill_count), = self._read(
-            select(func.coalesce(func.sum(self._cost(node_bills, cost)), 0), func.count())
+            select(func.coalesce(func.sum(self.cost_expression(node_bills, cost)), 0), func.count())
             .where(*self._range(node_bills, start_ms, end_ms, cluster))
         )
         by_kind = {kind: int(total) for kind, total, _ in line_rows}
@@ -727,7 +727,7 @@ class Ledger:
         # Grouping over a subquery keeps PostgreSQL from seeing two differently-bound copies of the expression.
         inner = (
             select(cost_lines.c.subject_kind.label("kind"), group.label("grp"),
-                   self._cost(cost_lines, cost).label("micro"))
+                   self.cost_expression(cost_lines, cost).label("micro"))
             .where(*self._range(cost_lines, start_ms, end_ms, cluster))
             .subquery()
         )
