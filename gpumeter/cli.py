@@ -19,6 +19,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "collector": ("services.collector.main", "the per-node agent: NVML samples and pod events to Kafka"),
     "billing": ("services.billing.main", "the billing service: shares to node bills, cost records and the ledger"),
     "report": ("services.billing.report", "costs from the ledger by namespace, label, node or GPU"),
+    "reconcile": ("services.billing.reconcile", "true the ledger up to a cloud bill (FOCUS or AWS CUR 2.0 export)"),
+    "prices": ("services.billing.prices_cli", "price files: import the providers' own price lists (prices import)"),
     "replay": ("services.attributor.replay_cli", "attribute and price a scenario or a recording offline, no broker"),
     "attributor": ("services.attributor.main", "run the streaming attributor (per-pod GPU shares, a Faust worker)"),
     "run": ("gpumeter.commands.run", "the whole pipeline on this machine (simulated cluster) with a live view"),

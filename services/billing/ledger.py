@@ -10,6 +10,18 @@ Tables (created only by the alembic migrations in ``services/billing/migrations`
 ``cost_lines``
     One row per (window_start_unix_ms, cluster, node_name, gpu_uuid or '', subject_kind, pod_uid or ''): a
     ``CostRecord``. References its node bill.
+``trueups``
+    One row per bill applied by ``gpumeter reconcile`` (``trueup_id``: the bill's digest): its file, format,
+    basis, scope (``bill_scope``: providers, billing accounts and period, the same for every version of one bill)
+    and totals.
+
+**Trued-up cost** (``apply_trueup``): ``node_bills.trued_cost_micro_usd`` and ``cost_lines.trued_cost_micro_usd``
+hold what a node-window and each of its lines cost once trued up to the invoice (``services.billing.trueup``),
+beside the list-price ``node_cost_micro_usd`` / ``cost_micro_usd``, which are never changed. NULL: not trued up
+(never reconciled, not billed, or outside the bill's line items). ``node_bills.trueup_id`` names the bill that
+last set the window (also when it left it NULL: that bill did not charge it). Per trued window its trued lines
+add up to its trued cost, checked before anything is written. Reads take ``cost="trued"`` for
+``COALESCE(trued, list)``.
 
 **The ledger is the arbiter of who publishes.** A ``Ledger`` opened with ``publisher=`` (billing: its consumer
 group) records that name on every bill its write inserts (``node_bills.publisher``). A skipped node-window is
@@ -58,6 +70,7 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    bindparam,
     create_engine,
     event,
     func,
@@ -75,6 +88,7 @@ from gpumeter.redact import mask_secrets, mask_url
 from schemas.records import CostRecord, CostSubjectKind
 from services.billing.costing import NodeBill, NodeWindowKey
 from services.billing.sqlite_files import SqliteFiles
+from services.billing.trueup import LedgerLine, LedgerWindow, TrueUp
 
 MIGRATIONS_DIR = Path(__file__).with_name("migrations")
 VERSION_TABLE = "gpumeter_billing_alembic_version"
@@ -161,6 +175,8 @@ node_bills = Table(
     Column("publisher", String(255), nullable=True),
     Column("zone", String(64), nullable=False, server_default=""),
     Column("provider_id", String(512), nullable=False, server_default=""),
+    Column("trued_cost_micro_usd", BigInteger, nullable=True),
+    Column("trueup_id", String(64), nullable=True),
     PrimaryKeyConstraint("window_start_unix_ms", "cluster", "node_name"),
     ForeignKeyConstraint(["price_version"], ["price_versions.price_version"]),
     Index(None, "node_name", "window_start_unix_ms"),
@@ -185,6 +201,7 @@ cost_lines = Table(
     Column("price_model", String(16), nullable=False),
     Column("price_version", String(255), nullable=False),
     Column("carried_label_keys", Text, nullable=False, server_default=""),
+    Column("trued_cost_micro_usd", BigInteger, nullable=True),
     PrimaryKeyConstraint("window_start_unix_ms", "cluster", "node_name", "gpu_uuid", "subject_kind", "pod_uid"),
     ForeignKeyConstraint(
         ["window_start_unix_ms", "cluster", "node_name"],
@@ -192,6 +209,26 @@ cost_lines = Table(
     ),
     Index(None, "namespace", "window_start_unix_ms"),
 )
+
+trueups = Table(
+    "trueups",
+    metadata,
+    Column("trueup_id", String(64), nullable=False),
+    Column("bill_name", Text, nullable=False),
+    Column("bill_format", String(16), nullable=False),
+    Column("basis", String(16), nullable=False),
+    Column("bill_scope", Text, nullable=False),
+    Column("scope_start_unix_ms", BigInteger, nullable=False),
+    Column("scope_end_unix_ms", BigInteger, nullable=False),
+    Column("applied_at_unix_ms", BigInteger, nullable=False),
+    Column("line_items", Integer, nullable=False),
+    Column("billed_micro_usd", BigInteger, nullable=False),
+    Column("trued_micro_usd", BigInteger, nullable=False),
+    Column("summary", Text, nullable=False),
+    PrimaryKeyConstraint("trueup_id"),
+)
+
+COST_BASES = ("list", "trued")
 
 _LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._/-]{0,251}[A-Za-z0-9])?$")
 GROUP_KINDS = ("namespace", "label", "node", "gpu")
@@ -280,6 +317,17 @@ class NodePricingRow:
     node_cost_micro_usd: int
     gpu_cost_micro_usd: int
     node_other_micro_usd: int
+
+
+@dataclass(frozen=True, slots=True)
+class TrueUpWrite:
+    """What ``apply_trueup`` did: the bill's id, node-windows and cost lines whose trued-up value changed, and
+    whether the bill was recorded now (False: applied before)."""
+
+    trueup_id: str
+    windows_changed: int
+    lines_changed: int
+    first_time: bool
 
 
 def normalize_url(url: str) -> str:
@@ -633,16 +681,26 @@ class Ledger:
         except SQLAlchemyError as exc:
             raise LedgerError(f"reading {self!r} failed: {exc}") from exc
 
+    @staticmethod
+    def cost_expression(table: Table, cost: str):
+        """The cost column of ``table`` for a cost basis: ``list`` as billed at list price, ``trued`` the trued-up
+        cost where there is one and the list price elsewhere."""
+        if cost not in COST_BASES:
+            raise ConfigError(f"cost basis {cost!r} is not one of {COST_BASES}")
+        listed = table.c.node_cost_micro_usd if table is node_bills else table.c.cost_micro_usd
+        return listed if cost == "list" else func.coalesce(table.c.trued_cost_micro_usd, listed)
+
     def totals(self, *, start_ms: int | None = None, end_ms: int | None = None,
-               cluster: str | None = None) -> LedgerTotals:
-        """Sums of cost lines and node bills for windows starting in [start_ms, end_ms)."""
+               cluster: str | None = None, cost: str = "list") -> LedgerTotals:
+        """Sums of cost lines and node bills for windows starting in [start_ms, end_ms), in the ``cost`` basis."""
         line_rows = self._read(
-            select(cost_lines.c.subject_kind, func.coalesce(func.sum(cost_lines.c.cost_micro_usd), 0), func.count())
+            select(cost_lines.c.subject_kind, func.coalesce(func.sum(self.cost_expression(cost_lines, cost)), 0),
+                   func.count())
             .where(*self._range(cost_lines, start_ms, end_ms, cluster))
             .group_by(cost_lines.c.subject_kind)
         )
         (bill_sum, bill_count), = self._read(
-            select(func.coalesce(func.sum(node_bills.c.node_cost_micro_usd), 0), func.count())
+            select(func.coalesce(func.sum(self.cost_expression(node_bills, cost)), 0), func.count())
             .where(*self._range(node_bills, start_ms, end_ms, cluster))
         )
         by_kind = {kind: int(total) for kind, total, _ in line_rows}
@@ -655,8 +713,9 @@ class Ledger:
         )
 
     def cost_by(self, grouping: Grouping, *, start_ms: int | None = None, end_ms: int | None = None,
-                cluster: str | None = None) -> tuple[CostGroupRow, ...]:
-        """Cost lines summed per (subject kind, group value) for windows starting in [start_ms, end_ms)."""
+                cluster: str | None = None, cost: str = "list") -> tuple[CostGroupRow, ...]:
+        """Cost lines summed per (subject kind, group value) for windows starting in [start_ms, end_ms), in the
+        ``cost`` basis."""
         if grouping.kind == "namespace":
             group = cost_lines.c.namespace
         elif grouping.kind == "node":
@@ -667,12 +726,13 @@ class Ledger:
             group = cost_lines.c.labels[grouping.label_key].as_string()
         # Grouping over a subquery keeps PostgreSQL from seeing two differently-bound copies of the expression.
         inner = (
-            select(cost_lines.c.subject_kind.label("kind"), group.label("grp"), cost_lines.c.cost_micro_usd)
+            select(cost_lines.c.subject_kind.label("kind"), group.label("grp"),
+                   self.cost_expression(cost_lines, cost).label("micro"))
             .where(*self._range(cost_lines, start_ms, end_ms, cluster))
             .subquery()
         )
         rows = self._read(
-            select(inner.c.kind, inner.c.grp, func.sum(inner.c.cost_micro_usd), func.count())
+            select(inner.c.kind, inner.c.grp, func.sum(inner.c.micro), func.count())
             .group_by(inner.c.kind, inner.c.grp)
         )
         return tuple(CostGroupRow(kind, grp, int(total), int(count)) for kind, grp, total, count in rows)
@@ -749,6 +809,132 @@ class Ledger:
                 price_version=m["price_version"],
                 carried_label_keys=tuple(filter(None, (m["carried_label_keys"] or "").split(","))),
             )
+
+
+    # -- true-up to the invoice ---------------------------------------------------------------------------------
+
+    def trued_coverage(self, *, start_ms: int | None = None, end_ms: int | None = None,
+                       cluster: str | None = None) -> tuple[int, int]:
+        """(node-windows with a trued-up cost, node-windows) for windows starting in [start_ms, end_ms)."""
+        (trued, total), = self._read(
+            select(func.count(node_bills.c.trued_cost_micro_usd), func.count())
+            .where(*self._range(node_bills, start_ms, end_ms, cluster))
+        )
+        return int(trued), int(total)
+
+    def trueup_windows(self, *, start_ms: int, end_ms: int) -> tuple[LedgerWindow, ...]:
+        """The node-windows starting in [start_ms, end_ms) with their list-price cost lines (in key order): what
+        ``services.billing.trueup.true_up`` reprices."""
+        b, c = node_bills.c, cost_lines.c
+        bills = self._read(
+            select(b.window_start_unix_ms, b.cluster, b.node_name, b.window_seconds, b.billed_milliseconds,
+                   b.node_cost_micro_usd, b.provider_id, b.provider, trueups.c.bill_scope)
+            .select_from(node_bills.outerjoin(trueups, trueups.c.trueup_id == b.trueup_id))
+            .where(b.window_start_unix_ms >= start_ms, b.window_start_unix_ms < end_ms)
+            .order_by(b.window_start_unix_ms, b.cluster, b.node_name)
+        )
+        lines: dict[NodeWindowKey, list[LedgerLine]] = defaultdict(list)
+        for start, cluster, node, gpu, kind, pod, micro in self._read(
+                select(c.window_start_unix_ms, c.cluster, c.node_name, c.gpu_uuid, c.subject_kind, c.pod_uid,
+                       c.cost_micro_usd)
+                .where(c.window_start_unix_ms >= start_ms, c.window_start_unix_ms < end_ms)
+                .order_by(*cost_lines.primary_key.columns)):
+            lines[NodeWindowKey(cluster, node, start)].append(
+                LedgerLine((start, cluster, node, gpu, kind, pod), kind, int(micro)))
+        return tuple(
+            LedgerWindow(cluster, node, start, seconds, int(billed), int(cost), provider_id or "",
+                         tuple(lines.get(NodeWindowKey(cluster, node, start), ())), provider, scope or "")
+            for start, cluster, node, seconds, billed, cost, provider_id, provider, scope in bills)
+
+    def apply_trueup(self, result: TrueUp, *, applied_at_unix_ms: int, summary: str = "{}") -> TrueUpWrite:
+        """Store ``result``: every node-window of its scope (``TrueUp.scope_keys``: not those another bill trued
+        up) gets the trued-up cost it says (NULL where it says none) and ``trueup_id`` = the bill's digest, every
+        line of those windows likewise; only values that differ
+        are written, in one transaction, and the bill is recorded in ``trueups`` (once per digest). So applying
+        the same bill again changes nothing; applying an amended bill replaces the trued-up values of its scope
+        (the list-price columns are never touched). ``LedgerError`` (nothing written) when a trued window's lines
+        do not add up to it or a window or line it names is not in the ledger."""
+        bill = result.bill
+        trueup_id = bill.digest()
+        sums: dict[NodeWindowKey, int] = defaultdict(int)
+        for key, micro in result.lines.items():
+            sums[NodeWindowKey(key[1], key[2], key[0])] += micro
+        for key, micro in result.windows.items():
+            if sums.get(key, 0) != micro:
+                raise LedgerError(f"trued-up lines of {key} add up to {sums.get(key, 0)} micro-USD, its trued-up "
+                                  f"cost is {micro}: refusing to write a true-up that does not reconcile")
+        if set(sums) - set(result.windows):
+            raise LedgerError("trued-up lines for node-windows without a trued-up cost")
+        b, c = node_bills.c, cost_lines.c
+        scope = result.scope_keys
+        changed_windows = changed_lines = 0
+        try:
+            with self._begin() as connection:
+                current = {
+                    NodeWindowKey(cluster, node, start): (trued, run)
+                    for start, cluster, node, trued, run in connection.execute(
+                        select(b.window_start_unix_ms, b.cluster, b.node_name, b.trued_cost_micro_usd, b.trueup_id)
+                        .where(b.window_start_unix_ms >= bill.scope_start_ms,
+                               b.window_start_unix_ms < bill.scope_end_ms))
+                }
+                missing = (set(result.windows) | set(scope)) - set(current)
+                if missing:
+                    raise LedgerError(f"{len(missing)} node-windows of the true-up are not in the ledger, e.g. "
+                                      f"{min(missing)}")
+                window_updates = [
+                    {"b_start": key.window_start_unix_ms, "b_cluster": key.cluster, "b_node": key.node_name,
+                     "b_trued": result.windows.get(key), "b_run": trueup_id}
+                    for key in sorted(scope)
+                    if current[key] != (result.windows.get(key), trueup_id)
+                ]
+                if window_updates:
+                    connection.execute(
+                        update(node_bills)
+                        .where(b.window_start_unix_ms == bindparam("b_start"), b.cluster == bindparam("b_cluster"),
+                               b.node_name == bindparam("b_node"))
+                        .values(trued_cost_micro_usd=bindparam("b_trued"), trueup_id=bindparam("b_run")),
+                        window_updates)
+                line_updates = []
+                for start, cluster, node, gpu, kind, pod, trued in connection.execute(
+                        select(c.window_start_unix_ms, c.cluster, c.node_name, c.gpu_uuid, c.subject_kind, c.pod_uid,
+                               c.trued_cost_micro_usd)
+                        .where(c.window_start_unix_ms >= bill.scope_start_ms,
+                               c.window_start_unix_ms < bill.scope_end_ms)):
+                    if NodeWindowKey(cluster, node, start) not in scope:
+                        continue
+                    wanted = result.lines.get((start, cluster, node, gpu, kind, pod))
+                    if (wanted is None) != (NodeWindowKey(cluster, node, start) not in result.windows):
+                        raise LedgerError(f"no trued-up cost for the line {(start, cluster, node, gpu, kind, pod)} "
+                                          "of a trued-up node-window")
+                    if trued != wanted:
+                        line_updates.append({"b_start": start, "b_cluster": cluster, "b_node": node, "b_gpu": gpu,
+                                             "b_kind": kind, "b_pod": pod, "b_trued": wanted})
+                if line_updates:
+                    connection.execute(
+                        update(cost_lines)
+                        .where(c.window_start_unix_ms == bindparam("b_start"), c.cluster == bindparam("b_cluster"),
+                               c.node_name == bindparam("b_node"), c.gpu_uuid == bindparam("b_gpu"),
+                               c.subject_kind == bindparam("b_kind"), c.pod_uid == bindparam("b_pod"))
+                        .values(trued_cost_micro_usd=bindparam("b_trued")),
+                        line_updates)
+                changed_windows, changed_lines = len(window_updates), len(line_updates)
+                recorded = connection.execute(
+                    self._insert(trueups).on_conflict_do_nothing().returning(trueups.c.trueup_id),
+                    [{"trueup_id": trueup_id, "bill_name": bill.name, "bill_format": bill.format,
+                      "basis": bill.basis, "bill_scope": bill.scope_key, "scope_start_unix_ms": bill.scope_start_ms,
+                      "scope_end_unix_ms": bill.scope_end_ms, "applied_at_unix_ms": applied_at_unix_ms,
+                      "line_items": len(bill.items),
+                      "billed_micro_usd": sum(m.billed_micro_usd for m in result.machines),
+                      "trued_micro_usd": result.trued_micro_usd, "summary": summary}],
+                ).all()
+        except SQLAlchemyError as exc:
+            raise LedgerError(f"writing the true-up {trueup_id[:12]} to {self!r} failed: {exc}") from exc
+        return TrueUpWrite(trueup_id, changed_windows, changed_lines, bool(recorded))
+
+    def trueup_runs(self) -> tuple[dict[str, Any], ...]:
+        """Every bill applied, oldest first, as column dicts."""
+        return tuple(dict(row._mapping) for row in self._read(
+            select(trueups).order_by(trueups.c.applied_at_unix_ms, trueups.c.trueup_id)))
 
 
 def _sqlite_pragmas(dbapi_connection: Any, in_memory: bool) -> None:

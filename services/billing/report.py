@@ -12,6 +12,9 @@ Contract:
   the difference otherwise (and ``gpumeter report`` exits 1).
 * The **pricing** section says, per node and price, which split rule divided its price between its GPUs and
   ``node_other``, and how much of its bills went to ``node_other`` (a line no team pays).
+* **Trued-up cost** (``--cost trued``): every line and node bill at its cost trued up to the invoice
+  (``gpumeter reconcile``) where it has one and at list price elsewhere; the report says how many of its
+  node-windows were trued up. The default, ``--cost list``, is the list-price ledger as billing wrote it.
 * ``format_report(report, fmt)`` renders ``table`` (people), ``csv`` or ``json`` (machines). Money is shown in USD
   with six decimals and, in csv/json, also as exact integer micro-dollars. Pure. Group names are text others
   chose: in csv a cell starting with ``=``, ``+``, ``-``, ``@``, a tab or a carriage return gets a leading ``'``
@@ -48,6 +51,7 @@ from gpumeter.safetext import csv_cell, escape_control
 from schemas.records import CostSubjectKind
 from services.billing.costing import NodeWindowKey, iso_utc
 from services.billing.ledger import (
+    COST_BASES,
     DEFAULT_LEDGER_URL,
     LEDGER_URL_ENV,
     CostGroupRow,
@@ -202,6 +206,8 @@ class Report:
     carriage: LabelCarriage | None = None  # a label grouping some lines did not carry
     emitted: EmittedCheck | None = None  # None: not checked (no Kafka)
     pricing: tuple[NodePricingRow, ...] = ()
+    cost: str = "list"  # the cost basis: list | trued
+    trued_windows: int = 0  # node-windows with a trued-up cost (counted for cost="trued" only)
 
     @property
     def total_micro_usd(self) -> int:
@@ -245,24 +251,27 @@ def report_lines(rows: Sequence[CostGroupRow], grouping: Grouping,
 
 
 def build_report(ledger: Ledger, grouping: Grouping, *, start_ms: int, end_ms: int,
-                 cluster: str | None = None) -> Report:
-    """Query the ledger for the report of windows starting in [start_ms, end_ms)."""
+                 cluster: str | None = None, cost: str = "list") -> Report:
+    """Query the ledger for the report of windows starting in [start_ms, end_ms), in the ``cost`` basis (``list``
+    or ``trued``)."""
     if end_ms <= start_ms:
         raise ConfigError("the report's end must be after its start")
-    rows = ledger.cost_by(grouping, start_ms=start_ms, end_ms=end_ms, cluster=cluster)
+    rows = ledger.cost_by(grouping, start_ms=start_ms, end_ms=end_ms, cluster=cluster, cost=cost)
     carriage = None
     if grouping.kind == "label":
         carriage = label_carriage(ledger.cost_by_carried_label_keys(start_ms=start_ms, end_ms=end_ms,
                                                                     cluster=cluster), grouping.label_key)
     lines = report_lines(rows, grouping, carriage)
-    totals = ledger.totals(start_ms=start_ms, end_ms=end_ms, cluster=cluster)
+    totals = ledger.totals(start_ms=start_ms, end_ms=end_ms, cluster=cluster, cost=cost)
     reconciliation = Reconciliation(
         lines_total_micro_usd=sum(line.cost_micro_usd for line in lines),
         node_bills_micro_usd=totals.bill_micro_usd,
         node_windows=totals.node_windows,
     )
     pricing = ledger.node_pricing(start_ms=start_ms, end_ms=end_ms, cluster=cluster)
-    return Report(grouping, start_ms, end_ms, cluster, lines, reconciliation, carriage, pricing=pricing)
+    trued = ledger.trued_coverage(start_ms=start_ms, end_ms=end_ms, cluster=cluster)[0] if cost == "trued" else 0
+    return Report(grouping, start_ms, end_ms, cluster, lines, reconciliation, carriage, pricing=pricing, cost=cost,
+                  trued_windows=trued)
 
 
 def _share_text(part: int, total: int) -> str:
@@ -271,8 +280,14 @@ def _share_text(part: int, total: int) -> str:
 
 def _title(report: Report) -> str:
     scope = f"cluster {report.cluster}" if report.cluster else "all clusters"
-    return (f"gpumeter costs by {report.grouping.describe()}, windows starting {iso_utc(report.start_ms)} "
-            f"to {iso_utc(report.end_ms)} ({scope})")
+    title = (f"gpumeter costs by {report.grouping.describe()}, windows starting {iso_utc(report.start_ms)} "
+             f"to {iso_utc(report.end_ms)} ({scope})")
+    return f"{title}; {_cost_text(report)}" if report.cost == "trued" else title
+
+
+def _cost_text(report: Report) -> str:
+    return (f"trued up to the invoice: {report.trued_windows} of {report.reconciliation.node_windows} node-windows, "
+            "the rest at list price")
 
 
 def _format_table(report: Report) -> str:
@@ -346,6 +361,8 @@ def _format_csv(report: Report) -> str:
         writer.writerow(["labels_not_carried", csv_cell(report.carriage.label_key),
                          usd_text(report.carriage.cost_not_carried_micro_usd),
                          report.carriage.cost_not_carried_micro_usd, report.carriage.lines_not_carried])
+    if report.cost == "trued":
+        writer.writerow(["cost_basis", "trued", "", "", report.trued_windows])
     if report.emitted is not None:
         writer.writerow(["emitted_not_in_ledger", f"{report.emitted.emitted} node-windows emitted", "", "",
                          len(report.emitted.missing)])
@@ -360,6 +377,8 @@ def report_as_json(report: Report) -> dict[str, Any]:
         "window_end": iso_utc(report.end_ms),
         "cluster": report.cluster,
         "currency": "USD",
+        "cost": report.cost,
+        "trued_node_windows": report.trued_windows if report.cost == "trued" else None,
         "lines": [
             {"kind": l.kind, "group": l.group, "cost_usd": usd_text(l.cost_micro_usd),
              "cost_micro_usd": l.cost_micro_usd, "cost_lines": l.cost_lines}
@@ -421,6 +440,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--end", default=None, help="end of the report, ISO 8601 (default: now)")
     parser.add_argument("--by", default="namespace", help="namespace | label:<key> | node | gpu")
     parser.add_argument("--format", default="table", choices=FORMATS)
+    parser.add_argument("--cost", default="list", choices=COST_BASES,
+                        help="list: the list-price ledger (default); trued: trued up to the invoice where "
+                             "gpumeter reconcile applied a bill, list price elsewhere")
     parser.add_argument("--cluster", default=None, help="only this cluster (default: all)")
     parser.add_argument("--ledger-url", default=None,
                         help=f"SQLAlchemy URL of the ledger (default: ${LEDGER_URL_ENV} or {DEFAULT_LEDGER_URL})")
@@ -464,7 +486,8 @@ def main(args: argparse.Namespace, env: Mapping[str, str], *, clock: Clock | Non
         kafka = _kafka_to_check(args, env)
         with Ledger(args.ledger_url or env.get(LEDGER_URL_ENV) or DEFAULT_LEDGER_URL) as ledger:
             ledger.require_schema()
-            report = build_report(ledger, grouping, start_ms=start_ms, end_ms=end_ms, cluster=args.cluster)
+            report = build_report(ledger, grouping, start_ms=start_ms, end_ms=end_ms, cluster=args.cluster,
+                                  cost=getattr(args, "cost", "list"))
             if kafka is not None:
                 from services.billing.emitted import read_emitted
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from gpumeter.errors import ConfigError, GpumeterError
+from gpumeter.provider_ids import provider_of
 from services.collector.assemble import NodeFacts
 
 UNKNOWN = "unknown"
@@ -46,7 +47,6 @@ GKE_SPOT = "cloud.google.com/gke-spot"
 GKE_PREEMPTIBLE = "cloud.google.com/gke-preemptible"
 AKS_SCALESET_PRIORITY = "kubernetes.azure.com/scalesetpriority"
 
-_PROVIDER_SCHEMES = {"aws": "aws", "gce": "gcp", "azure": "azure"}
 _CAPACITY_TYPES = {
     KARPENTER_CAPACITY_TYPE: {"spot": "spot", "on-demand": "on_demand", "reserved": "committed"},
     EKS_CAPACITY_TYPE: {"spot": "spot", "on_demand": "on_demand", "capacity_block": "committed"},
@@ -73,23 +73,6 @@ class NodeFactOverrides:
 class ResolvedNodeFacts:
     facts: NodeFacts
     sources: Mapping[str, str]  # fact -> "node" | "config" | "default"
-
-
-def provider_of(provider_id: str) -> str | None:
-    """The cloud provider a ``spec.providerID`` names (``aws``, ``gcp``, ``azure``, ``custom``), None when empty."""
-    if not provider_id:
-        return None
-    scheme, sep, _rest = provider_id.partition("://")
-    if not sep:
-        return "custom"
-    return _PROVIDER_SCHEMES.get(scheme.strip().lower(), "custom")
-
-
-def instance_id_of(provider_id: str) -> str:
-    """The machine's id within its provider: the last path segment of the providerID (``i-0abc…`` on AWS, the
-    VM name on GCP, the scale-set VM index path's last part on Azure); empty when there is none."""
-    _scheme, sep, rest = provider_id.partition("://")
-    return rest.rstrip("/").rsplit("/", 1)[-1] if sep and rest.strip("/") else ""
 
 
 def price_model_from_labels(labels: Mapping[str, str]) -> str | None:

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import pytest
 
+from gpumeter.provider_ids import instance_id_of, provider_of
 from services.collector.main import _node_facts
 from services.collector.nodefacts import (
     NodeFactOverrides,
     NodeReadError,
-    instance_id_of,
     node_facts_from_node,
-    provider_of,
     read_node_object,
 )
 from services.collector.podwatch import make_api_client
