@@ -65,6 +65,7 @@ class Outgoing:
     record: Any
     topic: str = ""
     latest_wins: bool = False
+    partition: int | None = None  # None: the producer's partitioner (by key)
     sequence: int = 0  # its place in the outbox's order of sends (progress: ``Outbox.oldest_pending``)
     future: asyncio.Future | None = None
     error: BaseException | None = None
@@ -130,18 +131,24 @@ class Outbox:
                 return outgoing.sequence
         return None
 
-    async def send(self, topic: str, key: bytes | None, record: Any, *, latest_wins: bool = False) -> Outgoing:
+    async def send(self, topic: str, key: bytes | None, record: Any, *, latest_wins: bool = False,
+                   partition: int | None = None) -> Outgoing:
         """Hand ``record`` to the producer and keep it until ``flush`` saw it acknowledged. A producer that cannot
-        enqueue it (``DeliveryError``) does not fail the call: the record is re-sent by ``flush``."""
+        enqueue it (``DeliveryError``) does not fail the call: the record is re-sent by ``flush``. ``partition``:
+        where it must go (None: by key)."""
         self._sent += 1
-        outgoing = Outgoing(key, record, topic, latest_wins, self._sent)
+        outgoing = Outgoing(key, record, topic, latest_wins, partition, self._sent)
         self._entries.append(outgoing)
         await self._send(outgoing)
         return outgoing
 
     async def _send(self, outgoing: Outgoing) -> None:
         try:
-            outgoing.future = await self.producer.send(outgoing.topic, outgoing.record, key=outgoing.key)
+            if outgoing.partition is None:
+                outgoing.future = await self.producer.send(outgoing.topic, outgoing.record, key=outgoing.key)
+            else:
+                outgoing.future = await self.producer.send(outgoing.topic, outgoing.record, key=outgoing.key,
+                                                           partition=outgoing.partition)
             outgoing.error = None
         except DeliveryError as exc:
             outgoing.future, outgoing.error = None, exc

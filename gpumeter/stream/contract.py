@@ -109,9 +109,40 @@ class Processor(Protocol):
         any other exception is a bug and stops the service."""
         ...
 
-    def on_clock(self, now_ms: int) -> Result:
-        """The result of time passing to ``now_ms``."""
+    def on_clock(self, now_ms: int, caught_up: bool = True) -> Result:
+        """The result of time passing to ``now_ms``. ``caught_up``: whether the driver has read every input that
+        existed at ``now_ms`` (false during a backlog, and at the end of a replay's input: silence then is not a
+        node's silence, so nothing may be judged from it)."""
         ...
+
+
+@dataclass(frozen=True, slots=True)
+class Settled:
+    """What became of one state change once the driver's ``Store`` applied it: the records it now owes (produced
+    after the change is durable, in order), or why the store refused it (the input it came from is dead-lettered
+    with that reason, and its owed records are not produced)."""
+
+    owed: tuple[Emit, ...] = ()
+    rejected: InvalidMessage | None = None
+
+
+class Store(Protocol):
+    """Where a processor's state changes become durable before the input they came from is committed (billing:
+    the ledger). The same store runs under every driver, so what is durable and what is owed is decided alike.
+
+    ``apply`` is blocking (a Kafka driver runs it in a worker thread); it answers one ``Settled`` per change, in
+    order, and raises ``StoreUnavailable`` when nothing was applied and a retry may succeed (the driver backs off
+    and retries the same changes). ``published(changes, now_ms)``: every record those changes owed was
+    acknowledged downstream."""
+
+    def apply(self, changes: Sequence[Any]) -> Sequence[Settled]: ...
+
+    def published(self, changes: Sequence[Any], now_ms: int) -> None: ...
+
+
+class StoreUnavailable(Exception):
+    """Raised by ``Store.apply`` when it applied nothing and the same call may succeed later (the store is
+    unreachable or restarting)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,4 +173,5 @@ class Inputs:
         return cls(by_role, {topics[name]: spec for name, spec in by_role.items()})
 
 
-__all__ = ["DEAD_LETTERS", "NOTHING", "Emit", "Event", "Input", "Inputs", "Position", "Processor", "Result", "Step"]
+__all__ = ["DEAD_LETTERS", "NOTHING", "Emit", "Event", "Input", "Inputs", "Position", "Processor", "Result", "Settled",
+           "Step", "Store", "StoreUnavailable"]

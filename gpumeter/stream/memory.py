@@ -5,11 +5,12 @@ default partitioner does (murmur2 of the key) or by node (``schemas.catalog.part
 ``gpumeter replay`` and the tests run is the stream's own bytes: every record is encoded on the way in and decoded
 by the runner on the way out, and bad bytes meet the same checks and dead letters as on Kafka.
 
-``MemoryDriver(runner, broker, outputs)`` reads the runner's input topics from its own positions, in the order the
-messages would be seen on a caught-up consumer (by timestamp, then topic order, partition and offset: a record
-produced earlier is read earlier), steps each, produces its emits and hands its state changes to ``apply`` (the
-driver's stand-in for what a Kafka driver makes durable before committing). ``run(until_ms)`` also ticks the
-processor's clock at ``tick_ms`` boundaries between messages, as a streaming service's timer would.
+``MemoryDriver(runner, broker, outputs, store)`` reads the runner's input topics from its own positions, in the
+order the messages would be seen on a caught-up consumer (by timestamp, then topic order, partition and offset: a
+record produced earlier is read earlier), steps each, hands its state changes to the store (the same ``Store`` a
+Kafka driver makes them durable in before committing) and produces what the runner settles: the step's emits, then
+what each change owes, or the dead letter of a change the store refused. ``tick(now_ms)`` runs the processor's
+clock, as a streaming service's timer does; the caller (``gpumeter replay``) decides when.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from gpumeter.kafka.deadletter import RawMessage
-from gpumeter.stream.contract import Emit, Position, Result
-from gpumeter.stream.runner import MessageRunner
+from gpumeter.stream.contract import Emit, Position, Result, Store
+from gpumeter.stream.runner import MessageRunner, changes_of
 from schemas.catalog import murmur2, partition_for_node
 from schemas.typed import codec_for
 
@@ -86,15 +87,15 @@ class MemoryBroker:
 @dataclass
 class MemoryDriver:
     """Runs one ``MessageRunner`` over a ``MemoryBroker`` (see the module docstring). ``outputs``: emit role ->
-    topic; ``apply(changes, result)``: what a Kafka driver would make durable (e.g. billing's ledger writes) —
-    it may return a result of its own (records owed once the changes are durable), produced next."""
+    topic; ``store``: where the processor's state changes become durable (``gpumeter.stream.contract.Store``, the
+    same one the Kafka driver uses; None: changes owe nothing). Each message is settled on its own (a Kafka
+    driver settles a fetched batch at once: the same records in the same order)."""
 
     runner: MessageRunner
     broker: MemoryBroker
     outputs: Mapping[str, str]
-    apply: Callable[[tuple[Any, ...], Result], Result | None] | None = None
+    store: Store | None = None
     positions: dict[tuple[str, int], int] = field(default_factory=dict)
-    clock_of: Callable[[int], int] | None = None  # a message's timestamp -> the runner clock to set (replay)
 
     def _pending(self) -> Iterable[RawMessage]:
         streams = []
@@ -107,35 +108,36 @@ class MemoryDriver:
         for _, message in heapq.merge(*streams, key=lambda item: item[0]):
             yield message
 
-    def emit(self, result: Result, timestamp_ms: int) -> None:
-        for emit in result.emits:
+    def emit(self, emits: Iterable[Emit], timestamp_ms: int) -> None:
+        for emit in emits:
             self.broker.produce_record(self.outputs[emit.output], emit, timestamp_ms)
 
-    def _settle(self, result: Result, timestamp_ms: int) -> None:
-        if result.changes and self.apply is not None:
-            owed = self.apply(result.changes, result)
-            result = Result(result.emits) if owed is None else Result(result.emits) + owed
-        self.emit(result, timestamp_ms)
+    def _settle(self, message: RawMessage | None, result: Result, timestamp_ms: int) -> None:
+        steps = ((message, result),)
+        changes = changes_of(steps)
+        settled = self.store.apply(changes) if changes and self.store is not None else ()
+        settlement = self.runner.settle(steps, settled)
+        self.emit(settlement.emits, timestamp_ms)
+        if settlement.published and self.store is not None:
+            self.store.published(settlement.published, timestamp_ms)
 
-    def run(self, *, on_message: Callable[[RawMessage], None] | None = None,
-            before_message: Callable[[RawMessage], None] | None = None) -> int:
-        """Step every message not read yet; return how many. ``before_message`` runs first for each (a replay
-        moves its clock and ticks there)."""
+    def run(self, *, before_message: Callable[[RawMessage], None] | None = None) -> int:
+        """Step every message not read yet, in the order a caught-up consumer sees them; return how many.
+        ``before_message`` runs first for each (a replay moves its clock and ticks there)."""
         count = 0
         for message in list(self._pending()):
             if before_message is not None:
                 before_message(message)
             step = self.runner.step(message)
             self.positions[(message.topic, message.partition)] = message.offset + 1
-            self._settle(step.result, message.timestamp_ms or 0)
-            if on_message is not None:
-                on_message(message)
+            self._settle(message, step.result, message.timestamp_ms or 0)
             count += 1
         return count
 
-    def tick(self, now_ms: int) -> Result:
-        result = self.runner.tick(now_ms)
-        self._settle(result, now_ms)
+    def tick(self, now_ms: int, caught_up: bool = True) -> Result:
+        """The processor's clock at ``now_ms``; its records are produced stamped ``now_ms``."""
+        result = self.runner.tick(now_ms, caught_up)
+        self._settle(None, result, now_ms)
         return result
 
 

@@ -22,13 +22,25 @@ every step beats the liveness heartbeat.
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
 
 from gpumeter.clock import Clock
 from gpumeter.errors import InvalidMessage
 from gpumeter.kafka.deadletter import RawMessage, cut_text, dead_letter_budget_bytes, dead_letter_for
 from gpumeter.settings import DEFAULT_MAX_REQUEST_SIZE_BYTES
-from gpumeter.stream.contract import DEAD_LETTERS, NOTHING, Emit, Event, Inputs, Position, Processor, Result, Step
+from gpumeter.stream.contract import (
+    DEAD_LETTERS,
+    NOTHING,
+    Emit,
+    Event,
+    Inputs,
+    Position,
+    Processor,
+    Result,
+    Settled,
+    Step,
+)
 from schemas.typed import RecordCodec, codec_for
 
 log = logging.getLogger(__name__)
@@ -44,6 +56,20 @@ class EmptyMessage(InvalidMessage):
     """A message without value on an input that takes no tombstones."""
 
     reason_code = "EMPTY"
+
+
+@dataclass(frozen=True, slots=True)
+class Settlement:
+    """What a settled batch produces (``emits``, in order) and the changes whose owed records are among them
+    (``published``: what the store hears of once they are acknowledged)."""
+
+    emits: tuple[Emit, ...]
+    published: tuple[Any, ...]
+
+
+def changes_of(steps: Sequence[tuple[RawMessage | None, Result]]) -> list[Any]:
+    """Every state change of ``steps``, in order: what a driver hands its store."""
+    return [change for _, result in steps for change in result.changes]
 
 
 class MessageRunner:
@@ -104,11 +130,38 @@ class MessageRunner:
             return Step(position, result, handled=True, dead_lettered=len(letters.emits))
         return Step(position, result, handled=True)
 
-    def tick(self, now_ms: int) -> Result:
-        """``processor.on_clock(now_ms)``."""
+    def tick(self, now_ms: int, caught_up: bool = True) -> Result:
+        """``processor.on_clock(now_ms, caught_up)``."""
         if self.metrics is not None:
             self.metrics.beat()
-        return self.processor.on_clock(now_ms)
+        return self.processor.on_clock(now_ms, caught_up)
+
+    def settle(self, steps: Sequence[tuple[RawMessage | None, Result]], settled: Sequence[Settled]) -> Settlement:
+        """What to produce for ``steps`` (each a message -- None for a clock tick -- with its result, in input
+        order) once the store answered ``settled`` for their changes (one per change, in order; empty without a
+        store, when every change is taken as durable and owes nothing). Per step: its emits, then per change the
+        records it owes, or -- refused by the store -- the dead letter of its message. Every driver settles
+        through here, so what goes out, and in what order, is the same under Kafka and in memory."""
+        emits: list[Emit] = []
+        published: list[Any] = []
+        outcomes = iter(settled)
+        use_store = bool(settled)
+        for message, result in steps:
+            emits.extend(result.emits)
+            for change in result.changes:
+                outcome = next(outcomes) if use_store else Settled()
+                if outcome.rejected is None:
+                    emits.extend(outcome.owed)
+                    if outcome.owed:
+                        published.append(change)
+                elif message is None:
+                    raise RuntimeError(f"{self.service}: the store refused a change of a clock tick: "
+                                       f"{outcome.rejected!r}")
+                else:
+                    emits.extend(self.reject(message, outcome.rejected).emits)
+        if use_store and next(outcomes, None) is not None:
+            raise RuntimeError(f"{self.service}: the store answered more outcomes than there were changes")
+        return Settlement(tuple(emits), tuple(published))
 
     def reject(self, message: RawMessage, error: InvalidMessage) -> Result:
         """The dead letter of ``message`` for ``error``, as a result to emit; counted and logged."""
@@ -132,4 +185,4 @@ class MessageRunner:
         return Result(emits=(Emit(DEAD_LETTERS, key, letter),))
 
 
-__all__ = ["EmptyMessage", "MessageRunner", "WrongTopic"]
+__all__ = ["EmptyMessage", "MessageRunner", "Settlement", "WrongTopic", "changes_of"]

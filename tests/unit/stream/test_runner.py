@@ -9,7 +9,7 @@ import pytest
 from gpumeter.clock import ManualClock
 from gpumeter.errors import InvalidMessage, OutOfRange
 from gpumeter.kafka.deadletter import RawMessage
-from gpumeter.stream.contract import DEAD_LETTERS, NOTHING, Emit, Event, Input, Position, Result
+from gpumeter.stream.contract import DEAD_LETTERS, NOTHING, Emit, Event, Input, Position, Result, Settled
 from gpumeter.stream.memory import MemoryBroker, MemoryDriver
 from gpumeter.stream.runner import MessageRunner
 from gpumeter.validation import check_pod_event
@@ -41,7 +41,7 @@ class Echo:
             return Result(emits=(Emit("out", event.record.uid.encode(), event.record),))
         return NOTHING
 
-    def on_clock(self, now_ms):
+    def on_clock(self, now_ms, caught_up=True):
         self.ticks.append(now_ms)
         return NOTHING
 
@@ -122,3 +122,80 @@ def test_the_memory_driver_reads_in_time_order_and_produces_encoded_records():
     (letter,) = broker.records("t.dead", DeadLetter)
     assert letter.reason_code == "CORRUPT" and letter.raw_bytes == b"garbage"
     assert driver.run() == 0  # its positions moved on
+
+
+class Ledgerish:
+    """A processor whose every pod event is a state change owing an echo; the store refuses 'refuse-me'."""
+
+    service = "ledgerish"
+    inputs = (Input("pods", PodEvent),)
+
+    def handle(self, event, position):
+        return Result(emits=(Emit("out", b"first", event.record),), changes=(event.record,))
+
+    def on_clock(self, now_ms, caught_up=True):
+        return Result(changes=("tick",))
+
+
+class RefusingStore:
+    def __init__(self, refuse_ticks=False):
+        self.applied, self.published_uids, self.refuse_ticks = [], [], refuse_ticks
+
+    def apply(self, changes):
+        out = []
+        for change in changes:
+            if change == "tick":
+                out.append(Settled(rejected=InvalidMessage("no", reason_code="NO")) if self.refuse_ticks
+                           else Settled())
+            elif change.name == "refuse-me":
+                out.append(Settled(rejected=InvalidMessage("refused", reason_code="REFUSED")))
+            else:
+                self.applied.append(change.uid)
+                out.append(Settled(owed=(Emit("out", b"owed", change),)))
+        return out
+
+    def published(self, changes, now_ms):
+        self.published_uids.extend(c.uid for c in changes)
+
+
+def test_settling_puts_each_step_s_emits_first_then_what_its_changes_owe_or_the_dead_letter_of_a_refusal():
+    runner = MessageRunner(Ledgerish(), {"pods": "t.pods"}, ManualClock(NOW))
+    codec = codec_for(PodEvent)
+    good, refused = _pod(uid="good"), _pod(uid="bad", name="refuse-me")
+    steps = []
+    for offset, pod in enumerate((good, refused)):
+        message = _message("t.pods", codec.encode(pod), offset)
+        steps.append((message, runner.step(message).result))
+    store = RefusingStore()
+    settled = store.apply([change for _, result in steps for change in result.changes])
+    settlement = runner.settle(steps, settled)
+    assert [(e.output, e.key) for e in settlement.emits] == [("out", b"first"), ("out", b"owed"), ("out", b"first"),
+                                                             (DEAD_LETTERS, b"t.pods")]
+    assert settlement.emits[3].record.raw_bytes == codec.encode(refused)
+    assert settlement.emits[3].record.reason_code == "REFUSED"
+    assert [c.uid for c in settlement.published] == ["good"]
+    with pytest.raises(RuntimeError, match="more outcomes"):
+        runner.settle(steps[:1], settled)
+
+
+def test_a_refused_change_of_a_clock_tick_is_a_bug_not_a_dead_letter():
+    runner = MessageRunner(Ledgerish(), {"pods": "t.pods"}, ManualClock(NOW))
+    with pytest.raises(RuntimeError, match="clock tick"):
+        runner.settle([(None, runner.tick(NOW))], RefusingStore(refuse_ticks=True).apply(["tick"]))
+
+
+def test_the_memory_driver_settles_through_the_store_like_the_kafka_driver():
+    broker = MemoryBroker()
+    for topic in ("t.pods", "t.out", "t.dead"):
+        broker.create(topic, 1)
+    codec = codec_for(PodEvent)
+    broker.produce("t.pods", b"a", codec.encode(_pod(uid="good")), timestamp_ms=NOW + 1)
+    broker.produce("t.pods", b"b", codec.encode(_pod(uid="bad", name="refuse-me")), timestamp_ms=NOW + 2)
+    store = RefusingStore()
+    runner = MessageRunner(Ledgerish(), {"pods": "t.pods"}, ManualClock(NOW))
+    driver = MemoryDriver(runner, broker, {"out": "t.out", DEAD_LETTERS: "t.dead"}, store)
+    assert driver.run() == 2
+    assert [m.key for m in broker.messages("t.out", 0)] == [b"first", b"owed", b"first"]
+    assert store.applied == ["good"] and store.published_uids == ["good"]
+    (letter,) = broker.records("t.dead", DeadLetter)
+    assert letter.reason_code == "REFUSED"
