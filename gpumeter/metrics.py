@@ -60,15 +60,19 @@ METRICS: dict[str, MetricDef] = {
         MetricDef("gpumeter_attributor_window_lag_seconds", "gauge",
                   "Seconds between a window's close (end + grace) and its emission."),
         # billing
-        MetricDef("gpumeter_pod_gpu_cost_micro_usd_total", "counter", "GPU cost billed to a pod.",
-                  ("namespace", "pod", "team")),
+        MetricDef("gpumeter_pod_gpu_cost_micro_usd_total", "counter",
+                  "GPU cost billed to a pod for its own use (its direct lines).", ("namespace", "pod", "team")),
+        MetricDef("gpumeter_pod_shared_cost_micro_usd_total", "counter",
+                  "Cost of a bucket of the pod's node-windows shared to it by the sharing policy (its shared lines).",
+                  ("namespace", "pod", "team", "shared_from")),
         MetricDef("gpumeter_pod_gpu_memory_share", "gauge", "Pod's memory share of its GPU unit in the last window.",
                   ("namespace", "pod", "team", "gpu_uuid")),
         MetricDef("gpumeter_pod_gpu_compute_share", "gauge", "Pod's compute share of its GPU unit in the last window.",
                   ("namespace", "pod", "team", "gpu_uuid")),
         MetricDef("gpumeter_node_cost_micro_usd_total", "counter", "Node bills priced.", ("node", "instance_type")),
         MetricDef("gpumeter_bucket_cost_micro_usd_total", "counter",
-                  "Cost billed to no pod: idle, driver_reserved, unattributed or node_other.", ("node", "kind")),
+                  "Cost billed to no pod: idle, driver_reserved, unattributed, unavailable or node_other lines the "
+                  "sharing policy kept.", ("node", "kind")),
         MetricDef("gpumeter_billing_ledger_rows_written_total", "counter", "Cost lines inserted into the ledger."),
         MetricDef("gpumeter_billing_duplicate_rows_total", "counter", "Cost lines already in the ledger (redelivery)."),
         # guard

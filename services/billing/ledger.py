@@ -8,8 +8,10 @@ Tables (created only by the alembic migrations in ``services/billing/migrations`
 ``node_bills``
     One row per (window_start_unix_ms, cluster, node_name): the node's line item for the window and its split.
 ``cost_lines``
-    One row per (window_start_unix_ms, cluster, node_name, gpu_uuid or '', subject_kind, pod_uid or ''): a
-    ``CostRecord``. References its node bill.
+    One row per (window_start_unix_ms, cluster, node_name, gpu_uuid or '', subject_kind, pod_uid or '',
+    shared_from or ''): a ``CostRecord``. A pod's direct lines (its own use of each unit) have ``shared_from`` '';
+    its shared lines (one per bucket kind its node-window shared to pods, ``services.billing.sharing``) name the
+    bucket and the method. References its node bill, which records the sharing policy (``node_bills.sharing``).
 
 **The ledger is the arbiter of who publishes.** A ``Ledger`` opened with ``publisher=`` (billing: its consumer
 group) records that name on every bill its write inserts (``node_bills.publisher``). A skipped node-window is
@@ -58,6 +60,7 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    case,
     create_engine,
     event,
     func,
@@ -161,6 +164,7 @@ node_bills = Table(
     Column("publisher", String(255), nullable=True),
     Column("zone", String(64), nullable=False, server_default=""),
     Column("provider_id", String(512), nullable=False, server_default=""),
+    Column("sharing", String(255), nullable=False, server_default="keep"),
     PrimaryKeyConstraint("window_start_unix_ms", "cluster", "node_name"),
     ForeignKeyConstraint(["price_version"], ["price_versions.price_version"]),
     Index(None, "node_name", "window_start_unix_ms"),
@@ -185,7 +189,15 @@ cost_lines = Table(
     Column("price_model", String(16), nullable=False),
     Column("price_version", String(255), nullable=False),
     Column("carried_label_keys", Text, nullable=False, server_default=""),
-    PrimaryKeyConstraint("window_start_unix_ms", "cluster", "node_name", "gpu_uuid", "subject_kind", "pod_uid"),
+    Column("shared_from", String(16), nullable=False, server_default=""),
+    Column("sharing_method", String(16), nullable=False, server_default=""),
+    Column("method", String(32), nullable=False, server_default=""),
+    Column("cost_basis", String(32), nullable=False, server_default=""),
+    Column("memory_share", Double, nullable=False, server_default="0"),
+    Column("compute_share", Double, nullable=False, server_default="0"),
+    Column("gpu_fraction", Double, nullable=False, server_default="0"),
+    PrimaryKeyConstraint("window_start_unix_ms", "cluster", "node_name", "gpu_uuid", "subject_kind", "pod_uid",
+                         "shared_from"),
     ForeignKeyConstraint(
         ["window_start_unix_ms", "cluster", "node_name"],
         ["node_bills.window_start_unix_ms", "node_bills.cluster", "node_bills.node_name"],
@@ -235,9 +247,9 @@ class WriteResult:
     bills_skipped: int
     lines_written: int
     lines_skipped: int
-    # Skipped node-windows already in the ledger, with the same total and price version, whose cost records were
-    # never marked published and that this ledger's publisher inserted (or claimed): the caller publishes them now
-    # (the ledger's lines are identical to the given ones).
+    # Skipped node-windows already in the ledger, with the same total, price version and sharing, whose cost
+    # records were never marked published and that this ledger's publisher inserted (or claimed): the caller
+    # publishes them now (the ledger's lines are identical to the given ones).
     unpublished: frozenset = frozenset()
     written: frozenset = frozenset()
     # Skipped node-windows not yet published that another publisher inserted: theirs to publish, not the caller's.
@@ -258,10 +270,26 @@ class LedgerTotals:
 @dataclass(frozen=True, slots=True)
 class CostGroupRow:
     """Cost lines of one subject kind and group value (None where the grouping has no value, e.g. a bucket's
-    namespace or node_other's GPU)."""
+    namespace or node_other's GPU). ``shared_micro_usd``: the part of ``cost_micro_usd`` on shared lines (buckets
+    shared to pods by the sharing policy); the rest is direct."""
 
     subject_kind: str
     group: str | None
+    cost_micro_usd: int
+    cost_lines: int
+    shared_micro_usd: int = 0
+
+    @property
+    def direct_micro_usd(self) -> int:
+        return self.cost_micro_usd - self.shared_micro_usd
+
+
+@dataclass(frozen=True, slots=True)
+class SharedSourceRow:
+    """Shared lines summed per bucket they came from and the method that shared it."""
+
+    shared_from: str
+    sharing_method: str
     cost_micro_usd: int
     cost_lines: int
 
@@ -308,12 +336,25 @@ def _bill_row(bill: NodeBill) -> dict[str, Any]:
         "price_version": bill.price_version,
         "zone": bill.zone,
         "provider_id": bill.provider_id,
+        "sharing": bill.sharing,
     }
+
+
+NOT_SHARED = ""
+# What a cost line was billed: its list cost, until a reconcile against the invoice stores a trued-up cost beside it
+# (issue 15 item 3 adds that column; this expression is the one place that reads it, e.g.
+# ``func.coalesce(cost_lines.c.<trued-up column>, cost_lines.c.cost_micro_usd)``). The FOCUS export's BilledCost and
+# EffectiveCost come from here.
+BILLED_COST = cost_lines.c.cost_micro_usd
+
+
+def _shared_from(cost: CostRecord) -> str:
+    return cost.shared_from.value if cost.shared_from is not None else NOT_SHARED
 
 
 def _line_key(cost: CostRecord) -> tuple:
     return (cost.window_start_unix_ms, cost.cluster, cost.node_name, cost.gpu_uuid or NO_GPU,
-            cost.subject_kind.value, cost.pod_uid or NO_POD)
+            cost.subject_kind.value, cost.pod_uid or NO_POD, _shared_from(cost))
 
 
 def _line_row(cost: CostRecord) -> dict[str, Any]:
@@ -334,6 +375,13 @@ def _line_row(cost: CostRecord) -> dict[str, Any]:
         "price_model": cost.price_model,
         "price_version": cost.price_version,
         "carried_label_keys": ",".join(cost.carried_label_keys),
+        "shared_from": _shared_from(cost),
+        "sharing_method": cost.sharing_method,
+        "method": cost.method,
+        "cost_basis": cost.cost_basis,
+        "memory_share": cost.memory_share,
+        "compute_share": cost.compute_share,
+        "gpu_fraction": cost.gpu_fraction,
     }
 
 
@@ -572,14 +620,16 @@ class Ledger:
         starts = {k.window_start_unix_ms for k in existing}
         stored = connection.execute(
             select(c.window_start_unix_ms, c.cluster, c.node_name, c.node_cost_micro_usd, c.price_version,
-                   c.publisher)
+                   c.publisher, c.sharing)
             .where(c.published_at_unix_ms.is_(None), c.window_start_unix_ms.in_(starts))
         ).all()
         ours, others = set(), set()
-        for start, cluster, node, cost, version, publisher in stored:
+        for start, cluster, node, cost, version, publisher, sharing in stored:
             key = NodeWindowKey(cluster, node, start)
             bill = existing.get(key)
-            if bill is None or bill.node_cost_micro_usd != cost or bill.price_version != version:
+            # Only the same costing (total, price, sharing) may be published for what the ledger holds.
+            if (bill is None or bill.node_cost_micro_usd != cost or bill.price_version != version
+                    or bill.sharing != sharing):
                 continue
             if self.publisher is None or publisher == self.publisher:
                 ours.add(key)
@@ -665,17 +715,42 @@ class Ledger:
             group = func.nullif(cost_lines.c.gpu_uuid, NO_GPU)
         else:
             group = cost_lines.c.labels[grouping.label_key].as_string()
+        shared = case((cost_lines.c.shared_from != NOT_SHARED, cost_lines.c.cost_micro_usd), else_=0)
         # Grouping over a subquery keeps PostgreSQL from seeing two differently-bound copies of the expression.
         inner = (
-            select(cost_lines.c.subject_kind.label("kind"), group.label("grp"), cost_lines.c.cost_micro_usd)
+            select(cost_lines.c.subject_kind.label("kind"), group.label("grp"), cost_lines.c.cost_micro_usd,
+                   shared.label("shared"))
             .where(*self._range(cost_lines, start_ms, end_ms, cluster))
             .subquery()
         )
         rows = self._read(
-            select(inner.c.kind, inner.c.grp, func.sum(inner.c.cost_micro_usd), func.count())
+            select(inner.c.kind, inner.c.grp, func.sum(inner.c.cost_micro_usd), func.count(), func.sum(inner.c.shared))
             .group_by(inner.c.kind, inner.c.grp)
         )
-        return tuple(CostGroupRow(kind, grp, int(total), int(count)) for kind, grp, total, count in rows)
+        return tuple(CostGroupRow(kind, grp, int(total), int(count), int(shared_sum or 0))
+                     for kind, grp, total, count, shared_sum in rows)
+
+    def shared_by_source(self, *, start_ms: int | None = None, end_ms: int | None = None,
+                         cluster: str | None = None) -> tuple[SharedSourceRow, ...]:
+        """Shared lines summed per (bucket shared, method) for windows starting in [start_ms, end_ms)."""
+        c = cost_lines.c
+        rows = self._read(
+            select(c.shared_from, c.sharing_method, func.sum(c.cost_micro_usd), func.count())
+            .where(c.shared_from != NOT_SHARED, *self._range(cost_lines, start_ms, end_ms, cluster))
+            .group_by(c.shared_from, c.sharing_method)
+            .order_by(c.shared_from, c.sharing_method)
+        )
+        return tuple(SharedSourceRow(kind, method, int(total), int(count)) for kind, method, total, count in rows)
+
+    def sharing_policies(self, *, start_ms: int | None = None, end_ms: int | None = None,
+                         cluster: str | None = None) -> tuple[tuple[str, int], ...]:
+        """(sharing policy, node-windows billed under it) for windows starting in [start_ms, end_ms)."""
+        c = node_bills.c
+        rows = self._read(
+            select(c.sharing, func.count()).where(*self._range(node_bills, start_ms, end_ms, cluster))
+            .group_by(c.sharing).order_by(c.sharing)
+        )
+        return tuple((sharing, int(count)) for sharing, count in rows)
 
     def cost_by_carried_label_keys(self, *, start_ms: int | None = None, end_ms: int | None = None,
                                    cluster: str | None = None) -> tuple[CostGroupRow, ...]:
@@ -730,25 +805,54 @@ class Ledger:
             .order_by(*cost_lines.primary_key.columns)
         )
         for row in rows:
-            m = row._mapping
-            yield CostRecord(
-                cluster=m["cluster"],
-                node_name=m["node_name"],
-                window_start_unix_ms=m["window_start_unix_ms"],
-                window_seconds=m["window_seconds"],
-                gpu_uuid=m["gpu_uuid"] or None,
-                subject_kind=CostSubjectKind(m["subject_kind"]),
-                pod_uid=m["pod_uid"] or None,
-                namespace=m["namespace"],
-                pod_name=m["pod_name"],
-                labels=MappingProxyType(dict(m["labels"])),
-                cost_share=m["cost_share"],
-                cost_micro_usd=int(m["cost_micro_usd"]),
-                instance_type=m["instance_type"],
-                price_model=m["price_model"],
-                price_version=m["price_version"],
-                carried_label_keys=tuple(filter(None, (m["carried_label_keys"] or "").split(","))),
-            )
+            yield _cost_record(row._mapping)
+
+    def billed_cost_lines(self, *, start_ms: int | None = None, end_ms: int | None = None,
+                          cluster: str | None = None) -> Iterator[tuple[CostRecord, int]]:
+        """The stored cost lines, each with what it was billed (``BILLED_COST``), in key order."""
+        rows = self._read(
+            select(cost_lines, BILLED_COST.label("billed_micro_usd"))
+            .where(*self._range(cost_lines, start_ms, end_ms, cluster))
+            .order_by(*cost_lines.primary_key.columns)
+        )
+        for row in rows:
+            yield _cost_record(row._mapping), int(row._mapping["billed_micro_usd"])
+
+    def price_versions(self, versions: Iterable[str]) -> dict[str, dict[str, Any]]:
+        """The ``price_versions`` rows of ``versions``, by version."""
+        versions = sorted(set(versions))
+        if not versions:
+            return {}
+        rows = self._read(select(price_versions).where(price_versions.c.price_version.in_(versions)))
+        return {row._mapping["price_version"]: dict(row._mapping) for row in rows}
+
+
+def _cost_record(m: Mapping[str, Any]) -> CostRecord:
+    return CostRecord(
+        cluster=m["cluster"],
+        node_name=m["node_name"],
+        window_start_unix_ms=m["window_start_unix_ms"],
+        window_seconds=m["window_seconds"],
+        gpu_uuid=m["gpu_uuid"] or None,
+        subject_kind=CostSubjectKind(m["subject_kind"]),
+        pod_uid=m["pod_uid"] or None,
+        namespace=m["namespace"],
+        pod_name=m["pod_name"],
+        labels=MappingProxyType(dict(m["labels"])),
+        cost_share=m["cost_share"],
+        cost_micro_usd=int(m["cost_micro_usd"]),
+        instance_type=m["instance_type"],
+        price_model=m["price_model"],
+        price_version=m["price_version"],
+        carried_label_keys=tuple(filter(None, (m["carried_label_keys"] or "").split(","))),
+        shared_from=CostSubjectKind(m["shared_from"]) if m["shared_from"] else None,
+        sharing_method=m["sharing_method"],
+        method=m["method"],
+        cost_basis=m["cost_basis"],
+        memory_share=float(m["memory_share"]),
+        compute_share=float(m["compute_share"]),
+        gpu_fraction=float(m["gpu_fraction"]),
+    )
 
 
 def _sqlite_pragmas(dbapi_connection: Any, in_memory: bool) -> None:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from gpumeter.errors import ConfigError, GpumeterError
+from schemas.provider_id import instance_id_of  # noqa: F401 - re-exported: its home is schemas (billing uses it)
 from services.collector.assemble import NodeFacts
 
 UNKNOWN = "unknown"
@@ -83,13 +84,6 @@ def provider_of(provider_id: str) -> str | None:
     if not sep:
         return "custom"
     return _PROVIDER_SCHEMES.get(scheme.strip().lower(), "custom")
-
-
-def instance_id_of(provider_id: str) -> str:
-    """The machine's id within its provider: the last path segment of the providerID (``i-0abc…`` on AWS, the
-    VM name on GCP, the scale-set VM index path's last part on Azure); empty when there is none."""
-    _scheme, sep, rest = provider_id.partition("://")
-    return rest.rstrip("/").rsplit("/", 1)[-1] if sep and rest.strip("/") else ""
 
 
 def price_model_from_labels(labels: Mapping[str, str]) -> str | None:
