@@ -17,7 +17,9 @@ Contract:
   buckets left are the kept ones, and a **sharing** section says which policy billed how many node-windows, how
   much of each bucket went to pods by which method, and what share of the node bills the pods carry. With every
   bucket kept (the default) the table is exactly what it was before sharing existed.
-* ``format_report(report, fmt)`` renders ``table`` (people), ``csv`` or ``json`` (machines). Money is shown in USD
+* ``format_report(report, fmt)`` renders ``table`` (people), ``csv`` or ``json`` (machines); ``gpumeter report
+  --format focus`` writes the report's windows as a FOCUS cost and usage dataset instead
+  (``services.billing.focus``). Money is shown in USD
   with six decimals and, in csv/json, also as exact integer micro-dollars. Pure. Group names are text others
   chose: in csv a cell starting with ``=``, ``+``, ``-``, ``@``, a tab or a carriage return gets a leading ``'``
   (OWASP's rule against formula injection) and control characters are escaped, in the table control characters
@@ -62,7 +64,7 @@ from services.billing.ledger import (
     SharedSourceRow,
 )
 
-FORMATS = ("table", "csv", "json")
+FORMATS = ("table", "csv", "json", "focus")
 LINE_ORDER = ("pod", "idle", "driver_reserved", "unattributed", "unavailable", "node_other")
 _KIND_TO_LINE = {kind.value: kind.value.lower() for kind in CostSubjectKind}
 _DURATION_RE = re.compile(r"^\s*(\d+)\s*([smhdw])\s*$")
@@ -483,7 +485,8 @@ def report_as_json(report: Report) -> dict[str, Any]:
 
 
 def format_report(report: Report, fmt: str = "table") -> str:
-    """Render ``report`` as ``table``, ``csv`` or ``json``."""
+    """Render ``report`` as ``table``, ``csv`` or ``json`` (``focus`` is not a rendering of the grouped report:
+    ``main`` writes it from the ledger's lines)."""
     if fmt == "table":
         return _format_table(report)
     if fmt == "csv":
@@ -500,7 +503,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window", default="24h", help="how far back from --end (90m, 24h, 7d; default 24h)")
     parser.add_argument("--end", default=None, help="end of the report, ISO 8601 (default: now)")
     parser.add_argument("--by", default="namespace", help="namespace | label:<key> | node | gpu")
-    parser.add_argument("--format", default="table", choices=FORMATS)
+    parser.add_argument("--format", default="table", choices=FORMATS,
+                        help="table | csv | json | focus (the windows' FOCUS rows as CSV, not grouped; default table)")
     parser.add_argument("--cluster", default=None, help="only this cluster (default: all)")
     parser.add_argument("--ledger-url", default=None,
                         help=f"SQLAlchemy URL of the ledger (default: ${LEDGER_URL_ENV} or {DEFAULT_LEDGER_URL})")
@@ -545,7 +549,12 @@ def main(args: argparse.Namespace, env: Mapping[str, str], *, clock: Clock | Non
         with Ledger(args.ledger_url or env.get(LEDGER_URL_ENV) or DEFAULT_LEDGER_URL) as ledger:
             ledger.require_schema()
             report = build_report(ledger, grouping, start_ms=start_ms, end_ms=end_ms, cluster=args.cluster)
+            focus_text = None
+            if args.format == "focus":
+                from services.billing.export import focus_dataset
+                from services.billing.focus import focus_csv
 
+                focus_text = focus_csv(focus_dataset(ledger, start_ms=start_ms, end_ms=end_ms, cluster=args.cluster))
             if kafka is not None:
                 from services.billing.emitted import read_emitted
 
@@ -557,6 +566,12 @@ def main(args: argparse.Namespace, env: Mapping[str, str], *, clock: Clock | Non
     except GpumeterError as exc:
         print(f"gpumeter report: {exc}", file=err)
         return 2
-    out.write(format_report(report, args.format))
+    out.write(focus_text if focus_text is not None else format_report(report, args.format))
     complete = report.emitted is None or report.emitted.complete
+    if focus_text is not None:
+        # The FOCUS rows have no room for the checks: a failed one is said where people read it.
+        if not report.reconciliation.reconciled:
+            print(f"gpumeter report: reconciliation: {report.reconciliation.statement()}", file=err)
+        if not complete:
+            print(f"gpumeter report: emitted windows: {_emitted_text(report)}", file=err)
     return 0 if report.reconciliation.reconciled and complete else 1
