@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "billing": ("services.billing.main", "the billing service: shares to node bills, cost records and the ledger"),
     "report": ("services.billing.report", "costs from the ledger by namespace, label, node or GPU"),
     "export": ("services.billing.export", "the ledger as a FOCUS dataset (Parquet or CSV)"),
+    "api": ("services.billing.api", "read-only HTTP API over the ledger: OpenCost-compatible /allocation"),
     "replay": ("services.attributor.replay_cli", "attribute and price a scenario or a recording offline, no broker"),
     "attributor": ("services.attributor.main", "run the streaming attributor (per-pod GPU shares, a Faust worker)"),
     "run": ("gpumeter.commands.run", "the whole pipeline on this machine (simulated cluster) with a live view"),

@@ -45,7 +45,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 
 from sqlalchemy import (
     JSON,
@@ -64,6 +64,7 @@ from sqlalchemy import (
     create_engine,
     event,
     func,
+    literal,
     select,
     text,
     update,
@@ -78,6 +79,9 @@ from gpumeter.redact import mask_secrets, mask_url
 from schemas.records import CostRecord, CostSubjectKind
 from services.billing.costing import NodeBill, NodeWindowKey
 from services.billing.sqlite_files import SqliteFiles
+
+if TYPE_CHECKING:
+    from services.billing.allocation import AllocationQuery, BucketSum, PodSum
 
 MIGRATIONS_DIR = Path(__file__).with_name("migrations")
 VERSION_TABLE = "gpumeter_billing_alembic_version"
@@ -397,8 +401,12 @@ def _alembic_config(connection: Connection):
 class Ledger:
     """A cost ledger at ``url`` (``sqlite:///path`` or ``postgresql+psycopg://...``). See the module docstring."""
 
-    def __init__(self, url: str = DEFAULT_LEDGER_URL, *, publisher: str | None = None) -> None:
+    def __init__(self, url: str = DEFAULT_LEDGER_URL, *, publisher: str | None = None,
+                 read_only: bool = False) -> None:
         self.url = normalize_url(url)
+        # A reader that cannot write even by mistake: every connection is read-only in the database itself
+        # (SQLite ``query_only``, PostgreSQL read-only sessions); ``migrate`` and ``write`` then fail.
+        self.read_only = read_only
         # Who this handle writes as (see the module docstring); None: a reader, or a writer that publishes nothing
         # and so may be told of every unpublished bill.
         self.publisher = publisher
@@ -433,10 +441,13 @@ class Ledger:
         self._files = SqliteFiles(Path(parsed.database)) if backend == "sqlite" and not in_memory else None
         self._connections = 0
         if self.dialect == "sqlite":
-            event.listen(self.engine, "connect", lambda dbapi, _record: _sqlite_pragmas(dbapi, in_memory))
+            event.listen(self.engine, "connect",
+                         lambda dbapi, _record: _sqlite_pragmas(dbapi, in_memory, read_only=read_only))
             event.listen(self.engine, "connect", lambda _dbapi, _record: self._count_connections(1))
             event.listen(self.engine, "close", lambda _dbapi, _record: self._count_connections(-1))
             event.listen(self.engine, "close_detached", lambda _dbapi: self._count_connections(-1))
+        elif read_only:
+            event.listen(self.engine, "connect", lambda dbapi, _record: _postgres_read_only(dbapi))
 
     def _count_connections(self, change: int) -> None:
         self._connections = max(0, self._connections + change)
@@ -818,6 +829,66 @@ class Ledger:
         for row in rows:
             yield _cost_record(row._mapping), int(row._mapping["billed_micro_usd"])
 
+    def allocation_sums(self, query: "AllocationQuery") -> tuple[list["PodSum"], list["BucketSum"]]:
+        """What ``services.billing.allocation`` folds into OpenCost allocations: pod lines per (step, group,
+        shared bucket, sharing method, method, cost basis) with their GPU-hours (cost, memory and compute share ×
+        GPU fraction × billed hours, and the units' capacity-hours), and the lines no pod carries -- plus the IDLE
+        shared to pods -- per (step, node when ``idle_by_node``, kind)."""
+        from services.billing.allocation import BucketSum, PodSum
+
+        c, b = cost_lines.c, node_bills.c
+        step = ((c.window_start_unix_ms - query.start_ms) // query.step_ms).label("step")
+        if query.aggregate == "namespace":
+            group = c.namespace
+        elif query.aggregate == "pod":
+            group = c.namespace + "/" + c.pod_name
+        elif query.aggregate == "node":
+            group = c.node_name
+        elif query.aggregate == "cluster":
+            group = c.cluster
+        else:
+            group = c.labels[query.label_key].as_string()
+        joined = cost_lines.join(node_bills, (b.window_start_unix_ms == c.window_start_unix_ms)
+                                 & (b.cluster == c.cluster) & (b.node_name == c.node_name))
+        in_range = self._range(cost_lines, query.start_ms, query.end_ms, query.cluster)
+        billed_ms = b.billed_milliseconds
+        # Grouping over a subquery keeps PostgreSQL from seeing two differently-bound copies of an expression.
+        inner = (
+            select(step, group.label("grp"), c.shared_from, c.sharing_method, c.method, c.cost_basis,
+                   c.cost_micro_usd, (c.cost_share * c.gpu_fraction * billed_ms).label("gpu_ms"),
+                   (c.memory_share * c.gpu_fraction * billed_ms).label("memory_ms"),
+                   (c.compute_share * c.gpu_fraction * billed_ms).label("compute_ms"),
+                   (c.gpu_fraction * billed_ms).label("unit_ms"))
+            .select_from(joined).where(c.subject_kind == CostSubjectKind.POD.value, *in_range).subquery()
+        )
+        keys = (inner.c.step, inner.c.grp, inner.c.shared_from, inner.c.sharing_method, inner.c.method,
+                inner.c.cost_basis)
+        pod_rows = self._read(
+            select(*keys, func.sum(inner.c.cost_micro_usd), func.count(), func.sum(inner.c.gpu_ms),
+                   func.sum(inner.c.memory_ms), func.sum(inner.c.compute_ms), func.sum(inner.c.unit_ms))
+            .group_by(*keys)
+        )
+        hour = 3_600_000.0
+        pods = [PodSum(int(st), grp, shared_from, sharing_method, method, basis, int(cost), int(lines),
+                       float(gpu or 0) / hour, float(memory or 0) / hour, float(compute or 0) / hour,
+                       float(unit or 0) / hour)
+                for st, grp, shared_from, sharing_method, method, basis, cost, lines, gpu, memory, compute, unit
+                in pod_rows]
+        kind = case((c.shared_from == NOT_SHARED, c.subject_kind), else_=c.shared_from).label("kind")
+        shared = (c.shared_from != NOT_SHARED).label("shared")
+        node = (c.node_name if query.idle_by_node else literal(None, String)).label("node")
+        inner = (
+            select(step, node, kind, shared, c.cost_micro_usd)
+            .where((c.subject_kind != CostSubjectKind.POD.value) | (c.shared_from == CostSubjectKind.IDLE.value),
+                   *in_range)
+            .subquery()
+        )
+        keys = (inner.c.step, inner.c.node, inner.c.kind, inner.c.shared)
+        bucket_rows = self._read(select(*keys, func.sum(inner.c.cost_micro_usd), func.count()).group_by(*keys))
+        buckets = [BucketSum(int(st), node_name, kind_name, bool(is_shared), int(cost), int(lines))
+                   for st, node_name, kind_name, is_shared, cost, lines in bucket_rows]
+        return pods, buckets
+
     def price_versions(self, versions: Iterable[str]) -> dict[str, dict[str, Any]]:
         """The ``price_versions`` rows of ``versions``, by version."""
         versions = sorted(set(versions))
@@ -855,13 +926,25 @@ def _cost_record(m: Mapping[str, Any]) -> CostRecord:
     )
 
 
-def _sqlite_pragmas(dbapi_connection: Any, in_memory: bool) -> None:
+def _sqlite_pragmas(dbapi_connection: Any, in_memory: bool, *, read_only: bool = False) -> None:
     cursor = dbapi_connection.cursor()
     try:
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.execute("PRAGMA busy_timeout=30000")
-        if not in_memory:
+        if not in_memory and not read_only:
             cursor.execute("PRAGMA journal_mode=WAL")
             cursor.execute("PRAGMA synchronous=NORMAL")
+        if read_only:
+            cursor.execute("PRAGMA query_only=ON")
     finally:
         cursor.close()
+
+
+def _postgres_read_only(dbapi_connection: Any) -> None:
+    # psycopg opens a transaction for this statement; commit it so the setting holds for the session.
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute("SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY")
+    finally:
+        cursor.close()
+    dbapi_connection.commit()
