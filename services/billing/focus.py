@@ -42,11 +42,11 @@ resources: ``AllocatedTags``. Custom columns are ``x_``-prefixed (``x_ClusterNam
 **Money.** ListCost and ContractedCost are the lines' list-price micro-dollars (gpumeter prices at list; no
 negotiated rate is known to it). BilledCost and EffectiveCost are the billed micro-dollars of each line -- the
 trued-up cost where ``gpumeter reconcile`` stored one, else the list cost (``FocusLine.billed_micro_usd``; the
-ledger's ``focus_lines`` is the one place that reads it). Per origin charge the rows add up to the node bill
-exactly (in micro-dollars, and in the decimal text of the CSV). PricingQuantity and ConsumedQuantity are the
-node's billed hours (to 1e-10 h) apportioned over the rows by their list cost (largest remainder), so they add
-up to the origin's hours exactly too; PricingUnit and ConsumedUnit are ``Hours``; ListUnitPrice and
-ContractedUnitPrice the node's hourly rate.
+ledger's ``BILLED_COST``, read by ``Ledger.billed_cost_lines``, is the one place that reads it). Per origin charge
+the rows add up to the node bill exactly (in micro-dollars, and in the decimal text of the CSV). PricingQuantity
+and ConsumedQuantity are the node's billed hours (to 1e-10 h) apportioned over the rows by their list cost
+(largest remainder), so they add up to the origin's hours exactly too; PricingUnit and ConsumedUnit are
+``Hours``; ListUnitPrice and ContractedUnitPrice the node's hourly rate.
 """
 
 from __future__ import annotations
