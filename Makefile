@@ -47,8 +47,9 @@ test-unit: deps deploy-tools
 ## run: the whole pipeline on a simulated 3-node cluster with a live view (Ctrl-C stops it cleanly):
 ## the local Kafka broker, the topics, collectors, attributor, billing, guard, then the cost report.
 ## `make run DURATION=60` stops by itself after 60 s. The broker keeps running afterwards; `make stop` stops it.
+## `make run SHARING=idle=weighted,node_other=weighted` shares those buckets to the pods (docs/billing.md).
 run: deps java kafka-jars
-	$(VENV)/bin/gpumeter run $(if $(DURATION),--duration $(DURATION))
+	$(VENV)/bin/gpumeter run $(if $(DURATION),--duration $(DURATION)) $(if $(SHARING),--sharing $(SHARING))
 
 stop: deps
 	$(PY) -m gpumeter.devtools.kafka_broker stop

@@ -21,6 +21,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "report": ("services.billing.report", "costs from the ledger by namespace, label, node or GPU"),
     "reconcile": ("services.billing.reconcile", "true the ledger up to a cloud bill (FOCUS or AWS CUR 2.0 export)"),
     "prices": ("services.billing.prices_cli", "price files: import the providers' own price lists (prices import)"),
+    "export": ("services.billing.export", "the ledger as a FOCUS dataset (Parquet or CSV)"),
+    "api": ("services.billing.api", "read-only HTTP API over the ledger: OpenCost-compatible /allocation"),
     "replay": ("services.attributor.replay_cli", "attribute and price a scenario or a recording offline, no broker"),
     "attributor": ("services.attributor.main", "run the streaming attributor (per-pod GPU shares, a Faust worker)"),
     "run": ("gpumeter.commands.run", "the whole pipeline on this machine (simulated cluster) with a live view"),

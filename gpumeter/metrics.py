@@ -60,17 +60,25 @@ METRICS: dict[str, MetricDef] = {
         MetricDef("gpumeter_attributor_window_lag_seconds", "gauge",
                   "Seconds between a window's close (end + grace) and its emission."),
         # billing
-        MetricDef("gpumeter_pod_gpu_cost_micro_usd_total", "counter", "GPU cost billed to a pod.",
-                  ("namespace", "pod", "team")),
+        MetricDef("gpumeter_pod_gpu_cost_micro_usd_total", "counter",
+                  "GPU cost billed to a pod for its own use (its direct lines).", ("namespace", "pod", "team")),
+        MetricDef("gpumeter_pod_shared_cost_micro_usd_total", "counter",
+                  "Cost of a bucket of the pod's node-windows shared to it by the sharing policy (its shared lines).",
+                  ("namespace", "pod", "team", "shared_from")),
         MetricDef("gpumeter_pod_gpu_memory_share", "gauge", "Pod's memory share of its GPU unit in the last window.",
                   ("namespace", "pod", "team", "gpu_uuid")),
         MetricDef("gpumeter_pod_gpu_compute_share", "gauge", "Pod's compute share of its GPU unit in the last window.",
                   ("namespace", "pod", "team", "gpu_uuid")),
         MetricDef("gpumeter_node_cost_micro_usd_total", "counter", "Node bills priced.", ("node", "instance_type")),
         MetricDef("gpumeter_bucket_cost_micro_usd_total", "counter",
-                  "Cost billed to no pod: idle, driver_reserved, unattributed or node_other.", ("node", "kind")),
+                  "Cost billed to no pod: idle, driver_reserved, unattributed, unavailable or node_other lines the "
+                  "sharing policy kept.", ("node", "kind")),
         MetricDef("gpumeter_billing_ledger_rows_written_total", "counter", "Cost lines inserted into the ledger."),
         MetricDef("gpumeter_billing_duplicate_rows_total", "counter", "Cost lines already in the ledger (redelivery)."),
+        # api (the ledger's read-only HTTP API)
+        MetricDef("gpumeter_api_requests_total", "counter", "HTTP requests answered, by path and status code.",
+                  ("path", "code")),
+        MetricDef("gpumeter_api_request_seconds", "histogram", "Time to answer one HTTP request.", ("path",)),
         # guard
         MetricDef("gpumeter_guard_violations_firing", "gauge", "Violations firing now.", ("rule", "severity")),
         MetricDef("gpumeter_guard_violation_transitions_total", "counter", "Violation state changes.",
@@ -123,11 +131,13 @@ class ServiceMetrics:
         """``/healthz`` from the heartbeat, every other path the Prometheus exposition of this registry."""
         return health_wsgi_app(self.heartbeat, make_wsgi_app(self.registry))
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> WSGIServer | None:
-        """Serve ``/metrics`` and ``/healthz`` on ``port`` from a daemon thread (0 disables); returns the server."""
+    def serve(self, port: int, addr: str = "0.0.0.0", app=None) -> WSGIServer | None:
+        """Serve ``/metrics`` and ``/healthz`` on ``port`` from a daemon thread (0 disables); returns the server.
+        ``app`` (a WSGI app given this service's ``wsgi_app()`` to fall back to) serves other paths on the same
+        port: one HTTP server per process."""
         if not port:
             return None
-        server = make_server(addr, port, self.wsgi_app(), server_class=_ThreadingWSGIServer,
+        server = make_server(addr, port, app or self.wsgi_app(), server_class=_ThreadingWSGIServer,
                              handler_class=_QuietHandler)
         threading.Thread(target=server.serve_forever, name=f"{self.service}-metrics", daemon=True).start()
         self.server = server

@@ -280,6 +280,8 @@ class PodContainer:
     visible_devices_env: str | None
     privileged: bool = False
     mps_active_thread_percentage: float | None = None  # v2
+    cpu_request_millicores: int = 0  # v2
+    memory_request_bytes: int = 0  # v2
 
     def to_avro(self) -> dict[str, Any]:
         return {
@@ -290,6 +292,8 @@ class PodContainer:
             "visible_devices_env": self.visible_devices_env,
             "privileged": self.privileged,
             "mps_active_thread_percentage": self.mps_active_thread_percentage,
+            "cpu_request_millicores": self.cpu_request_millicores,
+            "memory_request_bytes": self.memory_request_bytes,
         }
 
     @classmethod
@@ -302,6 +306,8 @@ class PodContainer:
             visible_devices_env=d["visible_devices_env"],
             privileged=d["privileged"],
             mps_active_thread_percentage=d.get("mps_active_thread_percentage"),
+            cpu_request_millicores=d.get("cpu_request_millicores", 0),
+            memory_request_bytes=d.get("memory_request_bytes", 0),
         )
 
 
@@ -327,6 +333,8 @@ class PodEvent:
     labels_dropped: int = 0
     annotations_dropped: int = 0
     truncated: bool = False
+    cpu_request_millicores: int = 0
+    memory_request_bytes: int = 0
 
     def to_avro(self) -> dict[str, Any]:
         return {
@@ -349,6 +357,8 @@ class PodEvent:
             "labels_dropped": self.labels_dropped,
             "annotations_dropped": self.annotations_dropped,
             "truncated": self.truncated,
+            "cpu_request_millicores": self.cpu_request_millicores,
+            "memory_request_bytes": self.memory_request_bytes,
         }
 
     @classmethod
@@ -373,6 +383,8 @@ class PodEvent:
             labels_dropped=d.get("labels_dropped", 0),
             annotations_dropped=d.get("annotations_dropped", 0),
             truncated=d.get("truncated", False),
+            cpu_request_millicores=d.get("cpu_request_millicores", 0),
+            memory_request_bytes=d.get("memory_request_bytes", 0),
         )
 
 
@@ -420,6 +432,9 @@ class GpuShare:
     zone: str = ""  # v2
     provider_id: str = ""  # v2
     carried_label_keys: tuple[str, ...] = ()  # v2
+    cpu_request_millicores: int = 0  # v2: POD rows
+    memory_request_bytes: int = 0  # v2: POD rows
+    cost_basis: str = ""  # v2
 
     def to_avro(self) -> dict[str, Any]:
         d = _flat_to_avro(self, ("sharing_mode", "subject_kind"), ("labels",))
@@ -454,10 +469,24 @@ class CostRecord:
     price_model: str
     price_version: str
     carried_label_keys: tuple[str, ...] = ()  # v2
+    # v2: a shared line carries (a part of) a bucket of its node-window (billing's sharing policy); None: direct.
+    shared_from: CostSubjectKind | None = None
+    sharing_method: str = ""  # v2: weighted | even | requests for a shared line
+    method: str = ""  # v2: the unit's attribution method (unit lines)
+    cost_basis: str = ""  # v2: what cost_share followed (unit lines)
+    memory_share: float = 0.0  # v2 (unit lines)
+    compute_share: float = 0.0  # v2 (unit lines)
+    gpu_fraction: float = 0.0  # v2 (unit lines; node-level UNAVAILABLE: the GPUs billed but not reported)
+
+    @property
+    def is_shared(self) -> bool:
+        """A line that carries a bucket's cost to a pod (``shared_from`` set), not the subject's own use."""
+        return self.shared_from is not None
 
     def to_avro(self) -> dict[str, Any]:
         d = _flat_to_avro(self, ("subject_kind",), ("labels",))
         d["carried_label_keys"] = list(self.carried_label_keys)
+        d["shared_from"] = None if self.shared_from is None else str(self.shared_from)
         return d
 
     @classmethod
@@ -466,6 +495,8 @@ class CostRecord:
         values["subject_kind"] = CostSubjectKind(values["subject_kind"])
         values["labels"] = _frozen_map(values["labels"])
         values["carried_label_keys"] = tuple(values.get("carried_label_keys") or ())
+        shared_from = values.get("shared_from")
+        values["shared_from"] = None if shared_from is None else CostSubjectKind(shared_from)
         return cls(**values)
 
 

@@ -11,8 +11,10 @@ new state and never changes its input):
   rounding and what is on screen visibly sums to the whole GPU).
 * **costs** (``CostRecord``): micro-dollars summed by namespace and by the team label; lines billed to no pod are
   their own groups (``(idle)``, ``(driver reserved)``, ``(unattributed)``, ``(node, not GPU)``), so both tables
-  add up to the same total, the sum of the node bills. A cost line seen twice (same window, node, GPU, subject
-  kind and pod) counts once, as in the ledger.
+  add up to the same total, the sum of the node bills. Of each group's cost, the part that came from buckets
+  billing's sharing policy shared to its pods (shared lines, ``CostRecord.shared_from``) is also summed: a
+  group's cost is its direct part plus its shared part. A cost line seen twice (same window, node, GPU, subject
+  kind, pod and shared bucket) counts once, as in the ledger.
 * **violations** (``Violation``): the newest record per fingerprint (the topic is compacted by fingerprint, so
   arrival order per key is the truth); ``active_violations`` lists those FIRING, most severe first.
 * **dead-letters** (``DeadLetter``): counted by (service, reason code).
@@ -213,16 +215,30 @@ def bar_segments(unit: UnitWindow, width_cells: int = BAR_WIDTH_CELLS) -> tuple[
 
 @dataclass(frozen=True, slots=True)
 class CostRow:
-    """One group of a cost table; ``tenths`` of a percent of the table's total (the rows add up to 1000)."""
+    """One group of a cost table; ``tenths`` of a percent of the table's total (the rows add up to 1000).
+    ``shared_micro_usd`` of ``cost_micro_usd`` came from buckets shared to the group's pods; the rest is direct."""
 
     group: str
     is_bucket: bool
     cost_micro_usd: int
     tenths: int
+    shared_micro_usd: int = 0
+
+    @property
+    def direct_micro_usd(self) -> int:
+        return self.cost_micro_usd - self.shared_micro_usd
 
     @property
     def usd(self) -> str:
         return usd_text(self.cost_micro_usd)
+
+    @property
+    def direct_usd(self) -> str:
+        return usd_text(self.direct_micro_usd)
+
+    @property
+    def shared_usd(self) -> str:
+        return usd_text(self.shared_micro_usd)
 
     @property
     def percent_text(self) -> str:
@@ -273,6 +289,9 @@ class ViewState:
     unit_windows_completed: int = 0
     cost_by_namespace: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     cost_by_team: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    # Of the above, what came from shared lines (buckets the sharing policy shared to the group's pods).
+    shared_by_namespace: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    shared_by_team: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     cost_total_micro_usd: int = 0
     billed_node_windows: int = 0
     cost_lines_seen: Mapping[tuple[str, str, int], frozenset] = field(default_factory=lambda: MappingProxyType({}))
@@ -301,6 +320,8 @@ def apply_records(state: ViewState,
     completed = state.unit_windows_completed
     by_namespace = dict(state.cost_by_namespace)
     by_team = dict(state.cost_by_team)
+    shared_namespace = dict(state.shared_by_namespace)
+    shared_team = dict(state.shared_by_team)
     total = state.cost_total_micro_usd
     billed = state.billed_node_windows
     lines_seen = dict(state.cost_lines_seen)
@@ -334,7 +355,8 @@ def apply_records(state: ViewState,
             if newest is not None and record.window_start_unix_ms < newest - state.dedupe_horizon_ms:
                 continue  # older than anything still remembered: a re-send of a long-billed window
             node_window = (record.cluster, record.node_name, record.window_start_unix_ms)
-            line_key = (record.gpu_uuid or "", record.subject_kind.value, record.pod_uid or "")
+            line_key = (record.gpu_uuid or "", record.subject_kind.value, record.pod_uid or "",
+                        record.shared_from.value if record.shared_from is not None else "")
             seen = lines_seen.get(node_window)
             if seen is None:
                 billed += 1
@@ -352,6 +374,9 @@ def apply_records(state: ViewState,
                 namespace = team = BUCKET_GROUPS[record.subject_kind]
             by_namespace[namespace] = by_namespace.get(namespace, 0) + record.cost_micro_usd
             by_team[team] = by_team.get(team, 0) + record.cost_micro_usd
+            if record.shared_from is not None:
+                shared_namespace[namespace] = shared_namespace.get(namespace, 0) + record.cost_micro_usd
+                shared_team[team] = shared_team.get(team, 0) + record.cost_micro_usd
             total += record.cost_micro_usd
         elif isinstance(record, Violation):
             counts["violations"] += 1
@@ -380,6 +405,8 @@ def apply_records(state: ViewState,
         unit_windows_completed=completed,
         cost_by_namespace=MappingProxyType(by_namespace),
         cost_by_team=MappingProxyType(by_team),
+        shared_by_namespace=MappingProxyType(shared_namespace),
+        shared_by_team=MappingProxyType(shared_team),
         cost_total_micro_usd=total,
         billed_node_windows=billed,
         cost_lines_seen=MappingProxyType(lines_seen),
@@ -405,21 +432,28 @@ def unit_windows(state: ViewState) -> tuple[UnitWindow, ...]:
     )
 
 
-def cost_rows(costs: Mapping[str, int]) -> tuple[CostRow, ...]:
+def cost_rows(costs: Mapping[str, int], shared: Mapping[str, int] | None = None) -> tuple[CostRow, ...]:
     """A cost table: groups billed to pods by cost (largest first, then name), then the buckets by name; percents
-    of the total add up to 100.0."""
+    of the total add up to 100.0. ``shared``: the part of each group's cost that was shared to it."""
     groups = sorted(costs.items(), key=lambda item: (item[0] in BUCKET_GROUPS.values(), -item[1], item[0]))
     tenths = apportion([cost for _, cost in groups], PERCENT_TENTHS)
     bucket_names = set(BUCKET_GROUPS.values())
-    return tuple(CostRow(group, group in bucket_names, cost, t) for (group, cost), t in zip(groups, tenths))
+    shared = shared or {}
+    return tuple(CostRow(group, group in bucket_names, cost, t, shared.get(group, 0))
+                 for (group, cost), t in zip(groups, tenths))
 
 
 def namespace_costs(state: ViewState) -> tuple[CostRow, ...]:
-    return cost_rows(state.cost_by_namespace)
+    return cost_rows(state.cost_by_namespace, state.shared_by_namespace)
 
 
 def team_costs(state: ViewState) -> tuple[CostRow, ...]:
-    return cost_rows(state.cost_by_team)
+    return cost_rows(state.cost_by_team, state.shared_by_team)
+
+
+def shared_total_micro_usd(state: ViewState) -> int:
+    """What the sharing policy moved from buckets to pods so far (0 when every bucket is kept)."""
+    return sum(state.shared_by_namespace.values())
 
 
 def active_violations(state: ViewState) -> tuple[ViolationRow, ...]:
@@ -481,7 +515,8 @@ def health_summary(health: Sequence[ProcessHealth]) -> str:
 
 def progress_line(state: ViewState, health: Sequence[ProcessHealth], elapsed_seconds: float,
                   sim_now_unix_ms: int | None = None, top_groups: int = 3) -> str:
-    """One line for a non-terminal output: time, windows, cost so far (top namespaces), violations, processes."""
+    """One line for a non-terminal output: time, windows, cost so far (top namespaces; then the top teams, as
+    direct + shared when the sharing policy shares anything), violations, processes."""
     parts = [f"t+{elapsed_seconds:5.0f}s"]
     if sim_now_unix_ms is not None:
         parts.append(f"sim {iso_utc(sim_now_unix_ms)}")
@@ -491,6 +526,10 @@ def progress_line(state: ViewState, health: Sequence[ProcessHealth], elapsed_sec
     if pods:
         cost += " (" + ", ".join(f"{row.group} {row.usd}" for row in pods) + ")"
     parts.append(cost)
+    if shared_total_micro_usd(state):
+        teams = [row for row in team_costs(state) if not row.is_bucket][:top_groups]
+        parts.append(f"shared {usd_text(shared_total_micro_usd(state))} to pods; by {state.team_label}: "
+                     + ", ".join(f"{row.group} {row.direct_usd} + {row.shared_usd}" for row in teams))
     active = active_violations(state)
     violations = f"violations firing {len(active)}"
     if active:

@@ -29,7 +29,8 @@ What it does, in order (each step prints a progress line):
    billing once it has, then the guard. Each gets SIGTERM and is killed after ``STOP_TIMEOUT_SECONDS``. A second
    Ctrl-C kills everything at once.
 7. **Report**: ``gpumeter report`` by namespace and by label:team over the run's windows, reconciled to the node
-   bills; where the ledger and the logs are, and the command that prints the report again. Topics of a prefix the
+   bills (with ``--sharing``, each group's cost split into its direct and shared parts); where the ledger and the
+   logs are, and the command that prints the report again. Topics of a prefix the
    run made up are deleted at the end unless ``--keep-topics``.
 
 Exit code: 0 when every process stopped cleanly and the report reconciles, 1 otherwise, 2 for unusable settings.
@@ -105,6 +106,7 @@ class RunConfig:
     keep_topics: bool = False
     progress_seconds: float = DEFAULT_PROGRESS_SECONDS
     team_label: str = "team"
+    sharing: str | None = None  # billing's --sharing (None: billing's own default, $GPUMETER_BILLING_SHARING)
 
     def __post_init__(self) -> None:
         if self.duration_seconds is not None and self.duration_seconds <= 0:
@@ -121,6 +123,10 @@ class RunConfig:
             raise ConfigError("--progress-seconds must be > 0")
         if not self.scenario.is_file():
             raise ConfigError(f"scenario {self.scenario} does not exist")
+        if self.sharing is not None:
+            from services.billing.sharing import SharingPolicy
+
+            object.__setattr__(self, "sharing", SharingPolicy.parse(self.sharing).describe())
 
     @property
     def prefix(self) -> str:
@@ -247,10 +253,11 @@ def service_specs(config: RunConfig, node_names: Sequence[str], scenario_path: P
         drain_topics=(catalog.node_samples, catalog.pod_events),
     ))
     billing_group = f"{prefix}gpumeter-billing"
+    sharing = ("--sharing", config.sharing) if config.sharing is not None else ()
     specs.append(ServiceSpec(
         name="billing",
         argv=(*base, "billing", "--ledger-url", config.ledger_url, "--group", billing_group,
-              "--team-label", config.team_label, *metrics, "--partitions", str(config.partitions),
+              "--team-label", config.team_label, *sharing, *metrics, "--partitions", str(config.partitions),
               "--max-clock-skew-seconds", str(skew_seconds), *kafka),
         restart=True,
         stop_group=2,
@@ -572,15 +579,22 @@ def render_view(state: ViewState, health: Sequence[ProcessHealth], header: str, 
     if not state.units:
         shares.add_row("-", "(waiting for the first closed window)", "", "", "", "")
 
+    shared_total = live_view.shared_total_micro_usd(state)
+
     def cost_table(title: str, rows: Sequence[live_view.CostRow]) -> Table:
+        # direct: the group's pods' own use; shared: their part of buckets the sharing policy shared to them.
         table = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left", pad_edge=False)
         table.add_column("group")
         table.add_column("cost so far", justify="right")
+        table.add_column("direct", justify="right")
+        table.add_column("shared", justify="right")
         table.add_column("%", justify="right")
         for row in rows:
-            table.add_row(Text(row.group, style="grey62" if row.is_bucket else ""), row.usd, row.percent_text)
-        table.add_row(Text("total", style="bold"), Text(live_view.usd_text(state.cost_total_micro_usd), style="bold"),
-                      "")
+            table.add_row(Text(row.group, style="grey62" if row.is_bucket else ""), row.usd, row.direct_usd,
+                          row.shared_usd, row.percent_text)
+        total = state.cost_total_micro_usd
+        table.add_row(Text("total", style="bold"), Text(live_view.usd_text(total), style="bold"),
+                      live_view.usd_text(total - shared_total), live_view.usd_text(shared_total), "")
         return table
 
     costs = Table.grid(padding=(0, 4))
@@ -996,6 +1010,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"partitions of each topic the run creates (default {DEFAULT_PARTITIONS})")
     parser.add_argument("--keep-topics", action="store_true", help="keep the run's own topics at the end")
     parser.add_argument("--team-label", default="team", help="pod label that names the team (default team)")
+    parser.add_argument("--sharing", default=None,
+                        help="billing's sharing policy, e.g. idle=weighted,node_other=weighted (default keep: every "
+                             "bucket its own line; see docs/billing.md)")
 
 
 def _default_scenario() -> Path:
@@ -1023,6 +1040,7 @@ def run_config(args: argparse.Namespace, now_ms: int) -> RunConfig:
         keep_topics=args.keep_topics,
         progress_seconds=args.progress_seconds,
         team_label=args.team_label,
+        sharing=getattr(args, "sharing", None),
     )
 
 

@@ -64,11 +64,6 @@ class CostBasis(enum.StrEnum):
     REQUEST = "request"
 
 
-class IdleHandling(enum.StrEnum):
-    KEEP = "keep"
-    SPREAD = "spread"
-
-
 class MpsCompute(enum.StrEnum):
     MEMORY = "memory"
     THREADS = "threads"
@@ -81,23 +76,20 @@ class AttributionPolicy:
     ``cost_basis``: MEMORY (cost = memory_share, the default), COMPUTE (cost = compute_share), BLEND
     (cost = blend_alpha * compute_share + (1 - blend_alpha) * memory_share) or REQUEST (the OpenCost way, for
     comparison: each pod pays the replicas it was assigned, unassigned replicas are idle).
-    ``idle_handling``: KEEP (idle is its own row) or SPREAD (idle cost goes to the unit's pods by their cost share;
-    equally when they all have none; it stays idle when the unit has no pod).
+    IDLE is always a row of its own: sharing it (or any bucket) to pods is billing's sharing policy
+    (``services.billing.sharing``), applied to money, once, where the ledger and every report see it.
     ``mps_compute``: MEMORY (busy time split by memory) or THREADS (by active-thread percentage: the pod's
     ``mps_thread_annotation`` value, else its replicas' 100/replicas each).
     """
 
     cost_basis: CostBasis = CostBasis.MEMORY
     blend_alpha: float = 0.5
-    idle_handling: IdleHandling = IdleHandling.KEEP
     mps_compute: MpsCompute = MpsCompute.MEMORY
     mps_thread_annotation: str = DEFAULT_MPS_THREAD_ANNOTATION
 
     def __post_init__(self) -> None:
         if not isinstance(self.cost_basis, CostBasis):
             raise ConfigError(f"cost basis {self.cost_basis!r} is not a CostBasis")
-        if not isinstance(self.idle_handling, IdleHandling):
-            raise ConfigError(f"idle handling {self.idle_handling!r} is not an IdleHandling")
         if not isinstance(self.mps_compute, MpsCompute):
             raise ConfigError(f"MPS compute {self.mps_compute!r} is not an MpsCompute")
         alpha = self.blend_alpha
@@ -105,9 +97,9 @@ class AttributionPolicy:
             raise ConfigError(f"blend alpha must be within [0, 1], got {alpha!r}")
 
     @classmethod
-    def parse(cls, cost_basis: str = "memory", idle: str = "keep", mps_compute: str = "memory") -> "AttributionPolicy":
-        """From configuration strings: ``memory`` | ``compute`` | ``blend:<alpha>`` | ``request``; ``keep`` |
-        ``spread``; ``memory`` | ``threads``. Raises ConfigError on anything else."""
+    def parse(cls, cost_basis: str = "memory", mps_compute: str = "memory") -> "AttributionPolicy":
+        """From configuration strings: ``memory`` | ``compute`` | ``blend:<alpha>`` | ``request``; ``memory`` |
+        ``threads``. Raises ConfigError on anything else."""
         text = cost_basis.strip().lower()
         alpha = 0.5
         if text.startswith("blend:"):
@@ -124,18 +116,18 @@ class AttributionPolicy:
                 f"cost basis {cost_basis!r} is not one of memory, compute, blend:<alpha>, request"
             ) from None
         try:
-            idle_handling = IdleHandling(idle.strip().lower())
-        except ValueError:
-            raise ConfigError(f"idle handling {idle!r} is not one of keep, spread") from None
-        try:
             mps = MpsCompute(mps_compute.strip().lower())
         except ValueError:
             raise ConfigError(f"MPS compute {mps_compute!r} is not one of memory, threads") from None
-        return cls(basis, alpha, idle_handling, mps)
+        return cls(basis, alpha, mps)
+
+    @property
+    def basis_text(self) -> str:
+        """``memory``, ``compute``, ``blend:0.3`` or ``request``: what ``GpuShare.cost_basis`` says."""
+        return f"blend:{self.blend_alpha:g}" if self.cost_basis is CostBasis.BLEND else str(self.cost_basis)
 
     def describe(self) -> str:
-        basis = f"blend:{self.blend_alpha:g}" if self.cost_basis is CostBasis.BLEND else str(self.cost_basis)
-        return f"cost={basis} idle={self.idle_handling} mps={self.mps_compute}"
+        return f"cost={self.basis_text} mps={self.mps_compute}"
 
 
 class UnitTick(NamedTuple):
@@ -199,6 +191,8 @@ class ShareRow:
     sample_count: int
     covered_seconds: float
     carried_label_keys: tuple[str, ...] = ()
+    cpu_request_millicores: int = 0
+    memory_request_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -550,8 +544,6 @@ def _attribute(unit: UnitWindow, pods: PodLookup, policy: AttributionPolicy, slo
         for i, value in enumerate(vector):
             cost[i] += share * value
     cost[n_rows + _UNAVAILABLE] += unavailable_w / total_weight
-    if policy.idle_handling is IdleHandling.SPREAD and n_rows:
-        cost = _spread_idle(cost, n_rows)
 
     if basis is CostBasis.REQUEST:
         method = METHOD_REQUEST
@@ -586,6 +578,8 @@ def _attribute(unit: UnitWindow, pods: PodLookup, policy: AttributionPolicy, slo
                 sample_count,
                 covered_seconds,
                 info.carried_label_keys if info is not None else (),
+                info.cpu_request_millicores if info is not None else 0,
+                info.memory_request_bytes if info is not None else 0,
             )
         )
     for j, kind in enumerate(BUCKET_KINDS):
@@ -1103,23 +1097,6 @@ def _combined_decision(epochs: Sequence[_Epoch], assignees: Sequence[tuple[PodIn
                         main.decision.sample_mode, main.decision.replicas)
 
 
-def _spread_idle(cost: list[float], n_rows: int) -> list[float]:
-    idle = cost[n_rows]
-    if idle <= 0.0:
-        return cost
-    pod_total = sum(cost[:n_rows])
-    spread = list(cost)
-    if pod_total > 0.0:
-        for i in range(n_rows):
-            # Ratio first: with a subnormal pod cost, ``idle * cost[i]`` loses every bit of idle's precision.
-            spread[i] += idle * (cost[i] / pod_total)
-    else:
-        for i in range(n_rows):
-            spread[i] += idle / n_rows
-    spread[n_rows] = 0.0
-    return spread
-
-
 # --------------------------------------------------------------------------------------------------------------
 # A node window
 
@@ -1136,6 +1113,7 @@ def attribute_node_window_detailed(window: NodeWindow, pods: PodLookup, policy: 
     window_ms = window.window_seconds * 1000
     node_covered_seconds = min(sum(max(s.interval_ms, 0) for s in window.samples), window_ms) / 1000.0
     facts = window.samples[-1]
+    cost_basis = policy.basis_text
     slots = _PodSlots()
     units = tuple(
         _attribute(unit, pods, policy, slots)
@@ -1183,6 +1161,9 @@ def attribute_node_window_detailed(window: NodeWindow, pods: PodLookup, policy: 
                     facts.zone,
                     facts.provider_id,
                     row.carried_label_keys,
+                    row.cpu_request_millicores,
+                    row.memory_request_bytes,
+                    cost_basis,
                 )
             )
     return NodeAttribution(tuple(shares), units, node_covered_seconds)

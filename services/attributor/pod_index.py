@@ -133,6 +133,9 @@ class PodInfo:
     carried_label_keys: tuple[str, ...] = ()  # the keys ``labels`` was selected from; (): all of the pod's
     # CUDA_MPS_ACTIVE_THREAD_PERCENTAGE its containers' specs set (the largest; None: none sets it).
     mps_active_thread_percentage: float | None = None
+    # The pod's effective CPU and memory requests (PodEvent v2): what billing's ``requests`` sharing weighs.
+    cpu_request_millicores: int = 0
+    memory_request_bytes: int = 0
 
     @property
     def life_start_ms(self) -> int:
@@ -196,6 +199,8 @@ def _pod_info(event: PodEvent, previous: PodInfo | None, fields: PodFields = ALL
         resource_version=event.resource_version,
         gpu_requests=MappingProxyType(dict(event.gpu_requests)),
         assignments=tuple(assignments),
+        cpu_request_millicores=event.cpu_request_millicores,
+        memory_request_bytes=event.memory_request_bytes,
     )
 
 

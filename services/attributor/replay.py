@@ -102,6 +102,7 @@ from services.attributor.pod_index import DEFAULT_GROUPING_LABELS, DEFAULT_LINGE
 from services.billing.catalog import PriceCatalog, PriceError, bundled_catalog
 from services.billing.costing import bill_node_window, cost_record_json, iso_utc
 from services.billing.pricing import DEFAULT_SPLIT_POLICY, SplitPolicy
+from services.billing.sharing import KEEP_ALL, SharingPolicy
 from services.guard.config import GuardConfig
 from services.guard.replay import VIOLATIONS_FILE, GuardReplay, violation_json
 
@@ -564,6 +565,7 @@ def replay(
     policy: AttributionPolicy | None = None,
     catalog: PriceCatalog | None = None,
     split_policy: SplitPolicy = DEFAULT_SPLIT_POLICY,
+    sharing: SharingPolicy = KEEP_ALL,
     node: str | None = None,
     idle_close_seconds: int = 30,
     max_clock_skew_seconds: int = 120,
@@ -574,9 +576,10 @@ def replay(
 ) -> ReplaySummary:
     """Replay ``input_path`` (a scenario YAML, a recording file, or a directory of recordings) into ``out_dir``.
 
-    ``policy`` is the attribution policy (default: memory cost basis, idle kept); ``catalog`` and
-    ``split_policy`` price the nodes (default: the bundled price files; a node-window no row prices is listed in
-    ``ReplaySummary.unpriced`` and gets no cost or bill lines). ``node`` keeps one node's input only.
+    ``policy`` is the attribution policy (default: memory cost basis); ``catalog`` and ``split_policy`` price the
+    nodes (default: the bundled price files; a node-window no row prices is listed in ``ReplaySummary.unpriced``
+    and gets no cost or bill lines); ``sharing`` is billing's sharing policy (default: every bucket kept).
+    ``node`` keeps one node's input only.
     ``record_path`` also writes the replayed input as a recording (what was decoded and kept by ``node``).
     ``guard_config``: the guard's thresholds for ``violations.jsonl`` (default ``GuardConfig()``).
     ``grouping_labels``: the pod labels share rows carry, as the streaming attributor's ``GPUMETER_GROUPING_LABELS``
@@ -656,7 +659,7 @@ def replay(
                 guarded(guard.share(share, now_ms), now_ms)
             if result.shares:
                 try:
-                    cost = bill_node_window(result.shares, catalog, split_policy)
+                    cost = bill_node_window(result.shares, catalog, split_policy, sharing)
                 except PriceError as exc:
                     unpriced.append(UnpricedWindow(result.cluster, result.node_name, result.window_start_unix_ms,
                                                    str(exc)))

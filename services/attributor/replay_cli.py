@@ -2,7 +2,9 @@
 broker.
 
 Options read the same ``GPUMETER_*`` variables as the streaming attributor (window, grace, policy) and the
-billing service (prices, split rule); a flag overrides its variable. The guard's thresholds come from
+billing service (prices, split rule, sharing policy); a flag overrides its variable. ``--idle spread`` (env
+``GPUMETER_IDLE_HANDLING=spread``), which used to spread idle cost in the attributor, is billing's sharing policy
+``idle=weighted`` now (an explicit ``idle=...`` in ``--sharing`` wins). The guard's thresholds come from
 ``--guard-config FILE`` (else ``GPUMETER_GUARD_CONFIG``) and ``GPUMETER_GUARD_*`` (``services/guard/config.py``).
 See ``services/attributor/replay.py`` for the outputs, the ground truth and the recording format.
 
@@ -24,6 +26,7 @@ from services.attributor.settings import parse_label_keys
 from services.billing.catalog import PriceCatalog, PriceError
 from services.billing.costing import iso_utc
 from services.billing.pricing import SplitPolicy
+from services.billing.sharing import SHARING_ENV, SharingPolicy
 from services.guard.config import GuardConfig
 
 # option -> (environment variable, converter, default): the streaming attributor's variables.
@@ -35,6 +38,7 @@ _ENGINE_OPTIONS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "pod_linger_seconds": ("GPUMETER_POD_LINGER_SECONDS", int, 900),
     "cost_basis": ("GPUMETER_COST_BASIS", str, "memory"),
     "idle_handling": ("GPUMETER_IDLE_HANDLING", str, "keep"),
+    "sharing": (SHARING_ENV, str, ""),
     "mps_compute": ("GPUMETER_MPS_COMPUTE", str, "memory"),
     "grouping_labels": ("GPUMETER_GROUPING_LABELS", parse_label_keys, DEFAULT_GROUPING_LABELS),
 }
@@ -65,7 +69,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ticks sampled further ahead of their arrival are dead-lettered (default 120)")
     parser.add_argument("--pod-linger-seconds", type=int, help="how long a deleted pod stays known (default 900)")
     parser.add_argument("--cost-basis", help="memory | compute | blend:<alpha> | request (default memory)")
-    parser.add_argument("--idle", "--idle-handling", dest="idle_handling", help="keep | spread (default keep)")
+    parser.add_argument("--idle", "--idle-handling", dest="idle_handling",
+                        help="keep | spread (deprecated: spread is --sharing idle=weighted)")
+    parser.add_argument("--sharing", help="billing's sharing policy: keep | <bucket>=weighted|even|requests,... "
+                                          f"(buckets idle, driver_reserved, unattributed, unavailable, node_other, "
+                                          f"all; env {SHARING_ENV}; default keep)")
     parser.add_argument("--mps-compute", help="memory | threads (default memory)")
     parser.add_argument("--grouping-labels", type=parse_label_keys,
                         help="pod labels the share rows carry, comma-separated (default team,model; "
@@ -101,10 +109,21 @@ def _option(args: argparse.Namespace, env: Mapping[str, str], name: str) -> Any:
     return default
 
 
+def sharing_with_idle_handling(sharing_text: str, idle_handling: str) -> SharingPolicy:
+    """The sharing policy of ``--sharing``, with the deprecated ``--idle spread`` as ``idle=weighted`` (what it
+    was: idle cost to the pods by their cost) unless ``--sharing`` says what idle gets."""
+    idle = (idle_handling or "keep").strip().lower()
+    if idle not in ("keep", "spread"):
+        raise ConfigError(f"idle handling {idle_handling!r} is not keep or spread (deprecated: use --sharing)")
+    prefix = "idle=weighted," if idle == "spread" else ""
+    return SharingPolicy.parse(prefix + (sharing_text or ""))
+
+
 def replay_options(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, Any]:
     """The keyword arguments of ``replay`` from flags over env over defaults. Raises ``ConfigError``."""
     values = {name: _option(args, env, name) for name in _ENGINE_OPTIONS}
-    policy = AttributionPolicy.parse(values.pop("cost_basis"), values.pop("idle_handling"), values.pop("mps_compute"))
+    policy = AttributionPolicy.parse(values.pop("cost_basis"), values.pop("mps_compute"))
+    sharing = sharing_with_idle_handling(values.pop("sharing"), values.pop("idle_handling"))
     price_env = {variable: env[variable] for variable in _PRICE_ENV_FLAGS if env.get(variable)}
     for variable, attribute in _PRICE_ENV_FLAGS.items():
         value = getattr(args, attribute, None)
@@ -124,6 +143,7 @@ def replay_options(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str
         "grouping_labels": tuple(sorted(set(values["grouping_labels"]))),
         "catalog": catalog,
         "split_policy": SplitPolicy.from_env(price_env),
+        "sharing": sharing,
         "node": args.node,
         "record_path": args.record,
         "guard_config": GuardConfig.load(getattr(args, "guard_config", None), env),

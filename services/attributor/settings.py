@@ -19,6 +19,12 @@ STORES = ("memory://", "rocksdb://")
 APP_ID_SUFFIX = "gpumeter-attributor"
 
 
+IDLE_SPREAD_MOVED = (
+    "GPUMETER_IDLE_HANDLING=spread (--idle-handling spread) is no longer the attributor's: sharing idle cost to pods "
+    "is billing's sharing policy now. Set GPUMETER_BILLING_SHARING=idle=weighted (--sharing idle=weighted) on the "
+    "billing service, and remove GPUMETER_IDLE_HANDLING here (the attributor always keeps IDLE as its own row)")
+
+
 @dataclass(frozen=True)
 class AttributorSettings:
     """Everything the streaming attributor reads at start.
@@ -26,8 +32,11 @@ class AttributorSettings:
     * ``window_seconds``/``grace_seconds``: tumbling windows and how long after its end a window still takes ticks.
     * ``idle_close_seconds``: wall-clock allowance after end + grace before a silent node's window is closed by the
       timer (only while the input is caught up).
-    * ``cost_basis`` (``memory`` | ``compute`` | ``blend:<alpha>`` | ``request``), ``idle_handling`` (``keep`` |
-      ``spread``), ``mps_compute`` (``memory`` | ``threads``): the attribution policy.
+    * ``cost_basis`` (``memory`` | ``compute`` | ``blend:<alpha>`` | ``request``), ``mps_compute`` (``memory`` |
+      ``threads``): the attribution policy.
+    * ``idle_handling``: deprecated. IDLE is always a row of its own here; sharing it to pods is billing's sharing
+      policy (``GPUMETER_BILLING_SHARING``). ``keep`` is accepted (it is what the attributor does); ``spread`` is
+      refused with ``IDLE_SPREAD_MOVED`` rather than silently ignored, since it would change what pods pay.
     * ``pod_linger_seconds``: how long a deleted pod stays known, for windows that close after it ended.
     * ``max_clock_skew_seconds``: ticks sampled, and pod events observed, further in the future than the clock plus
       this are dead-lettered (``OUT_OF_RANGE``).
@@ -95,12 +104,18 @@ class AttributorSettings:
         object.__setattr__(self, "metrics_address", check_metrics_address(self.metrics_address))
         if self.duration_seconds is not None and self.duration_seconds <= 0:
             raise ConfigError("duration must be positive")
+        idle = self.idle_handling.strip().lower()
+        if idle == "spread":
+            raise ConfigError(IDLE_SPREAD_MOVED)
+        if idle != "keep":
+            raise ConfigError(f"idle handling {self.idle_handling!r} is not keep (deprecated: see "
+                              "GPUMETER_BILLING_SHARING on billing)")
         # Fail at start, not at the first window: the engine config and the policy validate themselves.
         self.engine_config()
 
     @property
     def policy(self) -> AttributionPolicy:
-        return AttributionPolicy.parse(self.cost_basis, self.idle_handling, self.mps_compute)
+        return AttributionPolicy.parse(self.cost_basis, self.mps_compute)
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -163,7 +178,7 @@ _HELP = {
     "grace_seconds": "seconds after a window's end during which ticks still amend it (default 10)",
     "idle_close_seconds": "wall-clock seconds after end + grace before a silent node's window is closed (default 30)",
     "cost_basis": "memory | compute | blend:<alpha> | request (default memory)",
-    "idle_handling": "keep | spread (default keep)",
+    "idle_handling": "deprecated: keep only; idle sharing is billing's --sharing idle=weighted",
     "mps_compute": "memory | threads (default memory)",
     "pod_linger_seconds": "seconds a deleted pod stays known (default 900)",
     "max_clock_skew_seconds": "ticks and pod events stamped further ahead of this clock are dead-lettered "

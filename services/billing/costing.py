@@ -19,6 +19,10 @@ Contract of ``price_node_window(shares, price)`` (``cost_node_window`` returns j
   capacity and ``node_other`` equal the node's line item exactly.
 * **Level 2, unit → rows**: each unit's micro-dollars are apportioned over its rows by ``cost_share`` (pods, idle,
   driver_reserved, unattributed, unavailable), so per unit and window the rows equal the unit's cost exactly.
+* **Level 3, sharing** (``services.billing.sharing``): the buckets the ``SharingPolicy`` shares (none by
+  default) are replaced by shared lines of the node-window's pods, each bucket kind's total apportioned over the
+  pods by the kind's method; per node-window the lines still equal the bill exactly. The policy is recorded on
+  the bill (``NodeBill.sharing``).
 * **Largest remainder** (Hamilton): every part gets the floor of its exact quota; the micro-dollars left go one
   each to the largest fractional remainders. Ties go to the part that sorts first: units by ``gpu_uuid``, rows by
   (subject kind POD < IDLE < DRIVER_RESERVED < UNATTRIBUTED < UNAVAILABLE, ``pod_uid``), then missing capacity,
@@ -41,6 +45,8 @@ from gpumeter.clock import iso_utc  # noqa: F401 - billing's records and reports
 from gpumeter.errors import InvalidMessage, OutOfRange
 from schemas.records import CostRecord, CostSubjectKind, GpuShare, ShareSubjectKind
 from services.billing.catalog import PriceCatalog, PriceError, normalize_price_model, normalize_provider
+from services.billing.money import apportion
+from services.billing.sharing import KEEP_ALL, SharingPolicy, apply_sharing, requests_by_pod
 from services.billing.pricing import (
     DEFAULT_SPLIT_POLICY,
     MICRO_USD_PER_USD,
@@ -139,6 +145,7 @@ class NodeBill:
     price: NodePrice
     zone: str = ""
     provider_id: str = ""
+    sharing: str = KEEP_ALL.describe()  # the SharingPolicy the lines were shared by (``describe()``)
 
     @property
     def key(self) -> NodeWindowKey:
@@ -178,6 +185,7 @@ class NodeBill:
             "node_other_micro_usd": self.node_other_micro_usd,
             "split_rule": self.price.split_rule.value,
             "price_version": self.price_version,
+            "sharing": self.sharing,
         }
 
 
@@ -209,32 +217,14 @@ def cost_record_json(record: CostRecord) -> dict[str, Any]:
         "instance_type": record.instance_type,
         "price_model": record.price_model,
         "price_version": record.price_version,
+        "shared_from": None if record.shared_from is None else record.shared_from.value.lower(),
+        "sharing_method": record.sharing_method or None,
+        "method": record.method or None,
+        "cost_basis": record.cost_basis or None,
+        "memory_share": record.memory_share,
+        "compute_share": record.compute_share,
+        "gpu_fraction": record.gpu_fraction,
     }
-
-
-def apportion(total: int, weights: Sequence[Fraction]) -> tuple[int, ...]:
-    """Split the integer ``total`` over ``weights`` by largest remainder (Hamilton's method).
-
-    Returns non-negative integers that add up to ``total``; each is the floor or the ceiling of
-    ``total × weight / sum(weights)``; ties in the remainder go to the lower index (callers sort by their
-    tie-break key). All-zero weights are allowed only for a zero total.
-    """
-    if total < 0:
-        raise ValueError(f"cannot apportion a negative total {total}")
-    if any(w < 0 for w in weights):
-        raise ValueError("weights must be >= 0")
-    weight_sum = sum(weights, Fraction(0))
-    if weight_sum == 0:
-        if total:
-            raise ValueError(f"cannot apportion {total} over zero weights")
-        return (0,) * len(weights)
-    quotas = [total * w / weight_sum for w in weights]
-    shares = [q.numerator // q.denominator for q in quotas]
-    left = total - sum(shares)
-    ranking = sorted(range(len(quotas)), key=lambda i: (shares[i] - quotas[i], i))
-    for index in ranking[:left]:
-        shares[index] += 1
-    return tuple(shares)
 
 
 def billed_milliseconds(node_covered_seconds: float, window_seconds: int) -> int:
@@ -356,8 +346,9 @@ def _check_price_fits(facts: NodeFacts, price: NodePrice) -> None:
                          f"{price.gpu_count} ({price.instance_type}); fix the catalog's gpu_count")
 
 
-def price_node_window(shares: Sequence[GpuShare], price: NodePrice) -> NodeWindowCost:
-    """Cost one complete node-window (see the module docstring for the exact rules)."""
+def price_node_window(shares: Sequence[GpuShare], price: NodePrice,
+                      sharing: SharingPolicy = KEEP_ALL) -> NodeWindowCost:
+    """Cost one complete node-window and share its buckets by ``sharing`` (see the module docstring)."""
     rows = dedupe_shares(shares)
     facts = node_facts(rows)
     _check_price_fits(facts, price)
@@ -400,7 +391,8 @@ def price_node_window(shares: Sequence[GpuShare], price: NodePrice) -> NodeWindo
         if gpu_uuid is None:
             assert kind is not None
             records.append(CostRecord(gpu_uuid=None, subject_kind=kind, pod_uid=None, namespace=None, pod_name=None,
-                                      labels=MappingProxyType({}), cost_share=1.0, cost_micro_usd=micro, **common))
+                                      labels=MappingProxyType({}), cost_share=1.0, cost_micro_usd=micro,
+                                      gpu_fraction=float(fraction), **common))
             continue
         unit_rows = sorted(units[gpu_uuid], key=_row_order)
         row_micro = apportion(micro, [Fraction(r.cost_share) for r in unit_rows])
@@ -416,9 +408,15 @@ def price_node_window(shares: Sequence[GpuShare], price: NodePrice) -> NodeWindo
                     cost_share=row.cost_share,
                     cost_micro_usd=amount,
                     carried_label_keys=row.carried_label_keys,
+                    method=row.method,
+                    cost_basis=row.cost_basis,
+                    memory_share=row.memory_share,
+                    compute_share=row.compute_share,
+                    gpu_fraction=row.gpu_fraction,
                     **common,
                 )
             )
+    records = list(apply_sharing(records, requests_by_pod(rows), sharing))
     node_other_micro = part_micro[-1]
     bill = NodeBill(
         cluster=facts.key.cluster,
@@ -437,19 +435,23 @@ def price_node_window(shares: Sequence[GpuShare], price: NodePrice) -> NodeWindo
         price=price,
         zone=facts.zone,
         provider_id=facts.provider_id,
+        sharing=sharing.describe(),
     )
     return NodeWindowCost(costs=tuple(records), bill=bill, parts=tuple(unit_costs))
 
 
-def cost_node_window(shares: Sequence[GpuShare], price: NodePrice) -> tuple[CostRecord, ...]:
+def cost_node_window(shares: Sequence[GpuShare], price: NodePrice,
+                     sharing: SharingPolicy = KEEP_ALL) -> tuple[CostRecord, ...]:
     """The cost records of one complete node-window (``price_node_window(...).costs``)."""
-    return price_node_window(shares, price).costs
+    return price_node_window(shares, price, sharing).costs
 
 
 def bill_node_window(
-    shares: Sequence[GpuShare], catalog: PriceCatalog, policy: SplitPolicy = DEFAULT_SPLIT_POLICY
+    shares: Sequence[GpuShare], catalog: PriceCatalog, policy: SplitPolicy = DEFAULT_SPLIT_POLICY,
+    sharing: SharingPolicy = KEEP_ALL,
 ) -> NodeWindowCost:
-    """Look the node's price up in ``catalog``, split it by ``policy`` and cost the node-window."""
+    """Look the node's price up in ``catalog``, split it by ``policy``, cost the node-window and share its
+    buckets by ``sharing``."""
     rows = dedupe_shares(shares)
     facts = node_facts(rows)
     price = price_node(
@@ -463,7 +465,7 @@ def bill_node_window(
         observed_gpu_count=facts.physical_gpu_count,
         policy=policy,
     )
-    return price_node_window(rows, price)
+    return price_node_window(rows, price, sharing)
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,8 +8,10 @@ Tables (created only by the alembic migrations in ``services/billing/migrations`
 ``node_bills``
     One row per (window_start_unix_ms, cluster, node_name): the node's line item for the window and its split.
 ``cost_lines``
-    One row per (window_start_unix_ms, cluster, node_name, gpu_uuid or '', subject_kind, pod_uid or ''): a
-    ``CostRecord``. References its node bill.
+    One row per (window_start_unix_ms, cluster, node_name, gpu_uuid or '', subject_kind, pod_uid or '',
+    shared_from or ''): a ``CostRecord``. A pod's direct lines (its own use of each unit) have ``shared_from`` '';
+    its shared lines (one per bucket kind its node-window shared to pods, ``services.billing.sharing``) name the
+    bucket and the method. References its node bill, which records the sharing policy (``node_bills.sharing``).
 ``trueups``
     One row per bill applied by ``gpumeter reconcile`` (``trueup_id``: the bill's digest): its file, format,
     basis, scope (``bill_scope``: providers, billing accounts and period, the same for every version of one bill)
@@ -55,7 +57,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 
 from sqlalchemy import (
     JSON,
@@ -71,9 +73,11 @@ from sqlalchemy import (
     Table,
     Text,
     bindparam,
+    case,
     create_engine,
     event,
     func,
+    literal,
     select,
     text,
     update,
@@ -89,6 +93,9 @@ from schemas.records import CostRecord, CostSubjectKind
 from services.billing.costing import NodeBill, NodeWindowKey
 from services.billing.sqlite_files import SqliteFiles
 from services.billing.trueup import LedgerLine, LedgerWindow, TrueUp
+
+if TYPE_CHECKING:
+    from services.billing.allocation import AllocationQuery, BucketSum, PodSum
 
 MIGRATIONS_DIR = Path(__file__).with_name("migrations")
 VERSION_TABLE = "gpumeter_billing_alembic_version"
@@ -177,6 +184,7 @@ node_bills = Table(
     Column("provider_id", String(512), nullable=False, server_default=""),
     Column("trued_cost_micro_usd", BigInteger, nullable=True),
     Column("trueup_id", String(64), nullable=True),
+    Column("sharing", String(255), nullable=False, server_default="keep"),
     PrimaryKeyConstraint("window_start_unix_ms", "cluster", "node_name"),
     ForeignKeyConstraint(["price_version"], ["price_versions.price_version"]),
     Index(None, "node_name", "window_start_unix_ms"),
@@ -202,7 +210,15 @@ cost_lines = Table(
     Column("price_version", String(255), nullable=False),
     Column("carried_label_keys", Text, nullable=False, server_default=""),
     Column("trued_cost_micro_usd", BigInteger, nullable=True),
-    PrimaryKeyConstraint("window_start_unix_ms", "cluster", "node_name", "gpu_uuid", "subject_kind", "pod_uid"),
+    Column("shared_from", String(16), nullable=False, server_default=""),
+    Column("sharing_method", String(16), nullable=False, server_default=""),
+    Column("method", String(32), nullable=False, server_default=""),
+    Column("cost_basis", String(32), nullable=False, server_default=""),
+    Column("memory_share", Double, nullable=False, server_default="0"),
+    Column("compute_share", Double, nullable=False, server_default="0"),
+    Column("gpu_fraction", Double, nullable=False, server_default="0"),
+    PrimaryKeyConstraint("window_start_unix_ms", "cluster", "node_name", "gpu_uuid", "subject_kind", "pod_uid",
+                         "shared_from"),
     ForeignKeyConstraint(
         ["window_start_unix_ms", "cluster", "node_name"],
         ["node_bills.window_start_unix_ms", "node_bills.cluster", "node_bills.node_name"],
@@ -272,9 +288,9 @@ class WriteResult:
     bills_skipped: int
     lines_written: int
     lines_skipped: int
-    # Skipped node-windows already in the ledger, with the same total and price version, whose cost records were
-    # never marked published and that this ledger's publisher inserted (or claimed): the caller publishes them now
-    # (the ledger's lines are identical to the given ones).
+    # Skipped node-windows already in the ledger, with the same total, price version and sharing, whose cost
+    # records were never marked published and that this ledger's publisher inserted (or claimed): the caller
+    # publishes them now (the ledger's lines are identical to the given ones).
     unpublished: frozenset = frozenset()
     written: frozenset = frozenset()
     # Skipped node-windows not yet published that another publisher inserted: theirs to publish, not the caller's.
@@ -295,10 +311,26 @@ class LedgerTotals:
 @dataclass(frozen=True, slots=True)
 class CostGroupRow:
     """Cost lines of one subject kind and group value (None where the grouping has no value, e.g. a bucket's
-    namespace or node_other's GPU)."""
+    namespace or node_other's GPU). ``shared_micro_usd``: the part of ``cost_micro_usd`` on shared lines (buckets
+    shared to pods by the sharing policy); the rest is direct."""
 
     subject_kind: str
     group: str | None
+    cost_micro_usd: int
+    cost_lines: int
+    shared_micro_usd: int = 0
+
+    @property
+    def direct_micro_usd(self) -> int:
+        return self.cost_micro_usd - self.shared_micro_usd
+
+
+@dataclass(frozen=True, slots=True)
+class SharedSourceRow:
+    """Shared lines summed per bucket they came from and the method that shared it."""
+
+    shared_from: str
+    sharing_method: str
     cost_micro_usd: int
     cost_lines: int
 
@@ -356,12 +388,24 @@ def _bill_row(bill: NodeBill) -> dict[str, Any]:
         "price_version": bill.price_version,
         "zone": bill.zone,
         "provider_id": bill.provider_id,
+        "sharing": bill.sharing,
     }
+
+
+NOT_SHARED = ""
+
+# What each cost line was billed: the trued-up cost where ``gpumeter reconcile`` stored one, else the list cost.
+# The one place that reads it for exports: the FOCUS export's BilledCost and EffectiveCost come from here.
+BILLED_COST = func.coalesce(cost_lines.c.trued_cost_micro_usd, cost_lines.c.cost_micro_usd)
+
+
+def _shared_from(cost: CostRecord) -> str:
+    return cost.shared_from.value if cost.shared_from is not None else NOT_SHARED
 
 
 def _line_key(cost: CostRecord) -> tuple:
     return (cost.window_start_unix_ms, cost.cluster, cost.node_name, cost.gpu_uuid or NO_GPU,
-            cost.subject_kind.value, cost.pod_uid or NO_POD)
+            cost.subject_kind.value, cost.pod_uid or NO_POD, _shared_from(cost))
 
 
 def _line_row(cost: CostRecord) -> dict[str, Any]:
@@ -382,6 +426,13 @@ def _line_row(cost: CostRecord) -> dict[str, Any]:
         "price_model": cost.price_model,
         "price_version": cost.price_version,
         "carried_label_keys": ",".join(cost.carried_label_keys),
+        "shared_from": _shared_from(cost),
+        "sharing_method": cost.sharing_method,
+        "method": cost.method,
+        "cost_basis": cost.cost_basis,
+        "memory_share": cost.memory_share,
+        "compute_share": cost.compute_share,
+        "gpu_fraction": cost.gpu_fraction,
     }
 
 
@@ -397,8 +448,12 @@ def _alembic_config(connection: Connection):
 class Ledger:
     """A cost ledger at ``url`` (``sqlite:///path`` or ``postgresql+psycopg://...``). See the module docstring."""
 
-    def __init__(self, url: str = DEFAULT_LEDGER_URL, *, publisher: str | None = None) -> None:
+    def __init__(self, url: str = DEFAULT_LEDGER_URL, *, publisher: str | None = None,
+                 read_only: bool = False) -> None:
         self.url = normalize_url(url)
+        # A reader that cannot write even by mistake: every connection is read-only in the database itself
+        # (SQLite ``query_only``, PostgreSQL read-only sessions); ``migrate`` and ``write`` then fail.
+        self.read_only = read_only
         # Who this handle writes as (see the module docstring); None: a reader, or a writer that publishes nothing
         # and so may be told of every unpublished bill.
         self.publisher = publisher
@@ -433,10 +488,13 @@ class Ledger:
         self._files = SqliteFiles(Path(parsed.database)) if backend == "sqlite" and not in_memory else None
         self._connections = 0
         if self.dialect == "sqlite":
-            event.listen(self.engine, "connect", lambda dbapi, _record: _sqlite_pragmas(dbapi, in_memory))
+            event.listen(self.engine, "connect",
+                         lambda dbapi, _record: _sqlite_pragmas(dbapi, in_memory, read_only=read_only))
             event.listen(self.engine, "connect", lambda _dbapi, _record: self._count_connections(1))
             event.listen(self.engine, "close", lambda _dbapi, _record: self._count_connections(-1))
             event.listen(self.engine, "close_detached", lambda _dbapi: self._count_connections(-1))
+        elif read_only:
+            event.listen(self.engine, "connect", lambda dbapi, _record: _postgres_read_only(dbapi))
 
     def _count_connections(self, change: int) -> None:
         self._connections = max(0, self._connections + change)
@@ -620,14 +678,16 @@ class Ledger:
         starts = {k.window_start_unix_ms for k in existing}
         stored = connection.execute(
             select(c.window_start_unix_ms, c.cluster, c.node_name, c.node_cost_micro_usd, c.price_version,
-                   c.publisher)
+                   c.publisher, c.sharing)
             .where(c.published_at_unix_ms.is_(None), c.window_start_unix_ms.in_(starts))
         ).all()
         ours, others = set(), set()
-        for start, cluster, node, cost, version, publisher in stored:
+        for start, cluster, node, cost, version, publisher, sharing in stored:
             key = NodeWindowKey(cluster, node, start)
             bill = existing.get(key)
-            if bill is None or bill.node_cost_micro_usd != cost or bill.price_version != version:
+            # Only the same costing (total, price, sharing) may be published for what the ledger holds.
+            if (bill is None or bill.node_cost_micro_usd != cost or bill.price_version != version
+                    or bill.sharing != sharing):
                 continue
             if self.publisher is None or publisher == self.publisher:
                 ours.add(key)
@@ -724,18 +784,44 @@ class Ledger:
             group = func.nullif(cost_lines.c.gpu_uuid, NO_GPU)
         else:
             group = cost_lines.c.labels[grouping.label_key].as_string()
+        micro = self.cost_expression(cost_lines, cost)
+        shared = case((cost_lines.c.shared_from != NOT_SHARED, micro), else_=0)
         # Grouping over a subquery keeps PostgreSQL from seeing two differently-bound copies of the expression.
         inner = (
-            select(cost_lines.c.subject_kind.label("kind"), group.label("grp"),
-                   self.cost_expression(cost_lines, cost).label("micro"))
+            select(cost_lines.c.subject_kind.label("kind"), group.label("grp"), micro.label("micro"),
+                   shared.label("shared"))
             .where(*self._range(cost_lines, start_ms, end_ms, cluster))
             .subquery()
         )
         rows = self._read(
-            select(inner.c.kind, inner.c.grp, func.sum(inner.c.micro), func.count())
+            select(inner.c.kind, inner.c.grp, func.sum(inner.c.micro), func.count(), func.sum(inner.c.shared))
             .group_by(inner.c.kind, inner.c.grp)
         )
-        return tuple(CostGroupRow(kind, grp, int(total), int(count)) for kind, grp, total, count in rows)
+        return tuple(CostGroupRow(kind, grp, int(total), int(count), int(shared_sum or 0))
+                     for kind, grp, total, count, shared_sum in rows)
+
+    def shared_by_source(self, *, start_ms: int | None = None, end_ms: int | None = None,
+                         cluster: str | None = None, cost: str = "list") -> tuple[SharedSourceRow, ...]:
+        """Shared lines summed per (bucket shared, method) for windows starting in [start_ms, end_ms), in the
+        ``cost`` basis."""
+        c = cost_lines.c
+        rows = self._read(
+            select(c.shared_from, c.sharing_method, func.sum(self.cost_expression(cost_lines, cost)), func.count())
+            .where(c.shared_from != NOT_SHARED, *self._range(cost_lines, start_ms, end_ms, cluster))
+            .group_by(c.shared_from, c.sharing_method)
+            .order_by(c.shared_from, c.sharing_method)
+        )
+        return tuple(SharedSourceRow(kind, method, int(total), int(count)) for kind, method, total, count in rows)
+
+    def sharing_policies(self, *, start_ms: int | None = None, end_ms: int | None = None,
+                         cluster: str | None = None) -> tuple[tuple[str, int], ...]:
+        """(sharing policy, node-windows billed under it) for windows starting in [start_ms, end_ms)."""
+        c = node_bills.c
+        rows = self._read(
+            select(c.sharing, func.count()).where(*self._range(node_bills, start_ms, end_ms, cluster))
+            .group_by(c.sharing).order_by(c.sharing)
+        )
+        return tuple((sharing, int(count)) for sharing, count in rows)
 
     def cost_by_carried_label_keys(self, *, start_ms: int | None = None, end_ms: int | None = None,
                                    cluster: str | None = None) -> tuple[CostGroupRow, ...]:
@@ -790,25 +876,86 @@ class Ledger:
             .order_by(*cost_lines.primary_key.columns)
         )
         for row in rows:
-            m = row._mapping
-            yield CostRecord(
-                cluster=m["cluster"],
-                node_name=m["node_name"],
-                window_start_unix_ms=m["window_start_unix_ms"],
-                window_seconds=m["window_seconds"],
-                gpu_uuid=m["gpu_uuid"] or None,
-                subject_kind=CostSubjectKind(m["subject_kind"]),
-                pod_uid=m["pod_uid"] or None,
-                namespace=m["namespace"],
-                pod_name=m["pod_name"],
-                labels=MappingProxyType(dict(m["labels"])),
-                cost_share=m["cost_share"],
-                cost_micro_usd=int(m["cost_micro_usd"]),
-                instance_type=m["instance_type"],
-                price_model=m["price_model"],
-                price_version=m["price_version"],
-                carried_label_keys=tuple(filter(None, (m["carried_label_keys"] or "").split(","))),
-            )
+            yield _cost_record(row._mapping)
+
+    def billed_cost_lines(self, *, start_ms: int | None = None, end_ms: int | None = None,
+                          cluster: str | None = None) -> Iterator[tuple[CostRecord, int]]:
+        """The stored cost lines, each with what it was billed (``BILLED_COST``), in key order."""
+        rows = self._read(
+            select(cost_lines, BILLED_COST.label("billed_micro_usd"))
+            .where(*self._range(cost_lines, start_ms, end_ms, cluster))
+            .order_by(*cost_lines.primary_key.columns)
+        )
+        for row in rows:
+            yield _cost_record(row._mapping), int(row._mapping["billed_micro_usd"])
+
+    def allocation_sums(self, query: "AllocationQuery") -> tuple[list["PodSum"], list["BucketSum"]]:
+        """What ``services.billing.allocation`` folds into OpenCost allocations: pod lines per (step, group,
+        shared bucket, sharing method, method, cost basis) with their GPU-hours (cost, memory and compute share ×
+        GPU fraction × billed hours, and the units' capacity-hours), and the lines no pod carries -- plus the IDLE
+        shared to pods -- per (step, node when ``idle_by_node``, kind)."""
+        from services.billing.allocation import BucketSum, PodSum
+
+        c, b = cost_lines.c, node_bills.c
+        step = ((c.window_start_unix_ms - query.start_ms) // query.step_ms).label("step")
+        if query.aggregate == "namespace":
+            group = c.namespace
+        elif query.aggregate == "pod":
+            group = c.namespace + "/" + c.pod_name
+        elif query.aggregate == "node":
+            group = c.node_name
+        elif query.aggregate == "cluster":
+            group = c.cluster
+        else:
+            group = c.labels[query.label_key].as_string()
+        joined = cost_lines.join(node_bills, (b.window_start_unix_ms == c.window_start_unix_ms)
+                                 & (b.cluster == c.cluster) & (b.node_name == c.node_name))
+        in_range = self._range(cost_lines, query.start_ms, query.end_ms, query.cluster)
+        billed_ms = b.billed_milliseconds
+        # Grouping over a subquery keeps PostgreSQL from seeing two differently-bound copies of an expression.
+        inner = (
+            select(step, group.label("grp"), c.shared_from, c.sharing_method, c.method, c.cost_basis,
+                   c.cost_micro_usd, (c.cost_share * c.gpu_fraction * billed_ms).label("gpu_ms"),
+                   (c.memory_share * c.gpu_fraction * billed_ms).label("memory_ms"),
+                   (c.compute_share * c.gpu_fraction * billed_ms).label("compute_ms"),
+                   (c.gpu_fraction * billed_ms).label("unit_ms"))
+            .select_from(joined).where(c.subject_kind == CostSubjectKind.POD.value, *in_range).subquery()
+        )
+        keys = (inner.c.step, inner.c.grp, inner.c.shared_from, inner.c.sharing_method, inner.c.method,
+                inner.c.cost_basis)
+        pod_rows = self._read(
+            select(*keys, func.sum(inner.c.cost_micro_usd), func.count(), func.sum(inner.c.gpu_ms),
+                   func.sum(inner.c.memory_ms), func.sum(inner.c.compute_ms), func.sum(inner.c.unit_ms))
+            .group_by(*keys)
+        )
+        hour = 3_600_000.0
+        pods = [PodSum(int(st), grp, shared_from, sharing_method, method, basis, int(cost), int(lines),
+                       float(gpu or 0) / hour, float(memory or 0) / hour, float(compute or 0) / hour,
+                       float(unit or 0) / hour)
+                for st, grp, shared_from, sharing_method, method, basis, cost, lines, gpu, memory, compute, unit
+                in pod_rows]
+        kind = case((c.shared_from == NOT_SHARED, c.subject_kind), else_=c.shared_from).label("kind")
+        shared = (c.shared_from != NOT_SHARED).label("shared")
+        node = (c.node_name if query.idle_by_node else literal(None, String)).label("node")
+        inner = (
+            select(step, node, kind, shared, c.cost_micro_usd)
+            .where((c.subject_kind != CostSubjectKind.POD.value) | (c.shared_from == CostSubjectKind.IDLE.value),
+                   *in_range)
+            .subquery()
+        )
+        keys = (inner.c.step, inner.c.node, inner.c.kind, inner.c.shared)
+        bucket_rows = self._read(select(*keys, func.sum(inner.c.cost_micro_usd), func.count()).group_by(*keys))
+        buckets = [BucketSum(int(st), node_name, kind_name, bool(is_shared), int(cost), int(lines))
+                   for st, node_name, kind_name, is_shared, cost, lines in bucket_rows]
+        return pods, buckets
+
+    def price_versions(self, versions: Iterable[str]) -> dict[str, dict[str, Any]]:
+        """The ``price_versions`` rows of ``versions``, by version."""
+        versions = sorted(set(versions))
+        if not versions:
+            return {}
+        rows = self._read(select(price_versions).where(price_versions.c.price_version.in_(versions)))
+        return {row._mapping["price_version"]: dict(row._mapping) for row in rows}
 
 
     # -- true-up to the invoice ---------------------------------------------------------------------------------
@@ -834,13 +981,13 @@ class Ledger:
             .order_by(b.window_start_unix_ms, b.cluster, b.node_name)
         )
         lines: dict[NodeWindowKey, list[LedgerLine]] = defaultdict(list)
-        for start, cluster, node, gpu, kind, pod, micro in self._read(
+        for start, cluster, node, gpu, kind, pod, shared_from, micro in self._read(
                 select(c.window_start_unix_ms, c.cluster, c.node_name, c.gpu_uuid, c.subject_kind, c.pod_uid,
-                       c.cost_micro_usd)
+                       c.shared_from, c.cost_micro_usd)
                 .where(c.window_start_unix_ms >= start_ms, c.window_start_unix_ms < end_ms)
                 .order_by(*cost_lines.primary_key.columns)):
             lines[NodeWindowKey(cluster, node, start)].append(
-                LedgerLine((start, cluster, node, gpu, kind, pod), kind, int(micro)))
+                LedgerLine((start, cluster, node, gpu, kind, pod, shared_from), kind, int(micro)))
         return tuple(
             LedgerWindow(cluster, node, start, seconds, int(billed), int(cost), provider_id or "",
                          tuple(lines.get(NodeWindowKey(cluster, node, start), ())), provider, scope or "")
@@ -895,26 +1042,28 @@ class Ledger:
                         .values(trued_cost_micro_usd=bindparam("b_trued"), trueup_id=bindparam("b_run")),
                         window_updates)
                 line_updates = []
-                for start, cluster, node, gpu, kind, pod, trued in connection.execute(
+                for start, cluster, node, gpu, kind, pod, shared_from, trued in connection.execute(
                         select(c.window_start_unix_ms, c.cluster, c.node_name, c.gpu_uuid, c.subject_kind, c.pod_uid,
-                               c.trued_cost_micro_usd)
+                               c.shared_from, c.trued_cost_micro_usd)
                         .where(c.window_start_unix_ms >= bill.scope_start_ms,
                                c.window_start_unix_ms < bill.scope_end_ms)):
                     if NodeWindowKey(cluster, node, start) not in scope:
                         continue
-                    wanted = result.lines.get((start, cluster, node, gpu, kind, pod))
+                    line_key = (start, cluster, node, gpu, kind, pod, shared_from)
+                    wanted = result.lines.get(line_key)
                     if (wanted is None) != (NodeWindowKey(cluster, node, start) not in result.windows):
-                        raise LedgerError(f"no trued-up cost for the line {(start, cluster, node, gpu, kind, pod)} "
-                                          "of a trued-up node-window")
+                        raise LedgerError(f"no trued-up cost for the line {line_key} of a trued-up node-window")
                     if trued != wanted:
                         line_updates.append({"b_start": start, "b_cluster": cluster, "b_node": node, "b_gpu": gpu,
-                                             "b_kind": kind, "b_pod": pod, "b_trued": wanted})
+                                             "b_kind": kind, "b_pod": pod, "b_shared": shared_from,
+                                             "b_trued": wanted})
                 if line_updates:
                     connection.execute(
                         update(cost_lines)
                         .where(c.window_start_unix_ms == bindparam("b_start"), c.cluster == bindparam("b_cluster"),
                                c.node_name == bindparam("b_node"), c.gpu_uuid == bindparam("b_gpu"),
-                               c.subject_kind == bindparam("b_kind"), c.pod_uid == bindparam("b_pod"))
+                               c.subject_kind == bindparam("b_kind"), c.pod_uid == bindparam("b_pod"),
+                               c.shared_from == bindparam("b_shared"))
                         .values(trued_cost_micro_usd=bindparam("b_trued")),
                         line_updates)
                 changed_windows, changed_lines = len(window_updates), len(line_updates)
@@ -937,13 +1086,53 @@ class Ledger:
             select(trueups).order_by(trueups.c.applied_at_unix_ms, trueups.c.trueup_id)))
 
 
-def _sqlite_pragmas(dbapi_connection: Any, in_memory: bool) -> None:
+def _cost_record(m: Mapping[str, Any]) -> CostRecord:
+    return CostRecord(
+        cluster=m["cluster"],
+        node_name=m["node_name"],
+        window_start_unix_ms=m["window_start_unix_ms"],
+        window_seconds=m["window_seconds"],
+        gpu_uuid=m["gpu_uuid"] or None,
+        subject_kind=CostSubjectKind(m["subject_kind"]),
+        pod_uid=m["pod_uid"] or None,
+        namespace=m["namespace"],
+        pod_name=m["pod_name"],
+        labels=MappingProxyType(dict(m["labels"])),
+        cost_share=m["cost_share"],
+        cost_micro_usd=int(m["cost_micro_usd"]),
+        instance_type=m["instance_type"],
+        price_model=m["price_model"],
+        price_version=m["price_version"],
+        carried_label_keys=tuple(filter(None, (m["carried_label_keys"] or "").split(","))),
+        shared_from=CostSubjectKind(m["shared_from"]) if m["shared_from"] else None,
+        sharing_method=m["sharing_method"],
+        method=m["method"],
+        cost_basis=m["cost_basis"],
+        memory_share=float(m["memory_share"]),
+        compute_share=float(m["compute_share"]),
+        gpu_fraction=float(m["gpu_fraction"]),
+    )
+
+
+def _sqlite_pragmas(dbapi_connection: Any, in_memory: bool, *, read_only: bool = False) -> None:
     cursor = dbapi_connection.cursor()
     try:
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.execute("PRAGMA busy_timeout=30000")
-        if not in_memory:
+        if not in_memory and not read_only:
             cursor.execute("PRAGMA journal_mode=WAL")
             cursor.execute("PRAGMA synchronous=NORMAL")
+        if read_only:
+            cursor.execute("PRAGMA query_only=ON")
     finally:
         cursor.close()
+
+
+def _postgres_read_only(dbapi_connection: Any) -> None:
+    # psycopg opens a transaction for this statement; commit it so the setting holds for the session.
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute("SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY")
+    finally:
+        cursor.close()
+    dbapi_connection.commit()

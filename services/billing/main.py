@@ -126,6 +126,7 @@ async def serve(settings: BillingSettings, *, stop: asyncio.Event | None = None,
             metrics=metrics,
             max_clock_skew_seconds=settings.max_clock_skew_seconds,
             max_request_size_bytes=settings.kafka.max_request_size_bytes,
+            sharing=settings.sharing,
         )
         service = BillingService(
             kafka=settings.kafka,

@@ -15,7 +15,14 @@ Contract:
 * **Trued-up cost** (``--cost trued``): every line and node bill at its cost trued up to the invoice
   (``gpumeter reconcile``) where it has one and at list price elsewhere; the report says how many of its
   node-windows were trued up. The default, ``--cost list``, is the list-price ledger as billing wrote it.
-* ``format_report(report, fmt)`` renders ``table`` (people), ``csv`` or ``json`` (machines). Money is shown in USD
+* **Direct and shared.** With a sharing policy (``services.billing.sharing``) a pod line's cost is its direct part
+  (its own use) plus its shared part (buckets of its node-windows shared to it); every format shows both, the
+  buckets left are the kept ones, and a **sharing** section says which policy billed how many node-windows, how
+  much of each bucket went to pods by which method, and what share of the node bills the pods carry. With every
+  bucket kept (the default) the table is exactly what it was before sharing existed.
+* ``format_report(report, fmt)`` renders ``table`` (people), ``csv`` or ``json`` (machines); ``gpumeter report
+  --format focus`` writes the report's windows as a FOCUS cost and usage dataset instead
+  (``services.billing.focus``). Money is shown in USD
   with six decimals and, in csv/json, also as exact integer micro-dollars. Pure. Group names are text others
   chose: in csv a cell starting with ``=``, ``+``, ``-``, ``@``, a tab or a carriage return gets a leading ``'``
   (OWASP's rule against formula injection) and control characters are escaped, in the table control characters
@@ -58,9 +65,10 @@ from services.billing.ledger import (
     Grouping,
     Ledger,
     NodePricingRow,
+    SharedSourceRow,
 )
 
-FORMATS = ("table", "csv", "json")
+FORMATS = ("table", "csv", "json", "focus")
 LINE_ORDER = ("pod", "idle", "driver_reserved", "unattributed", "unavailable", "node_other")
 _KIND_TO_LINE = {kind.value: kind.value.lower() for kind in CostSubjectKind}
 _DURATION_RE = re.compile(r"^\s*(\d+)\s*([smhdw])\s*$")
@@ -93,12 +101,19 @@ def usd_text(micro_usd: int) -> str:
 
 @dataclass(frozen=True, slots=True)
 class ReportLine:
-    """One line: ``kind`` is ``pod`` or a bucket (idle, driver_reserved, unattributed, unavailable, node_other)."""
+    """One line: ``kind`` is ``pod`` or a bucket (idle, driver_reserved, unattributed, unavailable, node_other).
+    ``shared_micro_usd`` of a pod line is the part of its cost shared to its pods from buckets; the rest is
+    direct (a bucket line is all direct: it is the bucket, kept)."""
 
     kind: str
     group: str | None
     cost_micro_usd: int
     cost_lines: int
+    shared_micro_usd: int = 0
+
+    @property
+    def direct_micro_usd(self) -> int:
+        return self.cost_micro_usd - self.shared_micro_usd
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,10 +223,26 @@ class Report:
     pricing: tuple[NodePricingRow, ...] = ()
     cost: str = "list"  # the cost basis: list | trued
     trued_windows: int = 0  # node-windows with a trued-up cost (counted for cost="trued" only)
+    shared_sources: tuple[SharedSourceRow, ...] = ()  # what the sharing policy moved from buckets to pods
+    sharing_policies: tuple[tuple[str, int], ...] = ()  # (policy, node-windows billed under it)
 
     @property
     def total_micro_usd(self) -> int:
         return sum(line.cost_micro_usd for line in self.lines)
+
+    @property
+    def shared_micro_usd(self) -> int:
+        return sum(line.shared_micro_usd for line in self.lines)
+
+    @property
+    def pods_micro_usd(self) -> int:
+        """What the pod lines carry, direct and shared: the part of the bill allocated to pods."""
+        return sum(line.cost_micro_usd for line in self.lines if line.kind == "pod")
+
+    @property
+    def shares_anything(self) -> bool:
+        """Whether any of the report's node-windows was billed under a policy that shares a bucket."""
+        return bool(self.shared_sources) or any(policy != "keep" for policy, _ in self.sharing_policies)
 
     @property
     def node_other_micro_usd(self) -> int:
@@ -241,7 +272,7 @@ def report_lines(rows: Sequence[CostGroupRow], grouping: Grouping,
         if kind == "pod" and group is None and grouping.kind == "label":
             not_carried = carriage is not None and carriage.lines_not_carried == carriage.pod_lines
             group = f"(label {grouping.label_key} not carried)" if not_carried else f"(no {grouping.label_key} label)"
-        lines.append(ReportLine(kind, group, row.cost_micro_usd, row.cost_lines))
+        lines.append(ReportLine(kind, group, row.cost_micro_usd, row.cost_lines, row.shared_micro_usd))
     return tuple(
         sorted(
             lines,
@@ -271,7 +302,10 @@ def build_report(ledger: Ledger, grouping: Grouping, *, start_ms: int, end_ms: i
     pricing = ledger.node_pricing(start_ms=start_ms, end_ms=end_ms, cluster=cluster)
     trued = ledger.trued_coverage(start_ms=start_ms, end_ms=end_ms, cluster=cluster)[0] if cost == "trued" else 0
     return Report(grouping, start_ms, end_ms, cluster, lines, reconciliation, carriage, pricing=pricing, cost=cost,
-                  trued_windows=trued)
+                  trued_windows=trued,
+                  shared_sources=ledger.shared_by_source(start_ms=start_ms, end_ms=end_ms, cluster=cluster,
+                                                         cost=cost),
+                  sharing_policies=ledger.sharing_policies(start_ms=start_ms, end_ms=end_ms, cluster=cluster))
 
 
 def _share_text(part: int, total: int) -> str:
@@ -291,14 +325,24 @@ def _cost_text(report: Report) -> str:
 
 
 def _format_table(report: Report) -> str:
-    header = ("kind", report.grouping.describe(), "cost_usd", "share", "lines")
     total = report.total_micro_usd
+    split = report.shares_anything  # direct and shared columns only when something was shared
+
+    def money(line_cost: int, line_shared: int) -> tuple[str, ...]:
+        if not split:
+            return (usd_text(line_cost),)
+        return (usd_text(line_cost), usd_text(line_cost - line_shared), usd_text(line_shared))
+
+    header = ("kind", report.grouping.describe(), *(("cost_usd", "direct_usd", "shared_usd") if split else
+                                                    ("cost_usd",)), "share", "lines")
     body = [
-        (line.kind, escape_control(line.group) if line.group is not None else "-", usd_text(line.cost_micro_usd),
-         _share_text(line.cost_micro_usd, total), str(line.cost_lines))
+        (line.kind, escape_control(line.group) if line.group is not None else "-",
+         *money(line.cost_micro_usd, line.shared_micro_usd), _share_text(line.cost_micro_usd, total),
+         str(line.cost_lines))
         for line in report.lines
     ]
-    footer = ("TOTAL", "", usd_text(total), _share_text(total, total), str(sum(l.cost_lines for l in report.lines)))
+    footer = ("TOTAL", "", *money(total, report.shared_micro_usd), _share_text(total, total),
+              str(sum(l.cost_lines for l in report.lines)))
     widths = [max(len(row[i]) for row in (header, *body, footer)) for i in range(len(header))]
 
     def render(row: Sequence[str]) -> str:
@@ -308,7 +352,7 @@ def _format_table(report: Report) -> str:
 
     rule = "-" * len(render(header))
     out = [_title(report), render(header), rule, *(render(r) for r in body), rule, render(footer),
-           *_pricing_lines(report), f"reconciliation: {report.reconciliation.statement()}"]
+           *_pricing_lines(report), *_sharing_lines(report), f"reconciliation: {report.reconciliation.statement()}"]
     if report.carriage is not None:
         out.append(f"labels: {report.carriage.statement()}")
     out.append(f"emitted windows: {_emitted_text(report)}")
@@ -330,6 +374,23 @@ def _pricing_lines(report: Report) -> list[str]:
     return out
 
 
+def _sharing_lines(report: Report) -> list[str]:
+    """Which sharing policy billed the report's node-windows, what it moved to pods, and the pods' part of the
+    bill (nothing when every bucket was kept: the table is then what it always was)."""
+    if not report.shares_anything:
+        return []
+    bills = report.reconciliation.node_bills_micro_usd
+    policies = ", ".join(f"{escape_control(policy)} ({count} node-windows)"
+                         for policy, count in report.sharing_policies)
+    moved = ", ".join(f"{row.shared_from.lower()} {usd_text(row.cost_micro_usd)} USD {row.sharing_method}"
+                      for row in report.shared_sources) or "nothing"
+    kept = report.total_micro_usd - report.pods_micro_usd
+    return [f"sharing: {policies}; shared to pods: {moved}",
+            f"allocated to pods: {usd_text(report.pods_micro_usd)} USD, {_share_text(report.pods_micro_usd, bills)} "
+            f"of the node bills (direct {usd_text(report.pods_micro_usd - report.shared_micro_usd)}, shared "
+            f"{usd_text(report.shared_micro_usd)}); kept as buckets {usd_text(kept)} USD"]
+
+
 def _emitted_text(report: Report) -> str:
     if report.emitted is None:
         return "not checked against the gpu-shares topic (no Kafka bootstrap servers given)"
@@ -339,14 +400,19 @@ def _emitted_text(report: Report) -> str:
 def _format_csv(report: Report) -> str:
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
-    writer.writerow(["kind", "group", "cost_usd", "cost_micro_usd", "cost_lines"])
+    # direct_* and shared_* come after the columns of before sharing, so readers of those keep working.
+    writer.writerow(["kind", "group", "cost_usd", "cost_micro_usd", "cost_lines", "direct_usd", "direct_micro_usd",
+                     "shared_usd", "shared_micro_usd"])
     for line in report.lines:
         # The group is a namespace, label value, node or GPU someone else chose: never a formula.
         writer.writerow([line.kind, csv_cell(line.group or ""), usd_text(line.cost_micro_usd), line.cost_micro_usd,
-                         line.cost_lines])
+                         line.cost_lines, usd_text(line.direct_micro_usd), line.direct_micro_usd,
+                         usd_text(line.shared_micro_usd), line.shared_micro_usd])
     rec = report.reconciliation
+    shared = report.shared_micro_usd
     writer.writerow(["total", "", usd_text(report.total_micro_usd), report.total_micro_usd,
-                     sum(l.cost_lines for l in report.lines)])
+                     sum(l.cost_lines for l in report.lines), usd_text(report.total_micro_usd - shared),
+                     report.total_micro_usd - shared, usd_text(shared), shared])
     writer.writerow(["node_bills", f"{rec.node_windows} node-windows", usd_text(rec.node_bills_micro_usd),
                      rec.node_bills_micro_usd, ""])
     writer.writerow(["reconciliation", "reconciled" if rec.reconciled else "mismatch",
@@ -357,6 +423,12 @@ def _format_csv(report: Report) -> str:
         writer.writerow(["node_pricing",
                          csv_cell(f"{row.node_name}/{row.instance_type}/{row.price_model}/{row.split_rule}"),
                          usd_text(row.node_other_micro_usd), row.node_other_micro_usd, row.node_windows])
+    # One row per sharing policy (count: its node-windows) and per bucket shared (money: what went to pods).
+    for policy, count in report.sharing_policies if report.shares_anything else ():
+        writer.writerow(["sharing_policy", csv_cell(policy), "", "", count])
+    for row in report.shared_sources:
+        writer.writerow(["shared_from", csv_cell(f"{row.shared_from.lower()}/{row.sharing_method}"),
+                         usd_text(row.cost_micro_usd), row.cost_micro_usd, row.cost_lines])
     if report.carriage is not None:
         writer.writerow(["labels_not_carried", csv_cell(report.carriage.label_key),
                          usd_text(report.carriage.cost_not_carried_micro_usd),
@@ -381,11 +453,22 @@ def report_as_json(report: Report) -> dict[str, Any]:
         "trued_node_windows": report.trued_windows if report.cost == "trued" else None,
         "lines": [
             {"kind": l.kind, "group": l.group, "cost_usd": usd_text(l.cost_micro_usd),
-             "cost_micro_usd": l.cost_micro_usd, "cost_lines": l.cost_lines}
+             "cost_micro_usd": l.cost_micro_usd, "cost_lines": l.cost_lines,
+             "direct_usd": usd_text(l.direct_micro_usd), "direct_micro_usd": l.direct_micro_usd,
+             "shared_usd": usd_text(l.shared_micro_usd), "shared_micro_usd": l.shared_micro_usd}
             for l in report.lines
         ],
         "total_micro_usd": report.total_micro_usd,
         "total_usd": usd_text(report.total_micro_usd),
+        "shared_micro_usd": report.shared_micro_usd,
+        "pods_micro_usd": report.pods_micro_usd,
+        "sharing": {
+            "policies": [{"policy": policy, "node_windows": count} for policy, count in report.sharing_policies],
+            "shared_to_pods": [
+                {"shared_from": row.shared_from.lower(), "method": row.sharing_method,
+                 "cost_micro_usd": row.cost_micro_usd, "cost_usd": usd_text(row.cost_micro_usd),
+                 "cost_lines": row.cost_lines} for row in report.shared_sources],
+        },
         "node_other_micro_usd": report.node_other_micro_usd,
         "pricing": [
             {"cluster": r.cluster, "node": r.node_name, "instance_type": r.instance_type,
@@ -422,14 +505,15 @@ def report_as_json(report: Report) -> dict[str, Any]:
 
 
 def format_report(report: Report, fmt: str = "table") -> str:
-    """Render ``report`` as ``table``, ``csv`` or ``json``."""
+    """Render ``report`` as ``table``, ``csv`` or ``json`` (``focus`` is not a rendering of the grouped report:
+    ``main`` writes it from the ledger's lines)."""
     if fmt == "table":
         return _format_table(report)
     if fmt == "csv":
         return _format_csv(report)
     if fmt == "json":
         return json.dumps(report_as_json(report), indent=2) + "\n"
-    raise ConfigError(f"format {fmt!r} is not one of {FORMATS}")
+    raise ConfigError(f"format {fmt!r} is not one of table, csv, json")
 
 
 # -- command line (``gpumeter report``) ----------------------------------------------------------------------
@@ -439,7 +523,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window", default="24h", help="how far back from --end (90m, 24h, 7d; default 24h)")
     parser.add_argument("--end", default=None, help="end of the report, ISO 8601 (default: now)")
     parser.add_argument("--by", default="namespace", help="namespace | label:<key> | node | gpu")
-    parser.add_argument("--format", default="table", choices=FORMATS)
+    parser.add_argument("--format", default="table", choices=FORMATS,
+                        help="table | csv | json | focus (the windows' FOCUS rows as CSV, not grouped; default table)")
     parser.add_argument("--cost", default="list", choices=COST_BASES,
                         help="list: the list-price ledger (default); trued: trued up to the invoice where "
                              "gpumeter reconcile applied a bill, list price elsewhere")
@@ -488,6 +573,12 @@ def main(args: argparse.Namespace, env: Mapping[str, str], *, clock: Clock | Non
             ledger.require_schema()
             report = build_report(ledger, grouping, start_ms=start_ms, end_ms=end_ms, cluster=args.cluster,
                                   cost=getattr(args, "cost", "list"))
+            focus_text = None
+            if args.format == "focus":
+                from services.billing.export import focus_dataset
+                from services.billing.focus import focus_csv
+
+                focus_text = focus_csv(focus_dataset(ledger, start_ms=start_ms, end_ms=end_ms, cluster=args.cluster))
             if kafka is not None:
                 from services.billing.emitted import read_emitted
 
@@ -499,6 +590,12 @@ def main(args: argparse.Namespace, env: Mapping[str, str], *, clock: Clock | Non
     except GpumeterError as exc:
         print(f"gpumeter report: {exc}", file=err)
         return 2
-    out.write(format_report(report, args.format))
+    out.write(focus_text if focus_text is not None else format_report(report, args.format))
     complete = report.emitted is None or report.emitted.complete
+    if focus_text is not None:
+        # The FOCUS rows have no room for the checks: a failed one is said where people read it.
+        if not report.reconciliation.reconciled:
+            print(f"gpumeter report: reconciliation: {report.reconciliation.statement()}", file=err)
+        if not complete:
+            print(f"gpumeter report: emitted windows: {_emitted_text(report)}", file=err)
     return 0 if report.reconciliation.reconciled and complete else 1

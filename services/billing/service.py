@@ -7,8 +7,9 @@ carries on):
    ``OUT_OF_RANGE``; a window that has not ended yet beyond ``max_clock_skew_seconds`` is one: billed, it would
    take the real window's ledger keys), and add it to the ``WindowBook`` (a ``NodeWindowAssembler`` plus the
    messages that hold each incomplete node-window);
-2. when the row completes its node-window: ``bill_node_window``; the node-window's messages stay held until the
-   end of the fetched batch;
+2. when the row completes its node-window: ``bill_node_window`` with the configured sharing policy (buckets kept
+   or shared to the node-window's pods, ``services.billing.sharing``); the node-window's messages stay held until
+   the end of the fetched batch;
 3. at the end of the batch every node-window it completed goes to the ledger in one ``Ledger.write`` (one worker
    thread hop, one transaction; the ledger decides per node-window) → for each node-window, in the order they
    completed: if and only if the ledger says its bill is new, its ``CostRecord``s go to the costs topic keyed by
@@ -76,6 +77,7 @@ from services.billing.costing import NodeWindowAssembler, NodeWindowCost, NodeWi
 from services.billing.ledger import LedgerError, LedgerUnusable, WriteResult
 from services.billing.metric_series import SeriesBook
 from services.billing.pricing import SplitPolicy
+from services.billing.sharing import KEEP_ALL, SharingPolicy
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +90,7 @@ BILLING_METRICS = (
     "gpumeter_dead_letters_total",
     "gpumeter_dead_letters_truncated_total",
     "gpumeter_pod_gpu_cost_micro_usd_total",
+    "gpumeter_pod_shared_cost_micro_usd_total",
     "gpumeter_pod_gpu_memory_share",
     "gpumeter_pod_gpu_compute_share",
     "gpumeter_node_cost_micro_usd_total",
@@ -460,8 +463,10 @@ class BillingProcessor(ProcessorLifecycle):
         sleep: Callable[[float], Awaitable[None]] | None = None,
         max_clock_skew_seconds: int = DEFAULT_DOWNSTREAM_MAX_CLOCK_SKEW_SECONDS,
         max_request_size_bytes: int = DEFAULT_MAX_REQUEST_SIZE_BYTES,
+        sharing: SharingPolicy = KEEP_ALL,
     ) -> None:
         self.catalog = catalog
+        self.sharing = sharing
         self.max_clock_skew_ms = max_clock_skew_seconds * 1000
         self.policy = policy
         self.ledger = ledger
@@ -489,8 +494,8 @@ class BillingProcessor(ProcessorLifecycle):
         self._newest_window_ms: int | None = None
         self._series: dict[str, SeriesBook] = {}
         if metrics:
-            for name in ("gpumeter_pod_gpu_cost_micro_usd_total", "gpumeter_node_cost_micro_usd_total",
-                         "gpumeter_bucket_cost_micro_usd_total"):
+            for name in ("gpumeter_pod_gpu_cost_micro_usd_total", "gpumeter_pod_shared_cost_micro_usd_total",
+                         "gpumeter_node_cost_micro_usd_total", "gpumeter_bucket_cost_micro_usd_total"):
                 self._series[name] = SeriesBook(metrics.get(name).remove)
             memory = metrics.get("gpumeter_pod_gpu_memory_share")
             compute = metrics.get("gpumeter_pod_gpu_compute_share")
@@ -588,7 +593,7 @@ class BillingProcessor(ProcessorLifecycle):
         """The window's costing, or None when its rows were dead-lettered (no price, shares inconsistent)."""
         key = window.key
         try:
-            priced = bill_node_window(window.shares, self.catalog, self.policy)
+            priced = bill_node_window(window.shares, self.catalog, self.policy, self.sharing)
         except PriceError as exc:
             log.warning("no price for %s: %s", key, exc)
             await self._dead_letter_rows(window.rows, NoPrice(f"{key.cluster}/{key.node_name}: {exc}"))
@@ -716,10 +721,16 @@ class BillingProcessor(ProcessorLifecycle):
         # The ledger writes every line of a new bill.
         get("gpumeter_billing_ledger_rows_written_total").inc(len(priced.costs))
         pods: set[tuple[str, ...]] = set()
+        shared: set[tuple[str, ...]] = set()
         buckets: set[tuple[str, ...]] = set()
         for record in priced.costs:
             if record.subject_kind is CostSubjectKind.POD:
                 labels = (record.namespace or "", record.pod_name or "", self._team(record.labels))
+                if record.shared_from is not None:
+                    labels = (*labels, record.shared_from.value.lower())
+                    get("gpumeter_pod_shared_cost_micro_usd_total").labels(*labels).inc(record.cost_micro_usd)
+                    shared.add(labels)
+                    continue
                 get("gpumeter_pod_gpu_cost_micro_usd_total").labels(*labels).inc(record.cost_micro_usd)
                 pods.add(labels)
             else:
@@ -727,6 +738,7 @@ class BillingProcessor(ProcessorLifecycle):
                 get("gpumeter_bucket_cost_micro_usd_total").labels(*labels).inc(record.cost_micro_usd)
                 buckets.add(labels)
         self._series["gpumeter_pod_gpu_cost_micro_usd_total"].observe(node, start_ms, pods)
+        self._series["gpumeter_pod_shared_cost_micro_usd_total"].observe(node, start_ms, shared)
         # A node's own series are few and bounded: kept (a bucket missing from one window is no news) until the
         # node is gone.
         self._series["gpumeter_node_cost_micro_usd_total"].observe(node, start_ms, (node_labels,), prune=False)

@@ -30,6 +30,7 @@ from gpumeter.validation import DEFAULT_DOWNSTREAM_MAX_CLOCK_SKEW_SECONDS
 from services.billing.catalog import PriceCatalog, PriceError, parse_spot_discounts
 from services.billing.ledger import DEFAULT_LEDGER_URL, LEDGER_URL_ENV
 from services.billing.pricing import DEFAULT_SPLIT_POLICY, SplitPolicy
+from services.billing.sharing import KEEP_ALL, SHARING_ENV, SharingPolicy
 
 DEFAULT_CONSUMER_GROUP = "gpumeter-billing"
 """The default group is the topic prefix followed by this, so deployments that share a broker under different
@@ -65,6 +66,9 @@ class BillingSettings:
       cost records: ``services.billing.ledger``).
     * ``max_clock_skew_seconds``: a share row whose window ends further ahead of this service's clock than this
       is dead-lettered ``OUT_OF_RANGE`` (billed, it would take the real window's place in the ledger).
+    * ``sharing``: which buckets of each node-window are shared to its pods, and how (``GPUMETER_BILLING_SHARING``,
+      ``--sharing``: ``keep`` | ``<bucket>=weighted|even|requests,...``; ``services.billing.sharing``). Applied
+      once, here, so the ledger, the costs topic and every report agree; recorded on every bill.
     * ``duration_seconds``: stop after this long (None: until SIGTERM/SIGINT).
     """
 
@@ -74,6 +78,7 @@ class BillingSettings:
     price_override_csv: Path | None = None
     spot_discounts: Mapping[str, Decimal] = field(default_factory=dict)
     split_policy: SplitPolicy = DEFAULT_SPLIT_POLICY
+    sharing: SharingPolicy = KEEP_ALL
     consumer_group: str = ""
     auto_offset_reset: str = "earliest"
     topic_partitions: int | None = None
@@ -141,6 +146,8 @@ class BillingSettings:
                 value = mask_url(value)
             elif f.name == "split_policy":
                 value = {k.name: str(getattr(value, k.name)) for k in fields(value)}
+            elif f.name == "sharing":
+                value = value.describe()
             elif f.name == "spot_discounts":
                 value = {provider: str(discount) for provider, discount in value.items()}
             elif isinstance(value, Path):
@@ -195,6 +202,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--split-rule", help="auto | sku | weights | gpu_fraction (env GPUMETER_BILLING_SPLIT_RULE)")
     parser.add_argument("--gpu-fraction", help="GPU share of the node price for the gpu_fraction rule")
     parser.add_argument("--split-weights", help="cpu=0.031611,ram=0.004237,gpu=0.95 for the weights rule")
+    parser.add_argument("--sharing", help="share buckets to each node-window's pods: keep | "
+                                          "<bucket>=weighted|even|requests,... with buckets idle, driver_reserved, "
+                                          f"unattributed, unavailable, node_other or all (env {SHARING_ENV}, "
+                                          "default keep)")
     parser.add_argument("--window-expiry", dest="window_expiry_seconds", type=float,
                         help="seconds an incomplete node-window waits before it is dead-lettered "
                              f"(default {DEFAULT_WINDOW_EXPIRY_SECONDS:g})")
@@ -239,6 +250,8 @@ def billing_settings(args: argparse.Namespace, env: Mapping[str, str]) -> Billin
     except PriceError as exc:
         raise ConfigError(str(exc)) from exc
     values["split_policy"] = SplitPolicy.from_env(price_env)
+    sharing_text = getattr(args, "sharing", None)
+    values["sharing"] = SharingPolicy.parse(sharing_text if sharing_text is not None else env.get(SHARING_ENV))
 
     kafka = KafkaSettings.from_env(env).with_flags(args)
     if not env.get("GPUMETER_KAFKA_CLIENT_ID"):

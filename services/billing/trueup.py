@@ -49,7 +49,8 @@ from services.billing.pricing import MICRO_USD_PER_USD
 
 NODE_OTHER = "NODE_OTHER"
 
-# The ledger's cost line key: (window_start_unix_ms, cluster, node_name, gpu_uuid, subject_kind, pod_uid).
+# The ledger's cost line key: (window_start_unix_ms, cluster, node_name, gpu_uuid, subject_kind, pod_uid,
+# shared_from): a pod's shared lines are lines of their own, trued up in proportion like every other.
 LineKey = tuple
 
 

@@ -18,6 +18,17 @@ Contracts worth knowing:
   run-to-completion init container, its own request plus the sidecars started before it. Devices given to an
   init container are reused by the containers after it, so adding them up would bill GPUs twice. When no init
   container requests GPUs this is the plain sum over the containers.
+* CPU and memory requests (what billing's ``requests`` sharing policy weighs): per container,
+  ``resources.requests`` of ``cpu`` and ``memory``, falling back to ``resources.limits`` (Kubernetes defaults a
+  missing request to the limit), as millicores and bytes rounded up (the API server's own rounding of ``500.5m``
+  is to the milli-unit above). The pod's ``cpu_request_millicores`` and ``memory_request_bytes`` are its
+  effective requests by the same Kubernetes rule as its GPUs -- init containers count by their peak (a
+  run-to-completion init container runs before the app containers, with the sidecars started before it, and
+  its CPU and memory are free again once it ends), sidecar init containers (``restartPolicy: Always``) run
+  alongside the app containers and add to them -- plus ``spec.overhead`` (a RuntimeClass's per-pod overhead,
+  which the scheduler adds). Ephemeral containers cannot have resources. A request that is not a Kubernetes
+  quantity, is negative, or exceeds ``MAX_RESOURCE_REQUEST`` is ``BAD_POD_OBJECT`` (the API server rejects such
+  pods, so only a forged object has one).
 * ``assigned_devices`` is always empty here: the collector fills it from the kubelet PodResources API
   with ``with_assignments``.
 """
@@ -27,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from datetime import datetime, timedelta, timezone
-from decimal import Decimal, InvalidOperation
+from decimal import ROUND_CEILING, Decimal, InvalidOperation
 from types import MappingProxyType
 from typing import Any, Mapping
 
@@ -40,6 +51,11 @@ BAD_POD_OBJECT = "BAD_POD_OBJECT"
 
 MAX_GPU_REQUEST_COUNT = 2**31 - 1
 """Larger per-container requests are rejected: no node has that many devices, and sums must fit an Avro long."""
+MAX_RESOURCE_REQUEST = 2**53
+"""Larger CPU (millicores) or memory (bytes) requests are rejected: 8 PiB or 9e12 cores is no node, and sums over
+a pod's containers must stay exact and fit an Avro long."""
+CPU = "cpu"
+MEMORY = "memory"
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 _ONE_MS = timedelta(milliseconds=1)
@@ -92,6 +108,8 @@ def pod_event_from_object(
     containers: list[PodContainer] = []
     init_requests: list[tuple[bool, dict[str, int]]] = []
     regular_requests: list[dict[str, int]] = []
+    init_resources: list[tuple[bool, dict[str, int]]] = []
+    regular_resources: list[dict[str, int]] = []
     seen_names: set[str] = set()
     for field in ("initContainers", "containers", "ephemeralContainers"):
         for index, entry in enumerate(_list(spec.get(field), f"spec.{field}")):
@@ -102,6 +120,7 @@ def pod_event_from_object(
                 raise _bad(f"{where}.name: container name {container_name!r} is used twice in the pod")
             seen_names.add(container_name)
             gpu_requests = _gpu_requests(entry.get("resources"), f"{where}.resources")
+            resources = _cpu_memory_requests(entry.get("resources"), f"{where}.resources")
             security_context = _optional_mapping(entry.get("securityContext"), f"{where}.securityContext")
             containers.append(
                 PodContainer(
@@ -112,13 +131,19 @@ def pod_event_from_object(
                     visible_devices_env=_visible_devices_env(entry.get("env"), f"{where}.env"),
                     privileged=_optional_bool(security_context.get("privileged"), f"{where}.securityContext"),
                     mps_active_thread_percentage=_mps_thread_percentage(entry.get("env"), f"{where}.env"),
+                    cpu_request_millicores=resources.get(CPU, 0),
+                    memory_request_bytes=resources.get(MEMORY, 0),
                 )
             )
             if field == "initContainers":
                 restart_policy = _optional_text(entry.get("restartPolicy"), f"{where}.restartPolicy")
                 init_requests.append((restart_policy == "Always", gpu_requests))
+                init_resources.append((restart_policy == "Always", resources))
             elif field == "containers":
                 regular_requests.append(gpu_requests)
+                regular_resources.append(resources)
+    pod_resources = _effective_pod_requests(init_resources, regular_resources)
+    _add_into(pod_resources, _resource_amounts(spec.get("overhead"), "spec.overhead"))
 
     return cut_to_size(PodEvent(
         event_type=PodEventType(event_type),
@@ -137,6 +162,8 @@ def pod_event_from_object(
         started_at_unix_ms=started_at_unix_ms,
         gpu_requests=MappingProxyType(_effective_pod_requests(init_requests, regular_requests)),
         containers=tuple(containers),
+        cpu_request_millicores=_capped(pod_resources.get(CPU, 0), "the pod's CPU request"),
+        memory_request_bytes=_capped(pod_resources.get(MEMORY, 0), "the pod's memory request"),
     ))
 
 
@@ -207,30 +234,61 @@ def _gpu_requests(resources: Any, where: str) -> dict[str, int]:
     return result
 
 
-def _quantity_count(value: Any, where: str) -> int:
-    """A whole, non-negative count from a Kubernetes quantity ("1", "2", "1k", 4)."""
+def _cpu_memory_requests(resources: Any, where: str) -> dict[str, int]:
+    """``cpu`` (millicores) and ``memory`` (bytes) a container requests: ``requests``, else ``limits``."""
+    resources = _optional_mapping(resources, where)
+    requests = _resource_amounts(resources.get("requests"), f"{where}.requests")
+    limits = _resource_amounts(resources.get("limits"), f"{where}.limits")
+    return {name: requests.get(name, limits.get(name, 0)) for name in (CPU, MEMORY)
+            if name in requests or name in limits}
+
+
+def _resource_amounts(value: Any, where: str) -> dict[str, int]:
+    """The ``cpu`` (millicores, rounded up) and ``memory`` (bytes, rounded up) of a resource list."""
+    mapping = _optional_mapping(value, where)
+    result: dict[str, int] = {}
+    for name, scale in ((CPU, 1000), (MEMORY, 1)):
+        if name in mapping:
+            amount = _quantity(mapping[name], f"{where}[{name}]") * scale
+            if amount < 0:
+                raise _bad(f"{where}[{name}]: a request cannot be negative, got {mapping[name]!r}")
+            result[name] = _capped(int(amount.to_integral_value(rounding=ROUND_CEILING)), f"{where}[{name}]")
+    return result
+
+
+def _capped(amount: int, where: str) -> int:
+    if amount > MAX_RESOURCE_REQUEST:
+        raise _bad(f"{where}: {amount} is more than any node has")
+    return amount
+
+
+def _quantity(value: Any, where: str) -> Decimal:
+    """A Kubernetes quantity ("500m", "2", "1.5", "1Gi", "512M", "129e6", 4) as an exact decimal."""
     if isinstance(value, bool):
         raise _bad(f"{where}: {value!r} is not a quantity")
     if isinstance(value, int):
-        amount = Decimal(value)
-    elif isinstance(value, str):
-        match = _QUANTITY_RE.fullmatch(value)
-        if match is None:
-            raise _bad(f"{where}: {value[:64]!r} is not a Kubernetes quantity")
-        try:
-            amount = Decimal(match["number"])
-        except InvalidOperation as exc:  # the regex admits only decimal digits; kept for safety
-            raise _bad(f"{where}: {value[:64]!r} is not a Kubernetes quantity") from exc
-        if match["binary"]:
-            amount *= _BINARY_SUFFIX[match["binary"]]
-        elif match["decimal"]:
-            amount = amount.scaleb(_DECIMAL_SUFFIX[match["decimal"]])
-        elif match["exponent"]:
-            amount = amount.scaleb(int(match["exponent"]))
-        if match["sign"] == "-":
-            amount = -amount
-    else:
+        return Decimal(value)
+    if not isinstance(value, str):
         raise _bad(f"{where}: {type(value).__name__} is not a quantity")
+    match = _QUANTITY_RE.fullmatch(value)
+    if match is None:
+        raise _bad(f"{where}: {value[:64]!r} is not a Kubernetes quantity")
+    try:
+        amount = Decimal(match["number"])
+    except InvalidOperation as exc:  # the regex admits only decimal digits; kept for safety
+        raise _bad(f"{where}: {value[:64]!r} is not a Kubernetes quantity") from exc
+    if match["binary"]:
+        amount *= _BINARY_SUFFIX[match["binary"]]
+    elif match["decimal"]:
+        amount = amount.scaleb(_DECIMAL_SUFFIX[match["decimal"]])
+    elif match["exponent"]:
+        amount = amount.scaleb(int(match["exponent"]))
+    return -amount if match["sign"] == "-" else amount
+
+
+def _quantity_count(value: Any, where: str) -> int:
+    """A whole, non-negative count from a Kubernetes quantity ("1", "2", "1k", 4)."""
+    amount = _quantity(value, where)
     if amount < 0 or amount != amount.to_integral_value():
         raise _bad(f"{where}: GPU requests are whole non-negative counts, got {value!r}")
     if amount > MAX_GPU_REQUEST_COUNT:

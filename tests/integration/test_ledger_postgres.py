@@ -166,3 +166,38 @@ def test_report_from_postgres_reconciles_to_the_node_bills(pg_ledger, by):
     assert report.total_micro_usd == report.reconciliation.node_bills_micro_usd == bills_total
     assert report.reconciliation.reconciled and report.reconciliation.node_windows == len(results)
     assert "reconciled, equal to the micro-dollar" in format_report(report, "table")
+
+
+def test_the_sharing_migration_keeps_old_lines_direct_and_makes_room_for_shared_ones(database_url):
+    """0006 on PostgreSQL: the primary key is altered in place; lines written before are direct, bills 'keep'."""
+    from alembic import command
+
+    from services.billing.ledger import _alembic_config
+
+    ledger = Ledger(database_url)
+    with ledger.engine.begin() as connection:
+        command.upgrade(_alembic_config(connection), "0005_carried_label_keys")
+    with ledger.engine.begin() as connection:
+        connection.execute(text(
+            "INSERT INTO price_versions VALUES ('v1', 'aws', 'us-east-1', 'g6.xlarge', 'on_demand', '0.8', 1, '0.6', "
+            "'0.2', 'marginal', 'test', 'test')"))
+        connection.execute(text(
+            "INSERT INTO node_bills (window_start_unix_ms, cluster, node_name, window_seconds, billed_milliseconds, "
+            "provider, region, instance_type, price_model, gpu_count, node_cost_micro_usd, gpu_cost_micro_usd, "
+            "node_other_micro_usd, price_version) VALUES (0, 'c', 'n', 60, 60000, 'aws', 'us-east-1', 'g6.xlarge', "
+            "'on_demand', 1, 13333, 10000, 3333, 'v1')"))
+        connection.execute(text(
+            "INSERT INTO cost_lines (window_start_unix_ms, cluster, node_name, gpu_uuid, subject_kind, pod_uid, "
+            "window_seconds, labels, cost_share, cost_micro_usd, instance_type, price_model, price_version) VALUES "
+            "(0, 'c', 'n', 'GPU-0', 'POD', 'p', 60, '{}', 1.0, 13333, 'g6.xlarge', 'on_demand', 'v1')"))
+    assert ledger.migrate() == Ledger.head_revision() == "0007_sharing"
+    (old,) = list(ledger.iter_cost_lines(end_ms=1))
+    assert (old.shared_from, old.sharing_method) == (None, "")
+    assert [b["sharing"] for b in ledger.bills(end_ms=1)] == ["keep"]
+    with ledger.engine.connect() as connection:
+        context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE, "compare_type": True})
+        assert compare_metadata(context, metadata) == []
+    shared = sample_costs(1, sharing="all=weighted", start_ms=WINDOW_START_MS)
+    assert ledger.write(*everything(shared)).bills_written == len(shared)
+    assert ledger.totals().cost_micro_usd == ledger.totals().bill_micro_usd
+    ledger.close()

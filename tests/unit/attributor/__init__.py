@@ -120,8 +120,11 @@ def pod_event(
     labels: dict[str, str] | None = None,
     annotations: dict[str, str] | None = None,
     resource_version: str = "1",
+    cpu_request_millicores: int = 0,
+    memory_request_bytes: int = 0,
 ) -> PodEvent:
-    """``devices`` are (resource name, device ids) assigned to the pod's one container."""
+    """``devices`` are (resource name, device ids) assigned to the pod's one container (which requests the pod's
+    CPU and memory)."""
     requests: dict[str, int] = {}
     for resource, ids in devices:
         requests[resource] = requests.get(resource, 0) + len(ids)
@@ -131,6 +134,8 @@ def pod_event(
         gpu_requests=requests,
         assigned_devices=tuple(DeviceAssignment(r, tuple(ids)) for r, ids in devices),
         visible_devices_env=None,
+        cpu_request_millicores=cpu_request_millicores,
+        memory_request_bytes=memory_request_bytes,
     )
     return PodEvent(
         event_type=event_type,
@@ -149,4 +154,6 @@ def pod_event(
         started_at_unix_ms=started_at_unix_ms,
         gpu_requests=requests,
         containers=(container,),
+        cpu_request_millicores=cpu_request_millicores,
+        memory_request_bytes=memory_request_bytes,
     )

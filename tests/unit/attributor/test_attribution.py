@@ -19,7 +19,6 @@ from services.attributor.attribution import (
     METHOD_REQUEST,
     AttributionPolicy,
     CostBasis,
-    IdleHandling,
     MpsCompute,
     attribute_node_window,
     attribute_node_window_detailed,
@@ -428,70 +427,36 @@ def test_request_cost_basis_charges_assigned_replicas():
     assert_conserves(shares)
 
 
-def test_spread_idle_over_pods_by_their_share():
+def test_idle_is_always_a_row_of_its_own_and_rows_carry_the_cost_basis_and_the_pods_requests():
+    """Sharing idle cost to pods is billing's (services.billing.sharing), once, on money; the attributor's rows only
+    say what the cost share followed and what each pod requests, for billing's requests policy."""
     pods, win = _two_pod_window()
-    keep = by_subject(attribute_node_window(win, pods, AttributionPolicy()))
-    spread = by_subject(attribute_node_window(win, pods, AttributionPolicy(idle_handling=IdleHandling.SPREAD)))
-    idle = keep[ShareSubjectKind.IDLE].cost_share
-    pod_total = sum(keep[u].cost_share for u in ("a", "b", "c"))
-    for uid in ("a", "b", "c"):
-        assert spread[uid].cost_share == pytest.approx(keep[uid].cost_share * (1 + idle / pod_total), abs=TOL)
-    assert spread[ShareSubjectKind.IDLE].cost_share == 0.0
-    # Memory and compute are never spread.
-    assert spread[ShareSubjectKind.IDLE].memory_share == keep[ShareSubjectKind.IDLE].memory_share
-    assert spread[ShareSubjectKind.DRIVER_RESERVED].cost_share == keep[ShareSubjectKind.DRIVER_RESERVED].cost_share
-
-
-def test_spread_idle_stays_idle_without_pods_and_goes_equally_to_idle_pods():
-    empty = window([node_sample(W0, [device(util=0)])])
-    spread = AttributionPolicy(idle_handling=IdleHandling.SPREAD)
-    rows = by_subject(attribute_node_window(empty, PodIndex.empty(), spread))
-    assert rows[ShareSubjectKind.IDLE].cost_share == 1.0
-    pods = index_of(
-        pod_event("a", devices=[("nvidia.com/gpu.shared", ["GPU-0::0"])]),
-        pod_event("b", devices=[("nvidia.com/gpu.shared", ["GPU-0::1"])]),
-    )
-    rows = by_subject(attribute_node_window(empty, pods, AttributionPolicy(idle_handling=IdleHandling.SPREAD)))
-    assert rows["a"].cost_share == pytest.approx(0.5) and rows["b"].cost_share == pytest.approx(0.5)
-
-
-def test_spread_idle_conserves_cost_when_a_pods_cost_is_subnormal():
-    """Found by the property test on a random seed (a fresh-clone run of .ci/run): with blend:5e-324 a pod using
-    no memory but 51 % of the SMs costs 5e-324, a subnormal with a single bit of precision. Spreading idle as
-    ``idle * cost / pod_total`` rounded ``idle * 5e-324`` back to 5e-324 and gave the pod the whole GPU on top of the
-    driver-reserved row (sum 1 + 1e-9). The ratio must be taken first."""
-    reserved_bytes = 86  # about 1e-9 of the GPU: an error that small passes unless the sum is checked to 1e-12
-    win = window([node_sample(W0, [device(total=80 * GIB, used=reserved_bytes, reserved=reserved_bytes, util=51,
-                                          procs=[(0, 0, 51)])], pod_uids=["a"])])
-    pods = index_of(pod_event("a", devices=[("nvidia.com/gpu.shared", ["GPU-0::0"])]))
-    policy = AttributionPolicy(cost_basis=CostBasis.BLEND, blend_alpha=5e-324, idle_handling=IdleHandling.SPREAD)
-    keep = by_subject(attribute_node_window(win, pods, AttributionPolicy(cost_basis=CostBasis.BLEND,
-                                                                         blend_alpha=5e-324)))
-    assert 0.0 < keep["a"].cost_share < 1e-300  # the subnormal the case is about
-    assert keep[ShareSubjectKind.DRIVER_RESERVED].cost_share > 0.0
-    rows = by_subject(attribute_node_window(win, pods, policy))
-    assert math.fsum(r.cost_share for r in rows.values()) == pytest.approx(1.0, abs=TOL)
-    # The pod takes the idle cost, no more; the reserved and unattributed rows keep theirs.
-    assert rows["a"].cost_share == pytest.approx(keep[ShareSubjectKind.IDLE].cost_share, abs=TOL)
-    assert rows[ShareSubjectKind.IDLE].cost_share == 0.0
-    for kind in (ShareSubjectKind.DRIVER_RESERVED, ShareSubjectKind.UNATTRIBUTED):
-        assert rows[kind].cost_share == keep[kind].cost_share
+    policy = AttributionPolicy(cost_basis=CostBasis.BLEND, blend_alpha=0.25)
+    shares = attribute_node_window(win, pods, policy)
+    rows = by_subject(shares)
+    assert rows[ShareSubjectKind.IDLE].cost_share > 0.0
+    assert {s.cost_basis for s in shares} == {"blend:0.25"}
+    assert {(s.pod_uid, s.cpu_request_millicores, s.memory_request_bytes) for s in shares if s.pod_uid} == {
+        (uid, 0, 0) for uid in ("a", "b", "c")}
+    requested = index_of(pod_event("a", devices=[("nvidia.com/gpu.shared", ["GPU-0::0"])],
+                                   cpu_request_millicores=1500, memory_request_bytes=3 * GIB))
+    one = by_subject(attribute_node_window(win, requested, AttributionPolicy()))
+    assert (one["a"].cpu_request_millicores, one["a"].memory_request_bytes) == (1500, 3 * GIB)
+    assert (one[ShareSubjectKind.IDLE].cpu_request_millicores, one[ShareSubjectKind.IDLE].memory_request_bytes) == (
+        0, 0)
 
 
 def test_policy_parsing():
-    p = AttributionPolicy.parse("blend:0.3", "spread", "threads")
-    assert (p.cost_basis, p.blend_alpha, p.idle_handling, p.mps_compute) == (
-        CostBasis.BLEND, 0.3, IdleHandling.SPREAD, MpsCompute.THREADS
-    )
-    assert p.describe() == "cost=blend:0.3 idle=spread mps=threads"
+    p = AttributionPolicy.parse("blend:0.3", "threads")
+    assert (p.cost_basis, p.blend_alpha, p.mps_compute) == (CostBasis.BLEND, 0.3, MpsCompute.THREADS)
+    assert p.describe() == "cost=blend:0.3 mps=threads"
+    assert p.basis_text == "blend:0.3"
     assert AttributionPolicy.parse().cost_basis is CostBasis.MEMORY
     for bad in ("blend:x", "blend:1.5", "blend:-0.1", "blend:nan", "price", ""):
         with pytest.raises(ConfigError):
             AttributionPolicy.parse(bad)
     with pytest.raises(ConfigError):
-        AttributionPolicy.parse("memory", "share")
-    with pytest.raises(ConfigError):
-        AttributionPolicy.parse("memory", "keep", "sm")
+        AttributionPolicy.parse("memory", "sm")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ from schemas.records import NvmlError, PodEventType, SharingMode, ShareSubjectKi
 from services.attributor.attribution import (
     AttributionPolicy,
     CostBasis,
-    IdleHandling,
     MpsCompute,
     attribute_node_window,
     attribute_node_window_detailed,
@@ -40,7 +39,6 @@ policies = st.builds(
     AttributionPolicy,
     cost_basis=st.sampled_from(list(CostBasis)),
     blend_alpha=st.floats(min_value=0.0, max_value=1.0),
-    idle_handling=st.sampled_from(list(IdleHandling)),
     mps_compute=st.sampled_from(list(MpsCompute)),
 )
 
@@ -177,10 +175,6 @@ def test_every_unit_conserves_memory_compute_and_cost(scenario, policy):
         assert all(0.0 <= r.gpu_fraction <= 1.0 for r in rows)
         assert all(0.0 <= r.covered_seconds <= WINDOW_S for r in rows)
     assert {s.units_in_node for s in shares} <= {len(units)}
-    if policy.idle_handling is IdleHandling.SPREAD:
-        for rows in units.values():
-            if any(r.subject_kind is ShareSubjectKind.POD for r in rows):
-                assert next(r for r in rows if r.subject_kind is ShareSubjectKind.IDLE).cost_share == 0.0
 
 
 @PROPERTY_SETTINGS
@@ -226,9 +220,8 @@ def test_mig_units_of_one_gpu_add_up_to_the_whole_gpu(instances, total_slices, n
     usage=st.lists(st.tuples(st.integers(min_value=0, max_value=80 * GIB), st.integers(min_value=0, max_value=100)),
                    min_size=1, max_size=10),
     basis=st.sampled_from(["memory", "compute", "blend:0.3", "request"]),
-    idle=st.sampled_from(["keep", "spread"]),
 )
-def test_an_exclusive_owner_alive_all_window_pays_exactly_the_whole_gpu(usage, basis, idle):
+def test_an_exclusive_owner_alive_all_window_pays_exactly_the_whole_gpu(usage, basis):
     index = apply_pod_events(PodIndex.empty(), [pod_event("owner", devices=[("nvidia.com/gpu", ["GPU-0"])],
                                                           started_at_unix_ms=START - 1)])
     samples = [
@@ -237,7 +230,7 @@ def test_an_exclusive_owner_alive_all_window_pays_exactly_the_whole_gpu(usage, b
         for k, (m, u) in enumerate(usage)
     ]
     shares = attribute_node_window(NodeWindow("c1", "node-a", START, WINDOW_S, tuple(samples)), index,
-                                   AttributionPolicy.parse(basis, idle))
+                                   AttributionPolicy.parse(basis))
     owner = next(s for s in shares if s.pod_uid == "owner")
     assert abs(owner.cost_share - 1.0) <= TOL
     assert owner.sharing_mode is SharingMode.EXCLUSIVE

@@ -191,7 +191,7 @@ def test_mps_threads_split_busy_time_by_each_clients_cap_and_nothing_to_the_serv
     # mps.yaml: four replicas (25 % of the threads each by the device plugin), ocr-0's client capped at 20 % by
     # CUDA_MPS_ACTIVE_THREAD_PERCENTAGE in its spec; the MPS server is a host process on the GPU.
     _summary, out = run(tmp_path, Path("scenarios/mps.yaml").read_text(),
-                        policy=AttributionPolicy.parse("memory", "keep", "threads"))
+                        policy=AttributionPolicy.parse("memory", "threads"))
     for (_window, _unit), subjects in units(out).items():
         assert subjects["unattributed"]["compute_share"] == pytest.approx(0.0, abs=TOL)
         pods = {name: r for name, r in subjects.items() if r["subject_kind"] == "pod"}

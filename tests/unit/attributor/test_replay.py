@@ -29,6 +29,7 @@ import pytest
 from schemas.records import NodeSample, PodEvent
 from services.attributor import replay_cli
 from services.attributor.attribution import AttributionPolicy
+from services.billing.sharing import SharingPolicy
 from services.attributor.replay import (
     RECORDING_MAGIC,
     InputRecord,
@@ -148,20 +149,29 @@ def test_shares_conserve_per_window_and_gpu(replays, name):
         assert rows[0]["window_start_unix_ms"] % (WINDOW_SECONDS * 1000) == 0
 
 
-@pytest.mark.parametrize(("cost_basis", "idle"), [("compute", "spread"), ("blend:0.3", "keep"), ("request", "keep")])
-def test_other_policies_conserve_and_bill_exactly(tmp_path, catalog, cost_basis, idle):
+@pytest.mark.parametrize(("cost_basis", "sharing"), [("compute", "idle=weighted"), ("blend:0.3", "keep"),
+                                                     ("request", "all=even")])
+def test_other_policies_conserve_and_bill_exactly(tmp_path, catalog, cost_basis, sharing):
     scenario = REPO / "scenarios" / "time_slicing.yaml"
-    policy = AttributionPolicy.parse(cost_basis, idle)
-    summary = replay(scenario, tmp_path, policy=policy, catalog=catalog)
+    policy = AttributionPolicy.parse(cost_basis)
+    summary = replay(scenario, tmp_path, policy=policy, catalog=catalog, sharing=SharingPolicy.parse(sharing))
     shares = read_jsonl(tmp_path / "shares.jsonl")
     for key, rows in _units(shares).items():
         for field in ("memory_share", "compute_share", "cost_share"):
             assert math.fsum(r[field] for r in rows) == pytest.approx(1.0, abs=CONSERVATION_TOLERANCE), (key, field)
     if cost_basis == "request":
         assert {r["method"] for r in shares} == {"request"}
-    if idle == "spread":
-        # Spread: idle cost went to the pods (every unit here has pods).
-        assert all(r["cost_share"] == 0.0 for r in shares if r["subject_kind"] == "idle")
+    costs = read_jsonl(tmp_path / "costs.jsonl")
+    kept = {r["subject_kind"] for r in costs if r["subject_kind"] != "pod"}
+    shared = {r["shared_from"] for r in costs if r["shared_from"] is not None}
+    if sharing == "idle=weighted":
+        # Idle cost went to the pods (every node-window here has pods); the attributor's rows still say it.
+        assert "idle" not in kept and shared == {"idle"}
+        assert any(r["cost_share"] > 0.0 for r in shares if r["subject_kind"] == "idle")
+    elif sharing == "all=even":
+        assert not kept and shared == {"idle", "driver_reserved", "unattributed", "unavailable", "node_other"}
+    else:
+        assert "idle" in kept and not shared
     _assert_costs_match_bills(tmp_path, summary)
 
 
@@ -262,7 +272,7 @@ def test_compute_matches_truth_within_the_stated_bound(replays, method, bound):
 
 
 def test_compute_mps_threads_within_the_stated_bound(tmp_path, catalog):
-    policy = AttributionPolicy.parse("memory", "keep", "threads")
+    policy = AttributionPolicy.parse("memory", "threads")
     replay(REPO / "scenarios" / "mps.yaml", tmp_path, policy=policy, catalog=catalog)
     errors = _compute_errors({"mps": (None, tmp_path)}, "mps_threads")
     assert errors
@@ -301,9 +311,12 @@ def _assert_costs_match_bills(out: Path, summary, node_prices=None):
     by_window = defaultdict(int)
     for line in costs:
         assert isinstance(line["cost_micro_usd"], int) and line["cost_micro_usd"] >= 0
-        if line["gpu_uuid"] is None:
+        if line["gpu_uuid"] is None and line["shared_from"] is None:
             # Node-level lines: node_other, or GPU capacity the price bills but no unit reported.
-            assert line["subject_kind"] in ("node_other", "unattributed") and line["pod_uid"] is None
+            assert line["subject_kind"] in ("node_other", "unavailable") and line["pod_uid"] is None
+        elif line["gpu_uuid"] is None:
+            # A pod's shared line: its part of a bucket its node-window's sharing policy shared.
+            assert line["subject_kind"] == "pod" and line["pod_uid"] and line["sharing_method"]
         by_window[(line["node"], line["window_start"])] += line["cost_micro_usd"]
     assert set(by_window) == {(b["node"], b["window_start"]) for b in bills}
     for bill in bills:
@@ -314,16 +327,18 @@ def _assert_costs_match_bills(out: Path, summary, node_prices=None):
             billed_ms = round(bill["billed_seconds"] * 1000)
             assert Fraction(str(bill["price_per_hour_usd"])) == rate
             assert bill["node_cost_micro_usd"] == math.floor(rate * billed_ms * 1_000_000 / 3_600_000 + Fraction(1, 2))
-    # Every share row has its cost line, with the same cost share; node_other once per node-window.
+    # Every share row has its cost line, with the same cost share, but the bucket rows their node-window shared;
+    # node_other once per node-window that kept it.
+    shared = {(c["window_start"], c["node"], c["shared_from"]) for c in costs if c["shared_from"] is not None}
     share_keys = {(r["window_start"], r["node"], r["gpu_uuid"], r["subject_kind"], r["pod_uid"]): r["cost_share"]
-                  for r in shares}
+                  for r in shares if (r["window_start"], r["node"], r["subject_kind"]) not in shared}
     unit_costs = {(c["window_start"], c["node"], c["gpu_uuid"], c["subject_kind"], c["pod_uid"]): c
                   for c in costs if c["gpu_uuid"] is not None}
     assert set(unit_costs) == set(share_keys)
     for key, line in unit_costs.items():
         assert line["cost_share"] == share_keys[key]
     node_other = [c for c in costs if c["subject_kind"] == "node_other"]
-    assert len(node_other) == len(bills)
+    assert len(node_other) == len([b for b in bills if (b["window_start"], b["node"], "node_other") not in shared])
 
 
 @pytest.mark.parametrize("name", SCENARIO_IDS)
@@ -554,7 +569,11 @@ def test_cli_replays_with_a_price_override_and_env_settings(tmp_path, replays):
     assert replay_cli.main(args, {"GPUMETER_WINDOW_SECONDS": "60"}, out=io.StringIO(), err=err) == 0
     shares = read_jsonl(tmp_path / "out30" / "shares.jsonl")
     assert {r["window_seconds"] for r in shares} == {30}
-    assert all(r["cost_share"] == 0.0 for r in shares if r["subject_kind"] == "idle")
+    # The deprecated --idle spread is billing's idle=weighted now: no idle cost line, the pods' shared lines instead.
+    costs = read_jsonl(tmp_path / "out30" / "costs.jsonl")
+    assert not [r for r in costs if r["subject_kind"] == "idle"]
+    assert {(r["shared_from"], r["sharing_method"]) for r in costs if r["shared_from"]} == {("idle", "weighted")}
+    assert {b["sharing"] for b in read_jsonl(tmp_path / "out30" / "bills.jsonl")} == {"idle=weighted"}
 
 
 def test_cli_exit_codes(tmp_path):

@@ -22,6 +22,8 @@ class Row:
     pod_uid: str | None = None
     namespace: str | None = None
     labels: Mapping[str, str] = field(default_factory=dict)
+    cpu_request_millicores: int = 0
+    memory_request_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,9 @@ def node_window(
                     method="memory_proxy",
                     sample_count=60,
                     covered_seconds=covered,
+                    cpu_request_millicores=row.cpu_request_millicores,
+                    memory_request_bytes=row.memory_request_bytes,
+                    cost_basis="memory",
                 )
             )
     return tuple(shares)
@@ -147,10 +152,15 @@ def sample_shares(windows: int = 3, *, start_ms: int = WINDOW_START_MS) -> list[
     return node_windows
 
 
-def sample_costs(windows: int = 3, *, start_ms: int = WINDOW_START_MS):
-    """``sample_shares`` costed with the bundled catalog: one ``NodeWindowCost`` per node-window."""
+def sample_costs(windows: int = 3, *, start_ms: int = WINDOW_START_MS, sharing: str = "keep"):
+    """``sample_shares`` costed with the bundled catalog (buckets shared by ``sharing``, a
+    ``SharingPolicy.parse`` text): one ``NodeWindowCost`` per node-window."""
     from services.billing.catalog import PriceCatalog
     from services.billing.costing import bill_node_window
+    from services.billing.pricing import DEFAULT_SPLIT_POLICY
+    from services.billing.sharing import SharingPolicy
 
     catalog = PriceCatalog.load()
-    return [bill_node_window(shares, catalog) for shares in sample_shares(windows, start_ms=start_ms)]
+    policy = SharingPolicy.parse(sharing)
+    return [bill_node_window(shares, catalog, DEFAULT_SPLIT_POLICY, policy)
+            for shares in sample_shares(windows, start_ms=start_ms)]

@@ -372,3 +372,38 @@ def test_the_command_is_wired_into_gpumeter_and_rejects_a_bill_it_cannot_use(led
     assert cli.main(["reconcile", "--bill", str(euros), "--ledger-url", ledger.url]) == 2
     assert "BillingCurrency 'EUR'" in capsys.readouterr().err
     assert snapshot(ledger) == before
+
+
+def test_shared_lines_are_trued_up_as_lines_of_their_own_and_each_window_still_adds_up(sqlite_ledger):
+    """With billing's sharing policy a pod has a shared line per bucket beside its direct line (same unit-less key
+    but for ``shared_from``): the true-up must reach each of them, not only the first of a (gpu, kind, pod)."""
+    from services.billing.sharing import SharingPolicy
+
+    catalog = PriceCatalog.load(spot_discounts={"aws": Decimal("0.6")})
+    sharing = SharingPolicy.parse("idle=weighted,node_other=even")
+    rows = [pod("train-a", 0.6, "ml", team="research"), pod("notebook-a", 0.3, "ml", team="research"),
+            bucket(ShareSubjectKind.IDLE, 0.1)]
+    windows = _windows("gpu-spot-a", SPOT, 26, units=[Unit("GPU-spot-0", rows)], instance_type="g5.xlarge",
+                       price_model="spot", gpu_model="NVIDIA A10G")
+    results = [bill_node_window(shares, catalog, sharing=sharing) for shares in windows]
+    sqlite_ledger.write([c for r in results for c in r.costs], [r.bill for r in results])
+    shared_lines = [c for r in results for c in r.costs if c.shared_from is not None]
+    assert shared_lines  # the policy shared idle and node_other to the pods
+
+    code, _out, err = run(sqlite_ledger, FOCUS)
+    assert code == 0, err
+    with sqlite_ledger.engine.connect() as connection:
+        lines = connection.execute(select(cost_lines.c.window_start_unix_ms, cost_lines.c.shared_from,
+                                          cost_lines.c.cost_micro_usd, cost_lines.c.trued_cost_micro_usd)).all()
+        bills = dict(connection.execute(select(node_bills.c.window_start_unix_ms,
+                                               node_bills.c.trued_cost_micro_usd)).all())
+    trued_windows = {start for start, trued in bills.items() if trued is not None}
+    assert len(trued_windows) == 24  # the two windows past the bill's last line item stay untrued
+    assert sum(bills[s] for s in trued_windows) == SPOT_BILLED
+    for start in trued_windows:
+        mine = [(shared, listed, trued) for s, shared, listed, trued in lines if s == start]
+        assert all(trued is not None for _, _, trued in mine)
+        assert sum(trued for _, _, trued in mine) == bills[start]
+        shared = [(listed, trued) for shared_from, listed, trued in mine if shared_from]
+        assert shared and all(abs(trued - listed * bills[start] / sum(l for _, l, _ in mine)) < 1
+                              for listed, trued in shared)

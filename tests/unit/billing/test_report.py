@@ -255,3 +255,85 @@ def test_every_emitted_window_must_be_in_the_ledger_once_it_had_time_to_be_bille
                                         "ledger (2 never billed (billing behind, stopped or stuck); dead-lettered "
                                         "by billing: NO_PRICE 1;")
     assert check_emitted(emitted, {}, set(keys), now_ms=110_000).complete
+
+
+# --- sharing: direct and shared parts ------------------------------------------------------------------------------
+
+
+def _team_parts(results, team_label="team"):
+    """(team or None) → [direct, shared] micro-dollars of the pod lines, from the cost records themselves."""
+    parts = defaultdict(lambda: [0, 0])
+    for cost in (c for r in results for c in r.costs if c.subject_kind.value == "POD"):
+        parts[cost.labels.get(team_label)][1 if cost.is_shared else 0] += cost.cost_micro_usd
+    return {team: tuple(v) for team, v in parts.items()}
+
+
+def test_with_every_bucket_kept_the_table_is_what_it_was(filled_ledger):
+    ledger, _ = filled_ledger
+    report = build_report(ledger, Grouping.parse("label:team"), start_ms=WINDOW_START_MS, end_ms=END_MS)
+    assert not report.shares_anything and report.shared_micro_usd == 0
+    table = format_report(report, "table").splitlines()
+    assert table[1].split() == ["kind", "label:team", "cost_usd", "share", "lines"]
+    assert not [line for line in table if line.startswith(("sharing:", "allocated to pods:"))]
+    assert all(line.direct_micro_usd == line.cost_micro_usd for line in report.lines)
+
+
+def test_a_shared_report_splits_every_teams_cost_into_direct_and_shared_and_gives_pods_the_whole_bill(
+        sqlite_ledger):
+    results = sample_costs(WINDOWS, sharing="idle=weighted,node_other=weighted,driver_reserved=even,"
+                                           "unattributed=requests,unavailable=weighted")
+    sqlite_ledger.write([c for r in results for c in r.costs], [r.bill for r in results])
+    report = build_report(sqlite_ledger, Grouping.parse("label:team"), start_ms=WINDOW_START_MS, end_ms=END_MS)
+    bills = sum(r.bill.node_cost_micro_usd for r in results)
+    assert report.reconciliation.reconciled and report.total_micro_usd == bills
+    # Every node-window has pods: every bucket went to them, the pods carry the whole bill.
+    assert {line.kind for line in report.lines} == {"pod"} and report.pods_micro_usd == bills
+    parts = _team_parts(results)
+    assert {line.group: (line.direct_micro_usd, line.shared_micro_usd) for line in report.lines} == {
+        (team if team is not None else "(no team label)"): p for team, p in parts.items()}
+    assert report.shared_micro_usd == sum(s for _, s in parts.values()) > 0
+    assert {(s.shared_from, s.sharing_method) for s in report.shared_sources} == {
+        ("IDLE", "weighted"), ("NODE_OTHER", "weighted"), ("DRIVER_RESERVED", "even"), ("UNATTRIBUTED", "requests"),
+        ("UNAVAILABLE", "weighted")}
+
+    table = format_report(report, "table")
+    lines = table.splitlines()
+    assert lines[1].split() == ["kind", "label:team", "cost_usd", "direct_usd", "shared_usd", "share", "lines"]
+    research = next(line for line in report.lines if line.group == "research")
+    (row,) = [line.split() for line in lines if line.split()[:2] == ["pod", "research"]]
+    assert row[2:5] == [usd_text(research.cost_micro_usd), usd_text(research.direct_micro_usd),
+                        usd_text(research.shared_micro_usd)]
+    assert f"allocated to pods: {usd_text(bills)} USD, 100.00% of the node bills" in table
+    assert "sharing: idle=weighted,driver_reserved=even,unattributed=requests,unavailable=weighted," \
+           f"node_other=weighted ({len(results)} node-windows)" in table
+
+    rows = list(csv.DictReader(io.StringIO(format_report(report, "csv"))))
+    pods = [r for r in rows if r["kind"] == "pod"]
+    assert {r["group"]: (int(r["direct_micro_usd"]), int(r["shared_micro_usd"])) for r in pods} == {
+        line.group: (line.direct_micro_usd, line.shared_micro_usd) for line in report.lines}
+    assert all(int(r["direct_micro_usd"]) + int(r["shared_micro_usd"]) == int(r["cost_micro_usd"]) for r in pods)
+    assert sum(int(r["cost_micro_usd"]) for r in rows if r["kind"] == "shared_from") == report.shared_micro_usd
+    assert [r["group"] for r in rows if r["kind"] == "sharing_policy"] == [report.sharing_policies[0][0]]
+
+    document = json.loads(format_report(report, "json"))
+    assert document["pods_micro_usd"] == bills and document["shared_micro_usd"] == report.shared_micro_usd
+    assert all(l["direct_micro_usd"] + l["shared_micro_usd"] == l["cost_micro_usd"] for l in document["lines"])
+    assert sum(s["cost_micro_usd"] for s in document["sharing"]["shared_to_pods"]) == report.shared_micro_usd
+
+
+def test_a_window_without_pods_keeps_its_buckets_under_any_policy(sqlite_ledger):
+    from services.billing.catalog import PriceCatalog
+    from services.billing.costing import bill_node_window
+    from services.billing.pricing import DEFAULT_SPLIT_POLICY
+    from services.billing.sharing import SharingPolicy
+    from schemas.records import ShareSubjectKind
+    from tests.unit.billing.conftest import Unit, bucket, node_window
+
+    empty = node_window([Unit("GPU-gcp-0", [bucket(ShareSubjectKind.IDLE, 1.0)])], node="gcp-node",
+                        provider="gcp", region="us-central1", instance_type="a2-highgpu-1g")
+    priced = bill_node_window(empty, PriceCatalog.load(), DEFAULT_SPLIT_POLICY, SharingPolicy.parse("all=weighted"))
+    sqlite_ledger.write(priced.costs, [priced.bill])
+    report = build_report(sqlite_ledger, Grouping("namespace"), start_ms=WINDOW_START_MS, end_ms=END_MS)
+    assert {line.kind for line in report.lines} == {"idle", "node_other"} and report.pods_micro_usd == 0
+    assert report.shares_anything  # the policy shares, there was nobody to share to
+    assert "allocated to pods: 0.000000 USD, 0.00% of the node bills" in format_report(report, "table")

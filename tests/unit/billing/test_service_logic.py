@@ -23,6 +23,7 @@ from services.billing.catalog import PriceCatalog
 from services.billing.costing import InconsistentShares, NodeWindowKey, bill_node_window
 from services.billing.ledger import LedgerError
 from services.billing.pricing import DEFAULT_SPLIT_POLICY
+from services.billing.sharing import KEEP_ALL, SharingPolicy
 from services.billing.service import (
     BILLING_METRICS,
     AddStatus,
@@ -106,8 +107,9 @@ class Pauses:
 
 
 def make_processor(ledger, producer=None, *, clock=None, expiry_s=60.0, memory_s=3600.0, catalog=None,
-                   sleep=None, metrics=None) -> BillingProcessor:
+                   sleep=None, metrics=None, sharing=KEEP_ALL) -> BillingProcessor:
     return BillingProcessor(
+        sharing=sharing,
         catalog=catalog or PriceCatalog.load(),
         policy=DEFAULT_SPLIT_POLICY,
         ledger=ledger,
@@ -628,6 +630,49 @@ async def test_metrics_follow_the_bills_and_share_gauges_drop_pods_that_left(sql
     await processor.handle(feed.message(value=b"zz"))
     assert value("gpumeter_dead_letters_total", {"service": "billing", "topic": SHARES_TOPIC,
                                                  "reason_code": "CORRUPT"}) == 1
+
+
+async def test_the_sharing_policy_bills_publishes_and_counts_the_shared_lines(sqlite_ledger):
+    """The one policy, applied once: the ledger, the costs topic and the metrics all get the same shared lines."""
+    metrics = ServiceMetrics("billing", BILLING_METRICS)
+    sharing = SharingPolicy.parse("idle=weighted,unattributed=even,node_other=weighted")
+    producer = RecordingProducer()
+    processor = make_processor(sqlite_ledger, producer, metrics=metrics, sharing=sharing)
+    window = two_gpu_window()
+    for message in Feed().messages(window):
+        await processor.handle(message)
+    assert await processor.flush(retry=False)
+    priced = bill_node_window(window, PriceCatalog.load(), DEFAULT_SPLIT_POLICY, sharing)
+    sent = producer.records(CostRecord)
+    assert sorted(sent, key=repr) == sorted(priced.costs, key=repr)
+    stored = list(sqlite_ledger.iter_cost_lines())
+    assert sorted(stored, key=repr) == sorted(priced.costs, key=repr)
+    assert {b["sharing"] for b in sqlite_ledger.bills()} == {sharing.describe()}
+    shared = [c for c in sent if c.is_shared]
+    assert {c.shared_from for c in shared} == {CostSubjectKind.IDLE, CostSubjectKind.UNATTRIBUTED,
+                                               CostSubjectKind.NODE_OTHER}
+    assert not [c for c in sent if c.subject_kind in (CostSubjectKind.IDLE, CostSubjectKind.NODE_OTHER)]
+    value = metrics.registry.get_sample_value
+    for record in shared:
+        labels = {"namespace": record.namespace, "pod": record.pod_name, "team": record.labels.get("team", ""),
+                  "shared_from": record.shared_from.value.lower()}
+        assert value("gpumeter_pod_shared_cost_micro_usd_total", labels) == record.cost_micro_usd
+    for record in (c for c in sent if c.subject_kind is CostSubjectKind.POD and not c.is_shared):
+        labels = {"namespace": record.namespace, "pod": record.pod_name, "team": record.labels.get("team", "")}
+        assert value("gpumeter_pod_gpu_cost_micro_usd_total", labels) == record.cost_micro_usd
+    assert value("gpumeter_bucket_cost_micro_usd_total", {"node": "node-a", "kind": "idle"}) is None
+
+
+def test_the_sharing_setting_reads_env_and_the_flag_wins():
+    assert parse_settings([], {}).sharing == KEEP_ALL
+    env = {"GPUMETER_BILLING_SHARING": "idle=weighted"}
+    assert parse_settings([], env).sharing.describe() == "idle=weighted"
+    settings = parse_settings(["--sharing", "all=even"], env)
+    assert settings.sharing == SharingPolicy.parse("all=even") and settings.describe()["sharing"].startswith("idle=")
+    from gpumeter.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        parse_settings(["--sharing", "idle=spread"], {})
 
 
 async def test_revoked_partitions_drop_their_rows_and_offsets(sqlite_ledger):

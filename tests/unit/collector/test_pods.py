@@ -267,6 +267,78 @@ def test_sidecar_init_containers_run_alongside_and_add_up():
     assert dict(parse(obj).gpu_requests) == {"nvidia.com/gpu": 1 + 5}
 
 
+# --- CPU and memory requests (billing's requests sharing policy) ------------------------------------------------
+
+
+def _set_resources(entry, *, requests=None, limits=None):
+    entry["resources"] = {k: v for k, v in (("requests", requests), ("limits", limits)) if v is not None}
+
+
+@pytest.mark.parametrize(("cpu", "millicores"), [("500m", 500), ("2", 2000), ("1.5", 1500), ("0.0001", 1),
+                                                  ("250.5m", 251), (3, 3000), ("1k", 1_000_000), ("2e-3", 2)])
+@pytest.mark.parametrize(("memory", "bytes_"), [("1Gi", 2**30), ("512M", 512 * 10**6), ("128974848", 128974848),
+                                                 ("129e6", 129 * 10**6), ("123Mi", 123 * 2**20), ("1.5Ki", 1536),
+                                                 ("100m", 1)])
+def test_cpu_and_memory_requests_are_read_as_kubernetes_quantities(cpu, millicores, memory, bytes_):
+    obj = pod()
+    _set_resources(obj["spec"]["containers"][0], requests={"cpu": cpu, "memory": memory})
+    event = parse(obj)
+    main = container(event, "main")
+    assert (main.cpu_request_millicores, main.memory_request_bytes) == (millicores, bytes_)
+    assert (event.cpu_request_millicores, event.memory_request_bytes) == (millicores, bytes_)
+
+
+def test_a_missing_request_is_the_limit_and_neither_is_zero():
+    obj = pod(containers=["main", "sidecar"])
+    _set_resources(obj["spec"]["containers"][0], limits={"cpu": "4", "memory": "8Gi"})
+    _set_resources(obj["spec"]["containers"][1], requests={"memory": "64Mi"}, limits={"memory": "128Mi"})
+    event = parse(obj)
+    assert (container(event, "main").cpu_request_millicores, container(event, "main").memory_request_bytes) == (
+        4000, 8 * 2**30)
+    assert (container(event, "sidecar").cpu_request_millicores, container(event, "sidecar").memory_request_bytes) == (
+        0, 64 * 2**20)
+    assert (event.cpu_request_millicores, event.memory_request_bytes) == (4000, 8 * 2**30 + 64 * 2**20)
+
+
+def test_the_pods_requests_follow_the_kubernetes_init_container_rule_plus_overhead():
+    obj = pod()
+    _set_resources(obj["spec"]["containers"][0], requests={"cpu": "2", "memory": "4Gi"})
+    _with_init(obj, "profiler", 0, sidecar=True)
+    _set_resources(obj["spec"]["initContainers"][0], requests={"cpu": "500m", "memory": "1Gi"})
+    _with_init(obj, "convert-weights", 0)
+    _set_resources(obj["spec"]["initContainers"][1], requests={"cpu": "8", "memory": "2Gi"})
+    event = parse(obj)
+    # convert-weights runs with the profiler (8.5 CPUs, 3 GiB), then main runs with it (2.5 CPUs, 5 GiB): the
+    # pod needs the larger of each at once, never their sum.
+    assert (event.cpu_request_millicores, event.memory_request_bytes) == (8500, 5 * 2**30)
+    obj["spec"]["overhead"] = {"cpu": "250m", "memory": "120Mi"}
+    event = parse(obj)
+    assert (event.cpu_request_millicores, event.memory_request_bytes) == (8750, 5 * 2**30 + 120 * 2**20)
+    # Each container keeps its own requests.
+    assert [(c.name, c.cpu_request_millicores) for c in event.containers] == [
+        ("profiler", 500), ("convert-weights", 8000), ("main", 2000)]
+
+
+@pytest.mark.parametrize("bad", ["-1", "1.2.3", "lots", "1Zi", "1e999", True, [1]])
+def test_an_unreadable_cpu_or_memory_request_is_a_bad_pod_object(bad):
+    for resource in ("cpu", "memory"):
+        obj = pod()
+        _set_resources(obj["spec"]["containers"][0], requests={resource: bad})
+        with pytest.raises(InvalidMessage) as caught:
+            parse(obj)
+        assert caught.value.reason_code == BAD_POD_OBJECT
+
+
+def test_the_requests_survive_the_wire():
+    obj = pod()
+    _set_resources(obj["spec"]["containers"][0], requests={"cpu": "1500m", "memory": "3Gi"})
+    event = parse(obj)
+    codec = codec_for(PodEvent)
+    decoded = codec.decode(codec.encode(event))
+    assert (decoded.cpu_request_millicores, decoded.memory_request_bytes) == (1500, 3 * 2**30)
+    assert decoded.containers[0].cpu_request_millicores == 1500
+
+
 # --- containers: ids, env, privileged -----------------------------------------------------------------------------
 
 

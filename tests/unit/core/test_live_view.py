@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 import signal
 import sys
 from collections import defaultdict
@@ -61,7 +62,8 @@ class Demo:
 
         self.scenario = load_scenario(DEMO)
         engine = AttributionEngine(EngineConfig(window_seconds=60, grace_seconds=10))
-        catalog = bundled_catalog()
+        catalog = self.catalog = bundled_catalog()
+        self.windows = []
         self.shares, self.costs, self.bills = [], [], []
         for item in scenario_records(self.scenario):
             message = item.message
@@ -70,6 +72,7 @@ class Demo:
                 continue
             output = engine.on_sample(message, item.received_at_unix_ms)
             for window in output.windows:
+                self.windows.append(window.shares)
                 self.shares.extend(window.shares)
                 priced = bill_node_window(window.shares, catalog)
                 self.costs.extend(priced.costs)
@@ -77,6 +80,16 @@ class Demo:
             if output.windows:
                 engine.record_emitted(output.windows)
                 engine.take_table_changes()
+
+    def costs_with(self, sharing: str) -> tuple[list, list]:
+        """The same node-windows billed under the sharing policy ``sharing``: (cost records, bills)."""
+        from services.billing.costing import bill_node_window
+        from services.billing.pricing import DEFAULT_SPLIT_POLICY
+        from services.billing.sharing import SharingPolicy
+
+        priced = [bill_node_window(w, self.catalog, DEFAULT_SPLIT_POLICY, SharingPolicy.parse(sharing))
+                  for w in self.windows]
+        return [c for p in priced for c in p.costs], [p.bill for p in priced]
 
     def unit_windows(self) -> dict[tuple[UnitKey, int], list]:
         groups: dict[tuple[UnitKey, int], list] = defaultdict(list)
@@ -234,6 +247,49 @@ def test_costs_are_grouped_by_namespace_and_team_and_add_up_to_the_node_bills(de
         assert [r.cost_micro_usd for r in pods] == sorted((r.cost_micro_usd for r in pods), reverse=True)
     assert "scratch" in state.cost_by_namespace  # the leaky pod's namespace has a line of its own
     assert {r.group for r in live_view.team_costs(state)} >= {"foundation", "assistants", "platform"}
+
+
+def test_with_sharing_each_team_shows_its_direct_and_shared_cost_and_the_tables_still_add_up(demo):
+    costs, bills = demo.costs_with("idle=weighted,node_other=weighted")
+    state = apply_records(ViewState.empty(), costs)
+    assert state.cost_total_micro_usd == sum(b.node_cost_micro_usd for b in bills)
+    shared_by_team: dict[str, int] = defaultdict(int)
+    for cost in costs:
+        if cost.is_shared:
+            shared_by_team[cost.labels.get("team") or NO_TEAM] += cost.cost_micro_usd
+    assert shared_by_team and dict(state.shared_by_team) == dict(shared_by_team)
+    by_namespace, by_team = _expected_groups(costs)
+    assert dict(state.cost_by_team) == by_team and dict(state.cost_by_namespace) == by_namespace
+    kept = {c.subject_kind for c in costs if c.subject_kind is not CostSubjectKind.POD and c.cost_micro_usd}
+    assert CostSubjectKind.IDLE not in kept and CostSubjectKind.NODE_OTHER not in kept
+    for rows in (live_view.namespace_costs(state), live_view.team_costs(state)):
+        assert sum(r.cost_micro_usd for r in rows) == state.cost_total_micro_usd
+        assert all(r.direct_micro_usd + r.shared_micro_usd == r.cost_micro_usd for r in rows)
+        assert sum(r.shared_micro_usd for r in rows) == live_view.shared_total_micro_usd(state) > 0
+    # Each team's direct part is what it paid with every bucket kept.
+    kept_state = apply_records(ViewState.empty(), demo.costs)
+    assert {r.group: r.direct_micro_usd for r in live_view.team_costs(state) if not r.is_bucket} == {
+        r.group: r.cost_micro_usd for r in live_view.team_costs(kept_state) if not r.is_bucket}
+    # A re-sent shared line counts once; two shared lines of one pod (idle, node_other) are two lines.
+    again = apply_records(state, [c for c in costs if c.is_shared])
+    assert again.cost_total_micro_usd == state.cost_total_micro_usd
+    line = "shared " + live_view.usd_text(live_view.shared_total_micro_usd(state))
+    assert line in live_view.progress_line(state, [], 10.0)
+    assert "shared" not in live_view.progress_line(kept_state, [], 10.0)
+
+
+def test_the_rendered_view_shows_each_teams_direct_and_shared_cost(demo):
+    from rich.console import Console
+
+    costs, _ = demo.costs_with("idle=weighted,node_other=weighted")
+    state = apply_records(ViewState.empty(), costs)
+    console = Console(width=240, record=True, color_system=None)
+    console.print(run.render_view(state, [], "header line"))
+    text = console.export_text()
+    assert "direct" in text and "shared" in text
+    for row in live_view.team_costs(state):
+        cells = r"\s+".join(re.escape(cell) for cell in (row.group, row.usd, row.direct_usd, row.shared_usd))
+        assert re.search(cells, text), row
 
 
 def test_a_cost_line_sent_twice_counts_once(demo):
@@ -501,5 +557,20 @@ def test_the_rendered_view_shows_every_unit_adding_up_to_100_and_the_cost_total(
     assert all("= 100.0%" in line for line in unit_lines)
     assert all(line.count("█") + line.count("░") + line.count("▒") + line.count("▓") == BAR_WIDTH_CELLS
                for line in unit_lines)
-    assert text.count(live_view.usd_text(state.cost_total_micro_usd)) == 2  # namespace and team tables
+    # The total and, nothing being shared, its direct part: in the namespace and the team tables.
+    assert text.count(live_view.usd_text(state.cost_total_micro_usd)) == 4
     assert "visibility_leak" in text and "scratch/debug-shell" in text
+
+
+def test_the_runs_sharing_policy_reaches_billing_and_is_checked_at_start(tmp_path):
+    from gpumeter.errors import ConfigError
+
+    nodes = ("gpu-p5-a",)
+    plain = run.service_specs(_config(tmp_path), nodes, tmp_path / "s.yaml", "127.0.0.1:9", 120, with_guard=False)
+    assert "--sharing" not in next(s for s in plain if s.name == "billing").argv
+    config = _config(tmp_path, sharing="node_other=weighted, idle=weighted")
+    specs = run.service_specs(config, nodes, tmp_path / "s.yaml", "127.0.0.1:9", 120, with_guard=False)
+    billing = next(s for s in specs if s.name == "billing")
+    assert billing.argv[billing.argv.index("--sharing") + 1] == "idle=weighted,node_other=weighted"
+    with pytest.raises(ConfigError):
+        _config(tmp_path, sharing="idle=spread")

@@ -28,6 +28,8 @@ SERVICE_ROLES: dict[str, tuple[str, str, str]] = {
     "attributor": ("services.attributor.settings", "attributor_settings", "services/attributor"),
     "billing": ("services.billing.settings", "billing_settings", "services/billing"),
     "guard": ("services.guard.settings", "guard_settings", "services/guard"),
+    # The ledger's read-only HTTP API: billing's code (it reads billing's ledger), a role of its own.
+    "api": ("services.billing.api", "api_settings", "services/billing"),
 }
 
 # Read by the NVIDIA container toolkit, not by gpumeter: allowed on the collector only.

@@ -392,7 +392,8 @@ def check_commands_and_settings(docs: list[dict]) -> list[str]:
 
 def check_metrics_services(docs: list[dict]) -> None:
     """Each long-running workload serves /metrics and /healthz on the port its settings name, behind exactly one
-    Service carrying the Prometheus annotations; four metrics Services, four ports."""
+    Service carrying the Prometheus annotations; five metrics Services (the API's also serves /allocation), five
+    ports."""
     services = of_kind(docs, "Service")
     for workload in workloads(docs):
         spec = pod_spec(workload)
@@ -416,7 +417,7 @@ def check_metrics_services(docs: list[dict]) -> None:
         assert annotations == {"prometheus.io/scrape": "true", "prometheus.io/port": str(port["containerPort"]),
                                "prometheus.io/path": "/metrics"}
     ports = sorted(s["spec"]["ports"][0]["port"] for s in services)
-    assert len(ports) == len(set(ports)) == 4
+    assert len(ports) == len(set(ports)) == 5
 
 
 def check_workload_selectors_are_disjoint(docs: list[dict]) -> None:

@@ -149,6 +149,8 @@ def test_every_gpumeter_command_parses_and_builds_its_settings(compose):
     for name, service in gpumeter_services(compose).items():
         env = environment(service)
         settings = settings_for(service["command"], env)
+        if role_of(service["command"]) == "api":
+            continue  # no Kafka: it reads the ledger only (its ledger: test_the_api_reads_billings_ledger)
         kafka = settings if isinstance(settings, KafkaSettings) else settings.kafka
         host, _, port = kafka.bootstrap_servers.partition(":")
         assert host in compose["services"], f"{name}: bootstrap host {host!r} is not a compose service"
@@ -219,6 +221,9 @@ def test_services_start_after_kafka_the_topics_and_their_databases(compose):
         role = role_of(service["command"])
         if role not in SERVICE_ROLES:
             continue
+        if role == "api":  # no topics of its own: it waits for billing, which waits for them and the ledger
+            assert service["depends_on"]["billing"]["condition"] == "service_healthy", name
+            continue
         assert service["depends_on"][topics[0]]["condition"] == "service_completed_successfully", name
         settings = settings_for(service["command"], environment(service))
         if role == "billing":
@@ -233,6 +238,16 @@ def test_restart_policies(compose):
         one_shot = bool(command) and service.get("image") == gpumeter_image(compose) and command[0] == "topics"
         expected = {"no"} if one_shot else {"unless-stopped", "always", "on-failure"}
         assert service.get("restart") in expected, f"{name}: restart {service.get('restart')!r}"
+
+
+def test_the_api_reads_billings_ledger_after_billing_migrated_it(compose):
+    services = gpumeter_services(compose)
+    (api,) = [s for s in services.values() if role_of(s["command"]) == "api"]
+    (billing,) = [s for s in services.values() if role_of(s["command"]) == "billing"]
+    assert settings_for(api["command"], environment(api)).ledger_url == settings_for(
+        billing["command"], environment(billing)).ledger_url
+    assert api["depends_on"]["billing"]["condition"] == "service_healthy"
+    assert "KAFKA_BOOTSTRAP_SERVERS" not in environment(api)
 
 
 def test_billing_ledger_is_the_compose_postgres_with_its_credentials(compose):

@@ -191,7 +191,7 @@ def test_no_secret_values_inline(docs):
 
 
 def test_every_container_runs_a_gpumeter_command_with_settings_from_its_environment(docs):
-    assert check_commands_and_settings(docs) == ["attributor", "billing", "collector", "guard", "topics"]
+    assert check_commands_and_settings(docs) == ["api", "attributor", "billing", "collector", "guard", "topics"]
 
 
 def test_metrics_services_select_each_workload_and_carry_prometheus_annotations(docs):

@@ -48,6 +48,7 @@ def downgrade() -> None:
     op.drop_table("trueups")
     with op.batch_alter_table("cost_lines") as batch:
         batch.drop_column("trued_cost_micro_usd")
-    with op.batch_alter_table("node_bills") as batch:
-        batch.drop_column("trueup_id")
-        batch.drop_column("trued_cost_micro_usd")
+    # Not in batch mode: recreating node_bills would drop a table cost_lines' foreign key points at (SQLite has had
+    # ALTER TABLE ... DROP COLUMN since 3.35).
+    op.drop_column("node_bills", "trueup_id")
+    op.drop_column("node_bills", "trued_cost_micro_usd")
