@@ -385,10 +385,18 @@ def _sharing_lines(report: Report) -> list[str]:
     moved = ", ".join(f"{row.shared_from.lower()} {usd_text(row.cost_micro_usd)} USD {row.sharing_method}"
                       for row in report.shared_sources) or "nothing"
     kept = report.total_micro_usd - report.pods_micro_usd
+    by_bucket: dict[str, int] = {}
+    for line in report.lines:
+        if line.kind != "pod" and line.cost_micro_usd:
+            by_bucket[line.kind] = by_bucket.get(line.kind, 0) + line.cost_micro_usd
+    kept_text = f"kept as buckets {usd_text(kept)} USD"
+    if by_bucket:
+        # Which buckets the policy keeps, so a policy that leaves some of the bill unallocated says where it is.
+        kept_text += " (" + ", ".join(f"{kind} {usd_text(micro)}" for kind, micro in sorted(by_bucket.items())) + ")"
     return [f"sharing: {policies}; shared to pods: {moved}",
             f"allocated to pods: {usd_text(report.pods_micro_usd)} USD, {_share_text(report.pods_micro_usd, bills)} "
             f"of the node bills (direct {usd_text(report.pods_micro_usd - report.shared_micro_usd)}, shared "
-            f"{usd_text(report.shared_micro_usd)}); kept as buckets {usd_text(kept)} USD"]
+            f"{usd_text(report.shared_micro_usd)}); {kept_text}"]
 
 
 def _emitted_text(report: Report) -> str:

@@ -336,4 +336,10 @@ def test_a_window_without_pods_keeps_its_buckets_under_any_policy(sqlite_ledger)
     report = build_report(sqlite_ledger, Grouping("namespace"), start_ms=WINDOW_START_MS, end_ms=END_MS)
     assert {line.kind for line in report.lines} == {"idle", "node_other"} and report.pods_micro_usd == 0
     assert report.shares_anything  # the policy shares, there was nobody to share to
-    assert "allocated to pods: 0.000000 USD, 0.00% of the node bills" in format_report(report, "table")
+    table = format_report(report, "table")
+    assert "allocated to pods: 0.000000 USD, 0.00% of the node bills" in table
+    # What is kept is named bucket by bucket, so an unallocated part of the bill says where it is.
+    idle, other = (sum(l.cost_micro_usd for l in report.lines if l.kind == kind) for kind in ("idle", "node_other"))
+    assert idle > 0 and other > 0
+    assert (f"kept as buckets {usd_text(idle + other)} USD (idle {usd_text(idle)}, node_other {usd_text(other)})"
+            in table)
