@@ -55,7 +55,18 @@ from functools import lru_cache
 from typing import Iterable, Mapping
 
 from gpumeter.errors import InvalidName, OutOfRange
-from schemas.records import CostRecord, CostSubjectKind, GpuDeviceSample, GpuShare, NodeSample, PodEvent
+from schemas.records import (
+    CostRecord,
+    CostSubjectKind,
+    GpuDeviceSample,
+    GpuShare,
+    NodeSample,
+    NodeWindowCost,
+    NodeWindowShares,
+    PodEvent,
+    RecordShapeError,
+    WindowPod,
+)
 
 EARLIEST_UNIX_MS = 946_684_800_000  # 2000-01-01T00:00:00Z
 DEFAULT_MAX_CLOCK_SKEW_SECONDS = 120  # the attributor: a tick from the future moves its node's watermark
@@ -459,3 +470,98 @@ def check_cost(cost: CostRecord, now_unix_ms: int, max_clock_skew_ms: int) -> No
     _check_window(where, cost.window_start_unix_ms, cost.window_seconds, now_unix_ms, max_clock_skew_ms)
     if cost.subject_kind is CostSubjectKind.POD and not cost.pod_uid:
         raise OutOfRange(f"{where}: a POD line needs a pod_uid")
+
+
+def _check_window_pods(where: str, pods: Iterable[WindowPod]) -> None:
+    uids = []
+    for pod in pods:
+        _check_name(where, "pod uid", pod.pod_uid, "id")
+        _check_name(where, "namespace", pod.namespace, "label")
+        _check_name(where, "pod name", pod.pod_name, "subdomain")
+        _check_labels(where, "label", pod.labels)
+        for key in pod.carried_label_keys:
+            _check_name(where, "carried label key", key, "qualified")
+        _check_name(where, "workload kind", pod.workload_kind, "kind")
+        _check_name(where, "workload name", pod.workload_name, "subdomain")
+        if pod.cpu_request_millicores < 0 or pod.memory_request_bytes < 0:
+            raise OutOfRange(f"{where}: pod {pod.pod_uid}: negative requests")
+        uids.append(pod.pod_uid)
+    duplicate = _first_duplicate_in(tuple(uids))
+    if duplicate is not None:
+        raise OutOfRange(f"{where}: pod {duplicate} is listed twice")
+
+
+def check_window_shares(shares: NodeWindowShares, now_unix_ms: int, max_clock_skew_ms: int) -> None:
+    """Raise ``OutOfRange`` for a ``NodeWindowShares`` that cannot be true on its own: arrays that do not line up
+    or indexes that name no pod (``check_shape``), no unit or a unit without rows, a unit or pod listed twice, a
+    window not ended yet (beyond the clock skew) or starting before 2000, covered seconds outside [0, window] or
+    not finite, a GPU fraction outside (0, 1], a memory/compute/cost share outside [0, 1] or not finite, negative
+    average memory or sample count. ``InvalidName`` for a name of the wrong syntax. Whether each unit's shares add
+    up to 1 is a check of money, billing's (``InconsistentShares``)."""
+    where = f"shares of {shown(shares.cluster)}/{shown(shares.node_name)}@{shares.window_start_unix_ms}"
+    try:
+        shares.check_shape()
+    except RecordShapeError as exc:
+        raise OutOfRange(f"{where}: {exc}") from exc
+    _check_name(where, "cluster", shares.cluster, "id")
+    _check_name(where, "node name", shares.node_name, "subdomain")
+    _check_window(where, shares.window_start_unix_ms, shares.window_seconds, now_unix_ms, max_clock_skew_ms)
+    window = shares.window_seconds + COVERED_SECONDS_TOLERANCE
+    if not math.isfinite(shares.node_covered_seconds) or not 0 <= shares.node_covered_seconds <= window:
+        raise OutOfRange(f"{where}: node_covered_seconds {shares.node_covered_seconds!r} outside "
+                         f"[0, {shares.window_seconds}]")
+    if not shares.units:
+        raise OutOfRange(f"{where}: a node-window has at least one unit")
+    _check_window_pods(where, shares.pods)
+    duplicate = _first_duplicate_in(tuple(u.gpu_uuid for u in shares.units))
+    if duplicate is not None:
+        raise OutOfRange(f"{where}: unit {duplicate} is listed twice")
+    for unit in shares.units:
+        at = f"{where} unit {unit.gpu_uuid}"
+        _check_name(where, "gpu uuid", unit.gpu_uuid, "id")
+        _check_name(where, "parent gpu uuid", unit.parent_gpu_uuid, "id")
+        if not unit.subject_kinds:
+            raise OutOfRange(f"{at}: a unit has at least one row")
+        if not math.isfinite(unit.covered_seconds) or not 0 <= unit.covered_seconds <= window:
+            raise OutOfRange(f"{at}: covered_seconds {unit.covered_seconds!r} outside [0, {shares.window_seconds}]")
+        if not math.isfinite(unit.gpu_fraction) or not 0 < unit.gpu_fraction <= 1 + SHARE_TOLERANCE:
+            raise OutOfRange(f"{at}: gpu_fraction {unit.gpu_fraction!r} outside (0, 1]")
+        if unit.sample_count < 0:
+            raise OutOfRange(f"{at}: negative sample_count {unit.sample_count}")
+        for name in ("memory_share", "compute_share", "cost_share"):
+            for value in getattr(unit, name):
+                _check_fraction(at, name, value)
+        for value in unit.memory_used_bytes_avg:
+            if not math.isfinite(value) or value < 0:
+                raise OutOfRange(f"{at}: memory_used_bytes_avg {value!r} must be >= 0")
+
+
+def check_window_cost(cost: NodeWindowCost, now_unix_ms: int, max_clock_skew_ms: int) -> None:
+    """Raise ``OutOfRange`` for a ``NodeWindowCost`` that cannot be true: line arrays that do not line up, indexes
+    that name nothing, lines that do not add up to the bill (``check_shape``), a negative cost, a GPU part larger
+    than the bill or a node_other that is not the rest, a share outside [0, 1], a window not ended yet (beyond the
+    clock skew) or starting before 2000. ``InvalidName`` for a name of the wrong syntax."""
+    where = f"bill of {shown(cost.cluster)}/{shown(cost.node_name)}@{cost.window_start_unix_ms}"
+    try:
+        cost.check_shape()
+    except RecordShapeError as exc:
+        raise OutOfRange(f"{where}: {exc}") from exc
+    _check_name(where, "cluster", cost.cluster, "id")
+    _check_name(where, "node name", cost.node_name, "subdomain")
+    _check_window(where, cost.window_start_unix_ms, cost.window_seconds, now_unix_ms, max_clock_skew_ms)
+    for uuid in cost.unit_uuids:
+        _check_name(where, "gpu uuid", uuid, "id")
+    _check_window_pods(where, cost.pods)
+    if cost.node_cost_micro_usd < 0 or not 0 <= cost.gpu_cost_micro_usd <= cost.node_cost_micro_usd:
+        raise OutOfRange(f"{where}: node cost {cost.node_cost_micro_usd} and GPU part {cost.gpu_cost_micro_usd} "
+                         "micro-USD cannot be")
+    if cost.node_other_micro_usd != cost.node_cost_micro_usd - cost.gpu_cost_micro_usd:
+        raise OutOfRange(f"{where}: node_other {cost.node_other_micro_usd} is not the bill less its GPU part")
+    if not 0 <= cost.billed_milliseconds <= cost.window_seconds * 1000 + COVERED_SECONDS_TOLERANCE * 1000:
+        raise OutOfRange(f"{where}: billed_milliseconds {cost.billed_milliseconds} outside the window")
+    for micro in cost.line_cost_micro_usd:
+        if micro < 0:
+            raise OutOfRange(f"{where}: negative cost line {micro} micro-USD")
+    for name in ("line_cost_share", "line_memory_share", "line_compute_share"):
+        for value in getattr(cost, name):
+            _check_fraction(where, name, value)

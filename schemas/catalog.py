@@ -3,6 +3,15 @@
 Topic names carry a prefix (``TopicCatalog(prefix=...)``) so tests and parallel deployments stay apart.
 Samples and pod events are partitioned by node name with Kafka's murmur2, so a node's samples and its pods'
 events land in the same partition number (Faust has no stream joins; the attributor joins a stream to a table).
+
+**Topic versions.** A topic's name ends in its own version (``.v1``, ``.v2``). Within a topic, records evolve only
+in ways every reader of the topic keeps reading (fields added with defaults, enum symbols added once the enum has
+a default). A record version that older readers cannot read -- one that drops fields, or adds an enum symbol to an
+enum without a default -- goes to a new topic version, and ``record_versions`` says which versions of its record
+type each topic carries (``tests/unit/schemas/test_codec.py`` checks that no topic carries two versions that do not
+read each other). The topics an older release wrote (``LEGACY_TOPICS``) keep their data for the readers of that
+release until their retention ends: no gpumeter service writes them, ``gpumeter topics create`` does not create
+them, and docs/migration-v2.md says how to move.
 """
 
 from __future__ import annotations
@@ -10,7 +19,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from schemas.records import CostRecord, DeadLetter, GpuShare, NodeSample, PodEvent, Violation
+from schemas.records import (
+    CostRecord,
+    DeadLetter,
+    GpuShare,
+    NodeSample,
+    NodeWindowCost,
+    NodeWindowShares,
+    PodEvent,
+    Violation,
+)
 
 
 @dataclass(frozen=True)
@@ -27,6 +45,7 @@ class TopicSpec:
     consumers: tuple[str, ...]
     doc: str
     extra_config: tuple[tuple[str, str], ...] = field(default=())
+    record_versions: tuple[int, ...] = (1,)  # the versions of record_type written to this topic
 
     def config(self) -> dict[str, str]:
         config = {"cleanup.policy": self.cleanup_policy, "retention.ms": str(self.retention_ms)}
@@ -38,7 +57,7 @@ HOUR_MS = 3_600_000
 DAY_MS = 24 * HOUR_MS
 
 NODE_SAMPLES = TopicSpec(
-    name="gpumeter.node-samples.v1",
+    name="gpumeter.node-samples.v2",
     record_type=NodeSample,
     key="node_name",
     partitions=12,
@@ -46,7 +65,8 @@ NODE_SAMPLES = TopicSpec(
     retention_ms=DAY_MS,
     producers=("collector",),
     consumers=("attributor", "guard"),
-    doc="One NodeSample per node per tick (the hot topic).",
+    doc="One NodeSample per node per tick (the hot topic). NodeSample v2: no container ids (no consumer read them).",
+    record_versions=(2,),
 )
 POD_EVENTS = TopicSpec(
     name="gpumeter.pod-events.v1",
@@ -59,28 +79,42 @@ POD_EVENTS = TopicSpec(
     consumers=("attributor", "guard"),
     doc="Pod changes on GPU nodes; compacted to the latest state per pod.",
     extra_config=(("min.compaction.lag.ms", str(HOUR_MS)), ("delete.retention.ms", str(DAY_MS))),
+    record_versions=(1, 2),
 )
-GPU_SHARES = TopicSpec(
-    name="gpumeter.gpu-shares.v1",
-    record_type=GpuShare,
-    key="node_name",
+NODE_WINDOW_SHARES = TopicSpec(
+    name="gpumeter.node-window-shares.v1",
+    record_type=NodeWindowShares,
+    key="node_name, partitioned by node_name",
     partitions=12,
     cleanup_policy="delete",
     retention_ms=7 * DAY_MS,
     producers=("attributor",),
     consumers=("billing", "guard"),
-    doc="Per (window, GPU unit, subject) shares that add up to 1 per unit and window.",
+    doc="One NodeWindowShares per node and window: every unit's subjects' shares, adding up to 1 per unit.",
+)
+NODE_WINDOW_COSTS = TopicSpec(
+    name="gpumeter.node-window-costs.v1",
+    record_type=NodeWindowCost,
+    key="node_name, partitioned by node_name",
+    partitions=12,
+    cleanup_policy="delete",
+    retention_ms=30 * DAY_MS,
+    producers=("billing",),
+    consumers=("guard",),
+    doc="One NodeWindowCost per node-window bill, with all its cost lines, adding up to the bill exactly.",
 )
 COSTS = TopicSpec(
-    name="gpumeter.costs.v1",
+    name="gpumeter.costs.v2",
     record_type=CostRecord,
     key="node_name",
     partitions=12,
     cleanup_policy="delete",
     retention_ms=30 * DAY_MS,
     producers=("billing",),
-    consumers=("guard", "external cost consumers"),
-    doc="Realtime cost records that add up to the node bills exactly.",
+    consumers=("external cost consumers", "gpumeter run's live view"),
+    doc="The realtime per-pod cost stream: one CostRecord per line, one batch per node-window, adding up to the "
+        "node bills exactly. CostRecord v2 (the UNAVAILABLE subject, direct and shared lines).",
+    record_versions=(2,),
 )
 VIOLATIONS = TopicSpec(
     name="gpumeter.violations.v1",
@@ -103,9 +137,47 @@ DEAD_LETTERS = TopicSpec(
     producers=("collector", "attributor", "billing", "guard"),
     consumers=("operators",),
     doc="Every input a service rejected, whole, with the reason.",
+    record_versions=(1, 2),
+)
+# Written by the release before the node-window records (docs/migration-v2.md); read by its readers only.
+GPU_SHARES = TopicSpec(
+    name="gpumeter.gpu-shares.v1",
+    record_type=GpuShare,
+    key="node_name",
+    partitions=12,
+    cleanup_policy="delete",
+    retention_ms=7 * DAY_MS,
+    producers=("attributor",),
+    consumers=("billing", "guard"),
+    doc="Per (window, GPU unit, subject) shares that add up to 1 per unit and window.",
+    record_versions=(1, 2),
+)
+NODE_SAMPLES_V1 = TopicSpec(
+    name="gpumeter.node-samples.v1",
+    record_type=NodeSample,
+    key="node_name",
+    partitions=12,
+    cleanup_policy="delete",
+    retention_ms=DAY_MS,
+    producers=("collector before node-window records",),
+    consumers=("attributor and guard before node-window records",),
+    doc="NodeSample v1 per node per tick, with container ids.",
+)
+COSTS_V1 = TopicSpec(
+    name="gpumeter.costs.v1",
+    record_type=CostRecord,
+    key="node_name",
+    partitions=12,
+    cleanup_policy="delete",
+    retention_ms=30 * DAY_MS,
+    producers=("billing before node-window records",),
+    consumers=("external cost consumers of CostRecord v1",),
+    doc="CostRecord v1 lines (no UNAVAILABLE subject, no shared lines).",
 )
 
-ALL_TOPICS: tuple[TopicSpec, ...] = (NODE_SAMPLES, POD_EVENTS, GPU_SHARES, COSTS, VIOLATIONS, DEAD_LETTERS)
+ALL_TOPICS: tuple[TopicSpec, ...] = (NODE_SAMPLES, POD_EVENTS, NODE_WINDOW_SHARES, NODE_WINDOW_COSTS, COSTS,
+                                     VIOLATIONS, DEAD_LETTERS, GPU_SHARES)
+LEGACY_TOPICS: tuple[TopicSpec, ...] = (NODE_SAMPLES_V1, COSTS_V1)
 
 
 @dataclass(frozen=True)
@@ -135,6 +207,14 @@ class TopicCatalog:
     @property
     def gpu_shares(self) -> str:
         return self.name(GPU_SHARES)
+
+    @property
+    def node_window_shares(self) -> str:
+        return self.name(NODE_WINDOW_SHARES)
+
+    @property
+    def node_window_costs(self) -> str:
+        return self.name(NODE_WINDOW_COSTS)
 
     @property
     def costs(self) -> str:

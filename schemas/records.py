@@ -9,11 +9,14 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, fields
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 
 def _frozen_map(value: Mapping[str, Any] | None) -> Mapping[str, Any]:
     return MappingProxyType(dict(value or {}))
+
+
+_EMPTY_MAP: Mapping[str, Any] = MappingProxyType({})
 
 
 # The NVML facts a record's meaning depends on (the collector writes them, every consumer reads them here).
@@ -557,6 +560,419 @@ class DeadLetter:
         return cls(**d)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Node-window records: one message per node and window, columnar, the pods listed once.
+
+
+@dataclass(frozen=True, slots=True)
+class WindowPod:
+    """One pod of a node-window record, referenced by index from its rows or lines."""
+
+    pod_uid: str
+    namespace: str | None
+    pod_name: str | None
+    labels: Mapping[str, str]
+    carried_label_keys: tuple[str, ...]
+    workload_kind: str | None
+    workload_name: str | None
+    cpu_request_millicores: int
+    memory_request_bytes: int
+
+    def to_avro(self) -> dict[str, Any]:
+        return {
+            "pod_uid": self.pod_uid,
+            "namespace": self.namespace,
+            "pod_name": self.pod_name,
+            "labels": dict(self.labels),
+            "carried_label_keys": list(self.carried_label_keys),
+            "workload_kind": self.workload_kind,
+            "workload_name": self.workload_name,
+            "cpu_request_millicores": self.cpu_request_millicores,
+            "memory_request_bytes": self.memory_request_bytes,
+        }
+
+    @classmethod
+    def from_avro(cls, d: Mapping[str, Any]) -> "WindowPod":
+        return cls(d["pod_uid"], d["namespace"], d["pod_name"], _frozen_map(d["labels"]),
+                   tuple(d["carried_label_keys"]), d["workload_kind"], d["workload_name"],
+                   d["cpu_request_millicores"], d["memory_request_bytes"])
+
+
+_SHARE_KINDS: dict[str, ShareSubjectKind] = {kind.value: kind for kind in ShareSubjectKind}
+_COST_KINDS: dict[str, CostSubjectKind] = {kind.value: kind for kind in CostSubjectKind}
+_UNIT_ROW_FIELDS = ("subject_kinds", "subject_pod_index", "memory_used_bytes_avg", "memory_share", "compute_share",
+                    "cost_share")
+
+
+@dataclass(frozen=True, slots=True)
+class UnitShares:
+    """One unit of a ``NodeWindowShares`` and its subjects' shares, as parallel tuples (one entry per row)."""
+
+    gpu_uuid: str
+    parent_gpu_uuid: str | None
+    gpu_model: str
+    gpu_fraction: float
+    sharing_mode: SharingMode
+    method: str
+    sample_count: int
+    covered_seconds: float
+    subject_kinds: tuple[ShareSubjectKind, ...]
+    subject_pod_index: tuple[int, ...]
+    memory_used_bytes_avg: tuple[float, ...]
+    memory_share: tuple[float, ...]
+    compute_share: tuple[float, ...]
+    cost_share: tuple[float, ...]
+
+    def __len__(self) -> int:
+        return len(self.subject_kinds)
+
+    def to_avro(self) -> dict[str, Any]:
+        return {
+            "gpu_uuid": self.gpu_uuid,
+            "parent_gpu_uuid": self.parent_gpu_uuid,
+            "gpu_model": self.gpu_model,
+            "gpu_fraction": self.gpu_fraction,
+            "sharing_mode": str(self.sharing_mode),
+            "method": self.method,
+            "sample_count": self.sample_count,
+            "covered_seconds": self.covered_seconds,
+            "subject_kinds": [str(k) for k in self.subject_kinds],
+            "subject_pod_index": list(self.subject_pod_index),
+            "memory_used_bytes_avg": list(self.memory_used_bytes_avg),
+            "memory_share": list(self.memory_share),
+            "compute_share": list(self.compute_share),
+            "cost_share": list(self.cost_share),
+        }
+
+    @classmethod
+    def from_avro(cls, d: Mapping[str, Any]) -> "UnitShares":
+        return cls(d["gpu_uuid"], d["parent_gpu_uuid"], d["gpu_model"], d["gpu_fraction"],
+                   _SHARING_MODES[d["sharing_mode"]], d["method"], d["sample_count"], d["covered_seconds"],
+                   tuple([_SHARE_KINDS[k] for k in d["subject_kinds"]]), tuple(d["subject_pod_index"]),
+                   tuple(d["memory_used_bytes_avg"]), tuple(d["memory_share"]), tuple(d["compute_share"]),
+                   tuple(d["cost_share"]))
+
+
+class RecordShapeError(ValueError):
+    """A columnar record whose parallel arrays or indexes do not line up (``check_shape``), or rows that cannot be
+    one node-window (``from_rows``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeWindowShares:
+    """One node's shares of one window (``NodeWindowShares.v1.avsc``). ``rows()`` is the same content as one
+    ``GpuShare`` per unit and subject; ``from_rows`` builds it from those rows."""
+
+    cluster: str
+    node_name: str
+    window_start_unix_ms: int
+    window_seconds: int
+    node_covered_seconds: float
+    cloud_provider: str
+    region: str
+    zone: str
+    provider_id: str
+    instance_type: str
+    price_model: str
+    cost_basis: str
+    pods: tuple[WindowPod, ...]
+    units: tuple[UnitShares, ...]
+
+    @property
+    def window_end_unix_ms(self) -> int:
+        return self.window_start_unix_ms + self.window_seconds * 1000
+
+    @property
+    def row_count(self) -> int:
+        return sum(len(unit) for unit in self.units)
+
+    def check_shape(self) -> None:
+        """Raise ``RecordShapeError`` unless every unit's arrays have one entry per row and every pod index names
+        a pod (POD rows) or is -1 (buckets)."""
+        pods = len(self.pods)
+        for unit in self.units:
+            n = len(unit.subject_kinds)
+            for name in _UNIT_ROW_FIELDS[1:]:
+                if len(getattr(unit, name)) != n:
+                    raise RecordShapeError(f"unit {unit.gpu_uuid}: {name} has {len(getattr(unit, name))} entries "
+                                           f"for {n} rows")
+            for kind, index in zip(unit.subject_kinds, unit.subject_pod_index):
+                if kind is ShareSubjectKind.POD:
+                    if not 0 <= index < pods:
+                        raise RecordShapeError(f"unit {unit.gpu_uuid}: a POD row names pod {index} of {pods}")
+                elif index != -1:
+                    raise RecordShapeError(f"unit {unit.gpu_uuid}: a {kind} row names pod {index}")
+
+    def rows(self) -> tuple[GpuShare, ...]:
+        """One ``GpuShare`` per unit and subject, in unit then row order."""
+        out: list[GpuShare] = []
+        units_in_node = len(self.units)
+        pods = self.pods
+        for unit in self.units:
+            rows_in_unit = len(unit.subject_kinds)
+            for i in range(rows_in_unit):
+                index = unit.subject_pod_index[i]
+                pod = pods[index] if index >= 0 else None
+                out.append(GpuShare(
+                    self.cluster, self.node_name, self.window_start_unix_ms, self.window_seconds,
+                    self.node_covered_seconds, units_in_node, rows_in_unit, self.cloud_provider, self.region,
+                    self.instance_type, self.price_model, unit.gpu_uuid, unit.parent_gpu_uuid, unit.gpu_model,
+                    unit.gpu_fraction, unit.sharing_mode, unit.subject_kinds[i],
+                    None if pod is None else pod.pod_uid,
+                    None if pod is None else pod.namespace,
+                    None if pod is None else pod.pod_name,
+                    _EMPTY_MAP if pod is None else pod.labels,
+                    None if pod is None else pod.workload_kind,
+                    None if pod is None else pod.workload_name,
+                    unit.memory_used_bytes_avg[i], unit.memory_share[i], unit.compute_share[i], unit.cost_share[i],
+                    unit.method, unit.sample_count, unit.covered_seconds, self.zone, self.provider_id,
+                    () if pod is None else pod.carried_label_keys,
+                    0 if pod is None else pod.cpu_request_millicores,
+                    0 if pod is None else pod.memory_request_bytes,
+                    self.cost_basis,
+                ))
+        return tuple(out)
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[GpuShare]) -> "NodeWindowShares":
+        """The node-window of ``rows`` (one node-window's rows, grouped by unit in unit order). Raises
+        ``RecordShapeError`` for rows of several node-windows, a unit's rows apart, or one pod described two
+        ways."""
+        if not rows:
+            raise RecordShapeError("a node-window has at least one row")
+        first = rows[0]
+        node = (first.cluster, first.node_name, first.window_start_unix_ms, first.window_seconds)
+        pods: dict[str, WindowPod] = {}
+        pod_index: dict[str, int] = {}
+        units: list[UnitShares] = []
+        columns: list[list[Any]] = []
+        unit_of: dict[str, int] = {}
+        for row in rows:
+            if (row.cluster, row.node_name, row.window_start_unix_ms, row.window_seconds) != node:
+                raise RecordShapeError(f"rows of {node} and {(row.cluster, row.node_name, row.window_start_unix_ms)}")
+            index = -1
+            if row.subject_kind is ShareSubjectKind.POD:
+                if row.pod_uid is None:
+                    raise RecordShapeError(f"unit {row.gpu_uuid}: a POD row without pod uid")
+                pod = WindowPod(row.pod_uid, row.namespace, row.pod_name, _frozen_map(row.labels),
+                                tuple(row.carried_label_keys), row.workload_kind, row.workload_name,
+                                row.cpu_request_millicores, row.memory_request_bytes)
+                known = pods.get(row.pod_uid)
+                if known is None:
+                    pod_index[row.pod_uid] = len(pods)
+                    pods[row.pod_uid] = pod
+                elif known != pod:
+                    raise RecordShapeError(f"pod {row.pod_uid} is described two ways in one node-window")
+                index = pod_index[row.pod_uid]
+            at = unit_of.get(row.gpu_uuid)
+            if at is None:
+                at = unit_of[row.gpu_uuid] = len(units)
+                units.append(UnitShares(row.gpu_uuid, row.parent_gpu_uuid, row.gpu_model, row.gpu_fraction,
+                                        row.sharing_mode, row.method, row.sample_count, row.covered_seconds,
+                                        (), (), (), (), (), ()))
+                columns.append([[], [], [], [], [], []])
+            elif at != len(units) - 1:
+                raise RecordShapeError(f"the rows of unit {row.gpu_uuid} are not together")
+            column = columns[at]
+            column[0].append(row.subject_kind)
+            column[1].append(index)
+            column[2].append(row.memory_used_bytes_avg)
+            column[3].append(row.memory_share)
+            column[4].append(row.compute_share)
+            column[5].append(row.cost_share)
+        return cls(first.cluster, first.node_name, first.window_start_unix_ms, first.window_seconds,
+                   first.node_covered_seconds, first.cloud_provider, first.region, first.zone, first.provider_id,
+                   first.instance_type, first.price_model, first.cost_basis, tuple(pods.values()),
+                   tuple(UnitShares(u.gpu_uuid, u.parent_gpu_uuid, u.gpu_model, u.gpu_fraction, u.sharing_mode,
+                                    u.method, u.sample_count, u.covered_seconds, *(tuple(c) for c in column))
+                         for u, column in zip(units, columns)))
+
+    def to_avro(self) -> dict[str, Any]:
+        return {
+            "cluster": self.cluster,
+            "node_name": self.node_name,
+            "window_start_unix_ms": self.window_start_unix_ms,
+            "window_seconds": self.window_seconds,
+            "node_covered_seconds": self.node_covered_seconds,
+            "cloud_provider": self.cloud_provider,
+            "region": self.region,
+            "zone": self.zone,
+            "provider_id": self.provider_id,
+            "instance_type": self.instance_type,
+            "price_model": self.price_model,
+            "cost_basis": self.cost_basis,
+            "pods": [p.to_avro() for p in self.pods],
+            "units": [u.to_avro() for u in self.units],
+        }
+
+    @classmethod
+    def from_avro(cls, d: Mapping[str, Any]) -> "NodeWindowShares":
+        return cls(d["cluster"], d["node_name"], d["window_start_unix_ms"], d["window_seconds"],
+                   d["node_covered_seconds"], d["cloud_provider"], d["region"], d["zone"], d["provider_id"],
+                   d["instance_type"], d["price_model"], d["cost_basis"],
+                   tuple([WindowPod.from_avro(p) for p in d["pods"]]),
+                   tuple([UnitShares.from_avro(u) for u in d["units"]]))
+
+
+_LINE_FIELDS = ("line_unit_index", "line_subject_kinds", "line_pod_index", "line_cost_share", "line_cost_micro_usd",
+                "line_shared_from", "line_sharing_method", "line_method", "line_cost_basis", "line_memory_share",
+                "line_compute_share", "line_gpu_fraction")
+
+
+@dataclass(frozen=True, slots=True)
+class NodeWindowCost:
+    """One node-window's bill and its cost lines (``NodeWindowCost.v1.avsc``). ``cost_records()`` is the same
+    lines as the flat ``CostRecord`` stream carries them; ``from_cost_records`` builds one from those."""
+
+    cluster: str
+    node_name: str
+    window_start_unix_ms: int
+    window_seconds: int
+    billed_milliseconds: int
+    cloud_provider: str
+    region: str
+    zone: str
+    provider_id: str
+    instance_type: str
+    price_model: str
+    price_version: str
+    price_per_hour_usd: str
+    split_rule: str
+    gpu_count: int
+    node_cost_micro_usd: int
+    gpu_cost_micro_usd: int
+    node_other_micro_usd: int
+    sharing: str
+    pods: tuple[WindowPod, ...]
+    unit_uuids: tuple[str, ...]
+    line_unit_index: tuple[int, ...]
+    line_subject_kinds: tuple[CostSubjectKind, ...]
+    line_pod_index: tuple[int, ...]
+    line_cost_share: tuple[float, ...]
+    line_cost_micro_usd: tuple[int, ...]
+    line_shared_from: tuple[CostSubjectKind | None, ...]
+    line_sharing_method: tuple[str, ...]
+    line_method: tuple[str, ...]
+    line_cost_basis: tuple[str, ...]
+    line_memory_share: tuple[float, ...]
+    line_compute_share: tuple[float, ...]
+    line_gpu_fraction: tuple[float, ...]
+
+    @property
+    def line_count(self) -> int:
+        return len(self.line_subject_kinds)
+
+    def check_shape(self) -> None:
+        """Raise ``RecordShapeError`` unless every line array has one entry per line, every index names a unit or
+        pod (or is -1), only POD lines name pods, and the lines add up to ``node_cost_micro_usd``."""
+        n = len(self.line_subject_kinds)
+        for name in _LINE_FIELDS:
+            if len(getattr(self, name)) != n:
+                raise RecordShapeError(f"{name} has {len(getattr(self, name))} entries for {n} lines")
+        units, pods = len(self.unit_uuids), len(self.pods)
+        for kind, unit, pod in zip(self.line_subject_kinds, self.line_unit_index, self.line_pod_index):
+            if not -1 <= unit < units:
+                raise RecordShapeError(f"a line names unit {unit} of {units}")
+            if kind is CostSubjectKind.POD:
+                if not 0 <= pod < pods:
+                    raise RecordShapeError(f"a POD line names pod {pod} of {pods}")
+            elif pod != -1:
+                raise RecordShapeError(f"a {kind} line names pod {pod}")
+        total = sum(self.line_cost_micro_usd)
+        if total != self.node_cost_micro_usd:
+            raise RecordShapeError(f"the lines add up to {total} micro-USD, the bill to {self.node_cost_micro_usd}")
+
+    def cost_records(self) -> tuple[CostRecord, ...]:
+        """One ``CostRecord`` per line, in line order (what the flat costs stream carries)."""
+        out: list[CostRecord] = []
+        pods, units = self.pods, self.unit_uuids
+        for i in range(len(self.line_subject_kinds)):
+            index = self.line_pod_index[i]
+            pod = pods[index] if index >= 0 else None
+            unit = self.line_unit_index[i]
+            out.append(CostRecord(
+                self.cluster, self.node_name, self.window_start_unix_ms, self.window_seconds,
+                units[unit] if unit >= 0 else None, self.line_subject_kinds[i],
+                None if pod is None else pod.pod_uid,
+                None if pod is None else pod.namespace,
+                None if pod is None else pod.pod_name,
+                _EMPTY_MAP if pod is None else pod.labels,
+                self.line_cost_share[i], self.line_cost_micro_usd[i], self.instance_type, self.price_model,
+                self.price_version, () if pod is None else pod.carried_label_keys, self.line_shared_from[i],
+                self.line_sharing_method[i], self.line_method[i], self.line_cost_basis[i],
+                self.line_memory_share[i], self.line_compute_share[i], self.line_gpu_fraction[i],
+            ))
+        return tuple(out)
+
+    @classmethod
+    def from_cost_records(cls, records: Sequence[CostRecord], *, billed_milliseconds: int, cloud_provider: str,
+                          region: str, zone: str, provider_id: str, price_per_hour_usd: str, split_rule: str,
+                          gpu_count: int, gpu_cost_micro_usd: int, sharing: str,
+                          pods: Mapping[str, WindowPod] | None = None) -> "NodeWindowCost":
+        """The node-window of ``records`` (every line of one bill) with the bill's own figures. ``pods``: the
+        pods by uid as the shares described them (requests, workload), else built from the lines alone. Raises
+        ``RecordShapeError`` for lines of several node-windows or prices."""
+        if not records:
+            raise RecordShapeError("a bill has at least one line")
+        first = records[0]
+        key = (first.cluster, first.node_name, first.window_start_unix_ms, first.window_seconds,
+               first.instance_type, first.price_model, first.price_version)
+        listed: dict[str, int] = {}
+        window_pods: list[WindowPod] = []
+        unit_index: dict[str, int] = {}
+        columns: list[list[Any]] = [[] for _ in _LINE_FIELDS]
+        for record in records:
+            if (record.cluster, record.node_name, record.window_start_unix_ms, record.window_seconds,
+                    record.instance_type, record.price_model, record.price_version) != key:
+                raise RecordShapeError(f"lines of {key[:3]} and {(record.cluster, record.node_name, record.window_start_unix_ms)}")
+            pod_at = -1
+            if record.subject_kind is CostSubjectKind.POD:
+                if record.pod_uid is None:
+                    raise RecordShapeError("a POD line without pod uid")
+                pod_at = listed.get(record.pod_uid, -1)
+                if pod_at < 0:
+                    pod = (pods or {}).get(record.pod_uid) or WindowPod(
+                        record.pod_uid, record.namespace, record.pod_name, _frozen_map(record.labels),
+                        tuple(record.carried_label_keys), None, None, 0, 0)
+                    pod_at = listed[record.pod_uid] = len(window_pods)
+                    window_pods.append(pod)
+            unit_at = -1
+            if record.gpu_uuid is not None:
+                unit_at = unit_index.setdefault(record.gpu_uuid, len(unit_index))
+            for column, value in zip(columns, (
+                    unit_at, record.subject_kind, pod_at, record.cost_share, record.cost_micro_usd,
+                    record.shared_from, record.sharing_method, record.method, record.cost_basis,
+                    record.memory_share, record.compute_share, record.gpu_fraction)):
+                column.append(value)
+        node_cost = sum(r.cost_micro_usd for r in records)
+        return cls(first.cluster, first.node_name, first.window_start_unix_ms, first.window_seconds,
+                   billed_milliseconds, cloud_provider, region, zone, provider_id, first.instance_type,
+                   first.price_model, first.price_version, price_per_hour_usd, split_rule, gpu_count, node_cost,
+                   gpu_cost_micro_usd, node_cost - gpu_cost_micro_usd, sharing, tuple(window_pods),
+                   tuple(unit_index), *(tuple(c) for c in columns))
+
+    def to_avro(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["pods"] = [p.to_avro() for p in self.pods]
+        for name in _LINE_FIELDS:
+            d[name] = list(d[name])
+        d["unit_uuids"] = list(self.unit_uuids)
+        d["line_subject_kinds"] = [str(k) for k in self.line_subject_kinds]
+        d["line_shared_from"] = [None if k is None else str(k) for k in self.line_shared_from]
+        return d
+
+    @classmethod
+    def from_avro(cls, d: Mapping[str, Any]) -> "NodeWindowCost":
+        values = dict(d)
+        values["pods"] = tuple([WindowPod.from_avro(p) for p in d["pods"]])
+        for name in _LINE_FIELDS:
+            values[name] = tuple(d[name])
+        values["unit_uuids"] = tuple(d["unit_uuids"])
+        values["line_subject_kinds"] = tuple([_COST_KINDS[k] for k in d["line_subject_kinds"]])
+        values["line_shared_from"] = tuple([None if k is None else _COST_KINDS[k] for k in d["line_shared_from"]])
+        return cls(**values)
+
+
 RECORD_TYPES: dict[str, type] = {
     "gpumeter.NodeSample": NodeSample,
     "gpumeter.PodEvent": PodEvent,
@@ -564,4 +980,6 @@ RECORD_TYPES: dict[str, type] = {
     "gpumeter.CostRecord": CostRecord,
     "gpumeter.Violation": Violation,
     "gpumeter.DeadLetter": DeadLetter,
+    "gpumeter.NodeWindowShares": NodeWindowShares,
+    "gpumeter.NodeWindowCost": NodeWindowCost,
 }

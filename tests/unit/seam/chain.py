@@ -5,12 +5,13 @@ from __future__ import annotations
 import itertools
 from fractions import Fraction
 
-from schemas.records import GpuShare, NodeSample
+from schemas.records import GpuShare, NodeSample, NodeWindowCost, NodeWindowShares
 from services.attributor.attribution import AttributionPolicy, attribute_node_window
 from services.attributor.pod_index import PodIndex
 from services.attributor.windows import NodeWindow
 from services.billing.catalog import PriceCatalog, parse_override_csv
 from services.billing.costing import bill_node_window
+from services.billing.sharing import SharingPolicy
 from services.collector.sim.scenario import load_scenario
 from services.collector.simulation import node_streams
 
@@ -54,3 +55,24 @@ def billed(shares: tuple[GpuShare, ...]):
 
 def slice_fraction(slices: int, total: int) -> Fraction:
     return Fraction(slices, total)
+
+
+def window_shares(sample: NodeSample) -> NodeWindowShares:
+    """The attributor's one record of the one-tick window of ``sample``."""
+    return NodeWindowShares.from_rows(attributed_shares(sample))
+
+
+# The sharing policy of the last NodeWindowCost example (the others keep every bucket): shared lines on the wire.
+SHARED_EXAMPLE_POLICY = "all=weighted"
+
+
+def window_cost(shares: NodeWindowShares, sharing: str = "keep") -> NodeWindowCost:
+    """Billing's one record of that node-window's bill and lines, under the sharing policy ``sharing``."""
+    priced = bill_node_window(shares.rows(), catalog(), sharing=SharingPolicy.parse(sharing))
+    bill = priced.bill
+    pods = {p.pod_uid: p for p in shares.pods}
+    return NodeWindowCost.from_cost_records(
+        priced.costs, billed_milliseconds=bill.billed_milliseconds, cloud_provider=bill.provider,
+        region=bill.region, zone=bill.zone, provider_id=bill.provider_id, price_per_hour_usd=bill.price_per_hour_usd,
+        split_rule=bill.price.split_rule.value, gpu_count=bill.gpu_count, gpu_cost_micro_usd=bill.gpu_cost_micro_usd,
+        sharing=bill.sharing, pods=pods)

@@ -12,7 +12,15 @@ from fractions import Fraction
 import pytest
 
 from schemas.examples import load_example_dicts, load_examples
-from schemas.records import CostRecord, CostSubjectKind, GpuShare, NodeSample, ShareSubjectKind
+from schemas.records import (
+    CostRecord,
+    CostSubjectKind,
+    GpuShare,
+    NodeSample,
+    NodeWindowCost,
+    NodeWindowShares,
+    ShareSubjectKind,
+)
 from services.billing.costing import gpu_fraction_exact
 from gpumeter.validation import check_sample
 from schemas.codec import AvroCodec, default_registry
@@ -98,3 +106,29 @@ def test_what_v1_writers_wrote_reads_as_v2_with_the_defaults(record_type):
             assert all(d.mps_server_pids == () for d in record.devices)
         elif record_type is GpuShare:
             assert (record.zone, record.provider_id) == ("", "")
+
+
+WINDOW_SHARES = load_examples(NodeWindowShares)
+WINDOW_COSTS = load_examples(NodeWindowCost)
+
+
+@pytest.mark.parametrize("sample,example", list(zip(COLLECTED_SAMPLES, WINDOW_SHARES)), ids=lambda v: v.node_name)
+def test_the_attributor_produces_the_node_window_examples_and_their_rows_are_the_share_examples(sample, example):
+    assert chain.window_shares(sample) == example
+    example.check_shape()
+    # One content, two shapes: the node-window's rows are the flat share examples of its node.
+    assert list(example.rows()) == [s for s in SHARES if s.node_name == example.node_name]
+    assert NodeWindowShares.from_rows(example.rows()) == example
+
+
+def test_billing_produces_the_node_window_cost_examples_and_their_lines_are_the_cost_examples():
+    produced = [chain.window_cost(w) for w in WINDOW_SHARES]
+    produced.append(chain.window_cost(WINDOW_SHARES[0], chain.SHARED_EXAMPLE_POLICY))
+    assert produced == WINDOW_COSTS
+    for cost in WINDOW_COSTS:
+        cost.check_shape()
+    flat = [c for cost in WINDOW_COSTS[:-1] for c in cost.cost_records()]
+    assert flat == list(COSTS[1:])
+    shared = WINDOW_COSTS[-1]
+    assert any(kind is not None for kind in shared.line_shared_from)  # shared lines are on the wire
+    assert sum(shared.line_cost_micro_usd) == shared.node_cost_micro_usd == WINDOW_COSTS[0].node_cost_micro_usd
