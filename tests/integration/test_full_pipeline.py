@@ -100,7 +100,7 @@ def _output(log_path: Path) -> str:
 
 async def test_the_pipeline_conserves_shares_reconciles_costs_and_survives_an_attributor_kill(kafka_bootstrap,
                                                                                               tmp_path):
-    from gpumeter.commands.run import guard_available
+    from gpumeter.commands.run.plan import guard_available
 
     assert guard_available(), "the guard service is part of the pipeline"
     prefix = f"e2e{uuid.uuid4().hex[:8]}."

@@ -21,7 +21,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpumeter.commands import live_view, run
+from gpumeter.commands import live_view
+from gpumeter.commands.run import plan, supervisor, view
 from gpumeter.commands.live_view import (
     BAR_WIDTH_CELLS,
     BUCKET_GROUPS,
@@ -284,7 +285,7 @@ def test_the_rendered_view_shows_each_teams_direct_and_shared_cost(demo):
     costs, _ = demo.costs_with("idle=weighted,node_other=weighted")
     state = apply_records(ViewState.empty(), costs)
     console = Console(width=240, record=True, color_system=None)
-    console.print(run.render_view(state, [], "header line"))
+    console.print(view.render_view(state, [], "header line"))
     text = console.export_text()
     assert "direct" in text and "shared" in text
     for row in live_view.team_costs(state):
@@ -397,7 +398,7 @@ def test_money_and_percent_text_are_exact():
 
 @given(st.integers(min_value=1_600_000_000_000, max_value=2_000_000_000_000), st.integers(min_value=1, max_value=3600))
 def test_simulated_time_starts_on_the_first_window_boundary_not_before_now(now_ms, window_seconds):
-    start = run.simulated_start_ms(now_ms, window_seconds)
+    start = plan.simulated_start_ms(now_ms, window_seconds)
     assert start % (window_seconds * 1000) == 0
     assert now_ms <= start < now_ms + window_seconds * 1000
 
@@ -405,8 +406,8 @@ def test_simulated_time_starts_on_the_first_window_boundary_not_before_now(now_m
 @given(st.floats(min_value=0.1, max_value=100), st.one_of(st.none(), st.floats(min_value=1, max_value=86_400)),
        st.integers(min_value=1, max_value=3600))
 def test_the_clock_skew_allowance_covers_how_far_simulated_time_runs_ahead(scale, duration, window_seconds):
-    allowance = run.clock_skew_allowance_seconds(scale, duration, window_seconds)
-    wall = duration if duration is not None else run.UNBOUNDED_RUN_SKEW_WALL_SECONDS
+    allowance = plan.clock_skew_allowance_seconds(scale, duration, window_seconds)
+    wall = duration if duration is not None else plan.UNBOUNDED_RUN_SKEW_WALL_SECONDS
     # Simulated time starts up to one window ahead and gains (scale - 1) s per wall second.
     assert allowance >= window_seconds + (scale - 1) * wall
     assert allowance >= 120
@@ -416,23 +417,23 @@ def test_the_scenario_copy_moves_only_the_start():
     from services.collector.sim.scenario import load_scenario
 
     original = load_scenario(DEMO)
-    start_ms = run.simulated_start_ms(1_800_000_000_000, 60)
-    shifted = load_scenario(run.shifted_scenario_text(DEMO.read_text(), start_ms))
+    start_ms = plan.simulated_start_ms(1_800_000_000_000, 60)
+    shifted = load_scenario(plan.shifted_scenario_text(DEMO.read_text(), start_ms))
     assert shifted.start_unix_ms == start_ms != original.start_unix_ms
     assert replace(shifted, start_unix_ms=original.start_unix_ms) == original
 
 
-def _config(tmp_path, **changes) -> run.RunConfig:
+def _config(tmp_path, **changes) -> plan.RunConfig:
     values = dict(scenario=DEMO, workdir=tmp_path / "w", run_id="20261129-120000-abcd")
     values.update(changes)
-    return run.RunConfig(**values)
+    return plan.RunConfig(**values)
 
 
 def test_service_specs_run_every_part_of_the_pipeline_on_the_runs_topics(tmp_path):
     config = _config(tmp_path, time_scale=10.0, window_seconds=60)
     nodes = ("gpu-p5-a", "gpu-g6-ts", "gpu-a100-mig")
-    skew = run.clock_skew_allowance_seconds(10.0, 60.0, 60)
-    specs = run.service_specs(config, nodes, tmp_path / "scenario.yaml", "127.0.0.1:9", skew, with_guard=True)
+    skew = plan.clock_skew_allowance_seconds(10.0, 60.0, 60)
+    specs = plan.service_specs(config, nodes, tmp_path / "scenario.yaml", "127.0.0.1:9", skew, with_guard=True)
     by_name = {s.name: s for s in specs}
     assert set(by_name) == {f"collector {n}" for n in nodes} | {"attributor", "billing", "guard"}
 
@@ -462,7 +463,7 @@ def test_service_specs_run_every_part_of_the_pipeline_on_the_runs_topics(tmp_pat
     # Stopped in pipeline order: collectors, attributor, billing, guard.
     order = sorted(specs, key=lambda s: s.stop_group)
     assert [s.name.split()[0] for s in order] == ["collector"] * 3 + ["attributor", "billing", "guard"]
-    without = run.service_specs(config, nodes, tmp_path / "s.yaml", "127.0.0.1:9", skew, with_guard=False)
+    without = plan.service_specs(config, nodes, tmp_path / "s.yaml", "127.0.0.1:9", skew, with_guard=False)
     assert "guard" not in {s.name for s in without}
 
 
@@ -479,17 +480,17 @@ def test_run_config_refuses_unusable_settings(tmp_path):
 def test_restart_backoff_doubles_up_to_its_cap():
     delays = [None]
     for _ in range(8):
-        delays.append(run.next_backoff_seconds(delays[-1]))
+        delays.append(supervisor.next_backoff_seconds(delays[-1]))
     assert delays[1:] == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 30.0]
 
 
-def _process(tmp_path, code: str, restart: bool, name: str = "worker x") -> run.ManagedProcess:
-    spec = run.ServiceSpec(name=name, argv=(sys.executable, "-c", code), restart=restart, stop_group=0)
+def _process(tmp_path, code: str, restart: bool, name: str = "worker x") -> supervisor.ManagedProcess:
+    spec = plan.ServiceSpec(name=name, argv=(sys.executable, "-c", code), restart=restart, stop_group=0)
     (tmp_path / "logs").mkdir(exist_ok=True)
-    return run.ManagedProcess(spec, tmp_path, tmp_path / "logs", {})
+    return supervisor.ManagedProcess(spec, tmp_path, tmp_path / "logs", {})
 
 
-def _wait_exit(process: run.ManagedProcess) -> None:
+def _wait_exit(process: supervisor.ManagedProcess) -> None:
     process.process.wait(20)
 
 
@@ -550,7 +551,7 @@ def test_the_rendered_view_shows_every_unit_adding_up_to_100_and_the_cost_total(
     state = apply_records(ViewState.empty(), [*demo.shares, *demo.costs, _violation("c0", ViolationState.FIRING)])
     health = [ProcessHealth("attributor", 11, ProcessState.RUNNING, 1, None, 30.0)]
     console = Console(width=220, record=True, color_system=None)
-    console.print(run.render_view(state, health, "header line"))
+    console.print(view.render_view(state, health, "header line"))
     text = console.export_text()
     unit_lines = [line for line in text.splitlines() if any(u.key.gpu_uuid[-4:] in line for u in state.units.values())]
     assert len(unit_lines) == len(state.units)
@@ -566,10 +567,10 @@ def test_the_runs_sharing_policy_reaches_billing_and_is_checked_at_start(tmp_pat
     from gpumeter.errors import ConfigError
 
     nodes = ("gpu-p5-a",)
-    plain = run.service_specs(_config(tmp_path), nodes, tmp_path / "s.yaml", "127.0.0.1:9", 120, with_guard=False)
+    plain = plan.service_specs(_config(tmp_path), nodes, tmp_path / "s.yaml", "127.0.0.1:9", 120, with_guard=False)
     assert "--sharing" not in next(s for s in plain if s.name == "billing").argv
     config = _config(tmp_path, sharing="node_other=weighted, idle=weighted")
-    specs = run.service_specs(config, nodes, tmp_path / "s.yaml", "127.0.0.1:9", 120, with_guard=False)
+    specs = plan.service_specs(config, nodes, tmp_path / "s.yaml", "127.0.0.1:9", 120, with_guard=False)
     billing = next(s for s in specs if s.name == "billing")
     assert billing.argv[billing.argv.index("--sharing") + 1] == "idle=weighted,node_other=weighted"
     with pytest.raises(ConfigError):
