@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -57,7 +58,6 @@ def test_two_simulated_collectors_lose_no_tick_across_a_broker_restart(own_broke
     # Output goes to files, not pipes: a pipe nobody reads until the end fills up, and a full pipe blocks the
     # collector's event loop in its next log write.
     log_paths = [tmp_path / f"{node.name}.log" for node in scenario.nodes]
-    launched = time.monotonic()
     collectors = []
     for node, log_path in zip(scenario.nodes, log_paths):
         with log_path.open("w") as log_file:
@@ -75,7 +75,6 @@ def test_two_simulated_collectors_lose_no_tick_across_a_broker_restart(own_broke
         # The collectors stop (SIGTERM, as Kubernetes stops them) only once the broker is back, however long its
         # restart took: their close then has its whole drain time to deliver what the outage left buffered.
         time.sleep(2.0)
-        ran_seconds = time.monotonic() - launched
         for collector in collectors:
             collector.send_signal(signal.SIGTERM)
         for collector in collectors:
@@ -96,17 +95,19 @@ def test_two_simulated_collectors_lose_no_tick_across_a_broker_restart(own_broke
     samples = [codec_for(NodeSample).decode(m.value) for m in samples_raw]
     events = [codec_for(PodEvent).decode(m.value) for m in events_raw]
 
-    # No tick lost: per node, one collector run, sequences 0..n-1 all present (duplicates allowed).
+    # No tick lost: per node, one collector run, and every tick that collector says it made is on the topic
+    # (duplicates allowed). The count comes from the collector itself, not from the wall clock: on a loaded
+    # machine start-up takes longer, and fewer ticks made is no loss.
     by_node: dict[str, dict[int, NodeSample]] = defaultdict(dict)
     for sample in samples:
         by_node[sample.node_name][sample.sequence] = sample
-    # Up to 4 s of the run go to interpreter start-up and set-up before the first tick; the rest ticked, and
-    # more than half of it falls in or after the outage.
-    expected_min_ticks = int((ran_seconds - 4.0) * ticks_per_second)
-    for node in scenario.nodes:
+    for node, output in zip(scenario.nodes, outputs):
+        made = re.search(r"stopped after (\d+) ticks", output)
+        assert made, output[-4000:]
         sequences = sorted(by_node[node.name])
-        assert sequences == list(range(len(sequences))), f"{node.name} lost ticks: {sequences}"
-        assert len(sequences) >= expected_min_ticks, (node.name, sequences, outputs)
+        assert sequences == list(range(int(made.group(1)))), f"{node.name} lost ticks: {sequences}\n{output[-4000:]}"
+        # The outage (5 s of the run, ten ticks' worth) and the 2 s after it were ticked through.
+        assert len(sequences) >= 5 * ticks_per_second, (node.name, sequences, output[-4000:])
         assert len({s.collector_started_at_unix_ms for s in by_node[node.name].values()}) == 1
 
     # Samples and pod events of a node share the partition number.

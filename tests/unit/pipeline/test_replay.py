@@ -27,21 +27,20 @@ from pathlib import Path
 import pytest
 
 from schemas.records import NodeSample, PodEvent
-from services.attributor import replay_cli
+from pipeline import cli as replay_cli
 from services.attributor.attribution import AttributionPolicy
 from services.billing.sharing import SharingPolicy
-from services.attributor.replay import (
-    RECORDING_MAGIC,
+from pipeline.recordings import (
     InputRecord,
+    RECORDING_MAGIC,
     RecordingError,
     iter_frames,
-    read_jsonl,
     read_recording,
     record_scenario,
-    replay,
     scenario_records,
     write_recording,
 )
+from pipeline.replay import read_jsonl, replay
 from services.billing.catalog import PriceCatalog, load_price_dir, parse_override_csv
 from services.billing.costing import iso_utc
 from services.collector.sim.scenario import load_scenario
@@ -598,7 +597,7 @@ def test_cli_exit_codes(tmp_path):
 def test_replay_is_a_gpumeter_subcommand():
     from gpumeter.cli import SUBCOMMANDS
 
-    assert SUBCOMMANDS["replay"][0] == "services.attributor.replay_cli"
+    assert SUBCOMMANDS["replay"][0] == "pipeline.cli"
 
 
 def test_a_rerun_into_the_same_folder_rewrites_every_file(tmp_path, catalog):

@@ -45,71 +45,42 @@ of input replay calls ``on_clock`` at ``last time + window + grace + idle_close`
 that is the instant at which the streaming timer would have closed every open window, so both paths close the
 last windows through the same rule.
 
-Ground truth (``truth.jsonl``)
-------------------------------
-For each window ``[k·W, (k+1)·W)``, unit (whole GPU or MIG instance, as ``gpu_uuid``) and pod (``pod_uid`` null
-for processes of no pod: host processes and MPS servers together), over the replayed ticks of the unit's node
-whose ``sampled_at`` lies in the window — the ticks the attribution puts in that window. A tick at which the
-unit's GPU was lost counts with its weight and no pod's use: that time was nobody's (the attribution's
-UNAVAILABLE bucket).
-
-* ``w_t = clamp(interval_ms_t, 0, W)``, the tick weight the attribution uses (equal weights when all are 0);
-* ``true_memory_share = Σ w_t · M_t / (Σ w_t · T)``, with ``M_t`` the pod's ``true_memory_bytes`` on the unit at
-  the tick (``SimWorld.truth``: the sum of its processes' ``usedGpuMemory``) and ``T`` the unit's
-  ``memory_total_bytes`` including the driver reserve — the denominator of ``memory_share``;
-* ``true_compute_share = Σ w_t · C_t / Σ w_t``, with ``C_t`` the pod's ``true_compute_fraction`` (time-slicing:
-  GPU time granted; MPS: compute received; MIG: share of the instance's time) — a fraction of the unit's time
-  like ``compute_share``.
-
-* ``true_occupancy_share = Σ w_t · [the pod had a context on the unit at t] / Σ w_t``: how long it held the unit
-  (what MIG attribution measures, NVML having no utilization for MIG instances).
-
-Ticks where the pod had no context on the unit count as 0. The truth is taken at the sampling instants, as the
-samples are, so it measures the attribution's error on what was sampled; what sampling itself misses between
-ticks is bounded separately in ``docs/attribution.md`` ("Error to expect against the truth").
-
-Recording format (``*.gmrec``)
-------------------------------
-A binary file: the 21-byte header ``gpumeter-recording/1\\n``, then frames until the end of the file. A frame
-is ``received_at_unix_ms`` (int64, big-endian), ``length`` (uint32, big-endian), then ``length`` bytes: one
-Avro single-object message (``C3 01`` + CRC-64-AVRO fingerprint + body), byte for byte what the ``node-samples``
-and ``pod-events`` topics carry. The fingerprint names the writer schema and so the record type (``NodeSample``
-or ``PodEvent``); old recordings stay readable through Avro schema resolution as long as the registry holds
-their writer schema. A broken frame structure (bad header, a frame cut short) raises ``RecordingError``; a frame
-whose message does not decode is dead-lettered with the codec's reason code and replay carries on, as the
-streaming consumer does. INPUT may also be a directory: every ``*.gmrec`` in it (sorted by name) is read and the
-files are merged by (received_at, pod events before samples, file order, frame order); one file is replayed in
-its own order. ``record_scenario`` and ``gpumeter replay --record`` write recordings.
+The ground truth is defined in ``pipeline/truth.py``, the recording format in ``pipeline/recordings.py``.
 """
 
 from __future__ import annotations
 
-import heapq
 import json
-import struct
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Iterable, Iterator, Mapping, Sequence, Union
+from typing import Any, Iterable, Mapping, Sequence
 
-from gpumeter.errors import ConfigError, InvalidMessage, WrongRecordType
-from schemas.codec import HEADER_BYTES, MAGIC, default_registry
-from schemas.records import RECORD_TYPES, GpuShare, NodeSample, PodEvent, Violation
-from schemas.typed import codec_for
+from gpumeter.clock import iso_utc
+from gpumeter.errors import ConfigError, InvalidMessage
+from pipeline.recordings import (
+    RECORDING_MAGIC,
+    RECORDING_SUFFIX,
+    InputMessage,
+    InputRecord,
+    InvalidInput,
+    RecordingWriter,
+    is_recording,
+    recorded_inputs,
+    scenario_nodes,
+    scenario_records,
+)
+from pipeline.truth import TruthAccumulator
+from schemas.records import GpuShare, PodEvent, Violation
 from services.attributor.attribution import AttributionPolicy
 from services.attributor.engine import AttributionEngine, EngineConfig, WindowResult
 from services.attributor.pod_index import DEFAULT_GROUPING_LABELS, DEFAULT_LINGER_MS
 from services.billing.catalog import PriceCatalog, PriceError, bundled_catalog
-from services.billing.costing import bill_node_window, cost_record_json, iso_utc
+from services.billing.costing import bill_node_window, cost_record_json
 from services.billing.pricing import DEFAULT_SPLIT_POLICY, SplitPolicy
 from services.billing.sharing import KEEP_ALL, SharingPolicy
 from services.guard.config import GuardConfig
 from services.guard.replay import VIOLATIONS_FILE, GuardReplay, violation_json
-
-RECORDING_MAGIC = b"gpumeter-recording/1\n"
-RECORDING_SUFFIX = ".gmrec"
-_FRAME_HEADER = struct.Struct(">qI")
-MAX_FRAME_BYTES = 64 * 1024 * 1024
 
 SHARES_FILE = "shares.jsonl"
 TRUTH_FILE = "truth.jsonl"
@@ -119,227 +90,6 @@ DEAD_LETTERS_FILE = "dead_letters.jsonl"
 
 INPUT_SCENARIO = "scenario"
 INPUT_RECORDING = "recording"
-
-InputMessage = Union[NodeSample, PodEvent]
-
-
-class RecordingError(InvalidMessage):
-    """A recording whose structure is broken: not a recording, a frame cut short, an absurd frame length."""
-
-    reason_code = "BAD_RECORDING"
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Input records
-
-
-@dataclass(frozen=True, slots=True)
-class InputRecord:
-    """One input message and the time it reached the attributor (``received_at_unix_ms``)."""
-
-    received_at_unix_ms: int
-    message: InputMessage
-
-    @property
-    def node_name(self) -> str:
-        return self.message.node_name
-
-
-@dataclass(frozen=True, slots=True)
-class RecordedFrame:
-    """One frame of a recording: the stored time, the raw single-object message, and where it was."""
-
-    received_at_unix_ms: int
-    payload: bytes
-    source: str
-    position: int
-
-
-def _kind_rank(message: InputMessage) -> int:
-    # Pod events first: a tick's pods must be known when the tick's window closes at the same instant.
-    return 0 if isinstance(message, PodEvent) else 1
-
-
-def scenario_records(scenario: Any, nodes: Sequence[str] | None = None) -> Iterator[InputRecord]:
-    """The scenario's pod events and samples for ``nodes`` (default: all, in scenario order), from the
-    collector's sampling code, merged in time order: at each instant every pod event before any sample."""
-    from services.collector.simulation import node_streams, scenario_node_names
-
-    names = tuple(nodes) if nodes is not None else scenario_node_names(scenario)
-
-    def stream(index: int, name: str) -> Iterator[tuple[tuple[int, int, int, int], InputRecord]]:
-        seq = 0
-        for tick in node_streams(scenario, name):
-            for event in tick.pod_events:
-                yield (tick.sampled_at_unix_ms, 0, index, seq), InputRecord(tick.sampled_at_unix_ms, event)
-                seq += 1
-            yield (tick.sampled_at_unix_ms, 1, index, seq), InputRecord(tick.sampled_at_unix_ms, tick.sample)
-            seq += 1
-
-    for _key, record in heapq.merge(*(stream(i, n) for i, n in enumerate(names)), key=lambda item: item[0]):
-        yield record
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Recordings
-
-
-def encode_message(message: InputMessage) -> bytes:
-    """The single-object Avro message of ``message`` (what its topic carries)."""
-    return codec_for(type(message)).encode(message)
-
-
-def decode_message(payload: bytes) -> InputMessage:
-    """A recorded single-object message back to its record. Raises ``InvalidMessage`` subclasses: the codec's,
-    or ``WrongRecordType`` for a record type replay does not read."""
-    if len(payload) >= HEADER_BYTES and payload[:2] == MAGIC:
-        (fingerprint,) = struct.unpack_from("<Q", payload, 2)
-        writer = default_registry().by_fingerprint(fingerprint)
-        if writer is not None:
-            record_type = RECORD_TYPES.get(writer.full_name)
-            if record_type not in (NodeSample, PodEvent):
-                raise WrongRecordType(f"replay reads NodeSample and PodEvent, got {writer.full_name}")
-            return codec_for(record_type).decode(payload)
-    # Not decodable: let the codec name the reason (corrupt, truncated, unknown schema).
-    return codec_for(NodeSample).decode(payload)
-
-
-class RecordingWriter:
-    """Writes a recording file (header on open, one frame per ``write``). Use as a context manager."""
-
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self.count = 0
-        self._file: IO[bytes] | None = None
-
-    def __enter__(self) -> "RecordingWriter":
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "wb")
-        self._file.write(RECORDING_MAGIC)
-        return self
-
-    def write(self, record: InputRecord) -> None:
-        assert self._file is not None, "RecordingWriter is used as a context manager"
-        payload = encode_message(record.message)
-        self._file.write(_FRAME_HEADER.pack(record.received_at_unix_ms, len(payload)))
-        self._file.write(payload)
-        self.count += 1
-
-    def __exit__(self, *exc_info: object) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-
-
-def write_recording(records: Iterable[InputRecord], path: str | Path) -> int:
-    """Write ``records`` in order to the recording ``path``; returns how many."""
-    with RecordingWriter(path) as writer:
-        for record in records:
-            writer.write(record)
-    return writer.count
-
-
-def record_scenario(scenario_path: str | Path, path: str | Path, *, node: str | None = None) -> int:
-    """Record a scenario's pod events and samples (one node's, or all) to ``path``, in replay order."""
-    from services.collector.sim.scenario import load_scenario
-
-    scenario = load_scenario(Path(scenario_path))
-    return write_recording(scenario_records(scenario, _scenario_nodes(scenario, node)), path)
-
-
-def iter_frames(path: str | Path) -> Iterator[RecordedFrame]:
-    """The frames of one recording file, in file order. Raises ``RecordingError`` for a broken structure."""
-    path = Path(path)
-    try:
-        handle = open(path, "rb")
-    except OSError as exc:
-        raise RecordingError(f"cannot read recording {path}: {exc.strerror or exc}") from exc
-    with handle:
-        header = handle.read(len(RECORDING_MAGIC))
-        if header != RECORDING_MAGIC:
-            raise RecordingError(f"{path} is not a gpumeter recording (it does not start with "
-                                 f"{RECORDING_MAGIC!r})")
-        position = 0
-        while True:
-            head = handle.read(_FRAME_HEADER.size)
-            if not head:
-                return
-            if len(head) < _FRAME_HEADER.size:
-                raise RecordingError(f"{path}: frame {position} is cut short in its header")
-            received_at, length = _FRAME_HEADER.unpack(head)
-            if length > MAX_FRAME_BYTES:
-                raise RecordingError(f"{path}: frame {position} claims {length} bytes (more than "
-                                     f"{MAX_FRAME_BYTES}): not a recording, or a corrupt one")
-            payload = handle.read(length)
-            if len(payload) < length:
-                raise RecordingError(f"{path}: frame {position} is cut short ({len(payload)} of {length} bytes)")
-            yield RecordedFrame(received_at, payload, f"{path.name}#{position}", position)
-            position += 1
-
-
-def recording_files(path: str | Path) -> tuple[Path, ...]:
-    """The recording files of ``path``: itself, or every ``*.gmrec`` in a directory, sorted by name."""
-    path = Path(path)
-    if path.is_dir():
-        files = tuple(sorted(p for p in path.iterdir() if p.name.endswith(RECORDING_SUFFIX) and p.is_file()))
-        if not files:
-            raise RecordingError(f"{path} holds no *{RECORDING_SUFFIX} recording")
-        return files
-    return (path,)
-
-
-def read_recording(path: str | Path) -> Iterator[InputRecord]:
-    """Every record of a recording (file or directory) in replay order; undecodable messages raise."""
-    for item in _recorded_inputs(path):
-        if isinstance(item, InvalidInput):
-            raise item.error
-        yield item
-
-
-@dataclass(frozen=True, slots=True)
-class InvalidInput:
-    """An input message that cannot be used: dead-lettered with ``error.reason_code``."""
-
-    source: str
-    received_at_unix_ms: int
-    error: InvalidMessage
-    message: InputMessage | None = None
-
-
-def _recorded_inputs(path: str | Path) -> Iterator[InputRecord | InvalidInput]:
-    def stream(index: int, file: Path) -> Iterator[tuple[tuple[int, int, int, int], InputRecord | InvalidInput]]:
-        for frame in iter_frames(file):
-            try:
-                message = decode_message(frame.payload)
-            except InvalidMessage as exc:
-                # Undecodable: no kind to order by; it sorts with samples (after the instant's pod events).
-                yield (frame.received_at_unix_ms, 1, index, frame.position), InvalidInput(
-                    frame.source, frame.received_at_unix_ms, exc)
-                continue
-            key = (frame.received_at_unix_ms, _kind_rank(message), index, frame.position)
-            yield key, InputRecord(frame.received_at_unix_ms, message)
-
-    files = recording_files(path)
-    if len(files) == 1:
-        # One file is replayed in its own order (what a consumer of one partition saw).
-        for _key, item in stream(0, files[0]):
-            yield item
-        return
-    for _key, item in heapq.merge(*(stream(i, f) for i, f in enumerate(files)), key=lambda pair: pair[0]):
-        yield item
-
-
-def is_recording(path: str | Path) -> bool:
-    """Whether ``path`` is a recording file or a directory (a directory is read as recordings)."""
-    path = Path(path)
-    if path.is_dir():
-        return True
-    try:
-        with open(path, "rb") as handle:
-            return handle.read(len(RECORDING_MAGIC)) == RECORDING_MAGIC
-    except OSError:
-        return False
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # JSON lines
@@ -387,99 +137,6 @@ def share_json(share: GpuShare) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Ground truth
-
-
-@dataclass
-class _TruthCell:
-    weight_ms: int = 0
-    ticks: int = 0
-    # pod uid (None: no pod) -> [Σ w·bytes, Σ w·compute, Σ w, Σ bytes, Σ compute, ticks present]
-    # (the unweighted sums serve when every weight is 0, as the attribution then weighs ticks equally)
-    pods: dict[str | None, list] = field(default_factory=dict)
-
-
-class _TruthAccumulator:
-    """Ground truth per (window, unit, pod) over the replayed ticks (definition in the module docstring)."""
-
-    def __init__(self, scenario: Any, window_seconds: int) -> None:
-        from services.collector.sim.world import SimWorld
-
-        self._world = SimWorld(scenario)
-        self._window_ms = window_seconds * 1000
-        self._window_seconds = window_seconds
-        self._units: dict[str, tuple[tuple[int, Any], ...]] = {}
-        for node in scenario.nodes:
-            self._units[node.name] = tuple(
-                (gpu.index, unit) for gpu in node.gpus for unit in self._world.units_of_gpu(node.name, gpu.index)
-            )
-        self._cells: dict[tuple[int, str, str], _TruthCell] = {}
-        self._unit_info: dict[str, Any] = {unit.uuid: unit for units in self._units.values() for _, unit in units}
-
-    def add_tick(self, sample: NodeSample) -> None:
-        node = sample.node_name
-        t = sample.sampled_at_unix_ms
-        weight = min(max(sample.interval_ms, 0), self._window_ms)
-        window_start = (t // self._window_ms) * self._window_ms
-        by_unit: dict[str, list] = {}
-        for row in self._world.truth(t, node):
-            by_unit.setdefault(row.gpu_uuid, []).append(row)
-        for gpu_index, unit in self._units.get(node, ()):
-            cell = self._cells.setdefault((window_start, node, unit.uuid), _TruthCell())
-            cell.weight_ms += weight
-            cell.ticks += 1
-            if self._world.gpu_lost(node, gpu_index, t):
-                continue
-            for row in by_unit.get(unit.uuid, ()):
-                acc = cell.pods.setdefault(row.pod_uid, [0, 0.0, 0, 0, 0.0, 0])
-                acc[0] += weight * row.true_memory_bytes
-                acc[1] += weight * row.true_compute_fraction
-                acc[2] += weight
-                acc[3] += row.true_memory_bytes
-                acc[4] += row.true_compute_fraction
-                acc[5] += 1
-
-    def take_closed(self, before_unix_ms: int | None) -> list[dict[str, Any]]:
-        """Rows of the windows that end at or before ``before_unix_ms`` (None: all), in a stable order."""
-        keys = sorted(k for k in self._cells if before_unix_ms is None or k[0] + self._window_ms <= before_unix_ms)
-        rows: list[dict[str, Any]] = []
-        for key in keys:
-            cell = self._cells.pop(key)
-            window_start, node, unit_uuid = key
-            unit = self._unit_info[unit_uuid]
-            total = unit.memory_total_bytes
-            for pod_uid in sorted(cell.pods, key=lambda u: (u is None, u or "")):
-                weighted_bytes, weighted_compute, weight_present, bytes_sum, compute_sum, ticks_present = cell.pods[
-                    pod_uid]
-                if cell.weight_ms > 0:
-                    memory_bytes = weighted_bytes / cell.weight_ms
-                    compute = weighted_compute / cell.weight_ms
-                    occupancy = weight_present / cell.weight_ms
-                else:
-                    memory_bytes = bytes_sum / cell.ticks
-                    compute = compute_sum / cell.ticks
-                    occupancy = ticks_present / cell.ticks
-                rows.append(
-                    {
-                        "window_start": iso_utc(window_start),
-                        "window_start_unix_ms": window_start,
-                        "window_seconds": self._window_seconds,
-                        "node": node,
-                        "gpu_uuid": unit_uuid,
-                        "parent_gpu_uuid": unit.parent_uuid,
-                        "pod_uid": pod_uid,
-                        "true_memory_bytes_avg": memory_bytes,
-                        "true_memory_share": memory_bytes / total,
-                        "true_compute_share": compute,
-                        "true_occupancy_share": occupancy,
-                        "sample_count": cell.ticks,
-                        "covered_seconds": min(cell.weight_ms, self._window_ms) / 1000.0,
-                    }
-                )
-        return rows
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # Replay
 
 
@@ -518,15 +175,6 @@ class ReplaySummary:
     @property
     def dead_letter_count(self) -> int:
         return sum(self.dead_letters.values())
-
-
-def _scenario_nodes(scenario: Any, node: str | None) -> tuple[str, ...]:
-    names = tuple(n.name for n in scenario.nodes)
-    if node is None:
-        return names
-    if node not in names:
-        raise ConfigError(f"the scenario has no node {node!r} (nodes: {', '.join(names)})")
-    return (node,)
 
 
 def _is_scenario_path(path: Path) -> bool:
@@ -600,7 +248,7 @@ def replay(
     )
     catalog = catalog if catalog is not None else bundled_catalog()
 
-    truth: _TruthAccumulator | None = None
+    truth: TruthAccumulator | None = None
     inputs: Iterable[InputRecord | InvalidInput]
     if not input_path.exists():
         raise ConfigError(f"replay input {input_path} does not exist")
@@ -609,11 +257,11 @@ def replay(
 
         scenario = load_scenario(input_path)
         input_kind = INPUT_SCENARIO
-        inputs = scenario_records(scenario, _scenario_nodes(scenario, node))
-        truth = _TruthAccumulator(scenario, window_seconds)
+        inputs = scenario_records(scenario, scenario_nodes(scenario, node))
+        truth = TruthAccumulator(scenario, window_seconds)
     elif is_recording(input_path):
         input_kind = INPUT_RECORDING
-        inputs = _recorded_inputs(input_path)
+        inputs = recorded_inputs(input_path)
         if node is not None:
             inputs = (r for r in inputs if not isinstance(r, InputRecord) or r.node_name == node)
     else:
@@ -767,28 +415,12 @@ __all__ = [
     "BILLS_FILE",
     "COSTS_FILE",
     "DEAD_LETTERS_FILE",
-    "InputRecord",
-    "InvalidInput",
-    "RECORDING_MAGIC",
-    "RECORDING_SUFFIX",
-    "RecordedFrame",
-    "RecordingError",
-    "RecordingWriter",
     "ReplaySummary",
     "SHARES_FILE",
     "TRUTH_FILE",
     "UnpricedWindow",
     "VIOLATIONS_FILE",
-    "decode_message",
-    "encode_message",
-    "is_recording",
-    "iter_frames",
     "read_jsonl",
-    "read_recording",
-    "record_scenario",
-    "recording_files",
     "replay",
-    "scenario_records",
     "share_json",
-    "write_recording",
 ]

@@ -6,7 +6,7 @@ billing service (prices, split rule, sharing policy); a flag overrides its varia
 ``GPUMETER_IDLE_HANDLING=spread``), which used to spread idle cost in the attributor, is billing's sharing policy
 ``idle=weighted`` now (an explicit ``idle=...`` in ``--sharing`` wins). The guard's thresholds come from
 ``--guard-config FILE`` (else ``GPUMETER_GUARD_CONFIG``) and ``GPUMETER_GUARD_*`` (``services/guard/config.py``).
-See ``services/attributor/replay.py`` for the outputs, the ground truth and the recording format.
+See ``pipeline/replay.py`` for the outputs, the ground truth and the recording format.
 
 Exit status: 0 when done; 1 when some node-window had no price (its shares are written, its costs are not;
 ``--allow-unpriced`` makes that 0); 2 on a usage error or an input that cannot be read.
@@ -153,7 +153,7 @@ def replay_options(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str
 def main(args: argparse.Namespace, env: Mapping[str, str], *, out: TextIO | None = None,
          err: TextIO | None = None) -> int:
     """Run the replay and print a summary; exit status as in the module docstring."""
-    from services.attributor.replay import replay
+    from pipeline.replay import replay
 
     out = out or sys.stdout
     err = err or sys.stderr
