@@ -1,6 +1,6 @@
 """The guard offline: ``GuardEngine`` driven by the attributor's replay, and ``violations.jsonl``.
 
-``gpumeter replay`` (``services/attributor/replay.py``) builds one ``GuardReplay`` and feeds it, at the input's
+``gpumeter replay`` (``pipeline/replay.py``) builds one ``GuardReplay`` and feeds it, at the input's
 own times, exactly what the streaming guard would consume: each pod event and sample when it is received, each
 share row and cost line when its window is closed and priced, and the clock once per new instant. At the end of
 the input it calls ``finish(end_ms)``: the clock moves on (hold-downs expire, budget periods roll) but the end of

@@ -128,7 +128,7 @@ def exports(tmp_path_factory) -> dict[str, Path]:
     bucket kept and with idle and node_other shared."""
     from schemas.records import PodEvent
     from services.attributor.engine import AttributionEngine, EngineConfig
-    from services.attributor.replay import scenario_records
+    from pipeline.recordings import scenario_records
     from services.billing.catalog import bundled_catalog
     from services.billing.costing import bill_node_window
     from services.billing.export import focus_dataset

@@ -40,8 +40,8 @@ from gpumeter.kafka.producer import RecordProducer
 from schemas.catalog import TopicCatalog, partition_for_node, pod_event_key
 from schemas.typed import codec_for
 from schemas.records import CostRecord, DeadLetter, GpuShare, NodeSample, PodEvent, Violation, ViolationState
-from services.attributor import replay as attributor_replay
-from services.attributor.replay import InputRecord, scenario_records, write_recording
+from pipeline import replay as attributor_replay
+from pipeline.recordings import InputRecord, scenario_records, write_recording
 from services.collector.sim.scenario import load_scenario
 from services.guard import config as guard_config
 from services.guard.config import GuardConfig

@@ -15,7 +15,8 @@ import pytest
 from gpumeter.kafka.producer import RecordProducer
 from schemas.catalog import partition_for_node, pod_event_key
 from schemas.records import NodeSample
-from services.attributor.replay import read_jsonl, replay, scenario_records, share_json
+from pipeline.recordings import scenario_records
+from pipeline.replay import read_jsonl, replay, share_json
 from services.collector.sim.scenario import load_scenario
 from tests.integration.test_attributor_stream import PARTITIONS, AttributorProcess, Outputs
 

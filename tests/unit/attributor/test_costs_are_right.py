@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from services.attributor.attribution import AttributionPolicy
-from services.attributor.replay import read_jsonl, replay
+from pipeline.replay import read_jsonl, replay
 from services.billing.catalog import PriceCatalog, parse_override_csv
 from services.billing.costing import gpu_fraction_exact
 

@@ -12,7 +12,7 @@ import argparse
 import pytest
 
 from gpumeter.errors import ConfigError
-from services.attributor.replay_cli import sharing_with_idle_handling
+from pipeline.cli import sharing_with_idle_handling
 from services.attributor.settings import IDLE_SPREAD_MOVED, add_arguments, attributor_settings
 from services.billing.sharing import ShareMethod
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gpumeter import cli
-from services.attributor import replay_cli
+from pipeline import cli as replay_cli
 from services.billing.catalog import PriceCatalog, parse_price_csv, parse_rates_csv
 from services.billing.price_import import (
     PriceImportError,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from services.attributor.replay import read_jsonl, replay
+from pipeline.replay import read_jsonl, replay
 
 GPU_CALLS = (
     "nvmlDeviceGetHandleByIndex",

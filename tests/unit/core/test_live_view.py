@@ -56,7 +56,7 @@ DEMO = REPO / "scenarios" / "demo.yaml"
 class Demo:
     def __init__(self) -> None:
         from services.attributor.engine import AttributionEngine, EngineConfig
-        from services.attributor.replay import scenario_records
+        from pipeline.recordings import scenario_records
         from services.billing.catalog import bundled_catalog
         from services.billing.costing import bill_node_window
         from services.collector.sim.scenario import load_scenario

@@ -1,0 +1,87 @@
+"""The layout holds: no service imports another service, ``schemas/`` imports nothing of the rest, the shared
+library ``gpumeter/`` imports no service, and nothing below ``pipeline/`` imports it.
+
+Every ``import`` and ``from ... import`` of every module is read with ``ast`` (function-level imports included,
+since a lazy import is still a dependency), relative imports resolved against the module's package.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+SERVICES = ("attributor", "billing", "collector", "guard")
+
+
+def _module_name(path: Path, root: Path = REPO) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(path: Path, root: Path = REPO) -> set[str]:
+    """Every module ``path`` (under ``root``) imports: absolute dotted names; ``from a import b`` counts as ``a``
+    and ``a.b``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    package = _module_name(path, root).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def _modules(top: str) -> list[Path]:
+    return sorted(p for p in (REPO / top).rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def _violations(paths, forbidden) -> list[str]:
+    out = []
+    for path in paths:
+        for name in sorted(imports_of(path)):
+            if any(name == f or name.startswith(f + ".") for f in forbidden(path)):
+                out.append(f"{path.relative_to(REPO)} imports {name}")
+    return out
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_no_service_imports_another_service(service):
+    others = [f"services.{s}" for s in SERVICES if s != service]
+    assert _violations(_modules(f"services/{service}"), lambda _: others + ["pipeline"]) == []
+
+
+def test_schemas_import_nothing_of_gpumeter_the_services_or_the_pipeline():
+    forbidden = ["gpumeter", "services", "pipeline", "simulator", "bench", "tests"]
+    assert _violations(_modules("schemas"), lambda _: forbidden) == []
+
+
+def test_the_shared_library_imports_no_service():
+    library = [p for p in _modules("gpumeter")
+               if "commands" not in p.relative_to(REPO).parts and p.name != "cli.py"]
+    assert _violations(library, lambda _: ["services", "pipeline", "simulator"]) == []
+
+
+def test_the_walk_sees_imports_of_every_form(tmp_path):
+    """The checker itself: absolute, from-, function-level and relative imports are all found."""
+    package = tmp_path / "services" / "billing"
+    package.mkdir(parents=True)
+    probe = package / "probe.py"
+    probe.write_text("import services.guard.engine\nfrom services.attributor import app\n"
+                     "def f():\n    from . import ledger\n    from ..guard import rules\n", encoding="utf-8")
+    found = imports_of(probe, tmp_path)
+    assert {"services.guard.engine", "services.attributor", "services.attributor.app", "services.billing.ledger",
+            "services.guard.rules"} <= found
