@@ -293,11 +293,11 @@ def check_sample(sample: NodeSample, now_unix_ms: int, max_clock_skew_ms: int,
         memory = dev.process_used_memory_bytes
         sm = dev.process_sm_utilization_percent
         n = len(pids)
-        if len(dev.process_container_index) != n or len(pods) != n or len(memory) != n or len(sm) != n:
+        if len(pods) != n or len(memory) != n or len(sm) != n:
             raise OutOfRange(
                 f"{_sample_where(sample)} device {dev.uuid}: per-process arrays differ in length (pids "
-                f"{len(dev.process_pids)}, containers {len(dev.process_container_index)}, pods "
-                f"{len(dev.process_pod_index)}, memory {len(dev.process_used_memory_bytes)}, sm "
+                f"{len(dev.process_pids)}, pods {len(dev.process_pod_index)}, memory "
+                f"{len(dev.process_used_memory_bytes)}, sm "
                 f"{len(dev.process_sm_utilization_percent)})"
             )
         duplicate = _first_duplicate_in(pids)
@@ -322,7 +322,7 @@ _VALID_SAMPLE_NAMES_MAX = 4096
 
 def _check_sample_names(sample: NodeSample) -> None:
     # A node's names change rarely between its ticks: one set lookup for the common case keeps the hot path cheap.
-    key = (sample.cluster, sample.node_name, tuple(sample.pod_uids), tuple(sample.container_ids),
+    key = (sample.cluster, sample.node_name, tuple(sample.pod_uids),
            tuple([(dev.uuid, dev.parent_uuid) for dev in sample.devices]))
     if key in _VALID_SAMPLE_NAMES:
         return
@@ -331,8 +331,6 @@ def _check_sample_names(sample: NodeSample) -> None:
     _check_name(where, "node name", sample.node_name, "subdomain")
     for uid in sample.pod_uids:
         _check_name(where, "pod uid", uid, "id")
-    for container_id in sample.container_ids:
-        _check_name(where, "container id", container_id, "id")
     for dev in sample.devices:
         _check_name(where, "device uuid", dev.uuid, "id")
         _check_name(where, "device parent uuid", dev.parent_uuid, "id")

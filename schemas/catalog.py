@@ -65,8 +65,8 @@ NODE_SAMPLES = TopicSpec(
     retention_ms=DAY_MS,
     producers=("collector",),
     consumers=("attributor", "guard"),
-    doc="One NodeSample per node per tick (the hot topic). NodeSample v2: no container ids (no consumer read them).",
-    record_versions=(2,),
+    doc="One NodeSample per node per tick (the hot topic). NodeSample v3: no container ids (no consumer read them).",
+    record_versions=(3,),
 )
 POD_EVENTS = TopicSpec(
     name="gpumeter.pod-events.v1",
@@ -140,9 +140,10 @@ DEAD_LETTERS = TopicSpec(
     record_versions=(1, 2),
 )
 # The attributor's output today, one record per (window, unit, subject); the node-window records replace it
-# (docs/migration-v2.md).
+# (docs/migration-v2.md). GpuShare v2 added the UNAVAILABLE subject to an enum that v1 readers have without a
+# default, so v2 records have a topic of their own.
 GPU_SHARES = TopicSpec(
-    name="gpumeter.gpu-shares.v1",
+    name="gpumeter.gpu-shares.v2",
     record_type=GpuShare,
     key="node_name",
     partitions=12,
@@ -150,8 +151,19 @@ GPU_SHARES = TopicSpec(
     retention_ms=7 * DAY_MS,
     producers=("attributor",),
     consumers=("billing", "guard"),
-    doc="Per (window, GPU unit, subject) shares that add up to 1 per unit and window.",
-    record_versions=(1, 2),
+    doc="Per (window, GPU unit, subject) shares that add up to 1 per unit and window. GpuShare v2.",
+    record_versions=(2,),
+)
+GPU_SHARES_V1 = TopicSpec(
+    name="gpumeter.gpu-shares.v1",
+    record_type=GpuShare,
+    key="node_name",
+    partitions=12,
+    cleanup_policy="delete",
+    retention_ms=7 * DAY_MS,
+    producers=("attributor before GpuShare v2",),
+    consumers=("billing and guard before GpuShare v2",),
+    doc="GpuShare v1 rows (no UNAVAILABLE subject).",
 )
 NODE_SAMPLES_V1 = TopicSpec(
     name="gpumeter.node-samples.v1",
@@ -162,7 +174,8 @@ NODE_SAMPLES_V1 = TopicSpec(
     retention_ms=DAY_MS,
     producers=("collector before node-window records",),
     consumers=("attributor and guard before node-window records",),
-    doc="NodeSample v1 per node per tick, with container ids.",
+    doc="NodeSample v1 and v2 per node per tick, with container ids.",
+    record_versions=(1, 2),
 )
 COSTS_V1 = TopicSpec(
     name="gpumeter.costs.v1",
@@ -180,7 +193,7 @@ ALL_TOPICS: tuple[TopicSpec, ...] = (NODE_SAMPLES, POD_EVENTS, GPU_SHARES, COSTS
 # Declared with their schemas, examples and checks, written by no service yet: the attributor still writes
 # GPU_SHARES and billing reads it (docs/migration-v2.md says what changes when they move).
 NEXT_TOPICS: tuple[TopicSpec, ...] = (NODE_WINDOW_SHARES, NODE_WINDOW_COSTS)
-LEGACY_TOPICS: tuple[TopicSpec, ...] = (NODE_SAMPLES_V1, COSTS_V1)
+LEGACY_TOPICS: tuple[TopicSpec, ...] = (NODE_SAMPLES_V1, GPU_SHARES_V1, COSTS_V1)
 
 
 @dataclass(frozen=True)

@@ -109,7 +109,6 @@ class GpuDeviceSample:
     process_utilization_supported: bool
     errors: tuple[NvmlError, ...]
     process_pids: tuple[int, ...]
-    process_container_index: tuple[int, ...]
     process_pod_index: tuple[int, ...]
     process_used_memory_bytes: tuple[int, ...]
     process_sm_utilization_percent: tuple[int, ...]
@@ -181,7 +180,6 @@ class GpuDeviceSample:
             d["process_utilization_supported"],
             tuple([NvmlError.from_avro(e) for e in errors]) if len(errors) else (),
             tuple(d["process_pids"]),
-            tuple(d["process_container_index"]),
             tuple(d["process_pod_index"]),
             tuple(d["process_used_memory_bytes"]),
             tuple(d["process_sm_utilization_percent"]),
@@ -191,7 +189,6 @@ class GpuDeviceSample:
 
 _PROCESS_FIELDS = (
     "process_pids",
-    "process_container_index",
     "process_pod_index",
     "process_used_memory_bytes",
     "process_sm_utilization_percent",
@@ -210,7 +207,6 @@ class NodeSample:
     region: str
     instance_type: str
     price_model: str
-    container_ids: tuple[str, ...]
     pod_uids: tuple[str, ...]
     node_errors: tuple[NvmlError, ...]
     devices: tuple[GpuDeviceSample, ...]
@@ -229,7 +225,6 @@ class NodeSample:
             "region": self.region,
             "instance_type": self.instance_type,
             "price_model": self.price_model,
-            "container_ids": list(self.container_ids),
             "pod_uids": list(self.pod_uids),
             "node_errors": [e.to_avro() for e in self.node_errors],
             "devices": [dev.to_avro() for dev in self.devices],
@@ -252,7 +247,6 @@ class NodeSample:
             d["region"],
             d["instance_type"],
             d["price_model"],
-            tuple(d["container_ids"]),
             tuple(d["pod_uids"]),
             tuple([NvmlError.from_avro(e) for e in node_errors]) if len(node_errors) else (),
             tuple([device_from_avro(dev) for dev in d["devices"]]),

@@ -1,8 +1,9 @@
 """Pure assembly of one tick's NodeSample from NVML device samples and process identities.
 
-Contract: ``assemble_node_sample`` copies every device field through unchanged, maps each process pid to the
-container and pod its cgroup names (-1 where unknown), lists each distinct container id and pod uid once per node
-in first-seen order, and never drops a process.
+Contract: ``assemble_node_sample`` copies every device field through unchanged, maps each process pid to the pod
+its cgroup names (-1 where unknown), lists each distinct pod uid once per node in first-seen order, and never drops
+a process. (The container a process runs in is not on the wire since NodeSample v3: no consumer read it, and the
+pod events carry every container's id.)
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any, Callable, Mapping, Sequence
 from schemas.records import GpuDeviceSample, NodeSample, NvmlError
 
 _COPIED_FIELDS = tuple(
-    f.name for f in fields(GpuDeviceSample) if f.name not in ("process_container_index", "process_pod_index")
+    f.name for f in fields(GpuDeviceSample) if f.name != "process_pod_index"
 )
 
 
@@ -63,24 +64,16 @@ def assemble_node_sample(
     identity_of: Callable[[int], Any],
     node_errors: Sequence[NvmlError] = (),
 ) -> NodeSample:
-    """Build the tick's NodeSample. ``identity_of(pid)`` returns an object with ``container_id`` and ``pod_uid``
-    (either may be None) or None for a process whose cgroup names no container."""
-    containers = _Interner()
+    """Build the tick's NodeSample. ``identity_of(pid)`` returns an object with a ``pod_uid`` (may be None) or None
+    for a process whose cgroup names no container."""
     pods = _Interner()
     devices = []
     for raw in raw_devices:
-        container_index = []
         pod_index = []
         for pid in raw.process_pids:
             identity = identity_of(pid)
-            if identity is None:
-                container_index.append(-1)
-                pod_index.append(-1)
-            else:
-                container_index.append(containers(identity.container_id))
-                pod_index.append(pods(identity.pod_uid))
+            pod_index.append(-1 if identity is None else pods(identity.pod_uid))
         values = {name: getattr(raw, name) for name in _COPIED_FIELDS}
-        values["process_container_index"] = tuple(container_index)
         values["process_pod_index"] = tuple(pod_index)
         devices.append(GpuDeviceSample(**values))
     return NodeSample(
@@ -94,7 +87,6 @@ def assemble_node_sample(
         region=facts.region,
         instance_type=facts.instance_type,
         price_model=facts.price_model,
-        container_ids=tuple(containers.values),
         pod_uids=tuple(pods.values),
         node_errors=tuple(node_errors),
         devices=tuple(devices),

@@ -102,18 +102,12 @@ class RawDeviceSample:
     process_sm_utilization_percent: tuple[int, ...]
     mps_server_pids: tuple[int, ...] = ()
 
-    def to_device_sample(
-        self, process_container_index: tuple[int, ...], process_pod_index: tuple[int, ...]
-    ) -> GpuDeviceSample:
-        """The record with each process's container and pod index (one per process, -1 for none)."""
-        if len(process_container_index) != len(self.process_pids) or len(process_pod_index) != len(self.process_pids):
-            raise ValueError("one container and one pod index per process")
+    def to_device_sample(self, process_pod_index: tuple[int, ...]) -> GpuDeviceSample:
+        """The record with each process's pod index (one per process, -1 for none)."""
+        if len(process_pod_index) != len(self.process_pids):
+            raise ValueError("one pod index per process")
         values = {f.name: getattr(self, f.name) for f in fields(self)}
-        return GpuDeviceSample(
-            **values,
-            process_container_index=tuple(process_container_index),
-            process_pod_index=tuple(process_pod_index),
-        )
+        return GpuDeviceSample(**values, process_pod_index=tuple(process_pod_index))
 
 
 class NvmlReading(NamedTuple):

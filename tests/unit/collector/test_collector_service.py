@@ -34,9 +34,8 @@ def test_assembly_interns_ids_and_keeps_every_process():
     ticks = list(node_streams(scenario, scenario.nodes[1].name))
     sample = ticks[len(ticks) // 2].sample
     assert len(set(sample.pod_uids)) == len(sample.pod_uids)
-    assert len(set(sample.container_ids)) == len(sample.container_ids)
     for device in sample.devices:
-        lengths = {len(device.process_pids), len(device.process_pod_index), len(device.process_container_index),
+        lengths = {len(device.process_pids), len(device.process_pod_index),
                    len(device.process_used_memory_bytes), len(device.process_sm_utilization_percent)}
         assert len(lengths) == 1
         assert all(-1 <= i < len(sample.pod_uids) for i in device.process_pod_index)
@@ -73,10 +72,8 @@ def test_assembly_maps_unknown_processes_to_minus_one_and_shares_ids_across_devi
     sample = assemble_node_sample(facts, TickInfo(3, 10, 20, 1000), [_Raw([1, 2], [5, 6]), _Raw([3, 1], [7, 8])],
                                   identities.get)
     assert sample.pod_uids == ("pod-a",)
-    assert sample.container_ids == ("c" * 64, "d" * 64)
     assert sample.devices[0].process_pod_index == (0, -1)
-    assert sample.devices[0].process_container_index == (0, -1)
-    assert sample.devices[1].process_container_index == (1, 0)
+    assert sample.devices[1].process_pod_index == (0, 0)  # pid 3 and pid 1 are both pod-a
     assert (sample.sequence, sample.sampled_at_unix_ms, sample.price_model) == (3, 20, "spot")
 
 

@@ -533,25 +533,21 @@ def test_the_real_pynvml_module_never_raises_out_of_read():
 # ---- records ---------------------------------------------------------------------------------------------------
 
 
-def test_raw_device_sample_is_a_device_sample_without_the_index_columns():
+def test_raw_device_sample_is_a_device_sample_without_the_index_column():
     raw_fields = [f.name for f in dataclasses.fields(RawDeviceSample)]
-    record_fields = [
-        f.name
-        for f in dataclasses.fields(GpuDeviceSample)
-        if f.name not in ("process_container_index", "process_pod_index")
-    ]
+    record_fields = [f.name for f in dataclasses.fields(GpuDeviceSample) if f.name != "process_pod_index"]
     assert raw_fields == record_fields
 
 
-def test_to_device_sample_adds_the_index_columns():
+def test_to_device_sample_adds_the_index_column():
     s = scenario("time_slicing")
     _, clock, _, _, backend = make(s)
     at(s, clock, 30)
     raw = backend.sample()[0]
     n = len(raw.process_pids)
-    record = raw.to_device_sample(tuple(range(n)), tuple(-1 for _ in range(n)))
-    assert record.process_container_index == tuple(range(n)) and record.process_pod_index == (-1,) * n
+    record = raw.to_device_sample(tuple(-1 for _ in range(n)))
+    assert record.process_pod_index == (-1,) * n
     assert record.uuid == raw.uuid and record.process_used_memory_bytes == raw.process_used_memory_bytes
     assert GpuDeviceSample.from_avro(record.to_avro()) == record
     with pytest.raises(ValueError):
-        raw.to_device_sample((0,), (0,))
+        raw.to_device_sample((0,) * (n + 1))

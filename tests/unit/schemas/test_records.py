@@ -35,7 +35,6 @@ def _device_dict(**overrides):
         "process_utilization_supported": True,
         "errors": [{"nvml_function": "nvmlDeviceGetPowerUsage", "error_code": "NOT_SUPPORTED", "message": "m"}],
         "process_pids": [101, 102],
-        "process_container_index": [1, 0],
         "process_pod_index": [0, -1],
         "process_used_memory_bytes": [300, -1],
         "process_sm_utilization_percent": [-1, 40],
@@ -57,7 +56,6 @@ def _node_dict(devices, **overrides):
         "region": "us-east-1",
         "instance_type": "p5.48xlarge",
         "price_model": "on_demand",
-        "container_ids": ["c0", "c1"],
         "pod_uids": ["p0", "p1"],
         "node_errors": [{"nvml_function": "nvmlInit", "error_code": "UNKNOWN", "message": "x"}],
         "devices": devices,
@@ -80,7 +78,6 @@ def test_device_from_avro_puts_every_field_in_its_own_attribute():
         "sharing_mode": SharingMode.MIG,
         "errors": (NvmlError("nvmlDeviceGetPowerUsage", "NOT_SUPPORTED", "m"),),
         "process_pids": (101, 102),
-        "process_container_index": (1, 0),
         "process_pod_index": (0, -1),
         "process_used_memory_bytes": (300, -1),
         "process_sm_utilization_percent": (-1, 40),
@@ -89,7 +86,7 @@ def test_device_from_avro_puts_every_field_in_its_own_attribute():
     assert {f.name: getattr(device, f.name) for f in fields(GpuDeviceSample)} == expected
     assert device.sharing_mode is SharingMode.MIG
     assert all(type(getattr(device, name)) is tuple for name in
-               ("errors", "process_pids", "process_container_index", "process_pod_index",
+               ("errors", "process_pids", "process_pod_index",
                 "process_used_memory_bytes", "process_sm_utilization_percent", "mps_server_pids"))
     assert GpuDeviceSample.from_avro(device.to_avro()) == device
 
@@ -99,7 +96,6 @@ def test_node_sample_from_avro_puts_every_field_in_its_own_attribute():
                                                  errors=[], mig_profile=None, gpu_utilization_percent=None)])
     sample = NodeSample.from_avro(d)
     expected = _expected(NodeSample, d, {
-        "container_ids": ("c0", "c1"),
         "pod_uids": ("p0", "p1"),
         "node_errors": (NvmlError("nvmlInit", "UNKNOWN", "x"),),
         "devices": tuple(GpuDeviceSample.from_avro(dev) for dev in d["devices"]),
