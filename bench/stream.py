@@ -2,7 +2,7 @@
 throughput ceiling, with the attributor and billing running as real subprocesses.
 
 Set-up (all on this machine): a real Apache Kafka broker (``gpumeter.devtools.kafka_broker``), the catalog's
-topics (12 partitions each; ``gpu-shares`` and ``costs`` with ``message.timestamp.type=LogAppendTime`` so that
+topics (12 partitions each; ``node-window-shares`` and ``costs`` with ``message.timestamp.type=LogAppendTime`` so that
 every record carries the moment it landed on its topic), ``gpumeter attributor`` and ``gpumeter billing`` (SQLite
 ledger) started as subprocesses with their production defaults (60 s windows, 10 s grace, INFO logging), and a
 load generator in this process: ``bench.workload.Fleet`` nodes of 8 time-sliced GPUs × 8 single-process pods,
@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from schemas.catalog import COSTS, GPU_SHARES, NODE_SAMPLES, TopicCatalog, partition_for_node, pod_event_key
+from schemas.catalog import COSTS, NODE_SAMPLES, NODE_WINDOW_SHARES, TopicCatalog, partition_for_node, pod_event_key
 from schemas.records import NodeSample, PodEvent
 from schemas.typed import codec_for
 
@@ -99,8 +99,8 @@ def _read_long(data: bytes, pos: int) -> tuple[int, int]:
 
 
 def window_key_of(message: bytes) -> tuple[str, int]:
-    """(node name, window start) of a ``GpuShare`` or ``CostRecord`` message: both records begin with cluster,
-    node_name, window_start_unix_ms; read just those instead of decoding the whole record."""
+    """(node name, window start) of a ``NodeWindowShares``, ``NodeWindowCost`` or ``CostRecord`` message: the
+    records begin with cluster, node_name, window_start_unix_ms; read just those instead of decoding the record."""
     pos = 10
     length, pos = _read_long(message, pos)
     pos += length
@@ -266,7 +266,7 @@ async def create_bench_topics(settings: Any, catalog: TopicCatalog) -> None:
         topics = []
         for spec in catalog:
             config = spec.config()
-            if spec in (GPU_SHARES, COSTS):
+            if spec in (NODE_WINDOW_SHARES, COSTS):
                 config["message.timestamp.type"] = "LogAppendTime"
             topics.append(NewTopic(catalog.name(spec), catalog.partitions(spec), 1, topic_configs=config))
         partitions = catalog.partitions(NODE_SAMPLES)
@@ -662,8 +662,8 @@ async def run_stream(config: StreamConfig, workdir: Path, log: Callable[[str], N
                 figures["live"][label] = await live_phase(bench, label, nodes)
         finally:
             await producer.stop()
-        log("stream: reading the gpu-shares topic for the attributor's part of the latency")
-        shares = await window_stats(settings, catalog.gpu_shares)
+        log("stream: reading the node-window-shares topic for the attributor's part of the latency")
+        shares = await window_stats(settings, catalog.node_window_shares)
         for phase in figures["live"].values():
             for window in ("full_window", "partial_first_window"):
                 w = phase.get(window)
@@ -671,7 +671,7 @@ async def run_stream(config: StreamConfig, workdir: Path, log: Callable[[str], N
                     continue
                 close_ms = w["window_start_unix_ms"] + window_ms + GRACE_SECONDS * 1000
                 latencies = [(v[2] - close_ms) / 1000 for (node, start), v in shares.items()
-                             if start == w["window_start_unix_ms"] and v[0] == shares_per_node_window(fleet)
+                             if start == w["window_start_unix_ms"] and v[0] >= 1
                              and node in phase["_nodes"]]
                 w["close_to_last_share_record"] = latency_summary(latencies)
             del phase["_nodes"]

@@ -88,8 +88,8 @@ NODE_WINDOW_SHARES = TopicSpec(
     partitions=12,
     cleanup_policy="delete",
     retention_ms=7 * DAY_MS,
-    producers=(),
-    consumers=(),
+    producers=("attributor",),
+    consumers=("billing", "guard"),
     doc="One NodeWindowShares per node and window: every unit's subjects' shares, adding up to 1 per unit.",
 )
 NODE_WINDOW_COSTS = TopicSpec(
@@ -99,8 +99,8 @@ NODE_WINDOW_COSTS = TopicSpec(
     partitions=12,
     cleanup_policy="delete",
     retention_ms=30 * DAY_MS,
-    producers=(),
-    consumers=(),
+    producers=("billing",),
+    consumers=("guard",),
     doc="One NodeWindowCost per node-window bill, with all its cost lines, adding up to the bill exactly.",
 )
 COSTS = TopicSpec(
@@ -111,7 +111,7 @@ COSTS = TopicSpec(
     cleanup_policy="delete",
     retention_ms=30 * DAY_MS,
     producers=("billing",),
-    consumers=("guard", "external cost consumers", "gpumeter run's live view"),
+    consumers=("external cost consumers", "gpumeter run's live view"),
     doc="The realtime per-pod cost stream: one CostRecord per line, one batch per node-window, adding up to the "
         "node bills exactly. CostRecord v2 (the UNAVAILABLE subject, direct and shared lines).",
     record_versions=(2,),
@@ -139,9 +139,9 @@ DEAD_LETTERS = TopicSpec(
     doc="Every input a service rejected, whole, with the reason.",
     record_versions=(1, 2),
 )
-# The attributor's output today, one record per (window, unit, subject); the node-window records replace it
+# One record per (window, unit, subject), what the attributor wrote before the node-window records
 # (docs/migration-v2.md). GpuShare v2 added the UNAVAILABLE subject to an enum that v1 readers have without a
-# default, so v2 records have a topic of their own.
+# default, so v2 records had a topic of their own.
 GPU_SHARES = TopicSpec(
     name="gpumeter.gpu-shares.v2",
     record_type=GpuShare,
@@ -149,8 +149,8 @@ GPU_SHARES = TopicSpec(
     partitions=12,
     cleanup_policy="delete",
     retention_ms=7 * DAY_MS,
-    producers=("attributor",),
-    consumers=("billing", "guard"),
+    producers=("attributor before node-window records",),
+    consumers=("billing and guard before node-window records",),
     doc="Per (window, GPU unit, subject) shares that add up to 1 per unit and window. GpuShare v2.",
     record_versions=(2,),
 )
@@ -189,11 +189,9 @@ COSTS_V1 = TopicSpec(
     doc="CostRecord v1 lines (no UNAVAILABLE subject, no shared lines).",
 )
 
-ALL_TOPICS: tuple[TopicSpec, ...] = (NODE_SAMPLES, POD_EVENTS, GPU_SHARES, COSTS, VIOLATIONS, DEAD_LETTERS)
-# Declared with their schemas, examples and checks, written by no service yet: the attributor still writes
-# GPU_SHARES and billing reads it (docs/migration-v2.md says what changes when they move).
-NEXT_TOPICS: tuple[TopicSpec, ...] = (NODE_WINDOW_SHARES, NODE_WINDOW_COSTS)
-LEGACY_TOPICS: tuple[TopicSpec, ...] = (NODE_SAMPLES_V1, GPU_SHARES_V1, COSTS_V1)
+ALL_TOPICS: tuple[TopicSpec, ...] = (NODE_SAMPLES, POD_EVENTS, NODE_WINDOW_SHARES, NODE_WINDOW_COSTS, COSTS,
+                                     VIOLATIONS, DEAD_LETTERS)
+LEGACY_TOPICS: tuple[TopicSpec, ...] = (NODE_SAMPLES_V1, GPU_SHARES_V1, GPU_SHARES, COSTS_V1)
 
 
 @dataclass(frozen=True)
@@ -219,10 +217,6 @@ class TopicCatalog:
     @property
     def pod_events(self) -> str:
         return self.name(POD_EVENTS)
-
-    @property
-    def gpu_shares(self) -> str:
-        return self.name(GPU_SHARES)
 
     @property
     def node_window_shares(self) -> str:

@@ -3,8 +3,8 @@
 The view is a ``ViewState`` folded from the records of three topics (``apply_records(state, records)`` returns a
 new state and never changes its input):
 
-* **gpu-shares** (``GpuShare``): the rows of one GPU unit (a whole GPU or a MIG instance) for one window are
-  collected until all ``rows_in_unit`` of them are in (duplicates after an attributor restart are dropped by
+* **node-window-shares** (as ``GpuShare`` rows, ``NodeWindowShares.rows()``): the rows of one GPU unit (a whole
+  GPU or a MIG instance) for one window are collected until all ``rows_in_unit`` of them are in (duplicates after an attributor restart are dropped by
   (subject kind, pod uid)); a complete unit-window replaces the one shown for that unit when it is not older.
   ``bar_segments(unit)`` turns it into a bar whose cells add up to the bar's width and whose percentages add up to
   100.0 exactly: pods, then idle, driver-reserved and unattributed (largest remainder, so nothing is lost to

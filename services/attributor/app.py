@@ -13,8 +13,9 @@ Topology (a node's samples and its pods' events share a partition number, so eac
 * ``node-samples`` agent: decode ``NodeSample``, reject impossible ticks (``check_sample`` in ``engine.on_sample``:
   ``OUT_OF_RANGE``) → ``engine.on_sample``; an accepted tick stays in the engine's memory only (ticks are not
   written to a changelog: they are in the input topic already, and a rebuild reads them again from there); a late
-  tick is dead-lettered (``LATE``). Each closed window's ``GpuShare`` rows go to the gpu-shares topic keyed by node
-  name, all rows of a node-window together. The agent does not wait for Kafka's acknowledgement: it goes on with
+  tick is dead-lettered (``LATE``). Each closed window goes to the node-window-shares topic as one
+  ``NodeWindowShares`` record keyed by node name (``NodeWindowShares.from_rows`` of its ``GpuShare`` rows: every
+  unit and subject of the node-window in one message). The agent does not wait for Kafka's acknowledgement: it goes on with
   the next message while the rows are in flight (windows of every node close in the same second; waiting ~30 ms
   per node-window made the close of a large fleet serial). Once Kafka acknowledged them, the next event of the
   partition writes the node's progress record (``<node>|progress|<cluster>``, table ``open_samples``: how far its
@@ -54,7 +55,7 @@ from gpumeter.metrics import ServiceMetrics
 from gpumeter.settings import KafkaSettings
 from gpumeter.validation import check_pod_event
 from schemas.catalog import partition_for_node
-from schemas.records import DeadLetter, GpuShare, NodeSample, PodEvent
+from schemas.records import DeadLetter, NodeSample, NodeWindowShares, PodEvent
 from schemas.typed import codec_for
 from services.attributor.engine import (
     AttributionEngine,
@@ -87,7 +88,7 @@ hundred bytes per container; a larger one is dead-lettered ``TOO_LARGE`` rather 
 
 _SAMPLE_CODEC = codec_for(NodeSample)
 _POD_CODEC = codec_for(PodEvent)
-_SHARE_CODEC = codec_for(GpuShare)
+_WINDOW_SHARES_CODEC = codec_for(NodeWindowShares)
 _DEAD_LETTER_CODEC = codec_for(DeadLetter)
 
 
@@ -183,7 +184,7 @@ class AttributorStream:
         raw = {"key_type": bytes, "value_type": bytes, "key_serializer": "raw", "value_serializer": "raw"}
         self.samples_topic = app.topic(self.samples_topic_name, partitions=self.partitions, **raw)
         self.pods_topic = app.topic(self.pods_topic_name, partitions=self.partitions, **raw)
-        self.shares_topic = app.topic(catalog.gpu_shares, **raw)
+        self.shares_topic = app.topic(catalog.node_window_shares, **raw)
         self.dead_letters_topic = app.topic(catalog.dead_letters, **raw)
         self.open_samples = app.Table(SAMPLES_TABLE, key_type=str, value_type=bytes, partitions=self.partitions,
                                       help="Each node's progress record (raw ticks of open windows only in tables written by older versions).")
@@ -469,17 +470,18 @@ class AttributorStream:
             await asyncio.gather(*futures)
 
     async def _send_rows(self, windows: Iterable[WindowResult]) -> list[asyncio.Future]:
-        """Enqueue each window's rows keyed by node name (in order); returns their delivery futures. The window
-        metrics move when a window's last row is acknowledged."""
+        """Enqueue each window as one ``NodeWindowShares`` keyed by node name (in order); returns their delivery
+        futures. The window metrics move when its record is acknowledged; a window without rows sends nothing."""
         futures: list[asyncio.Future] = []
         for window in windows:
-            key = window.node_name.encode("utf-8")
-            sent = [await self.shares_topic.send(key=key, value=_SHARE_CODEC.encode(row)) for row in window.shares]
-            futures.extend(sent)
-            if sent:
-                sent[-1].add_done_callback(lambda future, window=window: self._acknowledged(window, future))
-            else:
+            if not window.shares:
                 self._acknowledged(window, None)
+                continue
+            key = window.node_name.encode("utf-8")
+            value = _WINDOW_SHARES_CODEC.encode(NodeWindowShares.from_rows(window.shares))
+            sent = await self.shares_topic.send(key=key, value=value)
+            futures.append(sent)
+            sent.add_done_callback(lambda future, window=window: self._acknowledged(window, future))
         return futures
 
     def _acknowledged(self, window: WindowResult, future: asyncio.Future | None) -> None:

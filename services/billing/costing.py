@@ -30,20 +30,21 @@ Contract of ``price_node_window(shares, price)`` (``cost_node_window`` returns j
   The result does not depend on the input order. Every part is within one micro-dollar of its exact quota, and
   a part whose exact cost is zero gets zero.
 
-``NodeWindowAssembler`` collects rows from a stream and hands over a node-window once it is complete.
+``window_cost_record`` turns a priced node-window into the ``NodeWindowCost`` record of the node-window-costs topic.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from fractions import Fraction
 from types import MappingProxyType
 from typing import Any, Iterable, Sequence
 
 from gpumeter.clock import iso_utc  # noqa: F401 - billing's records and reports print times with it
 from gpumeter.errors import InvalidMessage, OutOfRange
-from schemas.records import CostRecord, CostSubjectKind, GpuShare, ShareSubjectKind
+from schemas.records import CostRecord, CostSubjectKind, GpuShare, NodeWindowShares, ShareSubjectKind
+from schemas.records import NodeWindowCost as NodeWindowCostRecord
 from services.billing.catalog import PriceCatalog, PriceError, normalize_price_model, normalize_provider
 from services.billing.money import apportion
 from services.billing.sharing import KEEP_ALL, SharingPolicy, apply_sharing, requests_by_pod
@@ -468,92 +469,12 @@ def bill_node_window(
     return price_node_window(rows, price, sharing)
 
 
-@dataclass(frozen=True, slots=True)
-class NodeWindow:
-    """A complete node-window: its key and its rows in a deterministic order (unit, then subject)."""
-
-    key: NodeWindowKey
-    shares: tuple[GpuShare, ...]
-
-
-@dataclass
-class _Pending:
-    units_in_node: int
-    rows: dict[tuple[str, str, str], GpuShare] = field(default_factory=dict)
-    rows_in_unit: dict[str, int] = field(default_factory=dict)
-    unit_row_counts: dict[str, int] = field(default_factory=dict)
-
-    def complete(self) -> bool:
-        return len(self.rows_in_unit) == self.units_in_node and all(
-            self.unit_row_counts[u] == n for u, n in self.rows_in_unit.items()
-        )
-
-
-class NodeWindowAssembler:
-    """Collects ``GpuShare`` rows and hands over each node-window once it is complete. Pure (no I/O, no clock).
-
-    ``add(share)`` returns the ``NodeWindow`` when this row completes it (``units_in_node`` units, each with
-    ``rows_in_unit`` rows), else None. Exact duplicates are ignored (redelivery), also after the node-window was
-    handed over; a different row with the identity of one already held, or counts that contradict earlier rows,
-    raise ``InconsistentShares`` and leave the state unchanged. ``expire_before(window_start_unix_ms)`` forgets
-    every node-window that starts earlier — pending ones (returned, never completed) and handed-over ones (whose
-    later redeliveries would then be handed over again; the ledger's idempotent write absorbs those).
-    """
-
-    def __init__(self) -> None:
-        self._pending: dict[NodeWindowKey, _Pending] = {}
-        self._emitted: set[NodeWindowKey] = set()
-        self.duplicates_ignored = 0
-
-    @property
-    def pending_keys(self) -> tuple[NodeWindowKey, ...]:
-        return tuple(sorted(self._pending))
-
-    @property
-    def emitted_count(self) -> int:
-        return len(self._emitted)
-
-    def add(self, share: GpuShare) -> NodeWindow | None:
-        key = _key(share)
-        if key in self._emitted:
-            self.duplicates_ignored += 1
-            return None
-        if share.units_in_node < 1 or share.rows_in_unit < 1:
-            raise OutOfRange(f"{key}: units_in_node and rows_in_unit must be >= 1")
-        state = self._pending.get(key)
-        if state is not None and state.units_in_node != share.units_in_node:
-            raise InconsistentShares(f"{key}: units_in_node {share.units_in_node} after {state.units_in_node}")
-        identity = _identity(share)
-        if state is not None and identity in state.rows:
-            if state.rows[identity] == share:
-                self.duplicates_ignored += 1
-                return None
-            raise InconsistentShares(f"{key}: a different row for {identity} (a redelivered share must be identical)")
-        if state is not None:
-            expected = state.rows_in_unit.get(share.gpu_uuid)
-            if expected is not None and expected != share.rows_in_unit:
-                raise InconsistentShares(f"{key} unit {share.gpu_uuid}: rows_in_unit {share.rows_in_unit} after "
-                                         f"{expected}")
-            if expected is not None and state.unit_row_counts[share.gpu_uuid] >= expected:
-                raise InconsistentShares(f"{key} unit {share.gpu_uuid}: more than {expected} rows")
-            if expected is None and len(state.rows_in_unit) >= state.units_in_node:
-                raise InconsistentShares(f"{key}: more than {state.units_in_node} units")
-        else:
-            state = self._pending[key] = _Pending(units_in_node=share.units_in_node)
-        state.rows[identity] = share
-        state.rows_in_unit[share.gpu_uuid] = share.rows_in_unit
-        state.unit_row_counts[share.gpu_uuid] = state.unit_row_counts.get(share.gpu_uuid, 0) + 1
-        if not state.complete():
-            return None
-        del self._pending[key]
-        self._emitted.add(key)
-        ordered = sorted(state.rows.values(), key=lambda s: (s.gpu_uuid, _row_order(s)))
-        return NodeWindow(key=key, shares=tuple(ordered))
-
-    def expire_before(self, window_start_unix_ms: int) -> tuple[NodeWindowKey, ...]:
-        """Forget node-windows starting before ``window_start_unix_ms``; return the pending (incomplete) ones."""
-        dropped = tuple(sorted(k for k in self._pending if k.window_start_unix_ms < window_start_unix_ms))
-        for key in dropped:
-            del self._pending[key]
-        self._emitted = {k for k in self._emitted if k.window_start_unix_ms >= window_start_unix_ms}
-        return dropped
+def window_cost_record(priced: NodeWindowCost, shares: NodeWindowShares) -> NodeWindowCostRecord:
+    """The node-window-costs record of one bill: the bill's figures and every cost line (``priced``), with the
+    pods as the node-window's shares described them (``shares``: requests, workload)."""
+    bill = priced.bill
+    return NodeWindowCostRecord.from_cost_records(
+        priced.costs, billed_milliseconds=bill.billed_milliseconds, cloud_provider=bill.provider,
+        region=bill.region, zone=bill.zone, provider_id=bill.provider_id, price_per_hour_usd=bill.price_per_hour_usd,
+        split_rule=bill.price.split_rule.value, gpu_count=bill.gpu_count, gpu_cost_micro_usd=bill.gpu_cost_micro_usd,
+        sharing=bill.sharing, pods={pod.pod_uid: pod for pod in shares.pods})

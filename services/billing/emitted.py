@@ -2,16 +2,16 @@
 
 The ledger alone cannot show what never reached it: a billing service that crash-loops, stops, or retries one
 record forever leaves the ledger consistent with itself, and a report on it reconciles. What was emitted is on the
-gpu-shares topic; what billing refused is on the dead-letters topic. ``read_emitted`` reads both for the windows
-of a report:
+node-window-shares topic; what billing refused is on the dead-letters topic. ``read_emitted`` reads both for the
+windows of a report:
 
-* the share rows of every node-window starting in [start_ms, end_ms), from each partition's first record stamped
-  at or after ``start_ms`` (a row is produced after its window ended, so its Kafka timestamp is later than the
-  window's start: the attributor's clock is the wall clock) up to the end offsets taken when the read starts;
-* the dead letters billing wrote for rows of those windows (their values decode as ``GpuShare``; a value cut to
-  fit a dead letter -- never a real share row -- is skipped), from the same time on.
+* the ``NodeWindowShares`` of every node-window starting in [start_ms, end_ms), from each partition's first record
+  stamped at or after ``start_ms`` (a node-window is produced after it ended, so its Kafka timestamp is later than
+  the window's start: the attributor's clock is the wall clock) up to the end offsets taken when the read starts;
+* the dead letters billing wrote for those node-windows (their values decode as ``NodeWindowShares``; a value cut
+  to fit a dead letter -- never a real node-window -- is skipped), from the same time on.
 
-Undecodable share values are skipped (billing dead-lettered them; they name no window). This module only reads;
+Undecodable values are skipped (billing dead-lettered them; they name no window). This module only reads;
 the comparison is ``services.billing.report.check_emitted`` (pure).
 """
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from gpumeter.errors import GpumeterError, InvalidMessage
 from gpumeter.settings import KafkaSettings
 from schemas.catalog import TopicCatalog
-from schemas.records import DeadLetter, GpuShare
+from schemas.records import DeadLetter, NodeWindowShares
 from schemas.typed import codec_for
 from services.billing.costing import NodeWindowKey
 
@@ -37,19 +37,19 @@ class EmittedUnavailable(GpumeterError):
 
 @dataclass(frozen=True)
 class Emitted:
-    """Per node-window of the range: when its newest row was emitted (ms, the record's Kafka timestamp), and the
+    """Per node-window of the range: when it was last emitted (ms, the record's Kafka timestamp), and the
     reason codes billing dead-lettered its rows with (empty: none)."""
 
     emitted_at_ms: dict[NodeWindowKey, int] = field(default_factory=dict)
     dead_lettered: dict[NodeWindowKey, frozenset[str]] = field(default_factory=dict)
 
 
-def _in_range(share: GpuShare, start_ms: int, end_ms: int, cluster: str | None) -> bool:
-    return start_ms <= share.window_start_unix_ms < end_ms and (cluster is None or share.cluster == cluster)
+def _in_range(shares: NodeWindowShares, start_ms: int, end_ms: int, cluster: str | None) -> bool:
+    return start_ms <= shares.window_start_unix_ms < end_ms and (cluster is None or shares.cluster == cluster)
 
 
-def _key(share: GpuShare) -> NodeWindowKey:
-    return NodeWindowKey(share.cluster, share.node_name, share.window_start_unix_ms)
+def _key(shares: NodeWindowShares) -> NodeWindowKey:
+    return NodeWindowKey(shares.cluster, shares.node_name, shares.window_start_unix_ms)
 
 
 async def _read_from_time(kafka: KafkaSettings, topic: str, start_ms: int):
@@ -96,10 +96,10 @@ async def _read_from_time(kafka: KafkaSettings, topic: str, start_ms: int):
 
 async def read_emitted_async(kafka: KafkaSettings, topics: TopicCatalog, *, start_ms: int, end_ms: int,
                              cluster: str | None = None) -> Emitted:
-    shares = await _read_from_time(kafka, topics.gpu_shares, start_ms)
+    shares = await _read_from_time(kafka, topics.node_window_shares, start_ms)
     letters = await _read_from_time(kafka, topics.dead_letters, start_ms)
     emitted: dict[NodeWindowKey, int] = {}
-    share_codec = codec_for(GpuShare)
+    share_codec = codec_for(NodeWindowShares)
     for record in shares:
         try:
             share = share_codec.decode(record.value or b"")
@@ -113,7 +113,8 @@ async def read_emitted_async(kafka: KafkaSettings, topics: TopicCatalog, *, star
     for record in letters:
         try:
             letter = letter_codec.decode(record.value or b"")
-            if letter.service != BILLING_SERVICE or letter.source_topic != topics.gpu_shares or letter.truncated:
+            if (letter.service != BILLING_SERVICE or letter.source_topic != topics.node_window_shares
+                    or letter.truncated):
                 continue
             share = share_codec.decode(letter.raw_bytes)
         except InvalidMessage:

@@ -118,8 +118,7 @@ async def serve(settings: BillingSettings, *, stop: asyncio.Event | None = None,
             producer=producer,
             topics=topics,
             clock=clock,
-            window_expiry_seconds=settings.window_expiry_seconds,
-            finished_window_memory_seconds=settings.finished_window_memory_seconds,
+            node_memory_seconds=max(settings.window_expiry_seconds, settings.finished_window_memory_seconds),
             retry_initial_seconds=settings.ledger_retry_initial_seconds,
             retry_max_seconds=settings.ledger_retry_max_seconds,
             team_label=settings.team_label,
@@ -137,7 +136,7 @@ async def serve(settings: BillingSettings, *, stop: asyncio.Event | None = None,
             max_poll_records=settings.max_poll_records,
             max_poll_interval_seconds=settings.max_poll_interval_seconds,
         )
-        log.info("billing %s as group %s", topics.gpu_shares, settings.consumer_group)
+        log.info("billing %s as group %s", topics.node_window_shares, settings.consumer_group)
         await service.run(stop)
         stats = processor.stats
         log.info("stopped: %d node-windows billed, %d already in the ledger, %d dead-lettered, %d duplicate rows, "

@@ -401,7 +401,7 @@ def _sharing_lines(report: Report) -> list[str]:
 
 def _emitted_text(report: Report) -> str:
     if report.emitted is None:
-        return "not checked against the gpu-shares topic (no Kafka bootstrap servers given)"
+        return "not checked against the node-window-shares topic (no Kafka bootstrap servers given)"
     return report.emitted.statement()
 
 

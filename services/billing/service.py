@@ -1,36 +1,34 @@
-"""The billing service: GpuShare rows in from Kafka, node bills into the ledger, CostRecords out to Kafka.
+"""The billing service: node-windows of shares in from Kafka, node bills into the ledger, costs out to Kafka.
 
-Per message of the gpu-shares topic (``DeadLetterGuard``: bad input becomes a ``DeadLetter`` and the service
-carries on):
+Per message of the node-window-shares topic, one node-window whole (``DeadLetterGuard``: bad input becomes a
+``DeadLetter`` and the service carries on):
 
-1. decode the ``GpuShare``, reject a row impossible on its own (``gpumeter.validation.check_share``:
+1. decode the ``NodeWindowShares``, reject one impossible on its own (``gpumeter.validation.check_window_shares``:
    ``OUT_OF_RANGE``; a window that has not ended yet beyond ``max_clock_skew_seconds`` is one: billed, it would
-   take the real window's ledger keys), and add it to the ``WindowBook`` (a ``NodeWindowAssembler`` plus the
-   messages that hold each incomplete node-window);
-2. when the row completes its node-window: ``bill_node_window`` with the configured sharing policy (buckets kept
-   or shared to the node-window's pods, ``services.billing.sharing``); the node-window's messages stay held until
-   the end of the fetched batch;
-3. at the end of the batch every node-window it completed goes to the ledger in one ``Ledger.write`` (one worker
-   thread hop, one transaction; the ledger decides per node-window) → for each node-window, in the order they
-   completed: if and only if the ledger says its bill is new, its ``CostRecord``s go to the costs topic keyed by
-   node name, and the Prometheus metrics move. A bill the ledger already holds (redelivery) publishes nothing,
-   unless it was never marked published (below).
+   take the real window's ledger keys), then ``bill_node_window`` over its rows (``NodeWindowShares.rows()``) with
+   the configured sharing policy (buckets kept or shared to the node-window's pods, ``services.billing.sharing``);
+   the message stays held until the end of the fetched batch;
+2. at the end of the batch every node-window it brought goes to the ledger in one ``Ledger.write`` (one worker
+   thread hop, one transaction; the ledger decides per node-window) → for each node-window, in input order: if
+   and only if the ledger says its bill is new, its ``CostRecord``s go to the costs topic (one batch, keyed by node
+   name) and its ``NodeWindowCost`` (the bill and every line in one record) to the node-window-costs topic, and the
+   Prometheus metrics move. A bill the ledger already holds (redelivery) publishes nothing, unless it was never
+   marked published (below).
 
-Offsets are committed by hand, after every record enqueued so far (cost records and dead letters) is acknowledged,
-and only up to the oldest message still held by an unfinished node-window (``OffsetTracker``). A crash therefore
-re-reads exactly what was not billed yet, and the ledger's first-write-wins keeps the redelivery harmless.
+Offsets are committed by hand, after every record enqueued so far (cost records and dead letters) is acknowledged
+(``OffsetTracker``). A crash therefore re-reads exactly what was not billed yet, and the ledger's first-write-wins
+keeps the redelivery harmless. A node-window arrives whole, so nothing waits for the rest of a window: no row is
+held across batches and no window can be incomplete.
 
 Failures:
 
-* no price for a node (``PriceError``) → every row of that node-window is dead-lettered ``NO_PRICE``;
-* rows that cannot all be true together (``InconsistentShares``, ``OutOfRange``) → every row of the window is
-  dead-lettered with that reason; a single row that contradicts its pending window is dead-lettered alone;
-* a node-window still incomplete ``window_expiry_seconds`` after its first row arrived → every row it holds is
-  dead-lettered ``INCOMPLETE_WINDOW`` (never dropped silently);
+* no price for a node (``PriceError``) → the node-window's message is dead-lettered ``NO_PRICE``;
+* shares that cannot all be true together (``InconsistentShares``, ``OutOfRange``) → the message is dead-lettered
+  with that reason;
 * the ledger unreachable (connection refused, server restarting, connection lost) → the write is retried with
   exponential backoff, forever, without consuming further or committing; the database refusing the data
-  (``DataError``/``IntegrityError``) → the batch's node-windows are written again one at a time, and the rows of
-  each one refused on its own are dead-lettered ``LEDGER_REJECTED`` (the others are billed); anything else
+  (``DataError``/``IntegrityError``) → the batch's node-windows are written again one at a time, and the message
+  of each one refused on its own is dead-lettered ``LEDGER_REJECTED`` (the others are billed); anything else
   from the ledger (missing schema, a write that would not reconcile) is a bug or a deployment error and stops the
   service without committing;
 * Kafka not acknowledging produced records → they are re-sent with backoff (``gpumeter.kafka.outbox``); offsets
@@ -42,14 +40,13 @@ before that mark leaves the node-window unpublished: its redelivery is a ledger 
 never published, and its cost records are published then (once: the mark follows). The ledger and ``gpumeter
 report`` stay exact either way.
 
-``OffsetTracker``, ``WindowBook`` and ``BillingProcessor`` hold no Kafka client (``BillingProcessor`` gets a producer
+``OffsetTracker`` and ``BillingProcessor`` hold no Kafka client (``BillingProcessor`` gets a producer
 with ``send``); ``BillingService`` wires them to aiokafka.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Iterable, Mapping, Protocol
@@ -68,12 +65,12 @@ from gpumeter.kafka.processor import (
     raw_message,
 )
 from gpumeter.settings import DEFAULT_MAX_REQUEST_SIZE_BYTES
-from gpumeter.validation import DEFAULT_DOWNSTREAM_MAX_CLOCK_SKEW_SECONDS, check_share
+from gpumeter.validation import DEFAULT_DOWNSTREAM_MAX_CLOCK_SKEW_SECONDS, check_window_shares
 from schemas.catalog import TopicCatalog
-from schemas.records import CostRecord, CostSubjectKind, GpuShare, ShareSubjectKind
+from schemas.records import CostRecord, CostSubjectKind, GpuShare, NodeWindowShares, ShareSubjectKind
 from schemas.typed import codec_for
 from services.billing.catalog import PriceCatalog, PriceError
-from services.billing.costing import NodeWindowAssembler, NodeWindowCost, NodeWindowKey, bill_node_window
+from services.billing.costing import NodeWindowCost, NodeWindowKey, bill_node_window, window_cost_record
 from services.billing.ledger import LedgerError, LedgerUnusable, WriteResult
 from services.billing.metric_series import SeriesBook
 from services.billing.pricing import SplitPolicy
@@ -100,20 +97,14 @@ BILLING_METRICS = (
 )
 
 
-class IncompleteWindow(InvalidMessage):
-    """A row of a node-window whose other rows did not all arrive within the expiry."""
-
-    reason_code = "INCOMPLETE_WINDOW"
-
-
 class NoPrice(InvalidMessage):
-    """A row of a node-window no price in the catalog covers."""
+    """A node-window no price in the catalog covers."""
 
     reason_code = "NO_PRICE"
 
 
 class LedgerRejected(InvalidMessage):
-    """A row of a node-window whose values the ledger's database refused (too long, out of range)."""
+    """A node-window whose values the ledger's database refused (too long, out of range)."""
 
     reason_code = "LEDGER_REJECTED"
 
@@ -207,11 +198,13 @@ class OffsetTracker:
 
 
 @dataclass(frozen=True, slots=True)
-class HeldRow:
-    """A decoded share and the message it came in."""
+class InputWindow:
+    """One node-window as it arrived: the message, its ``NodeWindowShares`` record and the record's rows (one
+    ``GpuShare`` per unit and subject, what pricing reads)."""
 
     message: RawMessage
-    share: GpuShare
+    record: NodeWindowShares
+    shares: tuple[GpuShare, ...]
 
     @property
     def tp(self) -> TopicPartition:
@@ -219,173 +212,7 @@ class HeldRow:
 
     @property
     def key(self) -> NodeWindowKey:
-        return window_key(self.share)
-
-
-def window_key(share: GpuShare) -> NodeWindowKey:
-    return NodeWindowKey(share.cluster, share.node_name, share.window_start_unix_ms)
-
-
-class AddStatus(enum.Enum):
-    HELD = "held"  # waiting for the rest of its node-window
-    DUPLICATE = "duplicate"  # an exact duplicate, or a row of a node-window already handed over
-    COMPLETE = "complete"  # completed its node-window: ``window`` is set
-
-
-@dataclass(frozen=True, slots=True)
-class CompleteWindow:
-    """A node-window ready to bill: the assembler's rows (deduplicated, ordered) and every message holding it."""
-
-    key: NodeWindowKey
-    shares: tuple[GpuShare, ...]
-    rows: tuple[HeldRow, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class AddOutcome:
-    status: AddStatus
-    window: CompleteWindow | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class ExpiredWindow:
-    """A node-window that did not complete in time, with every row it held and what was missing."""
-
-    key: NodeWindowKey
-    rows: tuple[HeldRow, ...]
-    first_seen_unix_ms: int
-    detail: str
-
-
-def describe_missing(rows: Iterable[GpuShare]) -> str:
-    """What an incomplete node-window lacks: units present vs ``units_in_node``, rows per unit vs ``rows_in_unit``."""
-    rows = list(rows)
-    if not rows:
-        return "no rows"
-    units: dict[str, list[GpuShare]] = {}
-    for share in rows:
-        units.setdefault(share.gpu_uuid, []).append(share)
-    parts = [f"{len(units)} of {rows[0].units_in_node} units"]
-    short = [f"{uuid} {len(unit)}/{unit[0].rows_in_unit} rows" for uuid, unit in sorted(units.items())
-             if len(unit) < unit[0].rows_in_unit]
-    if short:
-        parts.append("incomplete units: " + ", ".join(short))
-    return "; ".join(parts)
-
-
-class WindowBook:
-    """Node-windows being assembled, with the messages that hold them. Pure: time comes in as ``now_ms``.
-
-    * ``add(row, now_ms)``: hands the share to a ``NodeWindowAssembler``. Returns COMPLETE with the window when the
-      row completes it, HELD while it is incomplete, DUPLICATE for an exact duplicate or any row of a node-window
-      already handed over. Raises what the assembler raises (``InconsistentShares``, ``OutOfRange``), with the
-      state unchanged.
-    * A handed-over node-window is remembered while its start is within ``finished_memory_ms`` of the newest
-      window start seen; later rows of it are duplicates (the ledger would skip them anyway).
-    * ``expire(now_ms)`` removes and returns every pending node-window whose first row arrived at least
-      ``expiry_ms`` ago.
-    * ``drop_partitions(tps)`` forgets the rows that came from those partitions (revoked: another consumer
-      re-reads them); a pending window left with rows from other partitions keeps waiting, and expires if it
-      cannot complete.
-    """
-
-    def __init__(self, *, expiry_ms: int, finished_memory_ms: int) -> None:
-        if expiry_ms <= 0:
-            raise ValueError("expiry_ms must be > 0")
-        if finished_memory_ms < 0:
-            raise ValueError("finished_memory_ms must be >= 0")
-        self.expiry_ms = expiry_ms
-        self.finished_memory_ms = finished_memory_ms
-        self._assembler = NodeWindowAssembler()
-        self._pending: dict[NodeWindowKey, list[HeldRow]] = {}
-        self._first_seen_ms: dict[NodeWindowKey, int] = {}
-        self._finished: dict[NodeWindowKey, None] = {}
-        self._newest_start_ms: int | None = None
-
-    @property
-    def pending_keys(self) -> tuple[NodeWindowKey, ...]:
-        return tuple(sorted(self._pending))
-
-    def pending_rows(self, key: NodeWindowKey) -> tuple[HeldRow, ...]:
-        return tuple(self._pending.get(key, ()))
-
-    @property
-    def finished_count(self) -> int:
-        return len(self._finished)
-
-    def add(self, row: HeldRow, now_ms: int) -> AddOutcome:
-        key = row.key
-        if key in self._finished:
-            return AddOutcome(AddStatus.DUPLICATE)
-        ignored_before = self._assembler.duplicates_ignored
-        window = self._assembler.add(row.share)
-        if window is None:
-            if self._assembler.duplicates_ignored != ignored_before:
-                return AddOutcome(AddStatus.DUPLICATE)
-            self._pending.setdefault(key, []).append(row)
-            self._first_seen_ms.setdefault(key, now_ms)
-            self._note_start(key.window_start_unix_ms)
-            return AddOutcome(AddStatus.HELD)
-        rows = tuple(self._pending.pop(key, ())) + (row,)
-        self._first_seen_ms.pop(key, None)
-        self._finished[key] = None
-        self._note_start(key.window_start_unix_ms)
-        return AddOutcome(AddStatus.COMPLETE, CompleteWindow(key=key, shares=window.shares, rows=rows))
-
-    def next_expiry_ms(self) -> int | None:
-        """When the oldest pending node-window expires, or None when nothing is pending."""
-        if not self._first_seen_ms:
-            return None
-        return min(self._first_seen_ms.values()) + self.expiry_ms
-
-    def expire(self, now_ms: int) -> tuple[ExpiredWindow, ...]:
-        expired_keys = sorted(k for k, seen in self._first_seen_ms.items() if now_ms - seen >= self.expiry_ms)
-        expired = []
-        for key in expired_keys:
-            rows = tuple(self._pending.pop(key))
-            first_seen = self._first_seen_ms.pop(key)
-            detail = (f"node-window {key.cluster}/{key.node_name}@{key.window_start_unix_ms} incomplete "
-                      f"{(now_ms - first_seen) / 1000:g} s after its first row: "
-                      f"{describe_missing(r.share for r in rows)}")
-            expired.append(ExpiredWindow(key=key, rows=rows, first_seen_unix_ms=first_seen, detail=detail))
-        if expired:
-            self._rebuild()
-        return tuple(expired)
-
-    def drop_partitions(self, tps: Iterable[TopicPartition]) -> tuple[HeldRow, ...]:
-        gone = set(tps)
-        dropped: list[HeldRow] = []
-        for key in list(self._pending):
-            kept = [r for r in self._pending[key] if r.tp not in gone]
-            dropped.extend(r for r in self._pending[key] if r.tp in gone)
-            if kept:
-                self._pending[key] = kept
-            else:
-                del self._pending[key]
-                del self._first_seen_ms[key]
-        if dropped:
-            self._rebuild()
-        return tuple(dropped)
-
-    def _rebuild(self) -> None:
-        # The assembler can only forget windows by start time; replaying the rows still held gives it exactly
-        # the pending state. Handed-over windows are remembered here (``_finished``), not by the assembler.
-        assembler = NodeWindowAssembler()
-        for rows in self._pending.values():
-            for held in rows:
-                assert assembler.add(held.share) is None
-        self._assembler = assembler
-
-    def _note_start(self, window_start_ms: int) -> None:
-        if self._newest_start_ms is not None and window_start_ms <= self._newest_start_ms:
-            return
-        self._newest_start_ms = window_start_ms
-        cutoff = window_start_ms - self.finished_memory_ms
-        for key in [k for k in self._finished if k.window_start_unix_ms < cutoff]:
-            del self._finished[key]
-        # Bound the assembler's own memory of handed-over windows without touching pending ones.
-        oldest_pending = min((k.window_start_unix_ms for k in self._pending), default=cutoff)
-        self._assembler.expire_before(min(cutoff, oldest_pending))
+        return NodeWindowKey(self.record.cluster, self.record.node_name, self.record.window_start_unix_ms)
 
 
 # -- processing -------------------------------------------------------------------------------------------------
@@ -418,7 +245,7 @@ class LedgerWriter(Protocol):
 class _PricedWindow:
     """A complete node-window and its costing, waiting for the batch's ledger write."""
 
-    window: CompleteWindow
+    window: InputWindow
     priced: NodeWindowCost
 
 
@@ -428,21 +255,20 @@ class ProcessorStats:
     windows_already_billed: int = 0
     windows_republished: int = 0
     windows_dead_lettered: int = 0
-    rows_duplicate: int = 0
     cost_records_sent: int = 0
     ledger_retries: int = 0
     delivery_retries: int = 0
 
 
 class BillingProcessor(ProcessorLifecycle):
-    """Bills gpu-share messages; owns the offsets that are safe to commit. No Kafka client inside.
+    """Bills node-window messages; owns the offsets that are safe to commit. No Kafka client inside.
 
     ``handle_batch(messages)`` processes the messages of one fetched batch completely: when it returns, each one
-    is held by a pending window, dead-lettered, or its window billed (every window the batch completed in one
-    ledger write) and its records enqueued. ``handle(message)`` is the same for a batch of one message.
-    ``expire_windows()`` dead-letters the windows that timed out. ``flush()`` waits until every record enqueued
-    so far is acknowledged (re-sending failures with backoff); only after it returns are ``commit_positions()``
-    safe to commit. Retry pauses end early with ``ServiceStopping`` once ``stop()`` was called.
+    is dead-lettered or its node-window billed (every node-window of the batch in one ledger write) and its
+    records enqueued. ``handle(message)`` is the same for a batch of one message. ``flush()`` waits until every
+    record enqueued so far is acknowledged (re-sending failures with backoff); only after it returns are
+    ``commit_positions()`` safe to commit. Retry pauses end early with ``ServiceStopping`` once ``stop()`` was
+    called.
     """
 
     def __init__(
@@ -454,8 +280,7 @@ class BillingProcessor(ProcessorLifecycle):
         producer: Producer,
         topics: TopicCatalog,
         clock: Clock,
-        window_expiry_seconds: float,
-        finished_window_memory_seconds: float,
+        node_memory_seconds: float,
         retry_initial_seconds: float = 0.5,
         retry_max_seconds: float = 30.0,
         team_label: str = "team",
@@ -478,18 +303,16 @@ class BillingProcessor(ProcessorLifecycle):
         self.team_label = team_label
         super().__init__(metrics, sleep)
         self._publishing: set = set()  # node-windows enqueued on the costs topic, not yet marked published
-        self.book = WindowBook(expiry_ms=int(window_expiry_seconds * 1000),
-                               finished_memory_ms=int(finished_window_memory_seconds * 1000))
         self.offsets = OffsetTracker()
         self.guard = DeadLetterGuard(SERVICE_NAME, topics.dead_letters, self._enqueue, clock, metrics,
                                      max_request_size_bytes=max_request_size_bytes)
         self.stats = ProcessorStats()
         self._outbox = Outbox(producer, pause=self._pause, retry_initial_seconds=retry_initial_seconds,
                               retry_max_seconds=retry_max_seconds, on_retry=self._count_delivery_retry)
-        self._codec = codec_for(GpuShare)
+        self._codec = codec_for(NodeWindowShares)
         # Labelled series by the nodes that hold them (services.billing.metric_series): a pod's series go once a
-        # newer window of its node lacks it, a node's once it has billed nothing for the memory horizon.
-        self._node_memory_ms = int(max(finished_window_memory_seconds, window_expiry_seconds) * 1000)
+        # newer window of its node lacks it, a node's once it has billed nothing for node_memory_seconds.
+        self._node_memory_ms = int(node_memory_seconds * 1000)
         self._node_newest: dict[tuple[str, str], int] = {}
         self._newest_window_ms: int | None = None
         self._series: dict[str, SeriesBook] = {}
@@ -508,17 +331,17 @@ class BillingProcessor(ProcessorLifecycle):
 
     # -- messages --
 
-    async def handle(self, message: RawMessage) -> AddStatus | None:
-        """Process one gpu-share message completely; returns what became of it (None: dead-lettered)."""
+    async def handle(self, message: RawMessage) -> bool:
+        """Process one node-window message completely; returns whether it was taken (False: dead-lettered)."""
         completed: dict[NodeWindowKey, _PricedWindow] = {}
-        status = await self._take(message, completed)
+        taken = await self._take(message, completed)
         await self._bill(list(completed.values()))
-        return status
+        return taken
 
     async def handle_batch(self, messages: Iterable[RawMessage]) -> int:
-        """Process the messages of one fetched batch in order, then bill every node-window they completed with
-        one ledger write. Stops taking messages once ``stop()`` was called (what it did not take is read again
-        after the restart; the node-windows already completed are still billed). Returns how many it took."""
+        """Process the messages of one fetched batch in order, then bill every node-window they brought with one
+        ledger write. Stops taking messages once ``stop()`` was called (what it did not take is read again after
+        the restart; the node-windows already taken are still billed). Returns how many it took."""
         completed: dict[NodeWindowKey, _PricedWindow] = {}
         taken = 0
         for message in messages:
@@ -529,77 +352,55 @@ class BillingProcessor(ProcessorLifecycle):
         await self._bill(list(completed.values()))
         return taken
 
-    async def _take(self, message: RawMessage, completed: dict[NodeWindowKey, _PricedWindow]) -> AddStatus | None:
-        """One message into the book; a node-window it completes (and that could be priced) joins ``completed``."""
+    async def _take(self, message: RawMessage, completed: dict[NodeWindowKey, _PricedWindow]) -> bool:
+        """One message: dead-lettered, or its node-window priced and joining ``completed`` (held until billed)."""
         tp = (message.topic, message.partition)
-        outcome = await self.guard.handle(message, self._add)
-        if outcome is None:
+        window = await self.guard.handle(message, self._decode)
+        if window is None:
             self.offsets.done(tp, message.offset)
-            return None
-        if outcome.status is AddStatus.DUPLICATE:
-            self.stats.rows_duplicate += 1
-            self.offsets.done(tp, message.offset)
-            return outcome.status
+            return False
         self.offsets.hold(tp, message.offset)
-        if outcome.status is AddStatus.COMPLETE:
-            assert outcome.window is not None
-            entry = await self._price(outcome.window)
-            if entry is not None:
-                if entry.window.key in completed:
-                    # The book forgot the key in between (its finished memory): bill the earlier one first, as
-                    # one message at a time would; one ledger write may not hold two bills of a node-window.
-                    await self._bill(list(completed.values()))
-                    completed.clear()
-                completed[entry.window.key] = entry
-        return outcome.status
+        entry = await self._price(window)
+        if entry is not None:
+            if entry.window.key in completed:
+                # A node-window twice in one batch (a redelivery): bill the first one before the second, as one
+                # message at a time would; one ledger write may not hold two bills of a node-window.
+                await self._bill(list(completed.values()))
+                completed.clear()
+            completed[entry.window.key] = entry
+        return True
 
-    async def _add(self, message: RawMessage) -> AddOutcome:
+    async def _decode(self, message: RawMessage) -> InputWindow:
         assert message.value is not None
-        share = self._codec.decode(message.value)
-        now_ms = self.clock.now_ms()
-        check_share(share, now_ms, self.max_clock_skew_ms)
-        return self.book.add(HeldRow(message, share), now_ms)
-
-    async def expire_windows(self) -> tuple[ExpiredWindow, ...]:
-        """Dead-letter (``INCOMPLETE_WINDOW``) every row of each node-window that timed out."""
-        expired = self.book.expire(self.clock.now_ms())
-        for window in expired:
-            log.warning("dead-lettering %d rows: %s", len(window.rows), window.detail)
-            await self._dead_letter_rows(window.rows, IncompleteWindow(window.detail))
-        return expired
+        record = self._codec.decode(message.value)
+        check_window_shares(record, self.clock.now_ms(), self.max_clock_skew_ms)
+        return InputWindow(message, record, record.rows())
 
     def partitions_revoked(self, tps: Iterable[TopicPartition]) -> None:
-        """Forget the rows and offsets of partitions this consumer no longer owns."""
-        tps = set(tps)
-        dropped = self.book.drop_partitions(tps)
-        self.offsets.forget(tps)
-        if dropped:
-            log.info("dropped %d held rows of revoked partitions %s", len(dropped), sorted(tps))
+        """Forget the offsets of partitions this consumer no longer owns."""
+        self.offsets.forget(set(tps))
 
-    async def _dead_letter_rows(self, rows: Iterable[HeldRow], error: InvalidMessage) -> None:
-        rows = tuple(rows)
-        for row in rows:
-            await self.guard.reject(row.message, error)
+    async def _dead_letter(self, window: InputWindow, error: InvalidMessage) -> None:
+        await self.guard.reject(window.message, error)
         self.stats.windows_dead_lettered += 1
-        self._release(rows)
+        self._release(window)
 
-    def _release(self, rows: Iterable[HeldRow]) -> None:
-        for row in rows:
-            self.offsets.release(row.tp, row.message.offset)
+    def _release(self, window: InputWindow) -> None:
+        self.offsets.release(window.tp, window.message.offset)
 
     # -- billing --
 
-    async def _price(self, window: CompleteWindow) -> _PricedWindow | None:
-        """The window's costing, or None when its rows were dead-lettered (no price, shares inconsistent)."""
+    async def _price(self, window: InputWindow) -> _PricedWindow | None:
+        """The window's costing, or None when it was dead-lettered (no price, shares inconsistent)."""
         key = window.key
         try:
             priced = bill_node_window(window.shares, self.catalog, self.policy, self.sharing)
         except PriceError as exc:
             log.warning("no price for %s: %s", key, exc)
-            await self._dead_letter_rows(window.rows, NoPrice(f"{key.cluster}/{key.node_name}: {exc}"))
+            await self._dead_letter(window, NoPrice(f"{key.cluster}/{key.node_name}: {exc}"))
             return None
         except InvalidMessage as exc:
-            await self._dead_letter_rows(window.rows, exc)
+            await self._dead_letter(window, exc)
             return None
         return _PricedWindow(window, priced)
 
@@ -619,7 +420,7 @@ class BillingProcessor(ProcessorLifecycle):
                 for entry in entries:
                     await self._bill([entry])
                 return
-            await self._dead_letter_rows(entries[0].window.rows, LedgerRejected(str(exc)))
+            await self._dead_letter(entries[0].window, LedgerRejected(str(exc)))
             return
         for entry in entries:
             await self._settle(entry, result)
@@ -650,10 +451,14 @@ class BillingProcessor(ProcessorLifecycle):
         key = window.key
         # One cost record per ledger line: bill_node_window's rows are unique per unit and subject.
         lines = len(priced.costs)
-        if key in result.written or key in result.unpublished:
+        # Never marked published, and not already on its way from this process (a redelivery in the same batch
+        # as the first delivery): publish it.
+        republish = key in result.unpublished and key not in self._publishing
+        if key in result.written or republish:
             node_key = key.node_name.encode("utf-8")
             for record in priced.costs:
                 await self._enqueue(self.topics.costs, node_key, record)
+            await self._enqueue(self.topics.node_window_costs, node_key, window_cost_record(priced, window.record))
             self._publishing.add(key)
             self.stats.cost_records_sent += lines
             if key in result.written:
@@ -668,7 +473,7 @@ class BillingProcessor(ProcessorLifecycle):
             if self.metrics:
                 self.metrics.get("gpumeter_billing_duplicate_rows_total").inc(lines)
             log.debug("%s is already in the ledger: nothing published", key)
-        self._release(window.rows)
+        self._release(window)
 
     # -- producing --
 
@@ -709,7 +514,7 @@ class BillingProcessor(ProcessorLifecycle):
     def _team(self, labels: Mapping[str, str]) -> str:
         return labels.get(self.team_label, "")
 
-    def _observe_new_bill(self, window: CompleteWindow, priced: NodeWindowCost) -> None:
+    def _observe_new_bill(self, window: InputWindow, priced: NodeWindowCost) -> None:
         if not self.metrics:
             return
         get = self.metrics.get
@@ -746,7 +551,7 @@ class BillingProcessor(ProcessorLifecycle):
         self._set_share_gauges(window)
         self._forget_gone_nodes(node, start_ms)
 
-    def _set_share_gauges(self, window: CompleteWindow) -> None:
+    def _set_share_gauges(self, window: InputWindow) -> None:
         node = (window.key.cluster, window.key.node_name)
         newest = self._node_newest.get(node)
         if newest is not None and newest > window.key.window_start_unix_ms:
@@ -785,8 +590,8 @@ class BillingProcessor(ProcessorLifecycle):
 
 class BillingService:
     """The consumer loop: one aiokafka consumer (manual commits, ``read_committed``) feeding a
-    ``BillingProcessor``. After every fetched batch it expires timed-out windows, flushes the processor's records
-    and commits the safe positions. A rebalance flushes and commits first, then drops the revoked partitions'
+    ``BillingProcessor``. After every fetched batch it flushes the processor's records and commits the safe
+    positions. A rebalance flushes and commits first, then drops the revoked partitions'
     state. ``run(stop)`` returns when ``stop`` is set (after a last flush and commit, both best effort)."""
 
     def __init__(self, *, kafka, topics: TopicCatalog, processor: BillingProcessor, consumer_group: str,
@@ -832,7 +637,7 @@ class BillingService:
             max_poll_interval_ms=int(self.max_poll_interval_seconds * 1000),
         )
         self._consumer = consumer
-        consumer.subscribe([self.topics.gpu_shares], listener=Listener())
+        consumer.subscribe([self.topics.node_window_shares], listener=Listener())
         try:
             await consumer.start()
         except (KafkaError, OSError) as exc:
@@ -859,7 +664,6 @@ class BillingService:
                     # Once stopping, it takes no more records: the rest of the batch is read again after the restart.
                     await self.processor.handle_batch(
                         raw_message(record) for records in batch.values() for record in records)
-                    await self.processor.expire_windows()
                     await self._checkpoint()
         except ServiceStopping:
             log.info("stopped in the middle of a retry; uncommitted input will be read again")

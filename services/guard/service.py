@@ -1,12 +1,14 @@
-"""The guard service: samples, pod events, shares and costs in from Kafka, violations out, state kept on disk.
+"""The guard service: samples, pod events, node-window shares and costs in from Kafka, violations out, state kept on
+disk.
 
 Per message of the four input topics (``DeadLetterGuard``: bad input becomes a ``DeadLetter`` and the service
-carries on): decode by topic (``NodeSample``, ``PodEvent``, ``GpuShare``, ``CostRecord``), reject values no real
-record holds (``gpumeter.validation``: ``OUT_OF_RANGE``) and hand it to the ``GuardEngine``
-(``services/guard/engine.py``: the pure rules) with the clock's time. A clock task calls
+carries on): decode by topic (``NodeSample``, ``PodEvent``, ``NodeWindowShares``, ``NodeWindowCost``), reject
+values no real record holds (``gpumeter.validation``: ``OUT_OF_RANGE``) and hand it to the ``GuardEngine``
+(``services/guard/engine.py``: the pure rules) with the clock's time: a node-window's shares row by row
+(``NodeWindowShares.rows()``), its bill line by line (``NodeWindowCost.cost_records()``). A clock task calls
 ``engine.on_clock`` every ``clock_interval_seconds``; silent nodes are judged only while the consumer is caught
-up with every partition (during a backlog its samples are late, the nodes are not silent). Whatever the engine returns (state changes and periodic
-refreshes) is produced to the violations topic keyed by its fingerprint (compacted: the latest record is the
+up with every partition (during a backlog its samples are late, the nodes are not silent). Whatever the engine
+returns (state changes and periodic refreshes) is produced to the violations topic keyed by its fingerprint (compacted: the latest record is the
 state) and, when configured, handed to the ``AlertmanagerSink``.
 
 State and offsets: the engine's state lives in memory; every ``snapshot_interval_seconds`` (and at stop) the
@@ -63,13 +65,14 @@ from gpumeter.settings import DEFAULT_MAX_REQUEST_SIZE_BYTES
 from gpumeter.validation import (
     DEFAULT_DOWNSTREAM_MAX_CLOCK_SKEW_SECONDS,
     DEFAULT_MAX_SAMPLE_AGE_SECONDS,
-    check_cost,
     check_pod_event,
     check_sample,
-    check_share,
+    check_window_cost,
+    check_window_shares,
 )
 from schemas.catalog import TopicCatalog
-from schemas.records import CostRecord, GpuShare, NodeSample, PodEvent, Violation, ViolationState
+from schemas.records import CostRecord, GpuShare, NodeSample, NodeWindowCost, NodeWindowShares, PodEvent, Violation
+from schemas.records import ViolationState
 from schemas.typed import codec_for
 
 log = logging.getLogger(__name__)
@@ -292,8 +295,8 @@ class GuardProcessor(ProcessorLifecycle):
         self._handlers: dict[str, Callable[[bytes, int], tuple[Violation, ...]]] = {
             topics.node_samples: self._sample,
             topics.pod_events: self._pod_event,
-            topics.gpu_shares: self._share,
-            topics.costs: self._cost,
+            topics.node_window_shares: self._window_shares,
+            topics.node_window_costs: self._window_cost,
         }
         self._refresh_firing_gauge()
 
@@ -315,15 +318,15 @@ class GuardProcessor(ProcessorLifecycle):
         check_pod_event(event, now_ms, self.max_clock_skew_ms)
         return self.engine.on_pod_event(event, now_ms)
 
-    def _share(self, value: bytes, now_ms: int) -> tuple[Violation, ...]:
-        share = codec_for(GpuShare).decode(value)
-        check_share(share, now_ms, self.max_clock_skew_ms)
-        return self.engine.on_share(share, now_ms)
+    def _window_shares(self, value: bytes, now_ms: int) -> tuple[Violation, ...]:
+        shares = codec_for(NodeWindowShares).decode(value)
+        check_window_shares(shares, now_ms, self.max_clock_skew_ms)
+        return tuple(v for share in shares.rows() for v in self.engine.on_share(share, now_ms))
 
-    def _cost(self, value: bytes, now_ms: int) -> tuple[Violation, ...]:
-        cost = codec_for(CostRecord).decode(value)
-        check_cost(cost, now_ms, self.max_clock_skew_ms)
-        return self.engine.on_cost(cost, now_ms)
+    def _window_cost(self, value: bytes, now_ms: int) -> tuple[Violation, ...]:
+        cost = codec_for(NodeWindowCost).decode(value)
+        check_window_cost(cost, now_ms, self.max_clock_skew_ms)
+        return tuple(v for line in cost.cost_records() for v in self.engine.on_cost(line, now_ms))
 
     @property
     def rebuilding(self) -> bool:

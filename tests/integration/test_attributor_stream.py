@@ -25,7 +25,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from gpumeter.clock import SystemClock
 from gpumeter.kafka.producer import RecordProducer
 from schemas.catalog import partition_for_node, pod_event_key
-from schemas.records import DeadLetter, GpuShare, NodeSample
+from schemas.records import DeadLetter, GpuShare, NodeSample, NodeWindowShares
 from schemas.typed import codec_for
 from services.attributor.attribution import AttributionPolicy, attribute_node_window
 from services.attributor.pod_index import PodIndex, apply_pod_events
@@ -145,11 +145,13 @@ def expected_windows(samples, pods) -> dict[tuple[str, int], tuple[GpuShare, ...
 
 
 class Outputs:
-    """Everything on the gpu-shares and dead-letters topics, read continuously from the beginning."""
+    """Everything on the node-window-shares (as rows) and dead-letters topics, read continuously from the
+    beginning."""
 
     def __init__(self, kafka_settings, catalog, group_id: str) -> None:
         self.catalog = catalog
-        self.consumer = AIOKafkaConsumer(catalog.gpu_shares, catalog.dead_letters, **kafka_settings.client_kwargs(),
+        self.consumer = AIOKafkaConsumer(catalog.node_window_shares, catalog.dead_letters,
+                                         **kafka_settings.client_kwargs(),
                                          group_id=group_id, auto_offset_reset="earliest", enable_auto_commit=False)
         self.shares: list[GpuShare] = []
         self.dead_letters: list[DeadLetter] = []
@@ -162,10 +164,10 @@ class Outputs:
             batch = await self.consumer.getmany(timeout_ms=100)
             for tp, records in batch.items():
                 for record in records:
-                    if tp.topic == self.catalog.gpu_shares:
-                        share = codec_for(GpuShare).decode(record.value)
-                        assert record.key == share.node_name.encode()
-                        self.shares.append(share)
+                    if tp.topic == self.catalog.node_window_shares:
+                        window = codec_for(NodeWindowShares).decode(record.value)
+                        assert record.key == window.node_name.encode()
+                        self.shares.extend(window.rows())
                     else:
                         self.dead_letters.append(codec_for(DeadLetter).decode(record.value))
 

@@ -1,7 +1,7 @@
 """The billing service end to end: the session's Kafka broker, a real PostgreSQL ledger, the service in-process and
 then as ``gpumeter billing`` in a subprocess.
 
-GpuShares of 2 nodes x 2 windows (plus a garbage message) in → CostRecords out that add up exactly to the node
+NodeWindowShares of 2 nodes x 2 windows (plus a garbage message) in → CostRecords out that add up exactly to the node
 bills in the ledger; the same shares again, and a restart with a fresh consumer group, change nothing; the
 garbage becomes a DeadLetter while the rest is billed; ``gpumeter report`` reconciles by namespace and by team.
 """
@@ -25,7 +25,7 @@ from sqlalchemy.engine import make_url
 
 from gpumeter import cli
 from gpumeter.kafka.producer import RecordProducer
-from schemas.records import CostRecord, CostSubjectKind, DeadLetter
+from schemas.records import CostRecord, CostSubjectKind, DeadLetter, NodeWindowShares
 from services.billing.catalog import PriceCatalog
 from services.billing.costing import bill_node_window, iso_utc
 from services.billing.ledger import Ledger
@@ -39,7 +39,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.postgres]
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WINDOWS = 2
 PASSWORD = f"pw-{uuid.uuid4().hex[:8]}"  # trust authentication ignores it; it must never be printed
-GARBAGE = b"\xc3\x01 definitely not a GpuShare"
+GARBAGE = b"\xc3\x01 definitely not a NodeWindowShares"
 WAIT_S = 25.0
 
 
@@ -81,8 +81,8 @@ async def produce_shares(settings, topic: str, windows, *, garbage_after: int | 
     await producer.start()
     try:
         for index, shares in enumerate(windows):
-            for share in shares:
-                await producer.send(topic, share, key=share.node_name.encode())
+            # One node-window, one message, as the attributor writes it.
+            await producer.send(topic, NodeWindowShares.from_rows(shares), key=shares[0].node_name.encode())
             if index == garbage_after:
                 await producer.send_bytes(topic, GARBAGE, key=b"aws-node")
         await producer.flush()
@@ -121,8 +121,8 @@ async def test_shares_in_costs_out_redelivery_restart_and_reports(kafka_settings
     stop = asyncio.Event()
     service = asyncio.create_task(serve(settings, stop=stop))
     try:
-        await produce_shares(kafka_settings, topic_catalog.gpu_shares, windows, garbage_after=1)
-        await wait_until_committed_to_end(kafka_settings, group_id, topic_catalog.gpu_shares, "first delivery")
+        await produce_shares(kafka_settings, topic_catalog.node_window_shares, windows, garbage_after=1)
+        await wait_until_committed_to_end(kafka_settings, group_id, topic_catalog.node_window_shares, "first delivery")
         costs = await read_topic(kafka_settings, topic_catalog.costs, CostRecord)
         bills, totals = ledger_state(ledger_url)
         assert len(bills) == 2 * WINDOWS
@@ -130,14 +130,14 @@ async def test_shares_in_costs_out_redelivery_restart_and_reports(kafka_settings
         assert sorted(costs, key=repr) == sorted(expected, key=repr)
         assert totals.cost_micro_usd == totals.bill_micro_usd == sum(c.cost_micro_usd for c in expected)
         (letter,) = await read_topic(kafka_settings, topic_catalog.dead_letters, DeadLetter)
-        assert (letter.service, letter.source_topic, letter.raw_bytes) == ("billing", topic_catalog.gpu_shares,
+        assert (letter.service, letter.source_topic, letter.raw_bytes) == ("billing", topic_catalog.node_window_shares,
                                                                            GARBAGE)
         assert letter.reason_code == "UNKNOWN_SCHEMA"  # c301 magic, then no known fingerprint
 
         # 2. the same shares again to the running service: nothing new anywhere
         costs_end = await end_offsets(kafka_settings, topic_catalog.costs)
-        await produce_shares(kafka_settings, topic_catalog.gpu_shares, windows)
-        await wait_until_committed_to_end(kafka_settings, group_id, topic_catalog.gpu_shares, "redelivery")
+        await produce_shares(kafka_settings, topic_catalog.node_window_shares, windows)
+        await wait_until_committed_to_end(kafka_settings, group_id, topic_catalog.node_window_shares, "redelivery")
         assert await end_offsets(kafka_settings, topic_catalog.costs) == costs_end
         assert ledger_state(ledger_url) == (bills, totals)
     finally:
@@ -159,7 +159,7 @@ async def test_shares_in_costs_out_redelivery_restart_and_reports(kafka_settings
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
     )
     try:
-        await wait_until_committed_to_end(kafka_settings, fresh_group, topic_catalog.gpu_shares, "restart")
+        await wait_until_committed_to_end(kafka_settings, fresh_group, topic_catalog.node_window_shares, "restart")
         process.send_signal(signal.SIGTERM)
         output, _ = await asyncio.wait_for(process.communicate(), WAIT_S)
     finally:
@@ -232,22 +232,24 @@ async def test_an_unavailable_ledger_holds_the_offsets_and_billing_resumes(kafka
     stop = asyncio.Event()
     service = asyncio.create_task(serve(settings, stop=stop))
     try:
-        await produce_shares(kafka_settings, topic_catalog.gpu_shares, first)
-        await wait_until_committed_to_end(kafka_settings, group_id, topic_catalog.gpu_shares, "before the outage")
-        before = await committed_offsets(kafka_settings, group_id, topic_catalog.gpu_shares)
+        await produce_shares(kafka_settings, topic_catalog.node_window_shares, first)
+        await wait_until_committed_to_end(kafka_settings, group_id, topic_catalog.node_window_shares,
+                                          "before the outage")
+        before = await committed_offsets(kafka_settings, group_id, topic_catalog.node_window_shares)
         costs_before = await end_offsets(kafka_settings, topic_catalog.costs)
 
         set_database_open(postgres_url, ledger_url, False)
         try:
-            await produce_shares(kafka_settings, topic_catalog.gpu_shares, second)
+            await produce_shares(kafka_settings, topic_catalog.node_window_shares, second)
             await asyncio.sleep(3.0)  # several retry rounds
             assert not service.done()
-            assert await committed_offsets(kafka_settings, group_id, topic_catalog.gpu_shares) == before
+            assert await committed_offsets(kafka_settings, group_id, topic_catalog.node_window_shares) == before
             assert await end_offsets(kafka_settings, topic_catalog.costs) == costs_before
         finally:
             set_database_open(postgres_url, ledger_url, True)
 
-        await wait_until_committed_to_end(kafka_settings, group_id, topic_catalog.gpu_shares, "after the outage")
+        await wait_until_committed_to_end(kafka_settings, group_id, topic_catalog.node_window_shares,
+                                          "after the outage")
         costs = await read_topic(kafka_settings, topic_catalog.costs, CostRecord)
         bills, totals = ledger_state(ledger_url)
         assert len(bills) == len(first) + len(second)

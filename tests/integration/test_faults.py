@@ -30,7 +30,8 @@ from gpumeter.kafka.admin import create_topics
 from gpumeter.kafka.producer import RecordProducer
 from gpumeter.settings import KafkaSettings
 from schemas.catalog import TopicCatalog, partition_for_node, pod_event_key
-from schemas.records import CostRecord, CostSubjectKind, DeadLetter, GpuShare, Violation, ViolationState
+from schemas.records import CostRecord, CostSubjectKind, DeadLetter, GpuShare, NodeWindowCost, NodeWindowShares
+from schemas.records import Violation, ViolationState
 from schemas.typed import codec_for
 from services.billing.catalog import PriceCatalog
 from services.billing.costing import bill_node_window
@@ -239,10 +240,11 @@ async def test_postgres_restarted_under_billing_loses_no_window_and_bills_none_t
     settings = BillingSettings(kafka=kafka_settings, ledger_url=url, consumer_group=group_id, metrics_port=0,
                                topic_partitions=PARTITIONS, ledger_retry_initial_seconds=0.2,
                                ledger_retry_max_seconds=1.0)
-    shares_topic = topic_catalog.gpu_shares
+    shares_topic = topic_catalog.node_window_shares
 
     def share_items(batch):
-        return [(shares_topic, s.node_name.encode(), s, None) for shares in batch for s in shares]
+        return [(shares_topic, shares[0].node_name.encode(), NodeWindowShares.from_rows(shares), None)
+                for shares in batch]
 
     stop = asyncio.Event()
     service = asyncio.create_task(serve_billing(settings, stop=stop))
@@ -379,16 +381,17 @@ async def test_billing_dead_letters_impossible_shares_on_the_broker_and_bills_th
     stop = asyncio.Event()
     service = asyncio.create_task(serve_billing(settings, stop=stop))
     try:
-        await produce(kafka_settings, [(topic_catalog.gpu_shares, s.node_name.encode(), s, 0)
-                                       for s in (too_much, future, good)])
-        await wait_until_committed_to_end(kafka_settings, group_id, topic_catalog.gpu_shares, "the smoke")
+        windows = [NodeWindowShares.from_rows([s]) for s in (too_much, future, good)]
+        await produce(kafka_settings, [(topic_catalog.node_window_shares, w.node_name.encode(), w, 0)
+                                       for w in windows])
+        await wait_until_committed_to_end(kafka_settings, group_id, topic_catalog.node_window_shares, "the smoke")
     finally:
         stop.set()
         assert await asyncio.wait_for(service, 30) == 0
     letters = await read_topic(kafka_settings, topic_catalog.dead_letters, DeadLetter)
     assert sorted((d.reason_code, d.source_offset, d.service) for d in letters) == [
         ("OUT_OF_RANGE", 0, "billing"), ("OUT_OF_RANGE", 1, "billing")]
-    assert {d.raw_bytes for d in letters} == {codec_for(GpuShare).encode(s) for s in (too_much, future)}
+    assert {d.raw_bytes for d in letters} == {codec_for(NodeWindowShares).encode(w) for w in windows[:2]}
     assert {(b["node_name"], b["window_start_unix_ms"]) for b in ledger_bills(ledger_url)} == {("node-good", start)}
 
 
@@ -397,10 +400,14 @@ async def test_guard_dead_letters_impossible_input_on_the_broker_and_goes_on(kaf
     now_ms = SystemClock().now_ms()
     node = "guard-smoke-node"
     partition = partition_for_node(node, PARTITIONS)
-    negative = CostRecord(cluster="c", node_name=node, window_start_unix_ms=now_ms // 60_000 * 60_000 - 120_000,
-                          window_seconds=60, gpu_uuid="GPU-0", subject_kind=CostSubjectKind.POD, pod_uid="u",
-                          namespace="ns", pod_name="p", labels={}, cost_share=1.0, cost_micro_usd=-1,
-                          instance_type="t", price_model="on_demand", price_version="v")
+    negative_line = CostRecord(cluster="c", node_name=node,
+                               window_start_unix_ms=now_ms // 60_000 * 60_000 - 120_000, window_seconds=60,
+                               gpu_uuid="GPU-0", subject_kind=CostSubjectKind.POD, pod_uid="u", namespace="ns",
+                               pod_name="p", labels={}, cost_share=1.0, cost_micro_usd=-1, instance_type="t",
+                               price_model="on_demand", price_version="v")
+    negative = NodeWindowCost.from_cost_records(
+        [negative_line], billed_milliseconds=60_000, cloud_provider="aws", region="r", zone="", provider_id="",
+        price_per_hour_usd="1", split_rule="gpu_fraction", gpu_count=1, gpu_cost_micro_usd=-1, sharing="keep")
     future = node_sample(now_ms + 86_400_000, [device("GPU-0")], node=node)
     leaky = pod_event("leaky-uid", node=node, observed_at_unix_ms=now_ms, started_at_unix_ms=now_ms)
     (container,) = leaky.containers
@@ -412,7 +419,7 @@ async def test_guard_dead_letters_impossible_input_on_the_broker_and_goes_on(kaf
     service = asyncio.create_task(serve_guard(settings, config=GuardConfig(), stop=stop, clock=SystemClock()))
     try:
         await produce(kafka_settings, [
-            (topic_catalog.costs, node.encode(), negative, partition),
+            (topic_catalog.node_window_costs, node.encode(), negative, partition),
             (topic_catalog.node_samples, node.encode(), future, partition),
             (topic_catalog.pod_events, pod_event_key(node, leaky.uid), leaky, partition),
         ])
@@ -428,4 +435,5 @@ async def test_guard_dead_letters_impossible_input_on_the_broker_and_goes_on(kaf
         assert await asyncio.wait_for(service, 30) == 0
     letters = await read_topic(kafka_settings, topic_catalog.dead_letters, DeadLetter)
     assert sorted((d.source_topic, d.reason_code, d.service) for d in letters) == sorted([
-        (topic_catalog.costs, "OUT_OF_RANGE", "guard"), (topic_catalog.node_samples, "OUT_OF_RANGE", "guard")])
+        (topic_catalog.node_window_costs, "OUT_OF_RANGE", "guard"),
+        (topic_catalog.node_samples, "OUT_OF_RANGE", "guard")])

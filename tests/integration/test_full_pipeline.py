@@ -40,7 +40,7 @@ from aiokafka import AIOKafkaConsumer
 
 from gpumeter.settings import KafkaSettings
 from schemas.catalog import TopicCatalog
-from schemas.records import CostRecord, GpuShare, NodeSample, Violation, ViolationState
+from schemas.records import CostRecord, GpuShare, NodeSample, NodeWindowShares, Violation, ViolationState
 from schemas.typed import codec_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -54,12 +54,12 @@ WINDOW_MS = WINDOW_SECONDS * 1000
 
 
 class Topics:
-    """The run's node-samples, gpu-shares, costs and violations topics, read from the beginning as they fill."""
+    """The run's node-samples, node-window-shares, costs and violations topics, read from the beginning as they fill."""
 
     def __init__(self, settings: KafkaSettings) -> None:
         self.catalog = TopicCatalog(prefix=settings.topic_prefix)
         self.consumer = AIOKafkaConsumer(
-            self.catalog.gpu_shares, self.catalog.costs, self.catalog.violations, self.catalog.node_samples,
+            self.catalog.node_window_shares, self.catalog.costs, self.catalog.violations, self.catalog.node_samples,
             **settings.client_kwargs(),
             group_id=None, auto_offset_reset="earliest", enable_auto_commit=False,
         )
@@ -74,8 +74,8 @@ class Topics:
         for tp, records in batch.items():
             for record in records:
                 count += 1
-                if tp.topic == self.catalog.gpu_shares:
-                    self.shares.append(codec_for(GpuShare).decode(record.value))
+                if tp.topic == self.catalog.node_window_shares:
+                    self.shares.extend(codec_for(NodeWindowShares).decode(record.value).rows())
                 elif tp.topic == self.catalog.costs:
                     self.costs.append(codec_for(CostRecord).decode(record.value))
                 elif tp.topic == self.catalog.node_samples:

@@ -55,7 +55,7 @@ async def run_guard_until_read(settings, config, clock, kafka_settings, topics, 
     try:
         if before is not None:
             await before()
-        for topic in (topics.pod_events, topics.node_samples, topics.gpu_shares, topics.costs):
+        for topic in (topics.pod_events, topics.node_samples, topics.node_window_shares, topics.node_window_costs):
             await wait_until_committed_to_end(kafka_settings, settings.consumer_group, topic, f"guard read {topic}")
         await asyncio.sleep(then_s)
     finally:

@@ -34,13 +34,15 @@ from typing import Any
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 
-from gpumeter.clock import ManualClock
+from gpumeter.clock import ManualClock, iso_utc
 from gpumeter.kafka.admin import create_topics
 from gpumeter.kafka.producer import RecordProducer
 from schemas.catalog import TopicCatalog, partition_for_node, pod_event_key
 from schemas.typed import codec_for
-from schemas.records import CostRecord, DeadLetter, GpuShare, NodeSample, PodEvent, Violation, ViolationState
+from schemas.records import CostRecord, DeadLetter, GpuShare, NodeSample, NodeWindowCost, NodeWindowShares, PodEvent
+from schemas.records import Violation, ViolationState
 from pipeline import replay as attributor_replay
+from pipeline.replay import read_jsonl
 from pipeline.recordings import InputRecord, scenario_records, write_recording
 from services.collector.sim.scenario import load_scenario
 from services.guard import config as guard_config
@@ -134,6 +136,34 @@ def _input_path(name: str, tmp_path: Path) -> Path:
     return _stale_recording(tmp_path) if name == "stale_collector" else SCENARIOS / f"{name}.yaml"
 
 
+def _whole_windows(inputs, bills_path: Path):
+    """The guard's inputs with each node-window's share rows as one ``NodeWindowShares`` and each bill's cost lines
+    as one ``NodeWindowCost`` (with the bill's figures from replay's ``bills.jsonl``), as the topics carry them:
+    replay hands the guard a node-window's rows and lines one after the other at one instant."""
+    bills = {(b["node"], b["window_start"]): b for b in read_jsonl(bills_path)}
+    grouped: list[tuple[str, int, Any]] = []
+    for kind, at, record in inputs:
+        window = (record.node_name, record.window_start_unix_ms) if kind in ("share", "cost") else None
+        if window is not None and grouped and grouped[-1][0] == kind and grouped[-1][1] == at and (
+                grouped[-1][2][0].node_name, grouped[-1][2][0].window_start_unix_ms) == window:
+            grouped[-1][2].append(record)
+        else:
+            grouped.append((kind, at, [record] if window is not None else record))
+    out = []
+    for kind, at, record in grouped:
+        if kind == "share":
+            record = NodeWindowShares.from_rows(record)
+        elif kind == "cost":
+            bill = bills[(record[0].node_name, iso_utc(record[0].window_start_unix_ms))]
+            record = NodeWindowCost.from_cost_records(
+                record, billed_milliseconds=round(bill["billed_seconds"] * 1000), cloud_provider=bill["provider"],
+                region=bill["region"], zone=bill["zone"], provider_id=bill["provider_id"],
+                price_per_hour_usd=str(bill["price_per_hour_usd"]), split_rule=bill["split_rule"],
+                gpu_count=bill["gpu_count"], gpu_cost_micro_usd=bill["gpu_cost_micro_usd"], sharing=bill["sharing"])
+        out.append((kind, at, record))
+    return out
+
+
 def _plan(name: str, tmp_path: Path, topics: TopicCatalog, monkeypatch) -> Plan:
     """Replay ``name`` with a noting guard and turn its inputs into the broker plan."""
     _NotingGuard.instances.clear()
@@ -145,9 +175,9 @@ def _plan(name: str, tmp_path: Path, topics: TopicCatalog, monkeypatch) -> Plan:
 
     plan = Plan()
     plan.last_instant_ms = max(at for kind, at, _ in guard.inputs if kind in ("pod", "sample"))
-    topic_of = {"pod": topics.pod_events, "sample": topics.node_samples, "share": topics.gpu_shares,
-                "cost": topics.costs}
-    for kind, at, record in guard.inputs:
+    topic_of = {"pod": topics.pod_events, "sample": topics.node_samples, "share": topics.node_window_shares,
+                "cost": topics.node_window_costs}
+    for kind, at, record in _whole_windows(guard.inputs, tmp_path / "replay" / "bills.jsonl"):
         if at > plan.last_instant_ms:
             break
         if not plan.instants or plan.instants[-1][0] != at:

@@ -160,16 +160,16 @@ async def test_an_shm_made_immutable_under_running_billing_is_waited_out_and_bil
     billing = Billing(kafka_settings, ledger, group_id)
     await billing.start()
     try:
-        await produce_shares(kafka_settings, topic_catalog.gpu_shares, first)
+        await produce_shares(kafka_settings, topic_catalog.node_window_shares, first)
         await wait_for_windows(kafka_settings, topic_catalog.costs, keys(first), billing)
         # Idle (marked published, offsets committed): the fault comes between two uses, not inside one. Inside
         # one nothing can help; faulthandler at least prints the stack.
-        await wait_until_committed_to_end(kafka_settings, group_id, topic_catalog.gpu_shares, "first windows")
+        await wait_until_committed_to_end(kafka_settings, group_id, topic_catalog.node_window_shares, "first windows")
         assert shm.exists()  # billing holds the ledger open: the WAL index is mapped
 
         chattr("+i", shm)
         try:
-            await produce_shares(kafka_settings, topic_catalog.gpu_shares, second)
+            await produce_shares(kafka_settings, topic_catalog.node_window_shares, second)
             await billing.wait_for_line("-shm is no longer writable")
             await billing.wait_for_line("ledger unavailable, retrying")
             await asyncio.sleep(2.0)  # a few retries with backoff: alive, and nothing billed meanwhile
@@ -178,7 +178,7 @@ async def test_an_shm_made_immutable_under_running_billing_is_waited_out_and_bil
         finally:
             chattr("-i", shm)
         await wait_for_windows(kafka_settings, topic_catalog.costs, keys(first) | keys(second), billing)
-        await wait_until_committed_to_end(kafka_settings, group_id, topic_catalog.gpu_shares, "second windows")
+        await wait_until_committed_to_end(kafka_settings, group_id, topic_catalog.node_window_shares, "second windows")
 
         # Stopped while the -shm is immutable again: exit 0, a line saying why the ledger was left open.
         chattr("+i", shm)
@@ -203,11 +203,11 @@ async def test_an_shm_cut_under_running_billing_stops_it_with_a_log_line_and_a_r
     billing = Billing(kafka_settings, ledger, group_id)
     await billing.start()
     try:
-        await produce_shares(kafka_settings, topic_catalog.gpu_shares, first)
+        await produce_shares(kafka_settings, topic_catalog.node_window_shares, first)
         await wait_for_windows(kafka_settings, topic_catalog.costs, keys(first), billing)
-        await wait_until_committed_to_end(kafka_settings, group_id, topic_catalog.gpu_shares, "first windows")
+        await wait_until_committed_to_end(kafka_settings, group_id, topic_catalog.node_window_shares, "first windows")
         os.truncate(shm, 0)
-        await produce_shares(kafka_settings, topic_catalog.gpu_shares, second)
+        await produce_shares(kafka_settings, topic_catalog.node_window_shares, second)
         code = await billing.wait()
         assert code == 1, f"exit code {code} (-7: SIGBUS):\n{billing.output}"
         assert "while billing had it mapped" in billing.output and "exiting without closing the ledger" in \

@@ -13,7 +13,7 @@ from sqlalchemy import create_engine, event, inspect, text
 from sqlalchemy.engine import make_url
 
 from services.billing.catalog import PriceCatalog
-from services.billing.costing import NodeWindowAssembler, bill_node_window
+from services.billing.costing import bill_node_window
 from services.billing.ledger import VERSION_TABLE, Grouping, Ledger, metadata
 from services.billing.report import build_report, format_report
 from tests.unit.billing.conftest import WINDOW_START_MS, sample_costs, sample_shares
@@ -90,9 +90,7 @@ def test_write_redelivery_and_totals(pg_ledger):
     assert first.cost_micro_usd == first.bill_micro_usd == sum(b.node_cost_micro_usd for b in bills)
 
     # The same shares delivered twice, to a consumer that lost its state: the same ledger totals.
-    assembler = NodeWindowAssembler()
-    rows = [s for w in windows for s in w]
-    again = [bill_node_window(w.shares, catalog) for w in map(assembler.add, rows + rows[::-1]) if w is not None]
+    again = [bill_node_window(window[::-1], catalog) for window in windows]
     outcome = pg_ledger.write(*everything(again))
     assert (outcome.bills_written, outcome.bills_skipped, outcome.lines_written) == (0, len(bills), 0)
     assert pg_ledger.totals() == first

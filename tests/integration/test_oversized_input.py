@@ -25,7 +25,7 @@ from gpumeter.clock import SystemClock
 from gpumeter.kafka.deadletter import dead_letter_budget_bytes
 from schemas.catalog import partition_for_node, pod_event_key
 from schemas.codec import MAGIC
-from schemas.records import DeadLetter, Violation, ViolationState
+from schemas.records import DeadLetter, NodeWindowShares, Violation, ViolationState
 from schemas.typed import codec_for
 from services.billing.ledger import Ledger
 from services.billing.main import serve as serve_billing
@@ -90,11 +90,12 @@ async def test_billing_dead_letters_oversized_shares_and_bills_the_window_behind
     now_ms = SystemClock().now_ms()
     start = now_ms // 60_000 * 60_000 - 120_000
     node = "node-behind"
-    (good,) = node_window([Unit("GPU-0", [pod("a", 1.0, "ml", team="t")])], node=node, window_start_ms=start)
+    good = NodeWindowShares.from_rows(
+        node_window([Unit("GPU-0", [pod("a", 1.0, "ml", team="t")])], node=node, window_start_ms=start))
     ledger_url = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
     settings = BillingSettings(kafka=kafka_settings, ledger_url=ledger_url, consumer_group=group_id, metrics_port=0,
                                topic_partitions=PARTITIONS)
-    topic = topic_catalog.gpu_shares
+    topic = topic_catalog.node_window_shares
     stop = asyncio.Event()
     service = asyncio.create_task(serve_billing(settings, stop=stop))
     try:
@@ -122,7 +123,8 @@ async def test_the_guard_dead_letters_oversized_input_on_every_topic_and_goes_on
     now_ms = SystemClock().now_ms()
     node = "guard-oversized-node"
     partition = partition_for_node(node, PARTITIONS)
-    inputs = [topic_catalog.node_samples, topic_catalog.pod_events, topic_catalog.gpu_shares, topic_catalog.costs]
+    inputs = [topic_catalog.node_samples, topic_catalog.pod_events, topic_catalog.node_window_shares,
+              topic_catalog.node_window_costs]
     leaky = pod_event("leaky-uid", node=node, observed_at_unix_ms=now_ms, started_at_unix_ms=now_ms)
     (container,) = leaky.containers
     leaky = dataclasses.replace(leaky, containers=(dataclasses.replace(container, visible_devices_env="all"),))

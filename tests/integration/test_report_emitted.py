@@ -2,7 +2,7 @@
 
 The ledger reconciles with itself whatever billing missed: a billing service that stopped, crash-loops or retries
 one record forever leaves it consistent. The report therefore also reads what was emitted for its windows (the
-gpu-shares topic, and billing's dead letters) and warns about every node-window that should be in the ledger and
+node-window-shares topic, and billing's dead letters) and warns about every node-window that should be in the ledger and
 is not, with why when billing said why; and it exits 1.
 """
 
@@ -35,14 +35,15 @@ async def test_the_report_warns_about_emitted_windows_that_are_not_in_the_ledger
     stop = asyncio.Event()
     service = asyncio.create_task(serve(settings, stop=stop))
     try:
-        await produce_shares(kafka_settings, topic_catalog.gpu_shares, billed)
-        await produce_shares(kafka_settings, topic_catalog.gpu_shares,
+        await produce_shares(kafka_settings, topic_catalog.node_window_shares, billed)
+        await produce_shares(kafka_settings, topic_catalog.node_window_shares,
                              [tuple(dataclasses.replace(s, node_name="node-unpriced") for s in unpriced[0])])
-        await wait_until_committed_to_end(kafka_settings, group_id, topic_catalog.gpu_shares, "the billed windows")
+        await wait_until_committed_to_end(kafka_settings, group_id, topic_catalog.node_window_shares,
+                                          "the billed windows")
     finally:
         stop.set()
         assert await asyncio.wait_for(service, 30) == 0
-    await produce_shares(kafka_settings, topic_catalog.gpu_shares, later)
+    await produce_shares(kafka_settings, topic_catalog.node_window_shares, later)
 
     async def report(*extra: str) -> tuple[int, dict]:
         # As a command line runs it: in a thread of its own, outside this test's event loop.

@@ -94,9 +94,9 @@ async def two_instances_publish_each_record_once(kafka_settings, topic_catalog, 
             instance.start()
         for instance in instances:
             await instance.wait_assigned()
-        await produce_shares(kafka_settings, topic_catalog.gpu_shares, windows)
+        await produce_shares(kafka_settings, topic_catalog.node_window_shares, windows)
         for instance in instances:
-            await wait_until_committed_to_end(kafka_settings, instance.group, topic_catalog.gpu_shares,
+            await wait_until_committed_to_end(kafka_settings, instance.group, topic_catalog.node_window_shares,
                                               f"{instance.group} billed everything")
     finally:
         codes = [instance.stop() for instance in instances]

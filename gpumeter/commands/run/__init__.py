@@ -22,7 +22,8 @@ What it does, in order (each step prints a progress line):
    exit unexpectedly (backoff from 1 s doubling to 30 s), as Kubernetes would; a simulated collector is not (its
    simulated clock would start over). ``<workdir>/processes.json`` has each process's pid, state and restarts;
    ``<workdir>/run.json`` the run's settings (simulated start, topic prefix, ledger).
-5. **The view** (``gpumeter.commands.live_view``, rendered by ``run.view``) from the gpu-shares, costs, violations and dead-letters topics:
+5. **The view** (``gpumeter.commands.live_view``, rendered by ``run.view``) from the node-window-shares, costs,
+   violations and dead-letters topics:
    live on a terminal (rich), else — or with ``--no-live`` — one progress line every ``--progress-seconds``.
 6. **Stop** on Ctrl-C, SIGTERM or the end of ``--duration`` (counted from the start of the processes): collectors
    first; then the attributor once its consumer group has caught up with its input (or after ``DRAIN_SECONDS``),

@@ -35,13 +35,13 @@ class TopicFeed:
     """Reads the view's topics from the beginning (no consumer group, nothing committed) and decodes them."""
 
     def __init__(self, kafka: KafkaSettings) -> None:
-        from schemas.records import CostRecord, DeadLetter, GpuShare, Violation
+        from schemas.records import CostRecord, DeadLetter, NodeWindowShares, Violation
         from schemas.typed import codec_for
 
         catalog = kafka.catalog
         self.kafka = kafka
         self.codecs = {
-            catalog.gpu_shares: codec_for(GpuShare),
+            catalog.node_window_shares: codec_for(NodeWindowShares),
             catalog.costs: codec_for(CostRecord),
             catalog.violations: codec_for(Violation),
             catalog.dead_letters: codec_for(DeadLetter),
@@ -59,9 +59,10 @@ class TopicFeed:
         await self.consumer.start()
 
     async def poll(self, timeout_ms: int = 200) -> list:
-        """Decoded records that arrived, in partition order; undecodable ones are counted and skipped (the
-        services dead-letter bad input; the view only shows)."""
+        """Decoded records that arrived, in partition order, a node-window's shares as its ``GpuShare`` rows;
+        undecodable ones are counted and skipped (the services dead-letter bad input; the view only shows)."""
         from gpumeter.errors import InvalidMessage
+        from schemas.records import NodeWindowShares
 
         assert self.consumer is not None
         batch = await self.consumer.getmany(timeout_ms=timeout_ms, max_records=5000)
@@ -72,9 +73,14 @@ class TopicFeed:
                 if message.value is None:
                     continue  # a compaction tombstone
                 try:
-                    records.append(codec.decode(message.value))
+                    record = codec.decode(message.value)
                 except InvalidMessage:
                     self.undecodable += 1
+                    continue
+                if isinstance(record, NodeWindowShares):
+                    records.extend(record.rows())
+                else:
+                    records.append(record)
         return records
 
     async def lag(self, admin, group: str, topics: Sequence[str]) -> int:

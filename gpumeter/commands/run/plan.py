@@ -205,7 +205,7 @@ def service_specs(config: RunConfig, node_names: Sequence[str], scenario_path: P
         restart=True,
         stop_group=2,
         drain_group=billing_group,
-        drain_topics=(catalog.gpu_shares,),
+        drain_topics=(catalog.node_window_shares,),
     ))
     if with_guard:
         guard_group = f"{prefix}gpumeter-guard"
@@ -217,7 +217,7 @@ def service_specs(config: RunConfig, node_names: Sequence[str], scenario_path: P
             restart=True,
             stop_group=3,
             drain_group=guard_group,
-            drain_topics=(catalog.gpu_shares, catalog.costs),
+            drain_topics=(catalog.node_window_shares, catalog.node_window_costs),
         ))
     return tuple(specs)
 

@@ -1,4 +1,5 @@
-"""Windows go out without the agent waiting for Kafka; they are recorded as emitted only once acknowledged."""
+"""Windows go out (one NodeWindowShares each) without the agent waiting for Kafka; they are recorded as emitted
+only once acknowledged."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 from gpumeter.clock import ManualClock
 from gpumeter.metrics import ServiceMetrics
 from gpumeter.settings import KafkaSettings
-from schemas.records import GpuShare
+from schemas.records import NodeWindowShares
 from schemas.typed import codec_for
 from services.attributor.app import AttributorStream, WindowDeliveryFailed
 from services.attributor.engine import AttributionEngine
@@ -60,29 +61,28 @@ def _closed_windows(engine: AttributionEngine, nodes=("n1", "n2")):
     return tuple(windows)
 
 
-async def test_rows_are_sent_at_once_and_recorded_only_when_every_row_is_acknowledged(tmp_path):
+async def test_windows_are_sent_at_once_and_recorded_only_once_acknowledged(tmp_path):
     stream, topic = _stream(tmp_path)
     engine = AttributionEngine(CONFIG)
     windows = _closed_windows(engine)
     assert len(windows) == 4
     await stream._send_windows(PARTITION, windows[:2])
     await stream._send_windows(PARTITION, windows[2:])
-    rows = [row for w in windows for row in w.shares]
-    # Every row is on its way, in order, keyed by its node, before anything is acknowledged.
-    assert [(key, codec_for(GpuShare).decode(value)) for key, value, _ in topic.sent] == [
-        (row.node_name.encode(), row) for row in rows]
+    # Every window is on its way as one record, in order, keyed by its node, before anything is acknowledged;
+    # each record holds exactly the window's rows.
+    sent = [(key, codec_for(NodeWindowShares).decode(value)) for key, value, _ in topic.sent]
+    assert [(key, record.rows()) for key, record in sent] == [(w.node_name.encode(), w.shares) for w in windows]
 
     stream._settle(PARTITION, engine)
     changes = engine.take_table_changes()
     assert (changes.progress, changes.deleted_sample_keys) == ((), ())
 
     # The first batch acknowledged, the second only in part: only the first is recorded.
-    first_batch_rows = len(windows[0].shares) + len(windows[1].shares)
-    topic.acknowledge(first_batch_rows + 1)
+    topic.acknowledge(3)
     stream._settle(PARTITION, engine)
     changes = engine.take_table_changes()
     assert set(changes.deleted_sample_keys) == set(windows[0].sample_keys + windows[1].sample_keys)
-    assert stream._in_flight[PARTITION] == [(windows[2:], [f for _, _, f in topic.sent[first_batch_rows:]])]
+    assert stream._in_flight[PARTITION] == [(windows[2:], [f for _, _, f in topic.sent[2:]])]
 
     topic.acknowledge()
     stream._settle(PARTITION, engine)
@@ -97,7 +97,7 @@ async def test_rows_are_sent_at_once_and_recorded_only_when_every_row_is_acknowl
     assert closed._value.get() == 4
 
 
-async def test_a_row_kafka_refused_stops_the_worker_and_leaves_the_window_to_be_emitted_again(tmp_path):
+async def test_a_window_kafka_refused_stops_the_worker_and_leaves_it_to_be_emitted_again(tmp_path):
     stream, topic = _stream(tmp_path)
     engine = AttributionEngine(CONFIG)
     windows = _closed_windows(engine, nodes=("n1",))

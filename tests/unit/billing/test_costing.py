@@ -17,7 +17,6 @@ from schemas.records import CostSubjectKind, ShareSubjectKind
 from services.billing.catalog import PriceCatalog, PriceError
 from services.billing.costing import (
     InconsistentShares,
-    NodeWindowAssembler,
     apportion,
     bill_node_window,
     cost_node_window,
@@ -324,60 +323,3 @@ def test_records_carry_the_subject_and_jsonl_fields(catalog):
             "node_cost_micro_usd"} <= set(bill)
     assert Decimal(str(bill["price_per_hour_usd"])) == catalog.row(
         "aws", "us-east-1", "g5.xlarge", "on_demand").price_per_hour_usd
-
-
-# -- assembling node-windows from a stream -------------------------------------------------------------------
-
-
-@st.composite
-def streams(draw):
-    """Rows of several node-windows, with redeliveries, in any order."""
-    windows = []
-    for n in range(draw(st.integers(1, 3))):
-        units = [Unit(f"GPU-{u}", [pod(f"n{n}u{u}p{i}", 1 / k) for i in range(k)])
-                 for u, k in enumerate(draw(st.lists(st.integers(1, 3), min_size=1, max_size=3)))]
-        windows.append(node_window(units, node=f"node-{n}"))
-    rows = [s for w in windows for s in w]
-    redelivered = draw(st.lists(st.sampled_from(rows), max_size=10))
-    return windows, draw(st.permutations(rows + redelivered))
-
-
-@HYPOTHESIS
-@given(streams())
-def test_assembler_hands_over_each_node_window_once_whatever_the_order(case):
-    windows, stream = case
-    assembler = NodeWindowAssembler()
-    emitted = [w for w in (assembler.add(s) for s in stream) if w is not None]
-    assert sorted(w.key.node_name for w in emitted) == sorted(w[0].node_name for w in windows)
-    for window in emitted:
-        expected = next(w for w in windows if w[0].node_name == window.key.node_name)
-        ident = lambda s: (s.gpu_uuid, s.subject_kind.value, s.pod_uid or "")  # noqa: E731
-        assert sorted(window.shares, key=ident) == sorted(expected, key=ident)
-    assert assembler.pending_keys == ()
-    assert assembler.duplicates_ignored == len(stream) - sum(len(w) for w in windows)
-    # A redelivery after the hand-over is ignored as well.
-    assert [assembler.add(s) for s in windows[0]] == [None] * len(windows[0])
-
-
-def test_assembler_refuses_contradictions_and_expires_old_windows():
-    rows = node_window([Unit("GPU-0", [pod("a", 0.5), pod("b", 0.5)]), Unit("GPU-1", [pod("c", 1.0)])])
-    assembler = NodeWindowAssembler()
-    assert assembler.add(rows[0]) is None
-    with pytest.raises(InconsistentShares):
-        assembler.add(dataclasses.replace(rows[0], cost_share=0.7))
-    with pytest.raises(InconsistentShares):
-        assembler.add(dataclasses.replace(rows[1], rows_in_unit=3))
-    with pytest.raises(InconsistentShares):
-        assembler.add(dataclasses.replace(rows[2], units_in_node=3))
-    assert assembler.add(rows[1]) is None  # GPU-0 complete, GPU-1 still missing
-    with pytest.raises(InconsistentShares, match="more than 2 rows"):
-        assembler.add(dataclasses.replace(rows[1], pod_uid="z"))
-    assert [k.node_name for k in assembler.pending_keys] == ["node-a"]
-    later = node_window([Unit("GPU-0", [pod("x", 1.0)])], window_start_ms=WINDOW_START_MS + 60_000, node="node-b")
-    assert assembler.add(later[0]) is not None
-    dropped = assembler.expire_before(WINDOW_START_MS + 60_000)
-    assert [k.node_name for k in dropped] == ["node-a"]
-    assert assembler.pending_keys == ()
-    assert assembler.emitted_count == 1
-    with pytest.raises(OutOfRange):
-        assembler.add(dataclasses.replace(rows[0], rows_in_unit=0))

@@ -12,7 +12,7 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import event, inspect, text
 
 from schemas.records import CostSubjectKind
-from services.billing.costing import NodeWindowAssembler, bill_node_window
+from services.billing.costing import bill_node_window
 from services.billing.catalog import PriceCatalog
 from services.billing.ledger import VERSION_TABLE, Grouping, Ledger, LedgerError, metadata
 from tests.unit.billing.conftest import sample_costs, sample_shares
@@ -67,14 +67,12 @@ def test_write_then_totals_equal_the_node_bills(sqlite_ledger):
 
 def test_the_same_shares_delivered_twice_bill_once(sqlite_ledger):
     catalog = PriceCatalog.load()
-    shares = [s for window in sample_shares() for s in window]
     results = sample_costs()
     assert sqlite_ledger.write(*everything(results)).bills_written == len(results)
     before = sqlite_ledger.totals()
 
-    # Redelivered through a fresh consumer (state lost): every node-window is assembled and costed again.
-    assembler = NodeWindowAssembler()
-    again = [bill_node_window(w.shares, catalog) for w in map(assembler.add, shares + shares) if w is not None]
+    # Redelivered through a fresh consumer (state lost): every node-window is costed again.
+    again = [bill_node_window(window, catalog) for window in sample_shares()]
     assert len(again) == len(results)
     outcome = sqlite_ledger.write(*everything(again))
     assert (outcome.bills_written, outcome.bills_skipped, outcome.lines_written) == (0, len(results), 0)

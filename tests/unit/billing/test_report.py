@@ -113,7 +113,8 @@ def test_formats(filled_ledger):
     *_, reconciliation, emitted = table.splitlines()
     assert reconciliation.startswith("reconciliation: ") and reconciliation.endswith("reconciled, equal to the "
                                                                                     "micro-dollar")
-    assert emitted == "emitted windows: not checked against the gpu-shares topic (no Kafka bootstrap servers given)"
+    assert emitted == (
+        "emitted windows: not checked against the node-window-shares topic (no Kafka bootstrap servers given)")
 
     rows = list(csv.DictReader(io.StringIO(format_report(report, "csv"))))
     lines = [r for r in rows if r["kind"] not in ("total", "node_bills", "reconciliation", "node_pricing")]

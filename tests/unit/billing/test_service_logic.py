@@ -1,5 +1,5 @@
-"""The billing service's logic without Kafka: offset bookkeeping, node-window assembly and expiry, and the
-processor against a real SQLite ledger with a recording producer."""
+"""The billing service's logic without Kafka: offset bookkeeping and the processor against a real SQLite ledger
+with a recording producer, fed node-window messages as the attributor writes them."""
 
 from __future__ import annotations
 
@@ -17,22 +17,19 @@ from gpumeter.kafka.deadletter import RawMessage
 from gpumeter.kafka.producer import DeliveryError
 from gpumeter.metrics import ServiceMetrics
 from schemas.catalog import TopicCatalog
-from schemas.records import CostRecord, CostSubjectKind, DeadLetter, GpuShare, ShareSubjectKind
+from schemas.records import CostRecord, CostSubjectKind, DeadLetter, GpuShare, NodeWindowCost, NodeWindowShares
+from schemas.records import ShareSubjectKind
 from schemas.typed import codec_for
 from services.billing.catalog import PriceCatalog
-from services.billing.costing import InconsistentShares, NodeWindowKey, bill_node_window
+from services.billing.costing import bill_node_window
 from services.billing.ledger import LedgerError
 from services.billing.pricing import DEFAULT_SPLIT_POLICY
 from services.billing.sharing import KEEP_ALL, SharingPolicy
 from services.billing.service import (
     BILLING_METRICS,
-    AddStatus,
     BillingProcessor,
-    HeldRow,
     OffsetTracker,
     ServiceStopping,
-    WindowBook,
-    describe_missing,
     is_rejected_by_ledger,
     is_transient_ledger_error,
     next_backoff_seconds,
@@ -40,31 +37,34 @@ from services.billing.service import (
 from tests.unit.billing.conftest import WINDOW_START_MS, Unit, bucket, node_window, pod, sample_shares
 
 TOPICS = TopicCatalog(prefix="test.")
-SHARES_TOPIC = TOPICS.gpu_shares
+SHARES_TOPIC = TOPICS.node_window_shares
 TP0 = (SHARES_TOPIC, 0)
 TP1 = (SHARES_TOPIC, 1)
 MINUTE_MS = 60_000
 
 
-def encode(share: GpuShare) -> bytes:
-    return codec_for(GpuShare).encode(share)
+def encode(rows) -> bytes:
+    """One node-window's message, as the attributor writes it."""
+    return codec_for(NodeWindowShares).encode(NodeWindowShares.from_rows(rows))
 
 
 class Feed:
-    """Messages on the gpu-shares topic with increasing offsets per partition."""
+    """Messages on the node-window-shares topic with increasing offsets per partition."""
 
     def __init__(self) -> None:
         self.next_offset: dict[int, int] = defaultdict(int)
 
-    def message(self, share: GpuShare | None = None, *, value: bytes | None = None, partition: int = 0) -> RawMessage:
+    def message(self, rows=None, *, value: bytes | None = None, partition: int = 0) -> RawMessage:
+        """The message of one node-window (``rows``: its ``GpuShare`` rows), or a raw ``value``."""
         offset = self.next_offset[partition]
         self.next_offset[partition] += 1
-        payload = encode(share) if share is not None else value
-        key = share.node_name.encode() if share is not None else b"x"
+        payload = encode(rows) if rows is not None else value
+        key = rows[0].node_name.encode() if rows is not None else b"x"
         return RawMessage(SHARES_TOPIC, partition, offset, key, payload, 0)
 
-    def messages(self, shares, partition: int = 0) -> list[RawMessage]:
-        return [self.message(s, partition=partition) for s in shares]
+    def messages(self, windows, partition: int = 0) -> list[RawMessage]:
+        """One message per node-window of ``windows``."""
+        return [self.message(rows, partition=partition) for rows in windows]
 
 
 class RecordingProducer:
@@ -106,7 +106,7 @@ class Pauses:
         await asyncio.sleep(0)
 
 
-def make_processor(ledger, producer=None, *, clock=None, expiry_s=60.0, memory_s=3600.0, catalog=None,
+def make_processor(ledger, producer=None, *, clock=None, memory_s=3600.0, catalog=None,
                    sleep=None, metrics=None, sharing=KEEP_ALL) -> BillingProcessor:
     return BillingProcessor(
         sharing=sharing,
@@ -116,8 +116,7 @@ def make_processor(ledger, producer=None, *, clock=None, expiry_s=60.0, memory_s
         producer=producer or RecordingProducer(),
         topics=TOPICS,
         clock=clock or ManualClock(WINDOW_START_MS + 90_000),
-        window_expiry_seconds=expiry_s,
-        finished_window_memory_seconds=memory_s,
+        node_memory_seconds=memory_s,
         retry_initial_seconds=0.5,
         retry_max_seconds=4.0,
         metrics=metrics,
@@ -132,10 +131,6 @@ def two_gpu_window(*, node="node-a", start_ms=WINDOW_START_MS, instance_type="p4
                        bucket(ShareSubjectKind.UNATTRIBUTED, 0.2)]),
     ]
     return node_window(units, node=node, window_start_ms=start_ms, instance_type=instance_type)
-
-
-def held(share, offset=0, partition=0):
-    return HeldRow(RawMessage(SHARES_TOPIC, partition, offset, None, b"", 0), share)
 
 
 # -- OffsetTracker ---------------------------------------------------------------------------------------------
@@ -214,104 +209,6 @@ def test_committed_positions_never_skip_a_held_message_and_never_go_back(ops):
         last_position = position
 
 
-# -- WindowBook ------------------------------------------------------------------------------------------------
-
-
-def test_a_node_window_completes_with_every_message_that_held_it():
-    shares = two_gpu_window()
-    book = WindowBook(expiry_ms=60_000, finished_memory_ms=3_600_000)
-    rows = [held(s, i) for i, s in enumerate(shares)]
-    outcomes = [book.add(r, 0) for r in rows]
-    assert [o.status for o in outcomes] == [AddStatus.HELD] * (len(rows) - 1) + [AddStatus.COMPLETE]
-    window = outcomes[-1].window
-    assert window.key == NodeWindowKey("prod", "node-a", WINDOW_START_MS)
-    assert window.rows == tuple(rows)
-    assert sorted(window.shares, key=repr) == sorted(shares, key=repr)
-    assert book.pending_keys == ()
-
-
-def test_exact_duplicates_and_rows_of_finished_windows_are_duplicates():
-    shares = two_gpu_window()
-    book = WindowBook(expiry_ms=60_000, finished_memory_ms=3_600_000)
-    assert book.add(held(shares[0], 0), 0).status is AddStatus.HELD
-    assert book.add(held(shares[0], 1), 0).status is AddStatus.DUPLICATE
-    assert book.pending_rows(book.pending_keys[0]) == (held(shares[0], 0),)
-    for i, share in enumerate(shares[1:], start=2):
-        book.add(held(share, i), 0)
-    assert book.add(held(shares[3], 9), 0).status is AddStatus.DUPLICATE
-
-
-def test_a_contradicting_row_raises_and_leaves_the_window_as_it_was():
-    shares = two_gpu_window()
-    book = WindowBook(expiry_ms=60_000, finished_memory_ms=3_600_000)
-    book.add(held(shares[0], 0), 0)
-    with pytest.raises(InconsistentShares):
-        book.add(held(replace(shares[0], cost_share=0.5), 1), 0)
-    for i, share in enumerate(shares[1:], start=1):
-        outcome = book.add(held(share, i), 0)
-    assert outcome.status is AddStatus.COMPLETE
-    assert [r.message.offset for r in outcome.window.rows] == list(range(len(shares)))
-
-
-def test_incomplete_windows_expire_with_their_rows_after_the_expiry_and_not_before():
-    a = two_gpu_window(node="node-a")
-    b = two_gpu_window(node="node-b")
-    book = WindowBook(expiry_ms=30_000, finished_memory_ms=3_600_000)
-    book.add(held(a[0], 0), 1_000)
-    book.add(held(a[1], 1), 5_000)
-    book.add(held(b[0], 2), 20_000)
-    assert book.next_expiry_ms() == 31_000
-    assert book.expire(30_999) == ()
-    expired = book.expire(31_000)
-    assert [w.key.node_name for w in expired] == ["node-a"]
-    assert [r.message.offset for r in expired[0].rows] == [0, 1]
-    assert expired[0].first_seen_unix_ms == 1_000
-    # GPU-0 has both its rows, GPU-1 none: one unit of two, no unit short of rows
-    assert expired[0].detail.endswith("after its first row: 1 of 2 units")
-    # node-b is untouched and still completes; node-a starts over (its old rows are gone, not "different").
-    for i, share in enumerate(b[1:], start=3):
-        outcome = book.add(held(share, i), 40_000)
-    assert outcome.status is AddStatus.COMPLETE and len(outcome.window.rows) == len(b)
-    assert book.add(held(a[0], 10), 41_000).status is AddStatus.HELD
-    assert book.next_expiry_ms() == 71_000
-
-
-def test_describe_missing_names_units_and_short_units():
-    shares = two_gpu_window()
-    gpu1_rows = [s for s in shares if s.gpu_uuid == "GPU-1"][:2]
-    text = describe_missing(gpu1_rows)
-    assert text == "1 of 2 units; incomplete units: GPU-1 2/3 rows"
-    assert describe_missing([]) == "no rows"
-
-
-def test_dropping_a_partition_forgets_its_rows_and_they_can_come_again():
-    a = two_gpu_window(node="node-a")
-    b = two_gpu_window(node="node-b")
-    book = WindowBook(expiry_ms=30_000, finished_memory_ms=3_600_000)
-    book.add(held(a[0], 0, partition=0), 0)
-    book.add(held(a[1], 1, partition=0), 0)
-    book.add(held(b[0], 0, partition=1), 0)
-    dropped = book.drop_partitions([TP0])
-    assert [r.share for r in dropped] == [a[0], a[1]]
-    assert [k.node_name for k in book.pending_keys] == ["node-b"]
-    for i, share in enumerate(a):
-        outcome = book.add(held(share, 100 + i, partition=0), 0)
-    assert outcome.status is AddStatus.COMPLETE
-    assert [r.message.offset for r in outcome.window.rows] == list(range(100, 100 + len(a)))
-
-
-def test_finished_windows_are_remembered_only_within_the_memory():
-    old = two_gpu_window(start_ms=WINDOW_START_MS)
-    book = WindowBook(expiry_ms=30_000, finished_memory_ms=2 * MINUTE_MS)
-    for share in old:
-        book.add(held(share), 0)
-    newer = two_gpu_window(start_ms=WINDOW_START_MS + 2 * MINUTE_MS)
-    book.add(held(newer[0]), 0)
-    assert book.add(held(old[0]), 0).status is AddStatus.DUPLICATE  # exactly at the memory's edge
-    book.add(held(two_gpu_window(start_ms=WINDOW_START_MS + 3 * MINUTE_MS)[0]), 0)
-    assert book.add(held(old[0]), 0).status is AddStatus.HELD  # forgotten: a new (late) pending window
-
-
 # -- ledger error classification -------------------------------------------------------------------------------
 
 
@@ -340,9 +237,8 @@ async def test_complete_windows_are_billed_published_by_node_and_committed(sqlit
     processor = make_processor(sqlite_ledger, producer)
     feed = Feed()
     windows = sample_shares(2)
-    for shares in windows:
-        for message in feed.messages(shares):
-            await processor.handle(message)
+    for message in feed.messages(windows):
+        await processor.handle(message)
     await processor.flush()
     costs = producer.records(CostRecord, TOPICS.costs)
     bills = {(b["node_name"], b["window_start_unix_ms"]): b["node_cost_micro_usd"] for b in sqlite_ledger.bills()}
@@ -353,37 +249,28 @@ async def test_complete_windows_are_billed_published_by_node_and_committed(sqlit
     assert dict(sums) == bills
     expected = [c for shares in windows for c in bill_node_window(shares, PriceCatalog.load()).costs]
     assert sorted(costs, key=repr) == sorted(expected, key=repr)
+    # One NodeWindowCost per bill on the node-window-costs topic, carrying exactly the lines of the flat stream.
+    window_costs = producer.records(NodeWindowCost, TOPICS.node_window_costs)
+    assert len(window_costs) == len(windows)
+    assert sorted((c for w in window_costs for c in w.cost_records()), key=repr) == sorted(expected, key=repr)
+    assert {(w.node_name, w.window_start_unix_ms): w.node_cost_micro_usd for w in window_costs} == bills
     assert all(key == record.node_name.encode() for _, key, record in producer.delivered)
-    assert processor.commit_positions() == {TP0: sum(len(s) for s in windows)}
+    assert processor.commit_positions() == {TP0: len(windows)}
     assert processor.stats.windows_billed == len(windows)
-
-
-async def test_held_rows_pin_the_commit_until_their_window_is_billed(sqlite_ledger):
-    processor = make_processor(sqlite_ledger)
-    feed = Feed()
-    a, b = two_gpu_window(node="node-a"), two_gpu_window(node="node-b")
-    await processor.handle(feed.message(a[0]))
-    for share in b:
-        await processor.handle(feed.message(share))
-    await processor.flush()
-    assert processor.commit_positions() == {TP0: 0}
-    for share in a[1:]:
-        await processor.handle(feed.message(share))
-    assert processor.commit_positions() == {TP0: len(a) + len(b)}
 
 
 async def test_redelivery_to_a_fresh_processor_publishes_nothing_and_keeps_the_ledger(sqlite_ledger):
     windows = sample_shares(2)
     first = RecordingProducer()
     processor = make_processor(sqlite_ledger, first)
-    for message in Feed().messages([s for w in windows for s in w]):
+    for message in Feed().messages(windows):
         await processor.handle(message)
     await processor.flush()  # acknowledged: the ledger marks these windows published
     totals = sqlite_ledger.totals()
     metrics = ServiceMetrics("billing", BILLING_METRICS)
     again = RecordingProducer()
     restarted = make_processor(sqlite_ledger, again, metrics=metrics)
-    for message in Feed().messages([s for w in windows for s in w]):
+    for message in Feed().messages(windows):
         await restarted.handle(message)
     await restarted.flush()
     assert again.delivered == []
@@ -391,9 +278,7 @@ async def test_redelivery_to_a_fresh_processor_publishes_nothing_and_keeps_the_l
     assert restarted.stats.windows_already_billed == len(windows)
     duplicate_lines = metrics.registry.get_sample_value("gpumeter_billing_duplicate_rows_total")
     assert duplicate_lines == totals.cost_lines
-    # and within one processor, the rows of a billed window are recognised before the ledger is asked
-    for message in Feed().messages(windows[0]):
-        assert await restarted.handle(message) is AddStatus.DUPLICATE
+    assert restarted.commit_positions() == {TP0: len(windows)}
 
 
 async def test_garbage_is_dead_lettered_and_the_next_messages_are_billed(sqlite_ledger):
@@ -401,88 +286,78 @@ async def test_garbage_is_dead_lettered_and_the_next_messages_are_billed(sqlite_
     processor = make_processor(sqlite_ledger, producer)
     feed = Feed()
     garbage = feed.message(value=b"\x00not avro at all")
-    assert await processor.handle(garbage) is None
+    assert await processor.handle(garbage) is False
     shares = two_gpu_window()
-    for message in feed.messages(shares):
-        await processor.handle(message)
+    assert await processor.handle(feed.message(shares)) is True
     await processor.flush()
     (letter,) = producer.records(DeadLetter, TOPICS.dead_letters)
     assert letter.reason_code == "CORRUPT"
     assert letter.raw_bytes == garbage.value
     assert (letter.source_offset, letter.service) == (0, "billing")
     assert len(producer.records(CostRecord)) == len(bill_node_window(shares, PriceCatalog.load()).costs)
-    assert processor.commit_positions() == {TP0: 1 + len(shares)}
+    assert processor.commit_positions() == {TP0: 2}
 
 
-async def test_a_node_without_a_price_dead_letters_each_row_and_the_service_goes_on(sqlite_ledger):
+async def test_a_record_of_another_type_is_dead_lettered_as_the_wrong_record_type(sqlite_ledger):
+    producer = RecordingProducer()
+    processor = make_processor(sqlite_ledger, producer)
+    row = two_gpu_window()[0]  # a GpuShare row, as the old topic carried: not a node-window
+    await processor.handle(Feed().message(value=codec_for(GpuShare).encode(row)))
+    await processor.flush()
+    (letter,) = producer.records(DeadLetter)
+    assert letter.reason_code == "WRONG_RECORD_TYPE"
+    assert processor.commit_positions() == {TP0: 1}
+
+
+async def test_a_node_without_a_price_dead_letters_its_window_and_the_service_goes_on(sqlite_ledger):
     producer = RecordingProducer()
     processor = make_processor(sqlite_ledger, producer)
     feed = Feed()
-    unpriced = two_gpu_window(node="odd-node", instance_type="x9.nonexistent")
-    messages = feed.messages(unpriced)
-    for message in messages:
-        await processor.handle(message)
-    priced = two_gpu_window(node="node-a")
-    for message in feed.messages(priced):
-        await processor.handle(message)
+    unpriced = feed.message(two_gpu_window(node="odd-node", instance_type="x9.nonexistent"))
+    await processor.handle(unpriced)
+    await processor.handle(feed.message(two_gpu_window(node="node-a")))
     await processor.flush()
-    letters = producer.records(DeadLetter)
-    assert [l.reason_code for l in letters] == ["NO_PRICE"] * len(unpriced)
-    assert [l.source_offset for l in letters] == [m.offset for m in messages]
-    assert [l.raw_bytes for l in letters] == [m.value for m in messages]
-    assert "x9.nonexistent" in letters[0].reason
+    (letter,) = producer.records(DeadLetter)
+    assert letter.reason_code == "NO_PRICE"
+    assert (letter.source_offset, letter.raw_bytes) == (unpriced.offset, unpriced.value)
+    assert "x9.nonexistent" in letter.reason
     assert {r.node_name for r in producer.records(CostRecord)} == {"node-a"}
     assert sqlite_ledger.totals().node_windows == 1
-    assert processor.commit_positions() == {TP0: len(unpriced) + len(priced)}
+    assert processor.commit_positions() == {TP0: 2}
 
 
 async def test_shares_that_do_not_add_up_dead_letter_the_whole_window(sqlite_ledger):
     producer = RecordingProducer()
     processor = make_processor(sqlite_ledger, producer)
     units = [Unit("GPU-0", [pod("p1", 0.6), bucket(ShareSubjectKind.IDLE, 0.3)])]  # adds up to 0.9
-    shares = node_window(units)
-    for message in Feed().messages(shares):
-        await processor.handle(message)
+    await processor.handle(Feed().message(node_window(units)))
     await processor.flush()
-    assert [l.reason_code for l in producer.records(DeadLetter)] == ["INCONSISTENT_SHARES"] * 2
+    assert [l.reason_code for l in producer.records(DeadLetter)] == ["INCONSISTENT_SHARES"]
     assert sqlite_ledger.totals().node_windows == 0
-    assert processor.commit_positions() == {TP0: 2}
+    assert processor.commit_positions() == {TP0: 1}
 
 
-async def test_windows_that_never_complete_are_dead_lettered_after_the_expiry(sqlite_ledger):
-    clock = ManualClock(WINDOW_START_MS + 90_000)
+async def test_a_window_impossible_on_its_own_is_out_of_range_before_pricing(sqlite_ledger):
     producer = RecordingProducer()
-    processor = make_processor(sqlite_ledger, producer, clock=clock, expiry_s=120)
-    feed = Feed()
-    shares = two_gpu_window()
-    partial = feed.messages(shares[:3])
-    for message in partial:
-        await processor.handle(message)
-    clock.advance_ms(119_999)
-    assert await processor.expire_windows() == ()
-    assert processor.commit_positions() == {TP0: 0}
-    clock.advance_ms(1)
-    (expired,) = await processor.expire_windows()
+    processor = make_processor(sqlite_ledger, producer)
+    rows = [replace(share, cost_share=1.5) if i == 0 else share for i, share in enumerate(two_gpu_window())]
+    await processor.handle(Feed().message(rows))
     await processor.flush()
-    letters = producer.records(DeadLetter)
-    assert [l.reason_code for l in letters] == ["INCOMPLETE_WINDOW"] * 3
-    assert [l.raw_bytes for l in letters] == [m.value for m in partial]
-    assert all(l.reason.endswith("2 of 2 units; incomplete units: GPU-1 1/3 rows") for l in letters)
-    assert processor.commit_positions() == {TP0: 3}
-    assert producer.records(CostRecord) == []
+    (letter,) = producer.records(DeadLetter)
+    assert letter.reason_code == "OUT_OF_RANGE" and "cost_share" in letter.reason
+    assert sqlite_ledger.totals().node_windows == 0
 
 
 async def test_a_crash_between_ledger_and_kafka_is_published_once_on_redelivery(sqlite_ledger):
     """The ledger committed but the cost records were never acknowledged (the process died before flush)."""
     windows = sample_shares(2)
-    shares = [s for w in windows for s in w]
     crashed = make_processor(sqlite_ledger, RecordingProducer())
-    for message in Feed().messages(shares):
+    for message in Feed().messages(windows):
         await crashed.handle(message)
     totals = sqlite_ledger.totals()
     again = RecordingProducer()
     restarted = make_processor(sqlite_ledger, again)
-    for message in Feed().messages(shares):
+    for message in Feed().messages(windows):
         await restarted.handle(message)
     await restarted.flush()
     expected = [record for record in crashed.producer.delivered]
@@ -491,7 +366,7 @@ async def test_a_crash_between_ledger_and_kafka_is_published_once_on_redelivery(
     assert sqlite_ledger.totals() == totals
     third = RecordingProducer()
     once_more = make_processor(sqlite_ledger, third)
-    for message in Feed().messages(shares):
+    for message in Feed().messages(windows):
         await once_more.handle(message)
     await once_more.flush()
     assert third.delivered == []
@@ -532,15 +407,14 @@ async def test_an_unavailable_ledger_is_retried_with_backoff_without_committing(
     feed = Feed()
     await processor.handle(feed.message(value=b"junk"))
     shares = two_gpu_window()
-    for message in feed.messages(shares):
-        await processor.handle(message)
+    await processor.handle(feed.message(shares))
     assert pauses.seconds == [0.5, 1.0, 2.0, 4.0, 4.0]
     assert positions_while_down == [{TP0: 1}] * 5  # only the junk before the window could be committed
     assert ledger.calls == 6
     await processor.flush()
     assert sqlite_ledger.totals().node_windows == 1
     assert producer.records(CostRecord) == list(bill_node_window(shares, PriceCatalog.load()).costs)
-    assert processor.commit_positions() == {TP0: 1 + len(shares)}
+    assert processor.commit_positions() == {TP0: 2}
 
 
 async def test_stopping_during_a_ledger_outage_leaves_the_window_uncommitted(sqlite_ledger):
@@ -549,8 +423,7 @@ async def test_stopping_during_a_ledger_outage_leaves_the_window_uncommitted(sql
     processor = make_processor(FlakyLedger(sqlite_ledger, failures=100), sleep=pauses)
     shares = two_gpu_window()
     with pytest.raises(ServiceStopping):
-        for message in Feed().messages(shares):
-            await processor.handle(message)
+        await processor.handle(Feed().message(shares))
     assert processor.commit_positions() == {TP0: 0}
     assert sqlite_ledger.totals().node_windows == 0
 
@@ -560,11 +433,10 @@ async def test_refused_values_dead_letter_the_window_and_bugs_stop_the_service(s
     refused = FlakyLedger(sqlite_ledger, failures=1, error=IntegrityError("INSERT", {}, Exception("too long")))
     processor = make_processor(refused, producer)
     shares = two_gpu_window()
-    for message in Feed().messages(shares):
-        await processor.handle(message)
+    await processor.handle(Feed().message(shares))
     await processor.flush()
-    assert [l.reason_code for l in producer.records(DeadLetter)] == ["LEDGER_REJECTED"] * len(shares)
-    assert processor.commit_positions() == {TP0: len(shares)}
+    assert [l.reason_code for l in producer.records(DeadLetter)] == ["LEDGER_REJECTED"]
+    assert processor.commit_positions() == {TP0: 1}
 
     class BrokenLedger:
         def write(self, costs, bills):
@@ -572,8 +444,7 @@ async def test_refused_values_dead_letter_the_window_and_bugs_stop_the_service(s
 
     broken = make_processor(BrokenLedger(), RecordingProducer())
     with pytest.raises(LedgerError):
-        for message in Feed().messages(shares):
-            await broken.handle(message)
+        await broken.handle(Feed().message(shares))
     assert broken.commit_positions() == {TP0: 0}
 
 
@@ -582,16 +453,15 @@ async def test_unacknowledged_records_are_sent_again_before_anything_is_committe
     pauses = Pauses()
     processor = make_processor(sqlite_ledger, producer, sleep=pauses)
     shares = two_gpu_window()
-    for message in Feed().messages(shares):
-        await processor.handle(message)
+    await processor.handle(Feed().message(shares))
     expected = bill_node_window(shares, PriceCatalog.load()).costs
-    assert processor.unacknowledged == len(expected)
+    assert processor.unacknowledged == len(expected) + 1  # the cost lines and the node-window's NodeWindowCost
     await processor.flush()
     assert pauses.seconds == [0.5]
     assert processor.unacknowledged == 0
     costs = producer.records(CostRecord)
     assert sorted(costs, key=repr) == sorted(expected, key=repr)  # each exactly once
-    assert producer.attempts == len(expected) + 2
+    assert producer.attempts == len(expected) + 1 + 2
     assert sum(c.cost_micro_usd for c in costs) == sqlite_ledger.totals().bill_micro_usd
     assert await processor.flush(retry=False) is True
 
@@ -601,8 +471,7 @@ async def test_metrics_follow_the_bills_and_share_gauges_drop_pods_that_left(sql
     processor = make_processor(sqlite_ledger, metrics=metrics)
     feed = Feed()
     first = two_gpu_window(start_ms=WINDOW_START_MS)
-    for message in feed.messages(first):
-        await processor.handle(message)
+    await processor.handle(feed.message(first))
     value = metrics.registry.get_sample_value
     priced = bill_node_window(first, PriceCatalog.load())
     for record in priced.costs:
@@ -620,8 +489,7 @@ async def test_metrics_follow_the_bills_and_share_gauges_drop_pods_that_left(sql
     # next window: p1 left GPU-0
     units = [Unit("GPU-0", [bucket(ShareSubjectKind.IDLE, 1.0)]),
              Unit("GPU-1", [pod("p2", 0.25, "web", team="prod"), bucket(ShareSubjectKind.IDLE, 0.75)])]
-    for message in feed.messages(node_window(units, window_start_ms=WINDOW_START_MS + MINUTE_MS)):
-        await processor.handle(message)
+    await processor.handle(feed.message(node_window(units, window_start_ms=WINDOW_START_MS + MINUTE_MS)))
     assert value("gpumeter_pod_gpu_memory_share", p1) is None
     assert value("gpumeter_pod_gpu_compute_share",
                  {"namespace": "web", "pod": "pod-p2", "team": "prod", "gpu_uuid": "GPU-1"}) == 0.25
@@ -639,8 +507,7 @@ async def test_the_sharing_policy_bills_publishes_and_counts_the_shared_lines(sq
     producer = RecordingProducer()
     processor = make_processor(sqlite_ledger, producer, metrics=metrics, sharing=sharing)
     window = two_gpu_window()
-    for message in Feed().messages(window):
-        await processor.handle(message)
+    await processor.handle(Feed().message(window))
     assert await processor.flush(retry=False)
     priced = bill_node_window(window, PriceCatalog.load(), DEFAULT_SPLIT_POLICY, sharing)
     sent = producer.records(CostRecord)
@@ -675,22 +542,19 @@ def test_the_sharing_setting_reads_env_and_the_flag_wins():
         parse_settings(["--sharing", "idle=spread"], {})
 
 
-async def test_revoked_partitions_drop_their_rows_and_offsets(sqlite_ledger):
+async def test_revoked_partitions_drop_their_offsets(sqlite_ledger):
     processor = make_processor(sqlite_ledger)
     feed = Feed()
-    a = two_gpu_window(node="node-a")
-    b = two_gpu_window(node="node-b")
-    await processor.handle(feed.message(a[0], partition=0))
-    await processor.handle(feed.message(b[0], partition=1))
+    await processor.handle(feed.message(two_gpu_window(node="node-a"), partition=0))
+    await processor.handle(feed.message(two_gpu_window(node="node-b"), partition=1))
+    await processor.flush()
     processor.partitions_revoked([TP0])
-    assert [k.node_name for k in processor.book.pending_keys] == ["node-b"]
-    assert processor.commit_positions() == {TP1: 0}
-    # the new owner of partition 0 would read a[0] again; if it comes back here, it starts a fresh window
-    replay = Feed()
-    for share in a:
-        status = await processor.handle(replay.message(share, partition=0))
-    assert status is AddStatus.COMPLETE
-    assert processor.commit_positions() == {TP0: len(a), TP1: 0}
+    assert processor.commit_positions() == {TP1: 1}
+    # Assigned again later, the partition is committed from what is handled then.
+    again = Feed()
+    again.next_offset[0] = 5
+    assert await processor.handle(again.message(two_gpu_window(node="node-c"), partition=0)) is True
+    assert processor.commit_positions() == {TP0: 6, TP1: 1}
 
 
 
@@ -717,23 +581,21 @@ def costs_sent(producer: RecordingProducer) -> list[CostRecord]:
     return producer.records(CostRecord, TOPICS.costs)
 
 
-async def test_a_batch_bills_every_window_it_completes_with_one_ledger_write(sqlite_ledger):
+async def test_a_batch_bills_every_window_it_brings_with_one_ledger_write(sqlite_ledger):
     ledger = CountingLedger(sqlite_ledger)
     producer = RecordingProducer()
     processor = make_processor(ledger, producer)
     feed = Feed()
     windows = sample_shares(3)  # six node-windows
-    partial = two_gpu_window(node="node-late")
-    messages = [m for shares in windows for m in feed.messages(shares)] + [feed.message(partial[0])]
+    messages = feed.messages(windows)
     assert await processor.handle_batch(messages) == len(messages)
     assert ledger.writes == [len(windows)]
     assert sqlite_ledger.totals().node_windows == len(windows)
     expected = [c for shares in windows for c in bill_node_window(shares, PriceCatalog.load()).costs]
-    assert costs_sent(producer) == expected  # in the order the windows completed
+    assert costs_sent(producer) == expected  # in input order
     assert processor.stats.windows_billed == len(windows)
-    # the unfinished window's row pins the commit; everything before it is billed
     await processor.flush()
-    assert processor.commit_positions() == {TP0: len(messages) - 1}
+    assert processor.commit_positions() == {TP0: len(messages)}
 
 
 async def test_a_batch_holds_its_completed_windows_until_the_write(sqlite_ledger):
@@ -743,8 +605,8 @@ async def test_a_batch_holds_its_completed_windows_until_the_write(sqlite_ledger
     pauses = Pauses(lambda _count: positions_while_down.append(processor.commit_positions()))
     processor = make_processor(ledger, sleep=pauses)
     feed = Feed()
-    messages = [feed.message(value=b"junk")] + feed.messages(two_gpu_window(node="node-a")) + \
-        feed.messages(two_gpu_window(node="node-b"))
+    messages = [feed.message(value=b"junk")] + [feed.message(two_gpu_window(node="node-a"))] + \
+        [feed.message(two_gpu_window(node="node-b"))]
     await processor.handle_batch(messages)
     assert pauses.seconds == [0.5, 1.0]
     assert positions_while_down == [{TP0: 1}] * 2  # both windows held while the ledger is down
@@ -757,18 +619,17 @@ async def test_a_batch_holds_its_completed_windows_until_the_write(sqlite_ledger
 async def test_a_batch_of_new_and_redelivered_windows_publishes_only_what_was_never_published(sqlite_ledger):
     first, second, third = two_gpu_window(node="node-a"), two_gpu_window(node="node-b"), two_gpu_window(node="node-c")
     published = make_processor(sqlite_ledger)
-    for message in Feed().messages(first):
-        await published.handle(message)
+    await published.handle(Feed().message(first))
     await published.flush()  # node-a: billed and marked published
     crashed = make_processor(sqlite_ledger)
-    await crashed.handle_batch(Feed().messages(second))  # node-b: billed, then the process died before the flush
+    await crashed.handle_batch([Feed().message(second)])  # node-b: billed, then the process died before the flush
 
     producer = RecordingProducer()
     metrics = ServiceMetrics("billing", BILLING_METRICS)
     ledger = CountingLedger(sqlite_ledger)
     restarted = make_processor(ledger, producer, metrics=metrics)
     feed = Feed()
-    await restarted.handle_batch(feed.messages(first) + feed.messages(second) + feed.messages(third))
+    await restarted.handle_batch([feed.message(first)] + [feed.message(second)] + [feed.message(third)])
     await restarted.flush()
     assert ledger.writes == [3]
     catalog = PriceCatalog.load()
@@ -779,11 +640,11 @@ async def test_a_batch_of_new_and_redelivered_windows_publishes_only_what_was_ne
     assert value("gpumeter_billing_duplicate_rows_total") == len(bill_node_window(first, catalog).costs)
     assert value("gpumeter_billing_ledger_rows_written_total") == len(bill_node_window(third, catalog).costs)
     assert sqlite_ledger.totals().node_windows == 3
-    assert restarted.commit_positions() == {TP0: len(first) + len(second) + len(third)}
+    assert restarted.commit_positions() == {TP0: 3}
     # marked published now: one more redelivery publishes nothing
     again = RecordingProducer()
     once_more = make_processor(sqlite_ledger, again)
-    await once_more.handle_batch(Feed().messages(first) + Feed().messages(second) + Feed().messages(third))
+    await once_more.handle_batch([Feed().message(first)] + [Feed().message(second)] + [Feed().message(third)])
     await once_more.flush()
     assert again.delivered == []
 
@@ -809,13 +670,12 @@ async def test_a_window_the_ledger_refuses_is_dead_lettered_alone_and_the_rest_o
     processor = make_processor(ledger, producer)
     feed = Feed()
     good_a, bad, good_b = two_gpu_window(node="node-a"), two_gpu_window(node="node-bad"), two_gpu_window(node="node-b")
-    messages = feed.messages(good_a) + feed.messages(bad) + feed.messages(good_b)
+    messages = [feed.message(good_a)] + [feed.message(bad)] + [feed.message(good_b)]
     await processor.handle_batch(messages)
     await processor.flush()
     assert ledger.writes == [3, 1, 1, 1]  # the batch, then each window alone
     letters = producer.records(DeadLetter)
-    assert [l.reason_code for l in letters] == ["LEDGER_REJECTED"] * len(bad)
-    assert [l.source_offset for l in letters] == list(range(len(good_a), len(good_a) + len(bad)))
+    assert [(l.reason_code, l.source_offset) for l in letters] == [("LEDGER_REJECTED", 1)]
     assert {r.node_name for r in costs_sent(producer)} == {"node-a", "node-b"}
     assert sqlite_ledger.totals().node_windows == 2
     assert processor.commit_positions() == {TP0: len(messages)}
@@ -828,7 +688,7 @@ async def test_a_ledger_bug_in_a_batch_stops_the_service_without_committing(sqli
 
     processor = make_processor(BrokenLedger())
     feed = Feed()
-    messages = feed.messages(two_gpu_window(node="node-a")) + feed.messages(two_gpu_window(node="node-b"))
+    messages = [feed.message(two_gpu_window(node="node-a"))] + [feed.message(two_gpu_window(node="node-b"))]
     with pytest.raises(LedgerError):
         await processor.handle_batch(messages)
     assert processor.commit_positions() == {TP0: 0}
@@ -840,7 +700,7 @@ async def test_a_batch_stops_taking_messages_once_stopping_and_bills_what_it_com
     processor = make_processor(sqlite_ledger, producer)
     feed = Feed()
     first, second = two_gpu_window(node="node-a"), two_gpu_window(node="node-b")
-    first_messages, second_messages = feed.messages(first), feed.messages(second)
+    first_messages, second_messages = [feed.message(first)], [feed.message(second)]
 
     def fetched():
         yield from first_messages
@@ -854,32 +714,34 @@ async def test_a_batch_stops_taking_messages_once_stopping_and_bills_what_it_com
     assert processor.commit_positions() == {TP0: len(first_messages)}  # node-b is read again after the restart
 
 
-async def test_a_window_completed_twice_in_one_batch_is_written_in_two_ledger_calls(sqlite_ledger):
-    # With no memory of finished windows, a newer window's row makes the book forget node-a@start, and its rows
-    # coming again complete it again: one ledger write may not hold two bills of one node-window.
+async def test_a_window_twice_in_one_batch_is_written_in_two_ledger_calls(sqlite_ledger):
+    # A redelivered node-window in the same batch as the first delivery: one ledger write may not hold two bills
+    # of one node-window, so the first goes out before the second is added.
     ledger = CountingLedger(sqlite_ledger)
     producer = RecordingProducer()
-    processor = make_processor(ledger, producer, memory_s=0)
+    processor = make_processor(ledger, producer)
     feed = Feed()
     old = two_gpu_window(node="node-a")
     newer = two_gpu_window(node="node-a", start_ms=WINDOW_START_MS + MINUTE_MS)
-    messages = feed.messages(old) + [feed.message(newer[0])] + feed.messages(old)
+    messages = [feed.message(old), feed.message(newer), feed.message(old)]
     await processor.handle_batch(messages)
-    assert ledger.writes == [1, 1]
-    assert sqlite_ledger.totals().node_windows == 1
-    assert processor.commit_positions() == {TP0: len(old)}  # newer[0] is still held
+    assert ledger.writes == [2, 1]
+    assert sqlite_ledger.totals().node_windows == 2
+    await processor.flush()
+    assert processor.commit_positions() == {TP0: 3}
+    assert len(costs_sent(producer)) == len(bill_node_window(old, PriceCatalog.load()).costs) + len(
+        bill_node_window(newer, PriceCatalog.load()).costs)  # the redelivery published nothing
 
 
 def mixed_feed() -> list[RawMessage]:
-    """Garbage, two nodes' windows interleaved, an unpriced window, exact duplicates, a half window."""
+    """Garbage, two nodes' windows, an unpriced window, a duplicate, shares that do not add up."""
     feed = Feed()
     a, b = two_gpu_window(node="node-a"), two_gpu_window(node="node-b")
     unpriced = two_gpu_window(node="odd-node", instance_type="x9.nonexistent")
-    messages = [feed.message(value=b"\x00junk")]
-    for share_a, share_b in zip(a, b):
-        messages += [feed.message(share_a), feed.message(share_b)]
-    messages += feed.messages(unpriced) + [feed.message(a[0])] + feed.messages(sample_shares(2)[0])
-    messages += feed.messages(two_gpu_window(node="node-c")[:2])
+    short = node_window([Unit("GPU-0", [pod("p1", 0.6), bucket(ShareSubjectKind.IDLE, 0.3)])], node="node-c")
+    messages = [feed.message(value=b"\x00junk"), feed.message(a), feed.message(b), feed.message(unpriced),
+                feed.message(a)]
+    messages += feed.messages(sample_shares(2)) + [feed.message(short)]
     return messages
 
 
@@ -903,7 +765,7 @@ async def test_a_batch_has_the_same_effects_as_its_messages_one_at_a_time(tmp_pa
         await processor.flush()
         # Per topic: the order across topics (dead letters vs cost records) is not kept, nor needs to be.
         by_topic = {topic: [(k, r) for t, k, r in producer.delivered if t == topic]
-                    for topic in (TOPICS.costs, TOPICS.dead_letters)}
+                    for topic in (TOPICS.costs, TOPICS.node_window_costs, TOPICS.dead_letters)}
         assert len(producer.delivered) == sum(len(v) for v in by_topic.values())
         results.append((by_topic, processor.commit_positions(), processor.stats, ledger.totals(),
                         list(ledger.iter_cost_lines()), metrics.registry.get_sample_value(
@@ -911,7 +773,8 @@ async def test_a_batch_has_the_same_effects_as_its_messages_one_at_a_time(tmp_pa
         ledger.close()
     one_at_a_time, batched = results
     assert batched == one_at_a_time
-    assert one_at_a_time[2].windows_billed == 3 and one_at_a_time[2].windows_dead_lettered == 1
+    # node-a, node-b and the four sample windows; the unpriced and the short window dead-lettered (each pass)
+    assert one_at_a_time[2].windows_billed == 6 and one_at_a_time[2].windows_dead_lettered == 4
 
 
 # -- settings --------------------------------------------------------------------------------------------------
@@ -1034,8 +897,7 @@ async def test_series_of_pods_that_came_and_went_are_removed_after_their_last_wi
             rows = [pod(f"{node}-w{w}-{i}", 0.09, "ml", team=f"team-{i % 3}") for i in range(pods_per_window)]
             rows.append(bucket(ShareSubjectKind.IDLE, 0.1))
             shares = node_window([Unit("GPU-0", rows)], node=node, window_start_ms=start)
-            for message in feed.messages(shares):
-                await processor.handle(message)
+            await processor.handle(feed.message(shares))
             live[node] = set()
             for record in bill_node_window(shares, catalog).costs:
                 if record.subject_kind is CostSubjectKind.POD:
@@ -1056,8 +918,7 @@ async def test_series_of_pods_that_came_and_went_are_removed_after_their_last_wi
         shares = node_window([Unit("GPU-0", [pod("steady", 0.5, "ml", team="team-0"),
                                              bucket(ShareSubjectKind.IDLE, 0.5)])], node="node-a",
                              window_start_ms=start)
-        for message in feed.messages(shares):
-            await processor.handle(message)
+        await processor.handle(feed.message(shares))
     for name in (pod_cost, "gpumeter_pod_gpu_memory_share", "gpumeter_pod_gpu_compute_share",
                  "gpumeter_node_cost_micro_usd_total", "gpumeter_bucket_cost_micro_usd_total"):
         nodes_and_pods = {dict(labels).get("node") or dict(labels)["pod"] for labels in exported_series(metrics, name)}

@@ -39,13 +39,12 @@ from gpumeter.settings import KafkaSettings
 from schemas.catalog import TopicCatalog, partition_for_node, pod_event_key
 from schemas.codec import MAGIC
 from schemas.records import (
-    CostRecord,
-    CostSubjectKind,
     DeadLetter,
     GpuShare,
     NodeSample,
+    NodeWindowCost,
+    NodeWindowShares,
     PodEvent,
-    PodEventType,
     ShareSubjectKind,
     SharingMode,
 )
@@ -68,9 +67,9 @@ NOW_MS = 1_780_000_000_000  # the attributor's and the guard's clock
 WINDOW_S = 10
 DAY_MS = 86_400_000
 
-SAMPLES, PODS, SHARES, COSTS = "node-samples", "pod-events", "gpu-shares", "costs"
-TOPIC_NAMES = {SAMPLES: TOPICS.node_samples, PODS: TOPICS.pod_events, SHARES: TOPICS.gpu_shares,
-               COSTS: TOPICS.costs}
+SAMPLES, PODS, SHARES, COSTS = "node-samples", "pod-events", "node-window-shares", "node-window-costs"
+TOPIC_NAMES = {SAMPLES: TOPICS.node_samples, PODS: TOPICS.pod_events, SHARES: TOPICS.node_window_shares,
+               COSTS: TOPICS.node_window_costs}
 
 
 def metric(metrics: ServiceMetrics, name: str, **labels) -> float:
@@ -119,21 +118,32 @@ def good_pod_event(now_ms: int, n: int, node: str = "gpu-node-a") -> PodEvent:
                      observed_at_unix_ms=now_ms - 1_000, started_at_unix_ms=now_ms - 60_000)
 
 
-def good_share(now_ms: int, n: int, **changes) -> GpuShare:
+def good_row(now_ms: int, n: int, namespace: str = "ml", **changes) -> GpuShare:
     """The only row of a one-unit node-window that ended a minute ago (a new node per ``n``)."""
     start = (now_ms - 120_000) // 60_000 * 60_000
-    (share,) = node_window([Unit("GPU-0", [pod(f"p{n}", 1.0, "ml", team="t")])], node=f"node-{n}",
+    (share,) = node_window([Unit("GPU-0", [pod(f"p{n}", 1.0, namespace, team="t")])], node=f"node-{n}",
                            window_start_ms=start)
     return dataclasses.replace(share, **changes)
 
 
-def good_cost(now_ms: int, n: int, **changes) -> CostRecord:
-    start = (now_ms - 120_000) // 60_000 * 60_000
-    record = CostRecord(cluster="prod", node_name="node-a", window_start_unix_ms=start, window_seconds=60,
-                        gpu_uuid="GPU-0", subject_kind=CostSubjectKind.POD, pod_uid=f"uid-{n}", namespace=f"ns-{n}",
-                        pod_name=f"pod-{n}", labels=MappingProxyType({}), cost_share=1.0, cost_micro_usd=1_000,
-                        instance_type="p5.48xlarge", price_model="on_demand", price_version="test")
-    return dataclasses.replace(record, **changes)
+def good_share(now_ms: int, n: int, **changes) -> NodeWindowShares:
+    """That node-window as the attributor writes it (``changes`` apply to its row)."""
+    return NodeWindowShares.from_rows([good_row(now_ms, n, **changes)])
+
+
+def _with_pods(cost: NodeWindowCost, **changes) -> NodeWindowCost:
+    return dataclasses.replace(cost, pods=tuple(dataclasses.replace(p, **changes) for p in cost.pods))
+
+
+def good_cost(now_ms: int, n: int, **changes) -> NodeWindowCost:
+    """The bill of that node-window (pod in namespace ``ns-<n>``) as billing writes it; ``changes`` apply to each
+    of its lines."""
+    from services.billing.costing import bill_node_window, window_cost_record
+
+    rows = [good_row(now_ms, n, namespace=f"ns-{n}")]
+    priced = bill_node_window(rows, PriceCatalog.load())
+    priced = dataclasses.replace(priced, costs=tuple(dataclasses.replace(c, **changes) for c in priced.costs))
+    return window_cost_record(priced, NodeWindowShares.from_rows(rows))
 
 
 def encode(record) -> bytes:
@@ -228,7 +238,9 @@ class AttributorHarness(Harness):
         return 0 if engine is None else engine.open_sample_count()
 
     def shares(self) -> list[GpuShare]:
-        return [codec_for(GpuShare).decode(value) for _, value in self.stream.shares_topic.sent]
+        """The rows of every node-window the attributor emitted."""
+        return [row for _, value in self.stream.shares_topic.sent
+                for row in codec_for(NodeWindowShares).decode(value).rows()]
 
     async def good(self, kind: str) -> None:
         n = self.next_n()
@@ -257,7 +269,7 @@ class BillingHarness(Harness):
         self.producer = RecordingProducer()
         self.processor = BillingProcessor(
             catalog=PriceCatalog.load(), policy=DEFAULT_SPLIT_POLICY, ledger=self.ledger, producer=self.producer,
-            topics=TOPICS, clock=self.clock, window_expiry_seconds=600, finished_window_memory_seconds=3600,
+            topics=TOPICS, clock=self.clock, node_memory_seconds=3600,
             metrics=self.metrics,
         )
 
@@ -328,7 +340,7 @@ class GuardHarness(Harness):
         else:
             record = good_cost(self.now_ms, n)
             violations = await self.processor.handle(self.message(kind, encode(record), b"k", 0))
-            assert [(v.rule, v.namespace) for v in violations] == [("budget_exceeded", record.namespace)]
+            assert [(v.rule, v.namespace) for v in violations] == [("budget_exceeded", f"ns-{n}")]
 
 
 HARNESSES: dict[str, Callable[[Path], Harness]] = {
@@ -465,7 +477,8 @@ COST_CASES = [
     ("a window ending a day in the future", lambda h: good_cost(h.now_ms, 500,
                                                                 window_start_unix_ms=h.now_ms + DAY_MS)),
     ("a window at time zero", lambda h: good_cost(h.now_ms, 500, window_start_unix_ms=0)),
-    ("a POD line without a pod", lambda h: good_cost(h.now_ms, 500, pod_uid=None)),
+    ("a POD line without a pod", lambda h: dataclasses.replace(
+        good_cost(h.now_ms, 500), line_pod_index=tuple(-1 for _ in good_cost(h.now_ms, 500).line_pod_index))),
 ]
 
 RANGE_CASES = {SAMPLES: SAMPLE_CASES, PODS: POD_CASES, SHARES: SHARE_CASES, COSTS: COST_CASES}
@@ -494,7 +507,7 @@ NAME_CASES = {
                                                               labels=MappingProxyType({"team": "ml\nx"}))),
     ],
     COSTS: [
-        ("a pod name with CRLF", lambda h: good_cost(h.now_ms, 500, pod_name="p\r\nx")),
+        ("a pod name with CRLF", lambda h: _with_pods(good_cost(h.now_ms, 500), pod_name="p\r\nx")),
     ],
 }
 
@@ -510,7 +523,7 @@ def _late_tick(h: Harness) -> tuple[list, Bad]:
 def _unit_not_adding_up(h: Harness) -> tuple[list, Bad]:
     rows = node_window([Unit("GPU-0", [pod("a", 0.5, "ml"), bucket(ShareSubjectKind.IDLE, 0.2)])], node="node-x",
                        window_start_ms=(h.now_ms - 120_000) // 60_000 * 60_000)
-    return [(SHARES, rows[0])], Bad(record=rows[1])
+    return [], Bad(record=NodeWindowShares.from_rows(rows))
 
 
 SERVICE_CASES = [
@@ -759,8 +772,8 @@ async def test_a_long_running_pods_old_event_and_an_old_window_are_not_bad_input
         await h.send_record(PODS, _pod(h, observed_at_unix_ms=h.now_ms - 90 * DAY_MS,
                                        started_at_unix_ms=h.now_ms - 91 * DAY_MS))
     old_start = (billing.now_ms - 20 * DAY_MS) // 60_000 * 60_000
-    (old_share,) = node_window([Unit("GPU-0", [pod("old", 1.0, "ml")])], node="node-old", window_start_ms=old_start)
-    await billing.send_record(SHARES, old_share)
+    old_rows = node_window([Unit("GPU-0", [pod("old", 1.0, "ml")])], node="node-old", window_start_ms=old_start)
+    await billing.send_record(SHARES, NodeWindowShares.from_rows(old_rows))
     await guard.send_record(COSTS, good_cost(guard.now_ms, 7, window_start_unix_ms=guard.now_ms - 20 * DAY_MS))
     assert [h.dead_letters() for h in (attributor, guard, billing)] == [[], [], []]
     assert billing.processor.stats.windows_billed == 1

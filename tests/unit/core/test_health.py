@@ -13,6 +13,7 @@ from gpumeter.clock import ManualClock
 from gpumeter.errors import ConfigError
 from gpumeter.health import HEALTH_PATH, Heartbeat
 from gpumeter.metrics import ServiceMetrics
+from schemas.records import NodeWindowShares
 
 
 def call(app, path: str) -> tuple[str, dict[str, str], bytes]:
@@ -226,11 +227,11 @@ async def test_billing_retrying_an_outbox_that_is_never_acknowledged_is_a_stall(
         ledger.migrate()
         processor = BillingProcessor(
             catalog=PriceCatalog.load(), policy=DEFAULT_SPLIT_POLICY, ledger=ledger, producer=RefusingProducer(),
-            topics=TopicCatalog(prefix="h."), clock=clock, window_expiry_seconds=600,
-            finished_window_memory_seconds=3600, metrics=metrics, sleep=sleep)
-        (share,) = node_window([Unit("GPU-0", [pod("a", 1.0, "ml")])])
-        await processor.handle(RawMessage("h.gpumeter.gpu-shares.v1", 0, 0, b"node-a",
-                                          codec_for(type(share)).encode(share), None))
+            topics=TopicCatalog(prefix="h."), clock=clock, node_memory_seconds=3600,
+            metrics=metrics, sleep=sleep)
+        window = NodeWindowShares.from_rows(node_window([Unit("GPU-0", [pod("a", 1.0, "ml")])]))
+        await processor.handle(RawMessage("h.gpumeter.node-window-shares.v1", 0, 0, b"node-a",
+                                          codec_for(NodeWindowShares).encode(window), None))
         await _stall_of(processor, clock, metrics, "outbox", processor.flush)
     assert sleep.pauses > 10
 
@@ -255,10 +256,11 @@ async def test_billing_retrying_an_unreachable_ledger_with_input_waiting_is_a_st
     metrics = ServiceMetrics("billing", BILLING_METRICS, clock=clock)
     processor = BillingProcessor(
         catalog=PriceCatalog.load(), policy=DEFAULT_SPLIT_POLICY, ledger=Unreachable(), producer=RefusingProducer(),
-        topics=TopicCatalog(prefix="h."), clock=clock, window_expiry_seconds=600,
-        finished_window_memory_seconds=3600, metrics=metrics, sleep=AdvancingSleep(clock))
-    (share,) = node_window([Unit("GPU-0", [pod("a", 1.0, "ml")])])
-    message = RawMessage("h.gpumeter.gpu-shares.v1", 0, 0, b"node-a", codec_for(type(share)).encode(share), None)
+        topics=TopicCatalog(prefix="h."), clock=clock, node_memory_seconds=3600,
+        metrics=metrics, sleep=AdvancingSleep(clock))
+    window = NodeWindowShares.from_rows(node_window([Unit("GPU-0", [pod("a", 1.0, "ml")])]))
+    message = RawMessage("h.gpumeter.node-window-shares.v1", 0, 0, b"node-a",
+                         codec_for(NodeWindowShares).encode(window), None)
     processor.note_input(processor.offsets.taken(), True)  # what the consumer loop says after its fetch
     await _stall_of(processor, clock, metrics, "input", lambda: processor.handle(message))
 

@@ -10,7 +10,7 @@ from services.attributor.attribution import AttributionPolicy, attribute_node_wi
 from services.attributor.pod_index import PodIndex
 from services.attributor.windows import NodeWindow
 from services.billing.catalog import PriceCatalog, parse_override_csv
-from services.billing.costing import bill_node_window
+from services.billing.costing import bill_node_window, window_cost_record
 from services.billing.sharing import SharingPolicy
 from services.collector.sim.scenario import load_scenario
 from services.collector.simulation import node_streams
@@ -68,11 +68,4 @@ SHARED_EXAMPLE_POLICY = "all=weighted"
 
 def window_cost(shares: NodeWindowShares, sharing: str = "keep") -> NodeWindowCost:
     """Billing's one record of that node-window's bill and lines, under the sharing policy ``sharing``."""
-    priced = bill_node_window(shares.rows(), catalog(), sharing=SharingPolicy.parse(sharing))
-    bill = priced.bill
-    pods = {p.pod_uid: p for p in shares.pods}
-    return NodeWindowCost.from_cost_records(
-        priced.costs, billed_milliseconds=bill.billed_milliseconds, cloud_provider=bill.provider,
-        region=bill.region, zone=bill.zone, provider_id=bill.provider_id, price_per_hour_usd=bill.price_per_hour_usd,
-        split_rule=bill.price.split_rule.value, gpu_count=bill.gpu_count, gpu_cost_micro_usd=bill.gpu_cost_micro_usd,
-        sharing=bill.sharing, pods=pods)
+    return window_cost_record(bill_node_window(shares.rows(), catalog(), sharing=SharingPolicy.parse(sharing)), shares)
