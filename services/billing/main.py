@@ -139,9 +139,9 @@ async def serve(settings: BillingSettings, *, stop: asyncio.Event | None = None,
         log.info("billing %s as group %s", topics.node_window_shares, settings.consumer_group)
         await service.run(stop)
         stats = processor.stats
-        log.info("stopped: %d node-windows billed, %d already in the ledger, %d dead-lettered, %d duplicate rows, "
+        log.info("stopped: %d node-windows billed, %d already in the ledger, %d republished, %d dead-lettered, "
                  "%d cost records, %d ledger retries, %d commits", stats.windows_billed,
-                 stats.windows_already_billed, stats.windows_dead_lettered, stats.rows_duplicate,
+                 stats.windows_already_billed, stats.windows_republished, stats.windows_dead_lettered,
                  stats.cost_records_sent, stats.ledger_retries, service.commits)
         return 0
     except GpumeterError as exc:
