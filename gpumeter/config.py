@@ -311,6 +311,8 @@ def _help(f: dataclasses.Field, meta: Setting) -> str:
     shown = default_text(f, meta)
     if shown is not None:
         notes.append(f"default {shown}")
+    elif _required(f):
+        notes.append("required")
     return f"{meta.help} ({', '.join(notes)})" if notes else meta.help
 
 
@@ -370,25 +372,30 @@ def settings_repr(settings: Any) -> str:
     return f"{type(settings).__name__}({', '.join(f'{k}={v!r}' for k, v in describe(settings).items())})"
 
 
-def markdown_rows(cls: type, service: str) -> list[str]:
-    """One Markdown table row per setting of ``cls`` (nested ones included): variable(s), flag, service, default,
-    help -- what docs/configuration.md lists, so the page is checked against the code."""
-    rows = []
+def markdown_table(cls: type) -> list[str]:
+    """The settings of ``cls`` as a Markdown table -- variable(s), flag(s), default, meaning -- one row per setting,
+    nested settings left to their own table. docs/configuration.md is made of these (``gpumeter.devtools.config_doc``)
+    and checked against them, so the page cannot drift from the code."""
+    rows = ["| Variable | Flag | Default | Meaning |", "|---|---|---|---|"]
     for f, meta in settings_fields(cls):
         if meta.nested is not None:
-            rows.extend(markdown_rows(meta.nested, service))
+            rows.append(f"| (`{meta.nested.__name__}`) | | | `{f.name}`: see its own table |")
             continue
         variables = " or ".join(f"`{v}`" for v in meta.env) or "–"
-        flag_names = " ".join(f"`{n}`" for n in meta.flags) or "–"
+        flag_names = ", ".join(f"`{n}`" for n in meta.flags) or "–"
         shown = default_text(f, meta)
-        rows.append(f"| {variables} | {flag_names} | {service} | {'`' + shown + '`' if shown else '–'} | "
-                    f"{meta.help}{' (secret)' if meta.secret else ''} |")
+        shown_as = "shown as ***" if meta.mask is None else "shown with its password masked"
+        meaning = meta.help + (f" (secret: {shown_as})" if meta.secret else
+                               f" ({shown_as})" if meta.mask is not None else "")
+        shown = f"`{shown}`" if shown else ("required" if _required(f) else "–")
+        rows.append(f"| {variables} | {flag_names} | {shown} | "
+                    f"{meaning.replace('|', chr(92) + '|')} |")
     return rows
 
 
 __all__ = [
     "METADATA_KEY", "Setting", "SettingError", "ConfigError", "add_arguments", "at_least", "between",
-    "check_client_id", "describe", "env_variables", "flags", "greater_than", "integer", "load", "markdown_rows",
+    "check_client_id", "describe", "env_variables", "flags", "greater_than", "integer", "load", "markdown_table",
     "nested", "non_empty", "number", "one_of", "path", "setting", "settings_fields", "settings_repr", "text",
     "validate",
 ]
