@@ -231,8 +231,10 @@ def validate(settings: Any) -> None:
             object.__setattr__(settings, f.name, converted)
 
 
-def _flag_value(args: Any, f: dataclasses.Field) -> Any:
-    return None if args is None else getattr(args, f.name, None)
+def _flag_value(args: Any, f: dataclasses.Field, meta: Setting) -> Any:
+    """The flag's value in ``args``; None when not given, or when the setting has no flag (an attribute of the same
+    name that another command's parser made is not this setting)."""
+    return None if args is None or not meta.flags else getattr(args, f.name, None)
 
 
 def _env_value(env: Mapping[str, str], meta: Setting) -> tuple[str | None, str | None]:
@@ -260,7 +262,7 @@ def load(cls: type, args: Any = None, env: Mapping[str, str] | None = None, *,
         if meta.nested is not None:
             later.append((f, meta))
             continue
-        flagged = _flag_value(args, f)
+        flagged = _flag_value(args, f, meta)
         if flagged is not None:
             values[f.name] = _convert(f, meta, flagged, meta.flags[0] if meta.flags else f.name)
             continue
