@@ -376,7 +376,7 @@ def settings_repr(settings: Any) -> str:
 
 def markdown_table(cls: type) -> list[str]:
     """The settings of ``cls`` as a Markdown table -- variable(s), flag(s), default, meaning -- one row per setting,
-    nested settings left to their own table. docs/configuration.md is made of these (``gpumeter.devtools.config_doc``)
+    nested settings left to their own table. docs/configuration.md is made of these (``gpumeter.commands.config_doc``)
     and checked against them, so the page cannot drift from the code."""
     rows = ["| Variable | Flag | Default | Meaning |", "|---|---|---|---|"]
     for f, meta in settings_fields(cls):

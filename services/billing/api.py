@@ -74,8 +74,8 @@ class ApiSettings:
                                 parse=integer, check=between(1, 65535),
                                 help="HTTP port of /allocation, /healthz and /metrics (the API cannot be disabled)")
     address: str = metrics_address_setting("address /allocation, /healthz and /metrics listen on")
-    max_window_days: int = setting(DEFAULT_MAX_WINDOW_DAYS, env="GPUMETER_API_MAX_WINDOW_DAYS", flag="--max-window-days",
-                                   parse=integer, check=between(1, 3660), help="the longest query window")
+    max_window_days: int = setting(DEFAULT_MAX_WINDOW_DAYS, env="GPUMETER_API_MAX_WINDOW_DAYS",
+                                   flag="--max-window-days", parse=integer, check=between(1, 3660), help="the longest query window")
     max_steps: int = setting(DEFAULT_MAX_STEPS, env="GPUMETER_API_MAX_STEPS", flag="--max-steps", parse=integer,
                              check=between(1, 100_000), help="the most allocation sets per query")
     ledger_retry_max_seconds: float = 30.0

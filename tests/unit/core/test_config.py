@@ -223,13 +223,13 @@ def test_every_service_keeps_the_sasl_password_out_of_its_start_up_line(role):
 
 
 def test_the_configuration_page_is_the_declared_settings():
-    """docs/configuration.md's tables are generated from the declarations (python -m gpumeter.devtools.config_doc)
+    """docs/configuration.md's tables are generated from the declarations (python -m gpumeter.commands.config_doc)
     and list every variable every role's settings read."""
-    from gpumeter.devtools import config_doc
+    from gpumeter.commands import config_doc
     from tests.unit.deploy import SERVICE_ROLES, variables_read_by
 
     page = config_doc.PAGE.read_text(encoding="utf-8")
-    assert config_doc.render(page) == page, "docs/configuration.md is stale: run python -m gpumeter.devtools.config_doc"
+    assert config_doc.render(page) == page, "docs/configuration.md is stale: run python -m gpumeter.commands.config_doc"
     guard_config = {name for name in variables_read_by("guard") if name.startswith("GPUMETER_GUARD_")} - \
         env_variables(__import__("services.guard.settings", fromlist=["GuardSettings"]).GuardSettings)
     for role in SERVICE_ROLES:
