@@ -34,8 +34,9 @@ class SettingError(ConfigError):
         self.value = value
         self.reason = reason
         self.source = source
-        names = " / ".join([*([flag] if flag else []), *env]) or setting
-        where = f" (from {source})" if source else ""
+        named = [*([flag] if flag else []), *env]
+        names = " / ".join(named) or setting
+        where = f" (from {source})" if source and len(named) > 1 else ""
         shown = "" if value is None else f" = {value!r}"
         super().__init__(f"{names}{shown}{where}: {reason}")
 
