@@ -22,6 +22,25 @@ class ConfigError(GpumeterError):
     """Settings that cannot be used: a bad flag, env value or file."""
 
 
+class SettingError(ConfigError):
+    """One setting's value cannot be used (or a required one is missing). Names the setting's flag and environment
+    variable(s), the value (already redacted when the setting is secret) and, when known, where it came from."""
+
+    def __init__(self, *, setting: str, flag: str | None, env: tuple[str, ...], value: object, reason: str,
+                 source: str | None = None) -> None:
+        self.setting = setting
+        self.flag = flag
+        self.env = env
+        self.value = value
+        self.reason = reason
+        self.source = source
+        named = [*([flag] if flag else []), *env]
+        names = " / ".join(named) or setting
+        where = f" (from {source})" if source and len(named) > 1 else ""
+        shown = "" if value is None else f" = {value!r}"
+        super().__init__(f"{names}{shown}{where}: {reason}")
+
+
 class OutOfRange(InvalidMessage):
     """A decodable record whose values cannot be true (negative memory, used > total, ...)."""
 

@@ -1,8 +1,8 @@
 """Settings shared by every service, read once at an entrypoint into frozen objects and passed down.
 
-Sources, later wins: defaults, ``GPUMETER_*`` environment variables, command-line flags. Secrets are kept out of
-``repr`` and ``describe()`` (what services print at start); URLs are shown through ``gpumeter.redact.mask_url``, the
-one masker.
+``KafkaSettings`` (nested in every service's settings), the metrics address every service has, and the process
+environment snapshot. They are declared and loaded like every other settings class, by ``gpumeter.config`` (flags
+over ``GPUMETER_*`` environment variables over defaults; secrets kept out of ``repr``, ``describe()`` and errors).
 """
 
 from __future__ import annotations
@@ -10,82 +10,72 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass
 from typing import Any, Mapping
 
+from gpumeter.config import (
+    at_least,
+    check_client_id,
+    describe,
+    integer,
+    load,
+    non_empty,
+    one_of,
+    setting,
+    validate,
+)
 from gpumeter.errors import ConfigError
-from gpumeter.redact import SECRET_MARK
+from gpumeter.redact import SECRET_MARK  # noqa: F401 - re-exported: tests import the mark from here
 from schemas.catalog import TopicCatalog
 
 DEFAULT_MAX_REQUEST_SIZE_BYTES = 1_048_576
 """aiokafka's default ``max_request_size``, and the broker's default ``message.max.bytes`` less its 12-byte slack."""
+_KAFKA = "GPUMETER_KAFKA_"
+
+
+_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 
 
 @dataclass(frozen=True)
 class KafkaSettings:
-    """How every client reaches Kafka. ``sasl_password`` never appears in repr or logs."""
+    """How every client reaches Kafka, from ``GPUMETER_KAFKA_<FIELD>`` variables (``KAFKA_BOOTSTRAP_SERVERS`` wins
+    over ``GPUMETER_KAFKA_BOOTSTRAP_SERVERS``) and the ``--bootstrap-servers`` and ``--topic-prefix`` flags.
+    ``sasl_password`` never appears in repr, logs or errors. ``client_id``: ``GPUMETER_KAFKA_CLIENT_ID`` when set,
+    else the default of the service that nests these settings (``gpumeter-<service>``), else ``gpumeter``."""
 
-    bootstrap_servers: str = "127.0.0.1:9092"
-    topic_prefix: str = ""
-    client_id: str = "gpumeter"
-    security_protocol: str = "PLAINTEXT"
-    sasl_mechanism: str | None = None
-    sasl_username: str | None = None
-    sasl_password: str | None = field(default=None, repr=False)
-    ssl_cafile: str | None = None
-    ssl_certfile: str | None = None
-    ssl_keyfile: str | None = None
-    compression_type: str = "lz4"
-    replication_factor: int = 1  # for topics gpumeter creates; 3 on a production cluster
+    bootstrap_servers: str = setting("127.0.0.1:9092", env=("KAFKA_BOOTSTRAP_SERVERS", _KAFKA + "BOOTSTRAP_SERVERS"),
+                                     flag="--bootstrap-servers", check=non_empty, help="Kafka bootstrap servers")
+    topic_prefix: str = setting("", env=_KAFKA + "TOPIC_PREFIX", flag="--topic-prefix",
+                                help="prefix of every topic name", default_text="none")
+    client_id: str = setting("gpumeter", env=_KAFKA + "CLIENT_ID", check=check_client_id,
+                             help="Kafka client id (default gpumeter-<service>)")
+    security_protocol: str = setting("PLAINTEXT", env=_KAFKA + "SECURITY_PROTOCOL", check=one_of(*_PROTOCOLS),
+                                     help=" | ".join(_PROTOCOLS))
+    sasl_mechanism: str | None = setting(None, env=_KAFKA + "SASL_MECHANISM", help="SASL mechanism (SCRAM-SHA-512, "
+                                                                                   "PLAIN, ...)")
+    sasl_username: str | None = setting(None, env=_KAFKA + "SASL_USERNAME", help="SASL user name")
+    sasl_password: str | None = setting(None, env=_KAFKA + "SASL_PASSWORD", secret=True, help="SASL password")
+    ssl_cafile: str | None = setting(None, env=_KAFKA + "SSL_CAFILE", help="CA bundle for SSL")
+    ssl_certfile: str | None = setting(None, env=_KAFKA + "SSL_CERTFILE", help="client certificate for SSL")
+    ssl_keyfile: str | None = setting(None, env=_KAFKA + "SSL_KEYFILE", help="client key for SSL")
+    compression_type: str = setting("lz4", env=_KAFKA + "COMPRESSION_TYPE", help="producer compression")
+    # For topics gpumeter creates; 3 on a production cluster.
+    replication_factor: int = setting(1, env=_KAFKA + "REPLICATION_FACTOR", parse=integer, check=at_least(1),
+                                      help="replication factor of the topics gpumeter creates")
     # The largest record (batch) every producer sends; dead letters are sized from it (gpumeter.kafka.deadletter).
-    max_request_size_bytes: int = DEFAULT_MAX_REQUEST_SIZE_BYTES
-
-    _PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+    max_request_size_bytes: int = setting(DEFAULT_MAX_REQUEST_SIZE_BYTES, env=_KAFKA + "MAX_REQUEST_SIZE_BYTES",
+                                          parse=integer, check=at_least(64 * 1024),
+                                          help="the producers' max_request_size in bytes")
 
     def __post_init__(self) -> None:
-        if isinstance(self.replication_factor, str):
-            try:
-                object.__setattr__(self, "replication_factor", int(self.replication_factor))
-            except ValueError as exc:
-                raise ConfigError(f"replication factor {self.replication_factor!r} is not a number") from exc
-        if self.replication_factor < 1:
-            raise ConfigError("replication factor must be at least 1")
-        if isinstance(self.max_request_size_bytes, str):
-            try:
-                object.__setattr__(self, "max_request_size_bytes", int(self.max_request_size_bytes))
-            except ValueError as exc:
-                raise ConfigError(f"max request size {self.max_request_size_bytes!r} is not a number") from exc
-        if self.max_request_size_bytes < 64 * 1024:
-            raise ConfigError("the max request size must be at least 65536 bytes")
-        if self.security_protocol not in self._PROTOCOLS:
-            raise ConfigError(f"security protocol {self.security_protocol!r} is not one of {self._PROTOCOLS}")
+        validate(self)
         if self.security_protocol.startswith("SASL") and not (self.sasl_mechanism and self.sasl_username):
             raise ConfigError("SASL needs GPUMETER_KAFKA_SASL_MECHANISM and GPUMETER_KAFKA_SASL_USERNAME")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "KafkaSettings":
-        prefix = "GPUMETER_KAFKA_"
-        values: dict[str, Any] = {}
-        bootstrap = env.get("KAFKA_BOOTSTRAP_SERVERS") or env.get(prefix + "BOOTSTRAP_SERVERS")
-        if bootstrap:
-            values["bootstrap_servers"] = bootstrap
-        for f in fields(cls):
-            if f.name.startswith("_") or f.name == "bootstrap_servers":
-                continue
-            raw = env.get(prefix + f.name.upper())
-            if raw is not None:
-                values[f.name] = raw
-        return cls(**values)
-
-    def with_flags(self, args: Any) -> "KafkaSettings":
-        """These settings with a service's ``--bootstrap-servers`` and ``--topic-prefix`` flags on top (flags win
-        over the environment; an empty prefix flag is a prefix)."""
-        overrides: dict[str, Any] = {}
-        if getattr(args, "bootstrap_servers", None):
-            overrides["bootstrap_servers"] = args.bootstrap_servers
-        if getattr(args, "topic_prefix", None) is not None:
-            overrides["topic_prefix"] = args.topic_prefix
-        return replace(self, **overrides) if overrides else self
+        """``load(KafkaSettings, None, env)``: these settings for a command without Kafka flags of its own."""
+        return load(cls, None, env)
 
     @property
     def catalog(self) -> TopicCatalog:
@@ -113,11 +103,8 @@ class KafkaSettings:
         return kwargs
 
     def describe(self) -> dict[str, Any]:
-        """Printable view with secrets masked."""
-        view = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
-        if view.get("sasl_password"):
-            view["sasl_password"] = SECRET_MARK
-        return view
+        """Printable view with secrets masked (``gpumeter.config.describe``)."""
+        return describe(self)
 
 
 # Where every service's /metrics and /healthz server listens: all interfaces by default (a pod's IP is where
@@ -143,13 +130,14 @@ def check_metrics_address(address: str) -> str:
     raise ConfigError(f"metrics address {address!r} is not an IP address or host name")
 
 
-def add_metrics_address_argument(parser: Any) -> None:
-    """The ``--metrics-address`` flag every service has (env ``GPUMETER_METRICS_ADDRESS``)."""
-    parser.add_argument("--metrics-address", dest="metrics_address",
-                        help=f"address the /metrics and /healthz server listens on (env {METRICS_ADDRESS_ENV}, "
-                             f"default {DEFAULT_METRICS_ADDRESS}: every interface)")
+def metrics_address_setting(help: str = "address the /metrics and /healthz server listens on") -> Any:
+    """The ``metrics_address`` field every service has: ``--metrics-address`` / ``GPUMETER_METRICS_ADDRESS``,
+    default every interface."""
+    return setting(DEFAULT_METRICS_ADDRESS, env=METRICS_ADDRESS_ENV, flag="--metrics-address",
+                   check=check_metrics_address, help=help, default_text=f"{DEFAULT_METRICS_ADDRESS}: every interface")
 
 
 def env_snapshot() -> dict[str, str]:
     """The process environment, read once by an entrypoint."""
     return dict(os.environ)
+

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 from typing import Mapping
 
+from gpumeter.config import load
 from gpumeter.errors import GpumeterError
 from gpumeter.settings import KafkaSettings
 from schemas.catalog import TopicCatalog
@@ -19,14 +21,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace, env: Mapping[str, str]) -> int:
-    settings = KafkaSettings.from_env(env)
-    overrides = {}
-    if args.bootstrap_servers:
-        overrides["bootstrap_servers"] = args.bootstrap_servers
-    if args.topic_prefix is not None:
-        overrides["topic_prefix"] = args.topic_prefix
-    if overrides:
-        settings = KafkaSettings(**{**settings.__dict__, **overrides})
+    try:
+        settings = load(KafkaSettings, args, env, defaults={"client_id": "gpumeter-topics"})
+    except GpumeterError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     catalog = TopicCatalog(prefix=settings.topic_prefix, partitions_override=args.partitions)
     if args.action == "list":
         for spec in catalog:

@@ -4,12 +4,27 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from gpumeter import config
+from gpumeter.config import (
+    at_least,
+    between,
+    describe,
+    greater_than,
+    integer,
+    load,
+    nested,
+    number,
+    one_of,
+    path,
+    setting,
+    validate,
+)
 from gpumeter.errors import ConfigError
-from gpumeter.settings import DEFAULT_METRICS_ADDRESS, METRICS_ADDRESS_ENV, KafkaSettings, check_metrics_address
+from gpumeter.settings import KafkaSettings, metrics_address_setting
 from gpumeter.validation import DEFAULT_MAX_SAMPLE_AGE_SECONDS
 from services.attributor.attribution import AttributionPolicy
 from services.attributor.engine import EngineConfig
@@ -23,6 +38,32 @@ IDLE_SPREAD_MOVED = (
     "GPUMETER_IDLE_HANDLING=spread (--idle-handling spread) is no longer the attributor's: sharing idle cost to pods "
     "is billing's sharing policy now. Set GPUMETER_BILLING_SHARING=idle=weighted (--sharing idle=weighted) on the "
     "billing service, and remove GPUMETER_IDLE_HANDLING here (the attributor always keeps IDLE as its own row)")
+
+
+def parse_label_keys(text: str) -> tuple[str, ...]:
+    """``team, model`` → ``("model", "team")`` (sorted, without repeats); an empty text carries no label."""
+    return tuple(sorted({key.strip() for key in text.split(",") if key.strip()}))
+
+
+def _cost_basis(value: str) -> str:
+    AttributionPolicy.parse(value, "memory")
+    return value
+
+
+def _mps_compute(value: str) -> str:
+    AttributionPolicy.parse("memory", value)
+    return value
+
+
+def _idle_handling(value: str) -> str:
+    """``keep`` (the only behaviour); ``spread`` is refused with ``IDLE_SPREAD_MOVED``, since ignoring it would
+    change what pods pay."""
+    idle = value.strip().lower()
+    if idle == "spread":
+        raise ConfigError(IDLE_SPREAD_MOVED)
+    if idle != "keep":
+        raise ConfigError(f"idle handling {value!r} is not keep (deprecated: see GPUMETER_BILLING_SHARING on billing)")
+    return value
 
 
 @dataclass(frozen=True)
@@ -58,58 +99,70 @@ class AttributorSettings:
       ``gpumeter report --by label:<key>`` key must be among them.
     """
 
-    kafka: KafkaSettings = field(default_factory=KafkaSettings)
-    window_seconds: int = 60
-    grace_seconds: int = 10
-    idle_close_seconds: int = 30
-    cost_basis: str = "memory"
-    idle_handling: str = "keep"
-    mps_compute: str = "memory"
-    pod_linger_seconds: int = 900
-    max_clock_skew_seconds: int = 120
-    max_sample_age_seconds: int = DEFAULT_MAX_SAMPLE_AGE_SECONDS
-    app_id: str = ""
-    store: str = "memory://"
-    data_dir: Path | None = None
-    partitions: int | None = None
-    topic_replication_factor: int = 1
-    session_timeout_seconds: float = 30.0
-    metrics_port: int = 9403
-    metrics_address: str = DEFAULT_METRICS_ADDRESS
-    log_level: str = "INFO"
-    duration_seconds: float | None = None
-    grouping_labels: tuple[str, ...] = DEFAULT_GROUPING_LABELS
+    kafka: KafkaSettings = nested(KafkaSettings, client_id="gpumeter-attributor")
+    window_seconds: int = setting(60, env="GPUMETER_WINDOW_SECONDS", flag="--window-seconds", parse=integer,
+                                  help="tumbling window length in seconds")
+    grace_seconds: int = setting(10, env="GPUMETER_GRACE_SECONDS", flag="--grace-seconds", parse=integer,
+                                 help="seconds after a window's end during which ticks still amend it")
+    idle_close_seconds: int = setting(30, env="GPUMETER_IDLE_CLOSE_SECONDS", flag="--idle-close-seconds",
+                                      parse=integer,
+                                      help="wall-clock seconds after end + grace before a silent node's window is "
+                                           "closed")
+    cost_basis: str = setting("memory", env="GPUMETER_COST_BASIS", flag="--cost-basis", check=_cost_basis,
+                              help="memory | compute | blend:<alpha> | request")
+    idle_handling: str = setting("keep", env="GPUMETER_IDLE_HANDLING", flag="--idle-handling", check=_idle_handling,
+                                 help="deprecated: keep only; idle sharing is billing's --sharing idle=weighted")
+    mps_compute: str = setting("memory", env="GPUMETER_MPS_COMPUTE", flag="--mps-compute", check=_mps_compute,
+                               help="memory | threads")
+    pod_linger_seconds: int = setting(900, env="GPUMETER_POD_LINGER_SECONDS", flag="--pod-linger-seconds",
+                                      parse=integer, help="seconds a deleted pod stays known")
+    max_clock_skew_seconds: int = setting(120, env="GPUMETER_MAX_CLOCK_SKEW_SECONDS", flag="--max-clock-skew-seconds",
+                                          parse=integer,
+                                          help="ticks and pod events stamped further ahead of this clock are "
+                                               "dead-lettered")
+    max_sample_age_seconds: int = setting(DEFAULT_MAX_SAMPLE_AGE_SECONDS, env="GPUMETER_MAX_SAMPLE_AGE_SECONDS",
+                                          flag="--max-sample-age-seconds", parse=integer,
+                                          help="ticks older than this are dead-lettered")
+    app_id: str = setting("", env="GPUMETER_ATTRIBUTOR_APP_ID", flag="--app-id",
+                          default_text=f"<topic prefix>{APP_ID_SUFFIX}",
+                          help="Faust app id: consumer group and changelog prefix")
+    store: str = setting("memory://", env="GPUMETER_ATTRIBUTOR_STORE", flag="--store", check=one_of(*STORES),
+                         help="table store: memory:// or rocksdb://")
+    data_dir: Path | None = setting(None, env="GPUMETER_ATTRIBUTOR_DATA_DIR", flag="--data-dir", parse=path,
+                                    default_text="a fresh temporary folder; required for rocksdb://",
+                                    help="Faust data folder")
+    partitions: int | None = setting(None, env="GPUMETER_ATTRIBUTOR_PARTITIONS", flag="--partitions", parse=integer,
+                                     check=at_least(1), default_text="read from the broker",
+                                     help="input topics' partition count")
+    topic_replication_factor: int = setting(1, env="GPUMETER_TOPIC_REPLICATION_FACTOR",
+                                            flag="--topic-replication-factor", parse=integer, check=at_least(1),
+                                            help="replication factor of the changelog topics")
+    session_timeout_seconds: float = setting(30.0, env="GPUMETER_SESSION_TIMEOUT_SECONDS",
+                                             flag="--session-timeout-seconds", parse=number, check=greater_than(0),
+                                             help="consumer-group session timeout in seconds")
+    metrics_port: int = setting(9403, env="GPUMETER_METRICS_PORT", flag="--metrics-port", parse=integer,
+                                check=between(0, 65535), help="Prometheus /metrics port, 0 for none")
+    metrics_address: str = metrics_address_setting()
+    log_level: str = setting("INFO", env="GPUMETER_LOG_LEVEL", flag="--log-level",
+                             help="DEBUG | INFO | WARNING | ERROR")
+    duration_seconds: float | None = setting(None, env="GPUMETER_DURATION_SECONDS", flag="--duration", parse=number,
+                                             check=greater_than(0), help="stop after this many seconds",
+                                             default_text="run until SIGTERM/SIGINT")
+    grouping_labels: tuple[str, ...] = setting(DEFAULT_GROUPING_LABELS, env="GPUMETER_GROUPING_LABELS",
+                                               flag="--grouping-labels", parse=parse_label_keys,
+                                               check=lambda keys: parse_label_keys(",".join(keys)),
+                                               default_text="team,model",
+                                               help="pod labels the share rows carry, comma-separated")
 
     def __post_init__(self) -> None:
-        keys = self.grouping_labels
-        object.__setattr__(self, "grouping_labels",
-                           parse_label_keys(keys if isinstance(keys, str) else ",".join(keys)))
+        validate(self)
         if not self.app_id:
             object.__setattr__(self, "app_id", f"{self.kafka.topic_prefix}{APP_ID_SUFFIX}")
-        if self.store not in STORES:
-            raise ConfigError(f"store {self.store!r} is not one of {', '.join(STORES)}")
-        if self.partitions is not None and self.partitions < 1:
-            raise ConfigError(f"partitions must be >= 1, got {self.partitions}")
-        if self.topic_replication_factor < 1:
-            raise ConfigError(f"topic replication factor must be >= 1, got {self.topic_replication_factor}")
         if self.pod_linger_seconds < self.window_seconds + self.grace_seconds:
             raise ConfigError(
                 f"pod linger ({self.pod_linger_seconds} s) must be at least window + grace "
                 f"({self.window_seconds + self.grace_seconds} s), or windows closing after a pod ended lose its name"
             )
-        if self.session_timeout_seconds <= 0:
-            raise ConfigError(f"session timeout must be positive, got {self.session_timeout_seconds}")
-        if not 0 <= self.metrics_port <= 65535:
-            raise ConfigError(f"metrics port {self.metrics_port} is not a port")
-        object.__setattr__(self, "metrics_address", check_metrics_address(self.metrics_address))
-        if self.duration_seconds is not None and self.duration_seconds <= 0:
-            raise ConfigError("duration must be positive")
-        idle = self.idle_handling.strip().lower()
-        if idle == "spread":
-            raise ConfigError(IDLE_SPREAD_MOVED)
-        if idle != "keep":
-            raise ConfigError(f"idle handling {self.idle_handling!r} is not keep (deprecated: see "
-                              "GPUMETER_BILLING_SHARING on billing)")
         # Fail at start, not at the first window: the engine config and the policy validate themselves.
         self.engine_config()
 
@@ -133,95 +186,16 @@ class AttributorSettings:
         return dataclasses.replace(self, **changes)
 
     def describe(self) -> dict[str, Any]:
-        """Printable view, secrets masked."""
-        view = {k: (str(v) if isinstance(v, Path) else v) for k, v in self.__dict__.items() if k != "kafka"}
-        view["policy"] = self.policy.describe()
-        view["kafka"] = self.kafka.describe()
-        return view
-
-
-def _int(text: str) -> int:
-    return int(text)
-
-
-def parse_label_keys(text: str) -> tuple[str, ...]:
-    """``team, model`` → ``("model", "team")`` (sorted, without repeats); an empty text carries no label."""
-    return tuple(sorted({key.strip() for key in text.split(",") if key.strip()}))
-
-
-# setting -> (environment variable, converter, flag)
-_OPTIONS: dict[str, tuple[str, Any, str]] = {
-    "window_seconds": ("GPUMETER_WINDOW_SECONDS", _int, "--window-seconds"),
-    "grace_seconds": ("GPUMETER_GRACE_SECONDS", _int, "--grace-seconds"),
-    "idle_close_seconds": ("GPUMETER_IDLE_CLOSE_SECONDS", _int, "--idle-close-seconds"),
-    "cost_basis": ("GPUMETER_COST_BASIS", str, "--cost-basis"),
-    "idle_handling": ("GPUMETER_IDLE_HANDLING", str, "--idle-handling"),
-    "mps_compute": ("GPUMETER_MPS_COMPUTE", str, "--mps-compute"),
-    "pod_linger_seconds": ("GPUMETER_POD_LINGER_SECONDS", _int, "--pod-linger-seconds"),
-    "max_clock_skew_seconds": ("GPUMETER_MAX_CLOCK_SKEW_SECONDS", _int, "--max-clock-skew-seconds"),
-    "max_sample_age_seconds": ("GPUMETER_MAX_SAMPLE_AGE_SECONDS", _int, "--max-sample-age-seconds"),
-    "app_id": ("GPUMETER_ATTRIBUTOR_APP_ID", str, "--app-id"),
-    "store": ("GPUMETER_ATTRIBUTOR_STORE", str, "--store"),
-    "data_dir": ("GPUMETER_ATTRIBUTOR_DATA_DIR", Path, "--data-dir"),
-    "partitions": ("GPUMETER_ATTRIBUTOR_PARTITIONS", _int, "--partitions"),
-    "topic_replication_factor": ("GPUMETER_TOPIC_REPLICATION_FACTOR", _int, "--topic-replication-factor"),
-    "session_timeout_seconds": ("GPUMETER_SESSION_TIMEOUT_SECONDS", float, "--session-timeout-seconds"),
-    "metrics_port": ("GPUMETER_METRICS_PORT", _int, "--metrics-port"),
-    "metrics_address": (METRICS_ADDRESS_ENV, str, "--metrics-address"),
-    "log_level": ("GPUMETER_LOG_LEVEL", str, "--log-level"),
-    "duration_seconds": ("GPUMETER_DURATION_SECONDS", float, "--duration"),
-    "grouping_labels": ("GPUMETER_GROUPING_LABELS", parse_label_keys, "--grouping-labels"),
-}
-
-_HELP = {
-    "window_seconds": "tumbling window length in seconds (default 60)",
-    "grace_seconds": "seconds after a window's end during which ticks still amend it (default 10)",
-    "idle_close_seconds": "wall-clock seconds after end + grace before a silent node's window is closed (default 30)",
-    "cost_basis": "memory | compute | blend:<alpha> | request (default memory)",
-    "idle_handling": "deprecated: keep only; idle sharing is billing's --sharing idle=weighted",
-    "mps_compute": "memory | threads (default memory)",
-    "pod_linger_seconds": "seconds a deleted pod stays known (default 900)",
-    "max_clock_skew_seconds": "ticks and pod events stamped further ahead of this clock are dead-lettered "
-                              "(default 120)",
-    "max_sample_age_seconds": f"ticks older than this are dead-lettered (default {DEFAULT_MAX_SAMPLE_AGE_SECONDS})",
-    "app_id": "Faust app id: consumer group and changelog prefix (default <topic prefix>gpumeter-attributor)",
-    "store": "table store: memory:// (default) or rocksdb://",
-    "data_dir": "Faust data folder (default: a fresh temporary folder; required for rocksdb://)",
-    "partitions": "input topics' partition count (default: read from the broker)",
-    "topic_replication_factor": "replication factor of the changelog topics (default 1)",
-    "session_timeout_seconds": "consumer-group session timeout in seconds (default 30)",
-    "metrics_port": "Prometheus /metrics port, 0 for none (default 9403)",
-    "metrics_address": f"address the /metrics server listens on (default {DEFAULT_METRICS_ADDRESS}: every interface)",
-    "log_level": "DEBUG | INFO | WARNING | ERROR (default INFO)",
-    "duration_seconds": "stop after this many seconds (default: run until SIGTERM/SIGINT)",
-    "grouping_labels": "pod labels the share rows carry, comma-separated (default team,model)",
-}
+        """Printable view, secrets masked, with the policy as text."""
+        return {**describe(self), "policy": self.policy.describe()}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    for name, (variable, convert, flag) in _OPTIONS.items():
-        kind = convert if convert in (float, Path) else (int if convert is _int else str)
-        parser.add_argument(flag, dest=name, type=kind, help=f"{_HELP[name]}; env {variable}")
-    parser.add_argument("--bootstrap-servers", help="Kafka bootstrap servers (env GPUMETER_KAFKA_BOOTSTRAP_SERVERS)")
-    parser.add_argument("--topic-prefix", help="prefix of every topic name (env GPUMETER_KAFKA_TOPIC_PREFIX)")
+    """The attributor's flags (each overrides its ``GPUMETER_*`` variable), from ``AttributorSettings``' fields."""
+    config.add_arguments(parser, AttributorSettings)
 
 
 def attributor_settings(args: argparse.Namespace, env: Mapping[str, str]) -> AttributorSettings:
-    """Settings from defaults, then ``GPUMETER_*`` env, then flags. Raises ConfigError on unusable values."""
-    values: dict[str, Any] = {}
-    for name, (variable, convert, _flag) in _OPTIONS.items():
-        raw = env.get(variable)
-        if raw:
-            try:
-                values[name] = convert(raw)
-            except ValueError as exc:
-                raise ConfigError(f"{variable}={raw!r}: {exc}") from None
-    for name in _OPTIONS:
-        value = getattr(args, name, None)
-        if value is not None:
-            values[name] = value
-    kafka = KafkaSettings.from_env(env)
-    if kafka.client_id == KafkaSettings().client_id:
-        kafka = KafkaSettings(**{**kafka.__dict__, "client_id": "gpumeter-attributor"})
-    values["kafka"] = kafka.with_flags(args)
-    return AttributorSettings(**values)
+    """``load(AttributorSettings, args, env)``: flags over env over defaults; ``ConfigError`` for anything
+    unusable."""
+    return load(AttributorSettings, args, env)

@@ -23,21 +23,18 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Mapping
 from urllib.parse import parse_qs
 
+from gpumeter import config
 from gpumeter.clock import Clock, SystemClock
+from gpumeter.config import between, describe, greater_than, integer, load, non_empty, number, setting, validate
 from gpumeter.entrypoint import start_logging, stop_on
 from gpumeter.errors import ConfigError, GpumeterError
 from gpumeter.metrics import ServiceMetrics
 from gpumeter.redact import mask_url
-from gpumeter.settings import (
-    DEFAULT_METRICS_ADDRESS,
-    METRICS_ADDRESS_ENV,
-    add_metrics_address_argument,
-    check_metrics_address,
-)
+from gpumeter.settings import metrics_address_setting
 from services.billing.allocation import (
     DEFAULT_MAX_STEPS,
     BadQuery,
@@ -71,80 +68,38 @@ class ApiSettings:
     * ``ledger_retry_max_seconds``: the longest wait between tries while the ledger is not ready.
     """
 
-    ledger_url: str = field(default=DEFAULT_LEDGER_URL, repr=False)
-    metrics_port: int = DEFAULT_PORT
-    address: str = DEFAULT_METRICS_ADDRESS
-    max_window_days: int = DEFAULT_MAX_WINDOW_DAYS
-    max_steps: int = DEFAULT_MAX_STEPS
+    ledger_url: str = setting(DEFAULT_LEDGER_URL, env=LEDGER_URL_ENV, flag="--ledger-url", check=non_empty,
+                              secret=True, mask=mask_url, help="SQLAlchemy URL of the ledger")
+    metrics_port: int = setting(DEFAULT_PORT, env="GPUMETER_METRICS_PORT", flag=("--port", "--metrics-port"),
+                                parse=integer, check=between(1, 65535),
+                                help="HTTP port of /allocation, /healthz and /metrics (the API cannot be disabled)")
+    address: str = metrics_address_setting("address /allocation, /healthz and /metrics listen on")
+    max_window_days: int = setting(DEFAULT_MAX_WINDOW_DAYS, env="GPUMETER_API_MAX_WINDOW_DAYS",
+                                   flag="--max-window-days", parse=integer, check=between(1, 3660), help="the longest query window")
+    max_steps: int = setting(DEFAULT_MAX_STEPS, env="GPUMETER_API_MAX_STEPS", flag="--max-steps", parse=integer,
+                             check=between(1, 100_000), help="the most allocation sets per query")
     ledger_retry_max_seconds: float = 30.0
-    duration_seconds: float | None = None
-    log_level: str = "INFO"
+    duration_seconds: float | None = setting(None, flag="--duration", parse=number, check=greater_than(0),
+                                             help="stop after this many seconds", default_text="until SIGTERM/SIGINT")
+    log_level: str = setting("INFO", env="GPUMETER_LOG_LEVEL", flag="--log-level",
+                             help="DEBUG | INFO | WARNING | ERROR")
 
     def __post_init__(self) -> None:
-        if not self.ledger_url:
-            raise ConfigError("the ledger URL is empty")
-        if not 1 <= self.metrics_port <= 65535:
-            raise ConfigError(f"API port {self.metrics_port} is not a TCP port (the API cannot be disabled)")
-        object.__setattr__(self, "address", check_metrics_address(self.address))
-        if not 1 <= self.max_window_days <= 3660:
-            raise ConfigError("the API's largest query window must be 1 to 3660 days")
-        if not 1 <= self.max_steps <= 100_000:
-            raise ConfigError("the API's largest number of steps must be 1 to 100000")
+        validate(self)
         if self.ledger_retry_max_seconds <= 0:
             raise ConfigError("the ledger retry backoff must be > 0 seconds")
-        if self.duration_seconds is not None and self.duration_seconds <= 0:
-            raise ConfigError("duration must be > 0 seconds")
 
     def describe(self) -> dict[str, Any]:
-        view = {f.name: getattr(self, f.name) for f in fields(self)}
-        view["ledger_url"] = mask_url(self.ledger_url)
-        return view
-
-
-_ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
-    "ledger_url": (LEDGER_URL_ENV, str),
-    "metrics_port": ("GPUMETER_METRICS_PORT", int),
-    "address": (METRICS_ADDRESS_ENV, str),
-    "max_window_days": ("GPUMETER_API_MAX_WINDOW_DAYS", int),
-    "max_steps": ("GPUMETER_API_MAX_STEPS", int),
-    "log_level": ("GPUMETER_LOG_LEVEL", str),
-}
+        return describe(self)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ledger-url", help=f"SQLAlchemy URL of the ledger (env {LEDGER_URL_ENV}, default "
-                                             f"{DEFAULT_LEDGER_URL})")
-    parser.add_argument("--port", "--metrics-port", dest="metrics_port", type=int,
-                        help=f"HTTP port of /allocation, /healthz and /metrics (env GPUMETER_METRICS_PORT, default "
-                             f"{DEFAULT_PORT})")
-    add_metrics_address_argument(parser)
-    parser.add_argument("--max-window-days", type=int, help="the longest query window (env "
-                                                            f"GPUMETER_API_MAX_WINDOW_DAYS, default "
-                                                            f"{DEFAULT_MAX_WINDOW_DAYS})")
-    parser.add_argument("--max-steps", type=int, help="the most allocation sets per query (env GPUMETER_API_MAX_STEPS, "
-                                                      f"default {DEFAULT_MAX_STEPS})")
-    parser.add_argument("--duration", dest="duration_seconds", type=float, help="stop after this many seconds")
-    parser.add_argument("--log-level", help="DEBUG | INFO | WARNING | ERROR")
+    config.add_arguments(parser, ApiSettings)
 
 
 def api_settings(args: argparse.Namespace, env: Mapping[str, str]) -> ApiSettings:
-    """Settings from ``env`` with the flags in ``args`` on top; ``ConfigError`` for anything unusable."""
-    values: dict[str, Any] = {}
-    for name, (variable, convert) in _ENV.items():
-        raw = env.get(variable)
-        if raw:
-            try:
-                values[name] = convert(raw.strip())
-            except ValueError as exc:
-                raise ConfigError(f"{variable}={raw!r}: {exc}") from exc
-    flags = {"ledger_url": "ledger_url", "metrics_port": "metrics_port", "address": "metrics_address",
-             "max_window_days": "max_window_days", "max_steps": "max_steps", "duration_seconds": "duration_seconds",
-             "log_level": "log_level"}
-    for name, attribute in flags.items():
-        value = getattr(args, attribute, None)
-        if value is not None:
-            values[name] = value
-    return ApiSettings(**values)
+    """``load(ApiSettings, args, env)``: flags over env over defaults; ``ConfigError`` for anything unusable."""
+    return load(ApiSettings, args, env)
 
 
 # -- the WSGI app ---------------------------------------------------------------------------------------------

@@ -556,10 +556,9 @@ def _kafka_to_check(args: argparse.Namespace, env: Mapping[str, str]):
     if not (getattr(args, "bootstrap_servers", None) or env.get("KAFKA_BOOTSTRAP_SERVERS")
             or env.get("GPUMETER_KAFKA_BOOTSTRAP_SERVERS")):
         return None
-    kafka = KafkaSettings.from_env(env).with_flags(args)
-    if not env.get("GPUMETER_KAFKA_CLIENT_ID"):
-        kafka = replace(kafka, client_id="gpumeter-report")
-    return kafka
+    from gpumeter.config import load
+
+    return load(KafkaSettings, args, env, defaults={"client_id": "gpumeter-report"})
 
 
 def main(args: argparse.Namespace, env: Mapping[str, str], *, clock: Clock | None = None,

@@ -10,19 +10,30 @@ metrics port. An Alertmanager URL may carry basic-auth credentials; they never a
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 from urllib.parse import urlsplit
 
-from gpumeter.errors import ConfigError
-from gpumeter.settings import (
-    DEFAULT_METRICS_ADDRESS,
-    METRICS_ADDRESS_ENV,
-    KafkaSettings,
-    add_metrics_address_argument,
-    check_metrics_address,
+from gpumeter import config
+from gpumeter.config import (
+    at_least,
+    between,
+    describe,
+    greater_than,
+    integer,
+    load,
+    nested,
+    non_empty,
+    number,
+    one_of,
+    path,
+    setting,
+    settings_repr,
+    validate,
 )
+from gpumeter.errors import ConfigError
+from gpumeter.settings import KafkaSettings, metrics_address_setting
 from gpumeter.redact import mask_url
 from gpumeter.validation import DEFAULT_DOWNSTREAM_MAX_CLOCK_SKEW_SECONDS as DEFAULT_MAX_CLOCK_SKEW_SECONDS
 from gpumeter.validation import DEFAULT_MAX_SAMPLE_AGE_SECONDS
@@ -89,61 +100,65 @@ class GuardSettings:
     * ``duration_seconds``: stop after this long (None: until SIGTERM/SIGINT).
     """
 
-    kafka: KafkaSettings = field(default_factory=KafkaSettings)
-    config_path: Path | None = None
-    consumer_group: str = DEFAULT_CONSUMER_GROUP
-    auto_offset_reset: str = "earliest"
-    topic_partitions: int | None = None
-    state_path: Path | None = None
-    snapshot_interval_seconds: float = DEFAULT_SNAPSHOT_INTERVAL_SECONDS
-    alertmanager_url: str | None = field(default=None, repr=False)
-    alertmanager_resend_seconds: float = DEFAULT_ALERTMANAGER_RESEND_SECONDS
-    alertmanager_timeout_seconds: float = DEFAULT_ALERTMANAGER_TIMEOUT_SECONDS
-    external_url: str | None = None
-    clock_interval_seconds: float = DEFAULT_CLOCK_INTERVAL_SECONDS
-    max_clock_skew_seconds: int = DEFAULT_MAX_CLOCK_SKEW_SECONDS
-    max_sample_age_seconds: int = DEFAULT_MAX_SAMPLE_AGE_SECONDS
-    metrics_port: int = DEFAULT_METRICS_PORT
-    metrics_address: str = DEFAULT_METRICS_ADDRESS
-    retry_initial_seconds: float = 0.5
-    retry_max_seconds: float = 30.0
-    max_poll_records: int = 2000
-    duration_seconds: float | None = None
-    log_level: str = "INFO"
+    kafka: KafkaSettings = nested(KafkaSettings, client_id="gpumeter-guard")
+    config_path: Path | None = setting(None, env=CONFIG_PATH_ENV, flag="--config", parse=path,
+                                       help="guard config file: rules, thresholds, budgets")
+    consumer_group: str = setting(DEFAULT_CONSUMER_GROUP, env="GPUMETER_GUARD_CONSUMER_GROUP", flag="--group",
+                                  check=non_empty, help="consumer group")
+    auto_offset_reset: str = setting("earliest", env="GPUMETER_GUARD_AUTO_OFFSET_RESET", flag="--auto-offset-reset",
+                                     check=one_of("earliest", "latest"),
+                                     help="where a guard without state or committed offsets starts: earliest | "
+                                          "latest")
+    topic_partitions: int | None = setting(None, env="GPUMETER_TOPIC_PARTITIONS", flag="--partitions", parse=integer,
+                                           check=at_least(1), default_text="the catalog's",
+                                           help="partition count for topics this service creates")
+    state_path: Path | None = setting(None, env=STATE_PATH_ENV, flag="--state", parse=path,
+                                      help="file keeping the engine's state across restarts")
+    snapshot_interval_seconds: float = setting(DEFAULT_SNAPSHOT_INTERVAL_SECONDS,
+                                               env="GPUMETER_GUARD_SNAPSHOT_INTERVAL_SECONDS",
+                                               flag="--snapshot-interval", parse=number, check=greater_than(0),
+                                               help="seconds between state snapshots")
+    alertmanager_url: str | None = setting(None, env=ALERTMANAGER_URL_ENV, flag="--alertmanager-url",
+                                           check=_check_alertmanager_url, secret=True, mask=mask_url,
+                                           help="Alertmanager base URL, e.g. http://alertmanager:9093")
+    alertmanager_resend_seconds: float = setting(DEFAULT_ALERTMANAGER_RESEND_SECONDS,
+                                                 env="GPUMETER_GUARD_ALERTMANAGER_RESEND_SECONDS",
+                                                 flag="--alertmanager-resend", parse=number, check=greater_than(0),
+                                                 help="seconds between re-posts of firing alerts")
+    alertmanager_timeout_seconds: float = setting(DEFAULT_ALERTMANAGER_TIMEOUT_SECONDS,
+                                                  env="GPUMETER_GUARD_ALERTMANAGER_TIMEOUT_SECONDS",
+                                                  flag="--alertmanager-timeout", parse=number, check=greater_than(0),
+                                                  help="seconds per Alertmanager request")
+    # Not a credential, but a URL someone may have put one in: shown masked.
+    external_url: str | None = setting(None, env="GPUMETER_GUARD_EXTERNAL_URL", flag="--external-url",
+                                       mask=mask_url, help="generatorURL of every alert")
+    clock_interval_seconds: float = setting(DEFAULT_CLOCK_INTERVAL_SECONDS, env="GPUMETER_GUARD_CLOCK_INTERVAL_SECONDS",
+                                            flag="--clock-interval", parse=number, check=greater_than(0),
+                                            help="seconds between clock rule runs")
+    max_clock_skew_seconds: int = setting(DEFAULT_MAX_CLOCK_SKEW_SECONDS, env="GPUMETER_MAX_CLOCK_SKEW_SECONDS",
+                                          flag="--max-clock-skew-seconds", parse=integer, check=at_least(0),
+                                          help="input stamped further ahead of this clock is dead-lettered")
+    max_sample_age_seconds: int = setting(DEFAULT_MAX_SAMPLE_AGE_SECONDS, env="GPUMETER_MAX_SAMPLE_AGE_SECONDS",
+                                          flag="--max-sample-age-seconds", parse=integer, check=greater_than(0),
+                                          help="samples older than this are dead-lettered")
+    metrics_port: int = setting(DEFAULT_METRICS_PORT, env="GPUMETER_METRICS_PORT", flag="--metrics-port",
+                                parse=integer, check=between(0, 65535), help="Prometheus /metrics port, 0 disables")
+    metrics_address: str = metrics_address_setting()
+    retry_initial_seconds: float = setting(0.5, env="GPUMETER_GUARD_RETRY_INITIAL_SECONDS", parse=number,
+                                           help="first pause while the broker cannot be reached")
+    retry_max_seconds: float = setting(30.0, env="GPUMETER_GUARD_RETRY_MAX_SECONDS", parse=number,
+                                       help="longest pause while the broker cannot be reached")
+    max_poll_records: int = setting(2000, env="GPUMETER_GUARD_MAX_POLL_RECORDS", parse=integer, check=at_least(1),
+                                    help="records per consumer poll")
+    duration_seconds: float | None = setting(None, flag="--duration", parse=number, check=greater_than(0),
+                                             help="stop after this many seconds", default_text="until SIGTERM/SIGINT")
+    log_level: str = setting("INFO", env="GPUMETER_LOG_LEVEL", flag="--log-level",
+                             help="DEBUG | INFO | WARNING | ERROR")
 
     def __post_init__(self) -> None:
-        if not self.consumer_group:
-            raise ConfigError("the consumer group is empty")
-        if self.auto_offset_reset not in ("earliest", "latest"):
-            raise ConfigError(f"auto offset reset {self.auto_offset_reset!r} is not earliest or latest")
-        if self.topic_partitions is not None and self.topic_partitions < 1:
-            raise ConfigError("topic partitions must be >= 1")
-        if self.snapshot_interval_seconds <= 0:
-            raise ConfigError("the snapshot interval must be > 0 seconds")
-        if self.alertmanager_url is not None:
-            if not self.alertmanager_url.strip():
-                object.__setattr__(self, "alertmanager_url", None)
-            else:
-                object.__setattr__(self, "alertmanager_url", _check_alertmanager_url(self.alertmanager_url.strip()))
-        if self.alertmanager_resend_seconds <= 0:
-            raise ConfigError("the Alertmanager resend interval must be > 0 seconds")
-        if self.alertmanager_timeout_seconds <= 0:
-            raise ConfigError("the Alertmanager timeout must be > 0 seconds")
-        if self.clock_interval_seconds <= 0:
-            raise ConfigError("the clock interval must be > 0 seconds")
-        if self.max_clock_skew_seconds < 0:
-            raise ConfigError("the allowed clock skew must be >= 0 seconds")
-        if self.max_sample_age_seconds <= 0:
-            raise ConfigError("the maximum sample age must be > 0 seconds")
-        if not (0 <= self.metrics_port <= 65535):
-            raise ConfigError(f"metrics port {self.metrics_port} is not a TCP port (0 disables)")
-        object.__setattr__(self, "metrics_address", check_metrics_address(self.metrics_address))
+        validate(self)
         if not (0 < self.retry_initial_seconds <= self.retry_max_seconds):
             raise ConfigError("retry backoff needs 0 < initial <= max seconds")
-        if self.max_poll_records < 1:
-            raise ConfigError("max poll records must be >= 1")
-        if self.duration_seconds is not None and self.duration_seconds <= 0:
-            raise ConfigError("duration must be > 0 seconds")
 
     @property
     def alertmanager_lease_seconds(self) -> float:
@@ -151,114 +166,18 @@ class GuardSettings:
         return ALERTMANAGER_LEASE_RESENDS * self.alertmanager_resend_seconds
 
     def __repr__(self) -> str:
-        view = ", ".join(f"{k}={v!r}" for k, v in self.describe().items())
-        return f"GuardSettings({view})"
+        return settings_repr(self)
 
     def describe(self) -> dict[str, Any]:
         """Printable view: secrets masked (Kafka SASL password, Alertmanager URL password)."""
-        view: dict[str, Any] = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name == "kafka":
-                value = value.describe()
-            elif f.name in ("alertmanager_url", "external_url") and value is not None:
-                value = mask_url(value)
-            elif isinstance(value, Path):
-                value = str(value)
-            view[f.name] = value
-        return view
-
-
-def _path(raw: str) -> Path:
-    return Path(raw)
-
-
-_ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
-    "config_path": (CONFIG_PATH_ENV, _path),
-    "consumer_group": ("GPUMETER_GUARD_CONSUMER_GROUP", str),
-    "auto_offset_reset": ("GPUMETER_GUARD_AUTO_OFFSET_RESET", str),
-    "topic_partitions": ("GPUMETER_TOPIC_PARTITIONS", int),
-    "state_path": (STATE_PATH_ENV, _path),
-    "snapshot_interval_seconds": ("GPUMETER_GUARD_SNAPSHOT_INTERVAL_SECONDS", float),
-    "alertmanager_url": (ALERTMANAGER_URL_ENV, str),
-    "alertmanager_resend_seconds": ("GPUMETER_GUARD_ALERTMANAGER_RESEND_SECONDS", float),
-    "alertmanager_timeout_seconds": ("GPUMETER_GUARD_ALERTMANAGER_TIMEOUT_SECONDS", float),
-    "external_url": ("GPUMETER_GUARD_EXTERNAL_URL", str),
-    "clock_interval_seconds": ("GPUMETER_GUARD_CLOCK_INTERVAL_SECONDS", float),
-    "max_clock_skew_seconds": ("GPUMETER_MAX_CLOCK_SKEW_SECONDS", int),
-    "max_sample_age_seconds": ("GPUMETER_MAX_SAMPLE_AGE_SECONDS", int),
-    "metrics_port": ("GPUMETER_METRICS_PORT", int),
-    "metrics_address": (METRICS_ADDRESS_ENV, str),
-    "retry_initial_seconds": ("GPUMETER_GUARD_RETRY_INITIAL_SECONDS", float),
-    "retry_max_seconds": ("GPUMETER_GUARD_RETRY_MAX_SECONDS", float),
-    "max_poll_records": ("GPUMETER_GUARD_MAX_POLL_RECORDS", int),
-    "log_level": ("GPUMETER_LOG_LEVEL", str),
-}
-
-# Flags that set a field directly (attribute name == field name).
-_FLAG_FIELDS = ("config_path", "consumer_group", "auto_offset_reset", "topic_partitions", "state_path",
-                "snapshot_interval_seconds", "alertmanager_url", "alertmanager_resend_seconds",
-                "alertmanager_timeout_seconds", "external_url", "clock_interval_seconds", "max_clock_skew_seconds",
-                "max_sample_age_seconds", "metrics_port", "metrics_address",
-                "duration_seconds", "log_level")
+        return describe(self)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The guard service's flags (each overrides its ``GPUMETER_*`` variable)."""
-    parser.add_argument("--bootstrap-servers", help="Kafka bootstrap servers (env KAFKA_BOOTSTRAP_SERVERS)")
-    parser.add_argument("--topic-prefix", help="prefix of every topic name (env GPUMETER_KAFKA_TOPIC_PREFIX)")
-    parser.add_argument("--partitions", dest="topic_partitions", type=int,
-                        help="partition count for topics this service creates (default: the catalog's)")
-    parser.add_argument("--config", dest="config_path", type=Path,
-                        help=f"guard config file: rules, thresholds, budgets (env {CONFIG_PATH_ENV})")
-    parser.add_argument("--group", dest="consumer_group",
-                        help=f"consumer group (env GPUMETER_GUARD_CONSUMER_GROUP, default {DEFAULT_CONSUMER_GROUP})")
-    parser.add_argument("--auto-offset-reset", choices=("earliest", "latest"),
-                        help="where a guard without state or committed offsets starts (default earliest)")
-    parser.add_argument("--state", dest="state_path", type=Path,
-                        help=f"file keeping the engine's state across restarts (env {STATE_PATH_ENV})")
-    parser.add_argument("--snapshot-interval", dest="snapshot_interval_seconds", type=float,
-                        help=f"seconds between state snapshots (default {DEFAULT_SNAPSHOT_INTERVAL_SECONDS:g})")
-    parser.add_argument("--alertmanager-url",
-                        help=f"Alertmanager base URL, e.g. http://alertmanager:9093 (env {ALERTMANAGER_URL_ENV})")
-    parser.add_argument("--alertmanager-resend", dest="alertmanager_resend_seconds", type=float,
-                        help="seconds between re-posts of firing alerts "
-                             f"(default {DEFAULT_ALERTMANAGER_RESEND_SECONDS:g})")
-    parser.add_argument("--alertmanager-timeout", dest="alertmanager_timeout_seconds", type=float,
-                        help=f"seconds per Alertmanager request (default {DEFAULT_ALERTMANAGER_TIMEOUT_SECONDS:g})")
-    parser.add_argument("--external-url", help="generatorURL of every alert (env GPUMETER_GUARD_EXTERNAL_URL)")
-    parser.add_argument("--clock-interval", dest="clock_interval_seconds", type=float,
-                        help=f"seconds between clock rule runs (default {DEFAULT_CLOCK_INTERVAL_SECONDS:g})")
-    parser.add_argument("--max-clock-skew-seconds", dest="max_clock_skew_seconds", type=int,
-                        help="input stamped further ahead of this clock is dead-lettered "
-                             f"(env GPUMETER_MAX_CLOCK_SKEW_SECONDS, default {DEFAULT_MAX_CLOCK_SKEW_SECONDS})")
-    parser.add_argument("--max-sample-age-seconds", dest="max_sample_age_seconds", type=int,
-                        help="samples older than this are dead-lettered "
-                             f"(env GPUMETER_MAX_SAMPLE_AGE_SECONDS, default {DEFAULT_MAX_SAMPLE_AGE_SECONDS})")
-    parser.add_argument("--metrics-port", type=int,
-                        help=f"Prometheus /metrics port, 0 disables (default {DEFAULT_METRICS_PORT})")
-    add_metrics_address_argument(parser)
-    parser.add_argument("--duration", dest="duration_seconds", type=float, help="stop after this many seconds")
-    parser.add_argument("--log-level", help="DEBUG | INFO | WARNING | ERROR")
+    """The guard service's flags (each overrides its ``GPUMETER_*`` variable), from ``GuardSettings``' fields."""
+    config.add_arguments(parser, GuardSettings)
 
 
 def guard_settings(args: argparse.Namespace, env: Mapping[str, str]) -> GuardSettings:
-    """Settings from ``env`` with the flags in ``args`` on top; ``ConfigError`` for anything unusable."""
-    values: dict[str, Any] = {}
-    for name, (variable, convert) in _ENV.items():
-        raw = env.get(variable)
-        if raw and raw.strip():
-            try:
-                values[name] = convert(raw.strip())
-            except ValueError as exc:
-                raise ConfigError(f"{variable}={raw!r}: {exc}") from exc
-    for name in _FLAG_FIELDS:
-        value = getattr(args, name, None)
-        if value is not None:
-            values[name] = value
-
-    kafka = KafkaSettings.from_env(env).with_flags(args)
-    if not env.get("GPUMETER_KAFKA_CLIENT_ID"):
-        kafka = replace(kafka, client_id="gpumeter-guard")
-    values["kafka"] = kafka
-    return GuardSettings(**values)
+    """``load(GuardSettings, args, env)``: flags over env over defaults; ``ConfigError`` for anything unusable."""
+    return load(GuardSettings, args, env)

@@ -22,9 +22,10 @@ import asyncio
 import io
 import json
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
+from gpumeter.config import load
 from gpumeter.errors import ConfigError, GpumeterError, InvalidMessage
 from gpumeter.settings import KafkaSettings
 from schemas.records import Severity, Violation, ViolationState
@@ -220,15 +221,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     try:
-        kafka = KafkaSettings.from_env(env)
-        overrides: dict[str, Any] = {}
-        if args.bootstrap_servers:
-            overrides["bootstrap_servers"] = args.bootstrap_servers
-        if args.topic_prefix is not None:
-            overrides["topic_prefix"] = args.topic_prefix
-        if not env.get("GPUMETER_KAFKA_CLIENT_ID"):
-            overrides["client_id"] = "gpumeter-violations"
-        kafka = replace(kafka, **overrides)
+        kafka = load(KafkaSettings, args, env, defaults={"client_id": "gpumeter-violations"})
         if args.timeout_seconds <= 0:
             raise ConfigError("the timeout must be > 0 seconds")
     except ConfigError as exc:

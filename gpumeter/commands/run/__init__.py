@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import signal
 import sys
 import time
@@ -73,6 +74,7 @@ from gpumeter.commands.run.plan import (
 )
 from gpumeter.commands.run.supervisor import ManagedProcess, Supervisor, write_json_atomically
 from gpumeter.commands.run.view import render_view
+from gpumeter.config import load
 from gpumeter.errors import ConfigError, GpumeterError
 from gpumeter.settings import KafkaSettings
 
@@ -181,9 +183,8 @@ class Run:
             self.progress(f"Kafka: using {bootstrap}")
         else:
             bootstrap = await asyncio.to_thread(ensure_broker, self.progress, self.env)
-        self.kafka = KafkaSettings.from_env(self.env)
-        self.kafka = KafkaSettings(**{**self.kafka.__dict__, "bootstrap_servers": bootstrap,
-                                      "topic_prefix": config.prefix, "client_id": "gpumeter-run"})
+        self.kafka = dataclasses.replace(load(KafkaSettings, None, self.env, defaults={"client_id": "gpumeter-run"}),
+                                         bootstrap_servers=bootstrap, topic_prefix=config.prefix)
         catalog = TopicCatalog(prefix=config.prefix, partitions_override=config.partitions)
         results = await create_topics(self.kafka, catalog)
         created = sum(1 for r in results if r.created)

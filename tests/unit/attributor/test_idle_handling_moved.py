@@ -11,7 +11,7 @@ import argparse
 
 import pytest
 
-from gpumeter.errors import ConfigError
+from gpumeter.errors import ConfigError, SettingError
 from pipeline.cli import sharing_with_idle_handling
 from services.attributor.settings import IDLE_SPREAD_MOVED, add_arguments, attributor_settings
 from services.billing.sharing import ShareMethod
@@ -24,10 +24,15 @@ def _settings(argv, env=None):
 
 
 def test_spread_stops_the_attributor_with_billings_setting_to_use():
-    for argv, env in ((["--idle-handling", "spread"], {}), ([], {"GPUMETER_IDLE_HANDLING": "Spread"})):
-        with pytest.raises(ConfigError) as caught:
+    for argv, env, source in ((["--idle-handling", "spread"], {}, "--idle-handling"),
+                              ([], {"GPUMETER_IDLE_HANDLING": "Spread"}, "GPUMETER_IDLE_HANDLING")):
+        with pytest.raises(SettingError) as caught:
             _settings(argv, env)
-        assert str(caught.value) == IDLE_SPREAD_MOVED
+        # The loader's one error shape: the setting's names and value, then the reason.
+        assert caught.value.reason == IDLE_SPREAD_MOVED
+        assert (caught.value.flag, caught.value.env, caught.value.source) == (
+            "--idle-handling", ("GPUMETER_IDLE_HANDLING",), source)
+        assert str(caught.value).endswith(IDLE_SPREAD_MOVED)
         assert "GPUMETER_BILLING_SHARING=idle=weighted" in str(caught.value)
     assert _settings(["--idle-handling", "keep"]).policy.describe() == "cost=memory mps=memory"
     with pytest.raises(ConfigError):

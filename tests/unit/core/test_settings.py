@@ -60,9 +60,14 @@ def test_replication_factor_from_env_is_an_int_and_checked():
 def test_kafka_flags_override_the_environment_and_an_empty_prefix_flag_counts():
     import argparse
 
-    env_kafka = KafkaSettings(bootstrap_servers="broker-env:9092", topic_prefix="env.")
-    assert env_kafka.with_flags(argparse.Namespace()) is env_kafka
-    assert env_kafka.with_flags(argparse.Namespace(bootstrap_servers=None, topic_prefix=None)) is env_kafka
-    flagged = env_kafka.with_flags(argparse.Namespace(bootstrap_servers="broker-flag:9092", topic_prefix=""))
+    from gpumeter.config import add_arguments, load
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, KafkaSettings)
+    env = {"GPUMETER_KAFKA_BOOTSTRAP_SERVERS": "broker-env:9092", "GPUMETER_KAFKA_TOPIC_PREFIX": "env."}
+    from_env = load(KafkaSettings, parser.parse_args([]), env)
+    assert (from_env.bootstrap_servers, from_env.topic_prefix) == ("broker-env:9092", "env.")
+    flagged = load(KafkaSettings, parser.parse_args(["--bootstrap-servers", "broker-flag:9092", "--topic-prefix", ""]),
+                   env)
     assert (flagged.bootstrap_servers, flagged.topic_prefix) == ("broker-flag:9092", "")
-    assert flagged.client_id == env_kafka.client_id
+    assert flagged.client_id == from_env.client_id == "gpumeter"

@@ -1,13 +1,13 @@
 """Offline checks of the deployment files (docker-compose.yml, deploy/kubernetes/, deploy/helm/) against the code
 they run.
 
-Shared helpers: which settings function each ``gpumeter`` role reads, which environment variables its code reads,
-and how a command line plus an environment becomes that role's settings — the same path ``gpumeter <role>`` takes.
+Shared helpers: which settings function each ``gpumeter`` role reads, which environment variables its settings
+declare to the loader (``gpumeter.config``), and how a command line plus an environment becomes that role's
+settings — the same path ``gpumeter <role>`` takes.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping, Sequence
 import pytest
 
 from gpumeter.cli import SUBCOMMANDS, build_parser
+from gpumeter.config import env_variables
 from gpumeter.settings import KafkaSettings
 
 # The checks shared by the kustomization's and the chart's tests: their asserts explain themselves too.
@@ -35,32 +36,27 @@ SERVICE_ROLES: dict[str, tuple[str, str, str]] = {
 # Read by the NVIDIA container toolkit, not by gpumeter: allowed on the collector only.
 NVIDIA_RUNTIME_VARIABLES = frozenset({"NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES"})
 
-_VARIABLE_RE = re.compile(r"""["'](GPUMETER_[A-Z0-9_]+|KAFKA_BOOTSTRAP_SERVERS)["']""")
-
-
-def _names_in_sources(folders: Sequence[str]) -> set[str]:
-    names: set[str] = set()
-    for folder in folders:
-        for path in (REPO_ROOT / folder).rglob("*.py"):
-            names.update(_VARIABLE_RE.findall(path.read_text(encoding="utf-8")))
-    return names
-
-
-def shared_variables() -> frozenset[str]:
-    """Variables every role reads: the Kafka client's (built from KafkaSettings' fields) and those of gpumeter/."""
-    kafka = {"GPUMETER_KAFKA_" + f.name.upper() for f in fields(KafkaSettings) if not f.name.startswith("_")}
-    return frozenset(kafka | _names_in_sources(["gpumeter"]))
+def settings_class(role: str) -> type:
+    """The frozen settings class ``role`` loads (``gpumeter.config.load``); ``topics`` has only KafkaSettings."""
+    if role not in SERVICE_ROLES:
+        return KafkaSettings
+    module_name, function_name, _folder = SERVICE_ROLES[role]
+    module = __import__(module_name, fromlist=[function_name])
+    (cls,) = {value for value in vars(module).values()
+              if isinstance(value, type) and value.__module__ == module_name and value.__name__.endswith("Settings")}
+    return cls
 
 
 def variables_read_by(role: str) -> frozenset[str]:
-    """Every environment variable name the code of ``role`` (and the shared code) reads: the names its source
-    spells out, plus the guard config's ``GPUMETER_GUARD_<FIELD>`` names, which are built from its fields."""
-    own = _names_in_sources([SERVICE_ROLES[role][2]]) if role in SERVICE_ROLES else set()
+    """Every environment variable ``role`` reads: those its settings class (and the KafkaSettings in it) declares
+    to the loader, plus, for the guard, the guard config's ``GPUMETER_GUARD_<FIELD>`` names, which
+    ``GuardConfig.load`` builds from its fields. A variable no loader declares is read by nothing."""
+    names = set(env_variables(settings_class(role)))
     if role == "guard":
         from services.guard.config import ENV_PREFIX, GuardConfig
 
-        own |= {ENV_PREFIX + f.name.upper() for f in fields(GuardConfig)}
-    return frozenset(own | shared_variables())
+        names |= {ENV_PREFIX + f.name.upper() for f in fields(GuardConfig)}
+    return frozenset(names)
 
 
 def role_of(command: Sequence[str]) -> str:
