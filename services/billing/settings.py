@@ -46,8 +46,7 @@ DEFAULT_CONSUMER_GROUP = "gpumeter-billing"
 """The default group is the topic prefix followed by this, so deployments that share a broker under different
 prefixes never share a group (whose offsets would make each skip the other's input)."""
 DEFAULT_METRICS_PORT = 9404
-DEFAULT_WINDOW_EXPIRY_SECONDS = 600.0
-DEFAULT_FINISHED_WINDOW_MEMORY_SECONDS = 6 * 3600.0
+DEFAULT_SERIES_MEMORY_SECONDS = 6 * 3600.0
 DEFAULT_TEAM_LABEL = "team"
 
 _SPLIT_RULE_ENV = "GPUMETER_BILLING_SPLIT_RULE"
@@ -67,10 +66,10 @@ def _split_text(variable: str):
 class BillingSettings:
     """Everything the billing service needs, validated once.
 
-    * ``window_expiry_seconds``: a node-window whose rows have not all arrived this long after its first row is
-      dead-lettered (``INCOMPLETE_WINDOW``) with every row it holds.
-    * ``finished_window_memory_seconds``: how far behind the newest window start seen a billed node-window is
-      still remembered, so that redelivered rows of it are recognised as duplicates without a ledger round trip.
+    * ``series_memory_seconds``: how long the metric series of a node that bills nothing more (scaled down,
+      renamed, gone) are kept after its last window. (A node-window arrives whole, so nothing waits for the rest
+      of one: the incomplete-window expiry of the per-row topic is gone, and ``GPUMETER_BILLING_WINDOW_EXPIRY_SECONDS``
+      is no longer read.)
     * ``ledger_retry_*_seconds``: exponential backoff while the ledger cannot be reached.
     * ``team_label``: the pod label whose value is the ``team`` label of the cost metrics.
     * ``consumer_group``: the consumer group, default ``<topic prefix>gpumeter-billing``; it is also the name the
@@ -123,13 +122,13 @@ class BillingSettings:
     metrics_port: int = setting(DEFAULT_METRICS_PORT, env="GPUMETER_METRICS_PORT", flag="--metrics-port",
                                 parse=integer, check=between(0, 65535), help="Prometheus /metrics port, 0 disables")
     metrics_address: str = metrics_address_setting()
-    window_expiry_seconds: float = setting(DEFAULT_WINDOW_EXPIRY_SECONDS, env="GPUMETER_BILLING_WINDOW_EXPIRY_SECONDS",
-                                           flag="--window-expiry", parse=number, check=greater_than(0),
-                                           help="seconds an incomplete node-window waits before it is dead-lettered")
-    finished_window_memory_seconds: float = setting(DEFAULT_FINISHED_WINDOW_MEMORY_SECONDS,
-                                                    env="GPUMETER_BILLING_FINISHED_WINDOW_MEMORY_SECONDS",
-                                                    parse=number, check=at_least(0),
-                                                    help="how long a billed node-window is remembered as billed")
+    # The older name of the same horizon (it bounded a memory of billed windows, whose series went with it) is still
+    # read after the new one.
+    series_memory_seconds: float = setting(DEFAULT_SERIES_MEMORY_SECONDS,
+                                           env=("GPUMETER_BILLING_SERIES_MEMORY_SECONDS",
+                                                "GPUMETER_BILLING_FINISHED_WINDOW_MEMORY_SECONDS"),
+                                           flag="--series-memory", parse=number, check=greater_than(0),
+                                           help="seconds a node that bills nothing more keeps its metric series")
     ledger_retry_initial_seconds: float = setting(0.5, env="GPUMETER_BILLING_LEDGER_RETRY_INITIAL_SECONDS",
                                                   parse=number, help="first pause while the ledger is unreachable")
     ledger_retry_max_seconds: float = setting(30.0, env="GPUMETER_BILLING_LEDGER_RETRY_MAX_SECONDS", parse=number,

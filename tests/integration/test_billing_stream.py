@@ -115,7 +115,7 @@ async def test_shares_in_costs_out_redelivery_restart_and_reports(kafka_settings
     catalog = PriceCatalog.load()
     expected = [c for shares in windows for c in bill_node_window(shares, catalog).costs]
     settings = BillingSettings(kafka=kafka_settings, ledger_url=ledger_url, consumer_group=group_id,
-                               metrics_port=0, topic_partitions=3, window_expiry_seconds=300)
+                               metrics_port=0, topic_partitions=3)
 
     # 1. the service in-process; the garbage message sits between the first and the second windows
     stop = asyncio.Event()

@@ -804,7 +804,7 @@ def test_settings_read_env_and_flags_win():
         "GPUMETER_KAFKA_TOPIC_PREFIX": "prod.",
         "GPUMETER_LEDGER_URL": "sqlite:///from-env.sqlite3",
         "GPUMETER_BILLING_CONSUMER_GROUP": "env-group",
-        "GPUMETER_BILLING_WINDOW_EXPIRY_SECONDS": "120",
+        "GPUMETER_BILLING_FINISHED_WINDOW_MEMORY_SECONDS": "120",
         "GPUMETER_BILLING_SPLIT_RULE": "weights",
         "GPUMETER_BILLING_SPOT_DISCOUNTS": "aws=0.6",
         "GPUMETER_METRICS_PORT": "9999",
@@ -815,7 +815,7 @@ def test_settings_read_env_and_flags_win():
     assert settings.kafka.client_id == "gpumeter-billing"
     assert settings.ledger_url == "sqlite:///from-env.sqlite3"
     assert settings.consumer_group == "flag-group"
-    assert settings.window_expiry_seconds == 120.0
+    assert settings.series_memory_seconds == 120.0  # the horizon's older name is still read
     assert settings.metrics_port == 9999
     # the price settings go through the same parsers as PriceCatalog.from_env / SplitPolicy.from_env
     from decimal import Decimal
@@ -838,11 +838,11 @@ def test_settings_never_show_the_ledger_password():
 
 
 @pytest.mark.parametrize("argv, env", [
-    (["--window-expiry", "0"], {}),
+    (["--series-memory", "0"], {}),
     (["--metrics-port", "70000"], {}),
     ([], {"GPUMETER_BILLING_SPOT_DISCOUNTS": "aws=1.5"}),
     ([], {"GPUMETER_BILLING_SPLIT_RULE": "by-vibes"}),
-    ([], {"GPUMETER_BILLING_WINDOW_EXPIRY_SECONDS": "soon"}),
+    ([], {"GPUMETER_BILLING_SERIES_MEMORY_SECONDS": "soon"}),
 ])
 def test_unusable_settings_are_config_errors(argv, env):
     from gpumeter.errors import ConfigError
@@ -854,8 +854,8 @@ def test_unusable_settings_are_config_errors(argv, env):
 def test_the_entrypoint_refuses_unusable_settings_before_touching_anything(capsys):
     from gpumeter import cli
 
-    assert cli.main(["billing", "--window-expiry", "-5"]) == 2
-    assert "expiry" in capsys.readouterr().out
+    assert cli.main(["billing", "--series-memory", "-5"]) == 2
+    assert "--series-memory" in capsys.readouterr().out
 
 
 async def test_a_missing_price_folder_stops_the_service_before_it_connects(tmp_path):
