@@ -27,6 +27,13 @@ class MetricDef:
     labels: tuple[str, ...] = ()
 
 
+# dcgm-exporter's names for the labels of a pod's GPU (NVIDIA/dcgm-exporter, internal/pkg/rendermetrics), beside
+# ``namespace`` and ``pod``: billing's per-pod series carry them so that dashboards join them with ``DCGM_FI_*``
+# series on labels (docs/billing.md, "Prometheus metrics"). ``UUID`` is the physical GPU's (a MIG instance's
+# parent's), ``Hostname`` and ``hostname`` both the node's name: ``Hostname`` in every release up to 4.5.3-4.8.2,
+# ``hostname`` since the rename of #655.
+DCGM_JOIN_LABELS = ("container", "UUID", "GPU_I_PROFILE", "GPU_I_ID", "modelName", "Hostname", "hostname")
+
 METRICS: dict[str, MetricDef] = {
     m.name: m
     for m in (
@@ -59,16 +66,17 @@ METRICS: dict[str, MetricDef] = {
         MetricDef("gpumeter_attributor_shares_emitted_total", "counter", "GpuShare records emitted."),
         MetricDef("gpumeter_attributor_window_lag_seconds", "gauge",
                   "Seconds between a window's close (end + grace) and its emission."),
-        # billing
+        # billing: the per-pod series carry dcgm-exporter's labels too (DCGM_JOIN_LABELS)
         MetricDef("gpumeter_pod_gpu_cost_micro_usd_total", "counter",
-                  "GPU cost billed to a pod for its own use (its direct lines).", ("namespace", "pod", "team")),
+                  "GPU cost billed to a pod for its own use (its direct lines), per GPU it used.",
+                  ("namespace", "pod", "team", *DCGM_JOIN_LABELS)),
         MetricDef("gpumeter_pod_shared_cost_micro_usd_total", "counter",
                   "Cost of a bucket of the pod's node-windows shared to it by the sharing policy (its shared lines).",
-                  ("namespace", "pod", "team", "shared_from")),
+                  ("namespace", "pod", "team", "shared_from", *DCGM_JOIN_LABELS)),
         MetricDef("gpumeter_pod_gpu_memory_share", "gauge", "Pod's memory share of its GPU unit in the last window.",
-                  ("namespace", "pod", "team", "gpu_uuid")),
+                  ("namespace", "pod", "team", "gpu_uuid", *DCGM_JOIN_LABELS)),
         MetricDef("gpumeter_pod_gpu_compute_share", "gauge", "Pod's compute share of its GPU unit in the last window.",
-                  ("namespace", "pod", "team", "gpu_uuid")),
+                  ("namespace", "pod", "team", "gpu_uuid", *DCGM_JOIN_LABELS)),
         MetricDef("gpumeter_node_cost_micro_usd_total", "counter", "Node bills priced.", ("node", "instance_type")),
         MetricDef("gpumeter_bucket_cost_micro_usd_total", "counter",
                   "Cost billed to no pod: idle, driver_reserved, unattributed, unavailable or node_other lines the "

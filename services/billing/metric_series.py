@@ -16,11 +16,41 @@ which each node last billed it:
   every label set it held.
 
 ``remove(label_set)`` is the metric's own ``remove``.
+
+``BillingSeries`` (pure: no clock, no Kafka; one per billing processor) moves billing's labelled series for each
+newly billed node-window -- node cost, kept buckets, each pod's direct and shared cost, each pod's memory and
+compute share of each GPU unit -- and keeps them bounded with one ``SeriesBook`` per metric: a pod's series go
+once a newer window of its node is billed without them, a node's (and whatever of its pods is left) once no
+window of it was billed for ``node_memory_ms``.
+
+The per-pod series carry dcgm-exporter's labels (``gpumeter.metrics.DCGM_JOIN_LABELS``) beside ``namespace``,
+``pod`` and ``team``, filled from what a ``GpuShare`` knows (``dcgm_labels``):
+
+* ``UUID``: the physical GPU's UUID, as dcgm-exporter reports it -- a MIG instance's ``parent_gpu_uuid``, else the
+  unit's ``gpu_uuid`` (a time-sliced or MPS GPU is one unit under its own UUID);
+* ``modelName``: the unit's ``gpu_model`` (NVML's name of the GPU; a MIG instance carries its parent's);
+* ``Hostname`` and ``hostname``: the node name (dcgm-exporter's spelling before and after its #655);
+* ``GPU_I_PROFILE``, ``GPU_I_ID``: empty. GpuShare (v2) carries neither the MIG profile nor the GPU instance id
+  (the collector's NodeSample does; the attributor does not pass them on), and a value made up here would join
+  with the wrong series. Prometheus stores an empty label as no label, which is what dcgm-exporter shows for a
+  whole GPU;
+* ``container``: empty. Shares are per pod: no GpuShare field names a container, and a pod's GPU time is not
+  split between its containers;
+* a shared line (a bucket of the node shared to the pod) belongs to no GPU: ``UUID`` and ``modelName`` empty too.
+
+The direct-cost counter is per pod and GPU (its ``UUID``); the share gauges keep ``gpu_uuid``, the unit's own id
+(``MIG-...`` for an instance), so that two instances of one GPU held by one pod stay two series.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Hashable, Iterable
+import logging
+from typing import Callable, Hashable, Iterable, Mapping, Sequence
+
+from schemas.records import CostSubjectKind, GpuShare, ShareSubjectKind
+from services.billing.costing import NodeWindowCost, NodeWindowKey
+
+log = logging.getLogger(__name__)
 
 NodeKey = tuple[str, str]
 LabelSet = tuple[str, ...]
@@ -77,4 +107,124 @@ class SeriesBook:
         return labels in self._holders
 
 
-__all__ = ["SeriesBook"]
+def dcgm_labels(share: GpuShare | None, node_name: str) -> tuple[str, ...]:
+    """The values of ``gpumeter.metrics.DCGM_JOIN_LABELS`` for a pod's line on ``share``'s GPU unit (None: a line
+    of no GPU) on node ``node_name`` (the module docstring says what each one holds)."""
+    uuid = model = ""
+    if share is not None:
+        uuid = share.parent_gpu_uuid or share.gpu_uuid
+        model = share.gpu_model
+    return ("", uuid, "", "", model, node_name, node_name)
+
+
+POD_COST = "gpumeter_pod_gpu_cost_micro_usd_total"
+SHARED_COST = "gpumeter_pod_shared_cost_micro_usd_total"
+MEMORY_SHARE = "gpumeter_pod_gpu_memory_share"
+COMPUTE_SHARE = "gpumeter_pod_gpu_compute_share"
+NODE_COST = "gpumeter_node_cost_micro_usd_total"
+BUCKET_COST = "gpumeter_bucket_cost_micro_usd_total"
+
+
+class BillingSeries:
+    """Billing's labelled series, moved by each newly billed node-window and kept bounded (module docstring).
+
+    ``metrics`` is the service's ``gpumeter.metrics.ServiceMetrics`` (with the six metrics above); ``team_label``
+    the pod label whose value is the ``team`` label. ``observe(key, shares, priced)`` takes a node-window the
+    ledger billed for the first time: its share rows and what it cost. ``series_count()`` is the number of label
+    sets held per metric (the share gauges are one book: memory and compute go together)."""
+
+    def __init__(self, metrics, *, team_label: str, node_memory_ms: int) -> None:
+        self.metrics = metrics
+        self.team_label = team_label
+        self.node_memory_ms = node_memory_ms
+        self._node_newest: dict[tuple[str, str], int] = {}
+        self._newest_window_ms: int | None = None
+        self._books: dict[str, SeriesBook] = {
+            name: SeriesBook(metrics.get(name).remove) for name in (POD_COST, SHARED_COST, NODE_COST, BUCKET_COST)
+        }
+        memory, compute = metrics.get(MEMORY_SHARE), metrics.get(COMPUTE_SHARE)
+
+        def remove_share(*labels: str) -> None:
+            memory.remove(*labels)
+            compute.remove(*labels)
+
+        self._books[MEMORY_SHARE] = SeriesBook(remove_share)
+
+    def series_count(self) -> dict[str, int]:
+        return {name: len(book) for name, book in self._books.items()}
+
+    def _team(self, labels: Mapping[str, str]) -> str:
+        return labels.get(self.team_label, "")
+
+    def observe(self, key: NodeWindowKey, shares: Sequence[GpuShare], priced: NodeWindowCost) -> None:
+        get = self.metrics.get
+        bill = priced.bill
+        node = (key.cluster, key.node_name)
+        start_ms = key.window_start_unix_ms
+        units = {share.gpu_uuid: share for share in shares}
+        node_labels = (bill.node_name, bill.instance_type)
+        get(NODE_COST).labels(*node_labels).inc(bill.node_cost_micro_usd)
+        pods: set[tuple[str, ...]] = set()
+        shared: set[tuple[str, ...]] = set()
+        buckets: set[tuple[str, ...]] = set()
+        for record in priced.costs:
+            if record.subject_kind is CostSubjectKind.POD:
+                pod = (record.namespace or "", record.pod_name or "", self._team(record.labels))
+                gpu = dcgm_labels(units.get(record.gpu_uuid) if record.gpu_uuid else None, key.node_name)
+                if record.shared_from is not None:
+                    labels = (*pod, record.shared_from.value.lower(), *gpu)
+                    get(SHARED_COST).labels(*labels).inc(record.cost_micro_usd)
+                    shared.add(labels)
+                    continue
+                labels = (*pod, *gpu)
+                get(POD_COST).labels(*labels).inc(record.cost_micro_usd)
+                pods.add(labels)
+            else:
+                labels = (bill.node_name, record.subject_kind.value.lower())
+                get(BUCKET_COST).labels(*labels).inc(record.cost_micro_usd)
+                buckets.add(labels)
+        self._books[POD_COST].observe(node, start_ms, pods)
+        self._books[SHARED_COST].observe(node, start_ms, shared)
+        # A node's own series are few and bounded: kept (a bucket missing from one window is no news) until the
+        # node is gone.
+        self._books[NODE_COST].observe(node, start_ms, (node_labels,), prune=False)
+        self._books[BUCKET_COST].observe(node, start_ms, buckets, prune=False)
+        self._set_share_gauges(key, shares)
+        self._forget_gone_nodes(node, start_ms)
+
+    def _set_share_gauges(self, key: NodeWindowKey, shares: Sequence[GpuShare]) -> None:
+        node = (key.cluster, key.node_name)
+        newest = self._node_newest.get(node)
+        if newest is not None and newest > key.window_start_unix_ms:
+            return  # an older window billed late: the gauges already show a newer one
+        memory = self.metrics.get(MEMORY_SHARE)
+        compute = self.metrics.get(COMPUTE_SHARE)
+        series: set[tuple[str, ...]] = set()
+        for share in shares:
+            if share.subject_kind is not ShareSubjectKind.POD:
+                continue
+            labels = (share.namespace or "", share.pod_name or "", self._team(share.labels), share.gpu_uuid,
+                      *dcgm_labels(share, key.node_name))
+            series.add(labels)
+            memory.labels(*labels).set(share.memory_share)
+            compute.labels(*labels).set(share.compute_share)
+        self._books[MEMORY_SHARE].observe(node, key.window_start_unix_ms, series)
+
+    def _forget_gone_nodes(self, node: tuple[str, str], start_ms: int) -> None:
+        """Remember ``node``'s newest billed window; when the newest window of all moves on, forget the series of
+        every node that billed nothing for the memory horizon (scaled down, renamed, gone)."""
+        if self._node_newest.get(node, start_ms - 1) < start_ms:
+            self._node_newest[node] = start_ms
+        if self._newest_window_ms is not None and start_ms <= self._newest_window_ms:
+            return
+        self._newest_window_ms = start_ms
+        horizon = start_ms - self.node_memory_ms
+        for gone in [n for n, newest in self._node_newest.items() if newest < horizon]:
+            del self._node_newest[gone]
+            for book in self._books.values():
+                book.forget(gone)
+            log.info("no window of node %s/%s for %.0f s: its metric series are removed", gone[0], gone[1],
+                     self.node_memory_ms / 1000)
+
+
+__all__ = ["BillingSeries", "SeriesBook", "dcgm_labels"]

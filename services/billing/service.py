@@ -67,12 +67,12 @@ from gpumeter.kafka.processor import (
 from gpumeter.settings import DEFAULT_MAX_REQUEST_SIZE_BYTES
 from gpumeter.validation import DEFAULT_DOWNSTREAM_MAX_CLOCK_SKEW_SECONDS, check_window_shares
 from schemas.catalog import TopicCatalog
-from schemas.records import CostRecord, CostSubjectKind, GpuShare, NodeWindowShares, ShareSubjectKind
+from schemas.records import CostRecord, GpuShare, NodeWindowShares
 from schemas.typed import codec_for
 from services.billing.catalog import PriceCatalog, PriceError
 from services.billing.costing import NodeWindowCost, NodeWindowKey, bill_node_window, window_cost_record
 from services.billing.ledger import LedgerError, LedgerUnusable, WriteResult
-from services.billing.metric_series import SeriesBook
+from services.billing.metric_series import BillingSeries
 from services.billing.pricing import SplitPolicy
 from services.billing.sharing import KEEP_ALL, SharingPolicy
 
@@ -312,22 +312,9 @@ class BillingProcessor(ProcessorLifecycle):
         self._codec = codec_for(NodeWindowShares)
         # Labelled series by the nodes that hold them (services.billing.metric_series): a pod's series go once a
         # newer window of its node lacks it, a node's once it has billed nothing for node_memory_seconds.
-        self._node_memory_ms = int(node_memory_seconds * 1000)
-        self._node_newest: dict[tuple[str, str], int] = {}
-        self._newest_window_ms: int | None = None
-        self._series: dict[str, SeriesBook] = {}
-        if metrics:
-            for name in ("gpumeter_pod_gpu_cost_micro_usd_total", "gpumeter_pod_shared_cost_micro_usd_total",
-                         "gpumeter_node_cost_micro_usd_total", "gpumeter_bucket_cost_micro_usd_total"):
-                self._series[name] = SeriesBook(metrics.get(name).remove)
-            memory = metrics.get("gpumeter_pod_gpu_memory_share")
-            compute = metrics.get("gpumeter_pod_gpu_compute_share")
-
-            def remove_share(*labels: str) -> None:
-                memory.remove(*labels)
-                compute.remove(*labels)
-
-            self._series["gpumeter_pod_gpu_memory_share"] = SeriesBook(remove_share)
+        self.series = None if not metrics else BillingSeries(
+            metrics, team_label=team_label,
+            node_memory_ms=int(node_memory_seconds * 1000))
 
     # -- messages --
 
@@ -511,78 +498,12 @@ class BillingProcessor(ProcessorLifecycle):
 
     # -- metrics --
 
-    def _team(self, labels: Mapping[str, str]) -> str:
-        return labels.get(self.team_label, "")
-
     def _observe_new_bill(self, window: InputWindow, priced: NodeWindowCost) -> None:
         if not self.metrics:
             return
-        get = self.metrics.get
-        bill = priced.bill
-        node = (window.key.cluster, window.key.node_name)
-        start_ms = window.key.window_start_unix_ms
-        node_labels = (bill.node_name, bill.instance_type)
-        get("gpumeter_node_cost_micro_usd_total").labels(*node_labels).inc(bill.node_cost_micro_usd)
         # The ledger writes every line of a new bill.
-        get("gpumeter_billing_ledger_rows_written_total").inc(len(priced.costs))
-        pods: set[tuple[str, ...]] = set()
-        shared: set[tuple[str, ...]] = set()
-        buckets: set[tuple[str, ...]] = set()
-        for record in priced.costs:
-            if record.subject_kind is CostSubjectKind.POD:
-                labels = (record.namespace or "", record.pod_name or "", self._team(record.labels))
-                if record.shared_from is not None:
-                    labels = (*labels, record.shared_from.value.lower())
-                    get("gpumeter_pod_shared_cost_micro_usd_total").labels(*labels).inc(record.cost_micro_usd)
-                    shared.add(labels)
-                    continue
-                get("gpumeter_pod_gpu_cost_micro_usd_total").labels(*labels).inc(record.cost_micro_usd)
-                pods.add(labels)
-            else:
-                labels = (bill.node_name, record.subject_kind.value.lower())
-                get("gpumeter_bucket_cost_micro_usd_total").labels(*labels).inc(record.cost_micro_usd)
-                buckets.add(labels)
-        self._series["gpumeter_pod_gpu_cost_micro_usd_total"].observe(node, start_ms, pods)
-        self._series["gpumeter_pod_shared_cost_micro_usd_total"].observe(node, start_ms, shared)
-        # A node's own series are few and bounded: kept (a bucket missing from one window is no news) until the
-        # node is gone.
-        self._series["gpumeter_node_cost_micro_usd_total"].observe(node, start_ms, (node_labels,), prune=False)
-        self._series["gpumeter_bucket_cost_micro_usd_total"].observe(node, start_ms, buckets, prune=False)
-        self._set_share_gauges(window)
-        self._forget_gone_nodes(node, start_ms)
-
-    def _set_share_gauges(self, window: InputWindow) -> None:
-        node = (window.key.cluster, window.key.node_name)
-        newest = self._node_newest.get(node)
-        if newest is not None and newest > window.key.window_start_unix_ms:
-            return  # an older window billed late: the gauges already show a newer one
-        memory = self.metrics.get("gpumeter_pod_gpu_memory_share")
-        compute = self.metrics.get("gpumeter_pod_gpu_compute_share")
-        series: set[tuple[str, str, str, str]] = set()
-        for share in window.shares:
-            if share.subject_kind is not ShareSubjectKind.POD:
-                continue
-            labels = (share.namespace or "", share.pod_name or "", self._team(share.labels), share.gpu_uuid)
-            series.add(labels)
-            memory.labels(*labels).set(share.memory_share)
-            compute.labels(*labels).set(share.compute_share)
-        self._series["gpumeter_pod_gpu_memory_share"].observe(node, window.key.window_start_unix_ms, series)
-
-    def _forget_gone_nodes(self, node: tuple[str, str], start_ms: int) -> None:
-        """Remember ``node``'s newest billed window; when the newest window of all moves on, forget the series of
-        every node that billed nothing for the memory horizon (scaled down, renamed, gone)."""
-        if self._node_newest.get(node, start_ms - 1) < start_ms:
-            self._node_newest[node] = start_ms
-        if self._newest_window_ms is not None and start_ms <= self._newest_window_ms:
-            return
-        self._newest_window_ms = start_ms
-        horizon = start_ms - self._node_memory_ms
-        for gone in [n for n, newest in self._node_newest.items() if newest < horizon]:
-            del self._node_newest[gone]
-            for book in self._series.values():
-                book.forget(gone)
-            log.info("no window of node %s/%s for %.0f s: its metric series are removed", gone[0], gone[1],
-                     self._node_memory_ms / 1000)
+        self.metrics.get("gpumeter_billing_ledger_rows_written_total").inc(len(priced.costs))
+        self.series.observe(window.key, window.shares, priced)
 
 
 # -- the Kafka loop ---------------------------------------------------------------------------------------------

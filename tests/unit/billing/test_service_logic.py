@@ -124,6 +124,15 @@ def make_processor(ledger, producer=None, *, clock=None, memory_s=3600.0, catalo
     )
 
 
+A100 = "NVIDIA A100-SXM4-40GB"
+
+
+def on_gpu(uuid: str, node: str = "node-a", model: str = A100) -> dict[str, str]:
+    """dcgm-exporter's labels of a pod's series on the whole GPU ``uuid`` of ``node`` (docs/billing.md)."""
+    return {"container": "", "UUID": uuid, "GPU_I_PROFILE": "", "GPU_I_ID": "", "modelName": model,
+            "Hostname": node, "hostname": node}
+
+
 def two_gpu_window(*, node="node-a", start_ms=WINDOW_START_MS, instance_type="p4d.24xlarge"):
     units = [
         Unit("GPU-0", [pod("p1", 0.6, "ml", team="research"), bucket(ShareSubjectKind.IDLE, 0.4)]),
@@ -478,13 +487,14 @@ async def test_metrics_follow_the_bills_and_share_gauges_drop_pods_that_left(sql
         if record.subject_kind is CostSubjectKind.POD:
             team = record.labels.get("team", "")
             assert value("gpumeter_pod_gpu_cost_micro_usd_total",
-                         {"namespace": record.namespace, "pod": record.pod_name, "team": team}) == record.cost_micro_usd
+                         {"namespace": record.namespace, "pod": record.pod_name, "team": team,
+                          **on_gpu(record.gpu_uuid)}) == record.cost_micro_usd
     idle = sum(r.cost_micro_usd for r in priced.costs if r.subject_kind is CostSubjectKind.IDLE)
     assert value("gpumeter_bucket_cost_micro_usd_total", {"node": "node-a", "kind": "idle"}) == idle
     assert value("gpumeter_node_cost_micro_usd_total",
                  {"node": "node-a", "instance_type": "p4d.24xlarge"}) == priced.bill.node_cost_micro_usd
     assert value("gpumeter_billing_ledger_rows_written_total") == len(priced.costs)
-    p1 = {"namespace": "ml", "pod": "pod-p1", "team": "research", "gpu_uuid": "GPU-0"}
+    p1 = {"namespace": "ml", "pod": "pod-p1", "team": "research", "gpu_uuid": "GPU-0", **on_gpu("GPU-0")}
     assert value("gpumeter_pod_gpu_memory_share", p1) == 0.6
     # next window: p1 left GPU-0
     units = [Unit("GPU-0", [bucket(ShareSubjectKind.IDLE, 1.0)]),
@@ -492,7 +502,8 @@ async def test_metrics_follow_the_bills_and_share_gauges_drop_pods_that_left(sql
     await processor.handle(feed.message(node_window(units, window_start_ms=WINDOW_START_MS + MINUTE_MS)))
     assert value("gpumeter_pod_gpu_memory_share", p1) is None
     assert value("gpumeter_pod_gpu_compute_share",
-                 {"namespace": "web", "pod": "pod-p2", "team": "prod", "gpu_uuid": "GPU-1"}) == 0.25
+                 {"namespace": "web", "pod": "pod-p2", "team": "prod", "gpu_uuid": "GPU-1",
+                  **on_gpu("GPU-1")}) == 0.25
     assert value("gpumeter_dead_letters_total", {"service": "billing", "topic": SHARES_TOPIC,
                                                  "reason_code": "CORRUPT"}) is None
     await processor.handle(feed.message(value=b"zz"))
@@ -521,11 +532,13 @@ async def test_the_sharing_policy_bills_publishes_and_counts_the_shared_lines(sq
     assert not [c for c in sent if c.subject_kind in (CostSubjectKind.IDLE, CostSubjectKind.NODE_OTHER)]
     value = metrics.registry.get_sample_value
     for record in shared:
+        # A shared line is a bucket of the node: no GPU of its own.
         labels = {"namespace": record.namespace, "pod": record.pod_name, "team": record.labels.get("team", ""),
-                  "shared_from": record.shared_from.value.lower()}
+                  "shared_from": record.shared_from.value.lower(), **on_gpu("", model="")}
         assert value("gpumeter_pod_shared_cost_micro_usd_total", labels) == record.cost_micro_usd
     for record in (c for c in sent if c.subject_kind is CostSubjectKind.POD and not c.is_shared):
-        labels = {"namespace": record.namespace, "pod": record.pod_name, "team": record.labels.get("team", "")}
+        labels = {"namespace": record.namespace, "pod": record.pod_name, "team": record.labels.get("team", ""),
+                  **on_gpu(record.gpu_uuid)}
         assert value("gpumeter_pod_gpu_cost_micro_usd_total", labels) == record.cost_micro_usd
     assert value("gpumeter_bucket_cost_micro_usd_total", {"node": "node-a", "kind": "idle"}) is None
 
@@ -901,7 +914,8 @@ async def test_series_of_pods_that_came_and_went_are_removed_after_their_last_wi
             live[node] = set()
             for record in bill_node_window(shares, catalog).costs:
                 if record.subject_kind is CostSubjectKind.POD:
-                    labels = (("namespace", "ml"), ("pod", record.pod_name), ("team", record.labels["team"]))
+                    labels = tuple(sorted({"namespace": "ml", "pod": record.pod_name, "team": record.labels["team"],
+                                           **on_gpu("GPU-0", node)}.items()))
                     expected_cost[labels] += record.cost_micro_usd
                     live[node].add(labels)
     assert processor.stats.windows_billed == 2 * windows  # 1,000 pods billed
