@@ -29,6 +29,7 @@ COPY pyproject.toml constraints.txt README.md ./
 COPY gpumeter ./gpumeter
 COPY services ./services
 COPY schemas ./schemas
+COPY simulator ./simulator
 # Not editable: the package (and its data files) is copied into the environment, so the source tree stays here.
 RUN /opt/gpumeter/bin/pip install -c constraints.txt .
 

@@ -241,7 +241,7 @@ def write_recording(records: Iterable[InputRecord], path: str | Path) -> int:
 
 def record_scenario(scenario_path: str | Path, path: str | Path, *, node: str | None = None) -> int:
     """Record a scenario's pod events and samples (one node's, or all) to ``path``, in replay order."""
-    from services.collector.sim.scenario import load_scenario
+    from simulator.scenario import load_scenario
 
     scenario = load_scenario(Path(scenario_path))
     return write_recording(scenario_records(scenario, _scenario_nodes(scenario, node)), path)
@@ -403,7 +403,7 @@ class _TruthAccumulator:
     """Ground truth per (window, unit, pod) over the replayed ticks (definition in the module docstring)."""
 
     def __init__(self, scenario: Any, window_seconds: int) -> None:
-        from services.collector.sim.world import SimWorld
+        from simulator.world import SimWorld
 
         self._world = SimWorld(scenario)
         self._window_ms = window_seconds * 1000
@@ -605,7 +605,7 @@ def replay(
     if not input_path.exists():
         raise ConfigError(f"replay input {input_path} does not exist")
     if _is_scenario_path(input_path):
-        from services.collector.sim.scenario import load_scenario
+        from simulator.scenario import load_scenario
 
         scenario = load_scenario(input_path)
         input_kind = INPUT_SCENARIO

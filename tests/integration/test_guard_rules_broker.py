@@ -42,7 +42,7 @@ from schemas.typed import codec_for
 from schemas.records import CostRecord, DeadLetter, GpuShare, NodeSample, PodEvent, Violation, ViolationState
 from services.attributor import replay as attributor_replay
 from services.attributor.replay import InputRecord, scenario_records, write_recording
-from services.collector.sim.scenario import load_scenario
+from simulator.scenario import load_scenario
 from services.guard import config as guard_config
 from services.guard.config import GuardConfig
 from services.guard.main import serve

@@ -16,7 +16,7 @@ from gpumeter.kafka.producer import RecordProducer
 from schemas.catalog import partition_for_node, pod_event_key
 from schemas.records import NodeSample
 from services.attributor.replay import read_jsonl, replay, scenario_records, share_json
-from services.collector.sim.scenario import load_scenario
+from simulator.scenario import load_scenario
 from tests.integration.test_attributor_stream import PARTITIONS, AttributorProcess, Outputs
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

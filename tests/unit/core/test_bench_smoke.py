@@ -65,7 +65,7 @@ def test_collector_runs_the_real_tick_over_a_replay_of_the_simulator():
 
 def test_replayed_nvml_gives_the_collector_the_simulators_answers(tmp_path):
     from services.collector.cgroup import ProcessIdentityCache
-    from services.collector.sim.scenario import load_scenario
+    from simulator.scenario import load_scenario
 
     scenario = load_scenario(collector.scenario_yaml(gpus=1, processes_per_gpu=2, duration_seconds=10))
     rig = collector.CollectorRig(scenario, ticks=2, workdir=tmp_path)

@@ -21,7 +21,7 @@ from services.attributor.replay import (
     scenario_records,
     write_recording,
 )
-from services.collector.sim.scenario import load_scenario
+from simulator.scenario import load_scenario
 from services.guard.config import GuardConfig
 from services.guard.rules import fingerprint_of, period_bounds
 

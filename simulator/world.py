@@ -45,7 +45,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 from schemas.records import DeviceAssignment
-from services.collector.sim.scenario import (
+from simulator.scenario import (
     MIB,
     MIG_TOTAL_COMPUTE_SLICES,
     SHARING_MIG,

@@ -7,7 +7,7 @@ gpumeter uses, and its errors ARE pynvml's: ``pynvml.NVMLError(pynvml.NVML_ERROR
 is passed through from the real module; a pynvml function this fake does not simulate raises AttributeError
 rather than answering something made up.
 
-What each call returns follows the driver (see ``services/collector/sim/world.py`` for the model):
+What each call returns follows the driver (see ``simulator/world.py`` for the model):
 
 * ``nvmlDeviceGetMemoryInfo(h)`` → ``c_nvmlMemory_t`` whose ``used`` includes the driver reserve (v1);
   ``version=nvmlMemory_v2`` → ``c_nvmlMemory_v2_t`` with ``total = free + used + reserved`` (a GPU configured with
@@ -43,7 +43,7 @@ from typing import Any
 import pynvml
 
 from gpumeter.clock import Clock
-from services.collector.sim.scenario import (
+from simulator.scenario import (
     MIB,
     MIG_PROFILES_BY_MEMORY_CLASS,
     MIG_TOTAL_COMPUTE_SLICES,
@@ -54,7 +54,7 @@ from services.collector.sim.scenario import (
     GpuSpec,
     mig_memory_class,
 )
-from services.collector.sim.world import GpuObservation, SimWorld, UnitObservation
+from simulator.world import GpuObservation, SimWorld, UnitObservation
 
 _NOT_IN_MIG = 0xFFFFFFFF
 _MISSING = object()
