@@ -153,8 +153,9 @@ def measure_scenario_side(nodes: int, duration_seconds: int, repeats: int) -> di
 
 def measure_node_tick(ticks: int) -> dict[str, Any]:
     """One node of the fleet through ``ticks`` ticks: NVML calls per tick, and the CPU of ``NvmlBackend.read()``
-    over ``FakeNvml`` (simulator and collector) against the same reads over the recorded answers (the collector's
-    part alone); the difference is what the simulator spends answering."""
+    over ``FakeNvml`` (simulator and collector) against the same reads over the simulator's recorded answers
+    (``bench.collector.ReplayNvml``: the collector's part, plus the replay's own small cost per call). The
+    difference is what the simulator spends answering (a lower bound, by that replay cost)."""
     from gpumeter.clock import ManualClock
     from services.collector.nvml_backend import NvmlBackend
     from services.collector.simulation import sharing_config
@@ -163,51 +164,45 @@ def measure_node_tick(ticks: int) -> dict[str, Any]:
 
     from bench.collector import RecordingNvml, ReplayNvml
 
-    scenario = load_fleet(1, duration_seconds=(ticks + 1) * INTERVAL_S)
-    node = scenario.nodes[0]
-    times = scenario.tick_times_ms()[:ticks + 1]
-    world = SimWorld(scenario)
-    clock = ManualClock(scenario.start_unix_ms)
-    fake = FakeNvml(world, clock, node.name)
-    recorder = RecordingNvml(fake)
-    backend = NvmlBackend(recorder, clock, sharing_by_gpu_uuid=sharing_config(node))
-    clock.set_ms(times[0])
-    backend.read()  # warm-up: nvmlInit and the backend's per-GPU caches
-    warmup = len(recorder.calls)
-    by_function: Counter[str] = Counter()
+    def rig(wrap: Any) -> tuple[Any, Any, Any, tuple[int, ...]]:
+        # A scenario object of its own: its worlds compute every observation afresh.
+        scenario = load_fleet(1, duration_seconds=(ticks + 1) * INTERVAL_S)
+        node = scenario.nodes[0]
+        clock = ManualClock(scenario.start_unix_ms)
+        fake = FakeNvml(SimWorld(scenario), clock, node.name)
+        nvml = wrap(fake)
+        backend = NvmlBackend(nvml, clock, sharing_by_gpu_uuid=sharing_config(node))
+        times = scenario.tick_times_ms()[:ticks + 1]
+        clock.set_ms(times[0])
+        backend.read()  # warm-up: nvmlInit and the backend's per-GPU caches
+        return backend, clock, nvml, times
 
-    def simulated() -> None:
+    def read_ticks(backend: Any, clock: Any, times: tuple[int, ...]) -> None:
         for t in times[1:]:
             clock.set_ms(t)
             backend.read()
 
-    simulated_timing, _ = timed(simulated)
-    calls = recorder.calls
-    by_function.update(name for name, _, _ in calls[warmup:])
-    replay_clock = ManualClock(times[0])
-    replay = ReplayNvml(fake, calls)
-    replayed_backend = NvmlBackend(replay, replay_clock, sharing_by_gpu_uuid=sharing_config(node))
-    replayed_backend.read()
-
-    def replayed() -> None:
-        for t in times[1:]:
-            replay_clock.set_ms(t)
-            replayed_backend.read()
-
-    replayed_timing, _ = timed(replayed)
+    backend, clock, recorder, times = rig(RecordingNvml)
+    warmup = len(recorder.calls)
+    read_ticks(backend, clock, times)
+    calls = list(recorder.calls)
+    backend, clock, _, times = rig(lambda fake: fake)
+    simulated_timing, _ = timed(lambda: read_ticks(backend, clock, times))
+    backend, clock, replay, times = rig(lambda fake: ReplayNvml(fake, calls))
+    replayed_timing, _ = timed(lambda: read_ticks(backend, clock, times))
     if replay.diverged or not replay.exhausted:
         raise AssertionError(replay.diverged or "the replayed backend made fewer NVML calls than recorded")
     nvml_calls = len(calls) - warmup
+    by_function = Counter(name for name, _, _ in calls[warmup:])
+    answering_s = simulated_timing.cpu_s - replayed_timing.cpu_s
     return {
         "ticks": ticks,
         "nvml_calls_per_node_tick": nvml_calls // ticks,
         "nvml_calls_per_node_tick_by_function": {name: count // ticks for name, count in by_function.most_common()},
         "backend_over_simulator_cpu_ms_per_node_tick": round(simulated_timing.cpu_s / ticks * 1000, 3),
         "backend_over_recorded_answers_cpu_ms_per_node_tick": round(replayed_timing.cpu_s / ticks * 1000, 3),
-        "simulator_answering_cpu_ms_per_node_tick": round((simulated_timing.cpu_s - replayed_timing.cpu_s)
-                                                          / ticks * 1000, 3),
-        "simulator_answering_cpu_us_per_nvml_call": round((simulated_timing.cpu_s - replayed_timing.cpu_s)
-                                                          / nvml_calls * 1e6, 2),
+        "simulator_answering_cpu_ms_per_node_tick": round(answering_s / ticks * 1000, 3),
+        "simulator_answering_cpu_us_per_nvml_call": round(answering_s / nvml_calls * 1e6, 2),
     }
 
 
