@@ -4,8 +4,9 @@ The scenario is generated here (``fleet_scenario_yaml``): ``nodes`` ``p5.48xlarg
 priced in the bundled catalog), each GPU pair in one sharing mode — 0-1 exclusive, 2-3 time-sliced into 4
 replicas, 4-5 MPS with 4 replicas, 6-7 MIG (3g.40gb, 2g.20gb, 1g.10gb, 1g.10gb; the last instance idle) — and 25
 pods per node, 24 at a time: one on each exclusive GPU (the second one's pod replaced mid-run: one ends, another
-starts a tick later), four per time-sliced or MPS GPU, three per MIG GPU. Memory and compute follow every kind the scenario format has (fixed,
-preallocated, ramped, stepped), so each attribution bucket and each NVML path is exercised.
+starts a tick later), four per time-sliced or MPS GPU, three per MIG GPU. Memory and compute follow every kind
+the scenario format has (fixed, preallocated, ramped, stepped), so each attribution bucket and each NVML path is
+exercised.
 
 Measured (CPU seconds of this process, best of ``REPEATS``):
 
@@ -16,8 +17,9 @@ Measured (CPU seconds of this process, best of ``REPEATS``):
 * **whole replay**: ``replay()`` of the 40-node scenario into a temporary folder — scenario side, the
   attributor's engine, billing, the guard, the ground truth and the JSON-lines output — as ``gpumeter replay``
   does it.
-* **NVML calls per node-tick**: the ``FakeNvml`` calls of one node's ticks (what the scenario side's cost grows
-  with).
+* **per node-tick**: the NVML calls of one node's tick (what the scenario side's cost grows with), and
+  ``NvmlBackend.read()`` over ``FakeNvml`` against the same reads over the recorded answers: the simulator's
+  share of the scenario side against the collector's own.
 
 Target (issue 16): the whole replay of 40 nodes × 8 GPUs × 1 h at 10 s ticks in < 20 s.
 """
@@ -237,6 +239,8 @@ def measure_replay(nodes: int, duration_seconds: int) -> dict[str, Any]:
 
 def measure(node_counts: tuple[int, ...], duration_seconds: int, replay_nodes: int, repeats: int,
             node_ticks: int) -> dict[str, Any]:
+    """The figures: the scenario side at each of ``node_counts`` (best of ``repeats``), the per-node-tick split over
+    ``node_ticks`` ticks, and the whole replay of ``replay_nodes`` nodes, all over ``duration_seconds``."""
     measure_scenario_side(1, 60, 1)  # warm-up: imports and first-use caches are no node count's cost
     sides = {str(n): measure_scenario_side(n, duration_seconds, repeats) for n in node_counts}
     smallest, largest = sides[str(node_counts[0])], sides[str(node_counts[-1])]
@@ -270,7 +274,8 @@ def run(quick: bool) -> tuple[dict[str, Any], list[Target], list[str]]:
         f"collector's own handling takes {tick['backend_over_recorded_answers_cpu_ms_per_node_tick']} ms), the "
         f"attributor, billing, guard and truth the other {whole.get('rest_cpu_s')} s; see docs/performance.md")
     targets = [Target(
-        f"replay {whole['nodes']} nodes x 8 GPUs x {figures['workload']['simulated_hours']:g} h at {INTERVAL_S} s ticks",
+        f"replay {whole['nodes']} nodes x 8 GPUs x {figures['workload']['simulated_hours']:g} h at {INTERVAL_S} s "
+        "ticks",
         f"< {TARGET_REPLAY_S:g} s (40 nodes x 8 GPUs x 1 h)",
         f"{whole['wall_s']} s wall, {whole['cpu_s']} s CPU; linearity {figures['linearity_ratio']} "
         f"(per node-hour, {counts[-1]} vs {counts[0]} nodes)", met, cause,
