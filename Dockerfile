@@ -30,6 +30,7 @@ COPY gpumeter ./gpumeter
 COPY services ./services
 COPY schemas ./schemas
 COPY pipeline ./pipeline
+COPY simulator ./simulator
 # Not editable: the package (and its data files) is copied into the environment, so the source tree stays here.
 RUN /opt/gpumeter/bin/pip install -c constraints.txt .
 

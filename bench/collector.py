@@ -31,9 +31,9 @@ from schemas.catalog import TopicCatalog
 from services.collector.cgroup import ProcessIdentityCache, read_process_identity
 from services.collector.nvml_backend import NvmlBackend
 from services.collector.service import CollectorService
-from services.collector.sim.fake_pynvml import FakeNvml
-from services.collector.sim.scenario import Scenario, load_scenario
-from services.collector.sim.world import SimWorld
+from simulator.fake_pynvml import FakeNvml
+from simulator.scenario import Scenario, load_scenario
+from simulator.world import SimWorld
 from services.collector.simulation import node_facts, sharing_config
 
 from bench.common import Target, alternate, timed

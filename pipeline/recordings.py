@@ -164,7 +164,7 @@ def write_recording(records: Iterable[InputRecord], path: str | Path) -> int:
 
 def record_scenario(scenario_path: str | Path, path: str | Path, *, node: str | None = None) -> int:
     """Record a scenario's pod events and samples (one node's, or all) to ``path``, in replay order."""
-    from services.collector.sim.scenario import load_scenario
+    from simulator.scenario import load_scenario
 
     scenario = load_scenario(Path(scenario_path))
     return write_recording(scenario_records(scenario, scenario_nodes(scenario, node)), path)

@@ -253,7 +253,7 @@ def replay(
     if not input_path.exists():
         raise ConfigError(f"replay input {input_path} does not exist")
     if _is_scenario_path(input_path):
-        from services.collector.sim.scenario import load_scenario
+        from simulator.scenario import load_scenario
 
         scenario = load_scenario(input_path)
         input_kind = INPUT_SCENARIO

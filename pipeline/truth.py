@@ -48,7 +48,7 @@ class TruthAccumulator:
     """Ground truth per (window, unit, pod) over the replayed ticks (defined in this module's docstring)."""
 
     def __init__(self, scenario: Any, window_seconds: int) -> None:
-        from services.collector.sim.world import SimWorld
+        from simulator.world import SimWorld
 
         self._world = SimWorld(scenario)
         self._window_ms = window_seconds * 1000

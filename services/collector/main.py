@@ -49,7 +49,7 @@ def _scenario(settings: CollectorSettings):
     """The simulated scenario (None outside simulate mode), checked to hold this node: ``ScenarioError``."""
     if settings.simulate is None:
         return None
-    from services.collector.sim.scenario import load_scenario
+    from simulator.scenario import load_scenario
 
     scenario = load_scenario(settings.simulate)
     scenario.node(settings.node_name)

@@ -1,7 +1,7 @@
 """Read every GPU and MIG device of this node through NVML, once per collector tick.
 
 ``NvmlBackend(nvml, clock, ...)`` takes the NVML module as a parameter: the real ``pynvml`` (nvidia-ml-py) in
-production, a ``services.collector.sim.fake_pynvml.FakeNvml`` in simulation. The code path is the same for both:
+production, a ``simulator.fake_pynvml.FakeNvml`` in simulation. The code path is the same for both:
 it only calls pynvml functions and reads pynvml constants and exception classes through ``nvml``.
 
 Contracts:

@@ -25,10 +25,10 @@ from services.collector.cgroup import ProcessIdentityCache
 from services.collector.nodefacts import NodeFactOverrides, node_facts_from_node
 from services.collector.nvml_backend import NvmlBackend
 from services.collector.pods import pod_event_from_object, with_assignments
-from services.collector.sim.apiserver import make_node_object, make_pod_object
-from services.collector.sim.fake_pynvml import FakeNvml
-from services.collector.sim.scenario import NodeSpec, Scenario
-from services.collector.sim.world import SimPod, SimWorld
+from simulator.apiserver import make_node_object, make_pod_object
+from simulator.fake_pynvml import FakeNvml
+from simulator.scenario import NodeSpec, Scenario
+from simulator.world import SimPod, SimWorld
 
 _MODES = {
     "exclusive": SharingMode.EXCLUSIVE,
@@ -178,8 +178,8 @@ class SimulatedNode:
     """The simulated peers of one collector process: fake proc root, FakeKubelet, FakeApiServer, FakeNvml."""
 
     def __init__(self, scenario: Scenario, node_name: str, time_scale: float, workdir: Path) -> None:
-        from services.collector.sim.apiserver import FakeApiServer
-        from services.collector.sim.kubelet import FakeKubelet
+        from simulator.apiserver import FakeApiServer
+        from simulator.kubelet import FakeKubelet
 
         self.scenario = scenario
         self.node = scenario.node(node_name)

@@ -1,5 +1,5 @@
 """A pod with 30,000 labels on a node, through the real collector path: the simulated API server and kubelet
-(``services/collector/sim/``), ``gpumeter collector --simulate`` in a subprocess, and the session's real broker.
+(``simulator/``), ``gpumeter collector --simulate`` in a subprocess, and the session's real broker.
 
 Kubernetes accepts such a pod; copied whole it made a 1.28 MB PodEvent that the producer refused, and the
 collector's buffer kept it at its head, retried it every few seconds and sent nothing behind it: the node's ticks

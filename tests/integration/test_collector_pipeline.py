@@ -25,8 +25,8 @@ from gpumeter.settings import KafkaSettings
 from schemas.catalog import TopicCatalog, partition_for_node
 from schemas.records import NodeSample, PodEvent, PodEventType
 from schemas.typed import codec_for
-from services.collector.sim.scenario import load_scenario
-from services.collector.sim.world import SimWorld
+from simulator.scenario import load_scenario
+from simulator.world import SimWorld
 from services.collector.simulation import sharing_config
 from tests.integration.topic_reading import read_messages
 

@@ -136,7 +136,7 @@ def exports(tmp_path_factory) -> dict[str, Path]:
     from services.billing.ledger import Ledger
     from services.billing.pricing import DEFAULT_SPLIT_POLICY
     from services.billing.sharing import SharingPolicy
-    from services.collector.sim.scenario import load_scenario
+    from simulator.scenario import load_scenario
 
     folder = tmp_path_factory.mktemp("focus-exports")
     engine = AttributionEngine(EngineConfig(window_seconds=60, grace_seconds=10))

@@ -44,7 +44,7 @@ from schemas.records import Violation, ViolationState
 from pipeline import replay as attributor_replay
 from pipeline.replay import read_jsonl
 from pipeline.recordings import InputRecord, scenario_records, write_recording
-from services.collector.sim.scenario import load_scenario
+from simulator.scenario import load_scenario
 from services.guard import config as guard_config
 from services.guard.config import GuardConfig
 from services.guard.main import serve

@@ -17,7 +17,7 @@ from schemas.catalog import partition_for_node, pod_event_key
 from schemas.records import NodeSample
 from pipeline.recordings import scenario_records
 from pipeline.replay import read_jsonl, replay, share_json
-from services.collector.sim.scenario import load_scenario
+from simulator.scenario import load_scenario
 from tests.integration.test_attributor_stream import PARTITIONS, AttributorProcess, Outputs
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -165,7 +165,7 @@ class Run:
         """Broker, topics, scenario copy; returns (scenario copy, node names, allowed clock skew in seconds)."""
         from gpumeter.kafka.admin import create_topics
         from schemas.catalog import TopicCatalog
-        from services.collector.sim.scenario import ScenarioError, load_scenario
+        from simulator.scenario import ScenarioError, load_scenario
 
         config = self.config
         config.workdir.mkdir(parents=True, exist_ok=True)

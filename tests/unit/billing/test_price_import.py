@@ -23,7 +23,7 @@ from services.billing.price_import import (
     render_rates_csv,
 )
 from services.billing.pricing import price_node
-from services.collector.sim.scenario import load_scenario
+from simulator.scenario import load_scenario
 from services.collector.simulation import node_facts, node_object
 
 REPO = Path(__file__).resolve().parents[3]

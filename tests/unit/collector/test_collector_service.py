@@ -21,9 +21,9 @@ from services.collector.podresources.client import PodResourcesClient
 from services.collector.publisher import BufferedPublisher, OutboundRecord
 from services.collector.service import CollectorService
 from services.collector.settings import collector_settings
-from services.collector.sim.apiserver import make_pod_object
-from services.collector.sim.kubelet import FakeKubelet
-from services.collector.sim.scenario import load_scenario
+from simulator.apiserver import make_pod_object
+from simulator.kubelet import FakeKubelet
+from simulator.scenario import load_scenario
 from services.collector.simulation import node_streams
 
 REPO = Path(__file__).resolve().parents[3]

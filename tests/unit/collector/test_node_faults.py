@@ -25,8 +25,8 @@ from services.collector.assemble import NodeFacts
 from services.collector.cgroup import ProcessIdentityCache
 from services.collector.nvml_backend import NvmlBackend
 from services.collector.service import CollectorService
-from services.collector.sim.fake_pynvml import FakeNvml
-from services.collector.sim.world import SimWorld
+from simulator.fake_pynvml import FakeNvml
+from simulator.world import SimWorld
 from tests.unit.collector.test_nvml_backend import Proxy, scenario, sharing_config
 
 CODES = {"GPU_IS_LOST": pynvml.NVML_ERROR_GPU_IS_LOST, "NOT_SUPPORTED": pynvml.NVML_ERROR_NOT_SUPPORTED}

@@ -18,8 +18,8 @@ from services.collector.nodefacts import (
     read_node_object,
 )
 from services.collector.podwatch import make_api_client
-from services.collector.sim.apiserver import FakeApiServer, make_node_object
-from services.collector.sim.scenario import load_scenario
+from simulator.apiserver import FakeApiServer, make_node_object
+from simulator.scenario import load_scenario
 from services.collector.simulation import SimulatedNode, node_facts, node_object
 
 NO_OVERRIDES = NodeFactOverrides()

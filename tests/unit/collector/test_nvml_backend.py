@@ -19,9 +19,9 @@ from services.collector.nvml_backend import (
     NvmlBackend,
     RawDeviceSample,
 )
-from services.collector.sim.fake_pynvml import FakeNvml
-from services.collector.sim.scenario import NodeSpec, Scenario, load_scenario
-from services.collector.sim.world import SimWorld
+from simulator.fake_pynvml import FakeNvml
+from simulator.scenario import NodeSpec, Scenario, load_scenario
+from simulator.world import SimWorld
 
 REPO = Path(__file__).resolve().parents[3]
 SCENARIOS = sorted(p.stem for p in (REPO / "scenarios").glob("*.yaml"))

@@ -22,7 +22,7 @@ from services.collector.podresources.client import (
     assignments_from_pod,
 )
 from schemas.devices import is_gpu_resource
-from services.collector.sim.kubelet import FakeKubelet, build_pod_resources
+from simulator.kubelet import FakeKubelet, build_pod_resources
 
 G0 = "GPU-0b1c2d3e-4f50-6172-8394-a5b6c7d8e9f0"
 G1 = "GPU-11111111-2222-4333-8444-555555555555"

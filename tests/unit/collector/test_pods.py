@@ -20,7 +20,7 @@ from services.collector.pods import (
     pod_event_from_object,
     with_assignments,
 )
-from services.collector.sim.apiserver import make_pod_object
+from simulator.apiserver import make_pod_object
 
 CLUSTER = "prod-eu"
 NODE = "gpu-node-a"

@@ -21,7 +21,7 @@ from services.collector.podsize import (
     MAX_LABELS,
     cut_to_size,
 )
-from services.collector.sim.apiserver import make_pod_object
+from simulator.apiserver import make_pod_object
 from tests.unit.attributor import pod_event
 
 

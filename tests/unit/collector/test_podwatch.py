@@ -21,7 +21,7 @@ from services.collector.podwatch import (
     in_cluster_api_client,
     make_api_client,
 )
-from services.collector.sim.apiserver import FakeApiServer, make_pod_object
+from simulator.apiserver import FakeApiServer, make_pod_object
 
 NODE = "gpu-node-a"
 OTHER_NODE = "gpu-node-b"

@@ -13,7 +13,7 @@ import json
 import fastavro
 import pytest
 
-from bench import attribution, codec, collector, common, ledger, run, stream
+from bench import attribution, codec, collector, common, ledger, run, simulator, stream
 from bench.workload import Fleet
 from schemas.records import CostRecord, GpuShare, NodeSample
 from schemas.typed import codec_for
@@ -65,7 +65,7 @@ def test_collector_runs_the_real_tick_over_a_replay_of_the_simulator():
 
 def test_replayed_nvml_gives_the_collector_the_simulators_answers(tmp_path):
     from services.collector.cgroup import ProcessIdentityCache
-    from services.collector.sim.scenario import load_scenario
+    from simulator.scenario import load_scenario
 
     scenario = load_scenario(collector.scenario_yaml(gpus=1, processes_per_gpu=2, duration_seconds=10))
     rig = collector.CollectorRig(scenario, ticks=2, workdir=tmp_path)
@@ -82,6 +82,33 @@ def test_replayed_nvml_gives_the_collector_the_simulators_answers(tmp_path):
     replay._calls[replay._next] = ("nvmlSomethingElse", None, None)
     with pytest.raises(AssertionError):
         rig.run_ticks((service, replay, clock, sink))
+
+
+def test_simulator_fleet_is_the_cluster_the_benchmark_describes():
+    scenario = simulator.load_fleet(3, duration_seconds=120)
+    assert [n.name for n in scenario.nodes] == [simulator.node_name(i) for i in range(3)]
+    for node in scenario.nodes:
+        modes = [gpu.sharing.mode for gpu in node.gpus]
+        assert modes == ["exclusive"] * 2 + ["time_slicing"] * 2 + ["mps"] * 2 + ["mig"] * 2
+        assert sum(1 for pod in scenario.pods if pod.node == node.name) == 25
+    assert simulator.fleet_scenario_yaml(3, 120) == simulator.fleet_scenario_yaml(3, 120)
+
+
+def test_simulator_bench_measures_every_node_count_and_the_whole_replay():
+    figures = simulator.measure((1, 2), duration_seconds=60, replay_nodes=2, repeats=1, node_ticks=2)
+    assert set(figures["scenario_side"]) == {"1", "2"}
+    for count, side in figures["scenario_side"].items():
+        assert side["node_ticks"] == int(count) * 6
+        assert side["best_cpu_s"] > 0
+    whole = figures["replay"]
+    # The scenario side measured and the replay read the same input: every tick of every node, and the pod events.
+    assert whole["samples"] == 2 * 6
+    assert whole["samples"] + whole["pod_events"] == figures["scenario_side"]["2"]["records"]
+    assert whole["share_rows"] > 0 and whole["cost_rows"] > 0 and whole["truth_rows"] > 0
+    assert whole["rest_cpu_s"] == pytest.approx(whole["cpu_s"] - whole["scenario_side_cpu_s"], abs=1e-3)
+    tick = figures["node_tick"]
+    assert tick["nvml_calls_per_node_tick"] == sum(tick["nvml_calls_per_node_tick_by_function"].values())
+    assert tick["nvml_calls_per_node_tick_by_function"]["nvmlDeviceGetMigDeviceHandleByIndex"] > 0  # MIG read
 
 
 def test_ledger_bulk_per_window_and_per_row_store_every_row():

@@ -59,7 +59,7 @@ class Demo:
         from pipeline.recordings import scenario_records
         from services.billing.catalog import bundled_catalog
         from services.billing.costing import bill_node_window
-        from services.collector.sim.scenario import load_scenario
+        from simulator.scenario import load_scenario
 
         self.scenario = load_scenario(DEMO)
         engine = AttributionEngine(EngineConfig(window_seconds=60, grace_seconds=10))
@@ -414,7 +414,7 @@ def test_the_clock_skew_allowance_covers_how_far_simulated_time_runs_ahead(scale
 
 
 def test_the_scenario_copy_moves_only_the_start():
-    from services.collector.sim.scenario import load_scenario
+    from simulator.scenario import load_scenario
 
     original = load_scenario(DEMO)
     start_ms = plan.simulated_start_ms(1_800_000_000_000, 60)

@@ -23,7 +23,7 @@ import yaml
 from gpumeter.cli import build_parser
 from gpumeter.health import HEALTH_PATH
 from gpumeter.settings import KafkaSettings
-from services.collector.sim.scenario import load_scenario
+from simulator.scenario import load_scenario
 from tests.unit.deploy import (
     NVIDIA_RUNTIME_VARIABLES,
     REPO_ROOT,

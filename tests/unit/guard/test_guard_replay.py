@@ -16,7 +16,7 @@ import pytest
 from pipeline import cli as replay_cli
 from pipeline.recordings import InputRecord, scenario_records, write_recording
 from pipeline.replay import read_jsonl, replay
-from services.collector.sim.scenario import load_scenario
+from simulator.scenario import load_scenario
 from services.guard.config import GuardConfig
 from services.guard.rules import fingerprint_of, period_bounds
 

@@ -43,8 +43,8 @@ from pipeline.recordings import (
 from pipeline.replay import read_jsonl, replay
 from services.billing.catalog import PriceCatalog, load_price_dir, parse_override_csv
 from services.billing.costing import iso_utc
-from services.collector.sim.scenario import load_scenario
-from services.collector.sim.world import SimWorld
+from simulator.scenario import load_scenario
+from simulator.world import SimWorld
 
 REPO = Path(__file__).resolve().parents[3]
 SCENARIOS = tuple(sorted((REPO / "scenarios").glob("*.yaml")))

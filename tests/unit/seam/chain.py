@@ -12,7 +12,7 @@ from services.attributor.windows import NodeWindow
 from services.billing.catalog import PriceCatalog, parse_override_csv
 from services.billing.costing import bill_node_window, window_cost_record
 from services.billing.sharing import SharingPolicy
-from services.collector.sim.scenario import load_scenario
+from simulator.scenario import load_scenario
 from services.collector.simulation import node_streams
 
 WINDOW_SECONDS = 60

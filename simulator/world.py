@@ -38,6 +38,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +46,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 from schemas.records import DeviceAssignment
-from services.collector.sim.scenario import (
+from simulator.scenario import (
     MIB,
     MIG_TOTAL_COMPUTE_SLICES,
     SHARING_MIG,
@@ -77,6 +78,17 @@ _PID_SPAN = 4_000_000
 def _h(seed: int, *parts: object) -> int:
     text = "\x1f".join([str(seed), *(str(p) for p in parts)])
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+def _h_prefix(seed: int, *parts: object) -> "hashlib.blake2b":
+    """The hash state of ``_h(seed, *parts, x)`` before ``x``: ``_h_next(state, x) == _h(seed, *parts, x)``."""
+    return hashlib.blake2b("\x1f".join([str(seed), *(str(p) for p in parts), ""]).encode(), digest_size=8)
+
+
+def _h_next(prefix: "hashlib.blake2b", last: object) -> int:
+    state = prefix.copy()
+    state.update(str(last).encode())
+    return int.from_bytes(state.digest(), "big")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -279,13 +291,15 @@ def _context_bytes(seed: int, pid: int, unit: SimUnit, mps_client: bool) -> int:
     return (base + 2 * (_h(seed, "ctx", pid, unit.uuid) % span)) * MIB
 
 
-class SimWorld:
-    """The simulated cluster of one scenario. See the module docstring for the behaviour it models."""
+class _Structure:
+    """What every world of one ``Scenario`` object shares: its units, processes and contexts (fixed for the
+    scenario), its pods as the API server shows them, and the observations computed so far (a pure function of
+    the scenario and the time, so one world's observation serves the others). The replay's collectors (one world
+    per node) and its ground truth (one more) thus compute each GPU's observation once, and build the cluster's
+    structure once rather than once per node."""
 
     def __init__(self, scenario: Scenario) -> None:
-        self.scenario = scenario
         self._seed = scenario.seed
-        self._now_ms: int | None = None
         self._nodes: dict[str, NodeSpec] = {n.name: n for n in scenario.nodes}
         self._units: dict[str, SimUnit] = {}
         self._gpu_units: dict[tuple[str, int], tuple[SimUnit, ...]] = {}
@@ -294,12 +308,11 @@ class SimWorld:
                 self._gpu_units[(node.name, gpu.index)] = self._build_units(node, gpu)
                 for unit in self._gpu_units[(node.name, gpu.index)]:
                     self._units[unit.uuid] = unit
-        self._processes: tuple[SimProcess, ...] = self._build_processes()
+        self._processes: tuple[SimProcess, ...] = self._build_processes(scenario)
         self._pod_of: dict[int, str | None] = {p.pid: p.pod_uid for p in self._processes}
         # Per node, so one node's tick walks its own processes and pods only.
         self._node_processes: dict[str, tuple[SimProcess, ...]] = {
             name: tuple(p for p in self._processes if p.node_name == name) for name in self._nodes}
-        self._node_pods = {name: tuple(pod for pod in scenario.pods if pod.node == name) for name in self._nodes}
         self._by_unit: dict[str, list[SimProcess]] = {}
         for process in self._processes:
             for uuid in process.unit_uuids:
@@ -317,9 +330,13 @@ class SimWorld:
         }
         self._cache: OrderedDict[tuple[int, str, int], GpuObservation] = OrderedDict()
         self._cache_limit = 8 * max(1, len(self._gpu_units))
-        self._written_pids: dict[Path, set[int]] = {}
+        # (pid, unit uuid) -> hash states of its per-instant SM noise and sample timestamp jitter
+        self._noise: dict[tuple[int, str], tuple["hashlib.blake2b", "hashlib.blake2b"]] = {}
+        self._pod_views = self._build_pod_views(scenario)
+        self._node_pod_views = {name: tuple(v for v in self._pod_views if v[2].node_name == name)
+                                for name in self._nodes}
 
-    # ---- structure ------------------------------------------------------------------------------------------
+    # ---- building ------------------------------------------------------------------------------------------
 
     def _build_units(self, node: NodeSpec, gpu: GpuSpec) -> tuple[SimUnit, ...]:
         if gpu.sharing.mode != SHARING_MIG:
@@ -363,8 +380,7 @@ class SimWorld:
             return gpu.uuid
         return gpu.sharing.mig_instances[target.instance].uuid
 
-    def _build_processes(self) -> tuple[SimProcess, ...]:
-        s = self.scenario
+    def _build_processes(self, s: Scenario) -> tuple[SimProcess, ...]:
         taken: set[int] = set()
 
         def pid_for(*identity: object) -> int:
@@ -475,6 +491,86 @@ class SimWorld:
         if given is not None:
             return given
         return 100.0 / mps[0].sharing.replicas
+
+    @staticmethod
+    def _build_pod_views(s: Scenario) -> tuple[tuple[int, int | None, SimPod], ...]:
+        """(start ms, end ms or None, the pod as shown while it runs) for every pod, in scenario order."""
+        views = []
+        for pod in s.pods:
+            start = s.start_unix_ms + round(pod.start_seconds * 1000)
+            end = None if pod.end_seconds is None else s.start_unix_ms + round(pod.end_seconds * 1000)
+            containers = []
+            for c in pod.containers:
+                ids: dict[str, list[str]] = {}
+                for a in c.devices:
+                    ids.setdefault(a.resource, []).append(a.device_id)
+                containers.append(
+                    SimContainer(
+                        name=c.name,
+                        container_id=c.container_id,
+                        gpu_requests=c.requests,
+                        device_ids=MappingProxyType({k: tuple(v) for k, v in ids.items()}),
+                        assigned_devices=tuple(DeviceAssignment(k, tuple(v)) for k, v in ids.items()),
+                        env=c.env,
+                        privileged=c.privileged,
+                    )
+                )
+            views.append((start, end, SimPod(
+                uid=pod.uid,
+                namespace=pod.namespace,
+                name=pod.name,
+                node_name=pod.node,
+                labels=pod.labels,
+                annotations=pod.annotations,
+                owner_kind=pod.owner_kind,
+                owner_name=pod.owner_name,
+                qos_class=pod.qos_class,
+                started_at_unix_ms=start,
+                ends_at_unix_ms=end,
+                containers=tuple(containers),
+            )))
+        return tuple(views)
+
+
+# Scenario object (by identity) -> its worlds' shared structure; an entry goes when its scenario is collected.
+_STRUCTURES: dict[int, _Structure] = {}
+
+
+def _structure_of(scenario: Scenario) -> _Structure:
+    key = id(scenario)
+    structure = _STRUCTURES.get(key)
+    if structure is None:
+        structure = _STRUCTURES[key] = _Structure(scenario)
+        weakref.finalize(scenario, _STRUCTURES.pop, key, None)
+    return structure
+
+
+class SimWorld:
+    """The simulated cluster of one scenario. See the module docstring for the behaviour it models.
+
+    Worlds of the same ``Scenario`` object share its structure and the observations computed so far (see
+    ``_Structure``); each world has its own current time and its own fake ``/proc`` bookkeeping.
+    """
+
+    def __init__(self, scenario: Scenario) -> None:
+        self.scenario = scenario
+        self._now_ms: int | None = None
+        self._written_pids: dict[Path, set[int]] = {}
+        shared = _structure_of(scenario)
+        self._seed = shared._seed
+        self._nodes = shared._nodes
+        self._units = shared._units
+        self._gpu_units = shared._gpu_units
+        self._processes = shared._processes
+        self._pod_of = shared._pod_of
+        self._node_processes = shared._node_processes
+        self._by_unit = shared._by_unit
+        self._contexts = shared._contexts
+        self._cache = shared._cache
+        self._cache_limit = shared._cache_limit
+        self._noise = shared._noise
+        self._pod_views = shared._pod_views
+        self._node_pod_views = shared._node_pod_views
 
     # ---- public structure -----------------------------------------------------------------------------------
 
@@ -607,9 +703,14 @@ class SimWorld:
         observations = []
         for p in procs:
             g = granted[p.pid]
+            noise_key = (p.pid, unit.uuid)
+            hashes = self._noise.get(noise_key)
+            if hashes is None:
+                hashes = self._noise[noise_key] = (_h_prefix(self._seed, "sm", p.pid, unit.uuid),
+                                                   _h_prefix(self._seed, "ts", p.pid, unit.uuid))
             sm: int | None = None
             if g > 0:
-                noise = _h(self._seed, "sm", p.pid, unit.uuid, now_ms) % (2 * SM_NOISE_POINTS + 1) - SM_NOISE_POINTS
+                noise = _h_next(hashes[0], now_ms) % (2 * SM_NOISE_POINTS + 1) - SM_NOISE_POINTS
                 sm = min(100, max(0, round(100 * g) + noise))
             observations.append(
                 ProcessObservation(
@@ -619,7 +720,7 @@ class SimWorld:
                     granted_fraction=g,
                     sm_util_percent=sm,
                     mem_util_percent=min(100, round(100 * g * p.memory_activity)),
-                    sample_timestamp_us=now_us - _h(self._seed, "ts", p.pid, unit.uuid, now_ms) % SAMPLE_JITTER_US,
+                    sample_timestamp_us=now_us - _h_next(hashes[1], now_ms) % SAMPLE_JITTER_US,
                     is_mps_server=p.is_mps_server,
                     is_mps_client=mps and not p.is_mps_server,
                     gpu_instance_id=unit.gpu_instance_id,
@@ -717,46 +818,8 @@ class SimWorld:
 
     def pods_at(self, now_ms: int, node_name: str | None = None) -> tuple[SimPod, ...]:
         """Pods running at ``now_ms`` (started, not yet ended), in scenario order; of one node or all."""
-        s = self.scenario
-        out: list[SimPod] = []
-        for pod in s.pods if node_name is None else self._node_pods[node_name]:
-            start = s.start_unix_ms + round(pod.start_seconds * 1000)
-            end = None if pod.end_seconds is None else s.start_unix_ms + round(pod.end_seconds * 1000)
-            if now_ms < start or (end is not None and now_ms >= end):
-                continue
-            containers = []
-            for c in pod.containers:
-                ids: dict[str, list[str]] = {}
-                for a in c.devices:
-                    ids.setdefault(a.resource, []).append(a.device_id)
-                containers.append(
-                    SimContainer(
-                        name=c.name,
-                        container_id=c.container_id,
-                        gpu_requests=c.requests,
-                        device_ids=MappingProxyType({k: tuple(v) for k, v in ids.items()}),
-                        assigned_devices=tuple(DeviceAssignment(k, tuple(v)) for k, v in ids.items()),
-                        env=c.env,
-                        privileged=c.privileged,
-                    )
-                )
-            out.append(
-                SimPod(
-                    uid=pod.uid,
-                    namespace=pod.namespace,
-                    name=pod.name,
-                    node_name=pod.node,
-                    labels=pod.labels,
-                    annotations=pod.annotations,
-                    owner_kind=pod.owner_kind,
-                    owner_name=pod.owner_name,
-                    qos_class=pod.qos_class,
-                    started_at_unix_ms=start,
-                    ends_at_unix_ms=end,
-                    containers=tuple(containers),
-                )
-            )
-        return tuple(out)
+        views = self._pod_views if node_name is None else self._node_pod_views[node_name]
+        return tuple(pod for start, end, pod in views if start <= now_ms and (end is None or now_ms < end))
 
     # ---- fake /proc -----------------------------------------------------------------------------------------
 
@@ -788,10 +851,12 @@ class SimWorld:
         previous = self._written_pids.get(root, set())
         for pid in previous - pids:
             shutil.rmtree(root / str(pid), ignore_errors=True)
+        root_text = os.fspath(root)
         for p in alive:
-            directory = root / str(p.pid)
-            if p.pid in previous and directory.is_dir():
+            # A string path for the check made on every alive process every tick (pathlib's join costs more).
+            if p.pid in previous and os.path.isdir(f"{root_text}/{p.pid}"):
                 continue
+            directory = root / str(p.pid)
             directory.mkdir(exist_ok=True)
             _write_atomic(directory / "cgroup", f"0::{p.cgroup_path}\n")
             _write_atomic(directory / "stat", self._stat_line(p))

@@ -7,7 +7,7 @@ gpumeter uses, and its errors ARE pynvml's: ``pynvml.NVMLError(pynvml.NVML_ERROR
 is passed through from the real module; a pynvml function this fake does not simulate raises AttributeError
 rather than answering something made up.
 
-What each call returns follows the driver (see ``services/collector/sim/world.py`` for the model):
+What each call returns follows the driver (see ``simulator/world.py`` for the model):
 
 * ``nvmlDeviceGetMemoryInfo(h)`` → ``c_nvmlMemory_t`` whose ``used`` includes the driver reserve (v1);
   ``version=nvmlMemory_v2`` → ``c_nvmlMemory_v2_t`` with ``total = free + used + reserved`` (a GPU configured with
@@ -43,7 +43,7 @@ from typing import Any
 import pynvml
 
 from gpumeter.clock import Clock
-from services.collector.sim.scenario import (
+from simulator.scenario import (
     MIB,
     MIG_PROFILES_BY_MEMORY_CLASS,
     MIG_TOTAL_COMPUTE_SLICES,
@@ -54,7 +54,7 @@ from services.collector.sim.scenario import (
     GpuSpec,
     mig_memory_class,
 )
-from services.collector.sim.world import GpuObservation, SimWorld, UnitObservation
+from simulator.world import GpuObservation, SimWorld, UnitObservation
 
 _NOT_IN_MIG = 0xFFFFFFFF
 _MISSING = object()
@@ -95,6 +95,8 @@ class FakeNvml:
         self.node_name = node_name
         self._refcount = 0
         self.call_counts: Counter[str] = Counter()
+        # A node without faults answers every call: its calls skip the fault checks (the same answers, cheaper).
+        self._faulty = bool(self._node.faults)
 
     # ---- pass-through of pynvml's constants, structs and exceptions -----------------------------------------
 
@@ -105,6 +107,8 @@ class FakeNvml:
         if value is _MISSING:
             raise AttributeError(f"pynvml has no attribute {name!r}")
         if isinstance(value, type) or not callable(value):
+            # pynvml's constants, structs and exceptions do not change: the next lookup finds them here.
+            object.__setattr__(self, name, value)
             return value
         raise AttributeError(f"FakeNvml does not simulate pynvml.{name}")
 
@@ -130,6 +134,8 @@ class FakeNvml:
         if self._refcount <= 0:
             _fail(pynvml.NVML_ERROR_UNINITIALIZED)
         now = self._now()
+        if not self._faulty:
+            return now
         for name in (function, *fault_names):
             error = self._world.nvml_fault(self.node_name, name, None, now)
             if error is not None:
@@ -146,6 +152,8 @@ class FakeNvml:
         if not isinstance(handle, FakeDeviceHandle) or handle.node_name != self.node_name:
             _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         now = self._now()
+        if not self._faulty:
+            return now
         if self._world.gpu_lost(self.node_name, handle.gpu_index, now):
             _fail(pynvml.NVML_ERROR_GPU_IS_LOST)
         for name in (function, *fault_names):

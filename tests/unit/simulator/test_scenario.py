@@ -11,7 +11,7 @@ import yaml
 
 from gpumeter.errors import GpumeterError
 from schemas.devices import DeviceIdKind, parse_device_id
-from services.collector.sim.scenario import (
+from simulator.scenario import (
     GIB,
     MIB,
     MIG_PROFILES_BY_MEMORY_CLASS,

@@ -12,9 +12,9 @@ import pytest
 from gpumeter.clock import ManualClock
 from services.collector.cgroup import read_process_identity, read_process_start_ticks
 from schemas.devices import parse_device_id
-from services.collector.sim.fake_pynvml import FakeNvml
-from services.collector.sim.scenario import MIB, Scenario, load_scenario
-from services.collector.sim.world import SimWorld
+from simulator.fake_pynvml import FakeNvml
+from simulator.scenario import MIB, Scenario, load_scenario
+from simulator.world import SimWorld
 
 REPO = Path(__file__).resolve().parents[3]
 SCENARIOS = sorted(p.stem for p in (REPO / "scenarios").glob("*.yaml"))

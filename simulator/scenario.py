@@ -418,7 +418,7 @@ class HostProcessSpec:
     end_seconds: float | None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, weakref_slot=True)  # weakref: simulator.world shares per Scenario object
 class Scenario:
     cluster: str
     seed: int

@@ -1,1 +1,0 @@
-"""Simulated peers of the collector (Kubernetes API server, kubelet, GPUs) for tests and simulate mode."""
