@@ -10,7 +10,9 @@ Device ids (NVIDIA device plugin, ``deviceIDStrategy: uuid``):
 * ``MIG-<uuid>`` — a MIG device by its own UUID; ``MIG-GPU-<uuid>/<gi>/<ci>`` — by parent GPU, GPU instance and
   compute instance (older drivers); either with ``::<n>``: a replica of a shared MIG device.
 
-Anything else parses as kind ``OTHER`` (never raises): it names a unit only if it is that unit's uuid verbatim, and
+Other forms of the same devices -- the index strategy (``0``, ``0::3``, MIG ``0:1``) and CDI names
+(``nvidia.com/gpu=0``) -- are turned into these by the collector, which knows the node's NVML indexes
+(``resolve_device_id``), so every reader sees uuid forms. Anything else parses as kind ``OTHER`` (never raises): it names a unit only if it is that unit's uuid verbatim, and
 reaches none. Hex digits of known forms are lowercased, as NVML reports UUIDs (units are named by NVML's strings). Two questions are answered about an id and a unit, and they differ on purpose:
 
 * ``covers`` — could a container given this id reach the unit (visibility): a GPU id reaches the GPU and every MIG
@@ -24,6 +26,7 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass
+from typing import Mapping
 
 REPLICA_SEPARATOR = "::"
 VISIBLE_DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"
@@ -41,6 +44,8 @@ MIG_RESOURCE_PREFIX = "nvidia.com/mig-"
 # Profile names grow with each GPU generation, so any name under nvidia.com/mig- counts.
 _GPU_RESOURCE = re.compile(r"nvidia\.com/(?:gpu(?:\.shared)?|mig-[0-9a-z][0-9a-z.+-]*)")
 
+_CDI_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]*/[A-Za-z0-9][A-Za-z0-9._-]*=(?P<device>.+)")
+_INDEX_ID = re.compile(r"(?:0|[1-9][0-9]{0,3})(?::(?:0|[1-9][0-9]{0,3}))?")
 _INSTANCE_PATH = re.compile(r"(?P<gpu>GPU-[^/]+)/(?P<gi>0|[1-9][0-9]{0,8})/(?P<ci>0|[1-9][0-9]{0,8})")
 
 
@@ -98,6 +103,41 @@ def parse_device_id(device_id: str) -> DeviceRef:
         gpu = "GPU-" + base[len("GPU-"):].lower()
         return DeviceRef(text, gpu, replica, DeviceIdKind.GPU, gpu, None, None, None)
     return DeviceRef(text, base, replica, DeviceIdKind.OTHER, None, None, None, None)
+
+
+def resolve_device_id(device_id: str, uuid_by_index: Mapping[str, str]) -> str:
+    """``device_id`` in the uuid form the rest of this module reads, where it is another form of the same device:
+
+    * a CDI name (``<vendor>/<class>=<device>``, e.g. ``nvidia.com/gpu=0``, ``nvidia.com/gpu=GPU-<uuid>``,
+      ``nvidia.com/gpu=all``; the device plugin's ``deviceListStrategy: cdi-annotations|cdi-cri``) is its device
+      part, resolved in turn;
+    * an index id (``deviceIDStrategy: index``: ``0``, ``0::3`` for a replica, ``0:1`` for MIG device 1 of GPU 0)
+      is the uuid ``uuid_by_index`` maps it to (``NvmlBackend.uuid_by_index``), its replica suffix kept.
+
+    Anything else, an index no device has included, is returned as it is (a uuid id, or an id that names no
+    unit). Never raises."""
+    text = device_id if isinstance(device_id, str) else str(device_id)
+    cdi = _CDI_NAME.fullmatch(text)
+    device = cdi.group("device") if cdi is not None else text
+    base, sep, tail = device.partition(REPLICA_SEPARATOR)
+    if _INDEX_ID.fullmatch(base):
+        uuid = uuid_by_index.get(base)
+        if uuid is not None:
+            return uuid + sep + tail
+    if cdi is not None and (device == "all" or base.startswith(("GPU-", "MIG-"))):
+        return device
+    # Another CDI device (a DRA claim's ``k8s.gpu.nvidia.com/claim=<uid>-gpu-0``) says nothing of its uuid here.
+    return text
+
+
+def resolve_visible_devices(value: str | None, uuid_by_index: Mapping[str, str]) -> str | None:
+    """An ``NVIDIA_VISIBLE_DEVICES`` value with each listed device in uuid form (``resolve_device_id``); ``all``,
+    ``none``, ``void``, an empty value and ``VALUE_FROM_MARK`` are kept as they are."""
+    if value is None or value == VALUE_FROM_MARK:
+        return value
+    items = [item.strip() for item in value.split(",")]
+    resolved = [resolve_device_id(item, uuid_by_index) if item else item for item in items]
+    return ",".join(resolved) if resolved != items else value
 
 
 def base_device_id(device_id: str) -> str:

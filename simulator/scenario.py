@@ -284,6 +284,7 @@ class NodeSpec:
     zone: str = ""
     provider_id: str = ""
     labels: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    device_id_strategy: str = "uuid"  # the device plugin's deviceIDStrategy: uuid | index
 
 
 @dataclass(frozen=True, slots=True)
@@ -825,6 +826,11 @@ def _read_node_faults(raw: Any, path: str, gpus: tuple[GpuSpec, ...], duration: 
     return tuple(faults)
 
 
+DEVICE_ID_STRATEGIES = ("uuid", "index")
+"""How the node's device plugin names devices (``deviceIDStrategy``): ``GPU-<uuid>``, ``GPU-<uuid>::<n>`` and
+``MIG-<uuid>``, or NVML indexes ``<i>``, ``<i>::<n>`` and ``<i>:<j>`` (MIG device ``j`` of GPU ``i``)."""
+
+
 def _read_nodes(raw: Any, seed: int, duration: float) -> tuple[NodeSpec, ...]:
     entries = _list(raw, "nodes")
     if not entries:
@@ -862,6 +868,8 @@ def _read_nodes(raw: Any, seed: int, duration: float) -> tuple[NodeSpec, ...]:
             provider_id=(_str(m.get("provider_id"), m.sub("provider_id")) if m.has("provider_id")
                          else deterministic_provider_id(seed, provider, zone, name)),
             labels=_str_map(m.get("labels", {}), m.sub("labels")),
+            device_id_strategy=_choice(m.get("device_id_strategy", "uuid"), m.sub("device_id_strategy"),
+                                       DEVICE_ID_STRATEGIES),
         )
         m.done()
         nodes.append(node)
@@ -897,7 +905,8 @@ def _read_assignment(raw: Any, path: str, node: NodeSpec) -> DeviceAssignmentSpe
                 m.sub("resource"),
                 f"instance {instance} ({spec.profile.name}) is advertised as {' or '.join(sorted(allowed))}",
             )
-        return DeviceAssignmentSpec(resource, gpu_index, None, instance, spec.uuid)
+        device_id = f"{gpu_index}:{instance}" if node.device_id_strategy == "index" else spec.uuid
+        return DeviceAssignmentSpec(resource, gpu_index, None, instance, device_id)
     if instance_raw is not None:
         raise ScenarioError(m.sub("instance"), f"GPU {gpu_index} is not in MIG mode")
     if mode == SHARING_EXCLUSIVE:
@@ -905,13 +914,15 @@ def _read_assignment(raw: Any, path: str, node: NodeSpec) -> DeviceAssignmentSpe
             raise ScenarioError(m.sub("replica"), f"GPU {gpu_index} is not shared: no replicas")
         if resource != RESOURCE_GPU:
             raise ScenarioError(m.sub("resource"), f"an exclusive GPU is advertised as {RESOURCE_GPU}")
-        return DeviceAssignmentSpec(resource, gpu_index, None, None, gpu.uuid)
+        return DeviceAssignmentSpec(resource, gpu_index, None, None,
+                                    str(gpu_index) if node.device_id_strategy == "index" else gpu.uuid)
     if replica_raw is None:
         raise ScenarioError(m.sub("replica"), f"GPU {gpu_index} is shared ({mode}): say which replica")
     replica = _int(replica_raw, m.sub("replica"), minimum=0, maximum=gpu.sharing.replicas - 1)
     if resource not in (RESOURCE_GPU, RESOURCE_GPU_SHARED):
         raise ScenarioError(m.sub("resource"), f"a shared GPU is advertised as {RESOURCE_GPU} or {RESOURCE_GPU_SHARED}")
-    return DeviceAssignmentSpec(resource, gpu_index, replica, None, f"{gpu.uuid}::{replica}")
+    base = str(gpu_index) if node.device_id_strategy == "index" else gpu.uuid
+    return DeviceAssignmentSpec(resource, gpu_index, replica, None, f"{base}::{replica}")
 
 
 def _read_targets(raw: Any, path: str, node: NodeSpec) -> tuple[DeviceTarget, ...]:

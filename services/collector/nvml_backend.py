@@ -239,6 +239,18 @@ class NvmlBackend:
         """Errors tied to no device from the latest ``sample()``/``read()``."""
         return self._node_errors
 
+    @property
+    def uuid_by_index(self) -> dict[str, str]:
+        """Each device as the device plugin's ``deviceIDStrategy: index`` names it, to its NVML uuid: ``"<i>"`` for
+        GPU ``i`` (``nvmlDeviceGetHandleByIndex``), ``"<i>:<j>"`` for MIG device ``j`` of GPU ``i``
+        (``nvmlDeviceGetMigDeviceHandleByIndex``), as last read (empty before the first read). The collector turns
+        index and CDI ids into uuids with it (``schemas.devices.resolve_device_id``)."""
+        out = {str(index): gpu.uuid for index, gpu in self._gpus.items()}
+        for index, gpu in self._gpus.items():
+            for mig_index, mig in self._migs.get(gpu.uuid, {}).items():
+                out[f"{index}:{mig_index}"] = mig.uuid
+        return out
+
     def close(self) -> None:
         """Shut NVML down if this backend initialised it; never raises."""
         if self._initialized:

@@ -44,7 +44,14 @@ from typing import Any, Mapping
 
 from gpumeter.errors import InvalidMessage
 from schemas.records import DeviceAssignment, PodContainer, PodEvent, PodEventType
-from schemas.devices import MPS_THREAD_ENV, VALUE_FROM_MARK, VISIBLE_DEVICES_ENV, is_gpu_resource
+from schemas.devices import (
+    MPS_THREAD_ENV,
+    VALUE_FROM_MARK,
+    VISIBLE_DEVICES_ENV,
+    is_gpu_resource,
+    resolve_device_id,
+    resolve_visible_devices,
+)
 from services.collector.podsize import ANNOTATION_VALUE_MAX_BYTES, cut_to_size  # noqa: F401 - the rule's caps
 
 BAD_POD_OBJECT = "BAD_POD_OBJECT"
@@ -182,6 +189,24 @@ def with_assignments(
         for c in event.containers
     )
     return dataclasses.replace(event, containers=containers)
+
+
+def with_devices_resolved(event: PodEvent, uuid_by_index: Mapping[str, str]) -> PodEvent:
+    """``event`` with every device its containers name in uuid form: the kubelet's assigned ids and
+    ``NVIDIA_VISIBLE_DEVICES`` (index and CDI forms resolved through the node's NVML indexes,
+    ``schemas.devices.resolve_device_id``), so the attributor and the guard see one form whatever the device
+    plugin's ``deviceIDStrategy`` and ``deviceListStrategy``. Returns ``event`` itself when nothing changes."""
+    containers = tuple(
+        dataclasses.replace(
+            c,
+            assigned_devices=tuple(
+                DeviceAssignment(a.resource_name, tuple(resolve_device_id(d, uuid_by_index) for d in a.device_ids))
+                for a in c.assigned_devices),
+            visible_devices_env=resolve_visible_devices(c.visible_devices_env, uuid_by_index),
+        )
+        for c in event.containers
+    )
+    return event if containers == event.containers else dataclasses.replace(event, containers=containers)
 
 
 def _effective_pod_requests(

@@ -25,7 +25,7 @@ from services.collector.assemble import (
     unmapped_process_count,
 )
 from services.collector.cgroup import CgroupReadError
-from services.collector.pods import with_assignments
+from services.collector.pods import with_assignments, with_devices_resolved
 from services.collector.podresources.client import ContainerDeviceAssignment, PodResourcesError
 from services.collector.publisher import BufferedPublisher, OutboundRecord
 
@@ -164,10 +164,11 @@ class CollectorService:
         self._assignments = group_assignments(assignments)
         for uid, event in list(self._pods.items()):
             current = self._assignments.get((event.namespace, event.name), {})
-            if current and current != _assignments_of(event):
+            updated = self._resolved(with_assignments(event, current) if current else event)
+            if updated != event:
+                # New devices, or ids in index or CDI form that NVML's indexes now resolve.
                 await self._publish_pod(
-                    replace(with_assignments(event, current), event_type=PodEventType.MODIFIED,
-                            observed_at_unix_ms=self.clock.now_ms())
+                    replace(updated, event_type=PodEventType.MODIFIED, observed_at_unix_ms=self.clock.now_ms())
                 )
 
     def _kubelet_down(self, exc: Exception) -> None:
@@ -193,7 +194,12 @@ class CollectorService:
             previous = self._pods.get(event.uid)
             if previous is not None:
                 event = with_assignments(event, _assignments_of(previous))
-        await self._publish_pod(event)
+        await self._publish_pod(self._resolved(event))
+
+    def _resolved(self, event: PodEvent) -> PodEvent:
+        # Before the first NVML read the indexes are unknown: ids in index form stay as they are until the next
+        # refresh of the assignments resolves them and republishes the pod.
+        return with_devices_resolved(event, getattr(self.backend, "uuid_by_index", {}))
 
     async def _publish_pod(self, event: PodEvent) -> None:
         if event.event_type == PodEventType.DELETED:

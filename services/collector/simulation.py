@@ -24,7 +24,7 @@ from services.collector.assemble import NodeFacts, TickInfo, assemble_node_sampl
 from services.collector.cgroup import ProcessIdentityCache
 from services.collector.nodefacts import NodeFactOverrides, node_facts_from_node
 from services.collector.nvml_backend import NvmlBackend
-from services.collector.pods import pod_event_from_object, with_assignments
+from services.collector.pods import pod_event_from_object, with_assignments, with_devices_resolved
 from simulator.apiserver import make_node_object, make_pod_object
 from simulator.fake_pynvml import FakeNvml
 from simulator.scenario import NodeSpec, Scenario
@@ -158,6 +158,8 @@ def node_streams(scenario: Scenario, node_name: str, proc_root: Path | None = No
                     events.append(_pod_event(pod, PodEventType.DELETED, scenario.cluster, now_ms))
             known = current
             reading = backend.read()
+            # As the collector publishes them: device ids in uuid form, whatever the device plugin's id strategy.
+            events = [with_devices_resolved(e, backend.uuid_by_index) for e in events]
             sample = assemble_node_sample(
                 facts,
                 TickInfo(sequence, scenario.start_unix_ms, now_ms,

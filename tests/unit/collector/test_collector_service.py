@@ -312,3 +312,46 @@ def test_settings_from_env_and_flags():
     assert "hunter2" not in str(settings.describe())
     with pytest.raises(ConfigError):
         collector_settings(parser.parse_args([]), {})
+
+
+@pytest.mark.network
+async def test_index_ids_from_the_kubelet_are_published_as_uuids_once_nvml_was_read():
+    """deviceIDStrategy: index through our kubelet peer: before the first NVML read the ids cannot be resolved and
+    go out as they are; the next assignment refresh after a read republishes the pod with uuids."""
+    socket_dir = Path(tempfile.mkdtemp(dir="/tmp"))
+    assignments = [("ml", "train-0", "main", "nvidia.com/gpu", ("1::2",))]
+    kubelet = FakeKubelet(str(socket_dir / "k.sock"), lambda: list(assignments))
+    await kubelet.start()
+    client = PodResourcesClient(socket_dir / "k.sock", 1.0)
+    offered: list[OutboundRecord] = []
+
+    class _Publisher:
+        def offer(self, record):
+            offered.append(record)
+
+    class _Backend:
+        uuid_by_index: dict[str, str] = {}
+
+    backend = _Backend()
+    service = CollectorService(
+        facts=NodeFacts("c", "node-1", "aws", "r", "t", "on_demand"), interval_seconds=1.0, clock=ManualClock(1_000),
+        backend=backend, identities=None, publisher=_Publisher(), catalog=TopicCatalog(prefix="p."), kubelet=client,
+    )
+    try:
+        obj = make_pod_object("ml", "train-0", "0f6e4b2a-1c3d-4e5f-8a9b-0c1d2e3f4a5b", "node-1",
+                              gpu_requests={"nvidia.com/gpu.shared": 1})
+        obj["spec"]["containers"][0]["env"] = [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "1"}]
+        await service.on_pod_event(pod_event_from_object(obj, PodEventType.ADDED, "c", 1_000))
+        first = codec_for(PodEvent).decode(offered[-1].value)
+        assert [a.device_ids for a in first.containers[0].assigned_devices] == [("1::2",)]
+        backend.uuid_by_index = {"0": "GPU-aaaa", "1": "GPU-bbbb"}  # NVML read
+        await service.refresh_assignments()
+        second = codec_for(PodEvent).decode(offered[-1].value)
+        assert second.event_type == PodEventType.MODIFIED
+        assert [a.device_ids for a in second.containers[0].assigned_devices] == [("GPU-bbbb::2",)]
+        assert second.containers[0].visible_devices_env == "GPU-bbbb"
+        await service.refresh_assignments()
+        assert len(offered) == 2, "resolved and unchanged: not republished"
+    finally:
+        await client.close()
+        await kubelet.stop()
