@@ -1,5 +1,6 @@
 """The layout holds: no service imports another service, ``schemas/`` imports nothing of the rest, the shared
-library ``gpumeter/`` imports no service, and nothing below ``pipeline/`` imports it.
+library ``gpumeter/`` imports no service, nothing below ``pipeline/`` imports it, and the simulator imports only the
+PodResources protocol it serves.
 
 Every ``import`` and ``from ... import`` of every module is read with ``ast`` (function-level imports included,
 since a lazy import is still a dependency), relative imports resolved against the module's package.
@@ -73,6 +74,20 @@ def test_the_shared_library_imports_no_service():
     library = [p for p in _modules("gpumeter")
                if "commands" not in p.relative_to(REPO).parts and p.name != "cli.py"]
     assert _violations(library, lambda _: ["services", "pipeline", "simulator"]) == []
+
+
+def test_the_simulator_imports_no_service_but_the_kubelet_protocol_it_serves():
+    """The simulator stands in for the hardware and the node's peers: it may speak the PodResources protocol (the
+    generated stubs its fake kubelet serves), and nothing else of the services or the pipeline."""
+    allowed = "services.collector.podresources"
+
+    def forbidden(_path):
+        return ["pipeline", "services.attributor", "services.billing", "services.guard"]
+
+    assert _violations(_modules("simulator"), forbidden) == []
+    collector = [name for path in _modules("simulator") for name in imports_of(path)
+                 if name.startswith("services.collector") and not name.startswith(allowed)]
+    assert collector == []
 
 
 def test_the_walk_sees_imports_of_every_form(tmp_path):
