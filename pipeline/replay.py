@@ -133,6 +133,8 @@ def share_json(share: GpuShare) -> dict[str, Any]:
         "method": share.method,
         "sample_count": share.sample_count,
         "covered_seconds": share.covered_seconds,
+        "mig_profile": share.mig_profile,
+        "mig_gpu_instance_id": share.mig_gpu_instance_id,
     }
 
 

@@ -432,6 +432,8 @@ class GpuShare:
     cpu_request_millicores: int = 0  # v2: POD rows
     memory_request_bytes: int = 0  # v2: POD rows
     cost_basis: str = ""  # v2
+    mig_profile: str | None = None  # v3: a MIG instance unit's profile (dcgm-exporter's GPU_I_PROFILE)
+    mig_gpu_instance_id: int | None = None  # v3: its GPU instance id (GPU_I_ID)
 
     def to_avro(self) -> dict[str, Any]:
         d = _flat_to_avro(self, ("sharing_mode", "subject_kind"), ("labels",))
@@ -616,6 +618,8 @@ class UnitShares:
     memory_share: tuple[float, ...]
     compute_share: tuple[float, ...]
     cost_share: tuple[float, ...]
+    mig_profile: str | None = None  # a MIG instance's profile (dcgm-exporter's GPU_I_PROFILE)
+    mig_gpu_instance_id: int | None = None  # its GPU instance id (GPU_I_ID)
 
     def __len__(self) -> int:
         return len(self.subject_kinds)
@@ -636,6 +640,8 @@ class UnitShares:
             "memory_share": list(self.memory_share),
             "compute_share": list(self.compute_share),
             "cost_share": list(self.cost_share),
+            "mig_profile": self.mig_profile,
+            "mig_gpu_instance_id": self.mig_gpu_instance_id,
         }
 
     @classmethod
@@ -644,7 +650,7 @@ class UnitShares:
                    _SHARING_MODES[d["sharing_mode"]], d["method"], d["sample_count"], d["covered_seconds"],
                    tuple([_SHARE_KINDS[k] for k in d["subject_kinds"]]), tuple(d["subject_pod_index"]),
                    tuple(d["memory_used_bytes_avg"]), tuple(d["memory_share"]), tuple(d["compute_share"]),
-                   tuple(d["cost_share"]))
+                   tuple(d["cost_share"]), d.get("mig_profile"), d.get("mig_gpu_instance_id"))
 
 
 class RecordShapeError(ValueError):
@@ -724,6 +730,8 @@ class NodeWindowShares:
                     0 if pod is None else pod.cpu_request_millicores,
                     0 if pod is None else pod.memory_request_bytes,
                     self.cost_basis,
+                    unit.mig_profile,
+                    unit.mig_gpu_instance_id,
                 ))
         return tuple(out)
 
@@ -763,7 +771,7 @@ class NodeWindowShares:
                 at = unit_of[row.gpu_uuid] = len(units)
                 units.append(UnitShares(row.gpu_uuid, row.parent_gpu_uuid, row.gpu_model, row.gpu_fraction,
                                         row.sharing_mode, row.method, row.sample_count, row.covered_seconds,
-                                        (), (), (), (), (), ()))
+                                        (), (), (), (), (), (), row.mig_profile, row.mig_gpu_instance_id))
                 columns.append([[], [], [], [], [], []])
             elif at != len(units) - 1:
                 raise RecordShapeError(f"the rows of unit {row.gpu_uuid} are not together")
@@ -778,7 +786,8 @@ class NodeWindowShares:
                    first.node_covered_seconds, first.cloud_provider, first.region, first.zone, first.provider_id,
                    first.instance_type, first.price_model, first.cost_basis, tuple(pods.values()),
                    tuple(UnitShares(u.gpu_uuid, u.parent_gpu_uuid, u.gpu_model, u.gpu_fraction, u.sharing_mode,
-                                    u.method, u.sample_count, u.covered_seconds, *(tuple(c) for c in column))
+                                    u.method, u.sample_count, u.covered_seconds, *(tuple(c) for c in column),
+                                    u.mig_profile, u.mig_gpu_instance_id)
                          for u, column in zip(units, columns)))
 
     def to_avro(self) -> dict[str, Any]:

@@ -1115,16 +1115,22 @@ def attribute_node_window_detailed(window: NodeWindow, pods: PodLookup, policy: 
     facts = window.samples[-1]
     cost_basis = policy.basis_text
     slots = _PodSlots()
-    units = tuple(
-        _attribute(unit, pods, policy, slots)
-        for unit in split_units(window)
+    windows = tuple(
+        unit for unit in split_units(window)
         # A MIG GPU whose capacity is all in instances leaves nothing of its own to attribute.
         if not (unit.kind is UnitKind.MIG_UNASSIGNED and all(t.capacity_fraction <= 0.0 for t in unit.ticks))
     )
+    units = tuple(_attribute(unit, pods, policy, slots) for unit in windows)
     shares = []
     units_in_node = len(units)
-    for unit in units:
+    for unit_window, unit in zip(windows, units):
         rows_in_unit = len(unit.rows)
+        # A MIG instance's profile and GPU instance id as NVML gave them last in the window (what dcgm-exporter
+        # labels GPU_I_PROFILE and GPU_I_ID); None for a whole GPU and a MIG GPU's unassigned capacity.
+        device = unit_window.ticks[-1].device
+        mig_instance = unit.kind is UnitKind.MIG_INSTANCE
+        mig_profile = device.mig_profile if mig_instance else None
+        mig_gpu_instance_id = device.mig_gpu_instance_id if mig_instance else None
         for row in unit.rows:
             shares.append(
                 GpuShare(
@@ -1164,6 +1170,8 @@ def attribute_node_window_detailed(window: NodeWindow, pods: PodLookup, policy: 
                     row.cpu_request_millicores,
                     row.memory_request_bytes,
                     cost_basis,
+                    mig_profile,
+                    mig_gpu_instance_id,
                 )
             )
     return NodeAttribution(tuple(shares), units, node_covered_seconds)

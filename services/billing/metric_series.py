@@ -30,10 +30,10 @@ The per-pod series carry dcgm-exporter's labels (``gpumeter.metrics.DCGM_JOIN_LA
   unit's ``gpu_uuid`` (a time-sliced or MPS GPU is one unit under its own UUID);
 * ``modelName``: the unit's ``gpu_model`` (NVML's name of the GPU; a MIG instance carries its parent's);
 * ``Hostname`` and ``hostname``: the node name (dcgm-exporter's spelling before and after its #655);
-* ``GPU_I_PROFILE``, ``GPU_I_ID``: empty. GpuShare (v2) carries neither the MIG profile nor the GPU instance id
-  (the collector's NodeSample does; the attributor does not pass them on), and a value made up here would join
-  with the wrong series. Prometheus stores an empty label as no label, which is what dcgm-exporter shows for a
-  whole GPU;
+* ``GPU_I_PROFILE``, ``GPU_I_ID``: a MIG instance's profile (``3g.40gb``) and GPU instance id, as NVML gave them to
+  the collector and the attributor carried them (``GpuShare.mig_profile``, ``mig_gpu_instance_id``); empty for a
+  whole GPU (Prometheus stores an empty label as no label, which is what dcgm-exporter shows for a whole GPU) and
+  when NVML could not say;
 * ``container``: empty. Shares are per pod: no GpuShare field names a container, and a pod's GPU time is not
   split between its containers;
 * a shared line (a bucket of the node shared to the pod) belongs to no GPU: ``UUID`` and ``modelName`` empty too.
@@ -110,11 +110,13 @@ class SeriesBook:
 def dcgm_labels(share: GpuShare | None, node_name: str) -> tuple[str, ...]:
     """The values of ``gpumeter.metrics.DCGM_JOIN_LABELS`` for a pod's line on ``share``'s GPU unit (None: a line
     of no GPU) on node ``node_name`` (the module docstring says what each one holds)."""
-    uuid = model = ""
+    uuid = model = profile = instance = ""
     if share is not None:
         uuid = share.parent_gpu_uuid or share.gpu_uuid
         model = share.gpu_model
-    return ("", uuid, "", "", model, node_name, node_name)
+        profile = share.mig_profile or ""
+        instance = "" if share.mig_gpu_instance_id is None else str(share.mig_gpu_instance_id)
+    return ("", uuid, profile, instance, model, node_name, node_name)
 
 
 POD_COST = "gpumeter_pod_gpu_cost_micro_usd_total"

@@ -80,7 +80,7 @@ def test_pod_series_carry_dcgm_exporters_labels_a_mig_instance_under_its_parent_
     assert scraped(metrics, "gpumeter_pod_gpu_cost_micro_usd_total") == {
         tuple(sorted({"namespace": "ml", "pod": "pod-whole", "team": "research", "UUID": "GPU-aaaa",
                       **a100, **no_mig, **node}.items())): direct["pod-whole", "GPU-aaaa"],
-        # Two instances of one GPU: one series of the parent's UUID, the cost of both.
+        # Two instances of one GPU that NVML gave no profile for: one series of the parent's UUID, the cost of both.
         tuple(sorted({"namespace": "ml", "pod": "pod-mig", "team": "research", "UUID": "GPU-bbbb",
                       **a100, **no_mig, **node}.items())): direct["pod-mig", "MIG-1111"] + direct["pod-mig", "MIG-2222"],
     }
@@ -97,6 +97,26 @@ def test_pod_series_carry_dcgm_exporters_labels_a_mig_instance_under_its_parent_
         assert dict(labels)["UUID"] == dict(labels)["modelName"] == "" and dict(labels)["Hostname"] == "gpu-node-7"
     exposition = generate_latest(metrics.registry).decode()
     assert 'UUID="GPU-bbbb"' in exposition and 'modelName="NVIDIA A100-SXM4-40GB"' in exposition
+
+
+def test_a_mig_instance_carries_its_profile_and_gpu_instance_id_as_dcgm_exporter_does():
+    import dataclasses
+
+    metrics, series = billing_series()
+    units = [Unit("MIG-1111", [pod("mig", 1.0, "ml", team="research")], parent="GPU-bbbb", fraction=3 / 7),
+             Unit("MIG-2222", [pod("mig", 1.0, "ml", team="research")], parent="GPU-bbbb", fraction=2 / 7)]
+    instances = {"MIG-1111": ("3g.40gb", 1), "MIG-2222": ("2g.20gb", 5)}
+    shares = tuple(dataclasses.replace(s, mig_profile=instances[s.gpu_uuid][0],
+                                       mig_gpu_instance_id=instances[s.gpu_uuid][1])
+                   for s in node_window(units, node="gpu-node-7", gpu_model="NVIDIA A100-SXM4-40GB"))
+    priced = observe(series, shares)
+    direct = {r.gpu_uuid: r.cost_micro_usd for r in priced.costs if r.subject_kind is CostSubjectKind.POD}
+    costs = scraped(metrics, "gpumeter_pod_gpu_cost_micro_usd_total")
+    # One series per instance, told apart by GPU_I_ID as dcgm-exporter's are, under the parent's UUID.
+    assert {(dict(k)["UUID"], dict(k)["GPU_I_PROFILE"], dict(k)["GPU_I_ID"]): v for k, v in costs.items()} == {
+        ("GPU-bbbb", "3g.40gb", "1"): direct["MIG-1111"], ("GPU-bbbb", "2g.20gb", "5"): direct["MIG-2222"]}
+    gauges = scraped(metrics, "gpumeter_pod_gpu_memory_share")
+    assert {(dict(k)["gpu_uuid"], dict(k)["GPU_I_ID"]) for k in gauges} == {("MIG-1111", "1"), ("MIG-2222", "5")}
 
 
 def test_10000_pods_churning_through_windows_leave_only_the_live_pods_series():

@@ -611,3 +611,23 @@ def test_a_rerun_into_the_same_folder_rewrites_every_file(tmp_path, catalog):
     replay(tmp_path / "in.gmrec", tmp_path, catalog=catalog)
     assert not (tmp_path / "truth.jsonl").exists()
     assert (tmp_path / "shares.jsonl").read_bytes() == first["shares.jsonl"]
+
+
+def test_mig_units_carry_their_profile_and_gpu_instance_id_from_nvml(tmp_path):
+    """The MIG profile and GPU instance id the collector read from NVML reach every share row of the instance
+    (what billing's dcgm-exporter labels GPU_I_PROFILE and GPU_I_ID carry); a whole GPU's rows have neither."""
+    from simulator.scenario import load_scenario
+
+    scenario_path = REPO / "scenarios" / "mig_mixed.yaml"
+    replay(scenario_path, tmp_path)
+    rows = read_jsonl(tmp_path / "shares.jsonl")
+    scenario = load_scenario(scenario_path)
+    expected = {spec.uuid: spec.profile.name for node in scenario.nodes for gpu in node.gpus
+                if gpu.sharing.mode == "mig" for spec in gpu.sharing.mig_instances}
+    mig_rows = [r for r in rows if r["parent_gpu_uuid"] is not None]
+    assert mig_rows and {r["gpu_uuid"]: r["mig_profile"] for r in mig_rows} == {
+        uuid: profile for uuid, profile in expected.items() if uuid in {r["gpu_uuid"] for r in mig_rows}}
+    ids = {r["gpu_uuid"]: r["mig_gpu_instance_id"] for r in mig_rows}
+    assert all(isinstance(i, int) and i >= 0 for i in ids.values()) and len(set(ids.values())) == len(ids)
+    assert all(r["mig_profile"] is None and r["mig_gpu_instance_id"] is None
+               for r in rows if r["parent_gpu_uuid"] is None)

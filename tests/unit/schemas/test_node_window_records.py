@@ -71,13 +71,26 @@ def test_node_window_shares_has_these_exact_bytes():
     unit = (_str("GPU-a") + _null() + _str("NVIDIA L4") + _double(1.0) + _long(2) + _str("per_process_sm")
             + _long(6) + _double(60.0) + _array([_long(0), _long(1)]) + _array([_long(0), _long(-1)])
             + _array([_double(1.5e9), _double(0.0)]) + _array([_double(0.5), _double(0.25)])
-            + _array([_double(0.75), _double(0.25)]) + _array([_double(0.5), _double(0.5)]))
+            + _array([_double(0.75), _double(0.25)]) + _array([_double(0.5), _double(0.5)])
+            + _null() + _null())  # a whole GPU: no MIG profile, no GPU instance id
     body = (_str("c") + _str("n1") + _long(60_000) + _long(60) + _double(60.0) + _str("aws") + _str("us-east-1")
             + _str("us-east-1a") + _str("aws:///i-1") + _str("g6.xlarge") + _str("on_demand") + _str("memory")
             + _array([pod]) + _array([unit]))
     encoded = codec_for(NodeWindowShares).encode(SHARES)
     assert encoded[:2] == b"\xc3\x01" and encoded[HEADER_BYTES:] == body
     assert codec_for(NodeWindowShares).decode(encoded) == SHARES
+
+
+def test_a_mig_unit_carries_its_profile_and_gpu_instance_id_on_the_wire_and_in_its_rows():
+    mig = dataclasses.replace(UNIT, gpu_uuid="MIG-b", parent_gpu_uuid="GPU-a", sharing_mode=SharingMode.MIG,
+                              mig_profile="3g.40gb", mig_gpu_instance_id=2)
+    shares = dataclasses.replace(SHARES, units=(mig,))
+    encoded = codec_for(NodeWindowShares).encode(shares)
+    assert encoded.endswith(_some(_str("3g.40gb")) + _some(_long(2)) + b"\x00")  # the last unit, then the array end
+    assert codec_for(NodeWindowShares).decode(encoded) == shares
+    rows = shares.rows()
+    assert {(r.mig_profile, r.mig_gpu_instance_id) for r in rows} == {("3g.40gb", 2)}
+    assert NodeWindowShares.from_rows(rows) == shares
 
 
 def test_node_window_cost_has_these_exact_bytes():

@@ -27,8 +27,9 @@ from schemas.codec import AvroCodec, default_registry
 from schemas.typed import codec_for
 from tests.unit.seam import chain
 
-SAMPLES = load_examples(NodeSample, 2)
-SHARES = load_examples(GpuShare, 2)
+# The versions the collector, the attributor and billing write today.
+SAMPLES = load_examples(NodeSample, 3)
+SHARES = load_examples(GpuShare, 3)
 COSTS = load_examples(CostRecord, 2)
 COLLECTED_SAMPLES = SAMPLES[1:]
 
