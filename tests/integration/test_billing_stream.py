@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import KafkaError
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
@@ -65,8 +66,15 @@ async def wait_until_committed_to_end(settings, group: str, topic: str, what: st
     try:
         deadline = time.monotonic() + WAIT_S
         while True:
-            committed = {tp.partition: meta.offset
-                         for tp, meta in (await admin.list_consumer_group_offsets(group)).items() if tp.topic == topic}
+            try:
+                offsets = await admin.list_consumer_group_offsets(group)
+            except KafkaError as exc:
+                # A broker just started has no group coordinator until __consumer_offsets exists: retriable, so
+                # it counts as "nothing committed yet" until the deadline.
+                if not exc.retriable:
+                    raise
+                offsets = {}
+            committed = {tp.partition: meta.offset for tp, meta in offsets.items() if tp.topic == topic}
             if all(committed.get(p, 0) == end for p, end in ends.items()):
                 return
             if time.monotonic() > deadline:
