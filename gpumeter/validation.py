@@ -28,9 +28,9 @@ Who calls what (the decode/validate step of each service):
 
 * attributor: ``check_sample`` (inside ``AttributionEngine.on_sample``, so ``gpumeter replay`` judges alike) and
   ``check_pod_event`` on its two input topics;
-* guard: all four, one per input topic (its rules read shares row by row; whether a unit's rows add up to 1 is
-  a matter of money, checked by billing);
-* billing: ``check_share`` per row, before the row joins its node-window (the window-level checks, such as unit
+* guard: ``check_sample``, ``check_pod_event``, ``check_window_shares`` and ``check_window_cost``, one per input
+  topic (whether a unit's shares add up to 1 is a matter of money, checked by billing);
+* billing: ``check_window_shares`` on each node-window before pricing it (the checks of money, such as unit
   shares that must add up to 1, are the costing's: ``InconsistentShares``).
 
 Timestamps: a record stamped more than ``max_clock_skew_ms`` ahead of the consumer's clock is impossible (its
@@ -56,10 +56,7 @@ from typing import Iterable, Mapping
 
 from gpumeter.errors import InvalidName, OutOfRange
 from schemas.records import (
-    CostRecord,
-    CostSubjectKind,
     GpuDeviceSample,
-    GpuShare,
     NodeSample,
     NodeWindowCost,
     NodeWindowShares,
@@ -85,11 +82,9 @@ __all__ = [
     "DEFAULT_MAX_SAMPLE_AGE_SECONDS",
     "EARLIEST_UNIX_MS",
     "SHARE_TOLERANCE",
-    "check_cost",
     "check_names",
     "check_pod_event",
     "check_sample",
-    "check_share",
 ]
 
 
@@ -186,17 +181,6 @@ def check_names(event: PodEvent) -> None:
                         "qualified")
             for device_id in assignment.device_ids:
                 _check_name(where, f"container {container.name} device id", device_id, "id")
-
-
-def _check_record_names(where: str, cluster: str, node_name: str, gpu_uuid: str | None, pod_uid: str | None,
-                        namespace: str | None, pod_name: str | None, labels: Mapping[str, str]) -> None:
-    _check_name(where, "cluster", cluster, "id")
-    _check_name(where, "node name", node_name, "subdomain")
-    _check_name(where, "gpu uuid", gpu_uuid, "id")
-    _check_name(where, "pod uid", pod_uid, "id")
-    _check_name(where, "namespace", namespace, "label")
-    _check_name(where, "pod name", pod_name, "subdomain")
-    _check_labels(where, "label", labels)
 
 
 def _check_time(where: str, name: str, value: int, now_unix_ms: int, max_clock_skew_ms: int) -> None:
@@ -419,55 +403,6 @@ def _check_window(where: str, start_unix_ms: int, window_seconds: int, now_unix_
     if end > now_unix_ms + max_clock_skew_ms:
         raise OutOfRange(f"{where}: the window ends {end - now_unix_ms} ms in the future; a share or cost exists "
                          f"only once its window closed (allowed clock skew {max_clock_skew_ms} ms)")
-
-
-def check_share(share: GpuShare, now_unix_ms: int, max_clock_skew_ms: int) -> None:
-    """Raise ``OutOfRange`` for a ``GpuShare`` row that cannot be true on its own: a window not ended yet (beyond
-    the clock skew) or starting before 2000, a non-positive window, covered seconds outside [0, window] or not
-    finite, fewer than one unit or row, a GPU fraction outside (0, 1], memory/compute/cost share outside [0, 1] or
-    not finite, negative average memory or sample count. Whether a unit's rows add up to 1 is a check of the
-    whole unit (billing's ``InconsistentShares``, the guard's engine). ``InvalidName`` for a name of the wrong
-    syntax."""
-    _check_record_names(f"share of window {share.window_start_unix_ms}", share.cluster, share.node_name,
-                        share.gpu_uuid, share.pod_uid, share.namespace, share.pod_name, share.labels)
-    _check_name(f"share of window {share.window_start_unix_ms}", "parent gpu uuid", share.parent_gpu_uuid, "id")
-    _check_name(f"share of window {share.window_start_unix_ms}", "workload kind", share.workload_kind, "kind")
-    _check_name(f"share of window {share.window_start_unix_ms}", "workload name", share.workload_name,
-                "subdomain")
-    where = (f"share of {share.cluster}/{share.node_name}@{share.window_start_unix_ms} unit {share.gpu_uuid} "
-             f"{share.subject_kind.value}{' ' + share.pod_uid if share.pod_uid else ''}")
-    _check_window(where, share.window_start_unix_ms, share.window_seconds, now_unix_ms, max_clock_skew_ms)
-    for name in ("node_covered_seconds", "covered_seconds"):
-        value = getattr(share, name)
-        if not math.isfinite(value) or not 0 <= value <= share.window_seconds + COVERED_SECONDS_TOLERANCE:
-            raise OutOfRange(f"{where}: {name} {value!r} outside [0, {share.window_seconds}]")
-    if share.units_in_node < 1 or share.rows_in_unit < 1:
-        raise OutOfRange(f"{where}: units_in_node {share.units_in_node} and rows_in_unit {share.rows_in_unit} "
-                         "must be >= 1")
-    if not math.isfinite(share.gpu_fraction) or not 0 < share.gpu_fraction <= 1 + SHARE_TOLERANCE:
-        raise OutOfRange(f"{where}: gpu_fraction {share.gpu_fraction!r} outside (0, 1]")
-    for name in ("memory_share", "compute_share", "cost_share"):
-        _check_fraction(where, name, getattr(share, name))
-    if not math.isfinite(share.memory_used_bytes_avg) or share.memory_used_bytes_avg < 0:
-        raise OutOfRange(f"{where}: memory_used_bytes_avg {share.memory_used_bytes_avg!r} must be >= 0")
-    if share.sample_count < 0:
-        raise OutOfRange(f"{where}: negative sample_count {share.sample_count}")
-
-
-def check_cost(cost: CostRecord, now_unix_ms: int, max_clock_skew_ms: int) -> None:
-    """Raise ``OutOfRange`` for a ``CostRecord`` that cannot be true: a negative cost, a cost share outside
-    [0, 1], a window not ended yet (beyond the clock skew) or starting before 2000, a non-positive window, or a
-    POD line without a pod uid. ``InvalidName`` for a name of the wrong syntax."""
-    _check_record_names(f"cost line of window {cost.window_start_unix_ms}", cost.cluster, cost.node_name,
-                        cost.gpu_uuid, cost.pod_uid, cost.namespace, cost.pod_name, cost.labels)
-    where = (f"cost line of {cost.cluster}/{cost.node_name}@{cost.window_start_unix_ms} "
-             f"{cost.subject_kind.value}{' ' + cost.pod_uid if cost.pod_uid else ''}")
-    if cost.cost_micro_usd < 0:
-        raise OutOfRange(f"{where}: negative cost {cost.cost_micro_usd} micro-USD")
-    _check_fraction(where, "cost_share", cost.cost_share)
-    _check_window(where, cost.window_start_unix_ms, cost.window_seconds, now_unix_ms, max_clock_skew_ms)
-    if cost.subject_kind is CostSubjectKind.POD and not cost.pod_uid:
-        raise OutOfRange(f"{where}: a POD line needs a pod_uid")
 
 
 def _check_window_pods(where: str, pods: Iterable[WindowPod]) -> None:

@@ -280,7 +280,7 @@ class BillingProcessor(ProcessorLifecycle):
         producer: Producer,
         topics: TopicCatalog,
         clock: Clock,
-        node_memory_seconds: float,
+        series_memory_seconds: float,
         retry_initial_seconds: float = 0.5,
         retry_max_seconds: float = 30.0,
         team_label: str = "team",
@@ -311,10 +311,10 @@ class BillingProcessor(ProcessorLifecycle):
                               retry_max_seconds=retry_max_seconds, on_retry=self._count_delivery_retry)
         self._codec = codec_for(NodeWindowShares)
         # Labelled series by the nodes that hold them (services.billing.metric_series): a pod's series go once a
-        # newer window of its node lacks it, a node's once it has billed nothing for node_memory_seconds.
+        # newer window of its node lacks it, a node's once it has billed nothing for series_memory_seconds.
         self.series = None if not metrics else BillingSeries(
             metrics, team_label=team_label,
-            node_memory_ms=int(node_memory_seconds * 1000))
+            node_memory_ms=int(series_memory_seconds * 1000))
 
     # -- messages --
 

@@ -245,8 +245,9 @@ class NvmlBackend:
         GPU ``i`` (``nvmlDeviceGetHandleByIndex``), ``"<i>:<j>"`` for MIG device ``j`` of GPU ``i``
         (``nvmlDeviceGetMigDeviceHandleByIndex``), as last read (empty before the first read). The collector turns
         index and CDI ids into uuids with it (``schemas.devices.resolve_device_id``)."""
-        out = {str(index): gpu.uuid for index, gpu in self._gpus.items()}
+        out: dict[str, str] = {}
         for index, gpu in self._gpus.items():
+            out[str(index)] = gpu.uuid
             for mig_index, mig in self._migs.get(gpu.uuid, {}).items():
                 out[f"{index}:{mig_index}"] = mig.uuid
         return out

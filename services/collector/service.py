@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import replace
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Mapping
 
 from gpumeter.clock import Clock
 from schemas.catalog import TopicCatalog, pod_event_key
@@ -162,9 +162,10 @@ class CollectorService:
             return
         self.kubelet_available = True
         self._assignments = group_assignments(assignments)
+        by_index = self._uuid_by_index()
         for uid, event in list(self._pods.items()):
             current = self._assignments.get((event.namespace, event.name), {})
-            updated = self._resolved(with_assignments(event, current) if current else event)
+            updated = with_devices_resolved(with_assignments(event, current) if current else event, by_index)
             if updated != event:
                 # New devices, or ids in index or CDI form that NVML's indexes now resolve.
                 await self._publish_pod(
@@ -194,12 +195,12 @@ class CollectorService:
             previous = self._pods.get(event.uid)
             if previous is not None:
                 event = with_assignments(event, _assignments_of(previous))
-        await self._publish_pod(self._resolved(event))
+        await self._publish_pod(with_devices_resolved(event, self._uuid_by_index()))
 
-    def _resolved(self, event: PodEvent) -> PodEvent:
+    def _uuid_by_index(self) -> Mapping[str, str]:
         # Before the first NVML read the indexes are unknown: ids in index form stay as they are until the next
         # refresh of the assignments resolves them and republishes the pod.
-        return with_devices_resolved(event, getattr(self.backend, "uuid_by_index", {}))
+        return getattr(self.backend, "uuid_by_index", {})
 
     async def _publish_pod(self, event: PodEvent) -> None:
         if event.event_type == PodEventType.DELETED:

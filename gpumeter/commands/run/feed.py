@@ -40,6 +40,7 @@ class TopicFeed:
 
         catalog = kafka.catalog
         self.kafka = kafka
+        self.shares_topic = catalog.node_window_shares  # its records are shown as their rows
         self.codecs = {
             catalog.node_window_shares: codec_for(NodeWindowShares),
             catalog.costs: codec_for(CostRecord),
@@ -62,7 +63,6 @@ class TopicFeed:
         """Decoded records that arrived, in partition order, a node-window's shares as its ``GpuShare`` rows;
         undecodable ones are counted and skipped (the services dead-letter bad input; the view only shows)."""
         from gpumeter.errors import InvalidMessage
-        from schemas.records import NodeWindowShares
 
         assert self.consumer is not None
         batch = await self.consumer.getmany(timeout_ms=timeout_ms, max_records=5000)
@@ -77,7 +77,7 @@ class TopicFeed:
                 except InvalidMessage:
                     self.undecodable += 1
                     continue
-                if isinstance(record, NodeWindowShares):
+                if tp.topic == self.shares_topic:
                     records.extend(record.rows())
                 else:
                     records.append(record)

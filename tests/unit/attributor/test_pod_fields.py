@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from gpumeter.errors import ConfigError
-from gpumeter.validation import DEFAULT_MAX_CLOCK_SKEW_SECONDS, check_share
-from schemas.records import ShareSubjectKind
+from gpumeter.validation import DEFAULT_MAX_CLOCK_SKEW_SECONDS, check_window_shares
+from schemas.records import NodeWindowShares, ShareSubjectKind
 from services.attributor.attribution import DEFAULT_MPS_THREAD_ANNOTATION
 from services.attributor.engine import AttributionEngine, EngineConfig
 from services.attributor.pod_index import (
@@ -41,10 +41,10 @@ def test_share_rows_carry_only_the_grouping_labels_and_say_which_were_carried():
     (row,) = [r for r in window.shares if r.subject_kind is ShareSubjectKind.POD]
     assert dict(row.labels) == {"team": "research", "model": "llama"}
     assert row.carried_label_keys == ("model", "team")
-    # What billing and the guard check every row with accepts it: the carried keys are a field, not a label whose
-    # value ("model,team") no Kubernetes label could hold (that version was dead-lettered INVALID_NAME).
-    for share in window.shares:
-        check_share(share, base + 60_000, DEFAULT_MAX_CLOCK_SKEW_SECONDS * 1000)
+    # What billing and the guard check each node-window with accepts it: the carried keys are a field, not a label
+    # whose value ("model,team") no Kubernetes label could hold (that version was dead-lettered INVALID_NAME).
+    check_window_shares(NodeWindowShares.from_rows(window.shares), base + 60_000,
+                        DEFAULT_MAX_CLOCK_SKEW_SECONDS * 1000)
     info = engine.pods.pod("uid-a")
     assert dict(info.annotations) == {DEFAULT_MPS_THREAD_ANNOTATION: "40"}
 

@@ -116,7 +116,7 @@ def make_processor(ledger, producer=None, *, clock=None, memory_s=3600.0, catalo
         producer=producer or RecordingProducer(),
         topics=TOPICS,
         clock=clock or ManualClock(WINDOW_START_MS + 90_000),
-        node_memory_seconds=memory_s,
+        series_memory_seconds=memory_s,
         retry_initial_seconds=0.5,
         retry_max_seconds=4.0,
         metrics=metrics,

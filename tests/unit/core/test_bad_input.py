@@ -135,6 +135,10 @@ def _with_pods(cost: NodeWindowCost, **changes) -> NodeWindowCost:
     return dataclasses.replace(cost, pods=tuple(dataclasses.replace(p, **changes) for p in cost.pods))
 
 
+def _without_pods(cost: NodeWindowCost) -> NodeWindowCost:
+    return dataclasses.replace(cost, line_pod_index=tuple(-1 for _ in cost.line_pod_index))
+
+
 def good_cost(now_ms: int, n: int, **changes) -> NodeWindowCost:
     """The bill of that node-window (pod in namespace ``ns-<n>``) as billing writes it; ``changes`` apply to each
     of its lines."""
@@ -269,7 +273,7 @@ class BillingHarness(Harness):
         self.producer = RecordingProducer()
         self.processor = BillingProcessor(
             catalog=PriceCatalog.load(), policy=DEFAULT_SPLIT_POLICY, ledger=self.ledger, producer=self.producer,
-            topics=TOPICS, clock=self.clock, node_memory_seconds=3600,
+            topics=TOPICS, clock=self.clock, series_memory_seconds=3600,
             metrics=self.metrics,
         )
 
@@ -477,8 +481,7 @@ COST_CASES = [
     ("a window ending a day in the future", lambda h: good_cost(h.now_ms, 500,
                                                                 window_start_unix_ms=h.now_ms + DAY_MS)),
     ("a window at time zero", lambda h: good_cost(h.now_ms, 500, window_start_unix_ms=0)),
-    ("a POD line without a pod", lambda h: dataclasses.replace(
-        good_cost(h.now_ms, 500), line_pod_index=tuple(-1 for _ in good_cost(h.now_ms, 500).line_pod_index))),
+    ("a POD line without a pod", lambda h: _without_pods(good_cost(h.now_ms, 500))),
 ]
 
 RANGE_CASES = {SAMPLES: SAMPLE_CASES, PODS: POD_CASES, SHARES: SHARE_CASES, COSTS: COST_CASES}

@@ -227,7 +227,7 @@ async def test_billing_retrying_an_outbox_that_is_never_acknowledged_is_a_stall(
         ledger.migrate()
         processor = BillingProcessor(
             catalog=PriceCatalog.load(), policy=DEFAULT_SPLIT_POLICY, ledger=ledger, producer=RefusingProducer(),
-            topics=TopicCatalog(prefix="h."), clock=clock, node_memory_seconds=3600,
+            topics=TopicCatalog(prefix="h."), clock=clock, series_memory_seconds=3600,
             metrics=metrics, sleep=sleep)
         window = NodeWindowShares.from_rows(node_window([Unit("GPU-0", [pod("a", 1.0, "ml")])]))
         await processor.handle(RawMessage("h.gpumeter.node-window-shares.v1", 0, 0, b"node-a",
@@ -256,7 +256,7 @@ async def test_billing_retrying_an_unreachable_ledger_with_input_waiting_is_a_st
     metrics = ServiceMetrics("billing", BILLING_METRICS, clock=clock)
     processor = BillingProcessor(
         catalog=PriceCatalog.load(), policy=DEFAULT_SPLIT_POLICY, ledger=Unreachable(), producer=RefusingProducer(),
-        topics=TopicCatalog(prefix="h."), clock=clock, node_memory_seconds=3600,
+        topics=TopicCatalog(prefix="h."), clock=clock, series_memory_seconds=3600,
         metrics=metrics, sleep=AdvancingSleep(clock))
     window = NodeWindowShares.from_rows(node_window([Unit("GPU-0", [pod("a", 1.0, "ml")])]))
     message = RawMessage("h.gpumeter.node-window-shares.v1", 0, 0, b"node-a",
