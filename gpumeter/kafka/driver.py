@@ -214,19 +214,39 @@ class KafkaDriver(ProcessorLifecycle):
                 consumer.seek(tp, records[0].offset)
 
     async def _handle_batch(self, batch: Mapping[Any, Sequence[Any]]) -> None:
+        await self.handle_messages(raw_message(record) for records in batch.values() for record in records)
+
+    async def handle_messages(self, messages: Iterable[RawMessage]) -> int:
+        """Step ``messages`` (one fetched batch, in partition order) and settle them together: what ``run`` does
+        per fetch. Once stopping it takes no more (the rest is read again after the restart). Returns how many
+        it took."""
         steps: list[tuple[RawMessage | None, Result]] = []
-        for records in batch.values():
-            for record in records:
-                if self.stopping:
-                    break  # not taken: read again after the restart
-                message = raw_message(record)
-                step = self.runner.step(message)
-                steps.append((message, step.result))
-                self._taken[(message.topic, message.partition)] = message.offset + 1
+        for message in messages:
+            if self.stopping:
+                break
+            step = self.runner.step(message)
+            steps.append((message, step.result))
+            self._taken[(message.topic, message.partition)] = message.offset + 1
         if steps:
             self.batches += 1
             log.debug("%s: batch of %d messages", self.runner.service, len(steps))
             await self.settle(steps)
+        return len(steps)
+
+    async def checkpoint(self, *, retry: bool = True) -> None:
+        """Flush the outbox, tell the store what is published, commit what was read (see the module docstring)."""
+        async with self._lock:
+            await self._checkpoint(retry=retry)
+
+    @property
+    def taken(self) -> dict[TopicPartition, int]:
+        """The next offset to read per partition handled so far (what the next checkpoint commits)."""
+        return dict(self._taken)
+
+    @property
+    def unacknowledged(self) -> int:
+        """Records handed to the outbox and not acknowledged yet."""
+        return len(self._outbox)
 
     async def settle(self, steps: Sequence[tuple[RawMessage | None, Result]]) -> None:
         """Apply the steps' changes to the store, then produce what they settle into (``MessageRunner.settle``)."""

@@ -1,6 +1,7 @@
 """``gpumeter billing``: the billing service. Reads its settings once, prints them (secrets masked), migrates the
-ledger, creates missing topics, and runs ``BillingService`` until SIGTERM/SIGINT or ``--duration``; all behaviour
-lives in the modules it wires.
+ledger, creates missing topics, and runs ``BillingProcessor`` with its ``LedgerStore`` on the one runner
+(``MessageRunner`` in a ``KafkaDriver`` consumer group) until SIGTERM/SIGINT or ``--duration``; all behaviour lives
+in the modules it wires.
 
 Exit codes: 0 after a clean stop, 1 when Kafka, the ledger or the loop failed, 2 for unusable settings.
 """
@@ -19,15 +20,19 @@ from gpumeter.errors import ConfigError, GpumeterError
 from gpumeter.entrypoint import start_logging, stop_on
 from gpumeter.health import DEFAULT_MAX_SILENCE_SECONDS
 from gpumeter.kafka.admin import create_topics
+from gpumeter.kafka.driver import KafkaDriver
 from gpumeter.kafka.producer import RecordProducer
 from gpumeter.metrics import ServiceMetrics
+from gpumeter.stream.runner import MessageRunner
 from schemas.catalog import TopicCatalog
 from services.billing.ledger import Ledger, LedgerError, abandoned_ledgers
 from services.billing.service import (
     BILLING_METRICS,
     SERVICE_NAME,
     BillingProcessor,
-    BillingService,
+    LedgerStore,
+    billing_inputs,
+    billing_outputs,
     is_transient_ledger_error,
     next_backoff_seconds,
 )
@@ -111,38 +116,34 @@ async def serve(settings: BillingSettings, *, stop: asyncio.Event | None = None,
         metrics.serve(settings.metrics_port, settings.metrics_address)
         producer = RecordProducer(settings.kafka)
         await producer.start()
-        processor = BillingProcessor(
-            catalog=catalog,
-            policy=settings.split_policy,
-            ledger=ledger,
+        processor = BillingProcessor(catalog=catalog, policy=settings.split_policy, sharing=settings.sharing,
+                                     max_clock_skew_seconds=settings.max_clock_skew_seconds)
+        store = LedgerStore(ledger, metrics=metrics, team_label=settings.team_label,
+                            series_memory_seconds=settings.series_memory_seconds)
+        runner = MessageRunner(processor, billing_inputs(topics), clock, metrics=metrics,
+                               max_request_size_bytes=settings.kafka.max_request_size_bytes)
+        driver = KafkaDriver(
+            runner,
+            kafka=settings.kafka,
+            outputs=billing_outputs(topics),
             producer=producer,
-            topics=topics,
             clock=clock,
-            series_memory_seconds=settings.series_memory_seconds,
+            consumer_group=settings.consumer_group,
+            store=store,
+            metrics=metrics,
+            auto_offset_reset=settings.auto_offset_reset,
             retry_initial_seconds=settings.ledger_retry_initial_seconds,
             retry_max_seconds=settings.ledger_retry_max_seconds,
-            team_label=settings.team_label,
-            metrics=metrics,
-            max_clock_skew_seconds=settings.max_clock_skew_seconds,
-            max_request_size_bytes=settings.kafka.max_request_size_bytes,
-            sharing=settings.sharing,
-        )
-        service = BillingService(
-            kafka=settings.kafka,
-            topics=topics,
-            processor=processor,
-            consumer_group=settings.consumer_group,
-            auto_offset_reset=settings.auto_offset_reset,
             max_poll_records=settings.max_poll_records,
             max_poll_interval_seconds=settings.max_poll_interval_seconds,
         )
         log.info("billing %s as group %s", topics.node_window_shares, settings.consumer_group)
-        await service.run(stop)
-        stats = processor.stats
+        await driver.run(stop)
+        stats = store.stats
         log.info("stopped: %d node-windows billed, %d already in the ledger, %d republished, %d dead-lettered, "
-                 "%d cost records, %d ledger retries, %d commits", stats.windows_billed,
-                 stats.windows_already_billed, stats.windows_republished, stats.windows_dead_lettered,
-                 stats.cost_records_sent, stats.ledger_retries, service.commits)
+                 "%d refused by the ledger, %d cost records, %d ledger retries, %d commits", stats.windows_billed,
+                 stats.windows_already_billed, stats.windows_republished, runner.dead_lettered,
+                 stats.windows_rejected_by_ledger, stats.cost_records_owed, driver.store_retries, driver.commits)
         return 0
     except GpumeterError as exc:
         log.error("billing failed: %s", exc)

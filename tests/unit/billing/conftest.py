@@ -164,3 +164,85 @@ def sample_costs(windows: int = 3, *, start_ms: int = WINDOW_START_MS, sharing: 
     policy = SharingPolicy.parse(sharing)
     return [bill_node_window(shares, catalog, DEFAULT_SPLIT_POLICY, policy)
             for shares in sample_shares(windows, start_ms=start_ms)]
+
+
+# -- the billing service on the one runner, without a broker ---------------------------------------------------
+
+
+class CommitRecorder:
+    """Stands in for the aiokafka consumer where the driver commits: records what it was asked to commit."""
+
+    def __init__(self) -> None:
+        self.positions: dict[tuple[str, int], int] = {}
+
+    async def commit(self, offsets) -> None:
+        for tp, meta in offsets.items():
+            self.positions[(tp.topic, tp.partition)] = meta.offset
+
+
+class BillingHarness:
+    """``BillingProcessor`` + ``LedgerStore`` under the ``MessageRunner`` in a ``KafkaDriver`` whose consumer is a
+    ``CommitRecorder`` (partitions ``owned``): the stream's code path from decoded message to committed offset,
+    fed ``RawMessage``s directly. ``handle`` is one fetched batch of one message, ``handle_batch`` one of many,
+    ``flush`` the driver's checkpoint (flush the outbox, mark published, commit)."""
+
+    def __init__(self, ledger, producer, *, topics, clock, memory_s: float = 3600.0, catalog=None, sleep=None,
+                 metrics=None, sharing=None, owned=None) -> None:
+        from gpumeter.kafka.driver import KafkaDriver
+        from gpumeter.stream.runner import MessageRunner
+        from services.billing.catalog import PriceCatalog
+        from services.billing.pricing import DEFAULT_SPLIT_POLICY
+        from services.billing.service import BillingProcessor, LedgerStore, billing_inputs, billing_outputs
+        from services.billing.sharing import KEEP_ALL
+
+        self.topics = topics
+        self.producer = producer
+        self.processor = BillingProcessor(catalog=catalog or PriceCatalog.load(), policy=DEFAULT_SPLIT_POLICY,
+                                          sharing=sharing or KEEP_ALL)
+        self.store = LedgerStore(ledger, metrics=metrics, series_memory_seconds=memory_s)
+        self.runner = MessageRunner(self.processor, billing_inputs(topics), clock, metrics=metrics)
+        self.driver = KafkaDriver(self.runner, kafka=None, outputs=billing_outputs(topics), producer=producer,
+                                  clock=clock, consumer_group="billing-test", store=self.store, metrics=metrics,
+                                  retry_initial_seconds=0.5, retry_max_seconds=4.0, sleep=sleep)
+        self.consumer = CommitRecorder()
+        self.assign(owned or [(topics.node_window_shares, p) for p in range(4)])
+
+    def assign(self, tps) -> None:
+        """What the group's assignment does to the driver: these partitions are this member's."""
+        self.driver._consumer = self.consumer
+        self.driver._owned |= set(tps)
+
+    async def revoke(self, tps) -> None:
+        await self.driver._revoked(set(tps))
+
+    async def handle(self, message) -> bool:
+        """One message as a batch of its own; whether it was taken (False: dead-lettered)."""
+        before = self.runner.dead_lettered
+        await self.driver.handle_messages([message])
+        return self.runner.dead_lettered == before
+
+    async def handle_batch(self, messages) -> int:
+        return await self.driver.handle_messages(messages)
+
+    async def flush(self, *, retry: bool = True) -> bool:
+        await self.driver.checkpoint(retry=retry)
+        return self.driver.unacknowledged == 0
+
+    def commit_positions(self) -> dict[tuple[str, int], int]:
+        """What has been committed so far."""
+        return dict(self.consumer.positions)
+
+    @property
+    def unacknowledged(self) -> int:
+        return self.driver.unacknowledged
+
+    @property
+    def stats(self):
+        return self.store.stats
+
+    @property
+    def dead_lettered(self) -> int:
+        return self.runner.dead_lettered
+
+    def stop(self) -> None:
+        self.driver.stop()

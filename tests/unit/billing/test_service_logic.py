@@ -1,15 +1,15 @@
-"""The billing service's logic without Kafka: offset bookkeeping and the processor against a real SQLite ledger
-with a recording producer, fed node-window messages as the attributor writes them."""
+"""The billing service without a broker: its processor and ledger store on the one runner (``BillingHarness``: the
+Kafka driver's own settle/checkpoint path) against a real SQLite ledger and a recording producer, fed node-window
+messages as the attributor writes them."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections import defaultdict
 from dataclasses import replace
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from sqlalchemy.exc import IntegrityError, OperationalError
 
 from gpumeter.clock import ManualClock
@@ -25,16 +25,14 @@ from services.billing.costing import bill_node_window
 from services.billing.ledger import LedgerError
 from services.billing.pricing import DEFAULT_SPLIT_POLICY
 from services.billing.sharing import KEEP_ALL, SharingPolicy
+from gpumeter.kafka.processor import ServiceStopping
 from services.billing.service import (
     BILLING_METRICS,
-    BillingProcessor,
-    OffsetTracker,
-    ServiceStopping,
     is_rejected_by_ledger,
     is_transient_ledger_error,
     next_backoff_seconds,
 )
-from tests.unit.billing.conftest import WINDOW_START_MS, Unit, bucket, node_window, pod, sample_shares
+from tests.unit.billing.conftest import WINDOW_START_MS, BillingHarness, Unit, bucket, node_window, pod, sample_shares
 
 TOPICS = TopicCatalog(prefix="test.")
 SHARES_TOPIC = TOPICS.node_window_shares
@@ -107,21 +105,10 @@ class Pauses:
 
 
 def make_processor(ledger, producer=None, *, clock=None, memory_s=3600.0, catalog=None,
-                   sleep=None, metrics=None, sharing=KEEP_ALL) -> BillingProcessor:
-    return BillingProcessor(
-        sharing=sharing,
-        catalog=catalog or PriceCatalog.load(),
-        policy=DEFAULT_SPLIT_POLICY,
-        ledger=ledger,
-        producer=producer or RecordingProducer(),
-        topics=TOPICS,
-        clock=clock or ManualClock(WINDOW_START_MS + 90_000),
-        series_memory_seconds=memory_s,
-        retry_initial_seconds=0.5,
-        retry_max_seconds=4.0,
-        metrics=metrics,
-        sleep=sleep,
-    )
+                   sleep=None, metrics=None, sharing=KEEP_ALL) -> BillingHarness:
+    return BillingHarness(ledger, producer or RecordingProducer(), topics=TOPICS,
+                          clock=clock or ManualClock(WINDOW_START_MS + 90_000), memory_s=memory_s, catalog=catalog,
+                          sleep=sleep, metrics=metrics, sharing=sharing, owned=[TP0, TP1])
 
 
 A100 = "NVIDIA A100-SXM4-40GB"
@@ -140,82 +127,6 @@ def two_gpu_window(*, node="node-a", start_ms=WINDOW_START_MS, instance_type="p4
                        bucket(ShareSubjectKind.UNATTRIBUTED, 0.2)]),
     ]
     return node_window(units, node=node, window_start_ms=start_ms, instance_type=instance_type)
-
-
-# -- OffsetTracker ---------------------------------------------------------------------------------------------
-
-
-def test_offsets_advance_past_finished_messages_and_stop_at_the_oldest_held():
-    tracker = OffsetTracker()
-    tracker.done(TP0, 0)
-    tracker.done(TP0, 1)
-    assert tracker.commit_positions() == {TP0: 2}
-    tracker.hold(TP0, 2)
-    tracker.done(TP0, 3)
-    tracker.hold(TP0, 4)
-    tracker.done(TP0, 5)
-    assert tracker.position(TP0) == 2
-    tracker.release(TP0, 4)
-    assert tracker.position(TP0) == 2
-    tracker.release(TP0, 2)
-    assert tracker.position(TP0) == 6
-
-
-def test_only_positions_that_moved_are_committed_again():
-    tracker = OffsetTracker()
-    tracker.done(TP0, 10)
-    tracker.done(TP1, 3)
-    first = tracker.commit_positions()
-    assert first == {TP0: 11, TP1: 4}
-    tracker.committed(first)
-    assert tracker.commit_positions() == {}
-    tracker.hold(TP0, 11)
-    assert tracker.commit_positions() == {}
-    tracker.done(TP1, 4)
-    assert tracker.commit_positions() == {TP1: 5}
-
-
-def test_forgotten_partitions_are_not_committed_and_late_releases_are_ignored():
-    tracker = OffsetTracker()
-    tracker.hold(TP0, 7)
-    tracker.done(TP1, 0)
-    tracker.forget([TP0])
-    tracker.release(TP0, 7)
-    assert tracker.commit_positions() == {TP1: 1}
-    assert tracker.position(TP0) is None
-    # After re-assignment the partition starts again from the first offset handled.
-    tracker.hold(TP0, 5)
-    assert tracker.position(TP0) == 5
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["done", "hold", "release"]), st.integers(0, 7)), max_size=60))
-def test_committed_positions_never_skip_a_held_message_and_never_go_back(ops):
-    tracker = OffsetTracker()
-    next_offset = 0
-    held_offsets: set[int] = set()
-    finished: set[int] = set()
-    last_position = 0
-    for op, pick in ops:
-        if op == "done":
-            tracker.done(TP0, next_offset)
-            finished.add(next_offset)
-            next_offset += 1
-        elif op == "hold":
-            tracker.hold(TP0, next_offset)
-            held_offsets.add(next_offset)
-            next_offset += 1
-        elif held_offsets:
-            offset = sorted(held_offsets)[pick % len(held_offsets)]
-            tracker.release(TP0, offset)
-            held_offsets.discard(offset)
-            finished.add(offset)
-        position = tracker.position(TP0) or 0
-        assert position >= last_position
-        assert all(offset >= position for offset in held_offsets)
-        assert all(offset in finished for offset in range(position))
-        assert position == min(held_offsets | {next_offset})
-        last_position = position
 
 
 # -- ledger error classification -------------------------------------------------------------------------------
@@ -415,10 +326,11 @@ async def test_an_unavailable_ledger_is_retried_with_backoff_without_committing(
     processor = make_processor(ledger, producer, sleep=pauses)
     feed = Feed()
     await processor.handle(feed.message(value=b"junk"))
+    await processor.flush()  # the junk's batch is checkpointed: its dead letter is out, its offset committed
     shares = two_gpu_window()
     await processor.handle(feed.message(shares))
     assert pauses.seconds == [0.5, 1.0, 2.0, 4.0, 4.0]
-    assert positions_while_down == [{TP0: 1}] * 5  # only the junk before the window could be committed
+    assert positions_while_down == [{TP0: 1}] * 5  # only the junk before the window was committed
     assert ledger.calls == 6
     await processor.flush()
     assert sqlite_ledger.totals().node_windows == 1
@@ -433,7 +345,7 @@ async def test_stopping_during_a_ledger_outage_leaves_the_window_uncommitted(sql
     shares = two_gpu_window()
     with pytest.raises(ServiceStopping):
         await processor.handle(Feed().message(shares))
-    assert processor.commit_positions() == {TP0: 0}
+    assert processor.commit_positions() == {}
     assert sqlite_ledger.totals().node_windows == 0
 
 
@@ -454,7 +366,8 @@ async def test_refused_values_dead_letter_the_window_and_bugs_stop_the_service(s
     broken = make_processor(BrokenLedger(), RecordingProducer())
     with pytest.raises(LedgerError):
         await broken.handle(Feed().message(shares))
-    assert broken.commit_positions() == {TP0: 0}
+    assert broken.commit_positions() == {}
+    assert broken.unacknowledged == 0
 
 
 async def test_unacknowledged_records_are_sent_again_before_anything_is_committed(sqlite_ledger):
@@ -560,14 +473,18 @@ async def test_revoked_partitions_drop_their_offsets(sqlite_ledger):
     feed = Feed()
     await processor.handle(feed.message(two_gpu_window(node="node-a"), partition=0))
     await processor.handle(feed.message(two_gpu_window(node="node-b"), partition=1))
+    await processor.revoke([TP0])  # the rebalance checkpoints first: both partitions' progress is committed
+    assert processor.commit_positions() == {TP0: 1, TP1: 1}
+    await processor.handle(feed.message(two_gpu_window(node="node-d"), partition=1))
     await processor.flush()
-    processor.partitions_revoked([TP0])
-    assert processor.commit_positions() == {TP1: 1}
+    assert processor.commit_positions() == {TP0: 1, TP1: 2}  # TP0 is not this member's any more
     # Assigned again later, the partition is committed from what is handled then.
+    processor.assign([TP0])
     again = Feed()
     again.next_offset[0] = 5
     assert await processor.handle(again.message(two_gpu_window(node="node-c"), partition=0)) is True
-    assert processor.commit_positions() == {TP0: 6, TP1: 1}
+    await processor.flush()
+    assert processor.commit_positions() == {TP0: 6, TP1: 2}
 
 
 
@@ -622,7 +539,7 @@ async def test_a_batch_holds_its_completed_windows_until_the_write(sqlite_ledger
         [feed.message(two_gpu_window(node="node-b"))]
     await processor.handle_batch(messages)
     assert pauses.seconds == [0.5, 1.0]
-    assert positions_while_down == [{TP0: 1}] * 2  # both windows held while the ledger is down
+    assert positions_while_down == [{}] * 2  # nothing of the batch committed while the ledger is down
     assert ledger.calls == 3  # the same single write, retried
     await processor.flush()
     assert processor.commit_positions() == {TP0: len(messages)}
@@ -704,7 +621,7 @@ async def test_a_ledger_bug_in_a_batch_stops_the_service_without_committing(sqli
     messages = [feed.message(two_gpu_window(node="node-a"))] + [feed.message(two_gpu_window(node="node-b"))]
     with pytest.raises(LedgerError):
         await processor.handle_batch(messages)
-    assert processor.commit_positions() == {TP0: 0}
+    assert processor.commit_positions() == {}
     assert processor.unacknowledged == 0
 
 
@@ -780,14 +697,16 @@ async def test_a_batch_has_the_same_effects_as_its_messages_one_at_a_time(tmp_pa
         by_topic = {topic: [(k, r) for t, k, r in producer.delivered if t == topic]
                     for topic in (TOPICS.costs, TOPICS.node_window_costs, TOPICS.dead_letters)}
         assert len(producer.delivered) == sum(len(v) for v in by_topic.values())
-        results.append((by_topic, processor.commit_positions(), processor.stats, ledger.totals(),
+        stats = dataclasses.replace(processor.stats, ledger_writes=0)  # how many writes is what batching changes
+        results.append((by_topic, processor.commit_positions(), stats, processor.dead_lettered, ledger.totals(),
                         list(ledger.iter_cost_lines()), metrics.registry.get_sample_value(
                             "gpumeter_billing_ledger_rows_written_total")))
         ledger.close()
     one_at_a_time, batched = results
     assert batched == one_at_a_time
-    # node-a, node-b and the four sample windows; the unpriced and the short window dead-lettered (each pass)
-    assert one_at_a_time[2].windows_billed == 6 and one_at_a_time[2].windows_dead_lettered == 4
+    # node-a, node-b and the four sample windows billed; the garbage, the unpriced and the short window
+    # dead-lettered (each pass)
+    assert one_at_a_time[2].windows_billed == 6 and one_at_a_time[3] == 6
 
 
 # -- settings --------------------------------------------------------------------------------------------------
@@ -937,3 +856,33 @@ async def test_series_of_pods_that_came_and_went_are_removed_after_their_last_wi
                  "gpumeter_node_cost_micro_usd_total", "gpumeter_bucket_cost_micro_usd_total"):
         nodes_and_pods = {dict(labels).get("node") or dict(labels)["pod"] for labels in exported_series(metrics, name)}
         assert nodes_and_pods in ({"node-a"}, {"pod-steady"}), (name, nodes_and_pods)
+
+
+async def test_a_ledger_outage_between_two_writes_of_one_batch_keeps_what_the_first_wrote(sqlite_ledger):
+    """[old, newer, old again] is two writes; the ledger goes away for the second. The retry must not take the
+    first write's windows for duplicates (their records were not published yet): each is published once."""
+
+    class DownForTheSecondWrite(CountingLedger):
+        def write(self, costs, bills):
+            bills = list(bills)
+            self.writes.append(len(bills))
+            if len(self.writes) == 2:
+                raise LedgerError("writing failed") from OperationalError("INSERT", {}, Exception("refused"))
+            return self.ledger.write(costs, bills)
+
+    ledger = DownForTheSecondWrite(sqlite_ledger)
+    producer = RecordingProducer()
+    pauses = Pauses()
+    processor = make_processor(ledger, producer, sleep=pauses)
+    feed = Feed()
+    old = two_gpu_window(node="node-a")
+    newer = two_gpu_window(node="node-a", start_ms=WINDOW_START_MS + MINUTE_MS)
+    await processor.handle_batch([feed.message(old), feed.message(newer), feed.message(old)])
+    await processor.flush()
+    assert ledger.writes == [2, 1, 1]  # the second write retried alone
+    assert pauses.seconds == [0.5]
+    catalog = PriceCatalog.load()
+    assert costs_sent(producer) == [*bill_node_window(old, catalog).costs, *bill_node_window(newer, catalog).costs]
+    assert len(producer.records(NodeWindowCost)) == 2
+    assert processor.stats.windows_billed == 2 and processor.stats.windows_already_billed == 1
+    assert processor.commit_positions() == {TP0: 3}

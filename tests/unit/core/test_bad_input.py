@@ -2,7 +2,7 @@
 
 Each service is driven through its real entry point for one message -- the attributor's ``process_sample`` /
 ``process_pod_event`` (the Faust agents' bodies, with plain dicts as tables and recording topics), billing's
-``BillingProcessor.handle`` (a real SQLite ledger), the guard's ``GuardProcessor.handle`` (the real engine) -- and
+billing's processor and ledger store on the one runner (a real SQLite ledger), the guard's ``GuardProcessor.handle`` (the real engine) -- and
 every case must give:
 
 * a ``DeadLetter`` for the bad message with the expected ``reason_code``, the service's name, the source topic,
@@ -52,13 +52,13 @@ from schemas.typed import codec_for
 from services.attributor.engine import pod_table_key
 from services.billing.catalog import PriceCatalog
 from services.billing.ledger import Ledger
-from services.billing.pricing import DEFAULT_SPLIT_POLICY
-from services.billing.service import BILLING_METRICS, BillingProcessor
+from services.billing.service import BILLING_METRICS
 from services.guard.config import Budget, GuardConfig
 from services.guard.engine import GuardEngine
 from services.guard.service import GUARD_METRICS, GuardProcessor
 from tests.unit.attributor import GIB, device, node_sample, pod_event
 from tests.unit.billing.conftest import WINDOW_START_MS, Unit, bucket, node_window, pod
+from tests.unit.billing.conftest import BillingHarness as BillingService
 
 PREFIX = "bad."
 TOPICS = TopicCatalog(prefix=PREFIX)
@@ -271,17 +271,16 @@ class BillingHarness(Harness):
         self.ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
         self.ledger.migrate()
         self.producer = RecordingProducer()
-        self.processor = BillingProcessor(
-            catalog=PriceCatalog.load(), policy=DEFAULT_SPLIT_POLICY, ledger=self.ledger, producer=self.producer,
-            topics=TOPICS, clock=self.clock, series_memory_seconds=3600,
-            metrics=self.metrics,
-        )
+        # The billing service as it runs: processor and ledger store on the one runner, in the Kafka driver.
+        self.processor = BillingService(self.ledger, self.producer, topics=TOPICS, clock=self.clock,
+                                        metrics=self.metrics)
 
     def close(self) -> None:
         self.ledger.close()
 
     async def deliver(self, raw: RawMessage) -> None:
         await self.processor.handle(raw)
+        await self.processor.flush()
 
     def dead_letters(self) -> list[DeadLetter]:
         return [r for t, _, r in self.producer.sent if t == TOPICS.dead_letters]

@@ -212,27 +212,24 @@ async def _stall_of(processor, clock: ManualClock, metrics: ServiceMetrics, name
 
 async def test_billing_retrying_an_outbox_that_is_never_acknowledged_is_a_stall(tmp_path):
     from gpumeter.kafka.deadletter import RawMessage
-    from schemas.typed import codec_for
-    from services.billing.catalog import PriceCatalog
-    from services.billing.ledger import Ledger
-    from services.billing.pricing import DEFAULT_SPLIT_POLICY
-    from services.billing.service import BILLING_METRICS, BillingProcessor
     from schemas.catalog import TopicCatalog
-    from tests.unit.billing.conftest import WINDOW_START_MS, Unit, node_window, pod
+    from schemas.typed import codec_for
+    from services.billing.ledger import Ledger
+    from services.billing.service import BILLING_METRICS
+    from tests.unit.billing.conftest import WINDOW_START_MS, BillingHarness, Unit, node_window, pod
 
     clock = ManualClock(WINDOW_START_MS + 90_000)
     metrics = ServiceMetrics("billing", BILLING_METRICS, clock=clock)  # the default limits
     sleep = AdvancingSleep(clock)
+    topics = TopicCatalog(prefix="h.")
     with Ledger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}") as ledger:
         ledger.migrate()
-        processor = BillingProcessor(
-            catalog=PriceCatalog.load(), policy=DEFAULT_SPLIT_POLICY, ledger=ledger, producer=RefusingProducer(),
-            topics=TopicCatalog(prefix="h."), clock=clock, series_memory_seconds=3600,
-            metrics=metrics, sleep=sleep)
+        billing = BillingHarness(ledger, RefusingProducer(), topics=topics, clock=clock, metrics=metrics,
+                                 sleep=sleep)
         window = NodeWindowShares.from_rows(node_window([Unit("GPU-0", [pod("a", 1.0, "ml")])]))
-        await processor.handle(RawMessage("h.gpumeter.node-window-shares.v1", 0, 0, b"node-a",
-                                          codec_for(NodeWindowShares).encode(window), None))
-        await _stall_of(processor, clock, metrics, "outbox", processor.flush)
+        await billing.handle(RawMessage(topics.node_window_shares, 0, 0, b"node-a",
+                                        codec_for(NodeWindowShares).encode(window), None))
+        await _stall_of(billing.driver, clock, metrics, "outbox", billing.flush)
     assert sleep.pauses > 10
 
 
@@ -242,11 +239,9 @@ async def test_billing_retrying_an_unreachable_ledger_with_input_waiting_is_a_st
     from gpumeter.kafka.deadletter import RawMessage
     from schemas.catalog import TopicCatalog
     from schemas.typed import codec_for
-    from services.billing.catalog import PriceCatalog
     from services.billing.ledger import LedgerError
-    from services.billing.pricing import DEFAULT_SPLIT_POLICY
-    from services.billing.service import BILLING_METRICS, BillingProcessor
-    from tests.unit.billing.conftest import WINDOW_START_MS, Unit, node_window, pod
+    from services.billing.service import BILLING_METRICS
+    from tests.unit.billing.conftest import WINDOW_START_MS, BillingHarness, Unit, node_window, pod
 
     class Unreachable:
         def write(self, costs, bills):
@@ -254,15 +249,14 @@ async def test_billing_retrying_an_unreachable_ledger_with_input_waiting_is_a_st
 
     clock = ManualClock(WINDOW_START_MS + 90_000)
     metrics = ServiceMetrics("billing", BILLING_METRICS, clock=clock)
-    processor = BillingProcessor(
-        catalog=PriceCatalog.load(), policy=DEFAULT_SPLIT_POLICY, ledger=Unreachable(), producer=RefusingProducer(),
-        topics=TopicCatalog(prefix="h."), clock=clock, series_memory_seconds=3600,
-        metrics=metrics, sleep=AdvancingSleep(clock))
+    topics = TopicCatalog(prefix="h.")
+    billing = BillingHarness(Unreachable(), RefusingProducer(), topics=topics, clock=clock, metrics=metrics,
+                             sleep=AdvancingSleep(clock))
     window = NodeWindowShares.from_rows(node_window([Unit("GPU-0", [pod("a", 1.0, "ml")])]))
-    message = RawMessage("h.gpumeter.node-window-shares.v1", 0, 0, b"node-a",
-                         codec_for(NodeWindowShares).encode(window), None)
-    processor.note_input(processor.offsets.taken(), True)  # what the consumer loop says after its fetch
-    await _stall_of(processor, clock, metrics, "input", lambda: processor.handle(message))
+    message = RawMessage(topics.node_window_shares, 0, 0, b"node-a", codec_for(NodeWindowShares).encode(window),
+                         None)
+    billing.driver.note_input(tuple(sorted(billing.driver.taken.items())), True)  # what the loop says after a fetch
+    await _stall_of(billing.driver, clock, metrics, "input", lambda: billing.handle(message))
 
 
 async def test_the_guard_retrying_an_outbox_that_is_never_acknowledged_is_a_stall():
