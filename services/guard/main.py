@@ -1,7 +1,25 @@
 """``gpumeter guard``: the guard service. Reads its settings and the guard config once, prints the settings
-(secrets masked), restores the engine from the state file, creates missing topics, and runs ``GuardService``
-(plus the ``AlertmanagerSink`` when an Alertmanager URL is set) until SIGTERM/SIGINT or ``--duration``; all
+(secrets masked), restores the engine from the state file, creates missing topics, and runs the
+``GuardProcessor`` (``services/guard/processor.py``) on the one runner (``MessageRunner`` over ``KafkaDriver``,
+plus the ``AlertmanagerSink`` when an Alertmanager URL is set) until SIGTERM/SIGINT or ``--duration``; all
 behaviour lives in the modules it wires.
+
+The wiring: budgets span nodes and stale-node detection needs every node, so the driver reads every partition of
+the four input topics itself (``assignment="all"``; the group only stores offsets): run one replica. Start
+positions: those of the state file (a partition it has no position for is read from its beginning: the state
+covers none of it). Without a state file (first start, none configured, or an unreadable one moved aside) the
+guard first reads the compacted violations topic whole (``read_last_states``) and seeds its engine with it
+(``GuardProcessor.begin_rebuild``), reads pod events from the beginning of their compacted topic -- the rules need
+every live pod -- and the other topics from the group's committed offsets (else ``auto_offset_reset``); it emits
+no violation until it has read as far as the input reached when it started (the driver's ``on_read_to_start``:
+``finish_rebuild``). Checkpoints (``StateCheckpoint``): every ``snapshot_interval_seconds`` and at stop, once
+every record produced is acknowledged, the state file is written with the positions it covers, then those are
+committed. The clock rules run every ``clock_interval_seconds`` with the driver's ``caught_up``. Every violation
+emitted is handed to the Alertmanager sink (``on_emitted``). Bad input is dead-lettered by the runner.
+
+Failures: Kafka not acknowledging produced violations → re-sent with backoff (``gpumeter.kafka.outbox``; only the
+newest record of a fingerprint, so a stale state never overwrites a newer one) while nothing is snapshotted or
+committed; Alertmanager unreachable → its alerts stay pending in the sink, consumption goes on.
 
 Exit codes: 0 after a clean stop, 1 when Kafka or the loop failed, 2 for unusable settings or guard config.
 """
@@ -11,28 +29,37 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from gpumeter.clock import Clock, SystemClock
 from gpumeter.errors import ConfigError, GpumeterError
 from gpumeter.entrypoint import start_logging, stop_on
 from gpumeter.health import DEFAULT_MAX_SILENCE_SECONDS
 from gpumeter.kafka.admin import create_topics
+from gpumeter.kafka.driver import KafkaDriver
+from gpumeter.kafka.processor import ConsumerUnavailable
 from gpumeter.kafka.producer import RecordProducer
 from gpumeter.metrics import ServiceMetrics
+from gpumeter.settings import KafkaSettings
+from gpumeter.stream.contract import Emit
+from gpumeter.stream.runner import MessageRunner
 from schemas.catalog import TopicCatalog
+from schemas.records import Violation
 from services.guard.alertmanager import AlertmanagerSink
-from services.guard.service import (
+from services.guard.processor import (
     GUARD_METRICS,
     SERVICE_NAME,
+    VIOLATIONS,
     GuardProcessor,
-    GuardService,
-    GuardState,
-    GuardStateStore,
+    guard_outputs,
+    guard_topics,
 )
 from services.guard.settings import GuardSettings, add_arguments, guard_settings
+from services.guard.state import GuardState, GuardStateStore, StateCheckpoint
 
 log = logging.getLogger("gpumeter.guard")
+
+REBUILD_READ_TIMEOUT_S = 300.0  # reading the compacted violations topic whole at a start without state
 
 __all__ = ["add_arguments", "main", "serve"]
 
@@ -61,8 +88,8 @@ def load_config(settings: GuardSettings, env: Mapping[str, str]) -> Any:
 def restore_engine(config: Any, store: GuardStateStore | None, clock: Clock) -> tuple[Any, GuardState | None]:
     """A ``GuardEngine`` from the state file when there is a usable one (and that state), else a fresh engine.
     A file that cannot be read back or restored is moved aside and the guard starts without state (logged as an
-    error); the service then rebuilds from the violations topic before it raises anything
-    (``GuardService``)."""
+    error); the service then rebuilds from the violations topic before it raises anything (see the module
+    docstring)."""
     from services.guard.engine import GuardEngine
 
     if store is None:
@@ -81,6 +108,31 @@ def restore_engine(config: Any, store: GuardStateStore | None, clock: Clock) -> 
     log.info("restored the guard state saved at %d (%d positions, %d firing)", state.saved_at_unix_ms,
              len(state.positions), len(tuple(engine.active())))
     return engine, state
+
+
+async def read_last_states(kafka: KafkaSettings, topic: str) -> tuple[Violation, ...]:
+    """The last state of every fingerprint on the compacted violations ``topic`` (what a guard without state
+    rebuilds from); ``ConsumerUnavailable`` when it cannot be read whole within ``REBUILD_READ_TIMEOUT_S``."""
+    from services.guard.violations_cli import ViolationsReadError, read_violations
+
+    try:
+        view = await read_violations(kafka, topic, timeout_s=REBUILD_READ_TIMEOUT_S)
+    except ViolationsReadError as exc:
+        raise ConsumerUnavailable(f"cannot rebuild from {topic}: {exc}") from exc
+    if view.undecodable:
+        log.warning("%d records on %s are no Violation: ignored", view.undecodable, topic)
+    return tuple(view.violations)
+
+
+def alert_on_emitted(sink: AlertmanagerSink):
+    """The driver's ``on_emitted`` for ``sink``: every violation emitted (refreshes included) goes to the sink."""
+
+    def on_emitted(emits: Sequence[Emit]) -> None:
+        violations = [emit.record for emit in emits if emit.output == VIOLATIONS]
+        if violations:
+            sink.update(violations)
+
+    return on_emitted
 
 
 async def serve(settings: GuardSettings, *, config: Any = None, env: Mapping[str, str] | None = None,
@@ -112,6 +164,11 @@ async def serve(settings: GuardSettings, *, config: Any = None, env: Mapping[str
         metrics = ServiceMetrics(SERVICE_NAME, GUARD_METRICS, clock=clock, max_silence_seconds=max(
             DEFAULT_MAX_SILENCE_SECONDS, 2 * settings.retry_max_seconds))
         metrics.serve(settings.metrics_port, settings.metrics_address)
+        processor = GuardProcessor(config, clock, engine=engine, metrics=metrics,
+                                   max_clock_skew_seconds=settings.max_clock_skew_seconds,
+                                   max_sample_age_seconds=settings.max_sample_age_seconds)
+        if state is None:
+            processor.begin_rebuild(await read_last_states(settings.kafka, topics.violations))
         producer = RecordProducer(settings.kafka)
         await producer.start()
         if settings.alertmanager_url:
@@ -120,41 +177,43 @@ async def serve(settings: GuardSettings, *, config: Any = None, env: Mapping[str
                                     lease_s=settings.alertmanager_lease_seconds,
                                     generator_url=settings.external_url)
             await sink.start()
-            sink.update(engine.active())  # renew the leases of what the restored state holds firing
+            # Renew the leases of what the restored state, or the violations topic, holds firing.
+            sink.update(processor.engine.active())
             sink_task = asyncio.create_task(sink.run(sink_stop))
-        processor = GuardProcessor(
-            engine=engine,
+        runner = MessageRunner(processor, guard_topics(topics), clock, metrics=metrics,
+                               max_request_size_bytes=settings.kafka.max_request_size_bytes)
+        checkpoint = StateCheckpoint(processor, store, clock)
+        driver = KafkaDriver(
+            runner,
+            kafka=settings.kafka,
+            outputs=guard_outputs(topics),
             producer=producer,
-            topics=topics,
             clock=clock,
-            sink=sink,
+            consumer_group=settings.consumer_group,
             metrics=metrics,
+            assignment="all",
+            start_positions=state.positions if state is not None else None,
+            # Restored: a partition the state has no position for is covered by none of it. Without state: the
+            # rules need every live pod.
+            from_beginning=tuple(runner.inputs.by_topic) if state is not None else (topics.pod_events,),
+            auto_offset_reset=settings.auto_offset_reset,
+            checkpoint=checkpoint,
+            checkpoint_interval_seconds=settings.snapshot_interval_seconds,
+            tick_seconds=settings.clock_interval_seconds,
+            on_emitted=alert_on_emitted(sink) if sink is not None else None,
+            on_read_to_start=processor.finish_rebuild if processor.rebuilding else None,
             retry_initial_seconds=settings.retry_initial_seconds,
             retry_max_seconds=settings.retry_max_seconds,
-            positions=state.positions if state is not None else None,
-            max_clock_skew_seconds=settings.max_clock_skew_seconds,
-            max_sample_age_seconds=settings.max_sample_age_seconds,
-            max_request_size_bytes=settings.kafka.max_request_size_bytes,
-        )
-        service = GuardService(
-            kafka=settings.kafka,
-            topics=topics,
-            processor=processor,
-            consumer_group=settings.consumer_group,
-            store=store,
-            restored=state is not None,
-            auto_offset_reset=settings.auto_offset_reset,
-            snapshot_interval_seconds=settings.snapshot_interval_seconds,
-            clock_interval_seconds=settings.clock_interval_seconds,
             max_poll_records=settings.max_poll_records,
         )
-        log.info("guarding %s as group %s%s", ", ".join(processor.input_topics), settings.consumer_group,
+        log.info("guarding %s as group %s (%s)%s", ", ".join(driver.input_topics), settings.consumer_group,
+                 "positions from the state file" if state is not None else "no state file: pod events from the start",
                  f", alerts to {sink.endpoint}" if sink else "")
-        await service.run(stop)
+        await driver.run(stop)
         stats = processor.stats
         log.info("stopped: %d messages, %d violations published (%d state changes), %d dead-lettered, "
-                 "%d snapshots, %d commits", stats.messages, stats.violations_published, stats.transitions,
-                 processor.guard.dead_lettered, service.snapshots, service.commits)
+                 "%d snapshots, %d commits", runner.consumed, stats.violations_emitted, stats.transitions,
+                 runner.dead_lettered, checkpoint.snapshots, driver.commits)
         return 0
     except GpumeterError as exc:
         log.error("guard failed: %s", exc)

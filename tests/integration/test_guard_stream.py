@@ -27,7 +27,7 @@ from schemas.records import DeadLetter, PodEventType, SharingMode, Violation, Vi
 from schemas.typed import codec_for
 from services.guard.config import GuardConfig
 from services.guard.main import serve
-from services.guard.service import GuardStateStore
+from services.guard.state import GuardStateStore
 from services.guard.settings import GuardSettings
 from services.guard.violations_cli import violation_json
 from tests.integration.topic_reading import read_records

@@ -54,8 +54,7 @@ from services.billing.catalog import PriceCatalog
 from services.billing.ledger import Ledger
 from services.billing.service import BILLING_METRICS
 from services.guard.config import Budget, GuardConfig
-from services.guard.engine import GuardEngine
-from services.guard.service import GUARD_METRICS, GuardProcessor
+from services.guard.processor import GUARD_METRICS, VIOLATIONS, GuardProcessor, guard_topics
 from tests.unit.attributor import GIB, device, node_sample, pod_event
 from tests.unit.billing.conftest import WINDOW_START_MS, Unit, bucket, node_window, pod
 from tests.unit.billing.conftest import BillingHarness as BillingService
@@ -297,34 +296,52 @@ class BillingHarness(Harness):
 
 
 class GuardHarness(Harness):
+    """The guard on the one runner: ``MessageRunner.step`` (decode, range checks, dead letters) in front of
+    ``GuardProcessor.handle`` (the real engine); what it emits is kept."""
+
     service = "guard"
     kinds = (SAMPLES, PODS, SHARES, COSTS)
     now_ms = NOW_MS
 
     def __init__(self, tmp_path: Path) -> None:
+        from gpumeter.stream.runner import MessageRunner
+
         super().__init__(tmp_path)
         self.clock = ManualClock(NOW_MS)
         self.metrics = ServiceMetrics(self.service, GUARD_METRICS)
-        self.producer = RecordingProducer()
         config = GuardConfig(namespace_budgets={f"ns-{n}": Budget(day_micro_usd=1) for n in range(1, 200)})
-        self.processor = GuardProcessor(engine=GuardEngine(config), producer=self.producer, topics=TOPICS,
-                                        clock=self.clock, metrics=self.metrics)
+        self.processor = GuardProcessor(config, self.clock, metrics=self.metrics)
+        self.runner = MessageRunner(self.processor, guard_topics(TOPICS), self.clock, metrics=self.metrics)
+        self.emitted: list = []
+
+    def step(self, raw: RawMessage):
+        step = self.runner.step(raw)
+        self.emitted.extend(step.result.emits)
+        return step
 
     async def deliver(self, raw: RawMessage) -> None:
-        await self.processor.handle(raw)
+        self.step(raw)
 
     def dead_letters(self) -> list[DeadLetter]:
-        return [r for t, _, r in self.producer.sent if t == TOPICS.dead_letters]
+        from gpumeter.stream.contract import DEAD_LETTERS
+
+        return [e.record for e in self.emitted if e.output == DEAD_LETTERS]
+
+    def taken(self, kind: str, record) -> list:
+        """Step a good record; it must be handled, not dead-lettered. Its violations."""
+        step = self.step(self.message(kind, encode(record), b"k", 0))
+        assert step.handled and step.dead_lettered == 0
+        return [e.record for e in step.result.emits if e.output == VIOLATIONS]
 
     async def good(self, kind: str) -> None:
         n = self.next_n()
         engine = self.processor.engine
         if kind == SAMPLES:
             sample = good_sample(self.now_ms, n, node=f"gpu-node-{n}")
-            assert await self.processor.handle(self.message(kind, encode(sample), b"k", 0)) is not None
+            self.taken(kind, sample)
             # The engine took it: the same tick again is a redelivery it recognises.
             ignored = engine.old_samples_ignored
-            await self.processor.handle(self.message(kind, encode(sample), b"k", 0))
+            self.taken(kind, sample)
             assert engine.old_samples_ignored == ignored + 1
         elif kind == PODS:
             # A pod that sets NVIDIA_VISIBLE_DEVICES=all and requests no GPU: the guard flags it from the event.
@@ -332,17 +349,17 @@ class GuardHarness(Harness):
             containers = tuple(dataclasses.replace(c, visible_devices_env="all", gpu_requests={}, assigned_devices=())
                                for c in event.containers)
             event = dataclasses.replace(event, containers=containers, gpu_requests={})
-            violations = await self.processor.handle(self.message(kind, encode(event), b"k", 0))
+            violations = self.taken(kind, event)
             assert [(v.rule, v.pod_uid) for v in violations] == [("visibility_leak", event.uid)]
         elif kind == SHARES:
             share = good_share(self.now_ms, n)
-            assert await self.processor.handle(self.message(kind, encode(share), b"k", 0)) is not None
+            self.taken(kind, share)
             ignored = engine.duplicate_shares_ignored
-            await self.processor.handle(self.message(kind, encode(share), b"k", 0))
+            self.taken(kind, share)
             assert engine.duplicate_shares_ignored == ignored + 1
         else:
             record = good_cost(self.now_ms, n)
-            violations = await self.processor.handle(self.message(kind, encode(record), b"k", 0))
+            violations = self.taken(kind, record)
             assert [(v.rule, v.namespace) for v in violations] == [("budget_exceeded", f"ns-{n}")]
 
 

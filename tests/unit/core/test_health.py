@@ -263,23 +263,31 @@ async def test_the_guard_retrying_an_outbox_that_is_never_acknowledged_is_a_stal
     import dataclasses
 
     from gpumeter.kafka.deadletter import RawMessage
+    from gpumeter.kafka.driver import KafkaDriver
+    from gpumeter.settings import KafkaSettings
+    from gpumeter.stream.runner import MessageRunner
     from schemas.catalog import TopicCatalog
     from schemas.typed import codec_for
     from services.guard.config import GuardConfig
-    from services.guard.engine import GuardEngine
-    from services.guard.service import GUARD_METRICS, GuardProcessor
+    from services.guard.processor import GUARD_METRICS, GuardProcessor, guard_outputs, guard_topics
     from tests.unit.attributor import pod_event
 
     now_ms = 1_780_000_000_000
     clock = ManualClock(now_ms)
     metrics = ServiceMetrics("guard", GUARD_METRICS, clock=clock)
     topics = TopicCatalog(prefix="h.")
-    processor = GuardProcessor(engine=GuardEngine(GuardConfig()), producer=RefusingProducer(), topics=topics,
-                               clock=clock, metrics=metrics, sleep=AdvancingSleep(clock))
+    processor = GuardProcessor(GuardConfig(), clock, metrics=metrics)
+    runner = MessageRunner(processor, guard_topics(topics), clock, metrics=metrics)
+    # The guard's driver, as services/guard/main.py wires it; settling and checkpointing need no broker.
+    driver = KafkaDriver(runner, kafka=KafkaSettings(topic_prefix="h."), outputs=guard_outputs(topics),
+                         producer=RefusingProducer(), clock=clock, consumer_group="g", metrics=metrics,
+                         assignment="all", sleep=AdvancingSleep(clock))
     leaky = pod_event("leaky", observed_at_unix_ms=now_ms, started_at_unix_ms=now_ms)
     leaky = dataclasses.replace(leaky, containers=tuple(dataclasses.replace(c, visible_devices_env="all")
                                                         for c in leaky.containers))
-    violations = await processor.handle(RawMessage(topics.pod_events, 0, 0, b"k", codec_for(type(leaky)).encode(leaky),
-                                                   None))
-    assert violations
-    await _stall_of(processor, clock, metrics, "outbox", processor.flush)
+    message = RawMessage(topics.pod_events, 0, 0, b"k", codec_for(type(leaky)).encode(leaky), None)
+    step = runner.step(message)
+    assert step.result.emits  # the violations to produce
+    await driver.settle(((message, step.result),))
+    # What the driver runs after every batch: flush the outbox (retrying), then commit.
+    await _stall_of(driver, clock, metrics, "outbox", lambda: driver._checkpoint(retry=True))

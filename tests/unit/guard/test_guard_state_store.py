@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.guard.service import GuardState, GuardStateError, GuardStateStore, decode_state, encode_state
+from services.guard.state import GuardState, GuardStateError, GuardStateStore, decode_state, encode_state
 
 positions_strategy = st.dictionaries(
     st.tuples(st.text(min_size=1, max_size=30), st.integers(min_value=0, max_value=2**10)),
