@@ -1,37 +1,36 @@
-"""The streaming attributor: a Faust app that feeds node samples and pod events to one engine per partition.
+"""The streaming attributor: a Faust app, a thin driver over ``services.attributor.processor``.
 
-The agents only decode, check, call ``services.attributor.engine`` and forward; every decision about windows,
-pods and shares is the engine's. ``build_app(settings, clock)`` returns the ``faust.App``; ``main`` runs it.
+Every message goes through the one runner (``gpumeter.stream.runner.MessageRunner``: decode, range check,
+``AttributorProcessor.handle``, dead letters); every decision about windows, pods, shares and bad input is the
+processor's (and its per-partition ``services.attributor.engine``). What the app adds is Faust's part: agents,
+tables, the timer, rebalances, delivery. ``build_app(settings, clock)`` returns the ``faust.App``; ``main`` runs it.
 
 Topology (a node's samples and its pods' events share a partition number, so each partition is self-contained):
 
-* ``pod-events`` agent: decode ``PodEvent``, reject impossible ones (``gpumeter.validation.check_pod_event``:
-  ``OUT_OF_RANGE``) → ``engine.on_pod_event``; events that change the pod index are stored in the table ``pods``
-  (key ``<node>/<uid>``, the topic's compaction key) as the engine keeps them: only the grouping labels
-  (``GPUMETER_GROUPING_LABELS``) and the annotation attribution reads, at most ``MAX_STORED_POD_BYTES`` (a larger
-  one is dead-lettered ``TOO_LARGE``). A tombstone removes the key.
-* ``node-samples`` agent: decode ``NodeSample``, reject impossible ticks (``check_sample`` in ``engine.on_sample``:
-  ``OUT_OF_RANGE``) → ``engine.on_sample``; an accepted tick stays in the engine's memory only (ticks are not
-  written to a changelog: they are in the input topic already, and a rebuild reads them again from there); a late
-  tick is dead-lettered (``LATE``). Each closed window goes to the node-window-shares topic as one
-  ``NodeWindowShares`` record keyed by node name (``NodeWindowShares.from_rows`` of its ``GpuShare`` rows: every
-  unit and subject of the node-window in one message). The agent does not wait for Kafka's acknowledgement: it goes on with
-  the next message while the rows are in flight (windows of every node close in the same second; waiting ~30 ms
-  per node-window made the close of a large fleet serial). Once Kafka acknowledged them, the next event of the
-  partition writes the node's progress record (``<node>|progress|<cluster>``, table ``open_samples``: how far its
-  windows are done, and the input position of the first tick of its oldest window not yet acknowledged); until
-  then the engine holds the window in flight (its progress stays behind it). A node's first tick after it had no
-  window open also writes its progress record (where to re-read from).
-* A timer (every second) closes windows of nodes that went silent (``engine.on_clock``), only on partitions whose
-  input is caught up, and emits them. Tables can only be written inside an agent's event, so those windows'
-  progress records and deletions are written by the next event processed on that partition. A crash in between
-  re-emits such a window once after recovery; downstream billing is idempotent by (window, GPU, subject).
-* After every rebalance (and at start), once Faust has recovered the tables from their changelogs, the engine of
-  each newly assigned partition is rebuilt from the local table contents (``engine.restore``: pods and progress
-  records) before any of the partition's input is processed, and its samples are read again from
-  ``resume_position``: the first tick of the oldest window any node had not seen acknowledged. Ticks of windows
-  already emitted come back as redeliveries and are dropped; windows that were in flight are emitted again.
-* Bad input of any kind goes through ``DeadLetterGuard`` to the dead-letters topic; the agents carry on.
+* ``node-samples`` and ``pod-events`` agents: each message, inside its event, is ``runner.step``; its result is
+  applied: its emits are produced (each closed window as one ``NodeWindowShares`` keyed by node name on the
+  node-window-shares topic; each dead letter on the dead-letters topic), and its ``TableWrite``s are written to the
+  tables ``open_samples`` (each node's progress record ``<node>|progress|<cluster>``: how far its windows are
+  done, and the input position of the first tick of its oldest window not yet acknowledged) and ``pods`` (key
+  ``<node>/<uid>``, the topic's compaction key: the pod as the engine keeps it; a tombstone removes the key).
+  Ticks are not written to a changelog: they are in the input topic already, and a rebuild reads them again.
+  The agent does not wait for Kafka's acknowledgement of a window: it goes on with the next message while the
+  record is in flight (windows of every node close in the same second; waiting ~30 ms per node-window made the
+  close of a large fleet serial). Once Kafka acknowledged it, the next event of the partition tells the processor
+  (``AttributorProcessor.acknowledge``) and writes the table changes that follow; until then the window is in
+  flight and its node's progress stays behind it.
+* A timer (every second) closes windows of nodes that went silent (``on_clock_partition``), only on partitions
+  whose input is caught up, and emits them. Tables can only be written inside an agent's event, so table writes
+  that arise outside one (the timer's, a rebuild's) are written by the next event processed on that partition,
+  before its own. A crash in between re-emits such a window once after recovery; downstream billing is
+  idempotent by (window, GPU, subject).
+* After every rebalance (and at start), once Faust has recovered the tables from their changelogs, each newly
+  assigned partition is rebuilt from the local table contents (``AttributorProcessor.restore``: pods and progress
+  records) before any of the partition's input is processed, its pod events are read from Kafka first
+  (``preload_pod_event``), and its samples are read again from ``resume_position``: the first tick of the oldest
+  window any node had not seen acknowledged. Ticks of windows already emitted come back as redeliveries and are
+  dropped; windows that were in flight are emitted again.
+* Bad input of any kind becomes a dead letter through the runner; the agents carry on.
 
 Delivery: at-least-once (``processing_guarantee='at_least_once'``; Faust flushes the producer, changelogs
 included, before it commits input offsets). The changelog writes of one event go to that event's partition in
@@ -42,54 +41,48 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Awaitable, Callable, Iterable
+from typing import Any, Awaitable, Callable, Iterable, Sequence
 
 import faust
 from faust.types import TP
 
 from gpumeter.clock import Clock
 from gpumeter.errors import ConfigError, GpumeterError, InvalidMessage
-from gpumeter.kafka.deadletter import DeadLetterGuard, RawMessage
+from gpumeter.kafka.deadletter import RawMessage
 from gpumeter.logflood import guard_root_handlers
 from gpumeter.metrics import ServiceMetrics
 from gpumeter.settings import KafkaSettings
-from gpumeter.validation import check_pod_event
-from schemas.catalog import partition_for_node
-from schemas.records import DeadLetter, NodeSample, NodeWindowShares, PodEvent
+from gpumeter.stream.contract import DEAD_LETTERS, Emit, Result
+from gpumeter.stream.runner import MessageRunner
+from schemas.records import NodeWindowShares, PodEvent
 from schemas.typed import codec_for
-from services.attributor.engine import (
-    AttributionEngine,
-    NodeProgress,
-    WindowResult,
-    is_progress_key,
-    node_of_table_key,
-    pod_table_key,
+from services.attributor.processor import (
+    MAX_STORED_POD_BYTES,
+    PODS_TABLE,
+    SAMPLES_TABLE,
+    SERVICE,
+    WINDOW_SHARES,
+    AttributorProcessor,
+    TableWrite,
+    input_topics,
+    output_topics,
+    resume_position,
 )
 from services.attributor.settings import AttributorSettings
 
 log = logging.getLogger(__name__)
 
-SERVICE = "attributor"
-SAMPLES_TABLE = "open_samples"
-PODS_TABLE = "pods"
-
 
 class WindowDeliveryFailed(GpumeterError):
-    """Kafka did not acknowledge a window's share rows (after the producer's own retries)."""
+    """Kafka did not acknowledge a window's record (after the producer's own retries)."""
 
 
 def changelog_topic(app_id: str, table: str) -> str:
     """The changelog topic Faust uses for ``table`` of app ``app_id``."""
     return f"{app_id}-{table}-changelog"
-CLOCK_INTERVAL_SECONDS = 1.0
-MAX_STORED_POD_BYTES = 64 * 1024
-"""The most the pod table stores per pod (its changelog record): a pod cut to the grouping labels takes a few
-hundred bytes per container; a larger one is dead-lettered ``TOO_LARGE`` rather than crash the changelog write."""
 
-_SAMPLE_CODEC = codec_for(NodeSample)
-_POD_CODEC = codec_for(PodEvent)
-_WINDOW_SHARES_CODEC = codec_for(NodeWindowShares)
-_DEAD_LETTER_CODEC = codec_for(DeadLetter)
+
+CLOCK_INTERVAL_SECONDS = 1.0
 
 
 def faust_broker_urls(kafka: KafkaSettings) -> list[str]:
@@ -114,7 +107,7 @@ def faust_credentials(kafka: KafkaSettings) -> Any:
 
 
 def raw_message(message: Any) -> RawMessage:
-    """A Faust message as the library-free ``RawMessage`` the dead-letter guard takes."""
+    """A Faust message as the library-free ``RawMessage`` the runner takes."""
     timestamp = getattr(message, "timestamp", None)
     return RawMessage(
         topic=message.topic,
@@ -127,7 +120,7 @@ def raw_message(message: Any) -> RawMessage:
 
 
 class AttributorStream:
-    """The Faust app and the per-partition engines it drives. Build with ``build_app``."""
+    """The Faust app driving one ``AttributorProcessor`` through one ``MessageRunner``. Build with ``build_app``."""
 
     def __init__(self, settings: AttributorSettings, clock: Clock, metrics: ServiceMetrics | None = None,
                  on_failure: Callable[[BaseException], None] | None = None) -> None:
@@ -139,21 +132,24 @@ class AttributorStream:
         self.clock = clock
         self.metrics = metrics or ServiceMetrics(SERVICE)
         self.partitions = settings.partitions
-        self.engine_config = settings.engine_config()
         catalog = settings.kafka.catalog
         self.samples_topic_name = catalog.node_samples
         self.pods_topic_name = catalog.pod_events
+        self.processor = AttributorProcessor(settings.engine_config(), self.partitions)
+        self.runner = MessageRunner(self.processor, input_topics(catalog), clock, metrics=self.metrics,
+                                    max_request_size_bytes=settings.kafka.max_request_size_bytes)
+        self.outputs = output_topics(catalog)
 
-        self.engines: dict[int, AttributionEngine] = {}
         self._assigned: set[int] = set()
         self._processed_offset: dict[int, int] = {}  # samples partition -> last offset processed
         self._processed_pod_offset: dict[int, int] = {}  # pod-events partition -> last offset processed
         # partition -> one past its newest progress record after a rebuild; checked once, on its first record
         self._resume_samples_from: dict[int, int] = {}
         self._resume_pods_from: dict[int, int] = {}
-        self._unreadable_keys: dict[int, list[tuple[str, str]]] = {}  # partition -> (table name, key)
-        # partition -> windows sent and not yet recorded as emitted, each with its rows' delivery futures
-        self._in_flight: dict[int, list[tuple[tuple[WindowResult, ...], list[asyncio.Future]]]] = {}
+        # partition -> table writes that arose outside an event of it (timer, rebuild): written by its next event
+        self._deferred: dict[int, list[TableWrite]] = {}
+        # partition -> window records sent and not yet acknowledged to the processor, each with its delivery future
+        self._in_flight: dict[int, list[tuple[tuple[NodeWindowShares, ...], list[asyncio.Future]]]] = {}
         self._ready = False
         self._rebuild_lock = asyncio.Lock()
         self._on_failure = on_failure
@@ -184,14 +180,12 @@ class AttributorStream:
         raw = {"key_type": bytes, "value_type": bytes, "key_serializer": "raw", "value_serializer": "raw"}
         self.samples_topic = app.topic(self.samples_topic_name, partitions=self.partitions, **raw)
         self.pods_topic = app.topic(self.pods_topic_name, partitions=self.partitions, **raw)
-        self.shares_topic = app.topic(catalog.node_window_shares, **raw)
-        self.dead_letters_topic = app.topic(catalog.dead_letters, **raw)
+        self.shares_topic = app.topic(self.outputs[WINDOW_SHARES], **raw)
+        self.dead_letters_topic = app.topic(self.outputs[DEAD_LETTERS], **raw)
         self.open_samples = app.Table(SAMPLES_TABLE, key_type=str, value_type=bytes, partitions=self.partitions,
                                       help="Each node's progress record (raw ticks of open windows only in tables written by older versions).")
         self.pods = app.Table(PODS_TABLE, key_type=str, value_type=bytes, partitions=self.partitions,
                               help="Raw latest PodEvent per pod of the partition's nodes.")
-        self.guard = DeadLetterGuard(SERVICE, catalog.dead_letters, self._publish_dead_letter, clock, self.metrics,
-                                     max_request_size_bytes=settings.kafka.max_request_size_bytes)
 
         app.agent(self.samples_topic, name=f"{SERVICE}.node-samples")(self._samples_agent)
         app.agent(self.pods_topic, name=f"{SERVICE}.pod-events")(self._pods_agent)
@@ -210,19 +204,36 @@ class AttributorStream:
                 self._fail("node-samples agent", exc)
                 raise
 
-    async def process_sample(self, raw: RawMessage) -> None:
-        """One node-samples message, whole: decode, check, engine, emission, table writes (inside its event).
-        Bad input is dead-lettered here; anything else raised is not bad input (the agent stops the worker)."""
-        await self._engine_for(raw.partition)
-        await self._check_resume(self.samples_topic_name, self._resume_samples_from, raw, self._sample_body)
-        await self._sample_body(raw)
+    async def _pods_agent(self, stream: Any) -> None:
+        async for event in stream.events():
+            try:
+                await self.process_pod_event(raw_message(event.message))
+            except Exception as exc:
+                self._fail("pod-events agent", exc)
+                raise
 
-    async def _sample_body(self, raw: RawMessage) -> None:
-        engine = self.engines[raw.partition]
-        await self.guard.handle(raw, lambda m: self._on_sample(engine, m))
-        self._settle(raw.partition, engine)
-        self._apply_table_changes(raw.partition, engine)
+    async def process_sample(self, raw: RawMessage) -> None:
+        """One node-samples message, whole (inside its event): the runner's step, its emits and table writes.
+        Bad input is dead-lettered; anything else raised is not bad input (the agent stops the worker)."""
+        await self._ensure_partition(raw.partition)
+        await self._check_resume(self.samples_topic_name, self._resume_samples_from, raw, self._step)
+        await self._step(raw)
         self._processed_offset[raw.partition] = raw.offset
+
+    async def process_pod_event(self, raw: RawMessage) -> None:
+        """One pod-events message, whole (inside its event); a tombstone removes the pod's table entry."""
+        await self._ensure_partition(raw.partition)
+        await self._check_resume(self.pods_topic_name, self._resume_pods_from, raw, self._step)
+        await self._step(raw)
+        self._processed_pod_offset[raw.partition] = raw.offset
+
+    async def _step(self, raw: RawMessage) -> None:
+        """``runner.step(raw)`` applied inside ``raw``'s event: its records sent, then the windows Kafka acknowledged
+        since told to the processor, then every table write of the partition (deferred ones first)."""
+        step = self.runner.step(raw)
+        await self._send(raw.partition, step.result.emits)
+        acknowledged = self._settle(raw.partition)
+        self._write_tables(raw.partition, step.result.changes + acknowledged.changes)
 
     async def _check_resume(self, topic: str, resume_from: dict[int, int], raw: RawMessage,
                             process: Callable[[RawMessage], Awaitable[None]]) -> None:
@@ -247,30 +258,30 @@ class AttributorStream:
         log.info("%s[%d]: %d records before offset %d processed again", topic, raw.partition, count, raw.offset)
 
     async def _preload_pod_events(self, partitions: set[int]) -> None:
-        """Apply every pod event Kafka holds for the rebuilt ``partitions`` to their engines before streams resume.
+        """Apply every pod event Kafka holds for the rebuilt ``partitions`` to the processor before streams resume.
 
         Samples and pod events are two topics read concurrently: after a restart or a rebalance the samples agent
         can race ahead of the pod events its ticks need, and windows would close with their processes attributed
         to no pod (seen in the stream-equals-replay test). Reading the partition's pod events (a compacted topic:
         one record per live pod) first closes that race; the pods agent reads them again afterwards, and the engine
-        ignores what it already has. Bad records are left to the agent, which dead-letters them."""
+        ignores what it already has. Records the runner does not accept are left to the agent, which dead-letters
+        them."""
         await asyncio.gather(*(self._preload_partition(p) for p in sorted(partitions)))
 
     async def _preload_partition(self, partition: int) -> None:
-        engine = self.engines.get(partition)
-        if engine is None:
+        if not self.processor.has_partition(partition):
             return
         applied = 0
         async for record in self._read_range(self.pods_topic_name, partition, 0, None):
-            if record.value is None:
-                continue
             try:
-                event = _POD_CODEC.decode(record.value)
-                check_pod_event(event, self.clock.now_ms(), self.settings.max_clock_skew_seconds * 1000)
+                event = self.runner.decode(record)
             except InvalidMessage:
                 continue
-            if partition_for_node(event.node_name, self.partitions) == partition and engine.on_pod_event(event):
-                applied += 1
+            if not isinstance(event.record, PodEvent):
+                continue  # a tombstone: the pods agent removes its table entry
+            changed, result = self.processor.preload_pod_event(partition, event.record)
+            self._defer(partition, result.changes)
+            applied += changed
         log.info("partition %d: %d pod events applied before its streams resume", partition, applied)
 
     async def _read_range(self, topic: str, partition: int, start: int, stop: int | None):
@@ -309,76 +320,6 @@ class AttributorStream:
         finally:
             await consumer.stop()
 
-    async def _on_sample(self, engine: AttributionEngine, raw: RawMessage) -> None:
-        sample = _SAMPLE_CODEC.decode(raw.value or b"")
-        self._check_partition(raw, sample.node_name)
-        output = engine.on_sample(sample, self.clock.now_ms(), raw.offset)
-        if output.late:
-            await self.guard.reject(raw, output.late[0].error())
-            return
-        if output.windows:
-            await self._send_windows(raw.partition, output.windows)
-
-    async def _pods_agent(self, stream: Any) -> None:
-        async for event in stream.events():
-            try:
-                await self.process_pod_event(raw_message(event.message))
-            except Exception as exc:
-                self._fail("pod-events agent", exc)
-                raise
-
-    async def process_pod_event(self, raw: RawMessage) -> None:
-        """One pod-events message, whole (inside its event); a tombstone removes the pod's table entry."""
-        await self._engine_for(raw.partition)
-        await self._check_resume(self.pods_topic_name, self._resume_pods_from, raw, self._pod_event_body)
-        await self._pod_event_body(raw)
-
-    async def _pod_event_body(self, raw: RawMessage) -> None:
-        engine = self.engines[raw.partition]
-        if raw.value is None and raw.key is not None:
-            # A tombstone on the compacted topic: the pod is gone for good; the index prunes it by itself.
-            self.metrics.get("gpumeter_messages_consumed_total").labels(SERVICE, raw.topic).inc()
-            key = raw.key.decode("utf-8", errors="replace")
-            if key in self.pods:
-                del self.pods[key]
-        else:
-            await self.guard.handle(raw, lambda m: self._on_pod_event(engine, m))
-        self._settle(raw.partition, engine)
-        self._apply_table_changes(raw.partition, engine)
-        self._processed_pod_offset[raw.partition] = raw.offset
-
-    async def _on_pod_event(self, engine: AttributionEngine, raw: RawMessage) -> None:
-        event = _POD_CODEC.decode(raw.value or b"")
-        check_pod_event(event, self.clock.now_ms(), self.settings.max_clock_skew_seconds * 1000)
-        key = pod_table_key(event)
-        if raw.key is not None and raw.key != key.encode("utf-8"):
-            raise InvalidMessage(
-                f"pod event of {event.namespace}/{event.name} keyed {raw.key!r}; the topic's key is {key!r}",
-                reason_code="WRONG_KEY",
-            )
-        self._check_partition(raw, event.node_name)
-        # What is stored per pod is what the engine keeps of it (its grouping labels, the annotation attribution
-        # reads), bounded: whatever a producer puts in a pod event, its changelog record stays small.
-        record = engine.pod_record(event)
-        stored = raw.value if record is event else _POD_CODEC.encode(record)
-        if len(stored) > MAX_STORED_POD_BYTES:
-            raise InvalidMessage(
-                f"pod event of {event.namespace}/{event.name} is {len(stored)} bytes once cut to what attribution "
-                f"keeps ({len(event.containers)} containers); a pod's stored state is at most "
-                f"{MAX_STORED_POD_BYTES} bytes", reason_code="TOO_LARGE")
-        if engine.on_pod_event(record):
-            self.pods[key] = stored
-
-    def _check_partition(self, raw: RawMessage, node_name: str) -> None:
-        # Samples and pod events of a node must share a partition, or its windows are attributed without its pods.
-        expected = partition_for_node(node_name, self.partitions)
-        if raw.partition != expected:
-            raise InvalidMessage(
-                f"record of node {node_name} on partition {raw.partition}; the catalog puts it on {expected} "
-                f"(Kafka's murmur2 of the node name over {self.partitions} partitions)",
-                reason_code="WRONG_PARTITION",
-            )
-
     # -- timer -----------------------------------------------------------------------------------------------------
 
     async def _clock_timer(self) -> None:
@@ -390,15 +331,13 @@ class AttributorStream:
         # stuck on one record (retrying it, or awaiting what never comes) leave them standing while the timer runs.
         self.metrics.progress("input", (tuple(sorted(self._processed_offset.items())),
                                         tuple(sorted(self._processed_pod_offset.items()))),
-                              any(not self._caught_up(p) for p in sorted(self.engines)))
+                              any(not self._caught_up(p) for p in self.processor.partitions()))
         now_ms = self.clock.now_ms()
         try:
-            for partition, engine in sorted(self.engines.items()):
-                if not self._caught_up(partition):
-                    continue
-                output = engine.on_clock(now_ms)
-                if output.windows:
-                    await self._send_windows(partition, output.windows)
+            for partition in self.processor.partitions():
+                result = self.processor.on_clock_partition(partition, now_ms, self._caught_up(partition))
+                await self._send(partition, result.emits)
+                self._defer(partition, result.changes)
         except Exception as exc:
             self._fail("clock timer", exc)
             raise
@@ -434,86 +373,80 @@ class AttributorStream:
             return highwater == 0
         return committed >= highwater
 
-    # -- emission --------------------------------------------------------------------------------------------------
+    # -- emission and tables ---------------------------------------------------------------------------------------
 
-    async def _send_windows(self, partition: int, windows: tuple[WindowResult, ...]) -> None:
-        """Send ``windows``' rows without waiting for Kafka; ``_settle`` records them once acknowledged."""
-        futures = await self._send_rows(windows)
-        self._in_flight.setdefault(partition, []).append((windows, futures))
+    async def _send(self, partition: int, emits: Sequence[Emit]) -> list[asyncio.Future]:
+        """Enqueue ``emits`` in order without waiting for Kafka; window records stay in flight on ``partition``
+        until ``_settle`` finds them acknowledged. Returns the window records' delivery futures."""
+        records: list[NodeWindowShares] = []
+        futures: list[asyncio.Future] = []
+        for emit in emits:
+            value = codec_for(type(emit.record)).encode(emit.record)
+            if emit.output == WINDOW_SHARES:
+                sent = await self.shares_topic.send(key=emit.key, value=value)
+                records.append(emit.record)
+                futures.append(sent)
+                sent.add_done_callback(lambda future, record=emit.record: self._acknowledged(record, future))
+            elif emit.output == DEAD_LETTERS:
+                await self.dead_letters_topic.send(key=emit.key, value=value)
+            else:
+                raise ValueError(f"{SERVICE} has no output {emit.output!r}")
+        if records:
+            self._in_flight.setdefault(partition, []).append((tuple(records), futures))
+        return futures
 
-    def _settle(self, partition: int, engine: AttributionEngine) -> None:
-        """Record as emitted every window of ``partition`` whose rows Kafka acknowledged (the engine then queues
-        their progress records and tick deletions for this event's table writes). A failed delivery raises
-        ``WindowDeliveryFailed``: not bad input, so the worker stops, and a restart re-emits the window from the
-        tables (its ticks are still there)."""
+    def _settle(self, partition: int) -> Result:
+        """Tell the processor of every window record of ``partition`` Kafka acknowledged (in the order sent, a
+        batch at a time); the result holds the table writes that follow, for this event to write. A failed
+        delivery raises ``WindowDeliveryFailed``: not bad input, so the worker stops, and a restart re-emits the
+        window (its node's progress record is still behind it)."""
         pending = self._in_flight.get(partition)
         if not pending:
-            return
+            return Result()
+        acknowledged: list[NodeWindowShares] = []
         waiting = []
-        for windows, futures in pending:
+        for records, futures in pending:
             if not all(f.done() for f in futures):
-                waiting.append((windows, futures))
+                waiting.append((records, futures))
                 continue
-            for future in futures:
+            for record, future in zip(records, futures):
                 error = future.exception() if not future.cancelled() else asyncio.CancelledError()
                 if error is not None:
                     raise WindowDeliveryFailed(
-                        f"the rows of node {windows[0].node_name}'s window {windows[0].window_start_unix_ms} were "
-                        f"not delivered: {error!r}") from error
-            engine.record_emitted(windows)
+                        f"the record of node {record.node_name}'s window {record.window_start_unix_ms} was not "
+                        f"delivered: {error!r}") from error
+            acknowledged.extend(records)
         self._in_flight[partition] = waiting
+        return self.processor.acknowledge(partition, acknowledged) if acknowledged else Result()
 
-    async def _emit(self, windows: Iterable[WindowResult]) -> None:
-        """Send each window's rows and wait until Kafka acknowledged all of them (the rebuild's re-emission)."""
-        futures = await self._send_rows(windows)
-        if futures:
-            await asyncio.gather(*futures)
-
-    async def _send_rows(self, windows: Iterable[WindowResult]) -> list[asyncio.Future]:
-        """Enqueue each window as one ``NodeWindowShares`` keyed by node name (in order); returns their delivery
-        futures. The window metrics move when its record is acknowledged; a window without rows sends nothing."""
-        futures: list[asyncio.Future] = []
-        for window in windows:
-            if not window.shares:
-                self._acknowledged(window, None)
-                continue
-            key = window.node_name.encode("utf-8")
-            value = _WINDOW_SHARES_CODEC.encode(NodeWindowShares.from_rows(window.shares))
-            sent = await self.shares_topic.send(key=key, value=value)
-            futures.append(sent)
-            sent.add_done_callback(lambda future, window=window: self._acknowledged(window, future))
-        return futures
-
-    def _acknowledged(self, window: WindowResult, future: asyncio.Future | None) -> None:
-        if future is not None and (future.cancelled() or future.exception() is not None):
-            return  # ``_settle`` (or ``_emit``) raises it
+    def _acknowledged(self, record: NodeWindowShares, future: asyncio.Future) -> None:
+        if future.cancelled() or future.exception() is not None:
+            return  # ``_settle`` (or the rebuild's re-emission) raises it
         now_ms = self.clock.now_ms()
-        closes_at_ms = window.window_end_unix_ms + self.settings.grace_seconds * 1000
+        closes_at_ms = record.window_end_unix_ms + self.settings.grace_seconds * 1000
         self.metrics.get("gpumeter_attributor_windows_closed_total").inc()
-        self.metrics.get("gpumeter_attributor_shares_emitted_total").inc(len(window.shares))
+        self.metrics.get("gpumeter_attributor_shares_emitted_total").inc(record.row_count)
         self.metrics.get("gpumeter_attributor_window_lag_seconds").set(max(now_ms - closes_at_ms, 0) / 1000)
-        log.info("emitted %d shares of node %s window %d (%d ticks)", len(window.shares), window.node_name,
-                 window.window_start_unix_ms, len(window.sample_keys))
+        log.info("emitted %d shares of node %s window %d", record.row_count, record.node_name,
+                 record.window_start_unix_ms)
 
-    async def _publish_dead_letter(self, topic: str, key: bytes, record: DeadLetter) -> None:
-        await self.dead_letters_topic.send(key=key, value=_DEAD_LETTER_CODEC.encode(record))
+    def _defer(self, partition: int, changes: Iterable[TableWrite]) -> None:
+        """Table writes that arose outside an event of ``partition``: its next event writes them, first."""
+        if changes:
+            self._deferred.setdefault(partition, []).extend(changes)
 
-    def _apply_table_changes(self, partition: int, engine: AttributionEngine) -> None:
-        """Write the engine's queued table changes; only inside an event of ``partition`` (Faust writes a table's
-        changelog to the current event's partition)."""
-        changes = engine.take_table_changes()
-        for progress in changes.progress:
-            self.open_samples[progress.table_key] = progress.encode()
-        for key in changes.deleted_sample_keys:
-            if key in self.open_samples:
-                del self.open_samples[key]
-        for key in changes.deleted_pod_keys:
-            if key in self.pods:
-                del self.pods[key]
-        for table_name, key in self._unreadable_keys.pop(partition, ()):
-            table = self.open_samples if table_name == SAMPLES_TABLE else self.pods
-            if key in table:
-                del table[key]
+    def _write_tables(self, partition: int, changes: Iterable[TableWrite]) -> None:
+        """Write ``partition``'s deferred table writes, then ``changes``, in order; only inside an event of
+        ``partition`` (Faust writes a table's changelog to the current event's partition)."""
+        for change in (*self._deferred.pop(partition, ()), *changes):
+            if change.partition != partition:
+                raise RuntimeError(f"a table write of partition {change.partition} in an event of {partition}")
+            table = self.open_samples if change.table == SAMPLES_TABLE else self.pods
+            if change.value is None:
+                if change.key in table:
+                    del table[change.key]
+            else:
+                table[change.key] = change.value
 
     # -- rebalance and restore -------------------------------------------------------------------------------------
 
@@ -526,15 +459,15 @@ class AttributorStream:
 
     async def _on_rebalance_complete(self, sender: Any, **_: Any) -> None:
         # Tables are recovered; streams have not resumed yet. Partitions kept across the rebalance keep their
-        # engine (it holds table changes not yet written); new ones are rebuilt from the tables.
-        for partition in list(self.engines):
+        # engine and their deferred table writes; new ones are rebuilt from the tables.
+        for partition in self.processor.partitions():
             if partition not in self._assigned:
-                del self.engines[partition]
+                self.processor.drop_partition(partition)  # the new owner re-emits its windows in flight
                 self._processed_offset.pop(partition, None)
                 self._processed_pod_offset.pop(partition, None)
-                self._unreadable_keys.pop(partition, None)
-                self._in_flight.pop(partition, None)  # the new owner re-emits them from the tables
-        rebuilt = self._assigned - set(self.engines)
+                self._deferred.pop(partition, None)
+                self._in_flight.pop(partition, None)
+        rebuilt = self._assigned - set(self.processor.partitions())
         await self._rebuild(rebuilt)
         await self._preload_pod_events(rebuilt)
         await self._rewind_streams(rebuilt)
@@ -602,87 +535,39 @@ class AttributorStream:
             log.warning("could not commit the rebuilt partitions' positions %s: %r",
                         {f"{tp.topic}[{tp.partition}]": o for tp, o in sorted(offsets.items())}, exc)
 
-    async def _engine_for(self, partition: int) -> AttributionEngine:
-        engine = self.engines.get(partition)
-        if engine is None:
+    async def _ensure_partition(self, partition: int) -> None:
+        if not self.processor.has_partition(partition):
             # An event of a partition the rebalance hook did not rebuild (it could not have: the hook always runs
             # first); rebuild now rather than process the event against empty state.
             await self._rebuild({partition})
-            engine = self.engines[partition]
-        return engine
 
     async def _rebuild(self, partitions: set[int]) -> None:
         if not partitions:
             return
         async with self._rebuild_lock:
-            partitions = {p for p in partitions if p not in self.engines}
-            if not partitions:
-                return
-            samples: dict[int, list[NodeSample]] = {p: [] for p in partitions}
-            progress: dict[int, list[NodeProgress]] = {p: [] for p in partitions}
-            pod_events: dict[int, list[PodEvent]] = {p: [] for p in partitions}
-            for key, value in list(self.open_samples.items()):
-                partition = partition_for_node(node_of_table_key(key), self.partitions)
-                if partition not in partitions:
-                    continue
-                try:
-                    if is_progress_key(key):
-                        progress[partition].append(NodeProgress.decode(value))
-                    else:
-                        samples[partition].append(_SAMPLE_CODEC.decode(value))
-                except InvalidMessage as exc:
-                    log.warning("dropping unreadable %s entry %r: %s", SAMPLES_TABLE, key, exc)
-                    self._unreadable_keys.setdefault(partition, []).append((SAMPLES_TABLE, key))
-            for key, value in list(self.pods.items()):
-                partition = partition_for_node(key.split("/", 1)[0], self.partitions)
-                if partition not in partitions:
-                    continue
-                try:
-                    pod_events[partition].append(_POD_CODEC.decode(value))
-                except InvalidMessage as exc:
-                    log.warning("dropping unreadable %s entry %r: %s", PODS_TABLE, key, exc)
-                    self._unreadable_keys.setdefault(partition, []).append((PODS_TABLE, key))
-            restored: dict[int, tuple[AttributionEngine, tuple[WindowResult, ...]]] = {}
-            for partition in sorted(partitions):
-                engine = AttributionEngine(self.engine_config)
-                output = engine.restore(samples[partition], pod_events[partition], progress[partition])
-                self.engines[partition] = engine
+            restored = self.processor.restore(partitions, list(self.open_samples.items()), list(self.pods.items()))
+            for partition, done in sorted(restored.items()):
                 self._processed_offset.pop(partition, None)
                 self._processed_pod_offset.pop(partition, None)
-                self._resume_samples_from[partition] = resume_position(progress[partition])
+                self._deferred.pop(partition, None)
+                self._in_flight.pop(partition, None)
+                self._resume_samples_from[partition] = done.resume_samples_from
                 # The pod table stores no positions: re-read the (compacted) pod events; stale ones are ignored.
                 self._resume_pods_from[partition] = 0
-                restored[partition] = (engine, output.windows)
+                self._defer(partition, done.result.changes)
                 log.info(
                     "partition %d rebuilt: %d open ticks, %d pods, %d nodes with progress, %d windows to re-emit",
-                    partition, len(samples[partition]), len(pod_events[partition]), len(progress[partition]),
-                    len(output.windows),
+                    partition, done.open_ticks, done.pods, done.nodes_with_progress, len(done.result.emits),
                 )
-        for partition, (engine, windows) in sorted(restored.items()):
-            if windows:
+        for partition, done in sorted(restored.items()):
+            if done.result.emits:
                 try:
-                    await self._emit(windows)
+                    futures = await self._send(partition, done.result.emits)
+                    await asyncio.gather(*futures)
                 except Exception as exc:
                     self._fail(f"re-emission of partition {partition}", exc)
                     raise
-                engine.record_emitted(windows)
-
-
-def resume_position(progress: Iterable[NodeProgress]) -> int:
-    """Where a rebuilt partition's samples are read again from: the first tick of the oldest window any node had
-    not yet seen acknowledged (``reread_from_position``), else one past the newest processed position, else the
-    start. Open windows are not stored, so their ticks come back from the input topic; ticks of windows already
-    emitted come back too and are dropped as redeliveries (at or below their node's ``position``).
-
-    Why the smallest re-read point covers a node whose own progress record was lost: changelog writes of a
-    partition are ordered, so the records that survived were written before it, and each one's re-read point is at
-    or below the position processed then, which is below that node's first unrecorded tick."""
-    progress = list(progress)
-    rereads = [p.reread_from_position for p in progress if p.reread_from_position is not None]
-    if rereads:
-        return min(rereads)
-    positions = [p.position for p in progress if p.position is not None]
-    return max(positions) + 1 if positions else 0
+                self._defer(partition, self._settle(partition).changes)
 
 
 class AttributorWorker(faust.Worker):
@@ -703,3 +588,21 @@ def build_app(settings: AttributorSettings, clock: Clock, metrics: ServiceMetric
     stream = AttributorStream(settings, clock, metrics, on_failure)
     stream.app.attributor = stream  # type: ignore[attr-defined]
     return stream.app
+
+
+__all__ = [
+    "CLOCK_INTERVAL_SECONDS",
+    "MAX_STORED_POD_BYTES",
+    "PODS_TABLE",
+    "SAMPLES_TABLE",
+    "SERVICE",
+    "AttributorStream",
+    "AttributorWorker",
+    "WindowDeliveryFailed",
+    "build_app",
+    "changelog_topic",
+    "faust_broker_urls",
+    "faust_credentials",
+    "raw_message",
+    "resume_position",
+]

@@ -1,10 +1,10 @@
-"""The per-partition attribution engine: windows, pods and attribution as one state the streaming agents drive.
+"""The per-partition attribution engine: windows, pods and attribution as one state the attributor's processor drives.
 
-No Kafka or Faust here: the Faust app (``services/attributor/app.py``) decodes messages and calls this; the offline
-replay can call the same engine with ``position=None``. One engine serves one input partition (a node's samples
-and its pods' events share a partition number), so it holds the pods of the partition's nodes and one
-``WindowAccumulator`` per node: the accumulator copies its node map on every ``add``, so one per node keeps each
-add proportional to that node's state, not to the partition's.
+No Kafka or Faust here: ``services.attributor.processor`` calls this per message (under the Faust app and under
+the in-memory driver); the offline replay can call the same engine with ``position=None``. One engine serves one
+input partition (a node's samples and its pods' events share a partition number), so it holds the pods of the
+partition's nodes and one ``WindowAccumulator`` per node: the accumulator copies its node map on every ``add``, so
+one per node keeps each add proportional to that node's state, not to the partition's.
 
 Lifecycle of a window (what the caller does with each output):
 
@@ -26,9 +26,9 @@ Restore (after a restart or a rebalance): ``restore(samples, pod_events, progres
 rebuilds the pod index and each node's closed-before boundary. The streaming app stores no ticks: each progress
 record also carries ``reread_from_position``, the input position of the first tick of the node's oldest window
 not yet recorded as emitted, and the app reads its input again from the smallest of these
-(``services.attributor.app.resume_position``), which rebuilds the open windows and re-closes those that were in
-flight (they may have been emitted before the crash: at-least-once, downstream is idempotent by (window, GPU,
-subject)). ``samples`` restores ticks stored by older versions: windows whose ticks are all there but whose
+(``services.attributor.processor.resume_position``), which rebuilds the open windows and re-closes those that
+were in flight (they may have been emitted before the crash: at-least-once, downstream is idempotent by (window,
+GPU, subject)). ``samples`` restores ticks stored by older versions: windows whose ticks are all there but whose
 progress record is missing are closed and returned again.
 
 A progress record also carries ``position``: the largest input position (the Kafka offset on the partition) the

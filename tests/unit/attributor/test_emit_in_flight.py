@@ -1,5 +1,5 @@
 """Windows go out (one NodeWindowShares each) without the agent waiting for Kafka; they are recorded as emitted
-only once acknowledged."""
+only once acknowledged, and the table writes that follow are made by the partition's next event."""
 
 from __future__ import annotations
 
@@ -8,19 +8,23 @@ import asyncio
 import pytest
 
 from gpumeter.clock import ManualClock
+from gpumeter.kafka.deadletter import RawMessage
 from gpumeter.metrics import ServiceMetrics
 from gpumeter.settings import KafkaSettings
-from schemas.records import NodeWindowShares
+from schemas.catalog import pod_event_key
+from schemas.records import NodeSample, NodeWindowShares, PodEvent
 from schemas.typed import codec_for
 from services.attributor.app import AttributorStream, WindowDeliveryFailed
-from services.attributor.engine import AttributionEngine
+from services.attributor.engine import AttributionEngine, NodeProgress, progress_table_key
 from services.attributor.settings import AttributorSettings
-from tests.unit.attributor.test_engine import BASE, CONFIG, NOW, WINDOW_S, pods_of, two_pod_tick
+from tests.unit.attributor import CLUSTER
+from tests.unit.attributor.test_engine import BASE, NOW, WINDOW_MS, WINDOW_S, pods_of, two_pod_tick
 
-PARTITION = 1
+PREFIX = "t."
+PARTITION = 0  # one partition: every node's records are on it
 
 
-class FakeSharesTopic:
+class FakeTopic:
     """Records what is sent; each send returns a future the test settles, as Kafka's acknowledgement would."""
 
     def __init__(self) -> None:
@@ -37,77 +41,109 @@ class FakeSharesTopic:
                 future.set_result(None)
 
 
-def _stream(tmp_path) -> tuple[AttributorStream, FakeSharesTopic]:
-    settings = AttributorSettings(kafka=KafkaSettings(topic_prefix="t."), partitions=3, data_dir=tmp_path,
-                                  metrics_port=0, window_seconds=WINDOW_S, grace_seconds=2, pod_linger_seconds=600)
-    stream = AttributorStream(settings, ManualClock(NOW), ServiceMetrics("attributor"))
-    topic = FakeSharesTopic()
-    stream.shares_topic = topic
-    return stream, topic
+class Harness:
+    """The stream with plain dicts as its tables and fake topics (Faust's need a running worker)."""
+
+    def __init__(self, tmp_path, open_samples=None) -> None:
+        settings = AttributorSettings(kafka=KafkaSettings(topic_prefix=PREFIX), partitions=1, data_dir=tmp_path,
+                                      metrics_port=0, window_seconds=WINDOW_S, grace_seconds=2,
+                                      pod_linger_seconds=600)
+        self.stream = AttributorStream(settings, ManualClock(NOW), ServiceMetrics("attributor"))
+        self.stream.open_samples = dict(open_samples or {})
+        self.stream.pods = {}
+        self.shares = self.stream.shares_topic = FakeTopic()
+        self.dead = self.stream.dead_letters_topic = FakeTopic()
+        self.offsets = {"samples": 0, "pods": 0}
+        self.catalog = settings.kafka.catalog
+
+    async def pod(self, event: PodEvent) -> None:
+        offset = self.offsets["pods"]
+        self.offsets["pods"] += 1
+        await self.stream.process_pod_event(RawMessage(self.catalog.pod_events, PARTITION, offset,
+                                                       pod_event_key(event.node_name, event.uid),
+                                                       codec_for(PodEvent).encode(event), NOW))
+
+    async def sample(self, sample: NodeSample) -> None:
+        offset = self.offsets["samples"]
+        self.offsets["samples"] += 1
+        await self.stream.process_sample(RawMessage(self.catalog.node_samples, PARTITION, offset,
+                                                    sample.node_name.encode(), codec_for(NodeSample).encode(sample),
+                                                    NOW))
+
+    def progress(self, node: str) -> NodeProgress:
+        return NodeProgress.decode(self.stream.open_samples[progress_table_key(CLUSTER, node)])
+
+    def sent(self) -> list[tuple[bytes, NodeWindowShares]]:
+        return [(key, codec_for(NodeWindowShares).decode(value)) for key, value, _ in self.shares.sent]
 
 
-def _closed_windows(engine: AttributionEngine, nodes=("n1", "n2")):
-    """Two closed windows of each node (ticks up to just past the second window's end plus the grace period)."""
-    windows = []
-    for node in nodes:
-        for event in pods_of(node):
-            engine.on_pod_event(event)
-    position = 0
-    for k in range(2 * WINDOW_S + 3):  # past the second window's end plus the grace period
+async def _two_windows_each(h: Harness, nodes=("n1", "n2")):
+    """Pods, then ticks of each node up to just past its second window's end plus the grace period: two windows of
+    each close, one per tick that closes it. Returns the pods and samples."""
+    pods = [event for node in nodes for event in pods_of(node)]
+    for event in pods:
+        await h.pod(event)
+    samples = []
+    for k in range(2 * WINDOW_S + 3):
         for node in nodes:
-            position += 1
-            windows.extend(engine.on_sample(two_pod_tick(BASE + k * 1000, node, k), NOW, position).windows)
-    engine.take_table_changes()
-    return tuple(windows)
+            samples.append(two_pod_tick(BASE + k * 1000, node, k))
+            await h.sample(samples[-1])
+    return pods, samples
 
 
 async def test_windows_are_sent_at_once_and_recorded_only_once_acknowledged(tmp_path):
-    stream, topic = _stream(tmp_path)
-    engine = AttributionEngine(CONFIG)
-    windows = _closed_windows(engine)
-    assert len(windows) == 4
-    await stream._send_windows(PARTITION, windows[:2])
-    await stream._send_windows(PARTITION, windows[2:])
-    # Every window is on its way as one record, in order, keyed by its node, before anything is acknowledged;
-    # each record holds exactly the window's rows.
-    sent = [(key, codec_for(NodeWindowShares).decode(value)) for key, value, _ in topic.sent]
-    assert [(key, record.rows()) for key, record in sent] == [(w.node_name.encode(), w.shares) for w in windows]
+    h = Harness(tmp_path)
+    pods, samples = await _two_windows_each(h)
+    # Every window is on its way as one record, in the order closed, keyed by its node, before anything is
+    # acknowledged; each record holds exactly the rows the engine attributes to the window.
+    engine = AttributionEngine(h.stream.settings.engine_config())
+    for event in pods:
+        engine.on_pod_event(event)
+    windows = [w for position, sample in enumerate(samples) for w in engine.on_sample(sample, NOW, position).windows]
+    assert [(w.node_name, w.window_start_unix_ms) for w in windows] == [
+        ("n1", BASE), ("n2", BASE), ("n1", BASE + WINDOW_MS), ("n2", BASE + WINDOW_MS)]
+    assert [(key, record.rows()) for key, record in h.sent()] == [(w.node_name.encode(), w.shares) for w in windows]
+    # Nothing acknowledged: each node's progress is still the one its first tick wrote.
+    for node in ("n1", "n2"):
+        assert h.progress(node).closed_before_unix_ms == BASE - WINDOW_MS
 
-    stream._settle(PARTITION, engine)
-    changes = engine.take_table_changes()
-    assert (changes.progress, changes.deleted_sample_keys) == ((), ())
+    # Three acknowledged: the next event of the partition records them; n2's second window stays in flight.
+    h.shares.acknowledge(3)
+    await h.pod(pods[0])  # seen before: changes nothing itself
+    assert (h.progress("n1").closed_before_unix_ms, h.progress("n2").closed_before_unix_ms) == (
+        BASE + 2 * WINDOW_MS, BASE + WINDOW_MS)
+    assert h.stream.processor.in_flight(PARTITION) == ((CLUSTER, "n2", BASE + WINDOW_MS),)
 
-    # The first batch acknowledged, the second only in part: only the first is recorded.
-    topic.acknowledge(3)
-    stream._settle(PARTITION, engine)
-    changes = engine.take_table_changes()
-    assert set(changes.deleted_sample_keys) == set(windows[0].sample_keys + windows[1].sample_keys)
-    assert stream._in_flight[PARTITION] == [(windows[2:], [f for _, _, f in topic.sent[2:]])]
-
-    topic.acknowledge()
-    stream._settle(PARTITION, engine)
-    changes = engine.take_table_changes()
-    assert set(changes.deleted_sample_keys) == set(windows[2].sample_keys + windows[3].sample_keys)
-    assert stream._in_flight[PARTITION] == []
-    # Each node's progress now stands after both its windows.
-    assert {p.node_name: p.closed_before_unix_ms for p in changes.progress} == {
-        "n1": BASE + 2 * WINDOW_S * 1000, "n2": BASE + 2 * WINDOW_S * 1000}
+    h.shares.acknowledge()
+    await h.pod(pods[0])
+    assert h.progress("n2").closed_before_unix_ms == BASE + 2 * WINDOW_MS
+    assert h.stream.processor.in_flight(PARTITION) == ()
     await asyncio.sleep(0)  # done callbacks run on the loop's next turn
-    closed = stream.metrics.get("gpumeter_attributor_windows_closed_total")
+    closed = h.stream.metrics.get("gpumeter_attributor_windows_closed_total")
     assert closed._value.get() == 4
+    assert h.dead.sent == []
 
 
 async def test_a_window_kafka_refused_stops_the_worker_and_leaves_it_to_be_emitted_again(tmp_path):
-    stream, topic = _stream(tmp_path)
-    engine = AttributionEngine(CONFIG)
-    windows = _closed_windows(engine, nodes=("n1",))
-    await stream._send_windows(PARTITION, windows)
-    topic.acknowledge()
+    h = Harness(tmp_path)
+    pods, _ = await _two_windows_each(h, nodes=("n1",))
+    h.shares.acknowledge(1)
+    key, value, _ = h.shares.sent[1]
     failed = asyncio.get_running_loop().create_future()
     failed.set_exception(OSError("broker gone"))
-    topic.sent[-1] = (topic.sent[-1][0], topic.sent[-1][1], failed)
-    stream._in_flight[PARTITION] = [(windows, [f for _, _, f in topic.sent])]
+    h.shares.sent[1] = (key, value, failed)
+    h.stream._in_flight[PARTITION][1] = (h.stream._in_flight[PARTITION][1][0], [failed])
+    before = dict(h.stream.open_samples)
     with pytest.raises(WindowDeliveryFailed, match="broker gone"):
-        stream._settle(PARTITION, engine)
-    changes = engine.take_table_changes()
-    assert (changes.progress, changes.deleted_sample_keys) == ((), ())  # nothing marked done: the ticks stay
+        await h.pod(pods[0])
+    # Nothing marked done, not even the window that was delivered: the event that would have written it failed.
+    assert h.stream.open_samples == before
+    assert h.progress("n1").closed_before_unix_ms == BASE - WINDOW_MS
+
+
+async def test_table_writes_of_a_rebuild_are_made_by_the_partitions_next_event(tmp_path):
+    h = Harness(tmp_path, open_samples={"n1|progress|broken": b"{"})
+    await h.pod(pods_of("n1")[0])
+    # The rebuild (before the event) found the entry unreadable; the event deleted it, and stored the pod.
+    assert list(h.stream.open_samples) == []
+    assert list(h.stream.pods) == [pod_event_key("n1", pods_of("n1")[0].uid).decode()]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.attributor.app import resume_position
+from services.attributor.processor import resume_position
 from services.attributor.engine import AttributionEngine, NodeProgress
 from tests.unit.attributor.test_engine import CONFIG, NOW, WINDOW_S, pods_of, ticks
 

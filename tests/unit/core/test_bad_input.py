@@ -237,7 +237,7 @@ class AttributorHarness(Harness):
 
     def open_ticks(self, sample) -> int:
         """Ticks the partition's engine holds in open windows (0 before the partition has an engine)."""
-        engine = self.stream.engines.get(partition_for_node(sample.node_name, PARTITIONS))
+        engine = self.stream.processor.engine(partition_for_node(sample.node_name, PARTITIONS))
         return 0 if engine is None else engine.open_sample_count()
 
     def shares(self) -> list[GpuShare]:
