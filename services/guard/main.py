@@ -167,10 +167,10 @@ async def serve(settings: GuardSettings, *, config: Any = None, env: Mapping[str
         processor = GuardProcessor(config, clock, engine=engine, metrics=metrics,
                                    max_clock_skew_seconds=settings.max_clock_skew_seconds,
                                    max_sample_age_seconds=settings.max_sample_age_seconds)
-        if state is None:
-            processor.begin_rebuild(await read_last_states(settings.kafka, topics.violations))
         producer = RecordProducer(settings.kafka)
         await producer.start()
+        if state is None:
+            processor.begin_rebuild(await read_last_states(settings.kafka, topics.violations))
         if settings.alertmanager_url:
             sink = AlertmanagerSink(settings.alertmanager_url, settings.alertmanager_timeout_seconds, clock=clock,
                                     resend_interval_s=settings.alertmanager_resend_seconds,

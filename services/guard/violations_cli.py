@@ -130,7 +130,10 @@ async def read_violations(kafka: KafkaSettings, topic: str, *, timeout_s: float 
                                 isolation_level="read_committed", auto_offset_reset="earliest")
     records: dict[int, list[tuple[bytes | None, bytes | None]]] = {}
     try:
-        await asyncio.wait_for(consumer.start(), timeout_s)
+        try:
+            await asyncio.wait_for(consumer.start(), timeout_s)
+        except (KafkaError, OSError) as exc:
+            raise ViolationsReadError(f"cannot reach Kafka at {kafka.bootstrap_servers}: {exc!r}") from exc
         partitions = [TopicPartition(topic, p) for p in numbers]
         consumer.assign(partitions)
         await consumer.seek_to_beginning(*partitions)
