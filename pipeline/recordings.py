@@ -227,6 +227,7 @@ class InvalidInput:
     received_at_unix_ms: int
     error: InvalidMessage
     message: InputMessage | None = None
+    payload: bytes | None = None  # the recorded bytes, as the topic carried them
 
 
 def recorded_inputs(path: str | Path) -> Iterator[InputRecord | InvalidInput]:
@@ -237,7 +238,7 @@ def recorded_inputs(path: str | Path) -> Iterator[InputRecord | InvalidInput]:
             except InvalidMessage as exc:
                 # Undecodable: no kind to order by; it sorts with samples (after the instant's pod events).
                 yield (frame.received_at_unix_ms, 1, index, frame.position), InvalidInput(
-                    frame.source, frame.received_at_unix_ms, exc)
+                    frame.source, frame.received_at_unix_ms, exc, payload=frame.payload)
                 continue
             key = (frame.received_at_unix_ms, _kind_rank(message), index, frame.position)
             yield key, InputRecord(frame.received_at_unix_ms, message)

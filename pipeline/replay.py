@@ -1,51 +1,61 @@
-"""Offline replay: node samples and pod events through the streaming attributor's own engine, with no broker.
+"""Offline replay: the stream's three services on their own runners over an in-memory broker.
 
 ``replay(input_path, out_dir, ...)`` reads a **scenario** (YAML, run through the simulator and the collector's
-real sampling code by ``services.collector.simulation.node_streams``) or a **recording** (below), drives one
-``AttributionEngine`` (``services/attributor/engine.py``, the code the Faust app runs per partition) exactly as the
-streaming agents do, prices every closed node-window with billing's ``bill_node_window``, and writes:
+real sampling code by ``services.collector.simulation.node_streams``) or a **recording** (below), produces every
+input message to a ``MemoryBroker`` (``gpumeter.stream.memory``) as the collectors produce it to Kafka -- samples
+keyed by node, pod events by ``<node>/<uid>``, stamped with the time the attributor received them; a recorded frame
+that does not decode goes, bytes unchanged, where a sample would -- and runs the attributor's, billing's and the
+guard's processors (``AttributorProcessor``, ``BillingProcessor`` with its ``LedgerStore`` on an in-memory SQLite
+ledger, ``GuardProcessor``) each under the ``MessageRunner`` it runs under in the stream, through a
+``MemoryDriver``. So replay decodes, checks, dead-letters, attributes, prices, bills and guards exactly as the
+stream does, bad input included: a message the stream would dead-letter is dead-lettered here, by the same
+service, with the same reason. It writes:
 
 ``shares.jsonl``
-    One object per ``GpuShare`` row (see ``share_json``): at least ``window_start`` (ISO 8601 UTC),
-    ``window_seconds``, ``node``, ``gpu_uuid`` (GPU or MIG instance), ``subject_kind`` (``pod`` | ``idle`` |
-    ``driver_reserved`` | ``unattributed``), ``pod_uid`` (null for buckets), ``namespace``, ``pod``,
-    ``memory_share``, ``compute_share``, ``cost_share``, ``method``; plus every other ``GpuShare`` field.
+    One object per ``GpuShare`` row of every ``NodeWindowShares`` the attributor emitted (see ``share_json``): at
+    least ``window_start`` (ISO 8601 UTC), ``window_seconds``, ``node``, ``gpu_uuid`` (GPU or MIG instance),
+    ``subject_kind`` (``pod`` | ``idle`` | ``driver_reserved`` | ``unattributed``), ``pod_uid`` (null for
+    buckets), ``namespace``, ``pod``, ``memory_share``, ``compute_share``, ``cost_share``, ``method``; plus every
+    other ``GpuShare`` field.
 ``costs.jsonl``
-    One object per ``CostRecord`` (``services.billing.costing.cost_record_json``): ``window_start``, ``node``,
-    ``gpu_uuid`` (null for node-level lines), ``subject_kind`` (the four above or ``node_other``), ``pod_uid``,
-    ``namespace``, ``labels``, ``cost_micro_usd``, ... Per node-window they add up to the bill exactly.
+    One object per ``CostRecord`` billing published (``services.billing.costing.cost_record_json``):
+    ``window_start``, ``node``, ``gpu_uuid`` (null for node-level lines), ``subject_kind`` (the four above or
+    ``node_other``), ``pod_uid``, ``namespace``, ``labels``, ``cost_micro_usd``, ... Per node-window they add up
+    to the bill exactly.
 ``bills.jsonl``
-    One object per priced node-window (``NodeBill.as_json``): ``node``, ``window_start``, ``window_seconds``,
-    ``instance_type``, ``price_per_hour_usd``, ``node_cost_micro_usd``, and the GPU / node_other split.
+    One object per node-window billing's ledger took as a new bill (``NodeBill.as_json``): ``node``,
+    ``window_start``, ``window_seconds``, ``instance_type``, ``price_per_hour_usd``, ``node_cost_micro_usd``, and
+    the GPU / node_other split.
 ``dead_letters.jsonl``
-    What the streaming path would dead-letter: late ticks (``LATE``), impossible ticks (``OUT_OF_RANGE``),
-    undecodable recorded messages, node-windows billing rejects. Empty for a clean input.
+    Every dead letter any of the three services wrote, in service order (attributor, billing, guard), each as
+    ``dead_letter_json``: ``service``, ``reason_code`` (``LATE``, ``OUT_OF_RANGE``, ``CORRUPT``, ``NO_PRICE``,
+    ...), ``reason``, ``source_topic``, ``source_offset``, ``input`` (the recording frame, when it was one).
+    Bytes on the node-samples topic that do not decode are dead-lettered by both services that read it (the
+    attributor and the guard), as in the stream. Empty for a clean, priced input.
 ``truth.jsonl`` (scenarios only)
-    The simulator's ground truth on the same windows and units, defined below.
+    The simulator's ground truth on the same windows and units, over the ticks the attributor took (defined in
+    ``pipeline/truth.py``).
 ``violations.jsonl``
-    What the guard (``services/guard``, thresholds from ``guard_config``) publishes over the same input, one
-    record per line in publication order (``services.guard.replay.violation_json``): ``rule``, ``state``
-    (``firing`` | ``resolved``), ``severity``, ``node``, ``gpu_uuid``, ``namespace``, ``pod``, ``fingerprint``,
-    ``first_seen``, ``last_seen``, ``resolved_at`` (ISO 8601 UTC), ``evidence``, ... The guard is fed each pod
-    event and sample when received, each share row and cost line when its window is closed and priced, and the
-    clock once per new instant; at the end of input its clock moves to the final instant without judging the
-    nodes silent (``GuardReplay.finish``).
+    Every record the guard published on its violations topic, in order (``services.guard.replay.violation_json``):
+    ``rule``, ``state`` (``firing`` | ``resolved``), ``severity``, ``node``, ``gpu_uuid``, ``namespace``, ``pod``,
+    ``fingerprint``, ``first_seen``, ``last_seen``, ``resolved_at``, ``published_at`` (ISO 8601 UTC),
+    ``evidence``, ...
 
 Every file is written in a deterministic order with sorted keys: the same input and options give byte-identical
 files.
 
-How the engine is driven (what the Faust app does, with the input's own time as the clock)
-------------------------------------------------------------------------------------------
-Inputs are processed in order; each has a ``received_at_unix_ms`` (scenario: the tick time; recording: the time
-stored with the message, the Kafka record timestamp when recorded from a topic). Before each input the clock
-``on_clock(received_at)`` runs once per new instant (a perfectly punctual timer with the input caught up); a pod
-event goes to ``on_pod_event``, a sample to ``on_sample(sample, received_at)``. Closed windows are written and
-acknowledged (``record_emitted``); the state-table changes a streaming app would write are discarded. At the end
-of input replay calls ``on_clock`` at ``last time + window + grace + idle_close`` rather than ``engine.flush()``:
-that is the instant at which the streaming timer would have closed every open window, so both paths close the
-last windows through the same rule.
+How the services are driven (what their streaming drivers do, with the input's own time as the clock)
+----------------------------------------------------------------------------------------------------
+Each service reads its input topics in the order a caught-up consumer would (by time; at one instant in the
+order of its inputs: pod events before samples, then node-window shares and costs). Before each message the
+service's clock is the message's time, and at each new instant its timer runs first (``on_clock``), as a perfectly
+punctual timer with the input caught up. What a service produces is stamped with the time it was produced at, so
+the next service reads it when the stream would. At the end of input the attributor's timer runs at ``last time +
+window + grace + idle_close`` rather than a flush: that is the instant at which the streaming timer would have
+closed every open window, so both paths close the last windows through the same rule; the guard's timer runs there
+too, without judging the nodes silent (the end of the input is not their silence).
 
-The ground truth is defined in ``pipeline/truth.py``, the recording format in ``pipeline/recordings.py``.
+The recording format is defined in ``pipeline/recordings.py``.
 """
 
 from __future__ import annotations
@@ -54,14 +64,17 @@ import json
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
-from gpumeter.clock import iso_utc
-from gpumeter.errors import ConfigError, InvalidMessage
+from gpumeter.clock import ManualClock, iso_utc
+from gpumeter.errors import ConfigError
+from gpumeter.kafka.deadletter import RawMessage
+from gpumeter.stream.contract import Emit, Settled
+from gpumeter.stream.memory import MemoryBroker, MemoryDriver
+from gpumeter.stream.runner import MessageRunner
 from pipeline.recordings import (
     RECORDING_MAGIC,
     RECORDING_SUFFIX,
-    InputMessage,
     InputRecord,
     InvalidInput,
     RecordingWriter,
@@ -71,16 +84,25 @@ from pipeline.recordings import (
     scenario_records,
 )
 from pipeline.truth import TruthAccumulator
-from schemas.records import GpuShare, PodEvent, Violation
+from schemas.catalog import ALL_TOPICS, TopicCatalog, pod_event_key
+from schemas.records import CostRecord, DeadLetter, GpuShare, NodeSample, NodeWindowShares, PodEvent, Violation
+from schemas.typed import codec_for
 from services.attributor.attribution import AttributionPolicy
-from services.attributor.engine import AttributionEngine, EngineConfig, WindowResult
+from services.attributor.engine import EngineConfig
 from services.attributor.pod_index import DEFAULT_GROUPING_LABELS, DEFAULT_LINGER_MS
-from services.billing.catalog import PriceCatalog, PriceError, bundled_catalog
-from services.billing.costing import bill_node_window, cost_record_json
+from services.attributor.processor import POD_EVENTS, SAMPLES, AttributorProcessor
+from services.attributor.processor import input_topics as attributor_inputs
+from services.attributor.processor import output_topics as attributor_outputs
+from services.billing.catalog import PriceCatalog, bundled_catalog
+from services.billing.costing import cost_record_json
+from services.billing.ledger import Ledger
 from services.billing.pricing import DEFAULT_SPLIT_POLICY, SplitPolicy
+from services.billing.service import SERVICE_NAME as SERVICE_NAME_BILLING
+from services.billing.service import BillingProcessor, LedgerStore, NoPrice, billing_inputs, billing_outputs
 from services.billing.sharing import KEEP_ALL, SharingPolicy
 from services.guard.config import GuardConfig
-from services.guard.replay import VIOLATIONS_FILE, GuardReplay, violation_json
+from services.guard.processor import GuardProcessor, guard_outputs, guard_topics
+from services.guard.replay import VIOLATIONS_FILE, violation_json
 
 SHARES_FILE = "shares.jsonl"
 TRUTH_FILE = "truth.jsonl"
@@ -206,6 +228,91 @@ class _Outputs:
             handle.close()
 
 
+REPLAY_TOPICS = TopicCatalog(prefix="replay.")
+"""The topics of replay's in-memory broker (one partition each: one consumer reads them all, in order)."""
+
+
+def _records(broker: MemoryBroker, topic: str, record_type: type) -> Iterator[Any]:
+    codec = codec_for(record_type)
+    for message in broker.messages(topic, 0):
+        yield codec.decode(message.value)
+
+
+def dead_letter_json(letter: DeadLetter, input_source: str | None = None) -> dict[str, Any]:
+    """The ``dead_letters.jsonl`` object of one dead letter: which service refused what and why (``service``,
+    ``reason_code``, ``reason``, ``error_type``), where the message was (``source_topic`` without replay's prefix,
+    ``source_offset``; ``input``: the recording frame it came from, ``file#frame``, when it was one), when
+    (``failed_at``), and the message itself (``payload_length_bytes``, ``payload_sha256``, ``truncated``)."""
+    topic = letter.source_topic
+    if topic.startswith(REPLAY_TOPICS.prefix):
+        topic = topic[len(REPLAY_TOPICS.prefix):]
+    return {
+        "service": letter.service,
+        "reason_code": letter.reason_code,
+        "reason": letter.reason,
+        "error_type": letter.error_type,
+        "source_topic": topic,
+        "source_offset": letter.source_offset,
+        "input": input_source,
+        "failed_at": iso_utc(letter.failed_at_unix_ms),
+        "failed_at_unix_ms": letter.failed_at_unix_ms,
+        "payload_length_bytes": letter.payload_length_bytes,
+        "payload_sha256": letter.payload_sha256,
+        "truncated": letter.truncated,
+    }
+
+
+def _unpriced(letter: DeadLetter) -> UnpricedWindow:
+    window = codec_for(NodeWindowShares).decode(letter.raw_bytes)
+    return UnpricedWindow(window.cluster, window.node_name, window.window_start_unix_ms, letter.reason)
+
+
+class _KeptBills:
+    """Billing's ledger store, keeping each bill it settled as new (what ``bills.jsonl`` lists, in order)."""
+
+    def __init__(self, store: LedgerStore) -> None:
+        self.store = store
+        self.bills: list[Any] = []
+
+    def apply(self, changes: Sequence[Any]) -> Sequence[Settled]:
+        settled = self.store.apply(changes)
+        self.bills.extend(change.priced.bill for change, outcome in zip(changes, settled)
+                          if outcome.rejected is None and outcome.owed)
+        return settled
+
+    def published(self, changes: Sequence[Any], now_ms: int) -> None:
+        self.store.published(changes, now_ms)
+
+
+class _Stage:
+    """One service's processor on the in-memory broker: the runner it runs on in the stream, a ``MemoryDriver``."""
+
+    def __init__(self, processor: Any, inputs: Mapping[str, str], outputs: Mapping[str, str], broker: MemoryBroker,
+                 clock: ManualClock, *, store: Any = None, on_produced: Any = None) -> None:
+        self.clock = clock  # the service's own: each moves through the input's time on its own
+        self.runner = MessageRunner(processor, inputs, clock, log_dead_letters=False)  # dead_letters.jsonl has them
+        self.driver = MemoryDriver(self.runner, broker, outputs, store, on_produced)
+        self.last_tick_ms: int | None = None
+
+    def run(self, *, tick_until_ms: int | None = None) -> int:
+        """Step every message; before each, the clock moves to its time and, once per new instant up to
+        ``tick_until_ms`` (None: every instant), the processor's clock runs with the input caught up."""
+
+        def before(message: RawMessage) -> None:
+            now = message.timestamp_ms or 0
+            self.clock.set_ms(now)
+            if self.last_tick_ms is None or now > self.last_tick_ms:
+                self.last_tick_ms = now
+                self.driver.tick(now, caught_up=tick_until_ms is None or now <= tick_until_ms)
+
+        return self.driver.run(before_message=before)
+
+    def finish(self, end_ms: int, *, caught_up: bool) -> None:
+        self.clock.set_ms(end_ms)
+        self.last_tick_ms = end_ms
+        self.driver.tick(end_ms, caught_up)
+
+
 def replay(
     input_path: str | Path,
     out_dir: str | Path,
@@ -227,9 +334,9 @@ def replay(
     """Replay ``input_path`` (a scenario YAML, a recording file, or a directory of recordings) into ``out_dir``.
 
     ``policy`` is the attribution policy (default: memory cost basis); ``catalog`` and ``split_policy`` price the
-    nodes (default: the bundled price files; a node-window no row prices is listed in ``ReplaySummary.unpriced``
-    and gets no cost or bill lines); ``sharing`` is billing's sharing policy (default: every bucket kept).
-    ``node`` keeps one node's input only.
+    nodes (default: the bundled price files; a node-window no row prices is dead-lettered ``NO_PRICE`` by billing,
+    as in the stream, listed in ``ReplaySummary.unpriced`` and gets no cost or bill lines); ``sharing`` is
+    billing's sharing policy (default: every bucket kept). ``node`` keeps one node's input only.
     ``record_path`` also writes the replayed input as a recording (what was decoded and kept by ``node``).
     ``guard_config``: the guard's thresholds for ``violations.jsonl`` (default ``GuardConfig()``).
     ``grouping_labels``: the pod labels share rows carry, as the streaming attributor's ``GPUMETER_GROUPING_LABELS``
@@ -270,79 +377,25 @@ def replay(
         raise ConfigError(f"replay input {input_path} is neither a scenario (.yaml) nor a recording "
                           f"(a file starting {RECORDING_MAGIC!r} or a directory of *{RECORDING_SUFFIX})")
 
-    engine = AttributionEngine(config)
-    guard = GuardReplay(guard_config)
-    outputs = _Outputs(out, with_truth=truth is not None)
-    recorder = RecordingWriter(record_path) if record_path is not None else None
+    broker = MemoryBroker()
+    for spec in ALL_TOPICS:
+        broker.create(REPLAY_TOPICS.name(spec), 1)
     nodes: dict[str, None] = {}
-    samples = pod_events = windows = duplicates = 0
-    node_cost_micro = 0
-    dead: Counter[str] = Counter()
-    unpriced: list[UnpricedWindow] = []
-    last_clock: int | None = None
+    samples = pod_events = 0
     latest_ms: int | None = None
-
-    def dead_letter(reason_code: str, reason: str, source: str, received_at: int, error_type: str,
-                    message: InputMessage | None = None) -> None:
-        dead[reason_code] += 1
-        outputs.write(DEAD_LETTERS_FILE, {
-            "reason_code": reason_code,
-            "reason": reason,
-            "error_type": error_type,
-            "source": source,
-            "received_at": iso_utc(received_at),
-            "received_at_unix_ms": received_at,
-            "record_type": None if message is None else type(message).__name__,
-            "node": None if message is None else message.node_name,
-        })
-
-    def guarded(violations: Sequence[Violation], now_ms: int) -> None:
-        for violation in violations:
-            outputs.write(VIOLATIONS_FILE, violation_json(violation, now_ms))
-
-    def emit(results: Sequence[WindowResult], now_ms: int) -> None:
-        nonlocal windows, node_cost_micro
-        for result in results:
-            windows += 1
-            for share in result.shares:
-                outputs.write(SHARES_FILE, share_json(share))
-                guarded(guard.share(share, now_ms), now_ms)
-            if result.shares:
-                try:
-                    cost = bill_node_window(result.shares, catalog, split_policy, sharing)
-                except PriceError as exc:
-                    unpriced.append(UnpricedWindow(result.cluster, result.node_name, result.window_start_unix_ms,
-                                                   str(exc)))
-                except InvalidMessage as exc:
-                    dead_letter(exc.reason_code, str(exc), f"window {result.node_name}@"
-                                f"{iso_utc(result.window_start_unix_ms)}", result.window_end_unix_ms,
-                                type(exc).__name__)
-                else:
-                    for record in cost.costs:
-                        outputs.write(COSTS_FILE, cost_record_json(record))
-                        guarded(guard.cost(record, now_ms), now_ms)
-                    outputs.write(BILLS_FILE, cost.bill.as_json())
-                    node_cost_micro += cost.bill.node_cost_micro_usd
-        if results:
-            # Written and priced: what the streaming app does once the rows are acknowledged.
-            engine.record_emitted(results)
-            engine.take_table_changes()
-
+    # What each input message was, by its position on the broker: where a recorded frame came from.
+    sources: dict[tuple[str, int], str] = {}
+    recorder = RecordingWriter(record_path) if record_path is not None else None
     try:
         if recorder is not None:
             recorder.__enter__()
         for item in inputs:
             now = item.received_at_unix_ms
             latest_ms = now if latest_ms is None else max(latest_ms, now)
-            if last_clock is None or now > last_clock:
-                last_clock = now
-                guarded(guard.clock(now), now)
-                emit(engine.on_clock(now).windows, now)
-                if truth is not None:
-                    for row in truth.take_closed(now):
-                        outputs.write(TRUTH_FILE, row)
             if isinstance(item, InvalidInput):
-                dead_letter(item.error.reason_code, str(item.error), item.source, now, type(item.error).__name__)
+                # Bytes that do not decode reach the topic a sample would (no record type to tell otherwise).
+                at = broker.produce(REPLAY_TOPICS.node_samples, None, item.payload, timestamp_ms=now, partition=0)
+                sources[(at.topic, at.offset)] = item.source
                 continue
             message = item.message
             nodes.setdefault(message.node_name, None)
@@ -350,41 +403,93 @@ def replay(
                 recorder.write(item)
             if isinstance(message, PodEvent):
                 pod_events += 1
-                engine.on_pod_event(message)
-                guarded(guard.pod_event(message, now), now)
-                continue
-            samples += 1
-            latest_ms = max(latest_ms, message.sampled_at_unix_ms)
-            try:
-                result = engine.on_sample(message, now)
-            except InvalidMessage as exc:
-                dead_letter(exc.reason_code, str(exc), f"{message.node_name} tick "
-                            f"{message.collector_started_at_unix_ms}/{message.sequence}", now, type(exc).__name__,
-                            message)
-                continue
-            guarded(guard.sample(message, now), now)
-            for late in result.late:
-                error = late.error()
-                dead_letter(error.reason_code, late.reason, f"{message.node_name} tick "
-                            f"{message.collector_started_at_unix_ms}/{message.sequence}", now, type(error).__name__,
-                            message)
-            if result.duplicate:
-                duplicates += 1
-            if result.accepted and truth is not None:
-                truth.add_tick(message)
-            emit(result.windows, now)
+                at = broker.produce_record(REPLAY_TOPICS.pod_events, Emit(
+                    POD_EVENTS, pod_event_key(message.node_name, message.uid), message), now)
+            else:
+                samples += 1
+                latest_ms = max(latest_ms, message.sampled_at_unix_ms)
+                at = broker.produce_record(REPLAY_TOPICS.node_samples, Emit(
+                    SAMPLES, message.node_name.encode("utf-8"), message), now)
+    finally:
+        if recorder is not None:
+            recorder.__exit__(None, None, None)
+
+    # The three services, each on its runner over the broker, in the order their input exists.
+    input_end_ms = latest_ms
+    attributor = AttributorProcessor(config, 1)
+    attribution = _Stage(attributor, attributor_inputs(REPLAY_TOPICS), attributor_outputs(REPLAY_TOPICS), broker,
+                         ManualClock(0), on_produced=attributor.acknowledge_all)
+    ledger = Ledger("sqlite://")
+    ledger.migrate()
+    store = _KeptBills(LedgerStore(ledger))
+    billing = _Stage(BillingProcessor(catalog=catalog, policy=split_policy, sharing=sharing,
+                                      max_clock_skew_seconds=max_clock_skew_seconds),
+                     billing_inputs(REPLAY_TOPICS), billing_outputs(REPLAY_TOPICS), broker, ManualClock(0),
+                     store=store)
+    guard_clock = ManualClock(0)
+    guard_processor = GuardProcessor(guard_config or GuardConfig(), guard_clock)
+    guard = _Stage(guard_processor, guard_topics(REPLAY_TOPICS), guard_outputs(REPLAY_TOPICS), broker, guard_clock)
+    try:
+        attribution.run()
+        end_ms: int | None = None
         if latest_ms is not None:
             # End of input: the first instant at which the streaming timer would have closed every open window.
             end_ms = latest_ms + (window_seconds + grace_seconds + idle_close_seconds) * 1000
-            emit(engine.on_clock(end_ms).windows, end_ms)
-            guarded(guard.finish(end_ms), end_ms)
+            attribution.finish(end_ms, caught_up=True)
+        billing.run()
+        # The guard's clock judges silence only within the input: its end is not the nodes going silent.
+        guard.run(tick_until_ms=input_end_ms)
+        if end_ms is not None:
+            guard.finish(end_ms, caught_up=False)
+    finally:
+        ledger.close()
+
+    outputs = _Outputs(out, with_truth=truth is not None)
+    dead: Counter[str] = Counter()
+    unpriced: list[UnpricedWindow] = []
+    seen_ticks: set[tuple[str, int, int]] = set()
+    duplicates = windows = 0
+    node_cost_micro = 0
+    try:
+        sample_letters = {(d.source_topic, d.source_offset) for d in broker.records(REPLAY_TOPICS.dead_letters,
+                                                                                      DeadLetter)
+                          if d.service == attributor.service}
+        for record in _records(broker, REPLAY_TOPICS.node_window_shares, NodeWindowShares):
+            windows += 1
+            for share in record.rows():
+                outputs.write(SHARES_FILE, share_json(share))
+        for record in _records(broker, REPLAY_TOPICS.costs, CostRecord):
+            outputs.write(COSTS_FILE, cost_record_json(record))
+        for bill in store.bills:
+            outputs.write(BILLS_FILE, bill.as_json())
+            node_cost_micro += bill.node_cost_micro_usd
+        for message in broker.messages(REPLAY_TOPICS.dead_letters, 0):
+            letter = codec_for(DeadLetter).decode(message.value)
+            dead[letter.reason_code] += 1
+            outputs.write(DEAD_LETTERS_FILE, dead_letter_json(letter, sources.get((letter.source_topic,
+                                                                                 letter.source_offset))))
+            if letter.service == SERVICE_NAME_BILLING and letter.reason_code == NoPrice.reason_code:
+                unpriced.append(_unpriced(letter))
+        for message in broker.messages(REPLAY_TOPICS.violations, 0):
+            outputs.write(VIOLATIONS_FILE, violation_json(codec_for(Violation).decode(message.value),
+                                                          message.timestamp_ms or 0))
+        # The ticks the attributor took (not dead-lettered, not a repeat of one it had): the truth's input.
+        for message in broker.messages(REPLAY_TOPICS.node_samples, 0):
+            if (message.topic, message.offset) in sample_letters or message.value is None:
+                continue
+            sample = codec_for(NodeSample).decode(message.value)
+            tick = (sample.node_name, sample.collector_started_at_unix_ms, sample.sequence)
+            if tick in seen_ticks:
+                duplicates += 1
+                continue
+            seen_ticks.add(tick)
+            if truth is not None:
+                truth.add_tick(sample)
         if truth is not None:
             for row in truth.take_closed(None):
                 outputs.write(TRUTH_FILE, row)
     finally:
         outputs.close()
-        if recorder is not None:
-            recorder.__exit__(None, None, None)
 
     return ReplaySummary(
         input_kind=input_kind,
@@ -403,7 +508,7 @@ def replay(
         recorded=recorder.count if recorder is not None else 0,
         files=dict(outputs.paths),
         violation_rows=outputs.counts[VIOLATIONS_FILE],
-        violations_firing_at_end=len(guard.engine.active()),
+        violations_firing_at_end=len(guard_processor.engine.active()),
     )
 
 

@@ -99,7 +99,9 @@ class Input:
 
 
 class Processor(Protocol):
-    """A service's logic. ``service`` names it in dead letters and metrics."""
+    """A service's logic. ``service`` names it in dead letters and metrics. ``inputs`` are in the order of
+    precedence at one instant: a driver that orders its input (the in-memory broker) reads messages of the same
+    time in this order (a pod event before the sample of its instant)."""
 
     service: str
     inputs: Sequence[Input]

@@ -6,11 +6,14 @@ default partitioner does (murmur2 of the key) or by node (``schemas.catalog.part
 by the runner on the way out, and bad bytes meet the same checks and dead letters as on Kafka.
 
 ``MemoryDriver(runner, broker, outputs, store)`` reads the runner's input topics from its own positions, in the
-order the messages would be seen on a caught-up consumer (by timestamp, then topic order, partition and offset: a
-record produced earlier is read earlier), steps each, hands its state changes to the store (the same ``Store`` a
-Kafka driver makes them durable in before committing) and produces what the runner settles: the step's emits, then
-what each change owes, or the dead letter of a change the store refused. ``tick(now_ms)`` runs the processor's
-clock, as a streaming service's timer does; the caller (``gpumeter replay``) decides when.
+order the messages would be seen on a caught-up consumer (by timestamp, then the order of the processor's inputs,
+partition and offset: a record produced earlier is read earlier), steps each, hands its state changes to the store
+(the same ``Store`` a Kafka driver makes them durable in before committing) and produces what the runner settles:
+the step's emits, then what each change owes, or the dead letter of a change the store refused. Produced records
+are durable at once, so ``on_produced`` (if given) runs after every settlement that produced something, and its
+result is settled too: the acknowledgement a Kafka producer's callback gives later (the attributor moves a node's
+progress past an emitted window then). ``tick(now_ms)`` runs the processor's clock, as a streaming service's timer
+does; the caller (``gpumeter replay``) decides when.
 """
 
 from __future__ import annotations
@@ -95,16 +98,18 @@ class MemoryDriver:
     broker: MemoryBroker
     outputs: Mapping[str, str]
     store: Store | None = None
+    on_produced: Callable[[], Result] | None = None
     positions: dict[tuple[str, int], int] = field(default_factory=dict)
 
     def _pending(self) -> Iterable[RawMessage]:
-        streams = []
-        topic_order = {topic: n for n, topic in enumerate(self.runner.inputs.by_topic)}
-        for topic in self.runner.inputs.by_topic:
-            for partition in range(self.broker.partitions(topic)):
-                start = self.positions.get((topic, partition), 0)
-                streams.append(((m.timestamp_ms or 0, topic_order[topic], partition, m.offset), m)
-                               for m in self.broker.messages(topic, partition, start))
+        def keyed(rank: int, topic: str, partition: int) -> Iterator[tuple[tuple[int, int, int, int], RawMessage]]:
+            start = self.positions.get((topic, partition), 0)
+            for m in self.broker.messages(topic, partition, start):
+                yield (m.timestamp_ms or 0, rank, partition, m.offset), m
+
+        streams = [keyed(rank, topic, partition)
+                   for rank, topic in enumerate(self.runner.inputs.by_topic)
+                   for partition in range(self.broker.partitions(topic))]
         for _, message in heapq.merge(*streams, key=lambda item: item[0]):
             yield message
 
@@ -112,7 +117,8 @@ class MemoryDriver:
         for emit in emits:
             self.broker.produce_record(self.outputs[emit.output], emit, timestamp_ms)
 
-    def _settle(self, message: RawMessage | None, result: Result, timestamp_ms: int) -> None:
+    def _settle(self, message: RawMessage | None, result: Result, timestamp_ms: int, *,
+                acknowledging: bool = False) -> None:
         steps = ((message, result),)
         changes = changes_of(steps)
         settled = self.store.apply(changes) if changes and self.store is not None else ()
@@ -120,6 +126,10 @@ class MemoryDriver:
         self.emit(settlement.emits, timestamp_ms)
         if settlement.published and self.store is not None:
             self.store.published(settlement.published, timestamp_ms)
+        if settlement.emits and self.on_produced is not None and not acknowledging:
+            acknowledged = self.on_produced()
+            if acknowledged:
+                self._settle(None, acknowledged, timestamp_ms, acknowledging=True)
 
     def run(self, *, before_message: Callable[[RawMessage], None] | None = None) -> int:
         """Step every message not read yet, in the order a caught-up consumer sees them; return how many.

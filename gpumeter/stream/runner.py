@@ -76,13 +76,14 @@ class MessageRunner:
     """Runs ``processor`` over raw messages of ``topics`` (role -> topic name). See the module docstring."""
 
     def __init__(self, processor: Processor, topics: Mapping[str, str], clock: Clock, *, metrics: Any = None,
-                 max_request_size_bytes: int = DEFAULT_MAX_REQUEST_SIZE_BYTES) -> None:
+                 max_request_size_bytes: int = DEFAULT_MAX_REQUEST_SIZE_BYTES, log_dead_letters: bool = True) -> None:
         self.processor = processor
         self.service = processor.service
         self.inputs = Inputs.of(processor, topics)
         self.clock = clock
         self.metrics = metrics
         self.max_request_size_bytes = max_request_size_bytes
+        self.log_dead_letters = log_dead_letters  # off where the dead letters are the output (replay's file)
         self._codecs: dict[type, RecordCodec] = {}
         self.consumed = 0
         self.dead_lettered = 0
@@ -172,16 +173,18 @@ class MessageRunner:
         if self.metrics is not None:
             self.metrics.get("gpumeter_dead_letters_total").labels(self.service, message.topic,
                                                                   error.reason_code).inc()
-        log.warning("dead-lettered %s[%d]@%d: %s %s", message.topic, message.partition, message.offset,
-                    error.reason_code, cut_text(error.detail, 512)[0])
+        if self.log_dead_letters:
+            log.warning("dead-lettered %s[%d]@%d: %s %s", message.topic, message.partition, message.offset,
+                        error.reason_code, cut_text(error.detail, 512)[0])
         if letter.truncated:
             self.truncated += 1
             if self.metrics is not None:
                 self.metrics.get("gpumeter_dead_letters_truncated_total").labels(self.service, message.topic).inc()
-            log.warning("dead letter of %s[%d]@%d cut to fit %d bytes: value %d of %d bytes kept (sha256 %s)",
-                        message.topic, message.partition, message.offset,
-                        dead_letter_budget_bytes(self.max_request_size_bytes), len(letter.raw_bytes),
-                        letter.payload_length_bytes, letter.payload_sha256)
+            log.log(logging.WARNING if self.log_dead_letters else logging.DEBUG,
+                    "dead letter of %s[%d]@%d cut to fit %d bytes: value %d of %d bytes kept (sha256 %s)",
+                    message.topic, message.partition, message.offset,
+                    dead_letter_budget_bytes(self.max_request_size_bytes), len(letter.raw_bytes),
+                    letter.payload_length_bytes, letter.payload_sha256)
         return Result(emits=(Emit(DEAD_LETTERS, key, letter),))
 
 

@@ -147,10 +147,12 @@ class AttributorProcessor:
         self.partition_count = partitions
         self.max_stored_pod_bytes = max_stored_pod_bytes
         skew_ms = config.max_clock_skew_seconds * 1000
+        # In the order of precedence at one instant (gpumeter.stream.contract.Processor.inputs): a tick's pods
+        # must be known when the tick's window closes at the same instant.
         self.inputs: Sequence[Input] = (
-            Input(SAMPLES, NodeSample),
             Input(POD_EVENTS, PodEvent, lambda event, now_ms: check_pod_event(event, now_ms, skew_ms),
                   tombstones=True),
+            Input(SAMPLES, NodeSample),
         )
         self._engines: dict[int, AttributionEngine] = {}
         # partition -> windows emitted and not yet acknowledged, in emission order

@@ -114,10 +114,12 @@ class GuardProcessor:
         self.max_clock_skew_ms = max_clock_skew_seconds * 1000
         self.max_sample_age_ms = max_sample_age_seconds * 1000
         skew_ms, age_ms = self.max_clock_skew_ms, self.max_sample_age_ms
+        # In the order of precedence at one instant (gpumeter.stream.contract.Processor.inputs): a sample is
+        # judged with the pods that started at its instant.
         self.inputs = (
-            Input(SAMPLES, NodeSample, lambda sample, now_ms: check_sample(sample, now_ms, skew_ms, age_ms)),
             Input(POD_EVENTS, PodEvent, lambda event, now_ms: check_pod_event(event, now_ms, skew_ms),
                   tombstones=True),
+            Input(SAMPLES, NodeSample, lambda sample, now_ms: check_sample(sample, now_ms, skew_ms, age_ms)),
             Input(WINDOW_SHARES, NodeWindowShares,
                   lambda shares, now_ms: check_window_shares(shares, now_ms, skew_ms)),
             Input(WINDOW_COSTS, NodeWindowCost, lambda cost, now_ms: check_window_cost(cost, now_ms, skew_ms)),

@@ -1,8 +1,8 @@
 """Every guard rule fires and resolves through the real broker, record for record as in ``gpumeter replay``.
 
 For each guard scenario (and, for ``stale_node``, a recording of ``guard_pressure.yaml`` with one collector silent
-for 90 s), ``replay`` runs with a guard that also notes what it was fed: each pod event, sample, share row and
-cost line, at which instant, in which order. The same records are then produced to the broker's four input topics
+for 90 s), ``replay`` runs and its in-memory broker is kept: what its guard read (each pod event, sample,
+node-window of shares and node-window bill, at which instant, in which order) and what it published. The same records are then produced to the broker's four input topics
 and the guard service (``services.guard.main.serve``) consumes them:
 
 * its clock is set to each instant of the replay before that instant's input is produced, and the clock task
@@ -33,22 +33,23 @@ from typing import Any
 
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import KafkaError
 
-from gpumeter.clock import ManualClock, iso_utc
+from gpumeter.clock import ManualClock
 from gpumeter.kafka.admin import create_topics
 from gpumeter.kafka.producer import RecordProducer
 from schemas.catalog import TopicCatalog, partition_for_node, pod_event_key
 from schemas.typed import codec_for
-from schemas.records import CostRecord, DeadLetter, GpuShare, NodeSample, NodeWindowCost, NodeWindowShares, PodEvent
+from schemas.records import DeadLetter, NodeSample, NodeWindowCost, NodeWindowShares, PodEvent
 from schemas.records import Violation, ViolationState
 from pipeline import replay as attributor_replay
-from pipeline.replay import read_jsonl
+from gpumeter.stream.memory import MemoryBroker
+from pipeline.replay import REPLAY_TOPICS
 from pipeline.recordings import InputRecord, scenario_records, write_recording
 from simulator.scenario import load_scenario
 from services.guard import config as guard_config
 from services.guard.config import GuardConfig
 from services.guard.main import serve
-from services.guard.replay import GuardReplay
 from services.guard.settings import GuardSettings
 from tests.integration.topic_reading import read_records
 
@@ -82,31 +83,29 @@ class ScenarioClock(ManualClock):
         return time.monotonic()
 
 
-class _NotingGuard(GuardReplay):
-    """The replay's guard, noting each input (kind, instant, record) and keeping what it published."""
+class _KeptBroker(MemoryBroker):
+    """The replay's in-memory broker, kept for the test to read what the replay's guard read and published."""
 
-    instances: list["_NotingGuard"] = []
+    instances: list["_KeptBroker"] = []
 
-    def __init__(self, config: GuardConfig | None = None) -> None:
-        super().__init__(config)
-        self.inputs: list[tuple[str, int, Any]] = []
-        _NotingGuard.instances.append(self)
+    def __init__(self) -> None:
+        super().__init__()
+        _KeptBroker.instances.append(self)
 
-    def pod_event(self, event: PodEvent, now_ms: int):
-        self.inputs.append(("pod", now_ms, event))
-        return super().pod_event(event, now_ms)
 
-    def sample(self, sample: NodeSample, now_ms: int):
-        self.inputs.append(("sample", now_ms, sample))
-        return super().sample(sample, now_ms)
+# The guard's inputs in its order of precedence at one instant (GuardProcessor.inputs).
+GUARD_INPUTS = (("pod", "pod_events", PodEvent), ("sample", "node_samples", NodeSample),
+                ("share", "node_window_shares", NodeWindowShares), ("cost", "node_window_costs", NodeWindowCost))
 
-    def share(self, share: GpuShare, now_ms: int):
-        self.inputs.append(("share", now_ms, share))
-        return super().share(share, now_ms)
 
-    def cost(self, cost: CostRecord, now_ms: int):
-        self.inputs.append(("cost", now_ms, cost))
-        return super().cost(cost, now_ms)
+def _guard_inputs(broker: MemoryBroker) -> list[tuple[str, int, Any]]:
+    """(kind, instant, record) of every message the replay's guard read, in the order it read them."""
+    items = []
+    for rank, (kind, topic, record_type) in enumerate(GUARD_INPUTS):
+        codec = codec_for(record_type)
+        for message in broker.messages(getattr(REPLAY_TOPICS, topic), 0):
+            items.append(((message.timestamp_ms, rank, message.offset), kind, codec.decode(message.value)))
+    return [(kind, order[0], record) for order, kind, record in sorted(items, key=lambda item: item[0])]
 
 
 @dataclass
@@ -136,48 +135,21 @@ def _input_path(name: str, tmp_path: Path) -> Path:
     return _stale_recording(tmp_path) if name == "stale_collector" else SCENARIOS / f"{name}.yaml"
 
 
-def _whole_windows(inputs, bills_path: Path):
-    """The guard's inputs with each node-window's share rows as one ``NodeWindowShares`` and each bill's cost lines
-    as one ``NodeWindowCost`` (with the bill's figures from replay's ``bills.jsonl``), as the topics carry them:
-    replay hands the guard a node-window's rows and lines one after the other at one instant."""
-    bills = {(b["node"], b["window_start"]): b for b in read_jsonl(bills_path)}
-    grouped: list[tuple[str, int, Any]] = []
-    for kind, at, record in inputs:
-        window = (record.node_name, record.window_start_unix_ms) if kind in ("share", "cost") else None
-        if window is not None and grouped and grouped[-1][0] == kind and grouped[-1][1] == at and (
-                grouped[-1][2][0].node_name, grouped[-1][2][0].window_start_unix_ms) == window:
-            grouped[-1][2].append(record)
-        else:
-            grouped.append((kind, at, [record] if window is not None else record))
-    out = []
-    for kind, at, record in grouped:
-        if kind == "share":
-            record = NodeWindowShares.from_rows(record)
-        elif kind == "cost":
-            bill = bills[(record[0].node_name, iso_utc(record[0].window_start_unix_ms))]
-            record = NodeWindowCost.from_cost_records(
-                record, billed_milliseconds=round(bill["billed_seconds"] * 1000), cloud_provider=bill["provider"],
-                region=bill["region"], zone=bill["zone"], provider_id=bill["provider_id"],
-                price_per_hour_usd=str(bill["price_per_hour_usd"]), split_rule=bill["split_rule"],
-                gpu_count=bill["gpu_count"], gpu_cost_micro_usd=bill["gpu_cost_micro_usd"], sharing=bill["sharing"])
-        out.append((kind, at, record))
-    return out
-
-
 def _plan(name: str, tmp_path: Path, topics: TopicCatalog, monkeypatch) -> Plan:
-    """Replay ``name`` with a noting guard and turn its inputs into the broker plan."""
-    _NotingGuard.instances.clear()
-    monkeypatch.setattr(attributor_replay, "GuardReplay", _NotingGuard)
+    """Replay ``name`` keeping its broker, and turn what the replay's guard read into the broker plan."""
+    _KeptBroker.instances.clear()
+    monkeypatch.setattr(attributor_replay, "MemoryBroker", _KeptBroker)
     summary = attributor_replay.replay(_input_path(name, tmp_path), tmp_path / "replay", guard_config=CONFIG)
     monkeypatch.undo()
     assert summary.dead_letters == {} and summary.unpriced == (), summary
-    (guard,) = _NotingGuard.instances
+    (broker,) = _KeptBroker.instances
+    inputs = _guard_inputs(broker)
 
     plan = Plan()
-    plan.last_instant_ms = max(at for kind, at, _ in guard.inputs if kind in ("pod", "sample"))
+    plan.last_instant_ms = max(at for kind, at, _ in inputs if kind in ("pod", "sample"))
     topic_of = {"pod": topics.pod_events, "sample": topics.node_samples, "share": topics.node_window_shares,
                 "cost": topics.node_window_costs}
-    for kind, at, record in _whole_windows(guard.inputs, tmp_path / "replay" / "bills.jsonl"):
+    for kind, at, record in inputs:
         if at > plan.last_instant_ms:
             break
         if not plan.instants or plan.instants[-1][0] != at:
@@ -190,12 +162,21 @@ def _plan(name: str, tmp_path: Path, topics: TopicCatalog, monkeypatch) -> Plan:
             runs[-1][2].append((key, record))
         else:
             runs.append((topic, partition, [(key, record)]))
-    plan.expected = [v for at, v in guard.published if at <= plan.last_instant_ms]
+    published = [(m.timestamp_ms, codec_for(Violation).decode(m.value))
+                 for m in broker.messages(REPLAY_TOPICS.violations, 0)]
+    plan.expected = [v for at, v in published if at <= plan.last_instant_ms]
     return plan
 
 
 async def _committed(admin: AIOKafkaAdminClient, group: str) -> dict[tuple[str, int], int]:
-    offsets = await admin.list_consumer_group_offsets(group)
+    try:
+        offsets = await admin.list_consumer_group_offsets(group)
+    except KafkaError as exc:
+        # A broker just started has no group coordinator until __consumer_offsets exists: retriable, so it counts
+        # as "nothing committed yet" (the caller's deadline bounds the wait).
+        if not exc.retriable:
+            raise
+        return {}
     return {(tp.topic, tp.partition): meta.offset for tp, meta in offsets.items() if meta is not None}
 
 

@@ -118,7 +118,7 @@ def test_the_roles_are_the_catalogs_topics():
     assert input_topics(catalog) == {SAMPLES: catalog.node_samples, POD_EVENTS: catalog.pod_events}
     assert output_topics(catalog) == {WINDOW_SHARES: catalog.node_window_shares, DEAD_LETTERS: catalog.dead_letters}
     assert [(i.name, i.record_type, i.tombstones) for i in AttributorProcessor(CONFIG, 3).inputs] == [
-        (SAMPLES, NodeSample, False), (POD_EVENTS, PodEvent, True)]
+        (POD_EVENTS, PodEvent, True), (SAMPLES, NodeSample, False)]  # pods first at one instant
 
 
 def test_each_closed_window_is_one_node_window_shares_record_keyed_by_its_node():

@@ -114,9 +114,7 @@ def test_every_services_log_handler_keeps_a_record_on_one_line_and_masks_secrets
 
 
 def test_the_guard_refuses_forged_names_and_never_alerts_or_logs_them(caplog):
-    import asyncio
-
-    from tests.unit.guard.test_guard_processor import TOPICS, Feed, leaky, make, violations_sent
+    from tests.unit.guard.test_guard_processor import Guard, leaky
 
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
@@ -126,31 +124,28 @@ def test_the_guard_refuses_forged_names_and_never_alerts_or_logs_them(caplog):
     guard_root_handlers()
     caplog.set_level(logging.INFO)
     try:
-        processor, producer, sink, _, clock, _ = make()
-        feed = Feed()
+        guard = Guard()  # the guard's processor on its runner, over the in-memory broker
+        now = guard.clock.now_ms()
         forged = [
-            dataclasses.replace(leaky(clock.now_ms()), uid="uid-nl", name="notebook-0\nINFO gpumeter.guard all clear"),
-            dataclasses.replace(leaky(clock.now_ms()), uid="uid-html",
+            dataclasses.replace(leaky(now), uid="uid-nl", name="notebook-0\nINFO gpumeter.guard all clear"),
+            dataclasses.replace(leaky(now), uid="uid-html",
                                 labels=MappingProxyType({"team": "<img src=x onerror=alert(1)>"})),
-            dataclasses.replace(leaky(clock.now_ms()), uid="uid-ansi", namespace="research\x1b[8m"),
-            dataclasses.replace(leaky(clock.now_ms()), uid="uid-crlf", name="nb\r\nX-Injected: 1"),
+            dataclasses.replace(leaky(now), uid="uid-ansi", namespace="research\x1b[8m"),
+            dataclasses.replace(leaky(now), uid="uid-crlf", name="nb\r\nX-Injected: 1"),
         ]
-
-        async def run():
-            results = [await processor.handle(feed.pod(event)) for event in forged]
-            await processor.flush()
-            fired = await processor.handle(feed.pod(leaky(clock.now_ms())))  # a real leaky pod still fires
-            return results, fired
-
-        results, fired = asyncio.run(run())
+        results = []
+        for event in forged:
+            guard.pod(event)
+            results.append(guard.run())
+        guard.pod(leaky(now))
+        fired = guard.run()  # a real leaky pod still fires
     finally:
         root.removeHandler(handler)
-    assert results == [None] * len(forged)
-    letters = [record for topic, _, record in producer.delivered if topic == TOPICS.dead_letters]
-    assert [letter.reason_code for letter in letters] == ["INVALID_NAME"] * len(forged)
+    assert results == [()] * len(forged)
+    assert [letter.reason_code for letter in guard.dead_letters()] == ["INVALID_NAME"] * len(forged)
     assert fired and fired[0].rule == "visibility_leak"
-    assert [v.pod_uid for _, v in violations_sent(producer)] == ["uid-1"]
-    assert [v.pod_uid for v in sink.updates] == ["uid-1"]
+    # Only the real pod's violations were emitted: the topic (and so the Alertmanager sink, fed what is emitted).
+    assert {v.pod_uid for _, v in guard.violations()} == {"uid-1"}
     out = stream.getvalue()
     assert not any(line.startswith("INFO gpumeter.guard all clear") or line.startswith("X-Injected")
                    for line in out.splitlines())

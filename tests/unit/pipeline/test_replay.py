@@ -444,11 +444,16 @@ def test_a_corrupt_message_is_dead_lettered_and_the_rest_replays(tmp_path, catal
     broken = tmp_path / "broken.gmrec"
     broken.write_bytes(bytes(data))
     summary = replay(broken, tmp_path / "out", catalog=catalog)
-    assert summary.dead_letters == {"CORRUPT": 1}
+    # As in the stream: the bytes are on the node-samples topic, and both services reading it refuse them.
+    assert summary.dead_letters == {"CORRUPT": 2}
     assert summary.samples + summary.pod_events == len(records) - 1
-    (letter,) = read_jsonl(tmp_path / "out" / "dead_letters.jsonl")
-    assert letter["source"] == f"broken.gmrec#{victim}"
-    assert letter["received_at_unix_ms"] == frames[victim].received_at_unix_ms
+    letters = read_jsonl(tmp_path / "out" / "dead_letters.jsonl")
+    assert [letter["service"] for letter in letters] == ["attributor", "guard"]
+    for letter in letters:
+        assert letter["input"] == f"broken.gmrec#{victim}"
+        assert letter["source_topic"] == "gpumeter.node-samples.v2"
+        assert letter["failed_at_unix_ms"] == frames[victim].received_at_unix_ms
+        assert letter["payload_length_bytes"] == len(frames[victim].payload) and not letter["truncated"]
 
 
 def test_a_recording_cut_short_is_an_error(tmp_path, catalog):
@@ -476,7 +481,8 @@ def test_a_tick_later_than_grace_is_dead_lettered_as_late(tmp_path, catalog):
     summary = replay(path, tmp_path / "out", catalog=catalog)
     assert summary.dead_letters == {"LATE": 1}
     (letter,) = read_jsonl(tmp_path / "out" / "dead_letters.jsonl")
-    assert letter["record_type"] == "NodeSample"
+    assert (letter["service"], letter["source_topic"]) == ("attributor", "gpumeter.node-samples.v2")
+    assert letter["failed_at_unix_ms"] == last
     window = (late.message.sampled_at_unix_ms // 60_000) * 60_000
     rows = [r for r in read_jsonl(tmp_path / "out" / "shares.jsonl") if r["window_start_unix_ms"] == window]
     # The window was attributed without the late tick.
