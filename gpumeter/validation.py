@@ -1,7 +1,8 @@
 """Range checks on decoded input records: values no real record can hold. One module for every consumer.
 
 Each ``check_*`` function returns None for a possible record and raises ``OutOfRange`` (reason ``OUT_OF_RANGE``)
-naming the first impossible value otherwise; the caller's ``DeadLetterGuard`` turns that into a ``DeadLetter``.
+naming the first impossible value otherwise; the runner (``gpumeter.stream.runner``) turns that into a
+``DeadLetter``.
 They are pure: the time to judge timestamps against comes in as ``now_unix_ms``.
 
 Names first: every name, namespace, label, resource name and id a record carries must have the syntax Kubernetes

@@ -1,8 +1,10 @@
-"""The one path for bad input: an ``InvalidMessage`` becomes a ``DeadLetter`` record, a counter, and a log line.
+"""The dead letter of a bad message: an ``InvalidMessage`` becomes a ``DeadLetter`` record that always fits.
 
-Every consumer (Faust agent or aiokafka loop) hands each raw message to ``DeadLetterGuard.handle``; the handler
-decodes and processes it; if anything raises ``InvalidMessage`` the raw bytes go to the dead-letter topic with the
-reason and the consumer carries on. Other exceptions are bugs and propagate.
+Every consumer runs its processor under ``gpumeter.stream.runner.MessageRunner``, the one place that turns an
+``InvalidMessage`` (raised while decoding, checking or processing a message) into the raw bytes on the dead-letter
+topic with the reason, a counter and a log line, and carries on; other exceptions are bugs and propagate. The
+collector, which produces rather than consumes, dead-letters what it cannot publish with the same
+``dead_letter_for``.
 
 A dead letter always fits (``dead_letter_for``): the broker accepts records larger than the producer may send
 (a compressed batch is checked compressed; a consumer receives it whole), and a dead letter that copied such a
@@ -16,18 +18,12 @@ cut is counted (``gpumeter_dead_letters_truncated_total``) and logged.
 from __future__ import annotations
 
 import hashlib
-import logging
 from dataclasses import dataclass, replace
-from typing import Awaitable, Callable, TypeVar
 
-from gpumeter.clock import Clock
 from gpumeter.errors import InvalidMessage
 from gpumeter.settings import DEFAULT_MAX_REQUEST_SIZE_BYTES
 from schemas.records import DeadLetter
 from schemas.typed import codec_for
-
-log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -99,54 +95,3 @@ def dead_letter_for(message: RawMessage, error: InvalidMessage, service: str, fa
     value_cut = len(value) > room
     kept = value[: max(room, 0)] if value_cut else value
     return replace(empty, raw_bytes=kept, truncated=reason_cut or key_cut or value_cut)
-
-
-class DeadLetterGuard:
-    """Runs handlers and dead-letters their invalid input through ``publish(topic, key, record)``; every dead letter
-    fits a producer whose ``max_request_size`` is ``max_request_size_bytes`` (see the module docstring)."""
-
-    def __init__(self, service: str, dead_letter_topic: str, publish: Callable[[str, bytes, DeadLetter], Awaitable],
-                 clock: Clock, metrics=None, *,
-                 max_request_size_bytes: int = DEFAULT_MAX_REQUEST_SIZE_BYTES) -> None:
-        self.service = service
-        self.topic = dead_letter_topic
-        self._publish = publish
-        self._clock = clock
-        self._metrics = metrics
-        self.max_request_size_bytes = max_request_size_bytes
-        self.dead_lettered = 0
-        self.truncated = 0
-
-    async def handle(self, message: RawMessage, handler: Callable[[RawMessage], Awaitable[T]]) -> T | None:
-        if self._metrics:
-            self._metrics.get("gpumeter_messages_consumed_total").labels(self.service, message.topic).inc()
-        try:
-            if message.value is None:
-                raise InvalidMessage("message has no value (tombstone on a non-compacted topic)",
-                                     reason_code="EMPTY")
-            return await handler(message)
-        except InvalidMessage as error:
-            await self.reject(message, error)
-            return None
-
-    async def reject(self, message: RawMessage, error: InvalidMessage) -> None:
-        """Dead-letter ``message`` (also for handlers that find a problem after decoding)."""
-        key = message.topic.encode("utf-8")
-        record = dead_letter_for(message, error, self.service, self._clock.now_ms(),
-                                 max_request_size_bytes=self.max_request_size_bytes, dead_letter_key=key)
-        self.dead_lettered += 1
-        if self._metrics:
-            self._metrics.get("gpumeter_dead_letters_total").labels(
-                self.service, message.topic, error.reason_code).inc()
-        log.warning("dead-lettered %s[%d]@%d: %s %s", message.topic, message.partition, message.offset,
-                    error.reason_code, cut_text(error.detail, 512)[0])
-        if record.truncated:
-            self.truncated += 1
-            if self._metrics:
-                self._metrics.get("gpumeter_dead_letters_truncated_total").labels(self.service, message.topic).inc()
-            log.warning("dead letter of %s[%d]@%d cut to fit %d bytes: value %d of %d bytes kept (sha256 %s), "
-                        "key %d of %d bytes", message.topic, message.partition, message.offset,
-                        dead_letter_budget_bytes(self.max_request_size_bytes), len(record.raw_bytes),
-                        record.payload_length_bytes, record.payload_sha256,
-                        len(record.source_key or b""), max(record.source_key_length_bytes, 0))
-        await self._publish(self.topic, key, record)

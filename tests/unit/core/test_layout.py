@@ -100,3 +100,27 @@ def test_the_walk_sees_imports_of_every_form(tmp_path):
     found = imports_of(probe, tmp_path)
     assert {"services.guard.engine", "services.attributor", "services.attributor.app", "services.billing.ledger",
             "services.guard.rules"} <= found
+
+
+# Where a Kafka consumer may be built: the one driver, the attributor's Faust driver (its rebuild reads a range of
+# a partition directly), and the read-only tools (billing's report of what was emitted, the guard's violations
+# CLI, `gpumeter run`'s live view).
+CONSUMER_OWNERS = {"gpumeter/kafka/driver.py", "services/attributor/app.py", "services/billing/emitted.py",
+                   "services/guard/violations_cli.py", "gpumeter/commands/run/feed.py"}
+# Each consuming service's entry point and the runner module it must drive its processor through.
+SERVICE_RUNNERS = {"services/billing/main.py": ("gpumeter.stream.runner", "gpumeter.kafka.driver"),
+                   "services/guard/main.py": ("gpumeter.stream.runner", "gpumeter.kafka.driver"),
+                   "services/attributor/app.py": ("gpumeter.stream.runner",),
+                   "pipeline/replay.py": ("gpumeter.stream.runner", "gpumeter.stream.memory")}
+
+
+def test_every_consuming_service_runs_its_processor_on_the_one_runner():
+    """No service loop of its own: billing and the guard run on the runner under the Kafka driver, the attributor
+    under its Faust driver, replay under the in-memory one; nothing else builds a Kafka consumer."""
+    for path, runners in SERVICE_RUNNERS.items():
+        found = imports_of(REPO / path)
+        assert set(runners) <= found, (path, sorted(set(runners) - found))
+    builders = sorted(str(p.relative_to(REPO)) for top in ("services", "gpumeter", "pipeline") for p in _modules(top)
+                      if "AIOKafkaConsumer(" in p.read_text(encoding="utf-8"))
+    assert set(builders) <= CONSUMER_OWNERS, builders
+    assert "gpumeter/kafka/driver.py" in builders
