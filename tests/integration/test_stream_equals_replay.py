@@ -1,6 +1,9 @@
-"""The streaming attributor and billing through the real broker equal ``gpumeter replay`` on the same scenario:
-the same share rows, then -- billing reading the attributor's node-window records -- the same cost lines, the same
-bills in the ledger, and each bill's ``NodeWindowCost`` holding exactly its lines.
+"""The streaming services through the real broker equal ``gpumeter replay`` on the same input. On a scenario: the
+attributor's share rows, then -- billing reading the attributor's node-window records -- the same cost lines, the
+same bills in the ledger, and each bill's ``NodeWindowCost`` holding exactly its lines. On a recording with bad
+messages among the scenario's: the attributor, billing and the guard dead-letter exactly what replay's services
+dead-letter (the same messages, by the same service, for the same reason). (That the guard publishes replay's
+violations record for record is ``test_guard_rules_broker``.)
 
 The scenario's clock is moved to just before now, so the worker's wall clock and the replay's scenario clock agree
 on which pods are still within their linger time; everything else is the scenario as shipped.
@@ -9,7 +12,10 @@ on which pods are still within their linger time; everything else is the scenari
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
+import hashlib
+import struct
 import uuid
 from pathlib import Path
 
@@ -18,14 +24,17 @@ import pytest
 from gpumeter.kafka.producer import RecordProducer
 from schemas.catalog import partition_for_node, pod_event_key
 from gpumeter.clock import iso_utc
-from schemas.records import CostRecord, DeadLetter, NodeSample, NodeWindowCost, NodeWindowShares
+from gpumeter.errors import InvalidMessage
+from schemas.records import CostRecord, DeadLetter, NodeSample, NodeWindowCost, NodeWindowShares, PodEvent
 from schemas.typed import codec_for
-from pipeline.recordings import scenario_records
+from pipeline.recordings import RECORDING_MAGIC, decode_message, iter_frames, scenario_records
 from pipeline.replay import read_jsonl, replay, share_json
 from services.billing.costing import cost_record_json
 from services.billing.ledger import Ledger
 from services.billing.main import serve as serve_billing
 from services.billing.settings import BillingSettings
+from services.guard.main import serve as serve_guard
+from services.guard.settings import GuardSettings
 from simulator.scenario import load_scenario
 from tests.integration.test_attributor_stream import PARTITIONS, AttributorProcess, Outputs
 from tests.integration.test_billing_stream import wait_until_committed_to_end
@@ -121,3 +130,124 @@ async def test_streaming_shares_and_costs_equal_replay_on_a_scenario(kafka_setti
     unpriced = {(w.node_name, w.window_start_unix_ms) for w in codec_windows(letters)}
     assert unpriced == {(u.node_name, u.window_start_unix_ms) for u in summary.unpriced}
     assert len(unpriced) == len(letters)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Bad input: the same dead letters, from the same services, through the broker and in replay
+
+
+def _bad_recording(scenario_path: Path, path: Path) -> tuple[int, list[bytes]]:
+    """The scenario's input with bad messages among it, as a recording: bytes that are no Avro message, a header
+    cut short, a record of another type, a sample from two hours ahead, a pod with a name the API server would
+    refuse, and an early tick held back until after its window closed. Returns (frames, the bad payloads)."""
+    records = list(scenario_records(load_scenario(scenario_path)))
+    samples = [r for r in records if isinstance(r.message, NodeSample)]
+    held_back = samples[1]
+    records.remove(held_back)
+    first = samples[0].message
+    pod = next(r.message for r in records if not isinstance(r.message, NodeSample))
+    middle = records[len(records) // 2].received_at_unix_ms
+    bad: list[tuple[int, bytes]] = [
+        (middle, b"\x00garbage, not a single-object message"),
+        (middle, b"\xc3\x01\x00"),
+        (middle, codec_for(DeadLetter).encode(DeadLetter("X", "x", "X", "svc", "t", 0, 0, None, b"", 0))),
+        (middle, codec_for(NodeSample).encode(dataclasses.replace(
+            first, sampled_at_unix_ms=middle + 2 * 3_600_000, sequence=first.sequence + 10_000))),
+        (middle, codec_for(PodEvent).encode(dataclasses.replace(pod, uid="uid-forged",
+                                                                name="pod\nINFO all clear"))),
+    ]
+    frames = [(r.received_at_unix_ms, codec_for(type(r.message)).encode(r.message)) for r in records]
+    at = next(i for i, (t, _) in enumerate(frames) if t >= middle)
+    frames[at:at] = bad
+    late = (records[-1].received_at_unix_ms, codec_for(NodeSample).encode(held_back.message))
+    frames.append(late)
+    with path.open("wb") as handle:
+        handle.write(RECORDING_MAGIC)
+        for received_at, payload in frames:
+            handle.write(struct.pack(">qI", received_at, len(payload)))
+            handle.write(payload)
+    return len(frames), [payload for _, payload in bad] + [late[1]]
+
+
+def _letter_key(service: str, reason_code: str, topic: str, sha256: str) -> tuple[str, str, str, str]:
+    return (service, reason_code, topic, sha256)
+
+
+async def test_bad_input_is_dead_lettered_alike_by_the_stream_and_replay(kafka_settings, topic_catalog, tmp_path):
+    """A recording with bad messages among a scenario's: the stream's three services (the attributor worker,
+    billing, the guard, through the broker) dead-letter exactly the messages replay dead-letters, each by the same
+    service with the same reason -- and bill the rest alike."""
+    recording = tmp_path / "bad.gmrec"
+    frame_count, bad_payloads = _bad_recording(_shifted_scenario(tmp_path), recording)
+    summary = replay(recording, tmp_path / "replay", window_seconds=WINDOW_S, grace_seconds=GRACE_S,
+                     pod_linger_ms=600_000)
+    replayed = read_jsonl(tmp_path / "replay" / "dead_letters.jsonl")
+    expected = sorted(_letter_key(d["service"], d["reason_code"], d["source_topic"], d["payload_sha256"])
+                      for d in replayed)
+    # Replay's own account: every bad message refused, by both services reading the samples topic where both
+    # read it, the late tick by the attributor only, the unpriced node-windows by billing.
+    assert {d["reason_code"] for d in replayed} == {"CORRUPT", "TRUNCATED", "WRONG_RECORD_TYPE", "OUT_OF_RANGE",
+                                                    "INVALID_NAME", "LATE", "NO_PRICE"}
+    bad_shas = {hashlib.sha256(p).hexdigest() for p in bad_payloads}
+    assert {d["payload_sha256"] for d in replayed if d["reason_code"] != "NO_PRICE"} == bad_shas
+    assert summary.samples + summary.pod_events == frame_count - 3  # three frames do not decode at all
+
+    producer = RecordProducer(kafka_settings)
+    await producer.start()
+    try:
+        for frame in iter_frames(recording):
+            try:
+                message = decode_message(frame.payload)
+            except InvalidMessage:
+                # What does not decode has no node to route by: it goes where replay puts it, the samples topic.
+                await producer.send_bytes(topic_catalog.node_samples, frame.payload, partition=0)
+                continue
+            partition = partition_for_node(message.node_name, PARTITIONS)
+            if isinstance(message, NodeSample):
+                await producer.send_bytes(topic_catalog.node_samples, frame.payload,
+                                          key=message.node_name.encode(), partition=partition)
+            else:
+                await producer.send_bytes(topic_catalog.pod_events, frame.payload,
+                                          key=pod_event_key(message.node_name, message.uid), partition=partition)
+        await producer.flush()
+    finally:
+        await producer.stop()
+
+    worker = AttributorProcess(kafka_settings, tmp_path, "bad", "--window-seconds", str(WINDOW_S),
+                               "--grace-seconds", str(GRACE_S)).start()
+    outputs = Outputs(kafka_settings, topic_catalog, f"g{uuid.uuid4().hex[:8]}")
+    await outputs.consumer.start()
+    try:
+        await outputs.poll_until(lambda: len(outputs.shares) >= summary.share_rows, 90, "all shares", worker.log)
+        await outputs.drain(2.0)
+    finally:
+        await outputs.consumer.stop()
+        worker.stop()
+    assert len(outputs.shares) == summary.share_rows
+
+    billing_group, guard_group = f"b{uuid.uuid4().hex[:8]}", f"gd{uuid.uuid4().hex[:8]}"
+    stop = asyncio.Event()
+    billing = asyncio.create_task(serve_billing(BillingSettings(
+        kafka=kafka_settings, ledger_url=f"sqlite:///{tmp_path / 'ledger.sqlite3'}", consumer_group=billing_group,
+        metrics_port=0, topic_partitions=PARTITIONS), stop=stop))
+    guard = asyncio.create_task(serve_guard(GuardSettings(
+        kafka=kafka_settings, consumer_group=guard_group, metrics_port=0, topic_partitions=PARTITIONS,
+        state_path=tmp_path / "guard.state", snapshot_interval_seconds=0.2), stop=stop))
+    try:
+        await wait_until_committed_to_end(kafka_settings, billing_group, topic_catalog.node_window_shares, "billing")
+        for topic in (topic_catalog.node_samples, topic_catalog.pod_events, topic_catalog.node_window_shares,
+                      topic_catalog.node_window_costs):
+            await wait_until_committed_to_end(kafka_settings, guard_group, topic, "the guard")
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(billing, 60) == 0
+        assert await asyncio.wait_for(guard, 60) == 0
+    letters = await read_topic(kafka_settings, topic_catalog.dead_letters, DeadLetter)
+    prefix = kafka_settings.topic_prefix
+    streamed = sorted(_letter_key(d.service, d.reason_code, d.source_topic[len(prefix):], d.payload_sha256)
+                      for d in letters)
+    assert streamed == expected
+    costs = await read_topic(kafka_settings, topic_catalog.costs, CostRecord)
+    by_line = lambda r: sorted(r.items()).__repr__()  # noqa: E731
+    assert sorted((cost_record_json(c) for c in costs), key=by_line) == sorted(
+        read_jsonl(tmp_path / "replay" / "costs.jsonl"), key=by_line)
