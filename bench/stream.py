@@ -497,12 +497,12 @@ class Generator:
         await self.producer.flush()
         return count
 
-    async def backlog(self, first_ms: int, ticks: int, started_ms: int, nodes: int) -> int:
-        """``ticks`` ticks of the first ``nodes`` nodes at ``first_ms + k s``, as fast as possible."""
+    async def backlog(self, first_ms: int, ticks: int, started_ms: int, nodes: int, first_node: int = 0) -> int:
+        """``ticks`` ticks of ``nodes`` nodes from ``first_node`` on at ``first_ms + k s``, as fast as possible."""
         topic = self.catalog.node_samples
         for k in range(ticks):
             sampled = first_ms + k * 1000
-            for i in range(nodes):
+            for i in range(first_node, first_node + nodes):
                 await self.producer.send_bytes(topic, self.encoder.encode(i, k, started_ms, sampled, 1000),
                                                key=self.encoder.keys[i])
         await self.producer.flush()
@@ -575,6 +575,7 @@ class StreamConfig:
     nodes: int = 1250
     pods_per_gpu: int = 8
     ceiling_nodes: int = 250
+    scaling_workers: tuple[int, ...] = (2, 4)
     sustainable_fraction: float = 0.6
     drain_timeout_s: float = 120.0
     pods_timeout_s: float = 600.0
@@ -651,6 +652,12 @@ async def run_stream(config: StreamConfig, workdir: Path, log: Callable[[str], N
             figures["ceiling"] = await ceiling_phase(bench, attributor_command, workdir, backlog_start)
             if ceiling_nodes < config.nodes:
                 figures["pods"]["other_nodes"] = await pods_phase(bench, ceiling_nodes, config.nodes, "pods")
+            figures["scaling"] = {"1": {"attributor_workers": 1, **figures["ceiling"]}}
+            for k, workers in enumerate(config.scaling_workers, start=1):
+                if (k + 1) * ceiling_nodes > config.nodes:
+                    break
+                figures["scaling"][str(workers)] = await scaling_phase(
+                    bench, attributor_command, workdir, backlog_start, workers, k * ceiling_nodes, ceiling_nodes)
             ceiling = figures["ceiling"]["gpu_samples_per_s_end_to_end"]
             phases = []
             sustainable = int(ceiling * config.sustainable_fraction / fleet.gpus_per_node)
@@ -740,6 +747,72 @@ async def ceiling_phase(b: Bench, attributor_command: list[str], workdir: Path, 
     }
     b.log(f"stream: restart with {pods:,} pods took {figures['attributor_restart_to_ready_s']} s; ceiling "
           f"{figures['gpu_samples_per_s_end_to_end']:,.0f} GPU-samples/s end to end")
+    return figures
+
+
+def _worker_command(command: list[str], data_dir: Path) -> list[str]:
+    """``command`` with its own ``--data-dir`` (each Faust worker keeps its tables apart)."""
+    out = list(command)
+    out[out.index("--data-dir") + 1] = str(data_dir)
+    return out
+
+
+async def scaling_phase(b: Bench, attributor_command: list[str], workdir: Path, backlog_start: int, workers: int,
+                        first_node: int, nodes: int) -> dict[str, Any]:
+    """The ceiling again with ``workers`` attributor workers (one Faust app id: they split the partitions): a whole
+    window of ticks for ``nodes`` other nodes (their pods known), produced while no attributor runs, drained from
+    the moment the first worker is ready (the group's rebalances as the others join count against it). Billing
+    stays one process: what it costs is in the phase's CPU figures. Afterwards one worker runs again."""
+    label = f"scaling {workers}"
+    b.services[0].stop()
+    sent = await b.generator.backlog(backlog_start, WINDOW_SECONDS, started_ms=backlog_start - 3_600_000,
+                                     nodes=nodes, first_node=first_node)
+    b.log(f"stream: {label}: backlog of {sent:,} samples ({nodes} nodes); starting {workers} attributor workers")
+    attributors = [Service(f"attributor-{n}", _worker_command(attributor_command, workdir / f"attributor-w{workers}-{n}"),
+                           workdir / f"attributor-w{workers}-{n}.log").start() for n in range(workers)]
+    for n, worker in enumerate(attributors):
+        b.cpu.pids[f"attributor {n + 1} of {workers}"] = worker.pid
+    b.cpu.pids.pop("attributor", None)
+    b.cpu.mark(label)
+    ready = await asyncio.wait([asyncio.ensure_future(a.wait_for("Worker ready", 600)) for a in attributors],
+                               return_when=asyncio.FIRST_COMPLETED)
+    for task in ready[0]:
+        task.result()
+    first_ready_at = time.time()
+    for worker in attributors:
+        await worker.wait_for("Worker ready", 600)
+    all_ready_at = time.time()
+    keys = [(b.fleet.node(i).name, backlog_start) for i in range(first_node, first_node + nodes)]
+    rows = rows_per_node_window(b.fleet)
+
+    async def done() -> bool:
+        return b.tail.complete(keys, rows) == len(keys)
+
+    await wait_until(done, b.config.drain_timeout_s, f"billing the {label} backlog", every_s=0.25,
+                     services=[*attributors, b.services[1]])
+    b.cpu.mark(f"{label} done")
+    last_cost_ms = max(b.tail.stats[k][2] for k in keys)
+    elapsed = last_cost_ms / 1000 - first_ready_at
+    gpu_samples = sent * b.fleet.gpus_per_node
+    figures = {
+        "attributor_workers": workers,
+        "backlog_nodes": nodes,
+        "backlog_messages": sent,
+        "backlog_gpu_samples": gpu_samples,
+        "first_to_last_worker_ready_s": round(all_ready_at - first_ready_at, 2),
+        "ready_to_last_cost_record_s": round(elapsed, 2),
+        "gpu_samples_per_s_end_to_end": round(gpu_samples / elapsed, 1),
+        **b.cpu.between(label, f"{label} done"),
+    }
+    b.log(f"stream: {label}: {figures['gpu_samples_per_s_end_to_end']:,.0f} GPU-samples/s end to end")
+    for n, worker in enumerate(attributors):
+        worker.stop()
+        b.cpu.pids.pop(f"attributor {n + 1} of {workers}", None)
+    one = Service("attributor", _worker_command(attributor_command, workdir / f"attributor-after-w{workers}"),
+                  workdir / f"attributor-after-w{workers}.log").start()
+    b.services[0] = one
+    b.cpu.pids["attributor"] = one.pid
+    await one.wait_for("Worker ready", 600)
     return figures
 
 
@@ -868,6 +941,17 @@ def targets_for(figures: dict[str, Any]) -> list[Target]:
         targets.append(Target("stream throughput ceiling", f">= {TARGET_GPUS:,} GPU-samples/s (10,000 GPUs @ 1 Hz)",
                               f"{fmt_int(ceiling)} GPU-samples/s end to end (backlog drain)", met,
                               "" if met else "the attributor is the bottleneck; see docs/performance.md"))
+    scaling = figures.get("scaling", {})
+    if len(scaling) > 1:
+        one = scaling["1"]["gpu_samples_per_s_end_to_end"]
+        parts = [f"{w} worker{'s' if w != '1' else ''}: {fmt_int(s['gpu_samples_per_s_end_to_end'])} GPU-samples/s "
+                 f"({s['gpu_samples_per_s_end_to_end'] / one:.2f}x)" for w, s in scaling.items()]
+        # Met when every N-worker run takes at least 80 % of N times the one-worker load.
+        met = all(s["gpu_samples_per_s_end_to_end"] >= 0.8 * int(w) * one for w, s in scaling.items())
+        targets.append(Target("stream horizontal scaling (attributor workers)", "N workers take ~N x the load",
+                              "; ".join(parts), met,
+                              "" if met else "the machine's cores also run the broker, billing and the generator: "
+                              "an added worker has no core of its own; see docs/performance.md"))
     sustainable = live.get("sustainable")
     if sustainable is not None:
         text, p99, complete = _latency_text(sustainable)

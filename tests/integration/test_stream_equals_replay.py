@@ -5,8 +5,8 @@ messages among the scenario's: the attributor, billing and the guard dead-letter
 dead-letter (the same messages, by the same service, for the same reason). (That the guard publishes replay's
 violations record for record is ``test_guard_rules_broker``.)
 
-The scenario's clock is moved to just before now, so the worker's wall clock and the replay's scenario clock agree
-on which pods are still within their linger time; everything else is the scenario as shipped.
+Every shipped scenario, its clock moved to end just before now so that the worker's wall clock and the replay's
+scenario clock agree on what is past; everything else is the scenario as shipped.
 """
 
 from __future__ import annotations
@@ -15,11 +15,13 @@ import asyncio
 import dataclasses
 import datetime as dt
 import hashlib
+import re
 import struct
 import uuid
 from pathlib import Path
 
 import pytest
+import yaml
 
 from gpumeter.kafka.producer import RecordProducer
 from schemas.catalog import partition_for_node, pod_event_key
@@ -52,22 +54,36 @@ def codec_windows(letters: list[DeadLetter]) -> list[NodeWindowShares]:
     return [codec_for(NodeWindowShares).decode(d.raw_bytes) for d in letters]
 
 
-def _shifted_scenario(tmp_path: Path) -> Path:
-    text = (REPO / "scenarios" / "two_nodes.yaml").read_text()
-    start = (dt.datetime.now(dt.timezone.utc) - dt.timedelta(minutes=3)).replace(microsecond=0)
-    shifted = text.replace('start: "2026-07-01T00:00:00Z"', f'start: "{start.strftime("%Y-%m-%dT%H:%M:%SZ")}"')
-    assert shifted != text
-    path = tmp_path / "two_nodes_now.yaml"
+SCENARIOS = sorted(p.stem for p in (REPO / "scenarios").glob("*.yaml"))
+POD_LINGER_S = 3600  # longer than any shipped scenario: the worker's wall clock never retires a pod replay keeps
+
+
+def _shifted_scenario(tmp_path: Path, name: str = "two_nodes") -> Path:
+    """The shipped scenario moved to end just before now, so the worker's wall clock and the replay's scenario
+    clock agree on what is in the past (no tick from the future, every pod within its linger time)."""
+    text = (REPO / "scenarios" / f"{name}.yaml").read_text()
+    duration_s = yaml.safe_load(text)["duration_seconds"]
+    start = (dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=duration_s + 60)).replace(microsecond=0)
+    shifted, count = re.subn(r'^start: "[^"]+"', f'start: "{start.strftime("%Y-%m-%dT%H:%M:%SZ")}"', text,
+                             flags=re.MULTILINE)
+    assert count == 1
+    path = tmp_path / f"{name}_now.yaml"
     path.write_text(shifted)
     return path
 
 
-async def test_streaming_shares_and_costs_equal_replay_on_a_scenario(kafka_settings, topic_catalog, tmp_path):
-    scenario_path = _shifted_scenario(tmp_path)
+def _letters(letters, service: str) -> list[tuple[str, str]]:
+    return sorted((d.reason_code, d.payload_sha256) for d in letters if d.service == service)
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+async def test_streaming_shares_and_costs_equal_replay_on_a_scenario(name, kafka_settings, topic_catalog, tmp_path):
+    scenario_path = _shifted_scenario(tmp_path, name)
     summary = replay(scenario_path, tmp_path / "replay", window_seconds=WINDOW_S, grace_seconds=GRACE_S,
-                     pod_linger_ms=600_000)
+                     pod_linger_ms=POD_LINGER_S * 1000)
     expected = sorted(read_jsonl(tmp_path / "replay" / "shares.jsonl"), key=lambda r: sorted(r.items()).__repr__())
     assert expected and summary.share_rows == len(expected)
+    replay_letters = read_jsonl(tmp_path / "replay" / "dead_letters.jsonl")
 
     producer = RecordProducer(kafka_settings)
     await producer.start()
@@ -86,7 +102,7 @@ async def test_streaming_shares_and_costs_equal_replay_on_a_scenario(kafka_setti
         await producer.stop()
 
     worker = AttributorProcess(kafka_settings, tmp_path, "equal", "--window-seconds", str(WINDOW_S),
-                               "--grace-seconds", str(GRACE_S)).start()
+                               "--grace-seconds", str(GRACE_S), "--pod-linger-seconds", str(POD_LINGER_S)).start()
     outputs = Outputs(kafka_settings, topic_catalog, f"g{uuid.uuid4().hex[:8]}")
     await outputs.consumer.start()
     try:
@@ -96,7 +112,8 @@ async def test_streaming_shares_and_costs_equal_replay_on_a_scenario(kafka_setti
         await outputs.consumer.stop()
         worker.stop()
     streamed = sorted((share_json(s) for s in outputs.shares), key=lambda r: sorted(r.items()).__repr__())
-    assert outputs.dead_letters == []
+    assert _letters(outputs.dead_letters, "attributor") == sorted(
+        (d["reason_code"], d["payload_sha256"]) for d in replay_letters if d["service"] == "attributor")
     assert streamed == expected
 
     # Billing over the node-window records the attributor wrote: replay's costs and bills, line for line.
@@ -125,7 +142,10 @@ async def test_streaming_shares_and_costs_equal_replay_on_a_scenario(kafka_setti
     assert sorted((c for w in window_costs for c in w.cost_records()), key=repr) == sorted(costs, key=repr)
     # What billing could not price is what replay reports unpriced: each such node-window's message dead-lettered
     # NO_PRICE, nothing else dead-lettered.
-    letters = await read_topic(kafka_settings, topic_catalog.dead_letters, DeadLetter)
+    letters = [d for d in await read_topic(kafka_settings, topic_catalog.dead_letters, DeadLetter)
+               if d.service == "billing"]
+    assert _letters(letters, "billing") == sorted(
+        (d["reason_code"], d["payload_sha256"]) for d in replay_letters if d["service"] == "billing")
     assert {d.reason_code for d in letters} <= {"NO_PRICE"}
     unpriced = {(w.node_name, w.window_start_unix_ms) for w in codec_windows(letters)}
     assert unpriced == {(u.node_name, u.window_start_unix_ms) for u in summary.unpriced}
@@ -180,7 +200,7 @@ async def test_bad_input_is_dead_lettered_alike_by_the_stream_and_replay(kafka_s
     recording = tmp_path / "bad.gmrec"
     frame_count, bad_payloads = _bad_recording(_shifted_scenario(tmp_path), recording)
     summary = replay(recording, tmp_path / "replay", window_seconds=WINDOW_S, grace_seconds=GRACE_S,
-                     pod_linger_ms=600_000)
+                     pod_linger_ms=POD_LINGER_S * 1000)
     replayed = read_jsonl(tmp_path / "replay" / "dead_letters.jsonl")
     expected = sorted(_letter_key(d["service"], d["reason_code"], d["source_topic"], d["payload_sha256"])
                       for d in replayed)
@@ -214,7 +234,7 @@ async def test_bad_input_is_dead_lettered_alike_by_the_stream_and_replay(kafka_s
         await producer.stop()
 
     worker = AttributorProcess(kafka_settings, tmp_path, "bad", "--window-seconds", str(WINDOW_S),
-                               "--grace-seconds", str(GRACE_S)).start()
+                               "--grace-seconds", str(GRACE_S), "--pod-linger-seconds", str(POD_LINGER_S)).start()
     outputs = Outputs(kafka_settings, topic_catalog, f"g{uuid.uuid4().hex[:8]}")
     await outputs.consumer.start()
     try:
