@@ -25,8 +25,14 @@ from services.collector.assemble import (
     unmapped_process_count,
 )
 from services.collector.cgroup import CgroupReadError
+from services.collector.dra import DraResolver
 from services.collector.pods import with_assignments, with_devices_resolved
-from services.collector.podresources.client import ContainerDeviceAssignment, PodResourcesError
+from services.collector.podresources.client import (
+    ContainerClaimDevice,
+    ContainerDeviceAssignment,
+    PodAssignment,
+    PodResourcesError,
+)
 from services.collector.publisher import BufferedPublisher, OutboundRecord
 
 log = logging.getLogger(__name__)
@@ -35,14 +41,37 @@ log = logging.getLogger(__name__)
 def group_assignments(
     assignments: tuple[ContainerDeviceAssignment, ...],
 ) -> dict[tuple[str, str], dict[str, tuple[DeviceAssignment, ...]]]:
-    """(namespace, pod) → container → its DeviceAssignments, in the kubelet's order."""
+    """(namespace, pod) → container → its DeviceAssignments, in the kubelet's order (device-plugin devices;
+    DRA claim devices are left to ``DraResolver``)."""
     grouped: dict[tuple[str, str], dict[str, list[DeviceAssignment]]] = {}
     for item in assignments:
+        if not isinstance(item, ContainerDeviceAssignment):
+            continue
         containers = grouped.setdefault((item.namespace, item.pod_name), {})
         containers.setdefault(item.container_name, []).append(
             DeviceAssignment(item.resource_name, tuple(item.device_ids))
         )
     return {pod: {c: tuple(a) for c, a in containers.items()} for pod, containers in grouped.items()}
+
+
+def merge_assignments(
+    into: dict[tuple[str, str], dict[str, tuple[DeviceAssignment, ...]]],
+    more: Mapping[tuple[str, str], Mapping[str, tuple[DeviceAssignment, ...]]],
+) -> dict[tuple[str, str], dict[str, tuple[DeviceAssignment, ...]]]:
+    """``into`` with each container's ``more`` assignments appended (a container can hold both kinds)."""
+    for pod, containers in more.items():
+        target = into.setdefault(pod, {})
+        for container, assignments in containers.items():
+            target[container] = tuple(target.get(container, ())) + tuple(assignments)
+    return into
+
+
+async def _no_slices():
+    return ()
+
+
+async def _no_claim(namespace: str, name: str):
+    return None
 
 
 def _assignments_of(event: PodEvent) -> dict[str, tuple[DeviceAssignment, ...]]:
@@ -63,6 +92,7 @@ class CollectorService:
         kubelet=None,
         metrics=None,
         before_tick: Callable[[int], Awaitable[None]] | None = None,
+        dra: DraResolver | None = None,
     ) -> None:
         self.facts = facts
         self.interval_seconds = interval_seconds
@@ -74,6 +104,8 @@ class CollectorService:
         self.kubelet = kubelet
         self.metrics = metrics
         self.before_tick = before_tick
+        # Without an API server no claim device resolves: each is published with its CDI id (names no unit).
+        self.dra = dra if dra is not None else DraResolver(facts.node_name, _no_slices, _no_claim)
         self.started_at_unix_ms = clock.now_ms()
         self.sequence = 0
         self._last_sampled_at_ms: int | None = None
@@ -161,7 +193,7 @@ class CollectorService:
             self._kubelet_down(exc)
             return
         self.kubelet_available = True
-        self._assignments = group_assignments(assignments)
+        self._assignments = await self._grouped(assignments)
         by_index = self._uuid_by_index()
         for uid, event in list(self._pods.items()):
             current = self._assignments.get((event.namespace, event.name), {})
@@ -171,6 +203,17 @@ class CollectorService:
                 await self._publish_pod(
                     replace(updated, event_type=PodEventType.MODIFIED, observed_at_unix_ms=self.clock.now_ms())
                 )
+
+    async def _grouped(
+        self, assignments: tuple[PodAssignment, ...]
+    ) -> dict[tuple[str, str], dict[str, tuple[DeviceAssignment, ...]]]:
+        """Device-plugin assignments and DRA claim devices (resolved through the node's ResourceSlices), per pod
+        and container."""
+        grouped = group_assignments(assignments)
+        claims = [a for a in assignments if isinstance(a, ContainerClaimDevice)]
+        if claims:
+            merge_assignments(grouped, await self.dra.assignments(claims))
+        return grouped
 
     def _kubelet_down(self, exc: Exception) -> None:
         if self.kubelet_available is not False:
@@ -183,7 +226,7 @@ class CollectorService:
         """Called by the pod watch for every change of a pod on this node."""
         if event.event_type != PodEventType.DELETED and self.kubelet is not None:
             try:
-                assignments = group_assignments(await self.kubelet.get(event.namespace, event.name))
+                assignments = await self._grouped(await self.kubelet.get(event.namespace, event.name))
                 self.kubelet_available = True
                 self._assignments.update(assignments)
             except PodResourcesError as exc:
