@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence
 
 from schemas.devices import GPU_RESOURCE, MIG_RESOURCE_PREFIX, REPLICA_SEPARATOR, SHARED_RESOURCE_SUFFIX
-from schemas.records import DeviceAssignment
+from schemas.records import DeviceAssignment, SharingMode
 from services.collector.podresources.client import ContainerClaimDevice as ClaimDevice
 
 log = logging.getLogger(__name__)
@@ -270,6 +270,30 @@ def resolve_claim_devices(
             tuple(unresolved))
 
 
+def claimed_sharing(
+    items: Sequence[ClaimDevice],
+    devices: Mapping[tuple[str, str, str], SliceDevice],
+    claims: Mapping[tuple[str, str], Mapping[str, Any] | None],
+) -> dict[str, tuple[SharingMode, int]]:
+    """GPU uuid → (mode, replicas) for the whole GPUs that shared claims hold: MPS for an ``MPS`` strategy, else
+    TIME_SLICING, with one replica per pod of the claim. What the collector's samples report for those GPUs (NVML
+    cannot tell time-slicing from exclusive use; the claim's config says it, as the device plugin's does)."""
+    out: dict[str, tuple[SharingMode, int]] = {}
+    for item in items:
+        device = devices.get((item.driver_name, item.pool_name, item.device_name))
+        if item.driver_name != DRIVER_NAME or device is None or device.uuid is None:
+            continue
+        if not device.uuid.startswith("GPU-"):
+            continue  # a MIG device: NVML says MIG
+        claim = claims.get(item.claim_key)
+        request = claim_request_of(claim, item.driver_name, item.pool_name, item.device_name) if claim else None
+        sharing = claim_sharing(claim, request)
+        if sharing.shared:
+            mode = SharingMode.MPS if sharing.strategy == MPS else SharingMode.TIME_SLICING
+            out[device.uuid] = (mode, max(len(sharing.consumers), 1))
+    return out
+
+
 SliceLister = Callable[[], Awaitable[Sequence[Mapping[str, Any]]]]
 ClaimReader = Callable[[str, str], Awaitable[Mapping[str, Any] | None]]
 
@@ -290,6 +314,8 @@ class DraResolver:
         self._listed = False
         self._claims: dict[tuple[str, str], Mapping[str, Any] | None] = {}
         self._logged: set[tuple[str, ...]] = set()
+        self.sharing_by_uuid: dict[str, tuple[SharingMode, int]] = {}
+        """The shared claims' GPUs as last resolved (``claimed_sharing``)."""
         self.unresolved_total = 0
         self.foreign_total = 0
         self.slice_lists_total = 0
@@ -334,6 +360,7 @@ class DraResolver:
             await self._refresh_slices()
         claims = {key: await self._claim(key) for key in dict.fromkeys(i.claim_key for i in ours)}
         grouped, unresolved = resolve_claim_devices(ours, self._devices, claims)
+        self.sharing_by_uuid.update(claimed_sharing(ours, self._devices, claims))
         for item in unresolved:
             self.unresolved_total += 1
             device = self._devices.get((item.driver_name, item.pool_name, item.device_name))

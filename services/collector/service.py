@@ -193,6 +193,7 @@ class CollectorService:
             self._kubelet_down(exc)
             return
         self.kubelet_available = True
+        self.dra.sharing_by_uuid.clear()  # rebuilt from every pod's claims
         self._assignments = await self._grouped(assignments)
         by_index = self._uuid_by_index()
         for uid, event in list(self._pods.items()):
@@ -213,6 +214,9 @@ class CollectorService:
         claims = [a for a in assignments if isinstance(a, ContainerClaimDevice)]
         if claims:
             merge_assignments(grouped, await self.dra.assignments(claims))
+        if hasattr(self.backend, "claimed_sharing"):
+            # The next samples of a GPU a shared claim holds say TIME_SLICING/MPS, as its claim configures.
+            self.backend.claimed_sharing = dict(self.dra.sharing_by_uuid)
         return grouped
 
     def _kubelet_down(self, exc: Exception) -> None:

@@ -29,6 +29,7 @@ from services.collector.dra import (
     SliceDevice,
     claim_device_assignment,
     claim_sharing,
+    claimed_sharing,
     parse_mig_device_name,
     slice_devices,
 )
@@ -158,6 +159,16 @@ def test_a_claim_device_becomes_a_device_plugin_assignment():
         "nvidia.com/gpu", ("k8s.gpu.nvidia.com/claim=0b1c-gpu-0",))
 
 
+def test_shared_claims_configure_the_sharing_the_samples_report():
+    devices = slice_devices([_slice(devices=[_gpu("gpu-0", "GPU-aaaa"), _gpu("gpu-1", "GPU-bbbb"),
+                                             _mig("gpu-2-mig-1g5gb-19-0", "MIG-cccc", "GPU-d", "1g.5gb")])], "n1")
+    mps = _claim(consumers=("p", "q", "r"), strategy="MPS")
+    items = [_item(claim="mps"), _item(claim="one", device="gpu-1"), _item(claim="mig", device="gpu-2-mig-1g5gb-19-0")]
+    claims = {("ns", "mps"): mps, ("ns", "one"): _claim(), ("ns", "mig"): _claim(consumers=("p", "q"))}
+    # The MPS claim's GPU is MPS with a replica per pod; one pod's unconfigured claim and a MIG device say nothing.
+    assert claimed_sharing(items, devices, claims) == {"GPU-aaaa": (SharingMode.MPS, 3)}
+
+
 def test_the_attributors_modes_read_dra_assignments_as_exclusive_time_sliced_and_mig():
     exclusive = UnitAssignment("pod-a", ("nvidia.com/gpu",), ("GPU-aaaa",))
     decision = decide_mode(UnitKind.GPU, SharingMode.EXCLUSIVE, 1, [exclusive])
@@ -265,9 +276,14 @@ async def test_dra_pods_get_their_gpus_through_the_kubelet_peer_and_the_api_serv
         def offer(self, record):
             offered.append(record)
 
+    class _Backend:
+        uuid_by_index: dict = {}
+        claimed_sharing: dict = {}
+
+    backend = _Backend()
     service = CollectorService(
         facts=NodeFacts(scenario.cluster, node.name, "aws", "us-east-1", "p4d.24xlarge", "on_demand"),
-        interval_seconds=10.0, clock=ManualClock(now_ms), backend=None, identities=None, publisher=_Publisher(),
+        interval_seconds=10.0, clock=ManualClock(now_ms), backend=backend, identities=None, publisher=_Publisher(),
         catalog=TopicCatalog(), kubelet=client,
         dra=DraResolver(node.name, reader.list_slices, reader.read_claim),
     )
@@ -283,6 +299,8 @@ async def test_dra_pods_get_their_gpus_through_the_kubelet_peer_and_the_api_serv
         got = {name: [a for c in e.containers for a in c.assigned_devices] for name, e in events.items()}
         assert got == _expected(scenario)
         assert service.dra.unresolved_total == 0 and service.dra.slice_lists_total == 1
+        # The shared claim's TimeSlicing config is what the samples of its GPU will say (2 pods: 2 replicas).
+        assert backend.claimed_sharing == {node.gpus[1].uuid: (SharingMode.TIME_SLICING, 2)}
         paths = [r.path for r in sim.apiserver.requests]
         assert "/apis/resource.k8s.io/v1/resourceslices" in paths
         assert "/apis/resource.k8s.io/v1/namespaces/chat/resourceclaims/chat-shared-gpu" in paths
@@ -337,13 +355,15 @@ def test_the_dra_scenario_is_attributed_as_its_claims_say(tmp_path):
     assert {pods.get(r["pod_uid"]) for r in exclusive if r["subject_kind"] == "pod"} == {"trainer-0"}
     assert all(r["method"] == "exclusive" for r in exclusive)
     shared = by_unit[gpus[1].uuid]
-    assert {r["sharing_mode"] for r in shared} == {"TIME_SLICING"}
-    shared_pods = defaultdict(float)
-    for r in shared:
-        if r["subject_kind"] == "pod":
-            shared_pods[pods[r["pod_uid"]]] += r["compute_share"]
-    assert set(shared_pods) == {"chat-api-0", "chat-api-1"}
-    assert shared_pods["chat-api-0"] > shared_pods["chat-api-1"] > 0  # split by use (0.5 vs 0.2 then 0.7)
+    assert {r["sharing_mode"] for r in shared} == {"time_slicing"}
+    assert {pods[r["pod_uid"]] for r in shared if r["subject_kind"] == "pod"} == {"chat-api-0", "chat-api-1"}
+    # Split by use, as the simulator's truth has it (within the per-process SM bound of test_replay).
+    true_compute = {(r["window_start"], r["gpu_uuid"], r["pod_uid"]): r["true_compute_share"]
+                    for r in truth if r["pod_uid"] is not None}
+    split = [(r["compute_share"], true_compute[(r["window_start"], r["gpu_uuid"], r["pod_uid"])])
+             for r in shared if r["subject_kind"] == "pod"]
+    assert len({round(theirs, 3) for _, theirs in split}) > 1, "the two pods used the GPU differently"
+    assert all(abs(ours - theirs) <= 0.03 for ours, theirs in split), split
     mig = by_unit[gpus[2].sharing.mig_instances[1].uuid]
     assert {pods.get(r["pod_uid"]) for r in mig if r["subject_kind"] == "pod"} == {"embed-0"}
     # Memory matches the simulator's truth for every pod on every unit.
@@ -354,3 +374,64 @@ def test_the_dra_scenario_is_attributed_as_its_claims_say(tmp_path):
     assert true_memory and set(true_memory) == set(ours)
     for key, value in true_memory.items():
         assert abs(ours[key] - value) <= 1e-9, key
+
+
+def test_the_nvml_backend_reports_what_a_claim_configures_over_the_device_plugin_config():
+    from services.collector.nvml_backend import NvmlBackend
+    from simulator.fake_pynvml import FakeNvml
+    from simulator.world import SimWorld
+
+    scenario = load_scenario(SCENARIO)
+    node = scenario.nodes[0]
+    clock = ManualClock(scenario.start_unix_ms + 30_000)
+    world = SimWorld(scenario)
+    world.step(clock.now_ms())
+    backend = NvmlBackend(FakeNvml(world, clock, node.name), clock,
+                          sharing_by_gpu_uuid={node.gpus[0].uuid: (SharingMode.EXCLUSIVE, 1)})
+    modes = {d.uuid: (d.sharing_mode, d.replicas) for d in backend.read().devices}
+    assert modes[node.gpus[0].uuid] == (SharingMode.EXCLUSIVE, 1)
+    backend.claimed_sharing = {node.gpus[0].uuid: (SharingMode.TIME_SLICING, 3)}
+    modes = {d.uuid: (d.sharing_mode, d.replicas) for d in backend.read().devices}
+    assert modes[node.gpus[0].uuid] == (SharingMode.TIME_SLICING, 3)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What a scenario may say about claims
+
+
+def _dra_doc(**node):
+    import yaml
+
+    doc = yaml.safe_load(SCENARIO.read_text())
+    doc["nodes"][0].update(node)
+    return doc
+
+
+def _load_doc(doc):
+    import json
+
+    return load_scenario(json.dumps(doc))  # JSON is YAML
+
+
+def test_claims_are_only_for_dra_nodes_and_a_device_belongs_to_one_claim_at_a_time():
+    from simulator.scenario import ScenarioError
+
+    with pytest.raises(ScenarioError, match="device plugin: no claims"):
+        _load_doc(_dra_doc(allocation="device_plugin"))
+    doc = _dra_doc()
+    doc["pods"][2]["containers"][0]["devices"][0]["claim"] = "another-claim"  # chat-api-1 on chat-api-0's GPU
+    with pytest.raises(ScenarioError, match="at the same time"):
+        _load_doc(doc)
+    doc = _dra_doc()
+    doc["pods"][0]["containers"][0]["requests"] = {"nvidia.com/gpu": 1}
+    with pytest.raises(ScenarioError, match="requests"):
+        _load_doc(doc)
+    doc = _dra_doc()
+    doc["pods"][3]["containers"][0]["devices"].append({"resource": "nvidia.com/gpu", "gpu": 3, "claim": "embed-mig"})
+    with pytest.raises(ScenarioError, match="already holds another device"):
+        _load_doc(doc)
+    # Without a claim name, each device gets the pod's own claim.
+    doc = _dra_doc()
+    del doc["pods"][0]["containers"][0]["devices"][0]["claim"]
+    trainer = next(p for p in _load_doc(doc).pods if p.name == "trainer-0")
+    assert trainer.containers[0].devices[0].claim == "trainer-0-gpu0"
