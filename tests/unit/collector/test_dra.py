@@ -435,3 +435,16 @@ def test_claims_are_only_for_dra_nodes_and_a_device_belongs_to_one_claim_at_a_ti
     del doc["pods"][0]["containers"][0]["devices"][0]["claim"]
     trainer = next(p for p in _load_doc(doc).pods if p.name == "trainer-0")
     assert trainer.containers[0].devices[0].claim == "trainer-0-gpu0"
+
+
+def test_a_pod_is_republished_when_its_claim_is_shared_differently():
+    doc = _dra_doc()
+    doc["pods"][1]["end_seconds"] = 60  # chat-api-0 leaves the shared claim; chat-api-1 becomes its first pod
+    scenario = _load_doc(doc)
+    gpu = scenario.nodes[0].gpus[1].uuid
+    events = [r.message for r in scenario_records(scenario) if isinstance(r.message, PodEvent)]
+    chat1 = [(e.event_type, [d for c in e.containers for a in c.assigned_devices for d in a.device_ids])
+             for e in events if e.name == "chat-api-1"]
+    assert chat1 == [(PodEventType.ADDED, [f"{gpu}::1"]), (PodEventType.MODIFIED, [f"{gpu}::0"])]
+    deleted = [e for e in events if e.name == "chat-api-0" and e.event_type == PodEventType.DELETED]
+    assert [d for c in deleted[0].containers for a in c.assigned_devices for d in a.device_ids] == [f"{gpu}::0"]
