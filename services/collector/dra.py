@@ -27,8 +27,10 @@ How a claim device becomes the ``DeviceAssignment`` the attributor and the guard
   when the driver runs an MPS daemon for the claim), as with the device plugin. (A configured strategy makes the
   claim shared even while one pod uses it, so a pod's ids do not flip between exclusive and shared as the other
   pods of its claim come and go.)
-* A device that cannot be resolved (no slice names it, even after a fresh list; no ``uuid`` attribute, as for
-  devices the driver's DynamicMIG mode has not created yet) keeps its CDI id (or ``<driver>/<pool>/<device>``):
+* A MIG device a slice publishes without ``uuid`` (the driver's DynamicMIG mode announces MIG devices before it
+  creates them) is the MIG device NVML lists on its ``parentUUID`` with its ``profile``, when exactly one has it.
+* A device that cannot be resolved (no slice names it, even after a fresh list; no ``uuid`` and no unique NVML
+  match) keeps its CDI id (or ``<driver>/<pool>/<device>``):
   an id of kind OTHER, which names no unit, so the pod's use goes where unassigned use goes, and the guard treats
   the pod's assignment as unknown rather than missing. Devices of other drivers are not GPUs of ours: dropped.
 """
@@ -37,7 +39,7 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence
 
 from schemas.devices import GPU_RESOURCE, MIG_RESOURCE_PREFIX, REPLICA_SEPARATOR, SHARED_RESOURCE_SUFFIX
@@ -245,20 +247,45 @@ def claim_device_assignment(item: ClaimDevice, device: SliceDevice | None, shari
     return DeviceAssignment(resource_name_of(device, True), (f"{device.uuid}{REPLICA_SEPARATOR}{replica}",))
 
 
+@dataclass(frozen=True, slots=True)
+class NvmlMigDevice:
+    """A MIG device NVML lists on the node: its uuid, its GPU's and its profile (``1g.10gb``)."""
+
+    uuid: str
+    parent_uuid: str
+    profile: str | None
+
+
+def mig_uuid_by_profile(device: SliceDevice, nvml_migs: Iterable[NvmlMigDevice]) -> str | None:
+    """The uuid of a MIG device the slice publishes without one (the driver's DynamicMIG mode announces MIG
+    devices before it creates them): the one MIG device NVML lists on its parent GPU with its profile, when
+    exactly one has it (NVML's GPU instance placement is not read, so two such instances stay ambiguous)."""
+    if device.parent_uuid is None or device.profile is None:
+        return None
+    candidates = [m.uuid for m in nvml_migs if m.parent_uuid == device.parent_uuid and m.profile == device.profile]
+    return candidates[0] if len(candidates) == 1 else None
+
+
 def resolve_claim_devices(
     items: Sequence[ClaimDevice],
     devices: Mapping[tuple[str, str, str], SliceDevice],
     claims: Mapping[tuple[str, str], Mapping[str, Any] | None],
+    nvml_migs: Sequence[NvmlMigDevice] = (),
 ) -> tuple[dict[tuple[str, str], dict[str, tuple[DeviceAssignment, ...]]], tuple[ClaimDevice, ...]]:
     """(namespace, pod) → container → the DeviceAssignments of its claim devices of ``DRIVER_NAME`` (others are
     skipped), in the kubelet's order; and the items that did not resolve to a uuid. ``devices`` is
-    ``slice_devices`` of the node's slices, ``claims`` the ResourceClaims by (namespace, name) (None: unknown)."""
+    ``slice_devices`` of the node's slices, ``claims`` the ResourceClaims by (namespace, name) (None: unknown),
+    ``nvml_migs`` the MIG devices NVML lists (for MIG devices a slice gives no uuid: ``mig_uuid_by_profile``)."""
     grouped: dict[tuple[str, str], dict[str, list[DeviceAssignment]]] = {}
     unresolved: list[ClaimDevice] = []
     for item in items:
         if item.driver_name != DRIVER_NAME:
             continue
         device = devices.get((item.driver_name, item.pool_name, item.device_name))
+        if device is not None and device.uuid is None and device.device_type == DEVICE_TYPE_MIG:
+            uuid = mig_uuid_by_profile(device, nvml_migs)
+            if uuid is not None:
+                device = replace(device, uuid=uuid)
         claim = claims.get(item.claim_key)
         request = claim_request_of(claim, item.driver_name, item.pool_name, item.device_name) if claim else None
         if device is None or device.uuid is None:
@@ -343,9 +370,10 @@ class DraResolver:
             log.warning(message, *args)
 
     async def assignments(
-        self, items: Sequence[ClaimDevice]
+        self, items: Sequence[ClaimDevice], nvml_migs: Sequence[NvmlMigDevice] = ()
     ) -> dict[tuple[str, str], dict[str, tuple[DeviceAssignment, ...]]]:
-        """(namespace, pod) → container → the DeviceAssignments of its claim devices, in the kubelet's order."""
+        """(namespace, pod) → container → the DeviceAssignments of its claim devices, in the kubelet's order;
+        ``nvml_migs``: the MIG devices NVML last listed (see ``resolve_claim_devices``)."""
         ours = []
         for item in items:
             if item.driver_name == DRIVER_NAME:
@@ -359,7 +387,7 @@ class DraResolver:
         if not self._listed or any((i.driver_name, i.pool_name, i.device_name) not in self._devices for i in ours):
             await self._refresh_slices()
         claims = {key: await self._claim(key) for key in dict.fromkeys(i.claim_key for i in ours)}
-        grouped, unresolved = resolve_claim_devices(ours, self._devices, claims)
+        grouped, unresolved = resolve_claim_devices(ours, self._devices, claims, nvml_migs)
         self.sharing_by_uuid.update(claimed_sharing(ours, self._devices, claims))
         for item in unresolved:
             self.unresolved_total += 1

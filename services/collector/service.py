@@ -25,7 +25,7 @@ from services.collector.assemble import (
     unmapped_process_count,
 )
 from services.collector.cgroup import CgroupReadError
-from services.collector.dra import DraResolver
+from services.collector.dra import DraResolver, NvmlMigDevice
 from services.collector.pods import with_assignments, with_devices_resolved
 from services.collector.podresources.client import (
     ContainerClaimDevice,
@@ -112,6 +112,7 @@ class CollectorService:
         self._pods: dict[str, PodEvent] = {}
         self._assignments: dict[tuple[str, str], dict[str, tuple[DeviceAssignment, ...]]] = {}
         self.kubelet_available: bool | None = None
+        self._nvml_migs: tuple[NvmlMigDevice, ...] = ()
         self.cgroup_read_errors = 0
 
     # -- ticks ---------------------------------------------------------------------------------------------
@@ -130,6 +131,9 @@ class CollectorService:
         if self.before_tick is not None:
             await self.before_tick(now_ms)
         raw_devices, node_errors = self.backend.read()
+        # For DRA MIG devices published without a uuid (DynamicMIG): what NVML lists now.
+        self._nvml_migs = tuple(NvmlMigDevice(d.uuid, d.parent_uuid, getattr(d, "mig_profile", None))
+                                for d in raw_devices if getattr(d, "parent_uuid", None))
         interval_ms = (
             int(round(self.interval_seconds * 1000)) if self._last_sampled_at_ms is None
             else max(1, now_ms - self._last_sampled_at_ms)
@@ -213,7 +217,7 @@ class CollectorService:
         grouped = group_assignments(assignments)
         claims = [a for a in assignments if isinstance(a, ContainerClaimDevice)]
         if claims:
-            merge_assignments(grouped, await self.dra.assignments(claims))
+            merge_assignments(grouped, await self.dra.assignments(claims, self._nvml_migs))
         if hasattr(self.backend, "claimed_sharing"):
             # The next samples of a GPU a shared claim holds say TIME_SLICING/MPS, as its claim configures.
             self.backend.claimed_sharing = dict(self.dra.sharing_by_uuid)

@@ -30,7 +30,9 @@ from services.collector.dra import (
     claim_device_assignment,
     claim_sharing,
     claimed_sharing,
+    NvmlMigDevice,
     parse_mig_device_name,
+    resolve_claim_devices,
     slice_devices,
 )
 from services.collector.pods import pod_event_from_object
@@ -157,6 +159,26 @@ def test_a_claim_device_becomes_a_device_plugin_assignment():
     # Unresolved: the CDI id, which names no unit.
     assert claim_device_assignment(_item(), None, one) == DeviceAssignment(
         "nvidia.com/gpu", ("k8s.gpu.nvidia.com/claim=0b1c-gpu-0",))
+
+
+def test_a_mig_device_published_without_uuid_is_the_one_nvml_lists_with_its_parent_and_profile():
+    # DynamicMIG: the driver announces the MIG devices it could create, with no uuid; NVML lists the one it made.
+    name = "gpu-1-mig-1g5gb-19-0"
+    published = {"name": name, "attributes": {"type": {"string": "mig"}, "parentUUID": {"string": "GPU-p"},
+                                              "profile": {"string": "1g.5gb"}}}
+    devices = slice_devices([_slice(devices=[published])], "n1")
+    claims = {("ns", "c"): _claim()}
+    migs = [NvmlMigDevice("MIG-one", "GPU-p", "1g.5gb"), NvmlMigDevice("MIG-big", "GPU-p", "3g.20gb"),
+            NvmlMigDevice("MIG-else", "GPU-q", "1g.5gb")]
+    grouped, unresolved = resolve_claim_devices([_item(device=name)], devices, claims, migs)
+    assert grouped == {("ns", "p"): {"main": (DeviceAssignment("nvidia.com/mig-1g.5gb", ("MIG-one",)),)}}
+    assert unresolved == ()
+    # Two 1g.5gb instances on the parent: ambiguous (NVML placement is not read), so unresolved.
+    grouped, unresolved = resolve_claim_devices([_item(device=name)], devices, claims,
+                                                migs + [NvmlMigDevice("MIG-two", "GPU-p", "1g.5gb")])
+    assert unresolved and grouped[("ns", "p")]["main"][0].device_ids == (f"k8s.gpu.nvidia.com/claim=0b1c-{name}",)
+    grouped, unresolved = resolve_claim_devices([_item(device=name)], devices, claims)  # NVML not read yet
+    assert unresolved
 
 
 def test_shared_claims_configure_the_sharing_the_samples_report():
