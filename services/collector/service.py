@@ -217,7 +217,11 @@ class CollectorService:
         grouped = group_assignments(assignments)
         claims = [a for a in assignments if isinstance(a, ContainerClaimDevice)]
         if claims:
+            unresolved_before = self.dra.unresolved_total
             merge_assignments(grouped, await self.dra.assignments(claims, self._nvml_migs))
+            if self.metrics and self.dra.unresolved_total > unresolved_before:
+                self.metrics.get("gpumeter_collector_dra_devices_unresolved_total").inc(
+                    self.dra.unresolved_total - unresolved_before)
         if hasattr(self.backend, "claimed_sharing"):
             # The next samples of a GPU a shared claim holds say TIME_SLICING/MPS, as its claim configures.
             self.backend.claimed_sharing = dict(self.dra.sharing_by_uuid)

@@ -470,3 +470,32 @@ def test_a_pod_is_republished_when_its_claim_is_shared_differently():
     assert chat1 == [(PodEventType.ADDED, [f"{gpu}::1"]), (PodEventType.MODIFIED, [f"{gpu}::0"])]
     deleted = [e for e in events if e.name == "chat-api-0" and e.event_type == PodEventType.DELETED]
     assert [d for c in deleted[0].containers for a in c.assigned_devices for d in a.device_ids] == [f"{gpu}::0"]
+
+
+async def test_unresolved_claim_devices_are_counted_in_the_collectors_metrics():
+    from gpumeter.metrics import ServiceMetrics
+
+    class _Kubelet:
+        async def list(self):
+            return (_item(device="gpu-9"), _item(pod="q", device="gpu-0"))
+
+    async def list_slices():
+        return [_slice(devices=[_gpu("gpu-0", "GPU-aaaa")])]
+
+    async def read_claim(namespace, name):
+        return None  # the claim is gone: nothing is shared
+
+    metrics = ServiceMetrics("collector")
+
+    class _Publisher:
+        def offer(self, record):
+            pass
+
+    service = CollectorService(
+        facts=NodeFacts("c", "n1", "aws", "r", "t", "on_demand"), interval_seconds=1.0, clock=ManualClock(0),
+        backend=None, identities=None, publisher=_Publisher(), catalog=TopicCatalog(), kubelet=_Kubelet(),
+        metrics=metrics, dra=DraResolver("n1", list_slices, read_claim))
+    await service.refresh_assignments()
+    await service.refresh_assignments()
+    assert metrics.get("gpumeter_collector_dra_devices_unresolved_total")._value.get() == 2
+    assert service._assignments[("ns", "q")]["main"] == (DeviceAssignment("nvidia.com/gpu", ("GPU-aaaa",)),)
