@@ -189,6 +189,8 @@ class FakeApiServer:
         self._compacted_resource_version = initial_resource_version
         self._pods: dict[str, dict[str, Any]] = {}
         self._nodes: dict[str, dict[str, Any]] = {}
+        self._resource_slices: dict[str, dict[str, Any]] = {}
+        self._resource_claims: dict[tuple[str, str], dict[str, Any]] = {}
         self._history: list[_Change] = []
         self._snapshots: dict[int, list[dict[str, Any]]] = {}
         self._watches: set[_Watch] = set()
@@ -208,6 +210,9 @@ class FakeApiServer:
         app.router.add_get("/api/v1/pods", self._handle_pods)
         app.router.add_get("/api/v1/namespaces/{namespace}/pods", self._handle_pods)
         app.router.add_get("/api/v1/nodes/{name}", self._handle_node)
+        app.router.add_get("/apis/resource.k8s.io/v1/resourceslices", self._handle_resource_slices)
+        app.router.add_get("/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{name}",
+                           self._handle_resource_claim)
         app.router.add_route("*", "/{tail:.*}", self._handle_not_found)
         self._runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=0.5)
         await self._runner.setup()
@@ -404,6 +409,50 @@ class FakeApiServer:
         node.setdefault("metadata", {})["resourceVersion"] = str(self._resource_version)
         self._nodes[node["metadata"]["name"]] = node
         return node
+
+    # --- DRA (resource.k8s.io/v1): ResourceSlices (list, fieldSelector spec.nodeName / spec.driver) and
+    # ResourceClaims (get). No watch: the collector lists slices and reads claims when it needs them.
+
+    def put_resource_slice(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        """Serve ``obj`` (a ResourceSlice) in ``GET /apis/resource.k8s.io/v1/resourceslices``, replacing one of the
+        same name."""
+        item = json.loads(json.dumps(obj))
+        self._resource_version += 1
+        item.setdefault("metadata", {})["resourceVersion"] = str(self._resource_version)
+        self._resource_slices[item["metadata"]["name"]] = item
+        return item
+
+    def put_resource_claim(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        """Serve ``obj`` (a ResourceClaim) at ``GET /apis/resource.k8s.io/v1/namespaces/<ns>/resourceclaims/<name>``,
+        replacing one of the same namespace and name."""
+        item = json.loads(json.dumps(obj))
+        self._resource_version += 1
+        metadata = item.setdefault("metadata", {})
+        metadata["resourceVersion"] = str(self._resource_version)
+        self._resource_claims[(metadata["namespace"], metadata["name"])] = item
+        return item
+
+    def delete_resource_claim(self, namespace: str, name: str) -> None:
+        self._resource_claims.pop((namespace, name), None)
+
+    async def _handle_resource_slices(self, request: web.Request) -> web.StreamResponse:
+        terms = {}
+        for part in filter(None, (p.strip() for p in request.query.get("fieldSelector", "").split(","))):
+            field, _, value = part.replace("==", "=").partition("=")
+            if field.strip() not in ("spec.nodeName", "spec.driver"):
+                return _status_response(400, "BadRequest", f"field label not supported: {field.strip()}")
+            terms[field.strip().split(".", 1)[1]] = value.strip()
+        items = [item for _, item in sorted(self._resource_slices.items())
+                 if all((item.get("spec") or {}).get(k) == v for k, v in terms.items())]
+        return web.json_response({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSliceList",
+                                  "metadata": {"resourceVersion": str(self._resource_version)}, "items": items})
+
+    async def _handle_resource_claim(self, request: web.Request) -> web.StreamResponse:
+        namespace, name = request.match_info["namespace"], request.match_info["name"]
+        claim = self._resource_claims.get((namespace, name))
+        if claim is None:
+            return _status_response(404, "NotFound", f'resourceclaims.resource.k8s.io "{name}" not found')
+        return web.json_response(claim)
 
     async def _handle_pods(self, request: web.Request) -> web.StreamResponse:
         namespace = request.match_info.get("namespace")

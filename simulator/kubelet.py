@@ -49,9 +49,20 @@ def _is_socket(path: str) -> bool:
 
 
 def build_pod_resources(assignments: Iterable[Assignment]) -> list[api_pb2.PodResources]:
-    """Group flat assignments into PodResources messages, keeping first-seen order of pods and containers."""
+    """Group flat assignments into PodResources messages, keeping first-seen order of pods and containers.
+
+    An item may also be a DRA claim device (``simulator.dra.DynamicAssignment``: namespace, pod_name,
+    container_name, claim_namespace, claim_name, driver_name, pool_name, device_name, cdi_ids): it is listed under
+    the container's ``dynamic_resources``, one entry per claim, as the kubelet's DRA manager reports it."""
     pods: dict[tuple[str, str], dict[str, dict[str, list[str]]]] = {}
-    for namespace, pod_name, container_name, resource_name, device_ids in assignments:
+    claims: dict[tuple[str, str, str], dict[tuple[str, str], list]] = {}
+    for item in assignments:
+        if hasattr(item, "claim_name"):
+            pods.setdefault((str(item.namespace), str(item.pod_name)), {}).setdefault(str(item.container_name), {})
+            per_claim = claims.setdefault((str(item.namespace), str(item.pod_name), str(item.container_name)), {})
+            per_claim.setdefault((str(item.claim_namespace), str(item.claim_name)), []).append(item)
+            continue
+        namespace, pod_name, container_name, resource_name, device_ids = item
         containers = pods.setdefault((str(namespace), str(pod_name)), {})
         resources = containers.setdefault(str(container_name), {})
         ids = [str(d) for d in device_ids]
@@ -64,6 +75,13 @@ def build_pod_resources(assignments: Iterable[Assignment]) -> list[api_pb2.PodRe
             container = pod.containers.add(name=container_name)
             for resource_name, ids in resources.items():
                 container.devices.add(resource_name=resource_name, device_ids=ids)
+            for (claim_namespace, claim_name), devices in claims.get((namespace, pod_name, container_name), {}).items():
+                dynamic = container.dynamic_resources.add(claim_name=claim_name, claim_namespace=claim_namespace)
+                for d in devices:
+                    resource = dynamic.claim_resources.add(
+                        driver_name=d.driver_name, pool_name=d.pool_name, device_name=d.device_name)
+                    for cdi in d.cdi_ids:
+                        resource.cdi_devices.add(name=cdi)
         out.append(pod)
     return out
 
@@ -196,7 +214,10 @@ class FakeKubelet:
         if self._allocatable_provider is not None:
             return [(str(name), tuple(ids)) for name, ids in self._allocatable_provider()]
         merged: dict[str, list[str]] = {}
-        for _namespace, _pod, _container, resource_name, device_ids in self._assignments():
+        for item in self._assignments():
+            if hasattr(item, "claim_name"):
+                continue  # DRA devices are not the device manager's to allocate
+            _namespace, _pod, _container, resource_name, device_ids = item
             known = merged.setdefault(resource_name, [])
             known.extend(d for d in device_ids if d not in known)
         return [(name, tuple(ids)) for name, ids in merged.items()]

@@ -285,17 +285,21 @@ class NodeSpec:
     provider_id: str = ""
     labels: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     device_id_strategy: str = "uuid"  # the device plugin's deviceIDStrategy: uuid | index
+    allocation: str = "device_plugin"  # how pods get GPUs: device_plugin | dra (ResourceClaims)
 
 
 @dataclass(frozen=True, slots=True)
 class DeviceAssignmentSpec:
-    """One device the kubelet gave a container: ``device_id`` is the id the device plugin uses."""
+    """One device the kubelet gave a container: ``device_id`` is the id the device plugin uses (on a DRA node the
+    scenario's own name for the unit and replica, which only the simulator sees). ``claim`` names the
+    ResourceClaim (in the pod's namespace) that holds the device on a DRA node, None on a device-plugin node."""
 
     resource: str
     gpu: int
     replica: int | None
     instance: int | None
     device_id: str
+    claim: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -826,6 +830,10 @@ def _read_node_faults(raw: Any, path: str, gpus: tuple[GpuSpec, ...], duration: 
     return tuple(faults)
 
 
+ALLOCATIONS = ("device_plugin", "dra")
+"""How a node's pods get GPUs: the NVIDIA device plugin (extended resources, PodResources ``devices``) or NVIDIA's
+DRA driver (ResourceClaims, PodResources ``dynamic_resources``, ResourceSlices on the API server)."""
+
 DEVICE_ID_STRATEGIES = ("uuid", "index")
 """How the node's device plugin names devices (``deviceIDStrategy``): ``GPU-<uuid>``, ``GPU-<uuid>::<n>`` and
 ``MIG-<uuid>``, or NVML indexes ``<i>``, ``<i>::<n>`` and ``<i>:<j>`` (MIG device ``j`` of GPU ``i``)."""
@@ -870,6 +878,7 @@ def _read_nodes(raw: Any, seed: int, duration: float) -> tuple[NodeSpec, ...]:
             labels=_str_map(m.get("labels", {}), m.sub("labels")),
             device_id_strategy=_choice(m.get("device_id_strategy", "uuid"), m.sub("device_id_strategy"),
                                        DEVICE_ID_STRATEGIES),
+            allocation=_choice(m.get("allocation", "device_plugin"), m.sub("allocation"), ALLOCATIONS),
         )
         m.done()
         nodes.append(node)
@@ -886,7 +895,20 @@ def _read_assignment(raw: Any, path: str, node: NodeSpec) -> DeviceAssignmentSpe
     gpu_index = _int(m.get("gpu"), m.sub("gpu"), minimum=0, maximum=len(node.gpus) - 1)
     replica_raw = m.get("replica", None)
     instance_raw = m.get("instance", None)
+    claim_raw = m.get("claim", None)
     m.done()
+    if claim_raw is not None:
+        if node.allocation != "dra":
+            raise ScenarioError(m.sub("claim"), f"node {node.name} gives GPUs through the device plugin: no claims")
+        _str(claim_raw, m.sub("claim"), pattern=_DNS_SUBDOMAIN, what="a ResourceClaim name")
+    spec = _read_plugin_assignment(m, resource, gpu_index, replica_raw, instance_raw, node)
+    if node.allocation == "dra":
+        spec = replace(spec, claim=claim_raw)
+    return spec
+
+
+def _read_plugin_assignment(m: "_Map", resource: str, gpu_index: int, replica_raw: Any, instance_raw: Any,
+                            node: NodeSpec) -> DeviceAssignmentSpec:
     gpu = node.gpus[gpu_index]
     mode = gpu.sharing.mode
     if mode == SHARING_MIG:
@@ -1138,9 +1160,13 @@ def _read_pods(raw: Any, nodes: tuple[NodeSpec, ...], seed: int, duration: float
             )
             if len({a.device_id for a in assignments}) != len(assignments):
                 raise ScenarioError(cm.sub("devices"), "the same device is assigned twice")
+            if node.allocation == "dra":
+                # A pod on a DRA node requests its GPUs through ResourceClaims, not extended resources.
+                assignments = tuple(replace(a, claim=a.claim or _default_claim_name(name, a)) for a in assignments)
             counted: dict[str, int] = {}
             for a in assignments:
-                counted[a.resource] = counted.get(a.resource, 0) + 1
+                if a.claim is None:
+                    counted[a.resource] = counted.get(a.resource, 0) + 1
             requests_raw = cm.get("requests", None)
             if requests_raw is None:
                 requests = dict(counted)
@@ -1236,7 +1262,44 @@ def _read_pods(raw: Any, nodes: tuple[NodeSpec, ...], seed: int, duration: float
             )
         )
     _check_no_double_assignment(pods)
+    _check_claims(pods, by_name)
     return tuple(pods)
+
+
+def _default_claim_name(pod_name: str, device: DeviceAssignmentSpec) -> str:
+    suffix = f"-gpu{device.gpu}" + (f"-mig{device.instance}" if device.instance is not None else "")
+    return f"{pod_name[:253 - len(suffix)]}{suffix}"
+
+
+def _check_claims(pods: list[PodSpec], nodes: Mapping[str, NodeSpec]) -> None:
+    """On DRA nodes: a ResourceClaim holds one device (a GPU or a MIG instance), and a device belongs to one claim
+    at a time (the pods sharing it share the claim)."""
+    units: dict[tuple[str, str, str], tuple[int, int | None, str]] = {}
+    lifetimes: dict[tuple[str, str, str], tuple[float, float]] = {}
+    for i, pod in enumerate(pods):
+        end = pod.end_seconds if pod.end_seconds is not None else float("inf")
+        for c, container in enumerate(pod.containers):
+            for d, device in enumerate(container.devices):
+                if device.claim is None:
+                    continue
+                path = f"pods[{i}].containers[{c}].devices[{d}].claim"
+                key = (pod.node, pod.namespace, device.claim)
+                unit = (device.gpu, device.instance)
+                known = units.get(key)
+                if known is not None and known[:2] != unit:
+                    raise ScenarioError(path, f"claim {device.claim} already holds another device (in {known[2]})")
+                units.setdefault(key, (*unit, pod.key))
+                start0, end0 = lifetimes.get(key, (pod.start_seconds, end))
+                lifetimes[key] = (min(start0, pod.start_seconds), max(end0, end))
+    by_unit: dict[tuple[str, int, int | None], list[tuple[float, float, str]]] = {}
+    for key, (gpu, instance, _) in units.items():
+        start, end = lifetimes[key]
+        for start2, end2, other in by_unit.get((key[0], gpu, instance), []):
+            if start < end2 and start2 < end:
+                raise ScenarioError(f"claims {other} and {key[1]}/{key[2]}",
+                                    f"both hold GPU {gpu}{'' if instance is None else f' instance {instance}'} "
+                                    f"of node {key[0]} at the same time (pods share a device by sharing a claim)")
+        by_unit.setdefault((key[0], gpu, instance), []).append((start, end, f"{key[1]}/{key[2]}"))
 
 
 def _mps_thread_env(env: Mapping[str, str], processes: list[ProcessSpec], path: str

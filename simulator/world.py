@@ -149,6 +149,16 @@ class SimProcess:
 
 
 @dataclass(frozen=True, slots=True)
+class SimClaimDevice:
+    """A device a container holds through a ResourceClaim (DRA node): the claim, in the pod's namespace, and the
+    unit (``instance`` None: the whole GPU)."""
+
+    claim: str
+    gpu: int
+    instance: int | None
+
+
+@dataclass(frozen=True, slots=True)
 class SimContainer:
     name: str
     container_id: str
@@ -157,6 +167,7 @@ class SimContainer:
     assigned_devices: tuple[DeviceAssignment, ...]
     env: Mapping[str, str]
     privileged: bool
+    claim_devices: tuple["SimClaimDevice", ...] = ()
 
     @property
     def visible_devices_env(self) -> str | None:
@@ -503,7 +514,8 @@ class _Structure:
             for c in pod.containers:
                 ids: dict[str, list[str]] = {}
                 for a in c.devices:
-                    ids.setdefault(a.resource, []).append(a.device_id)
+                    if a.claim is None:  # devices held through claims are no device-plugin ids
+                        ids.setdefault(a.resource, []).append(a.device_id)
                 containers.append(
                     SimContainer(
                         name=c.name,
@@ -513,6 +525,8 @@ class _Structure:
                         assigned_devices=tuple(DeviceAssignment(k, tuple(v)) for k, v in ids.items()),
                         env=c.env,
                         privileged=c.privileged,
+                        claim_devices=tuple(SimClaimDevice(a.claim, a.gpu, a.instance)
+                                            for a in c.devices if a.claim is not None),
                     )
                 )
             views.append((start, end, SimPod(

@@ -105,6 +105,7 @@ async def run(settings: CollectorSettings, scenario=None) -> int:
                                   max_request_size_bytes=settings.kafka.max_request_size_bytes, clock=clock)
     kubelet = PodResourcesClient(kubelet_socket, settings.kubelet_timeout_seconds)
     service = CollectorService(
+        dra=_dra_resolver(api_client, settings.node_name),
         facts=facts, interval_seconds=interval_seconds, clock=clock, backend=backend,
         identities=ProcessIdentityCache(proc_root), publisher=publisher, catalog=settings.kafka.catalog,
         kubelet=kubelet, metrics=metrics,
@@ -195,6 +196,17 @@ async def _node_facts_retry(service: CollectorService, api_client, overrides: No
         _log_facts(resolved, True)
         service.facts = resolved.facts
         return
+
+
+def _dra_resolver(api_client, node_name: str):
+    """DRA claim devices resolved through this node's ResourceSlices and the pods' claims (None: no API server)."""
+    if api_client is None:
+        return None
+    from services.collector.dra import DraResolver
+    from services.collector.podwatch import DraApiReader
+
+    reader = DraApiReader(api_client, node_name)
+    return DraResolver(node_name, reader.list_slices, reader.read_claim)
 
 
 async def _api_client(kube_api: str):

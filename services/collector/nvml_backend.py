@@ -37,6 +37,7 @@ Contracts:
   call is not made (its samples are the server's, not the clients'): ``process_utilization_supported`` is False
   and every process -1, as on any failure.
 * Sharing mode: MIG when ``nvmlDeviceGetMigMode`` says enabled; MPS when NVML lists MPS clients; otherwise what
+  ``claimed_sharing`` (the DRA claims' sharing, set by the collector) or else
   ``sharing_by_gpu_uuid`` (the device plugin's configuration: NVML cannot tell time-slicing from exclusive use)
   says, else ``default_sharing``. A GPU configured as MIG whose MIG mode is off is UNKNOWN.
 * MIG: the parent GPU is reported with sharing MIG, the aggregate memory, ``mig_total_compute_slices`` (the
@@ -190,6 +191,9 @@ class NvmlBackend:
         self._nvml = nvml
         self._clock = clock
         self._sharing = MappingProxyType(dict(sharing_by_gpu_uuid or {}))
+        # What the pods' DRA claims configure (set by the collector from ResourceClaims): wins over the
+        # device-plugin configuration, which does not apply to a GPU the DRA driver allocates.
+        self.claimed_sharing: Mapping[str, tuple[SharingMode, int]] = MappingProxyType({})
         self._default_sharing = default_sharing
         self._metrics = metrics
         self._initialized = False
@@ -291,7 +295,8 @@ class NvmlBackend:
     # ---- one GPU --------------------------------------------------------------------------------------------
 
     def _configured(self, uuid: str) -> tuple[SharingMode, int]:
-        return self._sharing.get(uuid, self._default_sharing)
+        claimed = self.claimed_sharing.get(uuid)
+        return claimed if claimed is not None else self._sharing.get(uuid, self._default_sharing)
 
     def _read_gpu(self, index: int) -> list[RawDeviceSample]:
         nvml = self._nvml

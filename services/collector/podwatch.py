@@ -460,3 +460,53 @@ def in_cluster_api_client(
         raise ConfigError(f"no in-cluster Kubernetes configuration: {exc}") from exc
     except (OSError, ssl.SSLError) as exc:
         raise ConfigError(f"cannot read the service account files: {exc}") from exc
+
+
+# --- DRA: the node's ResourceSlices and the pods' ResourceClaims (resource.k8s.io/v1) ---------------------------
+
+
+class DraApiReader:
+    """Reads what ``services.collector.dra.DraResolver`` needs, as the API server serialises it (raw JSON, no
+    models): ``list_slices()`` the ResourceSlices of this node (``fieldSelector=spec.nodeName=<node>``, paged),
+    ``read_claim(namespace, name)`` one ResourceClaim (None when it does not exist). Other failures raise (the
+    resolver keeps its last answer). Needs read-only ``list`` on ``resourceslices`` and ``get`` on
+    ``resourceclaims`` of ``resource.k8s.io``."""
+
+    def __init__(self, api_client: client.ApiClient, node_name: str, *, request_timeout_s: float = 10.0,
+                 page_size: int = 500) -> None:
+        self._resource = client.ResourceV1Api(api_client)
+        self._node_name = node_name
+        self._timeout = aiohttp.ClientTimeout(total=request_timeout_s)
+        self._page_size = page_size
+
+    async def _json(self, response: Any) -> Any:
+        try:
+            body = await response.read()
+        finally:
+            response.release()
+        if not 200 <= response.status < 300:
+            raise ApiException(status=response.status, reason=_status_message(body))
+        return json.loads(body)
+
+    async def list_slices(self) -> list[Mapping[str, Any]]:
+        items: list[Mapping[str, Any]] = []
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"field_selector": f"spec.nodeName={self._node_name}", "limit": self._page_size}
+            if token:
+                kwargs["_continue"] = token
+            page = await self._json(await self._resource.list_resource_slice(
+                _preload_content=False, _request_timeout=self._timeout, **kwargs))
+            items.extend(item for item in page.get("items") or () if isinstance(item, Mapping))
+            token = (page.get("metadata") or {}).get("continue")
+            if not token:
+                return items
+
+    async def read_claim(self, namespace: str, name: str) -> Mapping[str, Any] | None:
+        try:
+            return await self._json(await self._resource.read_namespaced_resource_claim(
+                name, namespace, _preload_content=False, _request_timeout=self._timeout))
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise

@@ -25,8 +25,14 @@ from services.collector.assemble import (
     unmapped_process_count,
 )
 from services.collector.cgroup import CgroupReadError
+from services.collector.dra import DraResolver, NvmlMigDevice
 from services.collector.pods import with_assignments, with_devices_resolved
-from services.collector.podresources.client import ContainerDeviceAssignment, PodResourcesError
+from services.collector.podresources.client import (
+    ContainerClaimDevice,
+    ContainerDeviceAssignment,
+    PodAssignment,
+    PodResourcesError,
+)
 from services.collector.publisher import BufferedPublisher, OutboundRecord
 
 log = logging.getLogger(__name__)
@@ -35,14 +41,37 @@ log = logging.getLogger(__name__)
 def group_assignments(
     assignments: tuple[ContainerDeviceAssignment, ...],
 ) -> dict[tuple[str, str], dict[str, tuple[DeviceAssignment, ...]]]:
-    """(namespace, pod) → container → its DeviceAssignments, in the kubelet's order."""
+    """(namespace, pod) → container → its DeviceAssignments, in the kubelet's order (device-plugin devices;
+    DRA claim devices are left to ``DraResolver``)."""
     grouped: dict[tuple[str, str], dict[str, list[DeviceAssignment]]] = {}
     for item in assignments:
+        if not isinstance(item, ContainerDeviceAssignment):
+            continue
         containers = grouped.setdefault((item.namespace, item.pod_name), {})
         containers.setdefault(item.container_name, []).append(
             DeviceAssignment(item.resource_name, tuple(item.device_ids))
         )
     return {pod: {c: tuple(a) for c, a in containers.items()} for pod, containers in grouped.items()}
+
+
+def merge_assignments(
+    into: dict[tuple[str, str], dict[str, tuple[DeviceAssignment, ...]]],
+    more: Mapping[tuple[str, str], Mapping[str, tuple[DeviceAssignment, ...]]],
+) -> dict[tuple[str, str], dict[str, tuple[DeviceAssignment, ...]]]:
+    """``into`` with each container's ``more`` assignments appended (a container can hold both kinds)."""
+    for pod, containers in more.items():
+        target = into.setdefault(pod, {})
+        for container, assignments in containers.items():
+            target[container] = tuple(target.get(container, ())) + tuple(assignments)
+    return into
+
+
+async def _no_slices():
+    return ()
+
+
+async def _no_claim(namespace: str, name: str):
+    return None
 
 
 def _assignments_of(event: PodEvent) -> dict[str, tuple[DeviceAssignment, ...]]:
@@ -63,6 +92,7 @@ class CollectorService:
         kubelet=None,
         metrics=None,
         before_tick: Callable[[int], Awaitable[None]] | None = None,
+        dra: DraResolver | None = None,
     ) -> None:
         self.facts = facts
         self.interval_seconds = interval_seconds
@@ -74,12 +104,15 @@ class CollectorService:
         self.kubelet = kubelet
         self.metrics = metrics
         self.before_tick = before_tick
+        # Without an API server no claim device resolves: each is published with its CDI id (names no unit).
+        self.dra = dra if dra is not None else DraResolver(facts.node_name, _no_slices, _no_claim)
         self.started_at_unix_ms = clock.now_ms()
         self.sequence = 0
         self._last_sampled_at_ms: int | None = None
         self._pods: dict[str, PodEvent] = {}
         self._assignments: dict[tuple[str, str], dict[str, tuple[DeviceAssignment, ...]]] = {}
         self.kubelet_available: bool | None = None
+        self._nvml_migs: tuple[NvmlMigDevice, ...] = ()
         self.cgroup_read_errors = 0
 
     # -- ticks ---------------------------------------------------------------------------------------------
@@ -98,6 +131,9 @@ class CollectorService:
         if self.before_tick is not None:
             await self.before_tick(now_ms)
         raw_devices, node_errors = self.backend.read()
+        # For DRA MIG devices published without a uuid (DynamicMIG): what NVML lists now.
+        self._nvml_migs = tuple(NvmlMigDevice(d.uuid, d.parent_uuid, getattr(d, "mig_profile", None))
+                                for d in raw_devices if getattr(d, "parent_uuid", None))
         interval_ms = (
             int(round(self.interval_seconds * 1000)) if self._last_sampled_at_ms is None
             else max(1, now_ms - self._last_sampled_at_ms)
@@ -161,7 +197,8 @@ class CollectorService:
             self._kubelet_down(exc)
             return
         self.kubelet_available = True
-        self._assignments = group_assignments(assignments)
+        self.dra.sharing_by_uuid.clear()  # rebuilt from every pod's claims
+        self._assignments = await self._grouped(assignments)
         by_index = self._uuid_by_index()
         for uid, event in list(self._pods.items()):
             current = self._assignments.get((event.namespace, event.name), {})
@@ -171,6 +208,24 @@ class CollectorService:
                 await self._publish_pod(
                     replace(updated, event_type=PodEventType.MODIFIED, observed_at_unix_ms=self.clock.now_ms())
                 )
+
+    async def _grouped(
+        self, assignments: tuple[PodAssignment, ...]
+    ) -> dict[tuple[str, str], dict[str, tuple[DeviceAssignment, ...]]]:
+        """Device-plugin assignments and DRA claim devices (resolved through the node's ResourceSlices), per pod
+        and container."""
+        grouped = group_assignments(assignments)
+        claims = [a for a in assignments if isinstance(a, ContainerClaimDevice)]
+        if claims:
+            unresolved_before = self.dra.unresolved_total
+            merge_assignments(grouped, await self.dra.assignments(claims, self._nvml_migs))
+            if self.metrics and self.dra.unresolved_total > unresolved_before:
+                self.metrics.get("gpumeter_collector_dra_devices_unresolved_total").inc(
+                    self.dra.unresolved_total - unresolved_before)
+        if hasattr(self.backend, "claimed_sharing"):
+            # The next samples of a GPU a shared claim holds say TIME_SLICING/MPS, as its claim configures.
+            self.backend.claimed_sharing = dict(self.dra.sharing_by_uuid)
+        return grouped
 
     def _kubelet_down(self, exc: Exception) -> None:
         if self.kubelet_available is not False:
@@ -183,7 +238,7 @@ class CollectorService:
         """Called by the pod watch for every change of a pod on this node."""
         if event.event_type != PodEventType.DELETED and self.kubelet is not None:
             try:
-                assignments = group_assignments(await self.kubelet.get(event.namespace, event.name))
+                assignments = await self._grouped(await self.kubelet.get(event.namespace, event.name))
                 self.kubelet_available = True
                 self._assignments.update(assignments)
             except PodResourcesError as exc:

@@ -16,15 +16,18 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Mapping
 
 from gpumeter.clock import Clock, ManualClock, SystemClock
 from schemas.records import NodeSample, PodEvent, PodEventType, SharingMode
 from services.collector.assemble import NodeFacts, TickInfo, assemble_node_sample
 from services.collector.cgroup import ProcessIdentityCache
+from services.collector.dra import resolve_claim_devices, slice_devices
 from services.collector.nodefacts import NodeFactOverrides, node_facts_from_node
 from services.collector.nvml_backend import NvmlBackend
 from services.collector.pods import pod_event_from_object, with_assignments, with_devices_resolved
+from services.collector.podresources.client import ContainerClaimDevice
+from simulator import dra as sim_dra
 from simulator.apiserver import make_node_object, make_pod_object
 from simulator.fake_pynvml import FakeNvml
 from simulator.scenario import NodeSpec, Scenario
@@ -104,22 +107,51 @@ def pod_object(pod: SimPod) -> dict:
             spec_container["env"] = [{"name": k, "value": v} for k, v in container.env.items()]
         if container.privileged:
             spec_container.setdefault("securityContext", {})["privileged"] = True
+    # DRA: the pod names its ResourceClaims, and each container the claims it uses.
+    claims = list(dict.fromkeys(d.claim for c in pod.containers for d in c.claim_devices))
+    if claims:
+        obj["spec"]["resourceClaims"] = [{"name": claim, "resourceClaimName": claim} for claim in claims]
+        for spec_container, container in zip(obj["spec"]["containers"], pod.containers):
+            used = list(dict.fromkeys(d.claim for d in container.claim_devices))
+            if used:
+                spec_container.setdefault("resources", {})["claims"] = [{"name": claim} for claim in used]
     return obj
 
 
-def kubelet_assignments(pods: tuple[SimPod, ...]):
-    """What the kubelet's PodResources List returns for ``pods``."""
-    return tuple(
+def kubelet_assignments(pods: tuple[SimPod, ...], scenario: Scenario | None = None, node: NodeSpec | None = None):
+    """What the kubelet's PodResources List returns for ``pods``: device-plugin devices, and on a DRA ``node`` the
+    claim devices (``dynamic_resources``)."""
+    plugin = tuple(
         (pod.namespace, pod.name, container.name, assignment.resource_name, tuple(assignment.device_ids))
         for pod in pods
         for container in pod.containers
         for assignment in container.assigned_devices
     )
+    if scenario is None or node is None or node.allocation != "dra":
+        return plugin
+    return plugin + tuple(sim_dra.dynamic_assignments(scenario.seed, node, pods))
 
 
-def _pod_event(pod: SimPod, event_type: PodEventType, cluster: str, now_ms: int) -> PodEvent:
+def dra_assignments(scenario: Scenario, node: NodeSpec, pods: tuple[SimPod, ...]):
+    """(namespace, pod) → container → DeviceAssignments of the claim devices of ``pods``, resolved by the
+    collector's own ``services.collector.dra`` rules over the node's ResourceSlices and the claims."""
+    if node.allocation != "dra":
+        return {}
+    items = [ContainerClaimDevice(a.namespace, a.pod_name, a.container_name, a.claim_namespace, a.claim_name,
+                                  a.driver_name, a.pool_name, a.device_name, a.cdi_ids)
+             for a in sim_dra.dynamic_assignments(scenario.seed, node, pods)]
+    grouped, _ = resolve_claim_devices(items, slice_devices(sim_dra.resource_slices(node), node.name),
+                                       sim_dra.claims_for(scenario.seed, node, pods))
+    return grouped
+
+
+def _pod_event(pod: SimPod, event_type: PodEventType, cluster: str, now_ms: int,
+               claimed: Mapping[str, tuple] | None = None) -> PodEvent:
     event = pod_event_from_object(pod_object(pod), event_type, cluster, now_ms)
-    return with_assignments(event, {c.name: c.assigned_devices for c in pod.containers if c.assigned_devices})
+    assignments = {c.name: c.assigned_devices for c in pod.containers if c.assigned_devices}
+    for container, devices in (claimed or {}).items():
+        assignments[container] = tuple(assignments.get(container, ())) + tuple(devices)
+    return with_assignments(event, assignments)
 
 
 @dataclass(frozen=True)
@@ -142,6 +174,9 @@ def node_streams(scenario: Scenario, node_name: str, proc_root: Path | None = No
     facts = node_facts(scenario, node)
     interval_ms = int(round(scenario.interval_seconds * 1000))
     known: dict[str, SimPod] = {}
+    # DRA pods' claim devices as last published: they change as the pods sharing a claim come and go, and the
+    # collector republishes a pod whose devices changed (MODIFIED), as its kubelet refresh does.
+    claimed: dict[str, Mapping[str, tuple]] = {}
     previous_ms: int | None = None
     try:
         for sequence, now_ms in enumerate(scenario.tick_times_ms()):
@@ -149,13 +184,21 @@ def node_streams(scenario: Scenario, node_name: str, proc_root: Path | None = No
             world.step(now_ms)
             world.write_proc(root, node_name)
             events = []
-            current = {pod.uid: pod for pod in world.pods_at(now_ms, node_name)}
+            running = world.pods_at(now_ms, node_name)
+            current = {pod.uid: pod for pod in running}
+            by_pod = dra_assignments(scenario, node, running)
             for uid, pod in current.items():
+                now_claimed = by_pod.get((pod.namespace, pod.name), {})
                 if uid not in known:
-                    events.append(_pod_event(pod, PodEventType.ADDED, scenario.cluster, now_ms))
+                    events.append(_pod_event(pod, PodEventType.ADDED, scenario.cluster, now_ms, now_claimed))
+                elif now_claimed != claimed.get(uid, {}):
+                    events.append(_pod_event(pod, PodEventType.MODIFIED, scenario.cluster, now_ms, now_claimed))
+                if now_claimed:
+                    claimed[uid] = now_claimed
             for uid, pod in known.items():
                 if uid not in current:
-                    events.append(_pod_event(pod, PodEventType.DELETED, scenario.cluster, now_ms))
+                    events.append(_pod_event(pod, PodEventType.DELETED, scenario.cluster, now_ms,
+                                             claimed.pop(uid, None)))
             known = current
             reading = backend.read()
             # As the collector publishes them: device ids in uuid form, whatever the device plugin's id strategy.
@@ -192,9 +235,11 @@ class SimulatedNode:
         self.proc_root.mkdir(parents=True, exist_ok=True)
         self.kubelet_socket = workdir / "kubelet.sock"
         self._pods: tuple[SimPod, ...] = ()
-        self.kubelet = FakeKubelet(str(self.kubelet_socket), lambda: kubelet_assignments(self._pods))
+        self.kubelet = FakeKubelet(str(self.kubelet_socket),
+                                   lambda: kubelet_assignments(self._pods, self.scenario, self.node))
         self.apiserver = FakeApiServer()
         self._served: dict[str, SimPod] = {}
+        self._claims: dict[tuple[str, str], dict] = {}
         self._api_started = False
         self.backend = NvmlBackend(FakeNvml(self.world, self.clock, node_name), self.clock,
                                    sharing_by_gpu_uuid=sharing_config(self.node))
@@ -206,6 +251,9 @@ class SimulatedNode:
     async def start(self) -> None:
         await self.kubelet.start()
         self.apiserver.put_node(node_object(self.node))
+        if self.node.allocation == "dra":
+            for obj in sim_dra.resource_slices(self.node):
+                self.apiserver.put_resource_slice(obj)
         await self.apiserver.start()
         self._api_started = True
         await self.sync(self.clock.now_ms())
@@ -229,6 +277,14 @@ class SimulatedNode:
             if uid not in current:
                 self.apiserver.delete_pod(uid)
         self._served = current
+        if self.node.allocation == "dra":
+            claims = sim_dra.claims_for(self.scenario.seed, self.node, self._pods)
+            for key in set(self._claims) - set(claims):
+                self.apiserver.delete_resource_claim(*key)
+            for key, claim in claims.items():
+                if self._claims.get(key) != claim:
+                    self.apiserver.put_resource_claim(claim)
+            self._claims = claims
 
 
 def scenario_node_names(scenario: Scenario) -> tuple[str, ...]:

@@ -15,7 +15,8 @@ back to ``List`` filtered to the pod and re-probes ``Get`` after ``GET_REPROBE_A
 kubelet was unavailable (it may have restarted with other flags). The kubelet answers an unknown pod with UNKNOWN
 "pod <name> in namespace <ns> not found": that is an empty result, not an error.
 
-Only GPU resources (``schemas.devices.is_gpu_resource``) are returned; device ids are passed through unparsed. A client
+Only GPU resources (``schemas.devices.is_gpu_resource``) are returned, and the devices of DRA claims
+(``dynamic_resources``, as ``ContainerClaimDevice``); device ids are passed through unparsed. A client
 lives in one event loop (its gRPC channel is bound to it); ``close()`` it when done.
 """
 
@@ -95,9 +96,40 @@ class AllocatableDevices:
     device_ids: tuple[str, ...]
 
 
-def assignments_from_pod(pod: api_pb2.PodResources) -> tuple[ContainerDeviceAssignment, ...]:
-    """The GPU assignments of one PodResources message, in message order; empty device lists are dropped."""
-    out: list[ContainerDeviceAssignment] = []
+@dataclass(frozen=True, slots=True)
+class ContainerClaimDevice:
+    """One device the kubelet lists for a container under ``dynamic_resources`` (DRA): the claim and the device by
+    driver, pool and device name, with its CDI ids. What it is on the node is ``services.collector.dra``'s to say."""
+
+    namespace: str
+    pod_name: str
+    container_name: str
+    claim_namespace: str
+    claim_name: str
+    driver_name: str
+    pool_name: str
+    device_name: str
+    cdi_ids: tuple[str, ...]
+
+    @property
+    def claim_key(self) -> tuple[str, str]:
+        """(namespace, name) of the ResourceClaim; a claim is in its pod's namespace when the kubelet names none."""
+        return (self.claim_namespace or self.namespace, self.claim_name)
+
+    @property
+    def fallback_id(self) -> str:
+        """The id an unresolved device is published with: its first CDI id, else driver/pool/device."""
+        return self.cdi_ids[0] if self.cdi_ids else f"{self.driver_name}/{self.pool_name}/{self.device_name}"
+
+
+PodAssignment = ContainerDeviceAssignment | ContainerClaimDevice
+
+
+def assignments_from_pod(pod: api_pb2.PodResources) -> tuple[PodAssignment, ...]:
+    """The GPU assignments of one PodResources message, in message order: device-plugin devices of GPU resources
+    (empty device lists dropped), then per container the devices of its DRA claims (every driver's: which are
+    GPUs is decided by the caller)."""
+    out: list[PodAssignment] = []
     for container in pod.containers:
         for devices in container.devices:
             if not devices.device_ids or not is_gpu_resource(devices.resource_name):
@@ -111,6 +143,21 @@ def assignments_from_pod(pod: api_pb2.PodResources) -> tuple[ContainerDeviceAssi
                     device_ids=tuple(devices.device_ids),
                 )
             )
+        for dynamic in container.dynamic_resources:
+            for resource in dynamic.claim_resources:
+                out.append(
+                    ContainerClaimDevice(
+                        namespace=pod.namespace,
+                        pod_name=pod.name,
+                        container_name=container.name,
+                        claim_namespace=dynamic.claim_namespace,
+                        claim_name=dynamic.claim_name,
+                        driver_name=resource.driver_name,
+                        pool_name=resource.pool_name,
+                        device_name=resource.device_name,
+                        cdi_ids=tuple(d.name for d in resource.cdi_devices),
+                    )
+                )
     return tuple(out)
 
 
@@ -158,15 +205,15 @@ class PodResourcesClient:
         """Whether the kubelet served ``Get`` when last asked; None before the first ``get``."""
         return self._get_served
 
-    async def list(self) -> tuple[ContainerDeviceAssignment, ...]:
-        """Every GPU assignment of every active pod on the node (List)."""
+    async def list(self) -> tuple[PodAssignment, ...]:
+        """Every GPU assignment (and DRA claim device) of every active pod on the node (List)."""
         response = await self._call("List", api_pb2.ListPodResourcesRequest())
-        out: list[ContainerDeviceAssignment] = []
+        out: list[PodAssignment] = []
         for pod in response.pod_resources:
             out.extend(assignments_from_pod(pod))
         return tuple(out)
 
-    async def get(self, namespace: str, pod_name: str) -> tuple[ContainerDeviceAssignment, ...]:
+    async def get(self, namespace: str, pod_name: str) -> tuple[PodAssignment, ...]:
         """The GPU assignments of one pod (Get where served, else List filtered); empty for an unknown pod."""
         if not namespace or not pod_name:
             raise ValueError("namespace and pod_name must be non-empty")
@@ -211,7 +258,7 @@ class PodResourcesClient:
     ) -> None:
         await self.close()
 
-    async def _get_by_list(self, namespace: str, pod_name: str) -> tuple[ContainerDeviceAssignment, ...]:
+    async def _get_by_list(self, namespace: str, pod_name: str) -> tuple[PodAssignment, ...]:
         self._fallbacks_since_probe += 1
         return tuple(a for a in await self.list() if a.namespace == namespace and a.pod_name == pod_name)
 

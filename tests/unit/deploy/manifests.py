@@ -27,9 +27,11 @@ from tests.unit.deploy import NVIDIA_RUNTIME_VARIABLES, role_of, settings_for, v
 KUBERNETES_VERSIONS = ("1.33", kubernetes_validate.latest_version())
 WORKLOAD_KINDS = ("DaemonSet", "Deployment", "Job")
 READ_ONLY_VERBS = {"get", "list", "watch"}
-# The collector's grant, rule by rule: (resources, verbs). Pods of its node: the pod events. Its own Node object
-# (get only): region, zone, instance type, capacity type, providerID.
-COLLECTOR_RULES = {("pods",): READ_ONLY_VERBS, ("nodes",): {"get"}}
+# The collector's grant, rule by rule: (API group, resources) -> verbs. Pods of its node: the pod events. Its own
+# Node object (get only): region, zone, instance type, capacity type, providerID. DRA: its node's ResourceSlices
+# (list) and the ResourceClaims its pods hold (get).
+COLLECTOR_RULES = {("", "pods"): READ_ONLY_VERBS, ("", "nodes"): {"get"},
+                   ("resource.k8s.io", "resourceslices"): {"list"}, ("resource.k8s.io", "resourceclaims"): {"get"}}
 
 # Environment variables whose values are secrets: they may only come from a Secret (secretKeyRef). Checked against
 # the settings fields that are kept out of repr, so a new secret setting fails until it is listed.
@@ -190,8 +192,9 @@ def check_kubernetes_schemas(docs: list[dict], version: str) -> None:
 
 
 def check_least_privilege_rbac(docs: list[dict]) -> None:
-    """One role: the collector's ClusterRole, read-only on pods and `get` on nodes, bound to the collectors'
-    service account only; no wildcards, no built-in roles."""
+    """One role: the collector's ClusterRole, read-only on pods, `get` on nodes and, for DRA, `list` on
+    resourceslices and `get` on resourceclaims, bound to the collectors' service account only; no wildcards, no
+    built-in roles."""
     roles = of_kind(docs, "Role", "ClusterRole")
     assert len(roles) == 1, f"only the collector has a role, got {[r['metadata']['name'] for r in roles]}"
     role = roles[0]
@@ -199,9 +202,9 @@ def check_least_privilege_rbac(docs: list[dict]) -> None:
     assert "aggregationRule" not in role
     granted: dict[tuple[str, ...], set[str]] = {}
     for rule in role["rules"]:
-        assert rule.get("apiGroups") == [""], rule
+        assert len(rule.get("apiGroups", [])) == 1, rule
         assert "resourceNames" not in rule and "nonResourceURLs" not in rule, rule
-        resources = tuple(rule["resources"])
+        resources = (rule["apiGroups"][0], *rule["resources"])
         assert resources not in granted, f"{resources} granted twice"
         granted[resources] = set(rule["verbs"])
     assert granted == COLLECTOR_RULES, granted
