@@ -51,7 +51,7 @@ from schemas.catalog import COSTS, NODE_SAMPLES, NODE_WINDOW_SHARES, TopicCatalo
 from schemas.records import NodeSample, PodEvent
 from schemas.typed import codec_for
 
-from bench.common import Target, fmt_int
+from bench.common import REPO_ROOT, Target, fmt_int
 from bench.workload import Fleet
 
 TARGET_P99_S = 2.0
@@ -891,6 +891,15 @@ def run(quick: bool) -> tuple[dict[str, Any], list[Target], list[str]]:
     workdir = Path(tempfile.mkdtemp(prefix="gpumeter-bench-stream-"))
     try:
         figures = asyncio.run(run_stream(config, workdir, log=lambda m: print(m, file=sys.stderr, flush=True)))
+    except BaseException:
+        # The services' whole logs, for the post-mortem (a failure message holds only their tails).
+        kept = REPO_ROOT / ".cache" / "bench-stream-logs"
+        shutil.rmtree(kept, ignore_errors=True)
+        kept.mkdir(parents=True, exist_ok=True)
+        for log_file in workdir.glob("*.log"):
+            shutil.copy(log_file, kept / log_file.name)
+        print(f"stream: the services' logs are kept in {kept}", file=sys.stderr, flush=True)
+        raise
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return figures, targets_for(figures), notes_for(figures)
