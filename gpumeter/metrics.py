@@ -54,6 +54,9 @@ METRICS: dict[str, MetricDef] = {
                   "Ticks where the kubelet PodResources API could not be reached (cgroup-only mapping)."),
         MetricDef("gpumeter_collector_pod_watch_restarts_total", "counter", "Pod watch reconnects and relists.",
                   ("reason",)),
+        MetricDef("gpumeter_collector_pod_warnings_total", "counter",
+                  "Pod objects read with a part left out (HAMI_ANNOTATION_IGNORED: a HAMi allocation annotation "
+                  "HAMi would not have written).", ("reason",)),
         # every consumer
         MetricDef("gpumeter_messages_consumed_total", "counter", "Input messages consumed.", ("service", "topic")),
         MetricDef("gpumeter_dead_letters_total", "counter", "Input messages dead-lettered.",
