@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from gpumeter.clock import ManualClock
+from gpumeter.metrics import METRICS
 from pipeline.recordings import scenario_records
 from pipeline.replay import replay
 from schemas.catalog import TopicCatalog
@@ -265,7 +266,24 @@ async def test_hami_pods_through_our_kubelet_and_api_server_peers_hold_the_annot
                 break
             await asyncio.sleep(0.01)
         kubelet_ids = {d for a in await client.list() for d in a.device_ids}
+        published_before_refresh = len(offered)
         await service.refresh_assignments()
+        assert len(offered) == published_before_refresh, "the placeholders dropped again are no change"
+        # A forged annotation served by the API server: the pod is published, the annotation counted, ignored.
+        forged = _hami_pod("GPU-x,NVIDIA,1,1:;")
+        forged["spec"]["nodeName"] = node_name
+        node.apiserver.add_pod(forged)
+        for _ in range(500):
+            if any(codec_for(PodEvent).decode(r.value).name == "infer-0" for r in offered):
+                break
+            await asyncio.sleep(0.01)
+        # A deleted HAMi pod keeps the annotation's GPU in its deletion event.
+        chat = next(p for p in scenario.pods if p.name == "chat-api-0")
+        node.apiserver.delete_pod(chat.uid)
+        for _ in range(500):
+            if any(codec_for(PodEvent).decode(r.value).event_type is PodEventType.DELETED for r in offered):
+                break
+            await asyncio.sleep(0.01)
     finally:
         await watcher.stop()
         await task
@@ -279,7 +297,13 @@ async def test_hami_pods_through_our_kubelet_and_api_server_peers_hold_the_annot
     for record in offered:
         event = codec_for(PodEvent).decode(record.value)
         published[event.name] = event
-    assert warnings == []
+    assert warnings == [HAMI_ANNOTATION_IGNORED]
+    assert "gpumeter_collector_pod_warnings_total" in METRICS
+    infer = published.pop("infer-0")
+    assert all(not c.assigned_devices for c in infer.containers)
+    deleted = published["chat-api-0"]
+    assert deleted.event_type is PodEventType.DELETED
+    assert deleted.containers[0].assigned_devices == (DeviceAssignment(HAMI_RESOURCE, (gpus[0].uuid,)),)
     by_peers = _assignments_by_pod(published.values())
     assert by_peers["notebook-li"] == (("jupyter", (DeviceAssignment(HAMI_RESOURCE, (gpus[0].uuid,)),)),)
     assert by_peers["translate-0"] == (("server", (DeviceAssignment(HAMI_RESOURCE, (gpus[1].uuid,)),)),)
