@@ -57,6 +57,9 @@ METRICS: dict[str, MetricDef] = {
         MetricDef("gpumeter_collector_dra_devices_unresolved_total", "counter",
                   "DRA claim devices of gpu.nvidia.com published without a GPU uuid (in no ResourceSlice, or no uuid): "
                   "their pods' GPU use is unassigned."),
+        MetricDef("gpumeter_collector_pod_warnings_total", "counter",
+                  "Pod objects read with a part left out (HAMI_ANNOTATION_IGNORED: a HAMi allocation annotation "
+                  "HAMi would not have written).", ("reason",)),
         # every consumer
         MetricDef("gpumeter_messages_consumed_total", "counter", "Input messages consumed.", ("service", "topic")),
         MetricDef("gpumeter_dead_letters_total", "counter", "Input messages dead-lettered.",

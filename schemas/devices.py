@@ -37,6 +37,13 @@ NO_DEVICES_VALUES = frozenset({"", "void", "none"})
 """``NVIDIA_VISIBLE_DEVICES`` values that give a container no GPU (``none``: driver libraries only)."""
 
 GPU_RESOURCE = "nvidia.com/gpu"
+HAMI_RESOURCE = "hami.io/vgpu"
+"""The resource name the collector records for the GPUs HAMi allocated (``schemas.hami``): not a name the kubelet
+advertises (HAMi's device plugin registers ``nvidia.com/gpu``, as slots), the mark that a HAMi vGPU -- a share of a
+GPU that HAMi's CUDA interception limits, time-shared with the GPU's other pods -- was given, by HAMi's annotation."""
+HAMI_REQUEST_RESOURCES = frozenset({"nvidia.com/gpumem", "nvidia.com/gpumem-percentage", "nvidia.com/gpucores"})
+"""HAMi's quantities of a vGPU: device memory (MiB), device memory (percent), SMs (percent). Requests, not device
+counts: kept with a container's GPU requests, never counted as devices."""
 SHARED_RESOURCE_SUFFIX = ".shared"
 MIG_RESOURCE_PREFIX = "nvidia.com/mig-"
 # nvidia.com/gpu, its time-slicing rename nvidia.com/gpu.shared, and MIG mixed-strategy profiles such as
@@ -146,8 +153,21 @@ def base_device_id(device_id: str) -> str:
 
 
 def is_gpu_resource(resource_name: str) -> bool:
-    """True for the extended resources the NVIDIA device plugin advertises for GPUs and MIG devices."""
-    return isinstance(resource_name, str) and _GPU_RESOURCE.fullmatch(resource_name) is not None
+    """True for the extended resources the NVIDIA device plugin advertises for GPUs and MIG devices (each a count
+    of devices), and for ``HAMI_RESOURCE`` (the GPUs HAMi allocated, by its annotation)."""
+    return isinstance(resource_name, str) and (
+        _GPU_RESOURCE.fullmatch(resource_name) is not None or resource_name == HAMI_RESOURCE)
+
+
+def is_hami_request_resource(resource_name: str) -> bool:
+    """HAMi's vGPU quantities (``nvidia.com/gpumem``, ``nvidia.com/gpumem-percentage``, ``nvidia.com/gpucores``):
+    requested with a GPU, recorded with its requests, but MiB and percent, not devices."""
+    return resource_name in HAMI_REQUEST_RESOURCES
+
+
+def is_hami_resource(resource_name: str) -> bool:
+    """The collector's record of a GPU HAMi allocated (``HAMI_RESOURCE``)."""
+    return resource_name == HAMI_RESOURCE
 
 
 def is_shared_resource(resource_name: str) -> bool:

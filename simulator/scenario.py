@@ -25,6 +25,7 @@ import pynvml
 import yaml
 
 from schemas.devices import MPS_THREAD_ENV, VISIBLE_DEVICES_ENV
+from schemas.hami import HAMI_ALLOCATED_ANNOTATION, HAMI_DEVICE_TYPE, HAMI_NODE_ANNOTATION
 
 from gpumeter.errors import GpumeterError
 
@@ -46,6 +47,9 @@ QOS_CLASSES = ("guaranteed", "burstable", "besteffort")
 RESOURCE_GPU = "nvidia.com/gpu"
 RESOURCE_GPU_SHARED = "nvidia.com/gpu.shared"
 RESOURCE_MIG_PREFIX = "nvidia.com/mig-"
+RESOURCE_HAMI_MEMORY = "nvidia.com/gpumem"
+RESOURCE_HAMI_CORES = "nvidia.com/gpucores"
+HAMI_SLOTS_PER_GPU = 10  # HAMi's deviceSplitCount default: the nvidia.com/gpu slots its device plugin registers
 
 
 # NVML functions a fault may target. The node-level ones take no device handle; a fault on them has no ``gpu``.
@@ -385,6 +389,20 @@ class ContainerSpec:
     env: Mapping[str, str]
     privileged: bool
     processes: tuple[ProcessSpec, ...]
+    hami: "HamiSpec | None" = None
+
+
+@dataclass(frozen=True, slots=True)
+class HamiSpec:
+    """A container's HAMi vGPU: the GPU HAMi's scheduler gave it (written on the pod as
+    ``hami.io/vgpu-devices-allocated``) and its limits. ``devices`` of the container then holds the placeholder
+    the kubelet hands out for ``nvidia.com/gpu`` instead: slot ``slot`` of GPU ``placeholder_gpu``."""
+
+    gpu: int
+    memory_mib: int
+    cores_percent: int
+    placeholder_gpu: int
+    slot: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -1103,8 +1121,53 @@ class _ContainerDraft:
     privileged: bool
 
 
+def _read_hami(raw: Any, path: str, node: NodeSpec, slots: dict[tuple[str, int], int]) -> HamiSpec:
+    """A container's ``hami`` option. The GPU must be one no device plugin shares (``exclusive``: HAMi shares it
+    by itself); the kubelet's placeholder is the next free slot of ``placeholder_gpu`` (default: that GPU)."""
+    m = _Map(raw, path)
+    gpu_raw = m.get("gpu")
+    if isinstance(gpu_raw, str):
+        matches = [g.index for g in node.gpus if g.uuid == gpu_raw]
+        if not matches:
+            raise ScenarioError(m.sub("gpu"), f"no GPU of node {node.name} has uuid {gpu_raw!r}")
+        gpu = matches[0]
+    else:
+        gpu = _int(gpu_raw, m.sub("gpu"), minimum=0, maximum=len(node.gpus) - 1)
+    memory_mib = _int(m.get("memory_mib"), m.sub("memory_mib"), minimum=1,
+                      maximum=node.gpus[gpu].memory_total_bytes // MIB)
+    cores = _int(m.get("cores_percent", 0), m.sub("cores_percent"), minimum=0, maximum=100)
+    placeholder_gpu = _int(m.get("placeholder_gpu", gpu), m.sub("placeholder_gpu"), minimum=0,
+                           maximum=len(node.gpus) - 1)
+    m.done()
+    for index in {gpu, placeholder_gpu}:
+        if node.gpus[index].sharing.mode != SHARING_EXCLUSIVE:
+            raise ScenarioError(path, f"GPU {index} is {node.gpus[index].sharing.mode}: HAMi GPUs are not shared "
+                                      "by the device plugin (sharing: exclusive)")
+    slot = slots.get((node.name, placeholder_gpu), 0)
+    if slot >= HAMI_SLOTS_PER_GPU:
+        raise ScenarioError(path, f"GPU {placeholder_gpu} has only {HAMI_SLOTS_PER_GPU} HAMi slots")
+    slots[(node.name, placeholder_gpu)] = slot + 1
+    return HamiSpec(gpu, memory_mib, cores, placeholder_gpu, slot)
+
+
+def _with_hami_annotations(annotations: Mapping[str, str], containers: list[ContainerSpec],
+                           node: NodeSpec) -> Mapping[str, str]:
+    """The pod's annotations with what HAMi's scheduler writes on it: the allocation, one ``;``-terminated
+    segment per container (empty for a container without a vGPU), and the node. A value the scenario gives
+    itself is kept (a forged or broken annotation to test)."""
+    allocation = "".join(
+        (f"{node.gpus[c.hami.gpu].uuid},{HAMI_DEVICE_TYPE},{c.hami.memory_mib},{c.hami.cores_percent}:"
+         if c.hami is not None else "") + ";"
+        for c in containers
+    )
+    merged = {HAMI_ALLOCATED_ANNOTATION: allocation, HAMI_NODE_ANNOTATION: node.name, "hami.io/bind-phase": "success"}
+    merged.update(annotations)
+    return MappingProxyType(merged)
+
+
 def _read_pods(raw: Any, nodes: tuple[NodeSpec, ...], seed: int, duration: float) -> tuple[PodSpec, ...]:
     by_name = {n.name: n for n in nodes}
+    hami_slots: dict[tuple[str, int], int] = {}
     pods: list[PodSpec] = []
     keys: set[str] = set()
     uids: set[str] = set()
@@ -1168,7 +1231,24 @@ def _read_pods(raw: Any, nodes: tuple[NodeSpec, ...], seed: int, duration: float
                 if a.claim is None:
                     counted[a.resource] = counted.get(a.resource, 0) + 1
             requests_raw = cm.get("requests", None)
-            if requests_raw is None:
+            hami_raw = cm.get("hami", None)
+            hami: HamiSpec | None = None
+            visible_assignments = assignments
+            if hami_raw is not None:
+                if assignments or requests_raw is not None:
+                    raise ScenarioError(cm.sub("hami"), "a HAMi container gets its GPU from hami: no devices or "
+                                                        "requests of its own")
+                hami = _read_hami(hami_raw, cm.sub("hami"), node, hami_slots)
+                placeholder = node.gpus[hami.placeholder_gpu]
+                assignments = (DeviceAssignmentSpec(RESOURCE_GPU, hami.placeholder_gpu, hami.slot, None,
+                                                    f"{placeholder.uuid}-{hami.slot}"),)
+                # What the container can open is the GPU HAMi gave it (HAMi's Allocate sets it), not the slot's.
+                visible_assignments = (DeviceAssignmentSpec(RESOURCE_GPU, hami.gpu, None, None,
+                                                            node.gpus[hami.gpu].uuid),)
+                requests = {RESOURCE_GPU: 1, RESOURCE_HAMI_MEMORY: hami.memory_mib}
+                if hami.cores_percent:
+                    requests[RESOURCE_HAMI_CORES] = hami.cores_percent
+            elif requests_raw is None:
                 requests = dict(counted)
             else:
                 rm = _Map(requests_raw, cm.sub("requests"))
@@ -1185,7 +1265,7 @@ def _read_pods(raw: Any, nodes: tuple[NodeSpec, ...], seed: int, duration: float
                 if not _ENV_NAME.fullmatch(key):
                     raise ScenarioError(cm.sub("env"), f"{key!r} is not an environment variable name")
             privileged = _bool(cm.get("privileged", False), cm.sub("privileged"))
-            draft = _ContainerDraft(assignments, env, privileged)
+            draft = _ContainerDraft(visible_assignments, env, privileged)
             visible = _visible_units(draft, node)
             processes: list[ProcessSpec] = []
             pnames: set[str] = set()
@@ -1199,7 +1279,7 @@ def _read_pods(raw: Any, nodes: tuple[NodeSpec, ...], seed: int, duration: float
                 pnames.add(common.name)
                 devices = common.devices
                 if devices is None:
-                    devices = tuple(dict.fromkeys(DeviceTarget(a.gpu, a.instance) for a in assignments))
+                    devices = tuple(dict.fromkeys(DeviceTarget(a.gpu, a.instance) for a in visible_assignments))
                     if not devices:
                         raise ScenarioError(
                             ppath + ".devices", "the container has no device assigned: say which devices it uses"
@@ -1239,10 +1319,13 @@ def _read_pods(raw: Any, nodes: tuple[NodeSpec, ...], seed: int, duration: float
                     env=env,
                     privileged=privileged,
                     processes=tuple(processes),
+                    hami=hami,
                 )
             )
         labels = _str_map(m.get("labels", None), m.sub("labels"))
         annotations = _str_map(m.get("annotations", None), m.sub("annotations"))
+        if any(c.hami is not None for c in containers):
+            annotations = _with_hami_annotations(annotations, containers, node)
         qos = _choice(m.get("qos_class", "burstable"), m.sub("qos_class"), QOS_CLASSES)
         m.done()
         pods.append(

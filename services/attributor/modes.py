@@ -9,7 +9,9 @@ Pure: no I/O, no clock. Two kinds of evidence exist and they can disagree:
   ``nvidia.com/mig-*``).
 
 The device ids are what the pods were actually given, so where the two disagree the ids win (``::N`` replica ids
-mean a shared GPU whatever the sample said; one pod holding the plain id means an exclusive GPU). MIG structure
+mean a shared GPU whatever the sample said; one pod holding the plain id means an exclusive GPU). A GPU held
+through HAMi (``hami.io/vgpu``, from HAMi's allocation annotation) is shared like a replica -- even by one pod,
+whose vGPU is a share, not the GPU: attributed by use, never owned. MIG structure
 comes from NVML and cannot be contradicted by a pod. Every decision carries ``evidence`` saying what it rests on
 and ``conflict`` when the evidence disagreed, so nothing is guessed silently.
 """
@@ -20,7 +22,7 @@ import enum
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from schemas.devices import REPLICA_SEPARATOR, is_mig_resource, is_shared_resource, unit_keys
+from schemas.devices import REPLICA_SEPARATOR, is_hami_resource, is_mig_resource, is_shared_resource, unit_keys
 from schemas.records import GpuDeviceSample, SharingMode
 
 class UnitKind(enum.StrEnum):
@@ -66,6 +68,11 @@ class UnitAssignment:
     @property
     def mig_resource(self) -> bool:
         return any(is_mig_resource(r) for r in self.resource_names)
+
+    @property
+    def hami_resource(self) -> bool:
+        """Held as a HAMi vGPU (``schemas.devices.HAMI_RESOURCE``): a share of the GPU, never the whole of it."""
+        return any(is_hami_resource(r) for r in self.resource_names)
 
     def claim_replicas(self, unit_replicas: int) -> int:
         """How many of the unit's ``unit_replicas`` slots this pod holds: one per replica id, all for a plain id."""
@@ -164,8 +171,10 @@ def decide_mode(
         # changed inside the window. Its non-MIG ticks are attributed by usage.
         notes.append("sample said MIG for a GPU with no instances")
         sample_mode = SharingMode.UNKNOWN
-    replicated_ids = [a for a in assignments if a.replica_ids or a.shared_resource]
-    plain_holders = [a for a in assignments if a.plain_ids and not a.shared_resource]
+    # A HAMi vGPU is a share of the GPU by its plain id: time-shared with the GPU's other pods, like a replica.
+    replicated_ids = [a for a in assignments if a.replica_ids or a.shared_resource or a.hami_resource]
+    plain_holders = [a for a in assignments if a.plain_ids and not (a.shared_resource or a.hami_resource)]
+    hami_holders = [a for a in replicated_ids if a.hami_resource]
     mig_claims = [a for a in assignments if a.mig_resource]
     conflict = False
     if mig_claims:
@@ -175,8 +184,14 @@ def decide_mode(
     owner: str | None = None
     if replicated_ids and not plain_holders:
         mode = SharingMode.MPS if sample_mode is SharingMode.MPS else SharingMode.TIME_SLICING
-        notes.insert(0, f"{len(replicated_ids)} pods hold replica ids (::N or .shared)")
-        if sample_mode in (SharingMode.EXCLUSIVE,):
+        notes.insert(0, f"{len(replicated_ids)} pods hold replica ids (::N or .shared)" if not hami_holders else
+                     f"{len(replicated_ids)} pods hold replica ids (::N or .shared) or HAMi vGPUs "
+                     f"({len(hami_holders)}, hami.io/vgpu-devices-allocated): attributed by use")
+        if sample_mode in (SharingMode.EXCLUSIVE,) and len(hami_holders) == len(replicated_ids):
+            # HAMi shares a GPU by its own CUDA interception, not the device plugin's time-slicing: the device
+            # plugin's configuration (what the sample reports) says nothing of it.
+            notes.append(f"sample said {sample_mode}: HAMi shares GPUs without the device plugin's time-slicing")
+        elif sample_mode in (SharingMode.EXCLUSIVE,):
             conflict = True
             notes.append(f"sample said {sample_mode} with replicas={replicas}; device ids win")
         elif sample_mode is SharingMode.UNKNOWN:

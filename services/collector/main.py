@@ -121,6 +121,7 @@ async def run(settings: CollectorSettings, scenario=None) -> int:
         watcher = PodWatcher(
             api_client, settings.node_name, facts.cluster, clock, service.on_pod_event,
             on_watch_error=lambda kind: metrics.get("gpumeter_collector_pod_watch_restarts_total").labels(kind).inc(),
+            on_pod_warning=lambda code: metrics.get("gpumeter_collector_pod_warnings_total").labels(code).inc(),
         )
         tasks.append(asyncio.create_task(watcher.run()))
     stop_on(stop, handle_signals=False, duration_seconds=settings.duration_seconds)

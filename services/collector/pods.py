@@ -11,6 +11,9 @@ Contracts worth knowing:
 * Containers are listed in pod-spec order: init containers, then regular containers, then ephemeral containers
   (debug containers cannot request resources but can set ``NVIDIA_VISIBLE_DEVICES`` and so see GPUs).
 * GPU resources are those ``is_gpu_resource`` names: nvidia.com/gpu, nvidia.com/gpu.shared, nvidia.com/mig-*.
+  HAMi's quantities (``nvidia.com/gpumem`` MiB, ``nvidia.com/gpumem-percentage``, ``nvidia.com/gpucores`` percent)
+  are kept beside them in the same maps, by the same rules, as amounts (never device counts; capped at
+  ``MAX_RESOURCE_REQUEST``).
 * A container's GPU request per resource is its limit, falling back to its request (extended resources must have
   requests == limits, but either may be the one written). Zero requests are dropped.
 * The pod-level ``gpu_requests`` is the pod's *effective* request as the scheduler and the kubelet's device
@@ -29,8 +32,11 @@ Contracts worth knowing:
   which the scheduler adds). Ephemeral containers cannot have resources. A request that is not a Kubernetes
   quantity, is negative, or exceeds ``MAX_RESOURCE_REQUEST`` is ``BAD_POD_OBJECT`` (the API server rejects such
   pods, so only a forged object has one).
-* ``assigned_devices`` is always empty here: the collector fills it from the kubelet PodResources API
-  with ``with_assignments``.
+* ``assigned_devices`` is empty here, but for a HAMi pod: the collector fills it from the kubelet PodResources API
+  with ``with_assignments``. A pod HAMi scheduled carries ``hami.io/vgpu-devices-allocated`` (``schemas.hami``):
+  its containers' GPUs are read from it here, as ``HAMI_RESOURCE`` assignments of canonical ``GPU-<uuid>`` ids,
+  because the ids the kubelet gives a HAMi pod are slot placeholders that name no GPU (``with_assignments``
+  drops them). The annotation is read before labels and annotations are cut to size.
 """
 
 from __future__ import annotations
@@ -40,21 +46,35 @@ import re
 from datetime import datetime, timedelta, timezone
 from decimal import ROUND_CEILING, Decimal, InvalidOperation
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from gpumeter.errors import InvalidMessage
+from schemas.hami import (
+    HAMI_ALLOCATED_ANNOTATION,
+    HamiAnnotationError,
+    containers_of,
+    is_hami_placeholder,
+    parse_allocation,
+)
 from schemas.records import DeviceAssignment, PodContainer, PodEvent, PodEventType
 from schemas.devices import (
+    GPU_RESOURCE,
+    HAMI_RESOURCE,
     MPS_THREAD_ENV,
     VALUE_FROM_MARK,
     VISIBLE_DEVICES_ENV,
     is_gpu_resource,
+    is_hami_request_resource,
+    is_hami_resource,
+    parse_device_id,
     resolve_device_id,
     resolve_visible_devices,
 )
 from services.collector.podsize import ANNOTATION_VALUE_MAX_BYTES, cut_to_size  # noqa: F401 - the rule's caps
 
 BAD_POD_OBJECT = "BAD_POD_OBJECT"
+HAMI_ANNOTATION_IGNORED = "HAMI_ANNOTATION_IGNORED"
+"""The code ``on_warning`` is called with for a HAMi allocation annotation that cannot be read."""
 
 MAX_GPU_REQUEST_COUNT = 2**31 - 1
 """Larger per-container requests are rejected: no node has that many devices, and sums must fit an Avro long."""
@@ -80,12 +100,15 @@ _POD_TEMPLATE_HASH_LABEL = "pod-template-hash"
 
 
 def pod_event_from_object(
-    obj: Mapping[str, Any], event_type: PodEventType, cluster: str, observed_at_unix_ms: int
+    obj: Mapping[str, Any], event_type: PodEventType, cluster: str, observed_at_unix_ms: int,
+    *, on_warning: Callable[[str, str], None] | None = None,
 ) -> PodEvent:
     """Build the ``PodEvent`` for one Pod object as the API server serialises it.
 
     Raises ``InvalidMessage`` (reason ``BAD_POD_OBJECT``) when the object is not a Pod we can read: not a
-    mapping, no ``metadata.uid``/``namespace``/``name``, or any field of the wrong JSON type.
+    mapping, no ``metadata.uid``/``namespace``/``name``, or any field of the wrong JSON type. A part of the pod
+    that is read but left out is reported as ``on_warning(code, detail)``: a HAMi allocation annotation HAMi would
+    not have written (``HAMI_ANNOTATION_IGNORED``; the pod is published without it, see ``_hami_assignments``).
     """
     pod = _mapping(obj, "pod")
     metadata = _mapping(pod.get("metadata"), "metadata")
@@ -117,6 +140,7 @@ def pod_event_from_object(
     regular_requests: list[dict[str, int]] = []
     init_resources: list[tuple[bool, dict[str, int]]] = []
     regular_resources: list[dict[str, int]] = []
+    names_by_field: dict[str, list[str]] = {"initContainers": [], "containers": [], "ephemeralContainers": []}
     seen_names: set[str] = set()
     for field in ("initContainers", "containers", "ephemeralContainers"):
         for index, entry in enumerate(_list(spec.get(field), f"spec.{field}")):
@@ -126,6 +150,7 @@ def pod_event_from_object(
             if container_name in seen_names:
                 raise _bad(f"{where}.name: container name {container_name!r} is used twice in the pod")
             seen_names.add(container_name)
+            names_by_field[field].append(container_name)
             gpu_requests = _gpu_requests(entry.get("resources"), f"{where}.resources")
             resources = _cpu_memory_requests(entry.get("resources"), f"{where}.resources")
             security_context = _optional_mapping(entry.get("securityContext"), f"{where}.securityContext")
@@ -151,6 +176,12 @@ def pod_event_from_object(
                 regular_resources.append(resources)
     pod_resources = _effective_pod_requests(init_resources, regular_resources)
     _add_into(pod_resources, _resource_amounts(spec.get("overhead"), "spec.overhead"))
+    # Read before the annotations are cut to size: a long allocation must not lose its last containers.
+    hami = _hami_assignments(annotations, names_by_field["initContainers"], names_by_field["containers"],
+                             f"pod {namespace}/{name}", on_warning)
+    if hami:
+        containers = [dataclasses.replace(c, assigned_devices=hami[c.name]) if c.name in hami else c
+                      for c in containers]
 
     return cut_to_size(PodEvent(
         event_type=PodEventType(event_type),
@@ -181,14 +212,40 @@ def with_assignments(
 
     Containers not named keep the assignments they had; names that are not containers of the pod are ignored
     (the kubelet and the API server can briefly disagree about a pod that is being replaced).
+
+    A HAMi pod (one whose containers hold ``HAMI_RESOURCE`` assignments, from its annotation) keeps them: they say
+    which GPU each container uses. Of the given assignments, its ``nvidia.com/gpu`` ids that are HAMi's slot
+    placeholders (``GPU-<uuid>-<n>``, ``schemas.hami.is_hami_placeholder``) are dropped -- HAMi's device plugin
+    ignores them, and the slot may even be another GPU's --, and so are given ``HAMI_RESOURCE`` ones (the event
+    read them from the annotation itself). Any other id the kubelet gave is kept: an annotation never takes a
+    device the kubelet assigned away from a pod.
     """
     if not assignments:
         return event
+    hami_pod = any(is_hami_resource(a.resource_name) for c in event.containers for a in c.assigned_devices)
     containers = tuple(
-        dataclasses.replace(c, assigned_devices=tuple(assignments[c.name])) if c.name in assignments else c
+        dataclasses.replace(c, assigned_devices=_merged(c, tuple(assignments[c.name]), hami_pod))
+        if c.name in assignments else c
         for c in event.containers
     )
     return dataclasses.replace(event, containers=containers)
+
+
+def _merged(container: PodContainer, given: tuple[DeviceAssignment, ...], hami_pod: bool
+            ) -> tuple[DeviceAssignment, ...]:
+    if not hami_pod:
+        return given
+    own = tuple(a for a in container.assigned_devices if is_hami_resource(a.resource_name))
+    kept: list[DeviceAssignment] = []
+    for assignment in given:
+        if is_hami_resource(assignment.resource_name):
+            continue
+        ids = assignment.device_ids
+        if assignment.resource_name == GPU_RESOURCE:
+            ids = tuple(d for d in ids if not is_hami_placeholder(d))
+        if ids:
+            kept.append(DeviceAssignment(assignment.resource_name, ids))
+    return own + tuple(kept)
 
 
 def with_devices_resolved(event: PodEvent, uuid_by_index: Mapping[str, str]) -> PodEvent:
@@ -207,6 +264,28 @@ def with_devices_resolved(event: PodEvent, uuid_by_index: Mapping[str, str]) -> 
         for c in event.containers
     )
     return event if containers == event.containers else dataclasses.replace(event, containers=containers)
+
+
+def _hami_assignments(annotations: Mapping[str, str], init_containers: list[str], containers: list[str],
+                      where: str, on_warning: Callable[[str, str], None] | None
+                      ) -> dict[str, tuple[DeviceAssignment, ...]]:
+    """Container name -> its ``HAMI_RESOURCE`` assignment, from ``hami.io/vgpu-devices-allocated``: the GPUs
+    HAMi's scheduler gave it, as canonical ``GPU-<uuid>`` (``MIG-<uuid>``) ids. An annotation HAMi would not have
+    written (``schemas.hami``) is left out with a warning rather than failing the pod: the pod is still attributed
+    by its processes' use, under its own name and labels, and its placeholder ids name no GPU."""
+    value = annotations.get(HAMI_ALLOCATED_ANNOTATION)
+    if not value:
+        return {}
+    try:
+        per_container = containers_of(parse_allocation(value), init_containers, containers)
+    except HamiAnnotationError as exc:
+        if on_warning is not None:
+            on_warning(HAMI_ANNOTATION_IGNORED, f"{where}: {HAMI_ALLOCATED_ANNOTATION} ignored: {exc}")
+        return {}
+    return {
+        name: (DeviceAssignment(HAMI_RESOURCE, tuple(parse_device_id(d.uuid).base_id for d in devices)),)
+        for name, devices in per_container.items()
+    }
 
 
 def _effective_pod_requests(
@@ -248,12 +327,15 @@ def _gpu_requests(resources: Any, where: str) -> dict[str, int]:
             raise _bad(f"{where}: resource name {resource_name!r} is not a string")
     result: dict[str, int] = {}
     for resource_name in sorted(names):
-        if not is_gpu_resource(resource_name):
+        hami = is_hami_request_resource(resource_name)
+        if not (hami or is_gpu_resource(resource_name)):
             continue
+        # HAMi's quantities are MiB or percent (an amount, not devices): the larger cap of other amounts.
+        cap = MAX_RESOURCE_REQUEST if hami else MAX_GPU_REQUEST_COUNT
         if resource_name in limits:
-            count = _quantity_count(limits[resource_name], f"{where}.limits[{resource_name}]")
+            count = _quantity_count(limits[resource_name], f"{where}.limits[{resource_name}]", cap)
         else:
-            count = _quantity_count(requests[resource_name], f"{where}.requests[{resource_name}]")
+            count = _quantity_count(requests[resource_name], f"{where}.requests[{resource_name}]", cap)
         if count > 0:
             result[resource_name] = count
     return result
@@ -311,12 +393,12 @@ def _quantity(value: Any, where: str) -> Decimal:
     return -amount if match["sign"] == "-" else amount
 
 
-def _quantity_count(value: Any, where: str) -> int:
-    """A whole, non-negative count from a Kubernetes quantity ("1", "2", "1k", 4)."""
+def _quantity_count(value: Any, where: str, cap: int = MAX_GPU_REQUEST_COUNT) -> int:
+    """A whole, non-negative count from a Kubernetes quantity ("1", "2", "1k", 4), at most ``cap``."""
     amount = _quantity(value, where)
     if amount < 0 or amount != amount.to_integral_value():
         raise _bad(f"{where}: GPU requests are whole non-negative counts, got {value!r}")
-    if amount > MAX_GPU_REQUEST_COUNT:
+    if amount > cap:
         raise _bad(f"{where}: {value!r} devices is not a request any node can satisfy")
     return int(amount)
 

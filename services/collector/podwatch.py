@@ -79,8 +79,9 @@ class PodWatcher:
     ``timeout_seconds``. Backoff after failures starts at ``backoff_initial_s``, doubles up to ``backoff_max_s``,
     and each wait is drawn from [d/2, d] with ``rng`` (seed it for reproducible runs). Metric hooks:
     ``on_relist(pod_count)`` after each complete list, ``on_watch_error(kind)`` on each failed list/watch
-    attempt, ``on_invalid_pod(error)`` for each pod object that could not be read. ``sleep`` waits out a backoff
-    (replaceable so that simulations and tests control time).
+    attempt, ``on_invalid_pod(error)`` for each pod object that could not be read, ``on_pod_warning(code)`` for
+    each pod object read with a part left out (``pods.HAMI_ANNOTATION_IGNORED``), each logged as a warning.
+    ``sleep`` waits out a backoff (replaceable so that simulations and tests control time).
     """
 
     def __init__(
@@ -100,6 +101,7 @@ class PodWatcher:
         on_relist: Callable[[int], None] | None = None,
         on_watch_error: Callable[[str], None] | None = None,
         on_invalid_pod: Callable[[InvalidMessage], None] | None = None,
+        on_pod_warning: Callable[[str], None] | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         if not node_name:
@@ -122,6 +124,7 @@ class PodWatcher:
         self._on_relist = on_relist
         self._on_watch_error = on_watch_error
         self._on_invalid_pod = on_invalid_pod
+        self._on_pod_warning = on_pod_warning
         self._sleep = sleep
 
         self._field_selector = f"spec.nodeName={node_name}"
@@ -238,7 +241,8 @@ class PodWatcher:
                     raise _StreamFailure(ERROR_PROTOCOL, "a pod list without metadata.resourceVersion")
             for item in items:
                 try:
-                    event = pod_event_from_object(item, PodEventType.ADDED, self._cluster, now_ms)
+                    event = pod_event_from_object(item, PodEventType.ADDED, self._cluster, now_ms,
+                                                  on_warning=self._warning)
                 except InvalidMessage as exc:
                     self._invalid(exc)
                     continue
@@ -346,7 +350,8 @@ class PodWatcher:
         if event_type not in ("ADDED", "MODIFIED", "DELETED"):
             raise _StreamFailure(ERROR_PROTOCOL, f"unknown watch event type {event_type!r}")
         try:
-            pod = pod_event_from_object(raw, PodEventType(event_type), self._cluster, self._clock.now_ms())
+            pod = pod_event_from_object(raw, PodEventType(event_type), self._cluster, self._clock.now_ms(),
+                                        on_warning=self._warning)
         except InvalidMessage as exc:
             self._invalid(exc)
         else:
@@ -364,6 +369,11 @@ class PodWatcher:
                 self._pods[pod.uid] = pod
         if resource_version:
             self._resource_version = resource_version
+
+    def _warning(self, code: str, detail: str) -> None:
+        logger.warning("pod object on node %s read in part: %s", self._node_name, detail)
+        if self._on_pod_warning is not None:
+            self._on_pod_warning(code)
 
     def _invalid(self, exc: InvalidMessage) -> None:
         logger.warning("skipping a pod object on node %s: %s", self._node_name, exc)
