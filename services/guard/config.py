@@ -114,6 +114,11 @@ class GuardConfig:
     # who is exempt from the visibility and unrequested-use rules (node agents see every GPU by design)
     exempt_namespaces: tuple[str, ...] = ("kube-system", "gpu-operator", "nvidia-gpu-operator", "nvidia-device-plugin")
     exempt_label: str = "gpumeter.io/guard-exempt"
+    # visibility_leak: whether the nodes' NVIDIA container toolkit honours NVIDIA_VISIBLE_DEVICES set in an
+    # unprivileged container's own spec (its default). False where it is hardened
+    # (accept-nvidia-visible-devices-envvar-when-unprivileged=false, with the device plugin's volume-mounts or CDI
+    # device lists): the variable is then no path to a GPU, so setting it is no leak (docs/guard.md).
+    visible_devices_envvar_honoured: bool = True
     team_label_key: str = "team"
     pod_linger_seconds: int = 900
     # unrequested_gpu_use
@@ -170,6 +175,9 @@ class GuardConfig:
             raise ConfigError(f"disabled_rules names unknown rules {sorted(unknown)}; rules are {', '.join(RULES)}")
         object.__setattr__(self, "disabled_rules", frozenset(self.disabled_rules))
         object.__setattr__(self, "exempt_namespaces", tuple(self.exempt_namespaces))
+        if not isinstance(self.visible_devices_envvar_honoured, bool):
+            raise ConfigError(f"visible_devices_envvar_honoured must be true or false, got "
+                              f"{self.visible_devices_envvar_honoured!r}")
         if not isinstance(self.exempt_label, str) or not isinstance(self.team_label_key, str) or \
                 not self.team_label_key:
             raise ConfigError("exempt_label and team_label_key must be strings (team_label_key not empty)")
@@ -305,6 +313,14 @@ def _to_str(value: Any, where: str) -> str:
     return value
 
 
+def _to_bool(value: Any, where: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    raise ConfigError(f"{where}: expected true or false, got {value!r}")
+
+
 def _to_str_list(value: Any, where: str) -> tuple[str, ...]:
     if isinstance(value, str):
         return tuple(item.strip() for item in value.split(",") if item.strip())
@@ -381,6 +397,7 @@ _PARSERS: dict[str, Callable[[Any, str], Any]] = {
     "disabled_rules": _to_rule_set,
     "exempt_namespaces": _to_str_list,
     "exempt_label": _to_str,
+    "visible_devices_envvar_honoured": _to_bool,
     "team_label_key": _to_str,
     "pod_linger_seconds": _to_int,
     "unrequested_min_memory_bytes": _to_int,
@@ -413,7 +430,7 @@ _SECTIONS: dict[str, str] = {
     RULE_GPU_ERROR: "gpu_error_",
 }
 _SECTION_FIELDS: dict[str, frozenset[str]] = {
-    RULE_VISIBILITY_LEAK: frozenset({"exempt_namespaces", "exempt_label"}),
+    RULE_VISIBILITY_LEAK: frozenset({"exempt_namespaces", "exempt_label", "visible_devices_envvar_honoured"}),
     RULE_BUDGET_EXCEEDED: frozenset({"budget_forecast_warning_fraction", "budget_forecast_min_elapsed_fraction",
                                      "cost_dedup_horizon_seconds"}),
 }

@@ -381,7 +381,10 @@ def visibility_leak_spec(pod: PodView, devices: Sequence[GpuDeviceSample],
     node) or whose spec sets NVIDIA_VISIBLE_DEVICES itself to ``all``, to a value from a ConfigMap/Secret
     (unknowable), or to ids/indices naming a unit the pod was not assigned — whether or not it uses a GPU.
     ``void``, ``none`` and empty give no GPU and are fine. ``devices``: the node's latest units (to resolve
-    indices; without them an index counts as not the pod's own)."""
+    indices; without them an index counts as not the pod's own). Where the toolkit does not honour the variable
+    (``config.visible_devices_envvar_honoured`` false) only privileged containers are a spec leak: what a container
+    then mounts (volume-mounts device lists, CDI, a hostPath of ``/dev/nvidia*``) is not in the pod's records, and
+    only its use shows (``visibility_leak``, the process condition)."""
     if not config.rule_enabled(RULE_VISIBILITY_LEAK) or not pod.alive or is_exempt(pod, config):
         return ()
     privileged = all_count = value_from = ids_count = foreign_entries = 0
@@ -389,7 +392,7 @@ def visibility_leak_spec(pod: PodView, devices: Sequence[GpuDeviceSample],
         if container.privileged:
             privileged += 1
         value = container.visible_devices_env
-        if value is None:
+        if value is None or not config.visible_devices_envvar_honoured:
             continue
         text = value.strip()
         if text.lower() in NO_GPU_VALUES:

@@ -16,8 +16,9 @@ and the guard service (``services.guard.main.serve``) consumes them:
 Inputs after the last pod event or sample (windows closed by replay's end-of-input timer) are not produced: the
 service has no end of input, and at that instant it would rightly judge every node silent.
 
-Then the violations topic must hold, per fingerprint (its key), exactly the ``Violation`` records replay
-published up to that instant, in the same order — every field: rule, severity, subject, evidence, first and
+Every other shipped scenario runs the same way (``test_every_other_scenario_...``): whatever its replay's guard
+published, the service publishes. Then the violations topic must hold, per fingerprint (its key), exactly the
+``Violation`` records replay published up to that instant, in the same order — every field: rule, severity, subject, evidence, first and
 last seen, resolution time; each scenario's rules must fire and resolve (a lost GPU stays lost: the simulator
 cannot bring it back, so ``gpu_error`` resolves through the NVML error of the same scenario); and no dead letters.
 """
@@ -135,13 +136,17 @@ def _input_path(name: str, tmp_path: Path) -> Path:
     return _stale_recording(tmp_path) if name == "stale_collector" else SCENARIOS / f"{name}.yaml"
 
 
-def _plan(name: str, tmp_path: Path, topics: TopicCatalog, monkeypatch) -> Plan:
-    """Replay ``name`` keeping its broker, and turn what the replay's guard read into the broker plan."""
+def _plan(name: str, tmp_path: Path, topics: TopicCatalog, monkeypatch, *, unpriced_allowed: bool = False) -> Plan:
+    """Replay ``name`` keeping its broker, and turn what the replay's guard read into the broker plan
+    (``unpriced_allowed``: node-windows no bundled price covers are billing's NO_PRICE, not the guard's concern)."""
     _KeptBroker.instances.clear()
     monkeypatch.setattr(attributor_replay, "MemoryBroker", _KeptBroker)
     summary = attributor_replay.replay(_input_path(name, tmp_path), tmp_path / "replay", guard_config=CONFIG)
     monkeypatch.undo()
-    assert summary.dead_letters == {} and summary.unpriced == (), summary
+    if unpriced_allowed:
+        assert set(summary.dead_letters) <= {"NO_PRICE"}, summary
+    else:
+        assert summary.dead_letters == {} and summary.unpriced == (), summary
     (broker,) = _KeptBroker.instances
     inputs = _guard_inputs(broker)
 
@@ -228,8 +233,16 @@ async def test_each_rule_fires_and_resolves_through_the_broker_as_in_replay(name
     assert {(rule, state) for rule in expected_rules for state in ViolationState} <= replayed, (
         f"replay of {name} does not fire and resolve {sorted(expected_rules)}: {sorted(replayed)}")
 
-    await _drive(plan, kafka_settings, topics, group_id, tmp_path)
+    on_topic = await _drive_and_compare(plan, kafka_settings, topics, group_id, tmp_path)
+    for rule in expected_rules:
+        resolved = [v for _, v in on_topic if v.rule == rule and v.state is ViolationState.RESOLVED]
+        assert resolved, f"{rule} never resolved on the violations topic"
 
+
+async def _drive_and_compare(plan: Plan, kafka_settings, topics: TopicCatalog, group_id: str, tmp_path: Path):
+    """Run the guard service over the plan; the violations topic must hold, per fingerprint, exactly replay's
+    records in replay's order, and the guard dead-letter nothing. Returns the topic's (key, violation) pairs."""
+    await _drive(plan, kafka_settings, topics, group_id, tmp_path)
     on_topic = await read_records(kafka_settings, topics.violations, codec_for(Violation).decode)
     streamed: dict[str, list[Violation]] = defaultdict(list)
     for key, violation in on_topic:
@@ -241,11 +254,22 @@ async def test_each_rule_fires_and_resolves_through_the_broker_as_in_replay(name
     assert set(streamed) == set(expected)
     for fingerprint, records in expected.items():
         assert streamed[fingerprint] == records, fingerprint
-    for rule in expected_rules:
-        resolved = [v for _, v in on_topic if v.rule == rule and v.state is ViolationState.RESOLVED]
-        assert resolved, f"{rule} never resolved on the violations topic"
     letters = await read_records(kafka_settings, topics.dead_letters, codec_for(DeadLetter).decode)
     assert letters == []
+    return on_topic
+
+
+# Every other shipped scenario: whatever replay's guard publishes (nothing, for some), the service publishes too.
+OTHER_SCENARIOS = sorted(p.stem for p in SCENARIOS.glob("*.yaml") if p.stem not in EXPECTED_RULES)
+
+
+@pytest.mark.parametrize("name", OTHER_SCENARIOS)
+async def test_every_other_scenario_publishes_replays_violations_through_the_broker(name, kafka_settings, group_id,
+                                                                                   tmp_path, monkeypatch):
+    topics = TopicCatalog(prefix=kafka_settings.topic_prefix, partitions_override=PARTITIONS)
+    await create_topics(kafka_settings, topics)
+    plan = _plan(name, tmp_path, topics, monkeypatch, unpriced_allowed=True)
+    await _drive_and_compare(plan, kafka_settings, topics, group_id, tmp_path)
 
 
 def test_every_rule_has_a_broker_scenario():

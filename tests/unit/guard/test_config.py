@@ -30,6 +30,7 @@ def test_defaults_load_from_nothing_and_every_field_round_trips_through_env(tmp_
         "GPUMETER_GUARD_DISABLED_RULES": "stale_node, gpu_error",
         "GPUMETER_GUARD_EXEMPT_NAMESPACES": "a,b",
         "GPUMETER_GUARD_EXEMPT_LABEL": "x/exempt",
+        "GPUMETER_GUARD_VISIBLE_DEVICES_ENVVAR_HONOURED": "false",
         "GPUMETER_GUARD_TEAM_LABEL_KEY": "squad",
         "GPUMETER_GUARD_POD_LINGER_SECONDS": "64",
         "GPUMETER_GUARD_UNREQUESTED_MIN_MEMORY_BYTES": "65",
@@ -146,6 +147,18 @@ def test_a_file_that_cannot_be_read_and_bad_env_values_are_config_errors(tmp_pat
         GuardConfig.load(None, {"GPUMETER_GUARD_NAMESPACE_BUDGETS": "{not json"})
     with pytest.raises(ConfigError, match="set twice|already set"):
         GuardConfig.load(write(tmp_path, "idle_for_seconds: 5\nidle_allocation: {for_seconds: 6}"), {})
+
+
+def test_the_visibility_section_says_whether_the_toolkit_honours_the_variable(tmp_path):
+    assert GuardConfig().visible_devices_envvar_honoured is True
+    hardened = GuardConfig.load(write(tmp_path, "visibility_leak: {visible_devices_envvar_honoured: false}"), {})
+    assert hardened.visible_devices_envvar_honoured is False
+    assert GuardConfig.load(None, {"GPUMETER_GUARD_VISIBLE_DEVICES_ENVVAR_HONOURED": "TRUE"}) == GuardConfig()
+    for bad in ("0", "no", "sometimes"):
+        with pytest.raises(ConfigError, match="VISIBLE_DEVICES_ENVVAR_HONOURED"):
+            GuardConfig.load(None, {"GPUMETER_GUARD_VISIBLE_DEVICES_ENVVAR_HONOURED": bad})
+    with pytest.raises(ConfigError, match="true or false"):
+        GuardConfig(visible_devices_envvar_honoured="false")
 
 
 def test_a_section_and_its_flat_field_cannot_both_be_given(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -515,3 +516,19 @@ def test_a_pod_subject_carries_its_team_label_for_routing_but_not_in_its_fingerp
     # A team subject's team is its identity.
     assert fingerprint_of("budget_exceeded", CLUSTER, team="vision") != fingerprint_of(
         "budget_exceeded", CLUSTER, team="speech")
+
+
+def test_where_the_toolkit_ignores_the_variable_only_privileged_specs_leak_and_use_still_shows():
+    """Hardened nodes (accept-nvidia-visible-devices-envvar-when-unprivileged=false, volume-mounts or CDI device
+    lists): NVIDIA_VISIBLE_DEVICES=all opens no GPU, so it is no spec leak; privileged still is, and a process on a
+    unit the pod was not given is a leak whatever path got it there."""
+    hardened = dataclasses.replace(CONFIG, visible_devices_envvar_honoured=False)
+    for env in ("all", "<valueFrom>", GPU_B):
+        assert visibility_leak_spec(apply_pod_event(None, leaker(env=env)), (), hardened) == ()
+        assert visibility_leak_spec(apply_pod_event(None, leaker(env=env)), (), CONFIG) != ()
+    (c,) = visibility_leak_spec(apply_pod_event(None, leaker(env="all", privileged=True)), (), hardened)
+    assert c.evidence["privileged_containers_count"] == 1 and c.evidence["visible_devices_all_containers_count"] == 0
+    user = pod_event(UID_1, "user", containers=[container(env="all")])
+    s = sample([device(GPU_A, processes=[proc(1, 0, GIB)])], [UID_1])
+    (leak,) = [c for c in visibility_leak(s, pods_of(user), hardened) if c.gpu_uuid is not None]
+    assert (leak.pod_uid, leak.gpu_uuid) == (UID_1, GPU_A)
