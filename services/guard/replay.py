@@ -1,14 +1,12 @@
-"""The guard offline: ``GuardEngine`` driven by the attributor's replay, and ``violations.jsonl``.
+"""The guard offline without the runner: ``GuardEngine`` driven from already-timed inputs, and ``violations.jsonl``.
 
-``gpumeter replay`` (``pipeline/replay.py``) builds one ``GuardReplay`` and feeds it, at the input's
-own times, exactly what the streaming guard would consume: each pod event and sample when it is received, each
-share row and cost line when its window is closed and priced, and the clock once per new instant. At the end of
-the input it calls ``finish(end_ms)``: the clock moves on (hold-downs expire, budget periods roll) but the end of
-the input is not taken for the nodes going silent. Every record the engine publishes is written as one line of
-``violations.jsonl`` (``violation_json``), in publication order.
-
-``replay_violations(records, shares, costs, config)`` does the same from already-timed inputs, for tools and
-tests that hold the attributor's and billing's output rather than run them.
+``gpumeter replay`` (``pipeline/replay.py``) runs the guard's own processor (``services.guard.processor``) on the
+runner over its in-memory broker, as the stream does; this module keeps what is handy beside it:
+``violation_json`` (the ``violations.jsonl`` object of one published record) and ``replay_violations(records,
+shares, costs, config)``, which feeds a ``GuardEngine`` directly from timed inputs -- for tools and tests that hold
+the attributor's and billing's output rather than run them. ``GuardReplay`` is its engine wrapper: each pod event
+and sample when received, each share row and cost line when available, the clock once per new instant, and
+``finish(end_ms)`` at the end (the clock moves on; the end of the input is not taken for the nodes going silent).
 """
 
 from __future__ import annotations
