@@ -221,16 +221,20 @@ class KafkaDriver(ProcessorLifecycle):
         per fetch. Once stopping it takes no more (the rest is read again after the restart). Returns how many
         it took."""
         steps: list[tuple[RawMessage | None, Result]] = []
+        taken: dict[TopicPartition, int] = {}
         for message in messages:
             if self.stopping:
                 break
             step = self.runner.step(message)
             steps.append((message, step.result))
-            self._taken[(message.topic, message.partition)] = message.offset + 1
+            taken[(message.topic, message.partition)] = message.offset + 1
         if steps:
             self.batches += 1
             log.debug("%s: batch of %d messages", self.runner.service, len(steps))
             await self.settle(steps)
+        # Read only once settled: a batch whose store apply raised (or was stopped in its retry) is not taken, so
+        # no checkpoint -- the final one included -- commits past it, and it is read again after the restart.
+        self._taken.update(taken)
         return len(steps)
 
     async def checkpoint(self, *, retry: bool = True) -> None:
