@@ -56,6 +56,7 @@ from bench.workload import Fleet
 
 TARGET_P99_S = 2.0
 TARGET_GPUS = 10_000
+TARGET_CEILING_GPU_SAMPLES_PER_S = 20_000  # issue 16: twice the 10,000-GPU load, end to end
 WINDOW_SECONDS = 60
 GRACE_SECONDS = 10
 IDLE_CLOSE_SECONDS = 30
@@ -946,8 +947,9 @@ def targets_for(figures: dict[str, Any]) -> list[Target]:
                               cause))
     ceiling = figures.get("ceiling", {}).get("gpu_samples_per_s_end_to_end")
     if ceiling is not None:
-        met = ceiling >= TARGET_GPUS
-        targets.append(Target("stream throughput ceiling", f">= {TARGET_GPUS:,} GPU-samples/s (10,000 GPUs @ 1 Hz)",
+        met = ceiling >= TARGET_CEILING_GPU_SAMPLES_PER_S
+        targets.append(Target("stream throughput ceiling", f">= {TARGET_CEILING_GPU_SAMPLES_PER_S:,} GPU-samples/s "
+                              "(twice 10,000 GPUs @ 1 Hz)",
                               f"{fmt_int(ceiling)} GPU-samples/s end to end (backlog drain)", met,
                               "" if met else "the attributor is the bottleneck; see docs/performance.md"))
     scaling = figures.get("scaling", {})
