@@ -17,29 +17,14 @@ The peer's side of ``services.collector.dra``, written from the driver's behavio
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from typing import Any, Iterable
 
+from services.collector.podresources.client import ContainerClaimDevice
 from simulator.scenario import MIG_TOTAL_MEMORY_SLICES, SHARING_MIG, SHARING_MPS, SHARING_TIME_SLICING, GpuSpec, NodeSpec
 
 DRIVER = "gpu.nvidia.com"
 CDI_KIND = "k8s.gpu.nvidia.com/claim"
 _STRATEGY = {SHARING_TIME_SLICING: "TimeSlicing", SHARING_MPS: "MPS"}
-
-
-@dataclass(frozen=True, slots=True)
-class DynamicAssignment:
-    """One claim device of one container, as the kubelet's PodResources lists it under ``dynamic_resources``."""
-
-    namespace: str
-    pod_name: str
-    container_name: str
-    claim_namespace: str
-    claim_name: str
-    driver_name: str
-    pool_name: str
-    device_name: str
-    cdi_ids: tuple[str, ...]
 
 
 def claim_uid(seed: int, namespace: str, name: str) -> str:
@@ -120,10 +105,10 @@ def resource_claim(seed: int, node: NodeSpec, namespace: str, name: str, gpu: in
 
 
 def dynamic_assignment(seed: int, node: NodeSpec, namespace: str, pod_name: str, container_name: str, claim: str,
-                       gpu: int, instance: int | None) -> DynamicAssignment:
+                       gpu: int, instance: int | None) -> ContainerClaimDevice:
     name = device_name(node.gpus[gpu], instance)
-    return DynamicAssignment(namespace, pod_name, container_name, namespace, claim, DRIVER, node.name, name,
-                             (f"{CDI_KIND}={claim_uid(seed, namespace, claim)}-{name}",))
+    return ContainerClaimDevice(namespace, pod_name, container_name, namespace, claim, DRIVER, node.name, name,
+                                (f"{CDI_KIND}={claim_uid(seed, namespace, claim)}-{name}",))
 
 
 def _claim_devices(pods: Iterable[Any]):
@@ -148,7 +133,7 @@ def claims_for(seed: int, node: NodeSpec, pods: Iterable[Any]) -> dict[tuple[str
     return {key: resource_claim(seed, node, key[0], key[1], *units[key], consumers[key]) for key in units}
 
 
-def dynamic_assignments(seed: int, node: NodeSpec, pods: Iterable[Any]) -> list[DynamicAssignment]:
+def dynamic_assignments(seed: int, node: NodeSpec, pods: Iterable[Any]) -> list[ContainerClaimDevice]:
     """What the kubelet lists under ``dynamic_resources`` for the running ``pods`` of ``node``."""
     return [dynamic_assignment(seed, node, pod.namespace, pod.name, container.name, device.claim, device.gpu,
                                device.instance)

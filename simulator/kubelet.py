@@ -31,7 +31,7 @@ import grpc.aio
 
 from gpumeter.errors import ConfigError
 from services.collector.podresources import api_pb2, api_pb2_grpc
-from services.collector.podresources.client import MAX_UNIX_SOCKET_PATH_BYTES
+from services.collector.podresources.client import MAX_UNIX_SOCKET_PATH_BYTES, ContainerClaimDevice
 
 # (namespace, pod_name, container_name, resource_name, device_ids). Empty device_ids lists the container with no
 # devices for that resource, as the kubelet lists every container of every active pod.
@@ -51,13 +51,13 @@ def _is_socket(path: str) -> bool:
 def build_pod_resources(assignments: Iterable[Assignment]) -> list[api_pb2.PodResources]:
     """Group flat assignments into PodResources messages, keeping first-seen order of pods and containers.
 
-    An item may also be a DRA claim device (``simulator.dra.DynamicAssignment``: namespace, pod_name,
-    container_name, claim_namespace, claim_name, driver_name, pool_name, device_name, cdi_ids): it is listed under
-    the container's ``dynamic_resources``, one entry per claim, as the kubelet's DRA manager reports it."""
+    An item may also be a DRA claim device (``ContainerClaimDevice``, the record the collector's client reads back
+    from the same message): it is listed under the container's ``dynamic_resources``, one entry per claim, as the
+    kubelet's DRA manager reports it."""
     pods: dict[tuple[str, str], dict[str, dict[str, list[str]]]] = {}
     claims: dict[tuple[str, str, str], dict[tuple[str, str], list]] = {}
     for item in assignments:
-        if hasattr(item, "claim_name"):
+        if isinstance(item, ContainerClaimDevice):
             pods.setdefault((str(item.namespace), str(item.pod_name)), {}).setdefault(str(item.container_name), {})
             per_claim = claims.setdefault((str(item.namespace), str(item.pod_name), str(item.container_name)), {})
             per_claim.setdefault((str(item.claim_namespace), str(item.claim_name)), []).append(item)
@@ -215,7 +215,7 @@ class FakeKubelet:
             return [(str(name), tuple(ids)) for name, ids in self._allocatable_provider()]
         merged: dict[str, list[str]] = {}
         for item in self._assignments():
-            if hasattr(item, "claim_name"):
+            if isinstance(item, ContainerClaimDevice):
                 continue  # DRA devices are not the device manager's to allocate
             _namespace, _pod, _container, resource_name, device_ids = item
             known = merged.setdefault(resource_name, [])
