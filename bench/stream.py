@@ -709,6 +709,17 @@ async def pods_phase(b: Bench, first: int, last: int, label: str) -> dict[str, A
             **b.cpu.between(label, f"{label} done")}
 
 
+async def _last_cost_at_s(b: Bench, keys: list[tuple[str, int]], what: str, services: list[Service]) -> float:
+    """Wait until every node-window of ``keys`` is costed whole; the broker time (s) of its last cost record."""
+    rows = rows_per_node_window(b.fleet)
+
+    async def done() -> bool:
+        return b.tail.complete(keys, rows) == len(keys)
+
+    await wait_until(done, b.config.drain_timeout_s, what, every_s=0.25, services=services)
+    return max(b.tail.stats[k][2] for k in keys) / 1000
+
+
 async def ceiling_phase(b: Bench, attributor_command: list[str], workdir: Path, backlog_start: int) -> dict[str, Any]:
     """A whole window of ticks for ``ceiling_nodes`` nodes, produced while the attributor is stopped (a running,
     caught-up attributor's clock would rightly call such old ticks late), then drained by a restarted one."""
@@ -726,15 +737,8 @@ async def ceiling_phase(b: Bench, attributor_command: list[str], workdir: Path, 
     await attributor.wait_for("Worker ready", 600)
     ready_at = time.time()
     keys = [(b.fleet.node(i).name, backlog_start) for i in range(nodes)]
-    rows = rows_per_node_window(b.fleet)
-
-    async def done() -> bool:
-        return b.tail.complete(keys, rows) == len(keys)
-
-    await wait_until(done, b.config.drain_timeout_s, "billing the backlog", every_s=0.25, services=b.services)
+    elapsed = await _last_cost_at_s(b, keys, "billing the backlog", b.services) - ready_at
     b.cpu.mark("backlog done")
-    last_cost_ms = max(b.tail.stats[k][2] for k in keys)
-    elapsed = last_cost_ms / 1000 - ready_at
     gpu_samples = sent * b.fleet.gpus_per_node
     figures = {
         "backlog_nodes": nodes,
@@ -784,16 +788,9 @@ async def scaling_phase(b: Bench, attributor_command: list[str], workdir: Path, 
         await worker.wait_for("Worker ready", 600)
     all_ready_at = time.time()
     keys = [(b.fleet.node(i).name, backlog_start) for i in range(first_node, first_node + nodes)]
-    rows = rows_per_node_window(b.fleet)
-
-    async def done() -> bool:
-        return b.tail.complete(keys, rows) == len(keys)
-
-    await wait_until(done, b.config.drain_timeout_s, f"billing the {label} backlog", every_s=0.25,
-                     services=[*attributors, b.services[1]])
+    elapsed = await _last_cost_at_s(b, keys, f"billing the {label} backlog",
+                                    [*attributors, b.services[1]]) - first_ready_at
     b.cpu.mark(f"{label} done")
-    last_cost_ms = max(b.tail.stats[k][2] for k in keys)
-    elapsed = last_cost_ms / 1000 - first_ready_at
     gpu_samples = sent * b.fleet.gpus_per_node
     figures = {
         "attributor_workers": workers,
