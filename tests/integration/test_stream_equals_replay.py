@@ -76,6 +76,32 @@ def _letters(letters, service: str) -> list[tuple[str, str]]:
     return sorted((d.reason_code, d.payload_sha256) for d in letters if d.service == service)
 
 
+async def _produce_as_collected(producer: RecordProducer, catalog, message, payload: bytes) -> None:
+    """``payload`` (the encoded ``message``) where the collector puts it: a sample keyed by its node, a pod event by
+    ``<node>/<uid>``, on the node's partition."""
+    partition = partition_for_node(message.node_name, PARTITIONS)
+    if isinstance(message, NodeSample):
+        await producer.send_bytes(catalog.node_samples, payload, key=message.node_name.encode(), partition=partition)
+    else:
+        await producer.send_bytes(catalog.pod_events, payload, key=pod_event_key(message.node_name, message.uid),
+                                  partition=partition)
+
+
+async def _attributed(kafka_settings, catalog, tmp_path: Path, name: str, share_rows: int) -> Outputs:
+    """A ``gpumeter attributor`` worker run over the input until ``share_rows`` rows (and 2 s more) are out."""
+    worker = AttributorProcess(kafka_settings, tmp_path, name, "--window-seconds", str(WINDOW_S),
+                               "--grace-seconds", str(GRACE_S), "--pod-linger-seconds", str(POD_LINGER_S)).start()
+    outputs = Outputs(kafka_settings, catalog, f"g{uuid.uuid4().hex[:8]}")
+    await outputs.consumer.start()
+    try:
+        await outputs.poll_until(lambda: len(outputs.shares) >= share_rows, 90, "all shares", worker.log)
+        await outputs.drain(2.0)
+    finally:
+        await outputs.consumer.stop()
+        worker.stop()
+    return outputs
+
+
 @pytest.mark.parametrize("name", SCENARIOS)
 async def test_streaming_shares_and_costs_equal_replay_on_a_scenario(name, kafka_settings, topic_catalog, tmp_path):
     scenario_path = _shifted_scenario(tmp_path, name)
@@ -89,28 +115,13 @@ async def test_streaming_shares_and_costs_equal_replay_on_a_scenario(name, kafka
     await producer.start()
     try:
         for record in scenario_records(load_scenario(scenario_path)):
-            message = record.message
-            partition = partition_for_node(message.node_name, PARTITIONS)
-            if isinstance(message, NodeSample):
-                await producer.send(topic_catalog.node_samples, message, key=message.node_name.encode(),
-                                    partition=partition)
-            else:
-                await producer.send(topic_catalog.pod_events, message,
-                                    key=pod_event_key(message.node_name, message.uid), partition=partition)
+            await _produce_as_collected(producer, topic_catalog, record.message,
+                                        codec_for(type(record.message)).encode(record.message))
         await producer.flush()
     finally:
         await producer.stop()
 
-    worker = AttributorProcess(kafka_settings, tmp_path, "equal", "--window-seconds", str(WINDOW_S),
-                               "--grace-seconds", str(GRACE_S), "--pod-linger-seconds", str(POD_LINGER_S)).start()
-    outputs = Outputs(kafka_settings, topic_catalog, f"g{uuid.uuid4().hex[:8]}")
-    await outputs.consumer.start()
-    try:
-        await outputs.poll_until(lambda: len(outputs.shares) >= len(expected), 90, "all shares", worker.log)
-        await outputs.drain(2.0)
-    finally:
-        await outputs.consumer.stop()
-        worker.stop()
+    outputs = await _attributed(kafka_settings, topic_catalog, tmp_path, "equal", len(expected))
     streamed = sorted((share_json(s) for s in outputs.shares), key=lambda r: sorted(r.items()).__repr__())
     assert _letters(outputs.dead_letters, "attributor") == sorted(
         (d["reason_code"], d["payload_sha256"]) for d in replay_letters if d["service"] == "attributor")
@@ -222,27 +233,12 @@ async def test_bad_input_is_dead_lettered_alike_by_the_stream_and_replay(kafka_s
                 # What does not decode has no node to route by: it goes where replay puts it, the samples topic.
                 await producer.send_bytes(topic_catalog.node_samples, frame.payload, partition=0)
                 continue
-            partition = partition_for_node(message.node_name, PARTITIONS)
-            if isinstance(message, NodeSample):
-                await producer.send_bytes(topic_catalog.node_samples, frame.payload,
-                                          key=message.node_name.encode(), partition=partition)
-            else:
-                await producer.send_bytes(topic_catalog.pod_events, frame.payload,
-                                          key=pod_event_key(message.node_name, message.uid), partition=partition)
+            await _produce_as_collected(producer, topic_catalog, message, frame.payload)
         await producer.flush()
     finally:
         await producer.stop()
 
-    worker = AttributorProcess(kafka_settings, tmp_path, "bad", "--window-seconds", str(WINDOW_S),
-                               "--grace-seconds", str(GRACE_S), "--pod-linger-seconds", str(POD_LINGER_S)).start()
-    outputs = Outputs(kafka_settings, topic_catalog, f"g{uuid.uuid4().hex[:8]}")
-    await outputs.consumer.start()
-    try:
-        await outputs.poll_until(lambda: len(outputs.shares) >= summary.share_rows, 90, "all shares", worker.log)
-        await outputs.drain(2.0)
-    finally:
-        await outputs.consumer.stop()
-        worker.stop()
+    outputs = await _attributed(kafka_settings, topic_catalog, tmp_path, "bad", summary.share_rows)
     assert len(outputs.shares) == summary.share_rows
 
     billing_group, guard_group = f"b{uuid.uuid4().hex[:8]}", f"gd{uuid.uuid4().hex[:8]}"
