@@ -496,6 +496,11 @@ class Ledger:
         elif read_only:
             event.listen(self.engine, "connect", lambda dbapi, _record: _postgres_read_only(dbapi))
 
+    @property
+    def sqlite_file(self) -> Path | None:
+        """The database file of a SQLite file ledger; None for PostgreSQL and an in-memory SQLite."""
+        return None if self._files is None else self._files.path
+
     def _count_connections(self, change: int) -> None:
         self._connections = max(0, self._connections + change)
 
