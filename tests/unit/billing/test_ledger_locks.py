@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sqlite3
 import subprocess
 import sys
 from datetime import datetime, timezone
@@ -21,7 +20,7 @@ import pytest
 
 from services.billing.ledger import Ledger, LedgerUnusable
 from services.billing.ledger_lock import BillingLock, LedgerInUse, lock_path_of
-from tests.unit.billing.conftest import WINDOW_START_MS, sample_costs
+from tests.unit.billing.conftest import WINDOW_START_MS, posix_locks_held, sample_costs
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 HOUR_MS = 3_600_000
@@ -29,23 +28,6 @@ HOUR_MS = 3_600_000
 
 def everything(results):
     return [c for r in results for c in r.costs], [r.bill for r in results]
-
-
-def posix_locks_held(pid: int, path: Path) -> list[str]:
-    """The POSIX (fcntl) locks ``pid`` holds on ``path`` now, as ``/proc/locks`` lists them (read, not opened by
-    SQLite: reading it touches no lock)."""
-    st = os.lstat(path)
-    device = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-    held = []
-    with open("/proc/locks") as locks:
-        for line in locks:
-            fields = line.split()
-            if "->" in fields[:2]:
-                continue  # a waiter, not a holder
-            kind, access, owner, where = fields[1], fields[3], fields[4], fields[5]
-            if kind == "POSIX" and owner == str(pid) and where == device:
-                held.append(f"{access} {fields[6]}-{fields[7]}")
-    return held
 
 
 def clean_env() -> dict[str, str]:
