@@ -45,8 +45,9 @@ Inserts are bulk (executemany, which SQLAlchemy batches into multi-row ``VALUES`
 Database errors are wrapped in ``LedgerError``. A SQLite file ledger's files are checked before every use
 (``services.billing.sqlite_files``: folder, database, ``-wal`` and ``-shm`` writable, the mapped ``-shm`` neither
 made unwritable nor cut; never by opening them, which would drop SQLite's locks): SQLite maps the ``-shm``, and a
-mapping its file can no longer back kills the process with SIGBUS. Unfit files raise ``LedgerUnusable`` without calling SQLite, and ``close()`` then leaves the
-connections open (``abandoned_ledgers``) rather than write the index while closing.
+mapping its file can no longer back kills the process with SIGBUS. Unfit files raise ``LedgerUnusable`` without
+calling SQLite, and ``close()`` then leaves the connections open (``abandoned_ledgers``) rather than write the index
+while closing.
 """
 
 from __future__ import annotations
