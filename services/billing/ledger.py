@@ -44,9 +44,10 @@ Inserts are bulk (executemany, which SQLAlchemy batches into multi-row ``VALUES`
 
 Database errors are wrapped in ``LedgerError``. A SQLite file ledger's files are checked before every use
 (``services.billing.sqlite_files``: folder, database, ``-wal`` and ``-shm`` writable, the mapped ``-shm`` neither
-made unwritable nor cut): SQLite maps the ``-shm``, and a mapping its file can no longer back kills the process
-with SIGBUS. Unfit files raise ``LedgerUnusable`` without calling SQLite, and ``close()`` then leaves the
-connections open (``abandoned_ledgers``) rather than write the index while closing.
+made unwritable nor cut; never by opening them, which would drop SQLite's locks): SQLite maps the ``-shm``, and a
+mapping its file can no longer back kills the process with SIGBUS. Unfit files raise ``LedgerUnusable`` without
+calling SQLite, and ``close()`` then leaves the connections open (``abandoned_ledgers``) rather than write the index
+while closing.
 """
 
 from __future__ import annotations
@@ -495,6 +496,11 @@ class Ledger:
             event.listen(self.engine, "close_detached", lambda _dbapi: self._count_connections(-1))
         elif read_only:
             event.listen(self.engine, "connect", lambda dbapi, _record: _postgres_read_only(dbapi))
+
+    @property
+    def sqlite_file(self) -> Path | None:
+        """The database file of a SQLite file ledger; None for PostgreSQL and an in-memory SQLite."""
+        return None if self._files is None else self._files.path
 
     def _count_connections(self, change: int) -> None:
         self._connections = max(0, self._connections + change)

@@ -3,7 +3,11 @@ ledger, creates missing topics, and runs ``BillingProcessor`` with its ``LedgerS
 (``MessageRunner`` in a ``KafkaDriver`` consumer group) until SIGTERM/SIGINT or ``--duration``; all behaviour lives
 in the modules it wires.
 
-Exit codes: 0 after a clean stop, 1 when Kafka, the ledger or the loop failed, 2 for unusable settings.
+A SQLite file ledger takes one billing process: billing holds ``<ledger>.billing.lock`` from before it migrates
+until it exits (``services.billing.ledger_lock``) and a second one on the same file is refused at start.
+
+Exit codes: 0 after a clean stop, 1 when Kafka, the ledger or the loop failed, 2 for unusable settings (also: the
+SQLite ledger is held by another billing).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import argparse
 import asyncio
 import logging
 import os
+import socket
 import sys
 from typing import Mapping
 
@@ -26,6 +31,7 @@ from gpumeter.metrics import ServiceMetrics
 from gpumeter.stream.runner import MessageRunner
 from schemas.catalog import TopicCatalog
 from services.billing.ledger import Ledger, LedgerError, abandoned_ledgers
+from services.billing.ledger_lock import BillingLock, LedgerInUse
 from services.billing.service import (
     BILLING_METRICS,
     SERVICE_NAME,
@@ -65,11 +71,15 @@ def main(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     return code
 
 
-async def _migrate(ledger: Ledger, settings: BillingSettings, stop: asyncio.Event) -> str | None:
-    """Migrate the ledger, waiting (with backoff) while the database cannot be reached; None if stopped first."""
+async def _migrate(ledger: Ledger, settings: BillingSettings, stop: asyncio.Event,
+                   lock: BillingLock | None = None) -> str | None:
+    """Take ``lock`` (a SQLite file's) and migrate the ledger, waiting (with backoff) while the database cannot be
+    reached; None if stopped first. ``LedgerInUse`` when another billing holds the lock."""
     delay = settings.ledger_retry_initial_seconds
     while not stop.is_set():
         try:
+            if lock is not None:
+                lock.acquire()
             return await asyncio.to_thread(ledger.migrate)
         except LedgerError as exc:
             if not is_transient_ledger_error(exc):
@@ -100,9 +110,16 @@ async def serve(settings: BillingSettings, *, stop: asyncio.Event | None = None,
     except LedgerError as exc:
         log.error("%s", exc)
         return 2
+    # One billing per SQLite file (services.billing.ledger_lock); PostgreSQL takes several.
+    lock = None if ledger.sqlite_file is None else BillingLock(
+        ledger.sqlite_file, holder=f"pid {os.getpid()} on {socket.gethostname()}, group {settings.consumer_group}")
     producer: RecordProducer | None = None
     try:
-        revision = await _migrate(ledger, settings, stop)
+        try:
+            revision = await _migrate(ledger, settings, stop, lock)
+        except LedgerInUse as exc:
+            log.error("refusing to start: %s", exc)
+            return 2
         if revision is None:
             return 0
         log.info("ledger %r at schema revision %s", ledger, revision)
@@ -155,5 +172,8 @@ async def serve(settings: BillingSettings, *, stop: asyncio.Event | None = None,
             except GpumeterError as exc:
                 log.warning("closing the producer: %s", exc)
         if not ledger.close():
+            # The lock stays held with the connections left open; the process's exit drops both.
             log.error("the ledger's files cannot be used safely; its connections are left open: %s",
                       abandoned_ledgers()[-1])
+        elif lock is not None:
+            lock.release()

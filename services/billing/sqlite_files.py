@@ -15,17 +15,29 @@ waiting can cure it):
   read-only mount, an immutable or full filesystem fail here, before SQLite maps anything); done at the first
   write, after a failed check, and when ``probe`` is asked for (a reader such as ``gpumeter report`` needs none);
 * for a write, the database file and its ``-wal`` and ``-shm``, where they exist, must be regular files this
-  process can open for writing (immutable, append-only, read-only mount, permissions);
+  process may write (``access(2)``: immutable, read-only mount, permissions);
 * while this process has the ``-shm`` mapped (``mapped``: it holds open connections), the ``-shm`` must still be
   the file it mapped, writable if it was, and no shorter than it was: a ``-shm`` that became unwritable is
   curable (``retry``: an operator lifts the flag, writes go on), one truncated under the mapping is not (the
   process must exit without touching it; a restart rebuilds the index from the WAL).
 
 ``remember(mapped=...)`` records the ``-shm`` as it is after a successful use (its inode, size, writability).
+
+**Never a descriptor of the database's own files.** The checks only ``lstat`` and ``access`` the database, its
+``-wal`` and its ``-shm``; they never open them. SQLite's locks are POSIX (``fcntl``) locks, which belong to the
+process and the file, not to a descriptor: closing *any* descriptor of the file, one that SQLite never saw included,
+drops every lock the process holds on it. A billing that had opened and closed its own ``-shm`` to see whether it
+was writable held no lock any more, so the next process that opened and closed the ledger (a ``gpumeter report``,
+a second billing, billing's own graceful stop) found itself the last user and deleted the ``-wal`` and ``-shm``
+under it: billing went on writing a WAL nobody else could see (found: the file stuck at 46 bills while 95
+node-windows were costed, then ``PRAGMA integrity_check`` reported 121 errors). ``access(2)`` sees the immutable
+flag and a read-only mount without a descriptor; an append-only file it does not (SQLite then fails to open it:
+an error, not a SIGBUS). The folder probe writes a file of its own, which SQLite never opens.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import stat
@@ -45,14 +57,24 @@ def _describe(error: OSError) -> str:
     return os.strerror(error.errno) if error.errno else str(error)
 
 
-def _writable(path: Path) -> tuple[bool, str | None]:
-    """Whether ``path`` opens for writing (not following a symlink); the reason when it does not."""
+def _libc_access():
     try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        return False, _describe(exc)
-    os.close(fd)
-    return True, None
+        return ctypes.CDLL(None, use_errno=True).access
+    except (AttributeError, OSError):
+        return None
+
+
+_ACCESS = _libc_access()
+
+
+def _writable(path: Path) -> tuple[bool, str | None]:
+    """Whether this process may write ``path`` (``access(2)``, which opens no descriptor: see the module
+    docstring); the reason when it may not. The caller has checked with ``lstat`` that it is a regular file."""
+    if _ACCESS is None:  # no C library to ask for the reason: the same check, without its errno
+        return (True, None) if os.access(path, os.W_OK) else (False, "not writable by this process")
+    if _ACCESS(os.fsencode(path), os.W_OK) == 0:
+        return True, None
+    return False, os.strerror(ctypes.get_errno())
 
 
 @dataclass(frozen=True)

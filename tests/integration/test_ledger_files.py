@@ -12,6 +12,10 @@ writes or closes the database.
   index).
 * The ``-shm`` cut to zero bytes under a running billing: it stops with exit code 1 and a log line, touching
   nothing; started again, it bills what it had not, each node-window once.
+* A ``gpumeter report`` opening and closing the ledger of a running billing, and a second billing started on the
+  same file: billing keeps SQLite's locks (its file checks never open SQLite's files: closing any descriptor of a
+  file drops the process's POSIX locks on it, and before, the report then deleted billing's WAL), the second
+  billing is refused at start, and every node-window is billed once, in the file and on the costs topic.
 
 Needs root (``chattr +i`` needs CAP_LINUX_IMMUTABLE) on a filesystem with the immutable flag (ext4, xfs); the
 truncation test needs neither.
@@ -33,7 +37,7 @@ import pytest
 from schemas.records import CostRecord
 from tests.integration.test_billing_stream import produce_shares, wait_until_committed_to_end
 from tests.integration.topic_reading import read_topic
-from tests.unit.billing.conftest import sample_shares
+from tests.unit.billing.conftest import posix_locks_held, sample_shares
 
 pytestmark = pytest.mark.integration
 
@@ -224,3 +228,73 @@ async def test_an_shm_cut_under_running_billing_stops_it_with_a_log_line_and_a_r
     finally:
         again.kill()
     assert ledger_bills(ledger) == sorted(keys(first) | keys(second))
+
+
+def integrity(ledger: Path) -> list[tuple]:
+    with sqlite3.connect(ledger) as connection:
+        return connection.execute("PRAGMA integrity_check").fetchall()
+
+
+async def gpumeter_report(ledger: Path, windows) -> str:
+    """``gpumeter report`` over ``windows`` in a process of its own (it opens and closes the ledger); its output."""
+    from datetime import datetime, timezone
+
+    end_ms = max(shares[0].window_start_unix_ms for shares in windows) + 60_000
+    end = datetime.fromtimestamp(end_ms / 1000, timezone.utc).isoformat()
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("GPUMETER_", "KAFKA_"))},
+           "PYTHONPATH": str(REPO_ROOT)}
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gpumeter.cli", "report", "--ledger-url", f"sqlite:///{ledger}", "--by", "node",
+        "--window", "2h", "--end", end, cwd=REPO_ROOT, env=env, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT)
+    output, _ = await asyncio.wait_for(process.communicate(), WAIT_S)
+    assert process.returncode == 0, output.decode(errors="replace")
+    return output.decode(errors="replace")
+
+
+async def test_a_report_and_a_second_billing_leave_running_billing_its_sqlite_ledger_whole(
+        kafka_settings, topic_catalog, group_id, tmp_path):
+    """A ``gpumeter report`` opens and closes the ledger of a running billing, and a second billing (another
+    group) is started on the same file: the second is refused at start (exit 2, naming the first), the first
+    still holds SQLite's locks, bills every later node-window, each once, on the costs topic and in the file, and
+    ``integrity_check`` is ok. Before: billing held no lock after its first file check, the report deleted its
+    ``-wal``/``-shm``, the file froze while billing went on costing, and a second group re-billed the windows."""
+    ledger = tmp_path / "ledger.sqlite3"
+    shm = ledger.with_name(ledger.name + "-shm")
+    windows = sample_shares(4, start_ms=window_start_ms())
+    first, second = windows[:4], windows[4:]
+    billing = Billing(kafka_settings, ledger, group_id)
+    await billing.start()
+    try:
+        await produce_shares(kafka_settings, topic_catalog.node_window_shares, first)
+        await wait_for_windows(kafka_settings, topic_catalog.costs, keys(first), billing)
+        await wait_until_committed_to_end(kafka_settings, group_id, topic_catalog.node_window_shares, "first windows")
+        assert posix_locks_held(billing.process.pid, shm), "billing holds no lock on its -shm"
+
+        report = await gpumeter_report(ledger, first)
+        assert "aws-node" in report and "gcp-node" in report
+        assert shm.exists() and ledger.with_name(ledger.name + "-wal").exists(), "the report deleted the WAL"
+        assert posix_locks_held(billing.process.pid, shm), "billing lost its lock on the -shm to the report"
+
+        other = Billing(kafka_settings, ledger, f"{group_id}-second")
+        await other.start()
+        try:
+            assert await other.wait() == 2, other.output
+        finally:
+            other.kill()
+        assert "refusing to start: another billing holds the SQLite ledger" in other.output
+        assert f"group {group_id}" in other.output  # names the holder
+        assert "assigned [" not in other.output  # never joined its group, never billed
+
+        await produce_shares(kafka_settings, topic_catalog.node_window_shares, second)
+        await wait_for_windows(kafka_settings, topic_catalog.costs, keys(first) | keys(second), billing)
+        await wait_until_committed_to_end(kafka_settings, group_id, topic_catalog.node_window_shares,
+                                          "second windows")
+        assert ledger_bills(ledger) == sorted(keys(first) | keys(second))  # another process sees them all
+        assert posix_locks_held(billing.process.pid, shm)
+        assert await billing.stop() == 0, billing.output
+    finally:
+        billing.kill()
+    assert await billed_windows(kafka_settings, topic_catalog.costs) == cost_lines(first + second)  # once each
+    assert ledger_bills(ledger) == sorted(keys(first) | keys(second))
+    assert integrity(ledger) == [("ok",)]

@@ -3,8 +3,11 @@
 Each instance reads every share and writes every node-window; the ledger keeps the first write. Before the ledger
 arbitrated who publishes, the second writer of a node-window found its bill not yet marked published (the first
 was still waiting for Kafka's acknowledgement) and published its cost records too: every record could reach the
-costs topic twice. Now only the instance whose write inserted the node-window publishes it. Both on a shared
-SQLite file and on PostgreSQL (where concurrent writers of one node-window meet on the bill's key).
+costs topic twice. Now only the instance whose write inserted the node-window publishes it. On PostgreSQL (where
+concurrent writers of one node-window meet on the bill's key). A SQLite file takes one billing only: a second one
+on the same file is refused at start (``test_ledger_files.py::
+test_a_report_and_a_second_billing_leave_running_billing_its_sqlite_ledger_whole``); the arbitration itself is also
+checked on SQLite, in one process (``tests/unit/billing/test_ledger_sqlite.py``).
 """
 
 from __future__ import annotations
@@ -114,12 +117,6 @@ async def two_instances_publish_each_record_once(kafka_settings, topic_catalog, 
         # Each node-window was published by the group whose write inserted it, and marked so.
         assert {b["publisher"] for b in bills.values()} <= {i.group for i in instances}
         assert all(b["published_at_unix_ms"] is not None for b in bills.values())
-
-
-async def test_two_billing_groups_on_a_shared_sqlite_file_publish_each_cost_record_once(kafka_settings,
-                                                                                        topic_catalog, tmp_path):
-    await two_instances_publish_each_record_once(kafka_settings, topic_catalog,
-                                                 f"sqlite:///{tmp_path / 'shared.sqlite3'}", tmp_path)
 
 
 @pytest.mark.postgres

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import MappingProxyType
 from typing import Mapping, Sequence
 
@@ -164,6 +166,23 @@ def sample_costs(windows: int = 3, *, start_ms: int = WINDOW_START_MS, sharing: 
     policy = SharingPolicy.parse(sharing)
     return [bill_node_window(shares, catalog, DEFAULT_SPLIT_POLICY, policy)
             for shares in sample_shares(windows, start_ms=start_ms)]
+
+
+def posix_locks_held(pid: int, path: Path) -> list[str]:
+    """The POSIX (fcntl) locks ``pid`` holds on ``path`` now, as ``/proc/locks`` lists them (SQLite's locks are these;
+    ``path`` is only ``lstat``-ed: opening and closing it here would drop this process's own locks on it)."""
+    st = os.lstat(path)
+    device = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    held = []
+    with open("/proc/locks") as locks:
+        for line in locks:
+            fields = line.split()
+            if "->" in fields[:2]:
+                continue  # a waiter, not a holder
+            kind, access, owner, where = fields[1], fields[3], fields[4], fields[5]
+            if kind == "POSIX" and owner == str(pid) and where == device:
+                held.append(f"{access} {fields[6]}-{fields[7]}")
+    return held
 
 
 # -- the billing service on the one runner, without a broker ---------------------------------------------------
