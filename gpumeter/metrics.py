@@ -59,7 +59,8 @@ METRICS: dict[str, MetricDef] = {
                   "their pods' GPU use is unassigned."),
         MetricDef("gpumeter_collector_pod_warnings_total", "counter",
                   "Pod objects read with a part left out (HAMI_ANNOTATION_IGNORED: a HAMi allocation annotation "
-                  "HAMi would not have written).", ("reason",)),
+                  "HAMi would not have written; HAMI_ANNOTATION_UNTRUSTED: a container's HAMi allocation the "
+                  "kubelet's device ids do not back, published without it).", ("reason",)),
         # every consumer
         MetricDef("gpumeter_messages_consumed_total", "counter", "Input messages consumed.", ("service", "topic")),
         MetricDef("gpumeter_dead_letters_total", "counter", "Input messages dead-lettered.",

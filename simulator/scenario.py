@@ -390,6 +390,7 @@ class ContainerSpec:
     privileged: bool
     processes: tuple[ProcessSpec, ...]
     hami: "HamiSpec | None" = None
+    hami_forged: "HamiAnnotationSpec | None" = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -403,6 +404,17 @@ class HamiSpec:
     cores_percent: int
     placeholder_gpu: int
     slot: int
+
+
+@dataclass(frozen=True, slots=True)
+class HamiAnnotationSpec:
+    """A container's entry in ``hami.io/vgpu-devices-allocated`` that HAMi did not write (``hami_forged_annotation``:
+    the pod's owner did): the GPU it names and its limits, as HAMi would write them. The container's devices stay
+    its own -- what the kubelet gave it, real ids or none."""
+
+    gpu: int
+    memory_mib: int
+    cores_percent: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -1121,10 +1133,9 @@ class _ContainerDraft:
     privileged: bool
 
 
-def _read_hami(raw: Any, path: str, node: NodeSpec, slots: dict[tuple[str, int], int]) -> HamiSpec:
-    """A container's ``hami`` option. The GPU must be one no device plugin shares (``exclusive``: HAMi shares it
-    by itself); the kubelet's placeholder is the next free slot of ``placeholder_gpu`` (default: that GPU)."""
-    m = _Map(raw, path)
+def _read_hami_gpu(m: "_Map", node: NodeSpec) -> tuple[int, int, int]:
+    """The ``gpu`` (index or uuid), ``memory_mib`` and ``cores_percent`` of a ``hami`` or ``hami_forged_annotation``
+    option."""
     gpu_raw = m.get("gpu")
     if isinstance(gpu_raw, str):
         matches = [g.index for g in node.gpus if g.uuid == gpu_raw]
@@ -1136,6 +1147,22 @@ def _read_hami(raw: Any, path: str, node: NodeSpec, slots: dict[tuple[str, int],
     memory_mib = _int(m.get("memory_mib"), m.sub("memory_mib"), minimum=1,
                       maximum=node.gpus[gpu].memory_total_bytes // MIB)
     cores = _int(m.get("cores_percent", 0), m.sub("cores_percent"), minimum=0, maximum=100)
+    return gpu, memory_mib, cores
+
+
+def _read_hami_forged(raw: Any, path: str, node: NodeSpec) -> HamiAnnotationSpec:
+    """A container's ``hami_forged_annotation`` option: any GPU of the node, whatever its sharing."""
+    m = _Map(raw, path)
+    gpu, memory_mib, cores = _read_hami_gpu(m, node)
+    m.done()
+    return HamiAnnotationSpec(gpu, memory_mib, cores)
+
+
+def _read_hami(raw: Any, path: str, node: NodeSpec, slots: dict[tuple[str, int], int]) -> HamiSpec:
+    """A container's ``hami`` option. The GPU must be one no device plugin shares (``exclusive``: HAMi shares it
+    by itself); the kubelet's placeholder is the next free slot of ``placeholder_gpu`` (default: that GPU)."""
+    m = _Map(raw, path)
+    gpu, memory_mib, cores = _read_hami_gpu(m, node)
     placeholder_gpu = _int(m.get("placeholder_gpu", gpu), m.sub("placeholder_gpu"), minimum=0,
                            maximum=len(node.gpus) - 1)
     m.done()
@@ -1155,10 +1182,11 @@ def _with_hami_annotations(annotations: Mapping[str, str], containers: list[Cont
     """The pod's annotations with what HAMi's scheduler writes on it: the allocation, one ``;``-terminated
     segment per container (empty for a container without a vGPU), and the node. A value the scenario gives
     itself is kept (a forged or broken annotation to test)."""
+    entries = [c.hami or c.hami_forged for c in containers]
     allocation = "".join(
-        (f"{node.gpus[c.hami.gpu].uuid},{HAMI_DEVICE_TYPE},{c.hami.memory_mib},{c.hami.cores_percent}:"
-         if c.hami is not None else "") + ";"
-        for c in containers
+        (f"{node.gpus[e.gpu].uuid},{HAMI_DEVICE_TYPE},{e.memory_mib},{e.cores_percent}:" if e is not None else "")
+        + ";"
+        for e in entries
     )
     merged = {HAMI_ALLOCATED_ANNOTATION: allocation, HAMI_NODE_ANNOTATION: node.name, "hami.io/bind-phase": "success"}
     merged.update(annotations)
@@ -1233,6 +1261,13 @@ def _read_pods(raw: Any, nodes: tuple[NodeSpec, ...], seed: int, duration: float
             requests_raw = cm.get("requests", None)
             hami_raw = cm.get("hami", None)
             hami: HamiSpec | None = None
+            forged_raw = cm.get("hami_forged_annotation", None)
+            hami_forged: HamiAnnotationSpec | None = None
+            if forged_raw is not None:
+                if hami_raw is not None:
+                    raise ScenarioError(cm.sub("hami_forged_annotation"), "a HAMi container's annotation is HAMi's: "
+                                                                          "hami or hami_forged_annotation, not both")
+                hami_forged = _read_hami_forged(forged_raw, cm.sub("hami_forged_annotation"), node)
             visible_assignments = assignments
             if hami_raw is not None:
                 if assignments or requests_raw is not None:
@@ -1320,11 +1355,12 @@ def _read_pods(raw: Any, nodes: tuple[NodeSpec, ...], seed: int, duration: float
                     privileged=privileged,
                     processes=tuple(processes),
                     hami=hami,
+                    hami_forged=hami_forged,
                 )
             )
         labels = _str_map(m.get("labels", None), m.sub("labels"))
         annotations = _str_map(m.get("annotations", None), m.sub("annotations"))
-        if any(c.hami is not None for c in containers):
+        if any(c.hami is not None or c.hami_forged is not None for c in containers):
             annotations = _with_hami_annotations(annotations, containers, node)
         qos = _choice(m.get("qos_class", "burstable"), m.sub("qos_class"), QOS_CLASSES)
         m.done()

@@ -95,7 +95,8 @@ async def run(settings: CollectorSettings, scenario=None) -> int:
         interval_seconds = settings.interval_seconds
 
     api_client = await _api_client(kube_api)
-    facts, node_read = await _node_facts(api_client, settings.cluster, settings.node_name, overrides)
+    cluster = settings.cluster_for(scenario.cluster if simulated is not None else None)
+    facts, node_read = await _node_facts(api_client, cluster, settings.node_name, overrides)
 
     delivery_timeout_ms = int(settings.delivery_timeout_seconds * 1000)
     publisher = BufferedPublisher(lambda: RecordProducer(settings.kafka, request_timeout_ms=delivery_timeout_ms),

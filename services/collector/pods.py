@@ -35,8 +35,10 @@ Contracts worth knowing:
 * ``assigned_devices`` is empty here, but for a HAMi pod: the collector fills it from the kubelet PodResources API
   with ``with_assignments``. A pod HAMi scheduled carries ``hami.io/vgpu-devices-allocated`` (``schemas.hami``):
   its containers' GPUs are read from it here, as ``HAMI_RESOURCE`` assignments of canonical ``GPU-<uuid>`` ids,
-  because the ids the kubelet gives a HAMi pod are slot placeholders that name no GPU (``with_assignments``
-  drops them). The annotation is read before labels and annotations are cut to size.
+  because the ids the kubelet gives a HAMi pod are slot placeholders that name no GPU. The annotation is read
+  before labels and annotations are cut to size. The pod's owner can write that annotation too, so what is read
+  here is only a claim: ``with_hami_checked`` keeps a container's claim only where the kubelet's ids back it
+  (all of them HAMi slots, one per GPU named), and is what the collector publishes.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ import re
 from datetime import datetime, timedelta, timezone
 from decimal import ROUND_CEILING, Decimal, InvalidOperation
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Collection, Mapping
 
 from gpumeter.errors import InvalidMessage
 from schemas.hami import (
@@ -75,6 +77,9 @@ from services.collector.podsize import ANNOTATION_VALUE_MAX_BYTES, cut_to_size  
 BAD_POD_OBJECT = "BAD_POD_OBJECT"
 HAMI_ANNOTATION_IGNORED = "HAMI_ANNOTATION_IGNORED"
 """The code ``on_warning`` is called with for a HAMi allocation annotation that cannot be read."""
+HAMI_ANNOTATION_UNTRUSTED = "HAMI_ANNOTATION_UNTRUSTED"
+"""The code of a container's HAMi allocation that the kubelet's ids do not back (``with_hami_checked``): written
+by the pod's owner, or by HAMi for a pod that did not get its GPU through HAMi's device plugin."""
 
 MAX_GPU_REQUEST_COUNT = 2**31 - 1
 """Larger per-container requests are rejected: no node has that many devices, and sums must fit an Avro long."""
@@ -213,39 +218,83 @@ def with_assignments(
     Containers not named keep the assignments they had; names that are not containers of the pod are ignored
     (the kubelet and the API server can briefly disagree about a pod that is being replaced).
 
-    A HAMi pod (one whose containers hold ``HAMI_RESOURCE`` assignments, from its annotation) keeps them: they say
-    which GPU each container uses. Of the given assignments, its ``nvidia.com/gpu`` ids that are HAMi's slot
-    placeholders (``GPU-<uuid>-<n>``, ``schemas.hami.is_hami_placeholder``) are dropped -- HAMi's device plugin
-    ignores them, and the slot may even be another GPU's --, and so are given ``HAMI_RESOURCE`` ones (the event
-    read them from the annotation itself). Any other id the kubelet gave is kept: an annotation never takes a
-    device the kubelet assigned away from a pod.
+    A container's ``HAMI_RESOURCE`` assignment (its claim, read from the pod's HAMi annotation) is kept beside the
+    kubelet's ids, placeholders included, and given ``HAMI_RESOURCE`` assignments are dropped (the event read its
+    own from the annotation): the result is the collector's view of the pod, not yet what it publishes --
+    ``with_hami_checked`` decides which claims the kubelet's ids back. Applying an event's own assignments to it
+    again changes nothing.
     """
     if not assignments:
         return event
-    hami_pod = any(is_hami_resource(a.resource_name) for c in event.containers for a in c.assigned_devices)
     containers = tuple(
-        dataclasses.replace(c, assigned_devices=_merged(c, tuple(assignments[c.name]), hami_pod))
+        dataclasses.replace(c, assigned_devices=_merged(c, tuple(assignments[c.name])))
         if c.name in assignments else c
         for c in event.containers
     )
     return dataclasses.replace(event, containers=containers)
 
 
-def _merged(container: PodContainer, given: tuple[DeviceAssignment, ...], hami_pod: bool
-            ) -> tuple[DeviceAssignment, ...]:
-    if not hami_pod:
-        return given
+def _merged(container: PodContainer, given: tuple[DeviceAssignment, ...]) -> tuple[DeviceAssignment, ...]:
     own = tuple(a for a in container.assigned_devices if is_hami_resource(a.resource_name))
-    kept: list[DeviceAssignment] = []
-    for assignment in given:
-        if is_hami_resource(assignment.resource_name):
+    return own + tuple(a for a in given if not is_hami_resource(a.resource_name))
+
+
+def with_hami_checked(
+    event: PodEvent, *, node_units: Collection[str] = (), kubelet_answered: bool = True,
+) -> tuple[PodEvent, tuple[str, ...]]:
+    """``event`` (after ``with_assignments``) as the collector publishes it, and the details of the HAMi claims
+    refused that are to be flagged (``HAMI_ANNOTATION_UNTRUSTED``).
+
+    The tenant writes the pod's annotations, so a container's HAMi claim (``HAMI_RESOURCE``, from
+    ``hami.io/vgpu-devices-allocated``) is kept only where the kubelet backs it: the container's ``nvidia.com/gpu``
+    ids are all HAMi slot placeholders (``schemas.hami.is_hami_placeholder``: its devices came through HAMi's
+    device plugin, which hands out nothing else), one per GPU the claim names, and, when ``node_units`` (the
+    node's GPU and MIG uuids, as NVML lists them) is known, every GPU named is one of this node. The slot's own
+    uuid need not be the claimed GPU's: the kubelet picks slots without knowing which GPU HAMi's scheduler chose.
+    A kept claim replaces the container's placeholders, which name no GPU.
+
+    Anything else is refused and the container keeps only the kubelet's ids: real GPU ids (a whole GPU through
+    another device plugin, which the claim would turn into a share of it), a mix, more or fewer GPUs than slots,
+    a GPU of another node, or no ids at all (a pod without a GPU naming someone else's). A refusal is flagged
+    when it is certain: always where the kubelet gave ids, and where it gave none only for a running pod
+    (its containers were given their devices before they started) when the kubelet answered
+    (``kubelet_answered``) and the event is not a deletion. A pod seen before its devices are allocated is
+    refused quietly until the kubelet has its slots. Pure; never raises for a well-formed ``PodEvent``."""
+    units = {parse_device_id(u).base_id for u in node_units}
+    refusals: list[str] = []
+    containers: list[PodContainer] = []
+    for container in event.containers:
+        claimed = [d for a in container.assigned_devices if is_hami_resource(a.resource_name) for d in a.device_ids]
+        if not claimed:
+            containers.append(container)
             continue
-        ids = assignment.device_ids
-        if assignment.resource_name == GPU_RESOURCE:
-            ids = tuple(d for d in ids if not is_hami_placeholder(d))
-        if ids:
-            kept.append(DeviceAssignment(assignment.resource_name, ids))
-    return own + tuple(kept)
+        kubelet = tuple(a for a in container.assigned_devices if not is_hami_resource(a.resource_name))
+        gpu_ids = [d for a in kubelet if a.resource_name == GPU_RESOURCE for d in a.device_ids]
+        slots = [d for d in gpu_ids if is_hami_placeholder(d)]
+        reason: str | None = None
+        flagged = True
+        if not gpu_ids:
+            reason = "the kubelet gave the container no nvidia.com/gpu ids"
+            flagged = kubelet_answered and event.phase == "Running"
+        elif len(slots) != len(gpu_ids):
+            reason = (f"the kubelet gave the container device ids that are not HAMi slots: "
+                      f"{', '.join(repr(d[:80]) for d in gpu_ids if not is_hami_placeholder(d))}")
+        elif len(slots) != len(claimed):
+            reason = f"it names {len(claimed)} GPUs for the {len(slots)} HAMi slots the kubelet gave the container"
+        elif units and any(d not in units for d in claimed):
+            reason = f"it names GPUs this node does not have: {', '.join(d for d in claimed if d not in units)}"
+        if reason is None:
+            kept = tuple(a for a in container.assigned_devices if is_hami_resource(a.resource_name))
+            kept += tuple(a for a in kubelet if a.resource_name != GPU_RESOURCE)
+            containers.append(dataclasses.replace(container, assigned_devices=kept))
+            continue
+        containers.append(dataclasses.replace(container, assigned_devices=kubelet))
+        if flagged and event.event_type is not PodEventType.DELETED:
+            refusals.append(f"pod {event.namespace}/{event.name} container {container.name}: "
+                            f"{HAMI_ALLOCATED_ANNOTATION} ignored ({', '.join(claimed)}): {reason}")
+    published = tuple(containers)
+    event = event if published == event.containers else dataclasses.replace(event, containers=published)
+    return event, tuple(refusals)
 
 
 def with_devices_resolved(event: PodEvent, uuid_by_index: Mapping[str, str]) -> PodEvent:

@@ -81,6 +81,8 @@ class PodWatcher:
     ``on_relist(pod_count)`` after each complete list, ``on_watch_error(kind)`` on each failed list/watch
     attempt, ``on_invalid_pod(error)`` for each pod object that could not be read, ``on_pod_warning(code)`` for
     each pod object read with a part left out (``pods.HAMI_ANNOTATION_IGNORED``), each logged as a warning.
+    (A HAMi allocation the kubelet's ids do not back, ``pods.HAMI_ANNOTATION_UNTRUSTED``, is the service's to
+    count: only it knows the kubelet's ids.)
     ``sleep`` waits out a backoff (replaceable so that simulations and tests control time).
     """
 

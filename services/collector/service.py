@@ -1,9 +1,11 @@
 """The collector's tick loop and pod-event path, wired from parts that are each tested on their own.
 
 Per tick: NVML backend sample → pid → (container, pod) from cgroups → one NodeSample → buffered publisher.
-Per pod change: the pod watch's PodEvent, merged with the devices the kubelet assigned to each container →
-buffered publisher (keyed ``<node>/<pod uid>``, partitioned by node). Assignments are re-read every
-``kubelet_refresh_seconds`` and a changed pod is published again as MODIFIED.
+Per pod change: the pod watch's PodEvent, merged with the devices the kubelet assigned to each container, its
+HAMi claims checked against them (``pods.with_hami_checked``; a refused claim is logged and counted as
+``gpumeter_collector_pod_warnings_total{reason="HAMI_ANNOTATION_UNTRUSTED"}``) → buffered publisher (keyed
+``<node>/<pod uid>``, partitioned by node). Assignments are re-read every ``kubelet_refresh_seconds`` and a pod
+whose published form changed is published again as MODIFIED.
 """
 
 from __future__ import annotations
@@ -26,7 +28,12 @@ from services.collector.assemble import (
 )
 from services.collector.cgroup import CgroupReadError
 from services.collector.dra import DraResolver, NvmlMigDevice
-from services.collector.pods import with_assignments, with_devices_resolved
+from services.collector.pods import (
+    HAMI_ANNOTATION_UNTRUSTED,
+    with_assignments,
+    with_devices_resolved,
+    with_hami_checked,
+)
 from services.collector.podresources.client import (
     ContainerClaimDevice,
     ContainerDeviceAssignment,
@@ -109,7 +116,10 @@ class CollectorService:
         self.started_at_unix_ms = clock.now_ms()
         self.sequence = 0
         self._last_sampled_at_ms: int | None = None
+        # Per pod uid: the merged view (HAMi claims and the kubelet's ids, placeholders included), which later
+        # assignments are merged into, and what was published of it (claims checked).
         self._pods: dict[str, PodEvent] = {}
+        self._published: dict[str, PodEvent] = {}
         self._assignments: dict[tuple[str, str], dict[str, tuple[DeviceAssignment, ...]]] = {}
         self.kubelet_available: bool | None = None
         self._nvml_migs: tuple[NvmlMigDevice, ...] = ()
@@ -203,11 +213,14 @@ class CollectorService:
         for uid, event in list(self._pods.items()):
             current = self._assignments.get((event.namespace, event.name), {})
             updated = with_devices_resolved(with_assignments(event, current) if current else event, by_index)
-            if updated != event:
-                # New devices, or ids in index or CDI form that NVML's indexes now resolve.
+            if self._checked(updated)[0] != self._published.get(uid):
+                # New devices, ids in index or CDI form that NVML's indexes now resolve, or a HAMi claim that the
+                # kubelet's ids (or NVML's list of the node's GPUs) now back or no longer back.
                 await self._publish_pod(
                     replace(updated, event_type=PodEventType.MODIFIED, observed_at_unix_ms=self.clock.now_ms())
                 )
+            else:
+                self._pods[uid] = updated
 
     async def _grouped(
         self, assignments: tuple[PodAssignment, ...]
@@ -257,12 +270,23 @@ class CollectorService:
         # refresh of the assignments resolves them and republishes the pod.
         return getattr(self.backend, "uuid_by_index", {})
 
-    async def _publish_pod(self, event: PodEvent) -> None:
+    def _checked(self, event: PodEvent) -> tuple[PodEvent, tuple[str, ...]]:
+        return with_hami_checked(event, node_units=self._uuid_by_index().values(),
+                                 kubelet_answered=self.kubelet is not None and self.kubelet_available is True)
+
+    async def _publish_pod(self, merged: PodEvent) -> None:
+        event, refusals = self._checked(merged)
+        for detail in refusals:
+            log.warning("pod on node %s published without its HAMi allocation: %s", self.facts.node_name, detail)
+            if self.metrics:
+                self.metrics.get("gpumeter_collector_pod_warnings_total").labels(HAMI_ANNOTATION_UNTRUSTED).inc()
         if event.event_type == PodEventType.DELETED:
             self._pods.pop(event.uid, None)
+            self._published.pop(event.uid, None)
             self._assignments.pop((event.namespace, event.name), None)
         else:
-            self._pods[event.uid] = event
+            self._pods[event.uid] = merged
+            self._published[event.uid] = event
         self.publisher.offer(
             OutboundRecord(
                 topic=self.catalog.pod_events,

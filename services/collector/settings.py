@@ -29,6 +29,11 @@ from gpumeter.settings import KafkaSettings, metrics_address_setting
 from services.collector.nodefacts import NodeFactOverrides
 
 
+DEFAULT_CLUSTER = "default"
+"""The cluster a collector reports when neither ``--cluster``/``GPUMETER_CLUSTER`` nor a simulated scenario names
+one."""
+
+
 @dataclass(frozen=True)
 class CollectorSettings:
     """Everything the per-node collector reads at start. Node facts set here (the ConfigMap's
@@ -37,7 +42,9 @@ class CollectorSettings:
     ``gpumeter-collector-<node>`` unless ``GPUMETER_KAFKA_CLIENT_ID`` is set."""
 
     node_name: str = setting(env="GPUMETER_NODE_NAME", flag="--node", check=non_empty, help="node name")
-    cluster: str = setting("default", env="GPUMETER_CLUSTER", flag="--cluster", check=non_empty, help="cluster name")
+    # None: not set; the cluster then is the simulated scenario's, or DEFAULT_CLUSTER (``cluster_for``).
+    cluster: str | None = setting(None, env="GPUMETER_CLUSTER", flag="--cluster", check=non_empty, help="cluster name",
+                                  default_text=f"the scenario's cluster with --simulate, else {DEFAULT_CLUSTER}")
     interval_seconds: float = setting(1.0, env="GPUMETER_INTERVAL_SECONDS", flag="--interval", parse=number,
                                       check=greater_than(0), help="seconds between ticks")
     simulate: Path | None = setting(None, env="GPUMETER_SIMULATE", flag="--simulate", parse=path, metavar="SCENARIO",
@@ -82,6 +89,11 @@ class CollectorSettings:
     def node_fact_overrides(self) -> NodeFactOverrides:
         return NodeFactOverrides(self.cloud_provider, self.region, self.zone, self.instance_type, self.price_model,
                                  self.provider_id)
+
+    def cluster_for(self, scenario_cluster: str | None) -> str:
+        """The cluster the collector reports: ``--cluster``/``GPUMETER_CLUSTER`` when set, else the simulated
+        scenario's ``cluster`` (``scenario_cluster``; None outside simulate mode), else ``DEFAULT_CLUSTER``."""
+        return self.cluster or scenario_cluster or DEFAULT_CLUSTER
 
     def __repr__(self) -> str:
         return settings_repr(self)

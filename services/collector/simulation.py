@@ -25,7 +25,12 @@ from services.collector.cgroup import ProcessIdentityCache
 from services.collector.dra import resolve_claim_devices, slice_devices
 from services.collector.nodefacts import NodeFactOverrides, node_facts_from_node
 from services.collector.nvml_backend import NvmlBackend
-from services.collector.pods import pod_event_from_object, with_assignments, with_devices_resolved
+from services.collector.pods import (
+    pod_event_from_object,
+    with_assignments,
+    with_devices_resolved,
+    with_hami_checked,
+)
 from services.collector.podresources.client import ContainerClaimDevice
 from simulator import dra as sim_dra
 from simulator.apiserver import make_node_object, make_pod_object
@@ -201,8 +206,10 @@ def node_streams(scenario: Scenario, node_name: str, proc_root: Path | None = No
                                              claimed.pop(uid, None)))
             known = current
             reading = backend.read()
-            # As the collector publishes them: device ids in uuid form, whatever the device plugin's id strategy.
-            events = [with_devices_resolved(e, backend.uuid_by_index) for e in events]
+            # As the collector publishes them: device ids in uuid form, whatever the device plugin's id strategy,
+            # and only the HAMi claims the kubelet's ids back.
+            events = [with_hami_checked(with_devices_resolved(e, backend.uuid_by_index),
+                                        node_units=backend.uuid_by_index.values())[0] for e in events]
             sample = assemble_node_sample(
                 facts,
                 TickInfo(sequence, scenario.start_unix_ms, now_ms,

@@ -110,6 +110,9 @@ def test_two_simulated_collectors_lose_no_tick_across_a_broker_restart(own_broke
         assert len(sequences) >= 5 * ticks_per_second, (node.name, sequences, output[-4000:])
         assert len({s.collector_started_at_unix_ms for s in by_node[node.name].values()}) == 1
 
+    # `collector --simulate` reports the scenario's cluster (no --cluster given), not the default one.
+    assert {s.cluster for s in samples} == {e.cluster for e in events} == {scenario.cluster} != {"default"}
+
     # Samples and pod events of a node share the partition number.
     for message, sample in zip(samples_raw, samples):
         assert message.partition == partition_for_node(sample.node_name, 3)

