@@ -18,7 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "broker": ("gpumeter.commands.broker", "run a local Apache Kafka broker (development)"),
     "collector": ("services.collector.main", "the per-node agent: NVML samples and pod events to Kafka"),
     "billing": ("services.billing.main", "the billing service: shares to node bills, cost records and the ledger"),
-    "report": ("services.billing.report", "costs from the ledger by namespace, label, node or GPU"),
+    "report": ("services.billing.report", "costs from the ledger by namespace, pod, label, node or GPU"),
     "reconcile": ("services.billing.reconcile", "true the ledger up to a cloud bill (FOCUS or AWS CUR 2.0 export)"),
     "prices": ("services.billing.prices_cli", "price files: import the providers' own price lists (prices import)"),
     "export": ("services.billing.export", "the ledger as a FOCUS dataset (Parquet or CSV)"),

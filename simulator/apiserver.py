@@ -264,11 +264,16 @@ class FakeApiServer:
         return MappingProxyType(dict(self._pods))
 
     def add_pod(self, obj: Mapping[str, Any]) -> dict[str, Any]:
-        """Create a pod; returns the stored copy with its new resourceVersion. The uid must be new."""
+        """Create a pod; returns the stored copy with its new resourceVersion. The uid must be new, and so must the
+        name among the pods that exist (the real server answers 409 AlreadyExists): a pod recreated under its name,
+        as a StatefulSet does, is deleted first and comes back with a new uid."""
         pod = copy.deepcopy(dict(obj))
         uid = _uid_of(pod)
         if uid in self._pods:
             raise ValueError(f"pod uid {uid} already exists")
+        holder = next((other for other in self._pods.values() if _pod_key(other) == _pod_key(pod)), None)
+        if holder is not None:
+            raise ValueError(f"pod {_pod_key(pod)} already exists (uid {_uid_of(holder)}): delete it first")
         pod.setdefault("apiVersion", "v1")
         pod.setdefault("kind", "Pod")
         self._record("ADDED", None, pod)

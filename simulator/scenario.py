@@ -267,6 +267,7 @@ class ProcessExitRaceFault:
     container: str
     process: str
     at_seconds: float
+    pod_uid: str  # the incarnation of ``pod`` alive at ``at_seconds`` (a recreated pod has one name, two uids)
 
 
 Fault = GpuLostFault | NvmlErrorFault | ProcessExitRaceFault
@@ -536,8 +537,12 @@ def deterministic_provider_id(seed: int, provider: str, zone: str, node: str) ->
     return ""
 
 
-def deterministic_pod_uid(seed: int, namespace: str, name: str) -> str:
-    return _uuid_text(_digest(seed, "pod", namespace, name))
+def deterministic_pod_uid(seed: int, namespace: str, name: str, recreated_at_seconds: float | None = None) -> str:
+    """A pod's UID from the seed and its name; a pod recreated under a name an earlier pod of the scenario had
+    (a StatefulSet pod deleted and created again) gets a new one, from its start too (``recreated_at_seconds``)."""
+    if recreated_at_seconds is None:
+        return _uuid_text(_digest(seed, "pod", namespace, name))
+    return _uuid_text(_digest(seed, "pod", namespace, name, "recreated", f"{recreated_at_seconds:g}"))
 
 
 def deterministic_container_id(seed: int, pod_uid: str, container: str) -> str:
@@ -1197,16 +1202,30 @@ def _read_pods(raw: Any, nodes: tuple[NodeSpec, ...], seed: int, duration: float
     by_name = {n.name: n for n in nodes}
     hami_slots: dict[tuple[str, int], int] = {}
     pods: list[PodSpec] = []
-    keys: set[str] = set()
+    # namespace/name -> (index, start, end) of every pod of that name so far: a name is unique among the pods
+    # alive at one time, as the API server keeps it; a pod deleted and created again (a StatefulSet's) reuses it.
+    lives: dict[str, list[tuple[int, float, float]]] = {}
     uids: set[str] = set()
     for i, entry in enumerate(_list(raw, "pods")):
         path = f"pods[{i}]"
         m = _Map(entry, path)
         namespace = _str(m.get("namespace", "default"), m.sub("namespace"), pattern=_DNS_LABEL, what="a namespace")
         name = _str(m.get("name"), m.sub("name"), pattern=_DNS_SUBDOMAIN, what="a pod name")
-        if f"{namespace}/{name}" in keys:
-            raise ScenarioError(m.sub("name"), f"pod {namespace}/{name} is defined twice")
-        keys.add(f"{namespace}/{name}")
+        start = _seconds(m.get("start_seconds", 0), m.sub("start_seconds"), duration)
+        end_raw = m.get("end_seconds", None)
+        end = None if end_raw is None else _seconds(end_raw, m.sub("end_seconds"), duration)
+        if end is not None and end <= start:
+            raise ScenarioError(m.sub("end_seconds"), "must be after start_seconds")
+        key = f"{namespace}/{name}"
+        until = end if end is not None else float("inf")
+        for other, other_start, other_until in lives.get(key, ()):
+            if start < other_until and other_start < until:
+                raise ScenarioError(
+                    path, f"pod {key} is alive {_life_text(start, until)} and so is pods[{other}] "
+                          f"{_life_text(other_start, other_until)}, the pod of the same name: only one pod of a name "
+                          "is alive at a time (a recreated pod starts at or after the end_seconds of the one before)")
+        recreated = bool(lives.get(key))
+        lives.setdefault(key, []).append((i, start, until))
         node_name = _str(m.get("node"), m.sub("node"))
         if node_name not in by_name:
             raise ScenarioError(m.sub("node"), f"no node named {node_name!r}")
@@ -1215,7 +1234,7 @@ def _read_pods(raw: Any, nodes: tuple[NodeSpec, ...], seed: int, duration: float
         uid = (
             _str(uid_raw, m.sub("uid"), pattern=_POD_UID, what="a lowercase dashed pod UID")
             if uid_raw is not None
-            else deterministic_pod_uid(seed, namespace, name)
+            else deterministic_pod_uid(seed, namespace, name, start if recreated else None)
         )
         if uid in uids:
             raise ScenarioError(m.sub("uid"), f"UID {uid} is used by another pod")
@@ -1227,11 +1246,6 @@ def _read_pods(raw: Any, nodes: tuple[NodeSpec, ...], seed: int, duration: float
             owner_kind = _str(o.get("kind"), o.sub("kind"))
             owner_name = _str(o.get("name"), o.sub("name"))
             o.done()
-        start = _seconds(m.get("start_seconds", 0), m.sub("start_seconds"), duration)
-        end_raw = m.get("end_seconds", None)
-        end = None if end_raw is None else _seconds(end_raw, m.sub("end_seconds"), duration)
-        if end is not None and end <= start:
-            raise ScenarioError(m.sub("end_seconds"), "must be after start_seconds")
         lifetime = (end if end is not None else duration) - start
         containers: list[ContainerSpec] = []
         cnames: set[str] = set()
@@ -1385,6 +1399,10 @@ def _read_pods(raw: Any, nodes: tuple[NodeSpec, ...], seed: int, duration: float
     return tuple(pods)
 
 
+def _life_text(start: float, until: float) -> str:
+    return f"from {start:g} s " + ("on" if until == float("inf") else f"to {until:g} s")
+
+
 def _default_claim_name(pod_name: str, device: DeviceAssignmentSpec) -> str:
     suffix = f"-gpu{device.gpu}" + (f"-mig{device.instance}" if device.instance is not None else "")
     return f"{pod_name[:253 - len(suffix)]}{suffix}"
@@ -1498,7 +1516,9 @@ def _read_host_processes(raw: Any, nodes: tuple[NodeSpec, ...], duration: float)
 
 
 def _read_races(raw: Any, pods: tuple[PodSpec, ...], duration: float) -> tuple[ProcessExitRaceFault, ...]:
-    by_key = {p.key: p for p in pods}
+    by_key: dict[str, list[PodSpec]] = {}
+    for p in pods:
+        by_key.setdefault(p.key, []).append(p)
     out: list[ProcessExitRaceFault] = []
     seen: set[tuple[str, str, str]] = set()
     for i, entry in enumerate(_list(raw, "process_exit_races")):
@@ -1507,7 +1527,15 @@ def _read_races(raw: Any, pods: tuple[PodSpec, ...], duration: float) -> tuple[P
         pod_key = _str(m.get("pod"), m.sub("pod"))
         if pod_key not in by_key:
             raise ScenarioError(m.sub("pod"), f"no pod {pod_key!r} (write namespace/name)")
-        pod = by_key[pod_key]
+        at = _seconds(m.get("at_seconds"), m.sub("at_seconds"), duration)
+        pod = by_key[pod_key][0]
+        if len(by_key[pod_key]) > 1:
+            # A recreated pod: the race is the incarnation's alive at the instant it names.
+            alive = [p for p in by_key[pod_key]
+                     if p.start_seconds <= at and (p.end_seconds is None or at < p.end_seconds)]
+            if not alive:
+                raise ScenarioError(m.sub("at_seconds"), f"no pod {pod_key} is alive then")
+            pod = alive[0]
         container_name = _str(m.get("container", pod.containers[0].name), m.sub("container"))
         container = next((c for c in pod.containers if c.name == container_name), None)
         if container is None:
@@ -1516,17 +1544,16 @@ def _read_races(raw: Any, pods: tuple[PodSpec, ...], duration: float) -> tuple[P
         process = next((p for p in container.processes if p.name == process_name), None)
         if process is None:
             raise ScenarioError(m.sub("process"), f"container {container_name!r} has no process {process_name!r}")
-        at = _seconds(m.get("at_seconds"), m.sub("at_seconds"), duration)
         m.done()
         begin = pod.start_seconds + process.start_seconds
         finish = pod.start_seconds + process.end_seconds if process.end_seconds is not None else pod.end_seconds
         if at <= begin or (finish is not None and at >= finish):
             raise ScenarioError(m.sub("at_seconds"), "must fall while the process runs")
-        key = (pod_key, container_name, process_name)
+        key = (pod.uid, container_name, process_name)
         if key in seen:
             raise ScenarioError(path, "a process exits once")
         seen.add(key)
-        out.append(ProcessExitRaceFault(pod_key, container_name, process_name, at))
+        out.append(ProcessExitRaceFault(pod_key, container_name, process_name, at, pod.uid))
     return tuple(out)
 
 

@@ -404,7 +404,7 @@ class _Structure:
         def ms(seconds: float) -> int:
             return s.start_unix_ms + round(seconds * 1000)
 
-        races = {(r.pod, r.container, r.process): r.at_seconds for r in s.process_exit_races}
+        races = {(r.pod_uid, r.container, r.process): r.at_seconds for r in s.process_exit_races}
         out: list[SimProcess] = []
         mps_clients: dict[tuple[str, int], list[SimProcess]] = {}
         for pod in s.pods:
@@ -414,7 +414,7 @@ class _Structure:
                 for process in container.processes:
                     pid = pid_for(pod.uid, container.name, process.name)
                     end = pod_end if process.end_seconds is None else ms(pod.start_seconds + process.end_seconds)
-                    race = races.get((pod.key, container.name, process.name))
+                    race = races.get((pod.uid, container.name, process.name))
                     if race is not None:
                         end = ms(race)
                     units = tuple(self._unit_of(node, d) for d in process.devices)

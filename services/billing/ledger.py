@@ -248,19 +248,23 @@ trueups = Table(
 COST_BASES = ("list", "trued")
 
 _LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._/-]{0,251}[A-Za-z0-9])?$")
-GROUP_KINDS = ("namespace", "label", "node", "gpu")
+GROUP_KINDS = ("namespace", "pod", "label", "node", "gpu")
 
 
 @dataclass(frozen=True, slots=True)
 class Grouping:
-    """How cost lines are grouped: ``namespace``, ``label`` (with ``label_key``), ``node`` or ``gpu``."""
+    """How cost lines are grouped: ``namespace``, ``pod``, ``label`` (with ``label_key``), ``node`` or ``gpu``.
+
+    ``pod`` groups by ``<namespace>/<name>``, as ``/allocation?aggregate=pod`` does: a pod deleted and created again
+    under its name (a StatefulSet's, with a new uid) is one line, the sum of its incarnations, whose own lines the
+    ledger keeps apart by ``pod_uid``."""
 
     kind: str
     label_key: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in GROUP_KINDS:
-            raise ConfigError(f"cannot group by {self.kind!r}; expected namespace, label:<key>, node or gpu")
+            raise ConfigError(f"cannot group by {self.kind!r}; expected namespace, pod, label:<key>, node or gpu")
         if self.kind == "label":
             if not self.label_key or not _LABEL_KEY_RE.match(self.label_key):
                 raise ConfigError(f"{self.label_key!r} is not a Kubernetes label key")
@@ -269,12 +273,12 @@ class Grouping:
 
     @classmethod
     def parse(cls, text: str) -> "Grouping":
-        """``namespace`` | ``label:<key>`` | ``node`` | ``gpu``."""
+        """``namespace`` | ``pod`` | ``label:<key>`` | ``node`` | ``gpu``."""
         kind, sep, key = text.strip().partition(":")
         if kind == "label":
             return cls("label", key if sep else None)
         if sep:
-            raise ConfigError(f"cannot group by {text!r}; expected namespace, label:<key>, node or gpu")
+            raise ConfigError(f"cannot group by {text!r}; expected namespace, pod, label:<key>, node or gpu")
         return cls(kind)
 
     def describe(self) -> str:
@@ -784,6 +788,8 @@ class Ledger:
         ``cost`` basis."""
         if grouping.kind == "namespace":
             group = cost_lines.c.namespace
+        elif grouping.kind == "pod":
+            group = cost_lines.c.namespace + "/" + cost_lines.c.pod_name
         elif grouping.kind == "node":
             group = cost_lines.c.node_name
         elif grouping.kind == "gpu":

@@ -1,12 +1,16 @@
-"""``gpumeter report``: costs from the ledger by namespace, label, node or GPU, reconciled to the node bills.
+"""``gpumeter report``: costs from the ledger by namespace, pod, label, node or GPU, reconciled to the node bills.
 
 Contract:
 
 * ``build_report(ledger, grouping, start_ms=, end_ms=)`` reads the cost lines of the windows starting in
   [start_ms, end_ms) grouped by (subject kind, group) and, separately, the node bills of the same windows.
-  Pod costs are one line per group value (namespace, label value, node or GPU); the buckets — idle,
+  Pod costs are one line per group value (namespace, ``<namespace>/<name>``, label value, node or GPU); the
+  buckets — idle,
   driver_reserved, unattributed and node_other — are always lines of their own (per node or GPU when grouping by
-  those, else one line each). Pods without the grouping label form the line ``(no <key> label)``.
+  those, else one line each). Pods without the grouping label form the line ``(no <key> label)``. By pod, the
+  incarnations of a pod recreated under its name (a StatefulSet's: new uid, same name) are one line, their sum
+  (the ledger keeps each one's lines under its uid); pod lines the attributor could not name form ``(pod name
+  unknown)``.
 * The **reconciliation** compares the sum of the report's lines with the sum of the node bills, computed by two
   independent queries; the report says "reconciled" only when they are equal to the micro-dollar, and states
   the difference otherwise (and ``gpumeter report`` exits 1).
@@ -269,6 +273,8 @@ def report_lines(rows: Sequence[CostGroupRow], grouping: Grouping,
         if kind is None:
             raise GpumeterError(f"ledger holds an unknown subject kind {row.subject_kind!r}")
         group = row.group
+        if kind == "pod" and group is None and grouping.kind == "pod":
+            group = "(pod name unknown)"
         if kind == "pod" and group is None and grouping.kind == "label":
             not_carried = carriage is not None and carriage.lines_not_carried == carriage.pod_lines
             group = f"(label {grouping.label_key} not carried)" if not_carried else f"(no {grouping.label_key} label)"
@@ -412,7 +418,7 @@ def _format_csv(report: Report) -> str:
     writer.writerow(["kind", "group", "cost_usd", "cost_micro_usd", "cost_lines", "direct_usd", "direct_micro_usd",
                      "shared_usd", "shared_micro_usd"])
     for line in report.lines:
-        # The group is a namespace, label value, node or GPU someone else chose: never a formula.
+        # The group is a namespace, pod, label value, node or GPU someone else chose: never a formula.
         writer.writerow([line.kind, csv_cell(line.group or ""), usd_text(line.cost_micro_usd), line.cost_micro_usd,
                          line.cost_lines, usd_text(line.direct_micro_usd), line.direct_micro_usd,
                          usd_text(line.shared_micro_usd), line.shared_micro_usd])
@@ -530,7 +536,7 @@ def format_report(report: Report, fmt: str = "table") -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window", default="24h", help="how far back from --end (90m, 24h, 7d; default 24h)")
     parser.add_argument("--end", default=None, help="end of the report, ISO 8601 (default: now)")
-    parser.add_argument("--by", default="namespace", help="namespace | label:<key> | node | gpu")
+    parser.add_argument("--by", default="namespace", help="namespace | pod (namespace/name) | label:<key> | node | gpu")
     parser.add_argument("--format", default="table", choices=FORMATS,
                         help="table | csv | json | focus (the windows' FOCUS rows as CSV, not grouped; default table)")
     parser.add_argument("--cost", default="list", choices=COST_BASES,

@@ -192,6 +192,12 @@ def node_streams(scenario: Scenario, node_name: str, proc_root: Path | None = No
             running = world.pods_at(now_ms, node_name)
             current = {pod.uid: pod for pod in running}
             by_pod = dra_assignments(scenario, node, running)
+            # Deletions first, as the API server orders them: a pod recreated under its name (a StatefulSet's) is
+            # deleted before its successor can be created.
+            for uid, pod in known.items():
+                if uid not in current:
+                    events.append(_pod_event(pod, PodEventType.DELETED, scenario.cluster, now_ms,
+                                             claimed.pop(uid, None)))
             for uid, pod in current.items():
                 now_claimed = by_pod.get((pod.namespace, pod.name), {})
                 if uid not in known:
@@ -200,10 +206,6 @@ def node_streams(scenario: Scenario, node_name: str, proc_root: Path | None = No
                     events.append(_pod_event(pod, PodEventType.MODIFIED, scenario.cluster, now_ms, now_claimed))
                 if now_claimed:
                     claimed[uid] = now_claimed
-            for uid, pod in known.items():
-                if uid not in current:
-                    events.append(_pod_event(pod, PodEventType.DELETED, scenario.cluster, now_ms,
-                                             claimed.pop(uid, None)))
             known = current
             reading = backend.read()
             # As the collector publishes them: device ids in uuid form, whatever the device plugin's id strategy,
@@ -277,12 +279,13 @@ class SimulatedNode:
         current = {pod.uid: pod for pod in self._pods}
         if not self._api_started:
             return
-        for uid, pod in current.items():
-            if uid not in self._served:
-                self.apiserver.add_pod(pod_object(pod))
+        # Deletions first: the API server refuses a pod whose name a live pod holds (a recreated StatefulSet pod).
         for uid in list(self._served):
             if uid not in current:
                 self.apiserver.delete_pod(uid)
+        for uid, pod in current.items():
+            if uid not in self._served:
+                self.apiserver.add_pod(pod_object(pod))
         self._served = current
         if self.node.allocation == "dra":
             claims = sim_dra.claims_for(self.scenario.seed, self.node, self._pods)

@@ -290,7 +290,7 @@ class Run:
         window_text = f"{(end_ms - self.sim_start_ms) // 1000}s"
         self.progress(f"{len(bills)} node-windows billed. The ledger is {config.ledger_path} (SQLite). Again: "
                       f"gpumeter report --ledger-url {config.ledger_url} --end {live_view.iso_utc(end_ms)} "
-                      f"--window {window_text} --by namespace   (or --by label:{config.team_label}, node, gpu)")
+                      f"--window {window_text} --by namespace   (or --by pod, label:{config.team_label}, node, gpu)")
         return reconciled
 
     async def execute(self) -> RunResult:

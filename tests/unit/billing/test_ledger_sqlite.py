@@ -143,7 +143,7 @@ def test_bad_urls_and_groupings_are_typed_errors(tmp_path):
         ledger.migrate()
     from gpumeter.errors import ConfigError
 
-    for bad in ("pod", "label:", "label:bad key", "node:x"):
+    for bad in ("pods", "pod:x", "label:", "label:bad key", "node:x"):
         with pytest.raises(ConfigError):
             Grouping.parse(bad)
     assert Ledger.from_env({"GPUMETER_LEDGER_URL": "postgres://u@h/db"}).url == "postgresql+psycopg://u@h/db"

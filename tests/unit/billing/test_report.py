@@ -90,6 +90,32 @@ def test_by_node_and_gpu_and_a_narrower_window(filled_ledger):
     assert last.reconciliation.reconciled
 
 
+def test_by_pod_is_one_line_per_namespace_and_name_summing_its_incarnations(filled_ledger):
+    ledger, results = filled_ledger
+    pods = [c for r in results for c in r.costs if c.subject_kind.value == "POD"]
+    recreated = pods[0]
+    # The pod deleted and created again under its name (a StatefulSet's): its first window's lines get a new uid.
+    with ledger.engine.begin() as connection:
+        changed = connection.execute(text("UPDATE cost_lines SET pod_uid = 'uid-of-the-new-incarnation' "
+                                          "WHERE pod_uid = :uid AND window_start_unix_ms = :start"),
+                                     {"uid": recreated.pod_uid, "start": WINDOW_START_MS}).rowcount
+    assert changed >= 1
+    report = build_report(ledger, Grouping.parse("pod"), start_ms=WINDOW_START_MS, end_ms=END_MS)
+    expected = expected_lines(results, lambda c: f"{c.namespace}/{c.pod_name}" if c.pod_name else None)
+    assert lines_of(report) == expected
+    name = f"{recreated.namespace}/{recreated.pod_name}"
+    assert expected[("pod", name)] == sum(c.cost_micro_usd for c in pods
+                                          if (c.namespace, c.pod_name) == (recreated.namespace, recreated.pod_name))
+    assert report.reconciliation.reconciled
+    assert report.grouping.describe() == "pod" and name in format_report(report, "table")
+    # A pod line the attributor could not name is a line of its own, not a blank.
+    with ledger.engine.begin() as connection:
+        connection.execute(text("UPDATE cost_lines SET namespace = NULL, pod_name = NULL WHERE pod_uid = :uid"),
+                           {"uid": recreated.pod_uid})
+    unnamed = build_report(ledger, Grouping.parse("pod"), start_ms=WINDOW_START_MS, end_ms=END_MS)
+    assert ("pod", "(pod name unknown)") in lines_of(unnamed) and unnamed.reconciliation.reconciled
+
+
 def test_a_ledger_that_does_not_add_up_is_reported_as_a_mismatch(filled_ledger):
     ledger, _ = filled_ledger
     with ledger.engine.begin() as connection:

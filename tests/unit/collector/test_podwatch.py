@@ -243,6 +243,29 @@ async def test_gone_as_an_error_event_mid_session_relists(server):
 
 
 @pytest.mark.network
+@pytest.mark.parametrize("relist", [False, True], ids=["watched", "relisted"])
+async def test_a_pod_recreated_under_its_name_is_deleted_then_added_with_its_new_uid(server, relist):
+    """A StatefulSet pod deleted and created again: the API server refuses the name while the old pod exists, and
+    the watcher (from the watch, or relisting after a 410) ends the old uid before it announces the new one."""
+    server.add_pod(gpu_pod("llm-0"))
+    again = make_pod_object("ml", "llm-0", "uid-llm-0-again", NODE, gpu_requests={"nvidia.com/gpu": 1})
+    async with watching(server) as h:
+        await h.next()
+        await server.wait_for_watches(1)
+        with pytest.raises(ValueError, match="ml/llm-0 already exists"):
+            server.add_pod(again)
+        if relist:
+            server.drop_connections()
+        server.delete_pod("uid-llm-0")
+        server.add_pod(again)
+        if relist:
+            server.expire_history()
+        got = [await h.next_event() for _ in range(2)]
+        assert [(e.event_type, e.uid) for e in got] == [(DELETED, "uid-llm-0"), (ADDED, "uid-llm-0-again")]
+        assert set(h.watcher.pods()) == {"uid-llm-0-again"}
+
+
+@pytest.mark.network
 @pytest.mark.parametrize("refuse", [False, True], ids=["503", "refused"])
 async def test_outage_then_resume_without_missing_events(server, refuse):
     server.add_pod(gpu_pod("a"))

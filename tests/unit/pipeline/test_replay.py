@@ -190,7 +190,7 @@ def _exit_race_allowance(scenario_path: Path, truth_rows) -> dict[tuple[str, str
     for race in scenario.process_exit_races:
         process = next(
             p for p in world.processes
-            if p.pod_key == race.pod and p.container_name == race.container and p.comm == race.process[:15]
+            if p.pod_uid == race.pod_uid and p.container_name == race.container and p.comm == race.process[:15]
         )
         t = process.exit_race_ms
         if t not in ticks:

@@ -424,3 +424,74 @@ def test_the_collector_refuses_a_node_the_scenario_lacks_or_bad_sharing_in_one_l
         assert "no-such-node" in lines[0] and "gpu-p5-a" in lines[0]  # what is missing, and what there is
     else:
         assert "sometimes" in lines[0]
+
+
+# ---- a pod recreated under its name (a StatefulSet's) ----------------------------------------------------------
+
+
+def _recreated(first_end: float, second_start: float, **second) -> dict:
+    """BASE with pod ml/a deleted at ``first_end`` and created again on its GPU at ``second_start``."""
+    doc = copy.deepcopy(BASE)
+    doc["pods"][0]["end_seconds"] = first_end
+    again = copy.deepcopy(BASE["pods"][0])
+    again.update({"start_seconds": second_start, **second})
+    doc["pods"].append(again)
+    return doc
+
+
+def test_a_pod_recreated_under_its_name_is_a_new_pod_with_its_own_uid():
+    from simulator.world import SimWorld
+
+    scenario = _load(_recreated(40, 40))
+    old, new = scenario.pods[0], scenario.pods[2]
+    assert old.key == new.key == "ml/a"
+    # The first keeps the uid it always had; the second's comes from its start as well, and so do its ids.
+    assert old.uid == deterministic_pod_uid(1, "ml", "a")
+    assert new.uid == deterministic_pod_uid(1, "ml", "a", 40) != old.uid
+    assert new.containers[0].container_id != old.containers[0].container_id
+    world = SimWorld(scenario)
+    at = lambda seconds: scenario.start_unix_ms + seconds * 1000  # noqa: E731
+    assert [p.uid for p in world.pods_at(at(30)) if p.name == "a"] == [old.uid]
+    assert [p.uid for p in world.pods_at(at(40)) if p.name == "a"] == [new.uid]
+    processes = [p for p in world.processes if p.pod_key == "ml/a"]
+    assert {p.pod_uid for p in processes} == {old.uid, new.uid}
+    assert len({p.pid for p in processes}) == 2 and len({p.cgroup_path for p in processes}) == 2
+    # Truth per uid: at 30 s the old incarnation uses GPU 0, at 40 s the new one, never both.
+    truth_pods = lambda seconds: {r.pod_uid for r in world.truth(at(seconds))  # noqa: E731
+                                  if r.gpu_uuid == scenario.nodes[0].gpus[0].uuid}
+    assert truth_pods(30) == {old.uid} and truth_pods(40) == {new.uid}
+    # A given uid is kept; a gap between the two lives is allowed.
+    given = _load(_recreated(40, 60, uid="aaaaaaaa-bbbb-4ccc-8ddd-eeeeeeeeeeee"))
+    assert given.pods[2].uid == "aaaaaaaa-bbbb-4ccc-8ddd-eeeeeeeeeeee"
+
+
+@pytest.mark.parametrize(("first_end", "second_start", "lives"), [
+    (50, 40, "from 40 s on and so is pods[0] from 0 s to 50 s"),
+    (None, 40, "from 40 s on and so is pods[0] from 0 s on"),
+])
+def test_two_pods_of_one_name_alive_at_once_are_refused_naming_both(first_end, second_start, lives):
+    doc = _recreated(first_end, second_start)
+    if first_end is None:
+        del doc["pods"][0]["end_seconds"]
+    with pytest.raises(ScenarioError) as info:
+        _load(doc)
+    assert info.value.path == "pods[2]"
+    assert f"pod ml/a is alive {lives}" in str(info.value)
+    assert "only one pod of a name is alive at a time" in str(info.value)
+
+
+def test_an_exit_race_on_a_recreated_pod_is_the_incarnation_alive_then():
+    from simulator.world import SimWorld
+
+    doc = _recreated(40, 40)
+    doc["process_exit_races"] = [{"pod": "ml/a", "process": "python", "at_seconds": 60}]
+    scenario = _load(doc)
+    new = scenario.pods[2]
+    assert scenario.process_exit_races[0].pod_uid == new.uid
+    ends = {p.pod_uid: p.exit_race_ms for p in SimWorld(scenario).processes if p.pod_key == "ml/a"}
+    assert ends == {scenario.pods[0].uid: None, new.uid: scenario.start_unix_ms + 60_000}
+    doc = _recreated(40, 60)
+    doc["process_exit_races"] = [{"pod": "ml/a", "process": "python", "at_seconds": 50}]
+    with pytest.raises(ScenarioError, match="no pod ml/a is alive then") as info:
+        _load(doc)
+    assert info.value.path == "process_exit_races[0].at_seconds"
