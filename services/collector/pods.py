@@ -244,7 +244,7 @@ def _merged(container: PodContainer, given: tuple[DeviceAssignment, ...], hami_p
         if assignment.resource_name == GPU_RESOURCE:
             ids = tuple(d for d in ids if not is_hami_placeholder(d))
         if ids:
-            kept.append(DeviceAssignment(assignment.resource_name, ids))
+            kept.append(dataclasses.replace(assignment, device_ids=ids))
     return own + tuple(kept)
 
 
@@ -257,7 +257,7 @@ def with_devices_resolved(event: PodEvent, uuid_by_index: Mapping[str, str]) -> 
         dataclasses.replace(
             c,
             assigned_devices=tuple(
-                DeviceAssignment(a.resource_name, tuple(resolve_device_id(d, uuid_by_index) for d in a.device_ids))
+                dataclasses.replace(a, device_ids=tuple(resolve_device_id(d, uuid_by_index) for d in a.device_ids))
                 for a in c.assigned_devices),
             visible_devices_env=resolve_visible_devices(c.visible_devices_env, uuid_by_index),
         )
