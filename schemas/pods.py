@@ -30,11 +30,13 @@ TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
 
 @dataclass(frozen=True, slots=True)
 class PodAssignment:
-    """One GPU device id a container of the pod was given, for one resource."""
+    """One GPU device id a container of the pod was given, for one resource; ``owning_claim`` the DRA claim that
+    holds the device alone (``DeviceAssignment.owning_claim``), None for the device plugin's."""
 
     container_name: str
     resource_name: str
     device_id: str
+    owning_claim: str | None = None
 
 
 def is_stale(observed_at_unix_ms: int, resource_version: str, deleted: bool, event: PodEvent) -> bool:
@@ -75,7 +77,8 @@ def gpu_assignments(event: PodEvent) -> tuple[PodAssignment, ...]:
                 if device_id in seen:
                     continue
                 seen.add(device_id)
-                out.append(PodAssignment(container.name, assignment.resource_name, device_id))
+                out.append(PodAssignment(container.name, assignment.resource_name, device_id,
+                                         assignment.owning_claim))
     return tuple(out)
 
 

@@ -259,13 +259,17 @@ class NodeSample:
 class DeviceAssignment:
     resource_name: str
     device_ids: tuple[str, ...]
+    # v3: the DRA claim (``<namespace>/<name>``) that holds these devices alone; None for the device plugin's and
+    # for a DRA device shared across claims.
+    owning_claim: str | None = None
 
     def to_avro(self) -> dict[str, Any]:
-        return {"resource_name": self.resource_name, "device_ids": list(self.device_ids)}
+        return {"resource_name": self.resource_name, "device_ids": list(self.device_ids),
+                "owning_claim": self.owning_claim}
 
     @classmethod
     def from_avro(cls, d: Mapping[str, Any]) -> "DeviceAssignment":
-        return cls(d["resource_name"], tuple(d["device_ids"]))
+        return cls(d["resource_name"], tuple(d["device_ids"]), d.get("owning_claim"))
 
 
 @dataclass(frozen=True, slots=True)

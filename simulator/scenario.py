@@ -1462,19 +1462,22 @@ def _mps_thread_env(env: Mapping[str, str], processes: list[ProcessSpec], path: 
 
 
 def _check_no_double_assignment(pods: list[PodSpec]) -> None:
-    holders: dict[tuple[str, str], list[tuple[float, float, int, str]]] = {}
+    """A device id is one container's at a time -- except on a DRA node, where the pods of one claim share the
+    claim's device (``_check_claims`` keeps a device to one claim at a time)."""
+    holders: dict[tuple[str, str], list[tuple[float, float, tuple[str, str] | None, str]]] = {}
     for i, pod in enumerate(pods):
         end = pod.end_seconds if pod.end_seconds is not None else float("inf")
         for c, container in enumerate(pod.containers):
             for d, device in enumerate(container.devices):
                 path = f"pods[{i}].containers[{c}].devices[{d}]"
-                for start2, end2, _, other in holders.get((pod.node, device.device_id), []):
-                    if pod.start_seconds < end2 and start2 < end:
+                claim = (pod.namespace, device.claim) if device.claim is not None else None
+                for start2, end2, claim2, other in holders.get((pod.node, device.device_id), []):
+                    if pod.start_seconds < end2 and start2 < end and (claim is None or claim != claim2):
                         raise ScenarioError(
                             path, f"device {device.device_id} is already assigned to {other} at the same time"
                         )
                 holders.setdefault((pod.node, device.device_id), []).append(
-                    (pod.start_seconds, end, i, f"{pod.key} ({container.name})")
+                    (pod.start_seconds, end, claim, f"{pod.key} ({container.name})")
                 )
 
 

@@ -18,6 +18,7 @@ in ``docs/attribution.md``; the contract in short:
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping, NamedTuple, Sequence
@@ -979,7 +980,9 @@ def _epoch_cost(
 
     The cost basis over the epoch's own ticks; on a dedicated unit (an exclusive GPU, a MIG instance one pod
     holds) the owner pays the epoch, except what pods that use the unit without holding it (a leak through
-    ``NVIDIA_VISIBLE_DEVICES=all``) pay for their use: the larger of their memory and compute fractions.
+    ``NVIDIA_VISIBLE_DEVICES=all``) pay for their use: the larger of their memory and compute fractions. A unit
+    a DRA claim holds alone is paid the same way by the claim's pods together (``ModeDecision.claim_owners``),
+    split among them by the cost basis (their use).
     """
     basis = policy.cost_basis
     if basis is CostBasis.REQUEST:
@@ -989,14 +992,23 @@ def _epoch_cost(
         memory = _epoch_vector(epoch, "memory", row_slots, available_memory, n_rows)
     if basis is not CostBasis.MEMORY:
         compute = _epoch_vector(epoch, "compute", row_slots, available_compute, n_rows)
-    owner = epoch.decision.dedicated_owner if epoch.decision is not None else None
-    if owner is not None:
+    decision = epoch.decision
+    owners: tuple[str, ...] = ()
+    if decision is not None:
+        owners = (decision.dedicated_owner,) if decision.dedicated_owner is not None else decision.claim_owners
+    if owners:
         if memory is None:
             memory = _epoch_vector(epoch, "memory", row_slots, available_memory, n_rows)
         if compute is None:
             compute = _epoch_vector(epoch, "compute", row_slots, available_compute, n_rows)
-        return _owner_pays(owner, epoch, row_slots, row_of_slot, n_rows, assignee_slots, assignees, memory,
-                           compute)
+        return _owners_pay(owners, epoch, row_slots, row_of_slot, n_rows, assignee_slots, assignees, memory,
+                           compute, _basis_vector(policy, memory, compute) if len(owners) > 1 else memory)
+    return _basis_vector(policy, memory, compute)
+
+
+def _basis_vector(policy: AttributionPolicy, memory: list[float] | None, compute: list[float] | None) -> list[float]:
+    """The cost basis's vector (memory, compute or their blend) of an epoch."""
+    basis = policy.cost_basis
     if basis is CostBasis.MEMORY:
         assert memory is not None
         return memory
@@ -1008,8 +1020,8 @@ def _epoch_cost(
     return [a * c + (1.0 - a) * m for m, c in zip(memory, compute)]
 
 
-def _owner_pays(
-    owner: str,
+def _owners_pay(
+    owners: Sequence[str],
     epoch: _Epoch,
     row_slots: Sequence[int],
     row_of_slot: Mapping[int, int],
@@ -1018,13 +1030,16 @@ def _owner_pays(
     assignees: Sequence[tuple[PodInfo, UnitAssignment]],
     memory: list[float],
     compute: list[float],
+    use: list[float],
 ) -> list[float]:
-    owner_row = None
-    for slot, (info, _claim) in zip(assignee_slots, assignees):
-        if info.uid == owner:
-            owner_row = row_of_slot[slot]
+    """The epoch's cost when ``owners`` (the dedicated owner, or a DRA claim's pods) hold the unit: leakers pay
+    their use (the larger of their memory and compute fractions, scaled down to the whole unit when they would
+    pay more), the owners the rest, split by ``use`` (the cost basis's fractions; equally when none used it)."""
+    wanted = set(owners)
+    owner_rows = sorted({row_of_slot[slot] for slot, (info, _claim) in zip(assignee_slots, assignees)
+                         if info.uid in wanted})
     cost = [0.0] * (n_rows + _BUCKETS)
-    if owner_row is None:
+    if not owner_rows:
         return memory
     leaked = 0.0
     leakers = []
@@ -1032,18 +1047,29 @@ def _owner_pays(
         if slot < 0:
             continue
         row = row_of_slot.get(slot)
-        if row is None or row == owner_row:
+        if row is None or row in owner_rows:
             continue
-        use = max(memory[row], compute[row])
-        if use > 0.0:
-            leakers.append((row, use))
-            leaked += use
+        used = max(memory[row], compute[row])
+        if used > 0.0:
+            leakers.append((row, used))
+            leaked += used
     scale = 1.0 / leaked if leaked > 1.0 else 1.0
     paid = 0.0
-    for row, use in leakers:
-        cost[row] = use * scale
+    for row, used in leakers:
+        cost[row] = used * scale
         paid += cost[row]
-    cost[owner_row] = max(1.0 - paid, 0.0)
+    rest = max(1.0 - paid, 0.0)
+    if len(owner_rows) == 1:
+        cost[owner_rows[0]] = rest
+        return cost
+    # Several owners (one claim's pods): the rest split by what each used of the unit, like any shared unit's
+    # pods -- only the unit's idle and unexplained parts are theirs too.
+    weights = [max(use[row], 0.0) for row in owner_rows]
+    total = math.fsum(weights)
+    if not total > 0.0:
+        weights, total = [1.0] * len(owner_rows), float(len(owner_rows))
+    for row, weight in zip(owner_rows, weights):
+        cost[row] = rest * weight / total
     return cost
 
 
@@ -1054,14 +1080,17 @@ def _request_cost(
     row_of_slot: Mapping[int, int],
     n_rows: int,
 ) -> list[float]:
-    """Each tick of the epoch: every alive holder pays claim / max(replicas, total claims); the rest is idle."""
+    """Each tick of the epoch: every alive holder pays claim / max(replicas, total claims) (claim / total claims
+    on a unit a DRA claim holds alone); the rest is idle."""
     cost = [0.0] * (n_rows + _BUCKETS)
     idle = n_rows
     replicas = epoch.decision.replicas if epoch.decision is not None else 1
     claims = [(row_of_slot[assignee_slots[i]], assignees[i][1].claim_replicas(replicas)) for i in epoch.holders]
     alive = [(row, c) for row, c in claims if c > 0]
     claimed = sum(c for _, c in alive)
-    slots_total = max(replicas, claimed)
+    # A unit a DRA claim holds alone is its pods' whole: no replica of it is free for anyone else.
+    owned = epoch.decision is not None and bool(epoch.decision.claim_owners) and claimed > 0
+    slots_total = claimed if owned else max(replicas, claimed)
     weight = 0.0
     for tick, w in epoch.ticks:
         if w <= 0.0:
@@ -1094,7 +1123,8 @@ def _combined_decision(epochs: Sequence[_Epoch], assignees: Sequence[tuple[PodIn
     evidence = f"holders changed within the window; {'; '.join(parts)}"
     conflict = any(e.decision is not None and e.decision.conflict for e in epochs)
     return ModeDecision(main.decision.mode, main.decision.dedicated_owner, evidence, conflict,
-                        main.decision.sample_mode, main.decision.replicas)
+                        main.decision.sample_mode, main.decision.replicas, main.decision.claim_owners,
+                        main.decision.owning_claim)
 
 
 # --------------------------------------------------------------------------------------------------------------

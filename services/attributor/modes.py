@@ -8,6 +8,11 @@ Pure: no I/O, no clock. Two kinds of evidence exist and they can disagree:
   ``MIG-GPU-<uuid>/<gi>/<ci>``) and their resource names (``nvidia.com/gpu``, ``nvidia.com/gpu.shared``,
   ``nvidia.com/mig-*``).
 
+A unit allocated through a DRA ResourceClaim that holds it alone (``DeviceAssignment.owning_claim``, which the
+collector sets from the platform's allocation, never from the claim's config) is the claim's: when every pod
+holding it holds it through that one claim, those pods pay it together (``ModeDecision.claim_owners``), split by
+use, whatever sharing the claim configures -- nobody outside the claim can be scheduled onto it.
+
 The device ids are what the pods were actually given, so where the two disagree the ids win (``::N`` replica ids
 mean a shared GPU whatever the sample said; one pod holding the plain id means an exclusive GPU). A GPU held
 through HAMi (``hami.io/vgpu``, from HAMi's allocation annotation) is shared like a replica -- even by one pod,
@@ -52,6 +57,15 @@ class UnitAssignment:
     pod_uid: str
     resource_names: tuple[str, ...]
     device_ids: tuple[str, ...]
+    owning_claims: tuple[str | None, ...] = ()  # per device id: the DRA claim holding it alone (None: none)
+
+    @property
+    def owning_claim(self) -> str | None:
+        """The one DRA claim through which the pod holds every one of its ids of the unit, else None."""
+        claims = set(self.owning_claims)
+        if len(claims) != 1 or len(self.owning_claims) != len(self.device_ids):
+            return None
+        return claims.pop()
 
     @property
     def replica_ids(self) -> int:
@@ -86,7 +100,9 @@ class ModeDecision:
     """How a unit was shared in a window and why.
 
     ``dedicated_owner`` is the uid of the one pod that holds the whole unit (an exclusive GPU, or a MIG instance
-    no one else was given); it pays the unit's cost. ``conflict`` is True when samples and device ids disagreed.
+    no one else was given); it pays the unit's cost. ``claim_owners`` are the uids of the pods that hold the unit
+    through the one DRA claim it is allocated to (``owning_claim``) when that is not a single pod's plain id: they
+    pay the unit's cost together, split by use. ``conflict`` is True when samples and device ids disagreed.
     """
 
     mode: SharingMode
@@ -95,6 +111,8 @@ class ModeDecision:
     conflict: bool
     sample_mode: SharingMode
     replicas: int
+    claim_owners: tuple[str, ...] = ()
+    owning_claim: str | None = None
 
 
 def majority_sample_mode(devices: Iterable[tuple[GpuDeviceSample, float]]) -> tuple[SharingMode, bool]:
@@ -116,6 +134,26 @@ def majority_sample_mode(devices: Iterable[tuple[GpuDeviceSample, float]]) -> tu
 _MODE_ORDER = (SharingMode.MIG, SharingMode.MPS, SharingMode.TIME_SLICING, SharingMode.EXCLUSIVE, SharingMode.UNKNOWN)
 
 
+def owning_claim_of(assignments: Sequence[UnitAssignment]) -> tuple[str | None, bool]:
+    """The DRA claim that holds the unit alone, when every one of ``assignments`` holds it through that claim
+    (None otherwise), and whether the holders name several such claims -- which the platform never allocates (a
+    device that allows one allocation goes to one claim): a conflict."""
+    claims = {a.owning_claim for a in assignments}
+    named = {c for a in assignments for c in a.owning_claims if c is not None}
+    if len(claims) == 1 and None not in claims:
+        return claims.pop(), False
+    return None, len(named) > 1
+
+
+def _claim_decision(kind: UnitKind, mode: SharingMode, claim: str, assignments: Sequence[UnitAssignment],
+                    notes: list[str], conflict: bool, sample_mode: SharingMode, replicas: int) -> ModeDecision:
+    owners = tuple(sorted(a.pod_uid for a in assignments))
+    what = "MIG instance" if kind is UnitKind.MIG_INSTANCE else "GPU"
+    notes.insert(0, f"{what} allocated to DRA claim {claim} alone: its {len(owners)} pod(s) {list(owners)} pay it "
+                    "together, split by use")
+    return ModeDecision(mode, None, "; ".join(notes), conflict, sample_mode, replicas, owners, claim)
+
+
 def decide_mode(
     kind: UnitKind,
     sample_mode: SharingMode,
@@ -134,6 +172,9 @@ def decide_mode(
     if sample_mode_changed:
         notes.append(f"sample sharing_mode changed within the window; majority {sample_mode}")
     owners = sorted(a.pod_uid for a in assignments)
+    claim, claims_conflict = owning_claim_of(assignments) if assignments else (None, False)
+    if claims_conflict:
+        notes.append("pods hold the unit through several DRA claims that each should hold it alone")
 
     if kind is UnitKind.MIG_UNASSIGNED:
         conflict = bool(assignments)
@@ -143,13 +184,15 @@ def decide_mode(
         return ModeDecision(SharingMode.MIG, None, "; ".join(notes), conflict, sample_mode, replicas)
 
     if kind is UnitKind.MIG_INSTANCE:
-        conflict = False
+        conflict = claims_conflict
         notes.insert(0, "MIG instance (parent_uuid set by NVML)")
         if sample_mode is not SharingMode.MIG:
             conflict = True
             notes.append(f"sample said {sample_mode}; NVML structure wins")
         replicated = any(a.replica_ids for a in assignments) or replicas > 1
         owner = None
+        if claim is not None and (len(assignments) > 1 or replicated):
+            return _claim_decision(kind, SharingMode.MIG, claim, assignments, notes, conflict, sample_mode, replicas)
         if len(assignments) == 1 and not replicated:
             owner = assignments[0].pod_uid
             notes.append(f"held by one pod {owner}")
@@ -176,12 +219,17 @@ def decide_mode(
     plain_holders = [a for a in assignments if a.plain_ids and not (a.shared_resource or a.hami_resource)]
     hami_holders = [a for a in replicated_ids if a.hami_resource]
     mig_claims = [a for a in assignments if a.mig_resource]
-    conflict = False
+    conflict = claims_conflict
     if mig_claims:
         conflict = True
         notes.append(f"pods {sorted(a.pod_uid for a in mig_claims)} hold a MIG resource for a GPU with MIG off")
 
     owner: str | None = None
+    if claim is not None and not (len(plain_holders) == 1 and len(assignments) == 1):
+        # The claim's pods share the GPU among themselves (time-slicing, or the MPS daemon the driver starts for
+        # the claim): the mode says how they split it, not who pays.
+        mode = SharingMode.MPS if sample_mode is SharingMode.MPS else SharingMode.TIME_SLICING
+        return _claim_decision(kind, mode, claim, assignments, notes, conflict, sample_mode, replicas)
     if replicated_ids and not plain_holders:
         mode = SharingMode.MPS if sample_mode is SharingMode.MPS else SharingMode.TIME_SLICING
         notes.insert(0, f"{len(replicated_ids)} pods hold replica ids (::N or .shared)" if not hami_holders else

@@ -101,12 +101,14 @@ def trim_pod_event(event: PodEvent, fields: PodFields) -> PodEvent:
 
 @dataclass(frozen=True, slots=True)
 class PodDeviceAssignment:
-    """One device id one container of the pod was given. ``base_id`` is the id without ``::N``."""
+    """One device id one container of the pod was given. ``base_id`` is the id without ``::N``; ``owning_claim``
+    the DRA claim that holds the device alone (None: a device-plugin device, or one shared across claims)."""
 
     container_name: str
     resource_name: str
     device_id: str
     base_id: str
+    owning_claim: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,14 +159,16 @@ class PodInfo:
         wanted = set(base_ids)
         resources: list[str] = []
         ids: list[str] = []
+        claims: list[str | None] = []
         for a in self.assignments:
             if a.base_id in wanted:
                 ids.append(a.device_id)
+                claims.append(a.owning_claim)
                 if a.resource_name not in resources:
                     resources.append(a.resource_name)
         if not ids:
             return None
-        return UnitAssignment(self.uid, tuple(resources), tuple(ids))
+        return UnitAssignment(self.uid, tuple(resources), tuple(ids), tuple(claims))
 
 
 def _pod_info(event: PodEvent, previous: PodInfo | None, fields: PodFields = ALL_FIELDS) -> PodInfo:
@@ -172,9 +176,10 @@ def _pod_info(event: PodEvent, previous: PodInfo | None, fields: PodFields = ALL
     ended, deleted = fold_life(previous.ended_at_unix_ms if previous is not None else None,
                                previous.deleted_at_unix_ms if previous is not None else None, event)
     folded = fold_assignments(
-        (PodAssignment(a.container_name, a.resource_name, a.device_id) for a in previous.assignments)
+        (PodAssignment(a.container_name, a.resource_name, a.device_id, a.owning_claim) for a in previous.assignments)
         if previous is not None else (), event)
-    assignments = [PodDeviceAssignment(a.container_name, a.resource_name, a.device_id, base_device_id(a.device_id))
+    assignments = [PodDeviceAssignment(a.container_name, a.resource_name, a.device_id, base_device_id(a.device_id),
+                                       a.owning_claim)
                    for a in folded]
     started = fold_started(previous.started_at_unix_ms if previous is not None else None, event)
     return PodInfo(

@@ -16,17 +16,24 @@ How a claim device becomes the ``DeviceAssignment`` the attributor and the guard
 * Its uuid from the slice (``GPU-…`` / ``MIG-…``, the form of ``schemas.devices``), and a resource name in the
   device plugin's vocabulary (``nvidia.com/gpu``, ``nvidia.com/mig-<profile>``), so one evidence model
   (``services.attributor.modes``) serves both allocation paths.
-* Sharing. A device allocated to a claim is the claim's alone; it is shared only between the pods the claim is
-  reserved for (``status.reservedFor``). A claim with no sharing config reserved for one pod gives it the whole
-  device: the plain id (exclusive, or a MIG instance held by one pod). A claim whose NVIDIA config sets a sharing
-  strategy (``GpuConfig`` / ``MigDeviceConfig`` ``sharing.strategy``: ``TimeSlicing`` or ``MPS``), or one
-  reserved for several pods (the driver time-slices them by default), shares the device: each pod gets a
-  replica-style id ``<uuid>::<k>`` (``k`` its place in ``reservedFor``) under the ``.shared`` resource name,
-  exactly what the device plugin's time-slicing hands out, so ``modes`` calls the unit shared and splits it by
-  use -- never one pod's. Whether it is MPS or time-slicing is then what the samples say (NVML lists MPS clients
-  when the driver runs an MPS daemon for the claim), as with the device plugin. (A configured strategy makes the
-  claim shared even while one pod uses it, so a pod's ids do not flip between exclusive and shared as the other
-  pods of its claim come and go.)
+* Who owns it. A device allocated to a claim is the claim's alone -- the scheduler allocates it to no other
+  claim -- unless the platform lets several claims have it (KEP-5075 consumable capacity: the slice's device sets
+  ``allowMultipleAllocations``, and each allocation result names a ``shareID``). So a claim's device carries the
+  claim (``DeviceAssignment.owning_claim``, ``<namespace>/<name>``) and the claim's pods pay it together for every
+  tick any of them holds it (``services.attributor.modes``), whatever sharing config the claim's owner writes: a
+  tenant's config says how the claim's pods share the device among themselves, never who pays. A device shared
+  across claims carries no owning claim and is billed by use.
+* Sharing among the claim's pods. It is shared only between the pods the claim is reserved for
+  (``status.reservedFor``). A claim with no sharing config reserved for one pod gives it the whole device: the
+  plain id (exclusive, or a MIG instance held by one pod). A claim whose NVIDIA config sets a sharing strategy
+  (``GpuConfig`` / ``MigDeviceConfig`` ``sharing.strategy``: ``TimeSlicing`` or ``MPS``), or one reserved for
+  several pods (the driver time-slices them by default), shares the device: each pod gets a replica-style id
+  ``<uuid>::<k>`` (``k`` its place in ``reservedFor``) under the ``.shared`` resource name, what the device
+  plugin's time-slicing hands out, so ``modes`` splits the unit among the claim's pods by use. Whether it is MPS
+  or time-slicing is then what the samples say (NVML lists MPS clients when the driver runs an MPS daemon for the
+  claim), as with the device plugin. (A configured strategy makes the claim shared even while one pod uses it,
+  so a pod's ids do not flip between exclusive and shared as the other pods of its claim come and go.) A device
+  shared across claims is always shared: a replica-style id under ``.shared``, even for one pod.
 * A MIG device a slice publishes without ``uuid`` (the driver's DynamicMIG mode announces MIG devices before it
   creates them) is the MIG device NVML lists on its ``parentUUID`` with its ``profile``, when exactly one has it.
 * A device that cannot be resolved (no slice names it, even after a fresh list; no ``uuid`` and no unique NVML
@@ -63,7 +70,8 @@ _GPU_NAME = re.compile(r"gpu-(?P<minor>\d+)")
 
 @dataclass(frozen=True, slots=True)
 class SliceDevice:
-    """One device of a ResourceSlice: ``uuid`` None when the slice gives none."""
+    """One device of a ResourceSlice: ``uuid`` None when the slice gives none; ``multiple_allocations`` its
+    ``allowMultipleAllocations`` (KEP-5075 consumable capacity: several claims may be allocated the device)."""
 
     driver: str
     pool: str
@@ -72,6 +80,7 @@ class SliceDevice:
     device_type: str | None
     parent_uuid: str | None
     profile: str | None
+    multiple_allocations: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +179,8 @@ def slice_devices(slices: Iterable[Any], node_name: str | None = None) -> dict[t
                 return value if isinstance(value, str) and value else None
 
             out[(driver, pool_name, name)] = SliceDevice(
-                driver, pool_name, name, attr("uuid"), attr("type"), attr("parentUUID"), attr("profile"))
+                driver, pool_name, name, attr("uuid"), attr("type"), attr("parentUUID"), attr("profile"),
+                device.get("allowMultipleAllocations") is True)
     return out
 
 
@@ -184,14 +194,34 @@ def _config_entries(claim: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     return [_mapping(e) for e in entries]
 
 
-def claim_request_of(claim: Mapping[str, Any], driver: str, pool: str, device: str) -> str | None:
-    """The request of ``claim`` that ``device`` was allocated for (``status.allocation.devices.results``)."""
+def claim_result_of(claim: Mapping[str, Any] | None, driver: str, pool: str, device: str) -> Mapping[str, Any]:
+    """The allocation result of ``claim`` for ``device`` (``status.allocation.devices.results``; {} when none)."""
+    if not isinstance(claim, Mapping):
+        return {}
     allocation = _mapping(_mapping(_mapping(claim.get("status")).get("allocation")).get("devices"))
     for result in _list(allocation.get("results")):
         result = _mapping(result)
         if result.get("driver") == driver and result.get("pool") == pool and result.get("device") == device:
-            return _text(result.get("request"))
-    return None
+            return result
+    return {}
+
+
+def claim_request_of(claim: Mapping[str, Any], driver: str, pool: str, device: str) -> str | None:
+    """The request of ``claim`` that ``device`` was allocated for (``status.allocation.devices.results``)."""
+    return _text(claim_result_of(claim, driver, pool, device).get("request"))
+
+
+def shared_across_claims(device: SliceDevice | None, result: Mapping[str, Any]) -> bool:
+    """Whether the platform may allocate ``device`` to several claims (KEP-5075 consumable capacity): the slice
+    allows multiple allocations, or the allocation ``result`` names a ``shareID`` (one share of such a device).
+    Only the slice and the allocation say it, never the claim's config."""
+    return (device is not None and device.multiple_allocations) or _text(result.get("shareID")) is not None
+
+
+def claim_identity(item: ClaimDevice) -> str:
+    """``<namespace>/<name>`` of the claim a kubelet claim device is allocated to."""
+    namespace, name = item.claim_key
+    return f"{namespace}/{name}"
 
 
 def claim_sharing(claim: Mapping[str, Any] | None, request: str | None = None) -> ClaimSharing:
@@ -233,18 +263,21 @@ def resource_name_of(device: SliceDevice, shared: bool) -> str:
     return base + SHARED_RESOURCE_SUFFIX if shared else base
 
 
-def claim_device_assignment(item: ClaimDevice, device: SliceDevice | None, sharing: ClaimSharing) -> DeviceAssignment:
-    """The ``DeviceAssignment`` one claim device stands for (see the module docstring). ``device`` None: unresolved."""
+def claim_device_assignment(item: ClaimDevice, device: SliceDevice | None, sharing: ClaimSharing, *,
+                            across_claims: bool = False) -> DeviceAssignment:
+    """The ``DeviceAssignment`` one claim device stands for (see the module docstring). ``device`` None: unresolved;
+    ``across_claims``: the device is shared across claims (``shared_across_claims``), so no claim owns it."""
     if device is None or device.uuid is None:
         return DeviceAssignment(GPU_RESOURCE, (item.fallback_id,))
-    if not sharing.shared:
-        return DeviceAssignment(resource_name_of(device, False), (device.uuid,))
+    owner = None if across_claims else claim_identity(item)
+    if not sharing.shared and not across_claims:
+        return DeviceAssignment(resource_name_of(device, False), (device.uuid,), owner)
     try:
         replica = sharing.consumers.index(item.pod_name)
     except ValueError:
         # Not (yet) in reservedFor: a place no listed pod has.
         replica = len(sharing.consumers)
-    return DeviceAssignment(resource_name_of(device, True), (f"{device.uuid}{REPLICA_SEPARATOR}{replica}",))
+    return DeviceAssignment(resource_name_of(device, True), (f"{device.uuid}{REPLICA_SEPARATOR}{replica}",), owner)
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,12 +320,13 @@ def resolve_claim_devices(
             if uuid is not None:
                 device = replace(device, uuid=uuid)
         claim = claims.get(item.claim_key)
-        request = claim_request_of(claim, item.driver_name, item.pool_name, item.device_name) if claim else None
+        result = claim_result_of(claim, item.driver_name, item.pool_name, item.device_name)
         if device is None or device.uuid is None:
             unresolved.append(item)
         containers = grouped.setdefault((item.namespace, item.pod_name), {})
         containers.setdefault(item.container_name, []).append(
-            claim_device_assignment(item, device, claim_sharing(claim, request)))
+            claim_device_assignment(item, device, claim_sharing(claim, _text(result.get("request"))),
+                                    across_claims=shared_across_claims(device, result)))
     return ({pod: {c: tuple(a) for c, a in containers.items()} for pod, containers in grouped.items()},
             tuple(unresolved))
 
@@ -303,9 +337,12 @@ def claimed_sharing(
     claims: Mapping[tuple[str, str], Mapping[str, Any] | None],
 ) -> dict[str, tuple[SharingMode, int]]:
     """GPU uuid → (mode, replicas) for the whole GPUs that shared claims hold: MPS for an ``MPS`` strategy, else
-    TIME_SLICING, with one replica per pod of the claim. What the collector's samples report for those GPUs (NVML
-    cannot tell time-slicing from exclusive use; the claim's config says it, as the device plugin's does)."""
+    TIME_SLICING, with one replica per pod of the claim (of the claims, for a GPU shared across claims). What the
+    collector's samples report for those GPUs (NVML cannot tell time-slicing from exclusive use; the claim's
+    config says it, as the device plugin's does). The mode says how the GPU's pods share it, not who pays: that is
+    the claim's (``DeviceAssignment.owning_claim``)."""
     out: dict[str, tuple[SharingMode, int]] = {}
+    across: dict[str, set[tuple[str, str]]] = {}
     for item in items:
         device = devices.get((item.driver_name, item.pool_name, item.device_name))
         if item.driver_name != DRIVER_NAME or device is None or device.uuid is None:
@@ -313,10 +350,14 @@ def claimed_sharing(
         if not device.uuid.startswith("GPU-"):
             continue  # a MIG device: NVML says MIG
         claim = claims.get(item.claim_key)
-        request = claim_request_of(claim, item.driver_name, item.pool_name, item.device_name) if claim else None
-        sharing = claim_sharing(claim, request)
-        if sharing.shared:
-            mode = SharingMode.MPS if sharing.strategy == MPS else SharingMode.TIME_SLICING
+        result = claim_result_of(claim, item.driver_name, item.pool_name, item.device_name)
+        sharing = claim_sharing(claim, _text(result.get("request")))
+        mode = SharingMode.MPS if sharing.strategy == MPS else SharingMode.TIME_SLICING
+        if shared_across_claims(device, result):
+            pods = across.setdefault(device.uuid, set())
+            pods.add((item.namespace, item.pod_name))
+            out[device.uuid] = (mode, len(pods))
+        elif sharing.shared:
             out[device.uuid] = (mode, max(len(sharing.consumers), 1))
     return out
 

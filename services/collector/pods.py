@@ -306,7 +306,7 @@ def with_devices_resolved(event: PodEvent, uuid_by_index: Mapping[str, str]) -> 
         dataclasses.replace(
             c,
             assigned_devices=tuple(
-                DeviceAssignment(a.resource_name, tuple(resolve_device_id(d, uuid_by_index) for d in a.device_ids))
+                dataclasses.replace(a, device_ids=tuple(resolve_device_id(d, uuid_by_index) for d in a.device_ids))
                 for a in c.assigned_devices),
             visible_devices_env=resolve_visible_devices(c.visible_devices_env, uuid_by_index),
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -581,3 +582,149 @@ def test_shares_encode_with_the_gpushare_schema():
 
 def test_empty_window_has_no_shares():
     assert attribute_node_window(window([]), PodIndex.empty(), AttributionPolicy()) == ()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DRA: a claim owns its device
+
+
+def claimed(event, claim):
+    """``event`` with its devices allocated to the DRA claim ``claim`` alone (``DeviceAssignment.owning_claim``)."""
+    containers = tuple(
+        dataclasses.replace(c, assigned_devices=tuple(dataclasses.replace(a, owning_claim=claim)
+                                                      for a in c.assigned_devices))
+        for c in event.containers)
+    return dataclasses.replace(event, containers=containers)
+
+
+def _claim_window(uids, mems, sms, *, claims, mode=SharingMode.TIME_SLICING, util=40, uuid="GPU-0",
+                  resource="nvidia.com/gpu.shared", extra_procs=(), extra_uids=(), ticks=6, **dev_kw):
+    """``uids`` hold replica ids of ``uuid`` through ``claims`` (one per pod; None: no owning claim), each with one
+    process of ``mems[i]`` bytes and ``sms[i]`` % SM."""
+    pods = index_of(*(claimed(pod_event(uid, devices=[(resource, [f"{uuid}::{i}"])]), claim)
+                      for i, (uid, claim) in enumerate(zip(uids, claims))), *(pod_event(u) for u in extra_uids))
+    procs = [(i, m, s) for i, (m, s) in enumerate(zip(mems, sms))] + list(extra_procs)
+    used = sum(m for _, m, _ in procs)
+    dev = device(uuid, used=used, util=util, mode=mode, replicas=len(uids), procs=procs, **dev_kw)
+    samples = [node_sample(W0 + k * 1000, [dev], pod_uids=[*uids, *extra_uids]) for k in range(ticks)]
+    return pods, window(samples)
+
+
+def test_one_pod_alone_in_a_claim_pays_the_whole_gpu_whatever_its_config_says():
+    # A TimeSlicing GpuConfig gives the claim's one pod a replica id: before, it paid its 10 GiB of 80 and the
+    # platform's IDLE the rest; the GPU is the claim's, so its pod pays it whole.
+    pods, win = _claim_window(["a"], [10 * GIB], [30], claims=["ml/a-gpu"])
+    detail = attribute_node_window_detailed(win, pods, AttributionPolicy())
+    rows = by_subject(detail.shares)
+    assert rows["a"].cost_share == 1.0 and rows[ShareSubjectKind.IDLE].cost_share == 0.0
+    assert rows["a"].memory_share == pytest.approx(10 / 80, abs=TOL)  # use is still reported as it was
+    (unit,) = detail.units
+    assert unit.decision.claim_owners == ("a",) and unit.decision.owning_claim == "ml/a-gpu"
+    assert unit.decision.mode is SharingMode.TIME_SLICING and not unit.decision.conflict
+    assert_conserves(detail.shares)
+
+
+@pytest.mark.parametrize("basis", ["memory", "compute", "blend:0.3"])
+def test_a_claims_pods_pay_its_gpu_together_split_by_their_use(basis):
+    mems, sms = [12 * GIB, 6 * GIB, 2 * GIB], [10, 20, 30]
+    pods, win = _claim_window(["a", "b", "c"], mems, sms, claims=["ml/shared"] * 3)
+    policy = AttributionPolicy.parse(basis)
+    shares = attribute_node_window(win, pods, policy)
+    rows = by_subject(shares)
+    # What each pod would pay of a shared GPU (its use under the basis), scaled up to the whole GPU.
+    unowned_pods, unowned_win = _claim_window(["a", "b", "c"], mems, sms, claims=[None] * 3)
+    unowned = by_subject(attribute_node_window(unowned_win, unowned_pods, policy))
+    use = {uid: unowned[uid].cost_share for uid in "abc"}
+    assert math.fsum(use.values()) < 0.5  # by use alone, most of the GPU would be the platform's IDLE
+    assert math.fsum(rows[u].cost_share for u in "abc") == pytest.approx(1.0, abs=TOL)
+    for uid in "abc":
+        assert rows[uid].cost_share == pytest.approx(use[uid] / math.fsum(use.values()), abs=TOL), uid
+    assert all(rows[k].cost_share == 0.0 for k in (ShareSubjectKind.IDLE, ShareSubjectKind.DRIVER_RESERVED,
+                                                   ShareSubjectKind.UNATTRIBUTED))
+    assert_conserves(shares)
+
+
+def test_an_mps_claims_pods_pay_its_gpu_together():
+    pods, win = _claim_window(["a", "b"], [9 * GIB, 3 * GIB], [-1, -1], claims=["ml/mps"] * 2,
+                              mode=SharingMode.MPS, per_process_supported=False)
+    shares = attribute_node_window(win, pods, AttributionPolicy())
+    rows = by_subject(shares)
+    assert {s.sharing_mode for s in shares} == {SharingMode.MPS}
+    assert rows["a"].cost_share == pytest.approx(0.75, abs=TOL) and rows["b"].cost_share == pytest.approx(0.25)
+    assert rows[ShareSubjectKind.IDLE].cost_share == 0.0
+    assert_conserves(shares)
+
+
+def test_a_mig_device_in_one_claim_is_paid_by_its_pods_together():
+    parent, uuid = "GPU-p", "MIG-1"
+    instance = dict(parent_uuid=parent, gi=1, ci=0, profile="3g.40gb", slices=3, total_slices=7, util=None,
+                    mode=SharingMode.MIG, total=40 * GIB)
+    pods, win = _claim_window(["a", "b"], [4 * GIB, 12 * GIB], [-1, -1], claims=["ml/mig"] * 2, uuid=uuid,
+                              resource="nvidia.com/mig-3g.40gb.shared", **instance)
+    win = window([node_sample(s.sampled_at_unix_ms, [device(parent, mode=SharingMode.MIG), *s.devices],
+                              pod_uids=s.pod_uids) for s in win.samples])
+    shares = attribute_node_window(win, pods, AttributionPolicy())
+    rows = by_subject(shares, uuid)
+    assert rows["a"].cost_share == pytest.approx(0.25, abs=TOL) and rows["b"].cost_share == pytest.approx(0.75)
+    assert rows[ShareSubjectKind.IDLE].cost_share == 0.0 and rows[ShareSubjectKind.IDLE].memory_share > 0.5
+    assert_conserves(shares)
+
+
+def test_a_gpu_shared_across_claims_is_billed_by_use():
+    # Consumable capacity: each claim holds a share of the GPU and none owns it (no owning claim): by use, the
+    # rest IDLE -- as a device-plugin time-sliced GPU.
+    pods, win = _claim_window(["a", "b"], [10 * GIB, 6 * GIB], [10, 20], claims=[None, None])
+    rows = by_subject(attribute_node_window(win, pods, AttributionPolicy()))
+    assert rows["a"].cost_share == pytest.approx(10 / 80, abs=TOL)
+    assert rows["b"].cost_share == pytest.approx(6 / 80, abs=TOL)
+    assert rows[ShareSubjectKind.IDLE].cost_share == pytest.approx(64 / 80, abs=TOL)
+
+
+def test_pods_of_two_claims_on_one_device_are_a_conflict_billed_by_use():
+    # The platform never allocates a single-allocation device to two claims: the ids are not believed.
+    pods, win = _claim_window(["a", "b"], [10 * GIB, 6 * GIB], [10, 20], claims=["ml/one", "ml/two"])
+    detail = attribute_node_window_detailed(win, pods, AttributionPolicy())
+    (unit,) = detail.units
+    assert unit.decision.conflict and unit.decision.claim_owners == () and "several DRA claims" in \
+        unit.decision.evidence
+    assert by_subject(detail.shares)["a"].cost_share == pytest.approx(10 / 80, abs=TOL)
+
+
+def test_a_pod_leaking_onto_a_claims_gpu_pays_its_use_and_the_claims_pods_the_rest():
+    pods, win = _claim_window(["a", "b"], [8 * GIB, 8 * GIB], [10, 30], claims=["ml/shared"] * 2,
+                              extra_uids=["rogue"], extra_procs=[(2, 20 * GIB, 60)], util=100)
+    rows = by_subject(attribute_node_window(win, pods, AttributionPolicy()))
+    leak = max(rows["rogue"].memory_share, rows["rogue"].compute_share)
+    assert rows["rogue"].cost_share == pytest.approx(leak, abs=TOL) and leak == pytest.approx(0.6, abs=TOL)
+    assert rows["a"].cost_share == pytest.approx((1 - leak) / 2, abs=TOL)
+    assert rows["b"].cost_share == pytest.approx((1 - leak) / 2, abs=TOL)
+    assert rows[ShareSubjectKind.IDLE].cost_share == 0.0
+
+
+def test_a_claims_pods_that_use_nothing_pay_its_gpu_in_equal_parts():
+    pods, win = _claim_window(["a", "b"], [0, 0], [0, 0], claims=["ml/shared"] * 2, util=0)
+    rows = by_subject(attribute_node_window(win, pods, AttributionPolicy.parse("compute")))
+    assert rows["a"].cost_share == pytest.approx(0.5, abs=TOL) and rows["b"].cost_share == pytest.approx(0.5)
+
+
+def test_the_request_basis_charges_a_claims_gpu_to_its_pods_whole():
+    # Replicas 3 (the samples) but two pods alive in the claim: no replica is free for anyone else.
+    pods, win = _claim_window(["a", "b"], [GIB, GIB], [10, 10], claims=["ml/shared"] * 2)
+    win = window([node_sample(s.sampled_at_unix_ms, [dataclasses.replace(s.devices[0], replicas=3)],
+                              pod_uids=s.pod_uids) for s in win.samples])
+    rows = by_subject(attribute_node_window(win, pods, AttributionPolicy.parse("request")))
+    assert rows["a"].cost_share == pytest.approx(0.5, abs=TOL) and rows["b"].cost_share == pytest.approx(0.5)
+    assert rows[ShareSubjectKind.IDLE].cost_share == 0.0
+
+
+def test_a_claims_pods_pay_only_the_ticks_one_of_them_holds_the_gpu():
+    # The claim's one pod starts mid-window: before it, the GPU is nobody's (IDLE), as for an exclusive owner.
+    start = W0 + 4000
+    pods = index_of(claimed(pod_event("a", devices=[("nvidia.com/gpu.shared", ["GPU-0::0"])],
+                                      started_at_unix_ms=start), "ml/a-gpu"))
+    busy = device(used=10 * GIB, util=40, procs=[(0, 10 * GIB, 30)])
+    samples = [node_sample(W0 + k * 1000, [busy if W0 + k * 1000 >= start else device()], pod_uids=["a"])
+               for k in range(10)]
+    rows = by_subject(attribute_node_window(window(samples), pods, AttributionPolicy()))
+    assert rows["a"].cost_share == pytest.approx(6 / 10, abs=TOL)
+    assert rows[ShareSubjectKind.IDLE].cost_share == pytest.approx(4 / 10, abs=TOL)

@@ -9,6 +9,7 @@ PodResources peer and our API server peer with the collector's real clients, and
 
 from __future__ import annotations
 
+import math
 import tempfile
 from collections import defaultdict
 from pathlib import Path
@@ -147,13 +148,18 @@ def test_a_claim_device_becomes_a_device_plugin_assignment():
     gpu = SliceDevice("gpu.nvidia.com", "n1", "gpu-0", "GPU-aaaa", "gpu", None, None)
     mig = SliceDevice("gpu.nvidia.com", "n1", "gpu-1-mig-2g10gb-14-2", "MIG-bbbb", "mig", "GPU-c", "2g.10gb")
     one = ClaimSharing(None, ("p",))
-    assert claim_device_assignment(_item(), gpu, one) == DeviceAssignment("nvidia.com/gpu", ("GPU-aaaa",))
-    assert claim_device_assignment(_item(), mig, one) == DeviceAssignment("nvidia.com/mig-2g.10gb", ("MIG-bbbb",))
+    # Every resolved device carries the claim that holds it alone: its pods pay it together.
+    assert claim_device_assignment(_item(), gpu, one) == DeviceAssignment("nvidia.com/gpu", ("GPU-aaaa",), "ns/c")
+    assert claim_device_assignment(_item(), mig, one) == DeviceAssignment(
+        "nvidia.com/mig-2g.10gb", ("MIG-bbbb",), "ns/c")
     shared = ClaimSharing(None, ("q", "p"))
     assert claim_device_assignment(_item(pod="p"), gpu, shared) == DeviceAssignment(
-        "nvidia.com/gpu.shared", ("GPU-aaaa::1",))
+        "nvidia.com/gpu.shared", ("GPU-aaaa::1",), "ns/c")
     configured = ClaimSharing("TimeSlicing", ("p",))
     assert claim_device_assignment(_item(), gpu, configured) == DeviceAssignment(
+        "nvidia.com/gpu.shared", ("GPU-aaaa::0",), "ns/c")
+    # A device shared across claims (consumable capacity) is no claim's: shared, even for one unconfigured pod.
+    assert claim_device_assignment(_item(), gpu, one, across_claims=True) == DeviceAssignment(
         "nvidia.com/gpu.shared", ("GPU-aaaa::0",))
     assert claim_device_assignment(_item(pod="late"), gpu, shared).device_ids == ("GPU-aaaa::2",)
     # Unresolved: the CDI id, which names no unit.
@@ -171,7 +177,7 @@ def test_a_mig_device_published_without_uuid_is_the_one_nvml_lists_with_its_pare
     migs = [NvmlMigDevice("MIG-one", "GPU-p", "1g.5gb"), NvmlMigDevice("MIG-big", "GPU-p", "3g.20gb"),
             NvmlMigDevice("MIG-else", "GPU-q", "1g.5gb")]
     grouped, unresolved = resolve_claim_devices([_item(device=name)], devices, claims, migs)
-    assert grouped == {("ns", "p"): {"main": (DeviceAssignment("nvidia.com/mig-1g.5gb", ("MIG-one",)),)}}
+    assert grouped == {("ns", "p"): {"main": (DeviceAssignment("nvidia.com/mig-1g.5gb", ("MIG-one",), "ns/c"),)}}
     assert unresolved == ()
     # Two 1g.5gb instances on the parent: ambiguous (NVML placement is not read), so unresolved.
     grouped, unresolved = resolve_claim_devices([_item(device=name)], devices, claims,
@@ -189,6 +195,36 @@ def test_shared_claims_configure_the_sharing_the_samples_report():
     claims = {("ns", "mps"): mps, ("ns", "one"): _claim(), ("ns", "mig"): _claim(consumers=("p", "q"))}
     # The MPS claim's GPU is MPS with a replica per pod; one pod's unconfigured claim and a MIG device say nothing.
     assert claimed_sharing(items, devices, claims) == {"GPU-aaaa": (SharingMode.MPS, 3)}
+
+
+def test_a_device_the_platform_shares_across_claims_is_no_claims_and_a_claims_config_cannot_make_it_so():
+    # KEP-5075 consumable capacity: the slice's device allows multiple allocations, and each claim's allocation
+    # result names a shareID. Such a device is shared (by use), even for one unconfigured claim's one pod.
+    multi = dict(_gpu("gpu-0", "GPU-aaaa"), allowMultipleAllocations=True)
+    devices = slice_devices([_slice(devices=[multi, _gpu("gpu-1", "GPU-bbbb")])], "n1")
+    assert devices[("gpu.nvidia.com", "n1", "gpu-0")].multiple_allocations
+    assert not devices[("gpu.nvidia.com", "n1", "gpu-1")].multiple_allocations
+    one, other = _claim(), _claim(consumers=("q",))
+    items = [_item(claim="c"), _item(pod="q", claim="d")]
+    grouped, _ = resolve_claim_devices(items, devices, {("ns", "c"): one, ("ns", "d"): other})
+    assert grouped == {("ns", "p"): {"main": (DeviceAssignment("nvidia.com/gpu.shared", ("GPU-aaaa::0",)),)},
+                       ("ns", "q"): {"main": (DeviceAssignment("nvidia.com/gpu.shared", ("GPU-aaaa::0",)),)}}
+    # The two claims' pods: one replica each on the GPU the samples then call time-sliced.
+    assert claimed_sharing(items, devices, {("ns", "c"): one, ("ns", "d"): other}) == {
+        "GPU-aaaa": (SharingMode.TIME_SLICING, 2)}
+    # A shareID in the allocation says the same, whatever the slice (one share of a multi-allocation device).
+    share = _claim()
+    share["status"]["allocation"]["devices"]["results"][0]["shareID"] = "3f6c1a52-2b1e-4c55-9d0a-0e7f4b8a1c22"
+    single = slice_devices([_slice(devices=[_gpu("gpu-0", "GPU-aaaa")])], "n1")
+    grouped, _ = resolve_claim_devices([_item()], single, {("ns", "c"): share})
+    assert grouped[("ns", "p")]["main"] == (DeviceAssignment("nvidia.com/gpu.shared", ("GPU-aaaa::0",)),)
+    # The claim's own config never says it: a tenant's MPS GpuConfig (with made-up sharing keys) leaves the GPU
+    # the claim's, its one pod paying it whole.
+    tenant = _claim(strategy="MPS")
+    parameters = tenant["status"]["allocation"]["devices"]["config"][0]["opaque"]["parameters"]
+    parameters["sharing"].update(allowMultipleAllocations=True, shareID="mine")
+    grouped, _ = resolve_claim_devices([_item()], single, {("ns", "c"): tenant})
+    assert grouped[("ns", "p")]["main"] == (DeviceAssignment("nvidia.com/gpu.shared", ("GPU-aaaa::0",), "ns/c"),)
 
 
 def test_the_attributors_modes_read_dra_assignments_as_exclusive_time_sliced_and_mig():
@@ -209,6 +245,32 @@ def test_the_attributors_modes_read_dra_assignments_as_exclusive_time_sliced_and
     assert (decision.dedicated_owner, decision.conflict) == (None, False)
 
 
+def test_the_attributors_modes_give_a_claims_device_to_the_claims_pods():
+    def held(pod, ids, claim, resource="nvidia.com/gpu.shared"):
+        return UnitAssignment(pod, (resource,), ids, (claim,) * len(ids))
+
+    # One pod alone in a TimeSlicing claim, a claim's pods, an MPS claim's, a MIG device's: the claim's pods pay.
+    for kind, mode, holders in (
+        (UnitKind.GPU, SharingMode.TIME_SLICING, [held("pod-a", ("GPU-a::0",), "ns/c")]),
+        (UnitKind.GPU, SharingMode.TIME_SLICING, [held(p, (f"GPU-a::{i}",), "ns/c") for i, p in
+                                                  enumerate(("pod-a", "pod-b", "pod-c"))]),
+        (UnitKind.GPU, SharingMode.MPS, [held(p, (f"GPU-a::{i}",), "ns/c") for i, p in enumerate(("pod-a", "pod-b"))]),
+        (UnitKind.MIG_INSTANCE, SharingMode.MIG, [held(p, (f"MIG-b::{i}",), "ns/c", "nvidia.com/mig-1g.5gb.shared")
+                                                  for i, p in enumerate(("pod-a", "pod-b"))]),
+    ):
+        decision = decide_mode(kind, mode, len(holders), holders)
+        assert decision.claim_owners == tuple(sorted(a.pod_uid for a in holders)), (kind, mode)
+        assert (decision.owning_claim, decision.dedicated_owner, decision.conflict) == ("ns/c", None, False)
+        assert decision.mode is mode
+    # One pod's plain id is still the exclusive owner's; replica ids of no claim (shared across claims) by use.
+    decision = decide_mode(UnitKind.GPU, SharingMode.EXCLUSIVE, 1, [held("pod-a", ("GPU-a",), "ns/c",
+                                                                         "nvidia.com/gpu")])
+    assert (decision.mode, decision.dedicated_owner) == (SharingMode.EXCLUSIVE, "pod-a")
+    across = [held("pod-a", ("GPU-a::0",), None), held("pod-b", ("GPU-a::0",), None)]
+    decision = decide_mode(UnitKind.GPU, SharingMode.TIME_SLICING, 2, across)
+    assert (decision.claim_owners, decision.dedicated_owner) == ((), None)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The resolver: slices re-listed for unknown devices, other drivers dropped, failures survived
 
@@ -226,7 +288,7 @@ async def test_the_resolver_relists_slices_when_a_device_is_new_and_counts_what_
 
     resolver = DraResolver("n1", list_slices, read_claim)
     got = await resolver.assignments([_item()])
-    assert got == {("ns", "p"): {"main": (DeviceAssignment("nvidia.com/gpu", ("GPU-aaaa",)),)}}
+    assert got == {("ns", "p"): {"main": (DeviceAssignment("nvidia.com/gpu", ("GPU-aaaa",), "ns/c"),)}}
     await resolver.assignments([_item()])
     assert len(calls) == 1, "known devices need no new list"
     # A MIG device created since: not in the slices the resolver has, so it lists again and finds it.
@@ -234,7 +296,7 @@ async def test_the_resolver_relists_slices_when_a_device_is_new_and_counts_what_
     slices.append([_slice(generation=2, devices=[_gpu("gpu-0", "GPU-aaaa"),
                                                  _mig(mig_name, "MIG-dddd", "GPU-e", "1g.5gb")])])
     got = await resolver.assignments([_item(device=mig_name)])
-    assert got[("ns", "p")]["main"] == (DeviceAssignment("nvidia.com/mig-1g.5gb", ("MIG-dddd",)),)
+    assert got[("ns", "p")]["main"] == (DeviceAssignment("nvidia.com/mig-1g.5gb", ("MIG-dddd",), "ns/c"),)
     assert len(calls) == 2 and resolver.unresolved_total == 0
     # A device no slice has: published with its CDI id, counted; another driver's device: dropped, counted.
     got = await resolver.assignments([_item(device="gpu-7"), _item(driver="example.com/nic", container="side")])
@@ -273,10 +335,11 @@ def _expected(scenario):
     node = scenario.nodes[0]
     gpus = node.gpus
     return {
-        "trainer-0": [DeviceAssignment("nvidia.com/gpu", (gpus[0].uuid,))],
-        "chat-api-0": [DeviceAssignment("nvidia.com/gpu.shared", (f"{gpus[1].uuid}::0",))],
-        "chat-api-1": [DeviceAssignment("nvidia.com/gpu.shared", (f"{gpus[1].uuid}::1",))],
-        "embed-0": [DeviceAssignment("nvidia.com/mig-2g.10gb", (gpus[2].sharing.mig_instances[1].uuid,))],
+        "trainer-0": [DeviceAssignment("nvidia.com/gpu", (gpus[0].uuid,), "ml/trainer-gpu")],
+        "chat-api-0": [DeviceAssignment("nvidia.com/gpu.shared", (f"{gpus[1].uuid}::0",), "chat/chat-shared-gpu")],
+        "chat-api-1": [DeviceAssignment("nvidia.com/gpu.shared", (f"{gpus[1].uuid}::1",), "chat/chat-shared-gpu")],
+        "embed-0": [DeviceAssignment("nvidia.com/mig-2g.10gb", (gpus[2].sharing.mig_instances[1].uuid,),
+                                     "ml/embed-mig")],
     }
 
 
@@ -388,6 +451,21 @@ def test_the_dra_scenario_is_attributed_as_its_claims_say(tmp_path):
     assert all(abs(ours - theirs) <= 0.03 for ours, theirs in split), split
     mig = by_unit[gpus[2].sharing.mig_instances[1].uuid]
     assert {pods.get(r["pod_uid"]) for r in mig if r["subject_kind"] == "pod"} == {"embed-0"}
+    # Who pays: each claim's pods pay their device whole, every window -- chat-shared-gpu's two pods together,
+    # split by use (memory, the default basis), nothing of it the platform's idle.
+    for unit, payers in ((gpus[0].uuid, {"trainer-0"}), (gpus[1].uuid, {"chat-api-0", "chat-api-1"}),
+                         (gpus[2].sharing.mig_instances[1].uuid, {"embed-0"})):
+        for window, rows in _windows(by_unit[unit]).items():
+            paid = {pods[r["pod_uid"]]: r["cost_share"] for r in rows if r["subject_kind"] == "pod"}
+            assert set(paid) == payers
+            assert math.fsum(paid.values()) == pytest.approx(1.0, abs=1e-9), (unit, window)
+    for window, rows in _windows(shared).items():
+        pod_rows = [r for r in rows if r["subject_kind"] == "pod"]
+        used = math.fsum(r["memory_share"] for r in pod_rows)
+        for r in pod_rows:
+            assert r["cost_share"] == pytest.approx(r["memory_share"] / used, abs=1e-9), window
+        idle = next(r for r in rows if r["subject_kind"] == "idle")
+        assert idle["cost_share"] == 0.0 and idle["memory_share"] > 0.5  # its idle memory is still reported
     # Memory matches the simulator's truth for every pod on every unit.
     true_memory = {(r["window_start"], r["gpu_uuid"], r["pod_uid"]): r["true_memory_share"]
                    for r in truth if r["pod_uid"] is not None}
@@ -396,6 +474,14 @@ def test_the_dra_scenario_is_attributed_as_its_claims_say(tmp_path):
     assert true_memory and set(true_memory) == set(ours)
     for key, value in true_memory.items():
         assert abs(ours[key] - value) <= 1e-9, key
+
+
+def _windows(rows):
+    """window start -> the rows of one unit's window."""
+    out = defaultdict(list)
+    for row in rows:
+        out[row["window_start"]].append(row)
+    return out
 
 
 def test_the_nvml_backend_reports_what_a_claim_configures_over_the_device_plugin_config():
@@ -498,4 +584,83 @@ async def test_unresolved_claim_devices_are_counted_in_the_collectors_metrics():
     await service.refresh_assignments()
     await service.refresh_assignments()
     assert metrics.get("gpumeter_collector_dra_devices_unresolved_total")._value.get() == 2
-    assert service._assignments[("ns", "q")]["main"] == (DeviceAssignment("nvidia.com/gpu", ("GPU-aaaa",)),)
+    assert service._assignments[("ns", "q")]["main"] == (DeviceAssignment("nvidia.com/gpu", ("GPU-aaaa",), "ns/c"),)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Who pays a claim's device: the claim's pods, together, whatever sharing config the claim's owner writes
+
+
+def _replayed_units(tmp_path, doc):
+    """unit uuid -> window start -> the unit's share rows, replaying ``doc``; and pod uid -> pod name."""
+    import json
+
+    path = tmp_path / "claims.yaml"
+    path.write_text(json.dumps(doc))
+    summary = replay(path, tmp_path / "out")
+    assert summary.dead_letters == {}
+    units = defaultdict(lambda: defaultdict(list))
+    for row in read_jsonl(tmp_path / "out" / "shares.jsonl"):
+        units[row["gpu_uuid"]][row["window_start"]].append(row)
+    for unit, windows in units.items():
+        for window, rows in windows.items():
+            for field in ("memory_share", "compute_share", "cost_share"):
+                assert math.fsum(r[field] for r in rows) == pytest.approx(1.0, abs=1e-9), (unit, window, field)
+    return units, {p.uid: p.name for p in load_scenario(path).pods}
+
+
+def _assert_claim_pays(windows, names, payers):
+    """Every window: ``payers`` pay the unit whole together, split by their memory (the default basis)."""
+    assert windows
+    for window, rows in windows.items():
+        pod_rows = [r for r in rows if r["subject_kind"] == "pod"]
+        assert {names[r["pod_uid"]] for r in pod_rows} == payers, window
+        assert math.fsum(r["cost_share"] for r in pod_rows) == pytest.approx(1.0, abs=1e-9), window
+        used = math.fsum(r["memory_share"] for r in pod_rows)
+        for r in pod_rows:
+            assert r["cost_share"] == pytest.approx(r["memory_share"] / used, abs=1e-9), window
+        buckets = {r["subject_kind"]: r for r in rows if r["subject_kind"] != "pod"}
+        assert buckets["idle"]["cost_share"] == 0.0 and buckets["idle"]["memory_share"] > 0.0, window
+
+
+def _pod(name, gpu, claim, memory, compute, **device):
+    return {"namespace": "chat", "name": name, "node": "gpu-p4d-dra", "labels": {"team": "assistants"},
+            "containers": [{"name": "vllm", "devices": [{"gpu": gpu, "claim": claim, **device}],
+                            "processes": [{"name": "python3", "memory": {"bytes": memory}, "compute": compute}]}]}
+
+
+def test_one_pod_alone_in_a_time_slicing_claim_pays_its_whole_gpu(tmp_path):
+    doc = _dra_doc()
+    del doc["pods"][2]  # chat-api-1: chat-api-0 is alone in chat-shared-gpu, whose GpuConfig says TimeSlicing
+    units, names = _replayed_units(tmp_path, doc)
+    windows = units[load_scenario(SCENARIO).nodes[0].gpus[1].uuid]
+    _assert_claim_pays(windows, names, {"chat-api-0"})
+    assert {r["sharing_mode"] for rows in windows.values() for r in rows} == {"time_slicing"}
+
+
+def test_three_pods_sharing_one_claim_pay_its_gpu_together_split_by_use(tmp_path):
+    doc = _dra_doc()
+    doc["nodes"][0]["gpus"][1]["sharing"]["replicas"] = 3
+    doc["pods"].append(_pod("chat-api-2", 1, "chat-shared-gpu", "3GiB", 0.1, resource="nvidia.com/gpu.shared",
+                            replica=2))
+    units, names = _replayed_units(tmp_path, doc)
+    _assert_claim_pays(units[load_scenario(SCENARIO).nodes[0].gpus[1].uuid], names,
+                       {"chat-api-0", "chat-api-1", "chat-api-2"})
+
+
+def test_an_mps_claims_pods_pay_its_gpu_together(tmp_path):
+    doc = _dra_doc()
+    doc["nodes"][0]["gpus"][1]["sharing"] = {"mode": "mps", "replicas": 2}
+    units, names = _replayed_units(tmp_path, doc)
+    windows = units[load_scenario(SCENARIO).nodes[0].gpus[1].uuid]
+    _assert_claim_pays(windows, names, {"chat-api-0", "chat-api-1"})
+    assert {r["sharing_mode"] for rows in windows.values() for r in rows} == {"mps"}
+
+
+def test_a_mig_device_in_one_claim_is_paid_by_the_claims_pods_together(tmp_path):
+    doc = _dra_doc()
+    doc["pods"].append({**_pod("embed-1", 2, "embed-mig", "2GiB", 0.2, resource="nvidia.com/mig-2g.10gb",
+                               instance=1), "namespace": "ml"})
+    units, names = _replayed_units(tmp_path, doc)
+    _assert_claim_pays(units[load_scenario(SCENARIO).nodes[0].gpus[2].sharing.mig_instances[1].uuid], names,
+                       {"embed-0", "embed-1"})
