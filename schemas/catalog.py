@@ -77,9 +77,9 @@ POD_EVENTS = TopicSpec(
     retention_ms=-1,
     producers=("collector",),
     consumers=("attributor", "guard"),
-    doc="Pod changes on GPU nodes; compacted to the latest state per pod.",
+    doc="Pod changes on GPU nodes; compacted to the latest state per pod. PodEvent v3: the namespace's labels.",
     extra_config=(("min.compaction.lag.ms", str(HOUR_MS)), ("delete.retention.ms", str(DAY_MS))),
-    record_versions=(1, 2),
+    record_versions=(1, 2, 3),
 )
 NODE_WINDOW_SHARES = TopicSpec(
     name="gpumeter.node-window-shares.v1",
