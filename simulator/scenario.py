@@ -426,6 +426,14 @@ class PodSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class NamespaceSpec:
+    """A Namespace object and its labels (what the platform writes; the collector carries them on pod events)."""
+
+    name: str
+    labels: Mapping[str, str]
+
+
+@dataclass(frozen=True, slots=True)
 class HostProcessSpec:
     """A process of no pod (a node agent, a benchmark run over ssh); times are scenario seconds."""
 
@@ -452,6 +460,7 @@ class Scenario:
     pods: tuple[PodSpec, ...]
     host_processes: tuple[HostProcessSpec, ...]
     process_exit_races: tuple[ProcessExitRaceFault, ...]
+    namespaces: tuple[NamespaceSpec, ...] = ()
 
     @property
     def interval_ms(self) -> int:
@@ -460,6 +469,13 @@ class Scenario:
     @property
     def end_unix_ms(self) -> int:
         return self.start_unix_ms + round(self.duration_seconds * 1000)
+
+    def namespace_labels(self, namespace: str) -> Mapping[str, str]:
+        """The labels of the namespace called ``namespace`` (``{}`` for one the scenario does not declare)."""
+        for spec in self.namespaces:
+            if spec.name == namespace:
+                return spec.labels
+        return MappingProxyType({})
 
     def node(self, name: str) -> NodeSpec:
         """The node called ``name``; ``ScenarioError`` naming the scenario's nodes when there is none."""
@@ -1494,6 +1510,18 @@ def _read_races(raw: Any, pods: tuple[PodSpec, ...], duration: float) -> tuple[P
     return tuple(out)
 
 
+def _read_namespaces(raw: Any) -> tuple[NamespaceSpec, ...]:
+    out: list[NamespaceSpec] = []
+    for i, entry in enumerate(_list(raw, "namespaces")):
+        m = _Map(entry, f"namespaces[{i}]")
+        name = _str(m.get("name"), m.sub("name"), pattern=_DNS_LABEL, what="a namespace")
+        if any(spec.name == name for spec in out):
+            raise ScenarioError(m.sub("name"), f"namespace {name!r} is defined twice")
+        out.append(NamespaceSpec(name, _str_map(m.get("labels", {}), m.sub("labels"))))
+        m.done()
+    return tuple(out)
+
+
 def _parse(document: Any) -> Scenario:
     m = _Map(document, "")
     cluster = _str(m.get("cluster"), "cluster")
@@ -1507,6 +1535,7 @@ def _parse(document: Any) -> Scenario:
     pods = _read_pods(m.get("pods", []), nodes, seed, duration)
     host = _read_host_processes(m.get("host_processes", []), nodes, duration)
     races = _read_races(m.get("process_exit_races", []), pods, duration)
+    namespaces = _read_namespaces(m.get("namespaces", []))
     m.done()
     return Scenario(
         cluster=cluster,
@@ -1518,6 +1547,7 @@ def _parse(document: Any) -> Scenario:
         pods=pods,
         host_processes=host,
         process_exit_races=races,
+        namespaces=namespaces,
     )
 
 
