@@ -15,6 +15,9 @@ rules, each a pure function of the previous state and one ``PodEvent``:
   (``schemas.devices.is_gpu_resource``), each id once (init containers hand theirs on to later containers); a
   deletion event without assignments keeps the ones known before, since the kubelet forgets a deleted pod's
   devices before the API server's deletion is read (``fold_assignments``).
+* **Grouping labels.** The labels a pod's rows carry are, per key, the first of an order of sources that has the
+  key: the pod's own labels (which whoever creates the pod writes) or its namespace's (``namespace_labels``,
+  which the platform writes) (``GroupingLabelSources``).
 """
 
 from __future__ import annotations
