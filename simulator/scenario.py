@@ -470,6 +470,13 @@ class Scenario:
     def end_unix_ms(self) -> int:
         return self.start_unix_ms + round(self.duration_seconds * 1000)
 
+    def all_namespaces(self) -> tuple[NamespaceSpec, ...]:
+        """The declared namespaces, then every other namespace a pod runs in (without labels): the Namespace
+        objects a cluster running these pods has."""
+        declared = {spec.name for spec in self.namespaces}
+        implied = dict.fromkeys(pod.namespace for pod in self.pods if pod.namespace not in declared)
+        return self.namespaces + tuple(NamespaceSpec(name, MappingProxyType({})) for name in implied)
+
     def namespace_labels(self, namespace: str) -> Mapping[str, str]:
         """The labels of the namespace called ``namespace`` (``{}`` for one the scenario does not declare)."""
         for spec in self.namespaces:

@@ -264,7 +264,7 @@ class SimulatedNode:
     async def start(self) -> None:
         await self.kubelet.start()
         self.apiserver.put_node(node_object(self.node))
-        for namespace in self.scenario.namespaces:
+        for namespace in self.scenario.all_namespaces():
             self.apiserver.add_namespace(namespace_object(namespace))
         if self.node.allocation == "dra":
             for obj in sim_dra.resource_slices(self.node):
