@@ -54,6 +54,9 @@ METRICS: dict[str, MetricDef] = {
                   "Ticks where the kubelet PodResources API could not be reached (cgroup-only mapping)."),
         MetricDef("gpumeter_collector_pod_watch_restarts_total", "counter", "Pod watch reconnects and relists.",
                   ("reason",)),
+        MetricDef("gpumeter_collector_namespace_watch_restarts_total", "counter",
+                  "Namespace watch reconnects and relists (403: the collector's ClusterRole lacks namespaces).",
+                  ("reason",)),
         MetricDef("gpumeter_collector_dra_devices_unresolved_total", "counter",
                   "DRA claim devices of gpu.nvidia.com published without a GPU uuid (in no ResourceSlice, or no uuid): "
                   "their pods' GPU use is unassigned."),

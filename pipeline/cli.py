@@ -21,8 +21,9 @@ from typing import Any, Callable, Mapping, TextIO
 
 from gpumeter.errors import ConfigError, GpumeterError
 from services.attributor.attribution import AttributionPolicy
+from schemas.pods import GroupingLabelSources
 from services.attributor.pod_index import DEFAULT_GROUPING_LABELS
-from services.attributor.settings import parse_label_keys
+from services.attributor.settings import parse_label_keys, parse_label_sources
 from services.billing.catalog import PriceCatalog, PriceError
 from services.billing.costing import iso_utc
 from services.billing.pricing import SplitPolicy
@@ -41,6 +42,7 @@ _ENGINE_OPTIONS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "sharing": (SHARING_ENV, str, ""),
     "mps_compute": ("GPUMETER_MPS_COMPUTE", str, "memory"),
     "grouping_labels": ("GPUMETER_GROUPING_LABELS", parse_label_keys, DEFAULT_GROUPING_LABELS),
+    "grouping_label_source": ("GPUMETER_GROUPING_LABEL_SOURCE", parse_label_sources, GroupingLabelSources()),
 }
 
 # Price variables PriceCatalog.from_env and SplitPolicy.from_env read, and the flag that overrides each.
@@ -78,6 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grouping-labels", type=parse_label_keys,
                         help="pod labels the share rows carry, comma-separated (default team,model; "
                              "env GPUMETER_GROUPING_LABELS)")
+    parser.add_argument("--grouping-label-source", type=parse_label_sources,
+                        help="where grouping labels come from: pod | namespace | namespace,pod, or per key "
+                             "team=namespace;model=namespace,pod (default pod; env GPUMETER_GROUPING_LABEL_SOURCE)")
     parser.add_argument("--node", help="replay this node only")
     parser.add_argument("--record", type=Path, metavar="FILE",
                         help="also write the replayed input as a recording (.gmrec) to FILE")
@@ -141,6 +146,7 @@ def replay_options(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str
         "pod_linger_ms": values["pod_linger_seconds"] * 1000,
         "policy": policy,
         "grouping_labels": tuple(sorted(set(values["grouping_labels"]))),
+        "grouping_label_sources": values["grouping_label_source"],
         "catalog": catalog,
         "split_policy": SplitPolicy.from_env(price_env),
         "sharing": sharing,

@@ -85,6 +85,7 @@ from pipeline.recordings import (
 )
 from pipeline.truth import TruthAccumulator
 from schemas.catalog import ALL_TOPICS, TopicCatalog, pod_event_key
+from schemas.pods import GroupingLabelSources
 from schemas.records import CostRecord, DeadLetter, GpuShare, NodeSample, NodeWindowShares, PodEvent, Violation
 from schemas.typed import codec_for
 from services.attributor.attribution import AttributionPolicy
@@ -330,6 +331,7 @@ def replay(
     record_path: str | Path | None = None,
     guard_config: GuardConfig | None = None,
     grouping_labels: tuple[str, ...] | None = DEFAULT_GROUPING_LABELS,
+    grouping_label_sources: GroupingLabelSources = GroupingLabelSources(),
 ) -> ReplaySummary:
     """Replay ``input_path`` (a scenario YAML, a recording file, or a directory of recordings) into ``out_dir``.
 
@@ -340,7 +342,8 @@ def replay(
     ``record_path`` also writes the replayed input as a recording (what was decoded and kept by ``node``).
     ``guard_config``: the guard's thresholds for ``violations.jsonl`` (default ``GuardConfig()``).
     ``grouping_labels``: the pod labels share rows carry, as the streaming attributor's ``GPUMETER_GROUPING_LABELS``
-    (None: every label).
+    (None: every label); ``grouping_label_sources`` where their values come from, as its
+    ``GPUMETER_GROUPING_LABEL_SOURCE`` (default: the pod's labels).
     Raises ``ScenarioError``, ``RecordingError`` (broken recording structure) or ``ConfigError`` (bad options,
     unknown input, unknown node).
     """
@@ -354,6 +357,7 @@ def replay(
         pod_linger_ms=pod_linger_ms,
         policy=policy or AttributionPolicy(),
         grouping_labels=None if grouping_labels is None else tuple(sorted(set(grouping_labels))),
+        grouping_label_sources=grouping_label_sources,
     )
     catalog = catalog if catalog is not None else bundled_catalog()
 

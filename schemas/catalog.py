@@ -77,7 +77,8 @@ POD_EVENTS = TopicSpec(
     retention_ms=-1,
     producers=("collector",),
     consumers=("attributor", "guard"),
-    doc="Pod changes on GPU nodes; compacted to the latest state per pod. PodEvent v3: a DRA device's owning claim.",
+    doc="Pod changes on GPU nodes; compacted to the latest state per pod. PodEvent v3: a DRA device's owning claim, "
+        "the namespace's labels.",
     extra_config=(("min.compaction.lag.ms", str(HOUR_MS)), ("delete.retention.ms", str(DAY_MS))),
     record_versions=(1, 2, 3),
 )

@@ -15,12 +15,15 @@ rules, each a pure function of the previous state and one ``PodEvent``:
   (``schemas.devices.is_gpu_resource``), each id once (init containers hand theirs on to later containers); a
   deletion event without assignments keeps the ones known before, since the kubelet forgets a deleted pod's
   devices before the API server's deletion is read (``fold_assignments``).
+* **Grouping labels.** The labels a pod's rows carry are, per key, the first of an order of sources that has the
+  key: the pod's own labels (which whoever creates the pod writes) or its namespace's (``namespace_labels``,
+  which the platform writes) (``GroupingLabelSources``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Mapping
 
 from schemas.devices import is_gpu_resource
 from schemas.records import PodEvent, PodEventType
@@ -88,3 +91,90 @@ def fold_assignments(previous: Iterable[PodAssignment], event: PodEvent) -> tupl
     if not current and event.event_type is PodEventType.DELETED:
         return tuple(previous)
     return current
+
+
+# --- grouping labels: which of a pod's labels, or its namespace's, a share row carries -------------------------
+
+SOURCE_POD = "pod"
+SOURCE_NAMESPACE = "namespace"
+LABEL_SOURCES = (SOURCE_NAMESPACE, SOURCE_POD)
+
+
+@dataclass(frozen=True, slots=True)
+class GroupingLabelSources:
+    """Where the value of each grouping label comes from: an order of sources per key, the first source that has
+    the key (even with an empty value) giving it. ``pod`` is the pod's own labels, which whoever creates the pod
+    writes; ``namespace`` is its Namespace object's labels (``PodEvent.namespace_labels``), which the platform
+    writes. A key no source in its order has is not carried: the row has no such label.
+
+    ``default`` is the order of every key ``per_key`` does not name. The text form (``parse``, the attributor's
+    ``GPUMETER_GROUPING_LABEL_SOURCE``) is entries separated by ``;``, each ``[<key>=]<source>[,<source>]``:
+    ``namespace,pod`` (every key from the namespace, else the pod), ``team=namespace;model=namespace,pod``
+    (``team`` only from the namespace, ``model`` with a fallback, other keys from the pod: the default ``pod``).
+    """
+
+    default: tuple[str, ...] = (SOURCE_POD,)
+    per_key: tuple[tuple[str, tuple[str, ...]], ...] = ()  # sorted by key
+
+    @classmethod
+    def parse(cls, text: str) -> "GroupingLabelSources":
+        """The sources of ``text`` (empty: ``pod`` for every key). Raises ``ValueError`` naming what is wrong."""
+        default: tuple[str, ...] | None = None
+        per_key: dict[str, tuple[str, ...]] = {}
+        for entry in filter(None, (part.strip() for part in text.split(";"))):
+            key, has_key, order_text = entry.rpartition("=")
+            order = tuple(source.strip() for source in order_text.split(","))
+            unknown = [source for source in order if source not in LABEL_SOURCES]
+            if unknown or not order:
+                raise ValueError(f"{entry!r}: a source is one of {', '.join(LABEL_SOURCES)}, got {unknown}")
+            if len(set(order)) != len(order):
+                raise ValueError(f"{entry!r}: each source at most once")
+            if has_key:
+                key = key.strip()
+                if not key or "," in key or key in per_key:
+                    raise ValueError(f"{entry!r}: a label key, once")
+                per_key[key] = order
+            elif default is not None:
+                raise ValueError(f"{text!r}: one order for every key at most (the entry without <key>=)")
+            else:
+                default = order
+        return cls(default or (SOURCE_POD,), tuple(sorted(per_key.items())))
+
+    def order_for(self, key: str) -> tuple[str, ...]:
+        for named, order in self.per_key:
+            if named == key:
+                return order
+        return self.default
+
+    @property
+    def keys_named(self) -> tuple[str, ...]:
+        return tuple(key for key, _order in self.per_key)
+
+    @property
+    def pod_only(self) -> bool:
+        """Whether every key comes from the pod's labels alone (what gpumeter did before namespace labels)."""
+        return self.default == (SOURCE_POD,) and all(order == (SOURCE_POD,) for _key, order in self.per_key)
+
+    def reads_namespace(self, key: str) -> bool:
+        return SOURCE_NAMESPACE in self.order_for(key)
+
+    def resolve(self, keys: Iterable[str] | None, pod_labels: Mapping[str, str],
+                namespace_labels: Mapping[str, str]) -> dict[str, str]:
+        """The grouping labels of a pod: for each of ``keys`` (None: every key either source has) the value of
+        the first source in its order that has it."""
+        if keys is None:
+            keys = set(pod_labels) | set(namespace_labels)
+        labels = {SOURCE_POD: pod_labels, SOURCE_NAMESPACE: namespace_labels}
+        resolved: dict[str, str] = {}
+        for key in keys:
+            for source in self.order_for(key):
+                value = labels[source].get(key)
+                if value is not None:
+                    resolved[key] = value
+                    break
+        return resolved
+
+    def describe(self) -> str:
+        """The text ``parse`` reads back to these sources."""
+        parts = [",".join(self.default)] + [f"{key}={','.join(order)}" for key, order in self.per_key]
+        return ";".join(parts)

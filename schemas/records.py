@@ -7,7 +7,7 @@ read-only mappings so that a record, once built, cannot change under a consumer.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, Mapping, Sequence
 
@@ -336,6 +336,8 @@ class PodEvent:
     truncated: bool = False
     cpu_request_millicores: int = 0
     memory_request_bytes: int = 0
+    # Version 3 (default: what an older record means -- no namespace labels known).
+    namespace_labels: Mapping[str, str] = field(default_factory=lambda: _EMPTY_MAP)
 
     def to_avro(self) -> dict[str, Any]:
         return {
@@ -360,6 +362,7 @@ class PodEvent:
             "truncated": self.truncated,
             "cpu_request_millicores": self.cpu_request_millicores,
             "memory_request_bytes": self.memory_request_bytes,
+            "namespace_labels": dict(self.namespace_labels),
         }
 
     @classmethod
@@ -386,6 +389,7 @@ class PodEvent:
             truncated=d.get("truncated", False),
             cpu_request_millicores=d.get("cpu_request_millicores", 0),
             memory_request_bytes=d.get("memory_request_bytes", 0),
+            namespace_labels=_frozen_map(d.get("namespace_labels")),
         )
 
 

@@ -6,6 +6,9 @@ server does:
 
 * ``GET /api/v1/nodes/{name}``: the Node object put with ``put_node`` (404 ``Status`` for another name), which
   the collector reads for its node's facts;
+* ``GET /api/v1/namespaces`` (list and watch, as for pods below; ``fieldSelector`` over ``metadata.name`` and
+  ``status.phase``) and ``GET /api/v1/namespaces/{name}``: the Namespace objects added with ``add_namespace``,
+  whose labels the collector carries on its pods' events;
 * ``GET /api/v1/pods`` and ``GET /api/v1/namespaces/{ns}/pods``: a ``PodList`` with ``metadata.resourceVersion``;
   ``fieldSelector`` (``=``, ``==``, ``!=`` over the pod fields the real server supports; others → 400),
   ``labelSelector`` accepted and ignored; ``limit``/``continue`` paging over a consistent snapshot, items ordered by
@@ -18,7 +21,8 @@ server does:
 * One global, monotonically increasing resourceVersion; every change gets the next one.
 * Errors are ``Status`` objects (``kind: Status``, ``code``, ``reason``) with the matching HTTP status.
 
-Driving it: ``add_pod``, ``modify_pod``, ``delete_pod``, ``send_bookmark``, ``expire_history`` (compaction),
+Driving it: ``add_pod``, ``modify_pod``, ``delete_pod``, ``add_namespace``, ``modify_namespace``,
+``delete_namespace``, ``send_bookmark``, ``expire_history`` (compaction),
 ``drop_connections`` (cut open watches mid-stream) and ``set_down`` (503 or connection refused).
 Every request is recorded in ``requests`` for tests to inspect.
 """
@@ -56,7 +60,11 @@ _SUPPORTED_FIELDS = (
     "status.podIP",
     "status.nominatedNodeName",
 )
+_NAMESPACE_FIELDS = ("metadata.name", "status.phase")
 _TRUE_VALUES = ("true", "1", "t")
+PODS = "pods"
+NAMESPACES = "namespaces"
+_KINDS = {PODS: "Pod", NAMESPACES: "Namespace"}
 _MAX_SNAPSHOTS = 16  # consistent snapshots kept for continue tokens; older tokens get 410 Expired
 
 
@@ -84,6 +92,7 @@ class _Change:
     type: str  # ADDED, MODIFIED or DELETED
     old: Mapping[str, Any] | None
     new: Mapping[str, Any]
+    resource: str = PODS
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -94,7 +103,7 @@ class _Term:
 
 
 class _FieldSelector:
-    def __init__(self, raw: str) -> None:
+    def __init__(self, raw: str, supported: tuple[str, ...] = _SUPPORTED_FIELDS) -> None:
         self.terms: list[_Term] = []
         for part in filter(None, (p.strip() for p in raw.split(","))):
             if "!=" in part:
@@ -109,7 +118,7 @@ class _FieldSelector:
             else:
                 raise ValueError(f"invalid field selector: {part!r}")
             field = field.strip()
-            if field not in _SUPPORTED_FIELDS:
+            if field not in supported:
                 raise ValueError(f'field label not supported: {field}')
             self.terms.append(_Term(field, value.strip(), equal))
 
@@ -123,7 +132,9 @@ class _FieldSelector:
 
 
 class _Watch:
-    def __init__(self, selector: _FieldSelector, namespace: str | None, bookmarks: bool, transport: Any) -> None:
+    def __init__(self, selector: _FieldSelector, namespace: str | None, bookmarks: bool, transport: Any,
+                 resource: str = PODS) -> None:
+        self.resource = resource
         self.selector = selector
         self.namespace = namespace
         self.bookmarks = bookmarks
@@ -139,6 +150,8 @@ class _Watch:
         return self.selector.matches(pod)
 
     def event_for(self, change: _Change) -> dict[str, Any] | None:
+        if change.resource != self.resource:
+            return None
         new_matches = self.matches(change.new)
         if change.type == "ADDED":
             return _event("ADDED", change.new) if new_matches else None
@@ -188,6 +201,7 @@ class FakeApiServer:
         self._resource_version = initial_resource_version
         self._compacted_resource_version = initial_resource_version
         self._pods: dict[str, dict[str, Any]] = {}
+        self._namespaces: dict[str, dict[str, Any]] = {}  # by uid, as pods
         self._nodes: dict[str, dict[str, Any]] = {}
         self._resource_slices: dict[str, dict[str, Any]] = {}
         self._resource_claims: dict[tuple[str, str], dict[str, Any]] = {}
@@ -210,6 +224,8 @@ class FakeApiServer:
         app.router.add_get("/api/v1/pods", self._handle_pods)
         app.router.add_get("/api/v1/namespaces/{namespace}/pods", self._handle_pods)
         app.router.add_get("/api/v1/nodes/{name}", self._handle_node)
+        app.router.add_get("/api/v1/namespaces", self._handle_namespaces)
+        app.router.add_get("/api/v1/namespaces/{name}", self._handle_namespace)
         app.router.add_get("/apis/resource.k8s.io/v1/resourceslices", self._handle_resource_slices)
         app.router.add_get("/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{name}",
                            self._handle_resource_claim)
@@ -302,12 +318,51 @@ class FakeApiServer:
         self._record("DELETED", old, final)
         return final
 
+    def namespaces(self) -> Mapping[str, Mapping[str, Any]]:
+        """The current namespaces by uid (the stored objects; do not mutate them)."""
+        return MappingProxyType(dict(self._namespaces))
+
+    def add_namespace(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        """Create a Namespace (``make_namespace_object``); returns the stored copy with its new resourceVersion."""
+        item = copy.deepcopy(dict(obj))
+        uid = _uid_of(item)
+        if uid in self._namespaces or any(n["metadata"]["name"] == item["metadata"]["name"]
+                                          for n in self._namespaces.values()):
+            raise ValueError(f"namespace {item['metadata'].get('name')} already exists")
+        item.setdefault("apiVersion", "v1")
+        item.setdefault("kind", "Namespace")
+        self._record("ADDED", None, item, NAMESPACES)
+        self._namespaces[uid] = item
+        return item
+
+    def modify_namespace(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        """Replace an existing Namespace (matched by uid), e.g. with other labels."""
+        item = copy.deepcopy(dict(obj))
+        uid = _uid_of(item)
+        old = self._namespaces.get(uid)
+        if old is None:
+            raise KeyError(f"no namespace with uid {uid}")
+        item.setdefault("apiVersion", "v1")
+        item.setdefault("kind", "Namespace")
+        self._record("MODIFIED", old, item, NAMESPACES)
+        self._namespaces[uid] = item
+        return item
+
+    def delete_namespace(self, uid: str) -> dict[str, Any]:
+        """Delete a Namespace; returns the final object."""
+        old = self._namespaces.pop(uid, None)
+        if old is None:
+            raise KeyError(f"no namespace with uid {uid}")
+        final = copy.deepcopy(old)
+        self._record("DELETED", old, final, NAMESPACES)
+        return final
+
     def send_bookmark(self) -> str:
         """Send a BOOKMARK with the current resourceVersion to every watch that allowed bookmarks; returns it."""
         rv = str(self._resource_version)
         for watch in list(self._watches):
             if watch.bookmarks:
-                watch.queue.put_nowait(_bookmark_event(rv))
+                watch.queue.put_nowait(_bookmark_event(rv, watch.resource))
         return rv
 
     def expire_history(self) -> None:
@@ -360,10 +415,11 @@ class FakeApiServer:
         for transport in list(self._transports):
             transport.abort()
 
-    def _record(self, change_type: str, old: Mapping[str, Any] | None, new: dict[str, Any]) -> None:
+    def _record(self, change_type: str, old: Mapping[str, Any] | None, new: dict[str, Any],
+                resource: str = PODS) -> None:
         self._resource_version += 1
         new.setdefault("metadata", {})["resourceVersion"] = str(self._resource_version)
-        change = _Change(self._resource_version, change_type, old, new)
+        change = _Change(self._resource_version, change_type, old, new, resource)
         self._history.append(change)
         if len(self._history) > self._history_limit:
             del self._history[: len(self._history) - self._history_limit]
@@ -469,7 +525,27 @@ class FakeApiServer:
             return await self._watch(request, selector, namespace)
         return self._list(request, selector, namespace)
 
-    def _list(self, request: web.Request, selector: _FieldSelector, namespace: str | None) -> web.Response:
+    async def _handle_namespaces(self, request: web.Request) -> web.StreamResponse:
+        try:
+            selector = _FieldSelector(request.query.get("fieldSelector", ""), _NAMESPACE_FIELDS)
+        except ValueError as exc:
+            return _status_response(400, "BadRequest", str(exc))
+        if request.query.get("watch", "").lower() in _TRUE_VALUES:
+            return await self._watch(request, selector, None, NAMESPACES)
+        return self._list(request, selector, None, NAMESPACES)
+
+    async def _handle_namespace(self, request: web.Request) -> web.StreamResponse:
+        name = request.match_info["name"]
+        for item in self._namespaces.values():
+            if item["metadata"]["name"] == name:
+                return web.json_response(item)
+        return _status_response(404, "NotFound", f'namespaces "{name}" not found')
+
+    def _objects(self, resource: str) -> dict[str, dict[str, Any]]:
+        return self._namespaces if resource == NAMESPACES else self._pods
+
+    def _list(self, request: web.Request, selector: _FieldSelector, namespace: str | None,
+              resource: str = PODS) -> web.Response:
         try:
             limit = int(request.query.get("limit") or 0)
         except ValueError:
@@ -490,9 +566,9 @@ class FakeApiServer:
                 )
         else:
             snapshot_rv = self._resource_version
-            snapshot = sorted(self._pods.values(), key=_pod_key)
+            snapshot = sorted(self._objects(resource).values(), key=_pod_key)
             start_key = ""
-        watch = _Watch(selector, namespace, False, None)
+        watch = _Watch(selector, namespace, False, None, resource)
         matching = [p for p in snapshot if _pod_key(p) >= start_key and watch.matches(p)]
         page = matching[:limit] if limit > 0 else matching
         metadata: dict[str, Any] = {"resourceVersion": str(snapshot_rv)}
@@ -502,11 +578,11 @@ class FakeApiServer:
                 del self._snapshots[min(self._snapshots)]
             metadata["continue"] = _encode_continue(snapshot_rv, _pod_key(page[-1]) + "\x00")
             metadata["remainingItemCount"] = len(matching) - len(page)
-        body = {"kind": "PodList", "apiVersion": "v1", "metadata": metadata, "items": [_list_item(p) for p in page]}
+        body = {"kind": f"{_KINDS[resource]}List", "apiVersion": "v1", "metadata": metadata, "items": [_list_item(p) for p in page]}
         return web.json_response(body)
 
     async def _watch(
-        self, request: web.Request, selector: _FieldSelector, namespace: str | None
+        self, request: web.Request, selector: _FieldSelector, namespace: str | None, resource: str = PODS
     ) -> web.StreamResponse:
         rv_param = request.query.get("resourceVersion", "")
         timeout_param = request.query.get("timeoutSeconds")
@@ -516,7 +592,7 @@ class FakeApiServer:
         except ValueError:
             return _status_response(400, "BadRequest", "invalid resourceVersion or timeoutSeconds")
         bookmarks = request.query.get("allowWatchBookmarks", "").lower() in _TRUE_VALUES
-        watch = _Watch(selector, namespace, bookmarks, request.transport)
+        watch = _Watch(selector, namespace, bookmarks, request.transport, resource)
 
         response = web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
         response.enable_chunked_encoding()
@@ -534,7 +610,7 @@ class FakeApiServer:
 
         # Replay and registration happen with no await in between, so no change can fall in a gap.
         if start_rv is None:
-            for pod in sorted(self._pods.values(), key=_pod_key):
+            for pod in sorted(self._objects(resource).values(), key=_pod_key):
                 if watch.matches(pod):
                     watch.queue.put_nowait(_event("ADDED", pod))
         else:
@@ -577,18 +653,18 @@ def _event(event_type: str, pod: Mapping[str, Any]) -> dict[str, Any]:
     return {"type": event_type, "object": pod}
 
 
-def _bookmark_event(resource_version: str) -> dict[str, Any]:
-    # Byte for byte what kube-apiserver sends for pods: a zero-value Pod but for the resourceVersion.
-    return {
-        "type": "BOOKMARK",
-        "object": {
-            "kind": "Pod",
-            "apiVersion": "v1",
-            "metadata": {"resourceVersion": resource_version, "creationTimestamp": None},
-            "spec": {"containers": None},
-            "status": {},
-        },
-    }
+def _bookmark_event(resource_version: str, resource: str = PODS) -> dict[str, Any]:
+    # Byte for byte what kube-apiserver sends for pods: a zero-value Pod but for the resourceVersion (a zero-value
+    # Namespace for namespaces).
+    if resource == NAMESPACES:
+        obj: dict[str, Any] = {"kind": "Namespace", "apiVersion": "v1",
+                               "metadata": {"resourceVersion": resource_version, "creationTimestamp": None},
+                               "spec": {}, "status": {}}
+    else:
+        obj = {"kind": "Pod", "apiVersion": "v1",
+               "metadata": {"resourceVersion": resource_version, "creationTimestamp": None},
+               "spec": {"containers": None}, "status": {}}
+    return {"type": "BOOKMARK", "object": obj}
 
 
 async def _write_line(response: web.StreamResponse, event: Mapping[str, Any]) -> None:
@@ -910,6 +986,24 @@ _CAPACITY_LABELS: Mapping[tuple[str, str], Mapping[str, str]] = {
     ("gcp", "spot"): {"cloud.google.com/gke-spot": "true"},
     ("azure", "spot"): {"kubernetes.azure.com/scalesetpriority": "spot"},
 }
+
+
+def make_namespace_object(name: str, labels: Mapping[str, str] | None = None, *, uid: str | None = None,
+                          phase: str = "Active") -> dict[str, Any]:
+    """A Namespace object as the API server serialises it: ``kubernetes.io/metadata.name`` set as the API server
+    sets it, then ``labels``; the uid derived from the name unless given."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Namespace",
+        "metadata": {
+            "name": name,
+            "uid": uid or str(uuid.UUID(bytes=hashlib.sha256(f"namespace/{name}".encode()).digest()[:16], version=4)),
+            "labels": {"kubernetes.io/metadata.name": name, **dict(labels or {})},
+            "creationTimestamp": _rfc3339(DEFAULT_STARTED_AT_UNIX_MS),
+        },
+        "spec": {"finalizers": ["kubernetes"]},
+        "status": {"phase": phase},
+    }
 
 
 def make_node_object(

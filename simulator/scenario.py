@@ -439,6 +439,14 @@ class PodSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class NamespaceSpec:
+    """A Namespace object and its labels (what the platform writes; the collector carries them on pod events)."""
+
+    name: str
+    labels: Mapping[str, str]
+
+
+@dataclass(frozen=True, slots=True)
 class HostProcessSpec:
     """A process of no pod (a node agent, a benchmark run over ssh); times are scenario seconds."""
 
@@ -465,6 +473,7 @@ class Scenario:
     pods: tuple[PodSpec, ...]
     host_processes: tuple[HostProcessSpec, ...]
     process_exit_races: tuple[ProcessExitRaceFault, ...]
+    namespaces: tuple[NamespaceSpec, ...] = ()
 
     @property
     def interval_ms(self) -> int:
@@ -473,6 +482,20 @@ class Scenario:
     @property
     def end_unix_ms(self) -> int:
         return self.start_unix_ms + round(self.duration_seconds * 1000)
+
+    def all_namespaces(self) -> tuple[NamespaceSpec, ...]:
+        """The declared namespaces, then every other namespace a pod runs in (without labels): the Namespace
+        objects a cluster running these pods has."""
+        declared = {spec.name for spec in self.namespaces}
+        implied = dict.fromkeys(pod.namespace for pod in self.pods if pod.namespace not in declared)
+        return self.namespaces + tuple(NamespaceSpec(name, MappingProxyType({})) for name in implied)
+
+    def namespace_labels(self, namespace: str) -> Mapping[str, str]:
+        """The labels of the namespace called ``namespace`` (``{}`` for one the scenario does not declare)."""
+        for spec in self.namespaces:
+            if spec.name == namespace:
+                return spec.labels
+        return MappingProxyType({})
 
     def node(self, name: str) -> NodeSpec:
         """The node called ``name``; ``ScenarioError`` naming the scenario's nodes when there is none."""
@@ -1560,6 +1583,18 @@ def _read_races(raw: Any, pods: tuple[PodSpec, ...], duration: float) -> tuple[P
     return tuple(out)
 
 
+def _read_namespaces(raw: Any) -> tuple[NamespaceSpec, ...]:
+    out: list[NamespaceSpec] = []
+    for i, entry in enumerate(_list(raw, "namespaces")):
+        m = _Map(entry, f"namespaces[{i}]")
+        name = _str(m.get("name"), m.sub("name"), pattern=_DNS_LABEL, what="a namespace")
+        if any(spec.name == name for spec in out):
+            raise ScenarioError(m.sub("name"), f"namespace {name!r} is defined twice")
+        out.append(NamespaceSpec(name, _str_map(m.get("labels", {}), m.sub("labels"))))
+        m.done()
+    return tuple(out)
+
+
 def _parse(document: Any) -> Scenario:
     m = _Map(document, "")
     cluster = _str(m.get("cluster"), "cluster")
@@ -1573,6 +1608,7 @@ def _parse(document: Any) -> Scenario:
     pods = _read_pods(m.get("pods", []), nodes, seed, duration)
     host = _read_host_processes(m.get("host_processes", []), nodes, duration)
     races = _read_races(m.get("process_exit_races", []), pods, duration)
+    namespaces = _read_namespaces(m.get("namespaces", []))
     m.done()
     return Scenario(
         cluster=cluster,
@@ -1584,6 +1620,7 @@ def _parse(document: Any) -> Scenario:
         pods=pods,
         host_processes=host,
         process_exit_races=races,
+        namespaces=namespaces,
     )
 
 

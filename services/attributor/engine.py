@@ -46,6 +46,7 @@ from typing import Iterable, Mapping
 from gpumeter.errors import ConfigError, InvalidMessage
 from gpumeter.validation import DEFAULT_MAX_SAMPLE_AGE_SECONDS, check_sample
 from schemas.catalog import pod_event_key
+from schemas.pods import GroupingLabelSources
 from schemas.records import GpuShare, NodeSample, PodEvent
 
 from services.attributor.attribution import AttributionPolicy, attribute_node_window
@@ -151,13 +152,17 @@ class EngineConfig:
     # The labels share rows carry (``pod_index.PodFields``); None: every label (the streaming attributor and
     # ``gpumeter replay`` pass ``GPUMETER_GROUPING_LABELS``, default ``pod_index.DEFAULT_GROUPING_LABELS``).
     grouping_labels: tuple[str, ...] | None = None
+    # Where each grouping label's value comes from: the pod's labels (default), its namespace's, or one then the
+    # other (``GPUMETER_GROUPING_LABEL_SOURCE``).
+    grouping_label_sources: GroupingLabelSources = GroupingLabelSources()
 
     @property
     def pod_fields(self) -> PodFields:
         """What the engine keeps of each pod: the grouping labels, and only the annotation attribution reads."""
         if self.grouping_labels is None:
-            return PodFields()
-        return PodFields.for_grouping(self.grouping_labels, (self.policy.mps_thread_annotation,))
+            return PodFields(sources=self.grouping_label_sources)
+        return PodFields.for_grouping(self.grouping_labels, (self.policy.mps_thread_annotation,),
+                                      self.grouping_label_sources)
 
     def __post_init__(self) -> None:
         # The accumulator validates window and grace; these are the engine's own.
@@ -179,6 +184,14 @@ class EngineConfig:
                 isinstance(self.grouping_labels, str)
                 or not all(isinstance(k, str) and k and "," not in k for k in self.grouping_labels)):
             raise ConfigError(f"grouping labels must be label keys, got {self.grouping_labels!r}")
+        if not isinstance(self.grouping_label_sources, GroupingLabelSources):
+            raise ConfigError(f"grouping label sources must be GroupingLabelSources, got "
+                              f"{self.grouping_label_sources!r}")
+        unknown = [key for key in self.grouping_label_sources.keys_named
+                   if self.grouping_labels is not None and key not in self.grouping_labels]
+        if unknown:
+            raise ConfigError(f"grouping label sources name {', '.join(unknown)}, which are not grouping labels "
+                              f"({', '.join(self.grouping_labels or ())}): no row would carry them")
 
 
 @dataclass(frozen=True, slots=True)

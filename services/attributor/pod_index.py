@@ -26,6 +26,10 @@ Rules:
   ``annotation_keys`` set, only those annotations (attribution reads one: the MPS thread annotation). A pod with
   30,000 labels then costs the index, the share rows and the pod table what a pod with two does.
   ``trim_pod_event`` gives the event with the same cut (what the attributor stores per pod).
+* Where a grouping label's value comes from is ``PodFields.sources`` (``schemas.pods.GroupingLabelSources``, the
+  attributor's ``GPUMETER_GROUPING_LABEL_SOURCE``): the pod's own labels (the default), its namespace's
+  (``PodEvent.namespace_labels``, which the platform writes, not the pod's owner), or one then the other. The
+  resolved value is the row's label, so nothing downstream tells the sources apart.
 """
 
 from __future__ import annotations
@@ -39,7 +43,15 @@ from gpumeter.errors import ConfigError
 from schemas.records import PodEvent, PodEventType
 
 from schemas.devices import base_device_id
-from schemas.pods import TERMINAL_PHASES, PodAssignment, fold_assignments, fold_life, fold_started, is_stale
+from schemas.pods import (
+    TERMINAL_PHASES,
+    GroupingLabelSources,
+    PodAssignment,
+    fold_assignments,
+    fold_life,
+    fold_started,
+    is_stale,
+)
 from services.attributor.modes import UnitAssignment
 
 DEFAULT_LINGER_MS = 15 * 60 * 1000
@@ -52,22 +64,38 @@ _FOREVER = 2**62
 
 @dataclass(frozen=True, slots=True)
 class PodFields:
-    """Which labels and annotations of a pod the index keeps (None: all of them)."""
+    """Which labels and annotations of a pod the index keeps (None: all of them), and where each kept label's
+    value comes from (``sources``: the pod's labels, its namespace's, in a configured order)."""
 
     label_keys: frozenset[str] | None = None
     annotation_keys: frozenset[str] | None = None
+    sources: GroupingLabelSources = GroupingLabelSources()
 
     @classmethod
     def for_grouping(cls, label_keys: Iterable[str] | None,
-                     annotation_keys: Iterable[str] | None = None) -> "PodFields":
+                     annotation_keys: Iterable[str] | None = None,
+                     sources: GroupingLabelSources = GroupingLabelSources()) -> "PodFields":
         return cls(None if label_keys is None else frozenset(label_keys),
-                   None if annotation_keys is None else frozenset(annotation_keys))
+                   None if annotation_keys is None else frozenset(annotation_keys), sources)
 
-    def carried_labels(self, labels: Mapping[str, str]) -> Mapping[str, str]:
-        """The labels a pod's share rows carry: the kept ones."""
-        if self.label_keys is None:
-            return MappingProxyType(dict(labels))
-        return MappingProxyType({key: value for key, value in labels.items() if key in self.label_keys})
+    def carried_labels(self, labels: Mapping[str, str],
+                       namespace_labels: Mapping[str, str] = _EMPTY) -> Mapping[str, str]:
+        """The labels a pod's share rows carry: the kept keys, each from the first of its sources that has it
+        (``GroupingLabelSources.resolve``)."""
+        if self.sources.pod_only:
+            if self.label_keys is None:
+                return MappingProxyType(dict(labels))
+            return MappingProxyType({key: value for key, value in labels.items() if key in self.label_keys})
+        return MappingProxyType(self.sources.resolve(self.label_keys, labels, namespace_labels))
+
+    def kept_namespace_labels(self, namespace_labels: Mapping[str, str]) -> Mapping[str, str]:
+        """The namespace labels ``carried_labels`` may read: those of kept keys whose sources include the
+        namespace."""
+        if not namespace_labels:
+            return namespace_labels
+        return MappingProxyType({key: value for key, value in namespace_labels.items()
+                                 if (self.label_keys is None or key in self.label_keys)
+                                 and self.sources.reads_namespace(key)})
 
     @property
     def carried_label_keys(self) -> tuple[str, ...]:
@@ -90,13 +118,16 @@ def trim_pod_event(event: PodEvent, fields: PodFields) -> PodEvent:
     labels = event.labels if fields.label_keys is None else {
         k: v for k, v in event.labels.items() if k in fields.label_keys}
     annotations = fields.kept_annotations(event.annotations)
+    namespace_labels = fields.kept_namespace_labels(event.namespace_labels)
     dropped_labels = len(event.labels) - len(labels)
     dropped_annotations = len(event.annotations) - len(annotations)
-    if not dropped_labels and not dropped_annotations:
+    if not dropped_labels and not dropped_annotations and len(namespace_labels) == len(event.namespace_labels):
         return event
+    # Namespace labels left out are not counted: the counts say what of the pod's own was cut.
     return replace(event, labels=MappingProxyType(dict(labels)), annotations=annotations,
                    labels_dropped=event.labels_dropped + dropped_labels,
-                   annotations_dropped=event.annotations_dropped + dropped_annotations)
+                   annotations_dropped=event.annotations_dropped + dropped_annotations,
+                   namespace_labels=namespace_labels)
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,7 +219,7 @@ def _pod_info(event: PodEvent, previous: PodInfo | None, fields: PodFields = ALL
         node_name=event.node_name,
         namespace=event.namespace,
         name=event.name,
-        labels=fields.carried_labels(event.labels),
+        labels=fields.carried_labels(event.labels, event.namespace_labels),
         carried_label_keys=fields.carried_label_keys,
         mps_active_thread_percentage=max(
             (c.mps_active_thread_percentage for c in event.containers if c.mps_active_thread_percentage is not None),

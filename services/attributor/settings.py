@@ -28,6 +28,7 @@ from gpumeter.settings import KafkaSettings, metrics_address_setting
 from gpumeter.validation import DEFAULT_MAX_SAMPLE_AGE_SECONDS
 from services.attributor.attribution import AttributionPolicy
 from services.attributor.engine import EngineConfig
+from schemas.pods import GroupingLabelSources
 from services.attributor.pod_index import DEFAULT_GROUPING_LABELS
 
 STORES = ("memory://", "rocksdb://")
@@ -43,6 +44,15 @@ IDLE_SPREAD_MOVED = (
 def parse_label_keys(text: str) -> tuple[str, ...]:
     """``team, model`` → ``("model", "team")`` (sorted, without repeats); an empty text carries no label."""
     return tuple(sorted({key.strip() for key in text.split(",") if key.strip()}))
+
+
+def parse_label_sources(text: str) -> GroupingLabelSources:
+    """``namespace,pod`` or ``team=namespace;model=namespace,pod`` → ``GroupingLabelSources`` (empty: ``pod``);
+    ``ConfigError`` for anything else."""
+    try:
+        return GroupingLabelSources.parse(text)
+    except ValueError as exc:
+        raise ConfigError(f"grouping label source {exc}") from None
 
 
 def _cost_basis(value: str) -> str:
@@ -97,6 +107,12 @@ class AttributorSettings:
       ``team,model``). Every other label is left out of the rows and the pod table; rows say which keys they carry
       (``GpuShare.carried_label_keys``). Billing's and the guard's team label and every
       ``gpumeter report --by label:<key>`` key must be among them.
+    * ``grouping_label_source``: where each grouping label's value comes from (``GPUMETER_GROUPING_LABEL_SOURCE``):
+      ``pod`` (the default: the pod's own labels, which whoever creates the pod writes), ``namespace`` (the
+      labels of the pod's Namespace object, which the platform writes; the collector carries them on
+      ``PodEvent.namespace_labels``), ``namespace,pod`` (the namespace's, else the pod's), or per key,
+      ``team=namespace;model=namespace,pod`` (keys not named: the entry without ``<key>=``, else ``pod``).
+      The resolved value is the row's label: billing, reports, FOCUS and the API read it as before.
     """
 
     kafka: KafkaSettings = nested(KafkaSettings, client_id="gpumeter-attributor")
@@ -153,6 +169,11 @@ class AttributorSettings:
                                                check=lambda keys: parse_label_keys(",".join(keys)),
                                                default_text="team,model",
                                                help="pod labels the share rows carry, comma-separated")
+    grouping_label_source: GroupingLabelSources = setting(
+        GroupingLabelSources(), env="GPUMETER_GROUPING_LABEL_SOURCE", flag="--grouping-label-source",
+        parse=parse_label_sources, default_text="pod",
+        help="where grouping labels come from: pod | namespace | namespace,pod, or per key: "
+             "team=namespace;model=namespace,pod")
 
     def __post_init__(self) -> None:
         validate(self)
@@ -180,6 +201,7 @@ class AttributorSettings:
             pod_linger_ms=self.pod_linger_seconds * 1000,
             policy=self.policy,
             grouping_labels=tuple(self.grouping_labels),
+            grouping_label_sources=self.grouping_label_source,
         )
 
     def replace(self, **changes: Any) -> "AttributorSettings":
@@ -187,7 +209,8 @@ class AttributorSettings:
 
     def describe(self) -> dict[str, Any]:
         """Printable view, secrets masked, with the policy as text."""
-        return {**describe(self), "policy": self.policy.describe()}
+        return {**describe(self), "policy": self.policy.describe(),
+                "grouping_label_source": self.grouping_label_source.describe()}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

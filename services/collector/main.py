@@ -117,8 +117,17 @@ async def run(settings: CollectorSettings, scenario=None) -> int:
     if api_client is not None and not node_read:
         tasks.append(asyncio.create_task(_node_facts_retry(service, api_client, overrides, stop)))
     if api_client is not None:
-        from services.collector.podwatch import PodWatcher
+        from services.collector.podwatch import NamespaceWatcher, PodWatcher
 
+        namespaces = NamespaceWatcher(
+            api_client, clock, service.on_namespace_event,
+            on_watch_error=lambda kind: metrics.get("gpumeter_collector_namespace_watch_restarts_total").labels(
+                kind).inc(),
+        )
+        tasks.append(asyncio.create_task(namespaces.run()))
+        # Pods are first published with their namespace's labels where the namespaces can be read in time; later
+        # labels republish the pods (CollectorService.on_namespace_event).
+        await _until_synced(namespaces, NAMESPACE_SYNC_WAIT_SECONDS, stop)
         watcher = PodWatcher(
             api_client, settings.node_name, facts.cluster, clock, service.on_pod_event,
             on_watch_error=lambda kind: metrics.get("gpumeter_collector_pod_watch_restarts_total").labels(kind).inc(),
@@ -141,6 +150,21 @@ async def run(settings: CollectorSettings, scenario=None) -> int:
         log.info("stopped after %d ticks; %d records dropped, %d undelivered", service.sequence,
                  publisher.dropped_count, publisher.depth)
     return 0
+
+
+NAMESPACE_SYNC_WAIT_SECONDS = 10.0
+
+
+async def _until_synced(watcher, wait_s: float, stop: asyncio.Event) -> None:
+    """Wait until ``watcher`` has listed once, at most ``wait_s`` seconds (then go on without, saying so)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    while not watcher.has_synced and not stop.is_set():
+        if loop.time() >= deadline:
+            log.warning("namespaces not listed within %.0f s (RBAC: get/list/watch on namespaces?): pods are "
+                        "published without their namespace's labels until they are", wait_s)
+            return
+        await asyncio.sleep(0.05)
 
 
 async def _refresh_loop(service: CollectorService, every_s: float, stop: asyncio.Event) -> None:

@@ -77,11 +77,18 @@ def _cut_map(entries: Mapping[str, str], *, max_entries: int, max_bytes: int,
     return kept, dropped, shortened
 
 
+def cut_labels(labels: Mapping[str, str]) -> tuple[dict[str, str], int]:
+    """``labels`` cut by the label rule (what ``cut_to_size`` does to a pod's labels), and how many were left out:
+    also the rule for a namespace's labels on the event (``PodEvent.namespace_labels``)."""
+    kept, dropped, _ = _cut_map(labels, max_entries=MAX_LABELS, max_bytes=LABELS_MAX_BYTES,
+                                value_max_bytes=LABEL_VALUE_MAX_BYTES, shorten_values=False)
+    return kept, dropped
+
+
 def cut_to_size(event: PodEvent) -> PodEvent:
     """``event`` with its labels and annotations cut by the rule in the module docstring, and the cut recorded
     (added to what an earlier cut recorded). An event within the caps comes back unchanged."""
-    labels, labels_dropped, _ = _cut_map(event.labels, max_entries=MAX_LABELS, max_bytes=LABELS_MAX_BYTES,
-                                         value_max_bytes=LABEL_VALUE_MAX_BYTES, shorten_values=False)
+    labels, labels_dropped = cut_labels(event.labels)
     annotations, annotations_dropped, shortened = _cut_map(
         event.annotations, max_entries=MAX_ANNOTATIONS, max_bytes=ANNOTATIONS_MAX_BYTES,
         value_max_bytes=ANNOTATION_VALUE_MAX_BYTES, shorten_values=True)

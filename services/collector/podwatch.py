@@ -1,6 +1,9 @@
-"""The collector's view of the pods on its node: list, then watch, with kubernetes-asyncio.
+"""The collector's view of the pods on its node, and of the cluster's namespaces: list, then watch, with
+kubernetes-asyncio.
 
-``PodWatcher`` keeps a cache of this node's pods (by uid) and turns what the API server says into ``PodEvent``s:
+``PodWatcher`` keeps a cache of this node's pods (by uid) and turns what the API server says into ``PodEvent``s;
+``NamespaceWatcher`` does the same for every Namespace (``namespaces.NamespaceEvent``: their labels), by the same
+rules (``_ListWatcher``):
 
 * List (``fieldSelector=spec.nodeName=<node>``, paginated with ``limit``/``continue``) and compare with the cache:
   ADDED for new pods, MODIFIED for pods whose resourceVersion changed, DELETED for cached pods the list no longer
@@ -35,6 +38,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from gpumeter.clock import Clock
 from gpumeter.errors import ConfigError, InvalidMessage
 from schemas.records import PodEvent, PodEventType
+from services.collector.namespaces import NamespaceEvent, namespace_event_from_object
 from services.collector.pods import pod_event_from_object
 
 logger = logging.getLogger(__name__)
@@ -63,7 +67,7 @@ class _StreamFailure(Exception):
         self.kind = kind
 
 
-class _RawPodWatch(watch.Watch):
+class _RawWatch(watch.Watch):
     """kubernetes-asyncio's Watch without the model deserialisation: events carry the API server's JSON dicts,
     which is what ``pod_event_from_object`` reads (and V1Pod models would be built only to be thrown away)."""
 
@@ -71,28 +75,29 @@ class _RawPodWatch(watch.Watch):
         return ""
 
 
-class PodWatcher:
-    """Lists and watches the pods of one node and reports them as ``PodEvent``s through ``on_event``.
+class _ListWatcher:
+    """List, then watch, one kind of object, and report each change through ``on_event`` (the rules of the module
+    docstring). A subclass says what to list (``_list_function``, ``_selector``) and how to read one object
+    (``_read``, raising ``InvalidMessage``); what it reads has ``uid``, ``resource_version`` and ``event_type``
+    (and is a dataclass: the event type is replaced to follow the cache).
 
     ``timeout_seconds`` is the server-side duration of one watch request; ``page_size`` the list ``limit``;
     ``request_timeout_s`` bounds connecting and each list request, and how long a watch may stay silent beyond
     ``timeout_seconds``. Backoff after failures starts at ``backoff_initial_s``, doubles up to ``backoff_max_s``,
     and each wait is drawn from [d/2, d] with ``rng`` (seed it for reproducible runs). Metric hooks:
-    ``on_relist(pod_count)`` after each complete list, ``on_watch_error(kind)`` on each failed list/watch
-    attempt, ``on_invalid_pod(error)`` for each pod object that could not be read, ``on_pod_warning(code)`` for
-    each pod object read with a part left out (``pods.HAMI_ANNOTATION_IGNORED``), each logged as a warning.
-    (A HAMi allocation the kubelet's ids do not back, ``pods.HAMI_ANNOTATION_UNTRUSTED``, is the service's to
-    count: only it knows the kubelet's ids.)
-    ``sleep`` waits out a backoff (replaceable so that simulations and tests control time).
+    ``on_relist(count)`` after each complete list, ``on_watch_error(kind)`` on each failed list/watch attempt,
+    ``on_invalid(error)`` for each object that could not be read, each logged as a warning. ``sleep`` waits out a
+    backoff (replaceable so that simulations and tests control time).
     """
+
+    _resource = "object"  # what the logs call one
 
     def __init__(
         self,
         api_client: client.ApiClient,
-        node_name: str,
-        cluster: str,
+        where: str,
         clock: Clock,
-        on_event: Callable[[PodEvent], Awaitable[None]],
+        on_event: Callable[[Any], Awaitable[None]],
         *,
         timeout_seconds: int = 300,
         backoff_initial_s: float = 0.5,
@@ -102,19 +107,15 @@ class PodWatcher:
         rng: random.Random | None = None,
         on_relist: Callable[[int], None] | None = None,
         on_watch_error: Callable[[str], None] | None = None,
-        on_invalid_pod: Callable[[InvalidMessage], None] | None = None,
-        on_pod_warning: Callable[[str], None] | None = None,
+        on_invalid: Callable[[InvalidMessage], None] | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
-        if not node_name:
-            raise ConfigError("the pod watcher needs the node name (spec.nodeName of this node's pods)")
         if timeout_seconds <= 0 or page_size <= 0 or request_timeout_s <= 0:
             raise ConfigError("timeout_seconds, page_size and request_timeout_s must be positive")
         if not 0 < backoff_initial_s <= backoff_max_s:
             raise ConfigError("backoff needs 0 < backoff_initial_s <= backoff_max_s")
         self._core = client.CoreV1Api(api_client)
-        self._node_name = node_name
-        self._cluster = cluster
+        self._where = where
         self._clock = clock
         self._on_event = on_event
         self._timeout_seconds = int(timeout_seconds)
@@ -125,18 +126,27 @@ class PodWatcher:
         self._rng = rng if rng is not None else random.Random()
         self._on_relist = on_relist
         self._on_watch_error = on_watch_error
-        self._on_invalid_pod = on_invalid_pod
-        self._on_pod_warning = on_pod_warning
+        self._on_invalid = on_invalid
         self._sleep = sleep
 
-        self._field_selector = f"spec.nodeName={node_name}"
-        self._pods: dict[str, PodEvent] = {}
+        self._items: dict[str, Any] = {}
         self._resource_version: str | None = None
         self._need_list = True
         self._synced = False
         self._next_backoff_s = backoff_initial_s
         self._inner: asyncio.Task[None] | None = None
         self._stop_requested = False
+
+    # --- what a subclass says ----------------------------------------------------------------------------------
+
+    def _list_function(self) -> Callable[..., Any]:
+        raise NotImplementedError
+
+    def _selector(self) -> dict[str, str]:
+        return {}
+
+    def _read(self, raw: Mapping[str, Any], event_type: PodEventType, now_ms: int) -> Any:
+        raise NotImplementedError
 
     # --- public ----------------------------------------------------------------------------------------------
 
@@ -150,19 +160,15 @@ class PodWatcher:
         """True once a first complete list has been emitted: the cache then reflects the API server."""
         return self._synced
 
-    def pods(self) -> Mapping[str, PodEvent]:
-        """The current pods of the node by uid, as last emitted (a snapshot)."""
-        return MappingProxyType(dict(self._pods))
-
     async def run(self) -> None:
         """List and watch until cancelled or ``stop()``ped. Returns normally after ``stop()``; network and API
         errors never end it; an exception from ``on_event`` does (propagated), and a later ``run()`` carries on
         from the cache, re-emitting what was not delivered."""
         if self._inner is not None and not self._inner.done():
-            raise RuntimeError("PodWatcher.run() is already running")
+            raise RuntimeError(f"{type(self).__name__}.run() is already running")
         if self._stop_requested:
             return
-        inner = asyncio.create_task(self._loop(), name=f"pod-watch-{self._node_name}")
+        inner = asyncio.create_task(self._loop(), name=f"{self._resource}-watch-{self._where}")
         self._inner = inner
         try:
             await inner
@@ -212,7 +218,7 @@ class PodWatcher:
             log = logger.error
         else:
             log = logger.warning
-        log("pod %s on node %s failed (%s): %s", phase, self._node_name, failure.kind, failure)
+        log("%s %s %s failed (%s): %s", self._resource, phase, self._where, failure.kind, failure)
         if self._on_watch_error is not None:
             self._on_watch_error(failure.kind)
         delay_s = self._next_backoff_s
@@ -225,7 +231,7 @@ class PodWatcher:
     # --- list ------------------------------------------------------------------------------------------------
 
     async def _list(self) -> None:
-        listed: dict[str, PodEvent] = {}
+        listed: dict[str, Any] = {}
         list_resource_version: str | None = None
         continue_token: str | None = None
         now_ms = self._clock.now_ms()
@@ -236,15 +242,14 @@ class PodWatcher:
             if items is None:
                 items = []
             if not isinstance(metadata, Mapping) or not isinstance(items, list):
-                raise _StreamFailure(ERROR_PROTOCOL, "a pod list without metadata or items")
+                raise _StreamFailure(ERROR_PROTOCOL, f"a {self._resource} list without metadata or items")
             if list_resource_version is None:
                 list_resource_version = metadata.get("resourceVersion")
                 if not isinstance(list_resource_version, str) or not list_resource_version:
-                    raise _StreamFailure(ERROR_PROTOCOL, "a pod list without metadata.resourceVersion")
+                    raise _StreamFailure(ERROR_PROTOCOL, f"a {self._resource} list without metadata.resourceVersion")
             for item in items:
                 try:
-                    event = pod_event_from_object(item, PodEventType.ADDED, self._cluster, now_ms,
-                                                  on_warning=self._warning)
+                    event = self._read(item, PodEventType.ADDED, now_ms)
                 except InvalidMessage as exc:
                     self._invalid(exc)
                     continue
@@ -253,32 +258,33 @@ class PodWatcher:
             if continue_token is None:
                 break
             if not isinstance(continue_token, str):
-                raise _StreamFailure(ERROR_PROTOCOL, "a pod list whose metadata.continue is not a string")
+                raise _StreamFailure(ERROR_PROTOCOL, f"a {self._resource} list whose metadata.continue is not a "
+                                                     f"string")
 
-        for uid in [uid for uid in self._pods if uid not in listed]:
-            gone = dataclasses.replace(self._pods[uid], event_type=PodEventType.DELETED, observed_at_unix_ms=now_ms)
+        for uid in [uid for uid in self._items if uid not in listed]:
+            gone = dataclasses.replace(self._items[uid], event_type=PodEventType.DELETED, observed_at_unix_ms=now_ms)
             await self._on_event(gone)
-            del self._pods[uid]
+            del self._items[uid]
         for uid, event in listed.items():
-            known = self._pods.get(uid)
+            known = self._items.get(uid)
             if known is not None and known.resource_version == event.resource_version:
                 continue
             if known is not None:
                 event = dataclasses.replace(event, event_type=PodEventType.MODIFIED)
             await self._on_event(event)
-            self._pods[uid] = event
+            self._items[uid] = event
         self._resource_version = list_resource_version
         self._synced = True
         self._healthy()
-        logger.info("listed %d pods on node %s at resourceVersion %s", len(listed), self._node_name,
+        logger.info("listed %d %ss %s at resourceVersion %s", len(listed), self._resource, self._where,
                     list_resource_version)
         if self._on_relist is not None:
             self._on_relist(len(listed))
 
     async def _list_page(self, continue_token: str | None) -> Mapping[str, Any]:
         try:
-            response = await self._core.list_pod_for_all_namespaces(
-                field_selector=self._field_selector,
+            response = await self._list_function()(
+                **self._selector(),
                 limit=self._page_size,
                 _continue=continue_token,
                 _preload_content=False,
@@ -298,9 +304,9 @@ class PodWatcher:
         try:
             page = json.loads(body)
         except ValueError as exc:
-            raise _StreamFailure(ERROR_PROTOCOL, f"pod list is not JSON: {exc}") from exc
+            raise _StreamFailure(ERROR_PROTOCOL, f"{self._resource} list is not JSON: {exc}") from exc
         if not isinstance(page, Mapping):
-            raise _StreamFailure(ERROR_PROTOCOL, "pod list is not a JSON object")
+            raise _StreamFailure(ERROR_PROTOCOL, f"{self._resource} list is not a JSON object")
         return page
 
     # --- watch -----------------------------------------------------------------------------------------------
@@ -308,11 +314,11 @@ class PodWatcher:
     async def _watch(self) -> int:
         """One watch request; returns how many events it delivered when the server ends it cleanly."""
         delivered = 0
-        pod_watch = _RawPodWatch()
+        raw_watch = _RawWatch()
         try:
-            stream = pod_watch.stream(
-                self._core.list_pod_for_all_namespaces,
-                field_selector=self._field_selector,
+            stream = raw_watch.stream(
+                self._list_function(),
+                **self._selector(),
                 resource_version=self._resource_version,
                 allow_watch_bookmarks=True,
                 timeout_seconds=self._timeout_seconds,
@@ -335,7 +341,7 @@ class PodWatcher:
                 delivered += 1
                 self._healthy()
         finally:
-            await pod_watch.close()
+            await raw_watch.close()
 
     async def _handle(self, event: Any) -> None:
         if not isinstance(event, Mapping):
@@ -352,35 +358,101 @@ class PodWatcher:
         if event_type not in ("ADDED", "MODIFIED", "DELETED"):
             raise _StreamFailure(ERROR_PROTOCOL, f"unknown watch event type {event_type!r}")
         try:
-            pod = pod_event_from_object(raw, PodEventType(event_type), self._cluster, self._clock.now_ms(),
-                                        on_warning=self._warning)
+            item = self._read(raw, PodEventType(event_type), self._clock.now_ms())
         except InvalidMessage as exc:
             self._invalid(exc)
         else:
-            known = self._pods.get(pod.uid)
-            if pod.event_type == PodEventType.DELETED:
-                await self._on_event(pod)
-                self._pods.pop(pod.uid, None)
-            elif known is None or known.resource_version != pod.resource_version:
-                # A pod that starts matching the selector arrives as ADDED, a replayed one may arrive as either:
-                # what the consumer is told follows the cache, not the wire.
+            known = self._items.get(item.uid)
+            if item.event_type == PodEventType.DELETED:
+                await self._on_event(item)
+                self._items.pop(item.uid, None)
+            elif known is None or known.resource_version != item.resource_version:
+                # An object that starts matching the selector arrives as ADDED, a replayed one may arrive as
+                # either: what the consumer is told follows the cache, not the wire.
                 kind = PodEventType.ADDED if known is None else PodEventType.MODIFIED
-                if pod.event_type != kind:
-                    pod = dataclasses.replace(pod, event_type=kind)
-                await self._on_event(pod)
-                self._pods[pod.uid] = pod
+                if item.event_type != kind:
+                    item = dataclasses.replace(item, event_type=kind)
+                await self._on_event(item)
+                self._items[item.uid] = item
         if resource_version:
             self._resource_version = resource_version
+
+    def _invalid(self, exc: InvalidMessage) -> None:
+        logger.warning("skipping a %s object %s: %s", self._resource, self._where, exc)
+        if self._on_invalid is not None:
+            self._on_invalid(exc)
+
+
+class PodWatcher(_ListWatcher):
+    """Lists and watches the pods of one node and reports them as ``PodEvent``s through ``on_event``.
+
+    The settings and hooks are ``_ListWatcher``'s (``on_invalid_pod`` is its ``on_invalid``), and
+    ``on_pod_warning(code)`` for each pod object read with a part left out (``pods.HAMI_ANNOTATION_IGNORED``),
+    logged as a warning.
+    """
+
+    _resource = "pod"
+
+    def __init__(
+        self,
+        api_client: client.ApiClient,
+        node_name: str,
+        cluster: str,
+        clock: Clock,
+        on_event: Callable[[PodEvent], Awaitable[None]],
+        *,
+        on_invalid_pod: Callable[[InvalidMessage], None] | None = None,
+        on_pod_warning: Callable[[str], None] | None = None,
+        **settings: Any,
+    ) -> None:
+        if not node_name:
+            raise ConfigError("the pod watcher needs the node name (spec.nodeName of this node's pods)")
+        super().__init__(api_client, f"on node {node_name}", clock, on_event, on_invalid=on_invalid_pod,
+                         **settings)
+        self._node_name = node_name
+        self._cluster = cluster
+        self._on_pod_warning = on_pod_warning
+        self._field_selector = f"spec.nodeName={node_name}"
+
+    def pods(self) -> Mapping[str, PodEvent]:
+        """The current pods of the node by uid, as last emitted (a snapshot)."""
+        return MappingProxyType(dict(self._items))
+
+    def _list_function(self) -> Callable[..., Any]:
+        return self._core.list_pod_for_all_namespaces
+
+    def _selector(self) -> dict[str, str]:
+        return {"field_selector": self._field_selector}
+
+    def _read(self, raw: Mapping[str, Any], event_type: PodEventType, now_ms: int) -> PodEvent:
+        return pod_event_from_object(raw, event_type, self._cluster, now_ms, on_warning=self._warning)
 
     def _warning(self, code: str, detail: str) -> None:
         logger.warning("pod object on node %s read in part: %s", self._node_name, detail)
         if self._on_pod_warning is not None:
             self._on_pod_warning(code)
 
-    def _invalid(self, exc: InvalidMessage) -> None:
-        logger.warning("skipping a pod object on node %s: %s", self._node_name, exc)
-        if self._on_invalid_pod is not None:
-            self._on_invalid_pod(exc)
+
+class NamespaceWatcher(_ListWatcher):
+    """Lists and watches the cluster's Namespaces and reports each change as a ``namespaces.NamespaceEvent``
+    through ``on_event`` (the collector puts their labels on its pods' events). Needs ``get``, ``list`` and
+    ``watch`` on ``namespaces``. The settings and hooks are ``_ListWatcher``'s."""
+
+    _resource = "namespace"
+
+    def __init__(self, api_client: client.ApiClient, clock: Clock,
+                 on_event: Callable[[NamespaceEvent], Awaitable[None]], **settings: Any) -> None:
+        super().__init__(api_client, "in the cluster", clock, on_event, **settings)
+
+    def namespaces(self) -> Mapping[str, NamespaceEvent]:
+        """The current namespaces by uid, as last emitted (a snapshot)."""
+        return MappingProxyType(dict(self._items))
+
+    def _list_function(self) -> Callable[..., Any]:
+        return self._core.list_namespace
+
+    def _read(self, raw: Mapping[str, Any], event_type: PodEventType, now_ms: int) -> NamespaceEvent:
+        return namespace_event_from_object(raw, event_type, now_ms)
 
 
 def _resource_version_of(obj: Mapping[str, Any]) -> str | None:

@@ -6,6 +6,9 @@ HAMi claims checked against them (``pods.with_hami_checked``; a refused claim is
 ``gpumeter_collector_pod_warnings_total{reason="HAMI_ANNOTATION_UNTRUSTED"}``) → buffered publisher (keyed
 ``<node>/<pod uid>``, partitioned by node). Assignments are re-read every ``kubelet_refresh_seconds`` and a pod
 whose published form changed is published again as MODIFIED.
+Per namespace change (``podwatch.NamespaceWatcher``): the namespace's labels, as its Namespace object has them, go
+on every event of its pods (``PodEvent.namespace_labels``); when they change, the namespace's pods on this node are
+published again as MODIFIED (``namespaces`` has the rules).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from services.collector.assemble import (
 )
 from services.collector.cgroup import CgroupReadError
 from services.collector.dra import DraResolver, NvmlMigDevice
+from services.collector.namespaces import NamespaceEvent, NamespaceLabels, with_namespace_labels
 from services.collector.pods import (
     HAMI_ANNOTATION_UNTRUSTED,
     with_assignments,
@@ -121,6 +125,7 @@ class CollectorService:
         self._pods: dict[str, PodEvent] = {}
         self._published: dict[str, PodEvent] = {}
         self._assignments: dict[tuple[str, str], dict[str, tuple[DeviceAssignment, ...]]] = {}
+        self.namespace_labels = NamespaceLabels()
         self.kubelet_available: bool | None = None
         self._nvml_migs: tuple[NvmlMigDevice, ...] = ()
         self.cgroup_read_errors = 0
@@ -263,7 +268,27 @@ class CollectorService:
             previous = self._pods.get(event.uid)
             if previous is not None:
                 event = with_assignments(event, _assignments_of(previous))
-        await self._publish_pod(with_devices_resolved(event, self._uuid_by_index()))
+        await self._publish_pod(self._with_namespace_labels(with_devices_resolved(event, self._uuid_by_index())))
+
+    async def on_namespace_event(self, event: NamespaceEvent) -> None:
+        """Called by the namespace watch for every change of a Namespace: its labels go on its pods' events from
+        now on, and when they changed, the namespace's pods on this node are published again (MODIFIED)."""
+        if not self.namespace_labels.apply(event):
+            return
+        now_ms = self.clock.now_ms()
+        for uid, pod in list(self._pods.items()):
+            if pod.namespace == event.name and dict(pod.namespace_labels) != dict(event.labels):
+                await self._publish_pod(replace(with_namespace_labels(pod, event.labels),
+                                                event_type=PodEventType.MODIFIED, observed_at_unix_ms=now_ms))
+
+    def _with_namespace_labels(self, event: PodEvent) -> PodEvent:
+        # Only the Namespace object's labels, never the pod's: a namespace not known (not read yet, or deleted
+        # before its last pod's deletion was read) keeps what was last published for the pod.
+        labels = self.namespace_labels.labels_of(event.namespace)
+        if labels is None:
+            previous = self._pods.get(event.uid)
+            labels = previous.namespace_labels if previous is not None else {}
+        return with_namespace_labels(event, labels)
 
     def _uuid_by_index(self) -> Mapping[str, str]:
         # Before the first NVML read the indexes are unknown: ids in index form stay as they are until the next

@@ -25,6 +25,7 @@ from services.collector.cgroup import ProcessIdentityCache
 from services.collector.dra import resolve_claim_devices, slice_devices
 from services.collector.nodefacts import NodeFactOverrides, node_facts_from_node
 from services.collector.nvml_backend import NvmlBackend
+from services.collector.namespaces import namespace_event_from_object, with_namespace_labels
 from services.collector.pods import (
     pod_event_from_object,
     with_assignments,
@@ -33,9 +34,9 @@ from services.collector.pods import (
 )
 from services.collector.podresources.client import ContainerClaimDevice
 from simulator import dra as sim_dra
-from simulator.apiserver import make_node_object, make_pod_object
+from simulator.apiserver import make_namespace_object, make_node_object, make_pod_object
 from simulator.fake_pynvml import FakeNvml
-from simulator.scenario import NodeSpec, Scenario
+from simulator.scenario import NamespaceSpec, NodeSpec, Scenario
 from simulator.world import SimPod, SimWorld
 
 _MODES = {
@@ -150,13 +151,25 @@ def dra_assignments(scenario: Scenario, node: NodeSpec, pods: tuple[SimPod, ...]
     return grouped
 
 
-def _pod_event(pod: SimPod, event_type: PodEventType, cluster: str, now_ms: int,
+def namespace_object(namespace: NamespaceSpec) -> dict:
+    """The scenario's namespace as the Kubernetes API server would serialise its Namespace object."""
+    return make_namespace_object(namespace.name, namespace.labels)
+
+
+def _pod_event(pod: SimPod, event_type: PodEventType, scenario: Scenario, now_ms: int,
                claimed: Mapping[str, tuple] | None = None) -> PodEvent:
-    event = pod_event_from_object(pod_object(pod), event_type, cluster, now_ms)
+    event = pod_event_from_object(pod_object(pod), event_type, scenario.cluster, now_ms)
     assignments = {c.name: c.assigned_devices for c in pod.containers if c.assigned_devices}
     for container, devices in (claimed or {}).items():
         assignments[container] = tuple(assignments.get(container, ())) + tuple(devices)
-    return with_assignments(event, assignments)
+    # The labels of the Namespace object, read as the collector's namespace watch reads them.
+    labels = namespace_event_from_object(namespace_object(_namespace_spec(scenario, pod.namespace)), event_type,
+                                         now_ms).labels
+    return with_namespace_labels(with_assignments(event, assignments), labels)
+
+
+def _namespace_spec(scenario: Scenario, name: str) -> NamespaceSpec:
+    return NamespaceSpec(name, scenario.namespace_labels(name))
 
 
 @dataclass(frozen=True)
@@ -196,14 +209,14 @@ def node_streams(scenario: Scenario, node_name: str, proc_root: Path | None = No
             # deleted before its successor can be created.
             for uid, pod in known.items():
                 if uid not in current:
-                    events.append(_pod_event(pod, PodEventType.DELETED, scenario.cluster, now_ms,
+                    events.append(_pod_event(pod, PodEventType.DELETED, scenario, now_ms,
                                              claimed.pop(uid, None)))
             for uid, pod in current.items():
                 now_claimed = by_pod.get((pod.namespace, pod.name), {})
                 if uid not in known:
-                    events.append(_pod_event(pod, PodEventType.ADDED, scenario.cluster, now_ms, now_claimed))
+                    events.append(_pod_event(pod, PodEventType.ADDED, scenario, now_ms, now_claimed))
                 elif now_claimed != claimed.get(uid, {}):
-                    events.append(_pod_event(pod, PodEventType.MODIFIED, scenario.cluster, now_ms, now_claimed))
+                    events.append(_pod_event(pod, PodEventType.MODIFIED, scenario, now_ms, now_claimed))
                 if now_claimed:
                     claimed[uid] = now_claimed
             known = current
@@ -260,6 +273,8 @@ class SimulatedNode:
     async def start(self) -> None:
         await self.kubelet.start()
         self.apiserver.put_node(node_object(self.node))
+        for namespace in self.scenario.all_namespaces():
+            self.apiserver.add_namespace(namespace_object(namespace))
         if self.node.allocation == "dra":
             for obj in sim_dra.resource_slices(self.node):
                 self.apiserver.put_resource_slice(obj)

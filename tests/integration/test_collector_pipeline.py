@@ -144,6 +144,8 @@ def test_two_simulated_collectors_lose_no_tick_across_a_broker_restart(own_broke
             assert pod.uid in added, f"no ADDED event for {pod.namespace}/{pod.name}"
             event = added[pod.uid]
             assert (event.namespace, event.name, event.node_name) == (pod.namespace, pod.name, pod.node_name)
+            # Published after the namespace watch listed the namespaces: with the Namespace object's labels.
+            assert event.namespace_labels.get("kubernetes.io/metadata.name") == pod.namespace
             expected_devices = {c.name: c.assigned_devices for c in pod.containers}
             assert {c.name: c.assigned_devices for c in event.containers} == expected_devices
     assert pods_seen - {None}, "the scenario's pods ran on GPUs"

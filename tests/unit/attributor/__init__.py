@@ -120,6 +120,7 @@ def pod_event(
     resource_version: str = "1",
     cpu_request_millicores: int = 0,
     memory_request_bytes: int = 0,
+    namespace_labels: dict[str, str] | None = None,
 ) -> PodEvent:
     """``devices`` are (resource name, device ids) assigned to the pod's one container (which requests the pod's
     CPU and memory)."""
@@ -154,4 +155,5 @@ def pod_event(
         containers=(container,),
         cpu_request_millicores=cpu_request_millicores,
         memory_request_bytes=memory_request_bytes,
+        namespace_labels=namespace_labels or {},
     )

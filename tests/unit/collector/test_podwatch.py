@@ -1,4 +1,5 @@
-"""PodWatcher against the fake API server: list, watch, bookmarks, 410 Gone, outages, paging, clients."""
+"""PodWatcher and NamespaceWatcher against the fake API server: list, watch, bookmarks, 410 Gone, outages, paging,
+clients; the namespaces' labels on the pods' events."""
 
 from __future__ import annotations
 
@@ -14,14 +15,16 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from gpumeter.clock import ManualClock
 from gpumeter.errors import ConfigError, InvalidMessage
 from schemas.records import PodEvent, PodEventType
+from services.collector.namespaces import NamespaceEvent
 from services.collector.podwatch import (
     ERROR_EXPIRED,
     ERROR_REJECTED,
+    NamespaceWatcher,
     PodWatcher,
     in_cluster_api_client,
     make_api_client,
 )
-from simulator.apiserver import FakeApiServer, make_pod_object
+from simulator.apiserver import FakeApiServer, make_namespace_object, make_pod_object
 
 NODE = "gpu-node-a"
 OTHER_NODE = "gpu-node-b"
@@ -514,3 +517,160 @@ IV2jo4jsaP9ut0ZVCa7yO0PuPPho3U/WuwIhAMvxV416MPbZiWXxbAuI4s7uTauv
 Z4g234yTAbTxdm96
 -----END CERTIFICATE-----
 """
+
+
+# --- namespaces: their labels, which the platform writes, on the pods' events -----------------------------------
+
+
+class _Offered:
+    """The collector's publisher, keeping what it is offered (decoded pod events)."""
+
+    def __init__(self) -> None:
+        self.events: list[PodEvent] = []
+
+    def offer(self, record) -> None:
+        from schemas.typed import codec_for
+
+        self.events.append(codec_for(PodEvent).decode(record.value))
+
+
+@contextlib.asynccontextmanager
+async def collecting(server: FakeApiServer):
+    """A ``CollectorService`` (no kubelet) fed by a ``NamespaceWatcher`` and a ``PodWatcher`` on ``server``, as
+    ``gpumeter collector`` wires them; yields (service, offered, namespace watcher)."""
+    from schemas.catalog import TopicCatalog
+    from services.collector.assemble import NodeFacts
+    from services.collector.service import CollectorService
+
+    api = make_api_client(server.url, None, None, True)
+    offered = _Offered()
+    clock = ManualClock(START_MS)
+    service = CollectorService(facts=NodeFacts(CLUSTER, NODE, "aws", "r", "t", "on_demand"), interval_seconds=1.0,
+                               clock=clock, backend=None, identities=None, publisher=offered,
+                               catalog=TopicCatalog())
+    settings = dict(backoff_initial_s=0.02, backoff_max_s=0.1, rng=random.Random(7))
+    namespaces = NamespaceWatcher(api, clock, service.on_namespace_event, **settings)
+    pods = PodWatcher(api, NODE, CLUSTER, clock, service.on_pod_event, **settings)
+    tasks = [asyncio.create_task(namespaces.run())]
+    await eventually(lambda: namespaces.has_synced)
+    tasks.append(asyncio.create_task(pods.run()))
+    await eventually(lambda: pods.has_synced)
+    try:
+        yield service, offered, namespaces
+    finally:
+        await pods.stop()
+        await namespaces.stop()
+        await asyncio.gather(*tasks)
+        await api.close()
+
+
+@pytest.mark.network
+async def test_the_namespace_watcher_lists_and_watches_namespaces_and_their_labels(server):
+    server.add_namespace(make_namespace_object("ml", {"team": "b"}))
+    api = make_api_client(server.url, None, None, True)
+    events: asyncio.Queue = asyncio.Queue()
+
+    async def on_event(event: NamespaceEvent) -> None:
+        events.put_nowait(event)
+
+    watcher = NamespaceWatcher(api, ManualClock(START_MS), on_event, backoff_initial_s=0.02, backoff_max_s=0.1)
+    task = asyncio.create_task(watcher.run())
+    try:
+        listed = await asyncio.wait_for(events.get(), WAIT_S)
+        assert (listed.event_type, listed.name) == (ADDED, "ml")
+        assert dict(listed.labels) == {"kubernetes.io/metadata.name": "ml", "team": "b"}
+        await server.wait_for_watches(1)
+        # A pod change does not reach a namespace watch, a namespace's does.
+        server.add_pod(gpu_pod("trainer", labels={"team": "a"}))
+        stored = server.modify_namespace(make_namespace_object("ml", {"team": "c"}))
+        modified = await asyncio.wait_for(events.get(), WAIT_S)
+        assert (modified.event_type, modified.resource_version, modified.labels["team"]) == (
+            MODIFIED, stored["metadata"]["resourceVersion"], "c")
+        server.delete_namespace(stored["metadata"]["uid"])
+        assert (await asyncio.wait_for(events.get(), WAIT_S)).event_type == DELETED
+        assert [r.path for r in server.requests] == ["/api/v1/namespaces"] * len(server.requests)
+        # Bookmarks on a namespace watch move its resourceVersion as on a pod watch.
+        server.add_pod(gpu_pod("elsewhere", OTHER_NODE))
+        bookmark_rv = server.send_bookmark()
+        await eventually(lambda: watcher.resource_version == bookmark_rv)
+        assert events.empty() and watcher.namespaces() == {}
+    finally:
+        await watcher.stop()
+        await task
+        await api.close()
+
+
+@pytest.mark.network
+async def test_pod_events_carry_their_namespaces_labels_never_their_own(server):
+    """A pod labelled team=a in a namespace labelled team=b: its event says team=b for the namespace (what the
+    attributor reads with GPUMETER_GROUPING_LABEL_SOURCE=namespace) whatever the pod says of itself."""
+    server.add_namespace(make_namespace_object("ml", {"team": "b"}))
+    server.add_pod(gpu_pod("trainer", labels={"team": "a"}))
+    async with collecting(server) as (service, offered, _namespaces):
+        await eventually(lambda: len(offered.events) == 1)
+        (event,) = offered.events
+        assert dict(event.labels)["team"] == "a"
+        assert dict(event.namespace_labels) == {"kubernetes.io/metadata.name": "ml", "team": "b"}
+
+        # The pod relabels itself, even with what looks like its namespace's label: the namespace's stay.
+        server.modify_pod(gpu_pod("trainer", labels={"team": "a", "kubernetes.io/metadata.name": "other"},
+                                  annotations={"namespace_labels": "team=a"}))
+        await eventually(lambda: len(offered.events) == 2)
+        assert dict(offered.events[1].namespace_labels)["team"] == "b"
+
+
+@pytest.mark.network
+async def test_a_relabelled_namespace_republishes_its_pods_on_this_node(server):
+    ml = server.add_namespace(make_namespace_object("ml", {"team": "b"}))
+    server.add_namespace(make_namespace_object("other", {"team": "z"}))
+    server.add_pod(gpu_pod("trainer"))
+    async with collecting(server) as (service, offered, _namespaces):
+        await eventually(lambda: len(offered.events) == 1)
+        server.modify_namespace(make_namespace_object("other", {"team": "y"}))  # no pod of ours there
+        server.modify_namespace(make_namespace_object("ml", {"team": "c"}, uid=ml["metadata"]["uid"]))
+        await eventually(lambda: len(offered.events) == 2)
+        republished = offered.events[1]
+        assert (republished.event_type, republished.uid) == (MODIFIED, "uid-trainer")
+        assert republished.namespace_labels["team"] == "c"
+        # A change of other labels only (an annotation of the namespace) republishes nothing.
+        unchanged = make_namespace_object("ml", {"team": "c"}, uid=ml["metadata"]["uid"])
+        unchanged["metadata"]["annotations"] = {"note": "x"}
+        server.modify_namespace(unchanged)
+        server.delete_pod("uid-trainer")
+        await eventually(lambda: len(offered.events) == 3)
+        assert offered.events[2].event_type == DELETED and offered.events[2].namespace_labels["team"] == "c"
+
+
+async def test_a_pods_deletion_read_after_its_namespaces_keeps_the_labels_last_published():
+    from schemas.catalog import TopicCatalog
+    from services.collector.assemble import NodeFacts
+    from services.collector.namespaces import namespace_event_from_object
+    from services.collector.pods import pod_event_from_object
+    from services.collector.service import CollectorService
+
+    offered = _Offered()
+    service = CollectorService(facts=NodeFacts(CLUSTER, NODE, "aws", "r", "t", "on_demand"), interval_seconds=1.0,
+                               clock=ManualClock(START_MS), backend=None, identities=None, publisher=offered,
+                               catalog=TopicCatalog())
+    namespace = make_namespace_object("ml", {"team": "b"})
+    await service.on_namespace_event(namespace_event_from_object(namespace, ADDED, START_MS))
+    pod = gpu_pod("trainer", labels={"team": "a"})
+    await service.on_pod_event(pod_event_from_object(pod, ADDED, CLUSTER, START_MS))
+    await service.on_namespace_event(namespace_event_from_object(namespace, DELETED, START_MS + 1))
+    await service.on_pod_event(pod_event_from_object(pod, DELETED, CLUSTER, START_MS + 2))
+    assert [dict(e.namespace_labels)["team"] for e in offered.events] == ["b", "b"]
+    # A pod of a namespace never read has none (the attributor then falls back, or not, as configured).
+    await service.on_pod_event(pod_event_from_object(gpu_pod("new"), ADDED, CLUSTER, START_MS + 3))
+    assert dict(offered.events[-1].namespace_labels) == {}
+
+
+def test_a_namespace_object_is_read_and_its_labels_cut_to_size():
+    from services.collector.namespaces import BAD_NAMESPACE_OBJECT, namespace_event_from_object
+
+    flood = {f"l-{i:05d}": "v" for i in range(1_000)}
+    event = namespace_event_from_object(make_namespace_object("ml", flood), ADDED, START_MS)
+    assert len(event.labels) == 128 and event.labels_dropped == 1_001 - 128
+    for bad in (None, {}, {"metadata": {"name": "ml"}}, {"metadata": {"name": "ml", "uid": "u", "labels": [1]}}):
+        with pytest.raises(InvalidMessage) as caught:
+            namespace_event_from_object(bad, ADDED, START_MS)
+        assert caught.value.reason_code == BAD_NAMESPACE_OBJECT

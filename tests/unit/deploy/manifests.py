@@ -30,7 +30,7 @@ READ_ONLY_VERBS = {"get", "list", "watch"}
 # The collector's grant, rule by rule: (API group, resources) -> verbs. Pods of its node: the pod events. Its own
 # Node object (get only): region, zone, instance type, capacity type, providerID. DRA: its node's ResourceSlices
 # (list) and the ResourceClaims its pods hold (get).
-COLLECTOR_RULES = {("", "pods"): READ_ONLY_VERBS, ("", "nodes"): {"get"},
+COLLECTOR_RULES = {("", "pods"): READ_ONLY_VERBS, ("", "nodes"): {"get"}, ("", "namespaces"): READ_ONLY_VERBS,
                    ("resource.k8s.io", "resourceslices"): {"list"}, ("resource.k8s.io", "resourceclaims"): {"get"}}
 
 # Environment variables whose values are secrets: they may only come from a Secret (secretKeyRef). Checked against
@@ -192,7 +192,7 @@ def check_kubernetes_schemas(docs: list[dict], version: str) -> None:
 
 
 def check_least_privilege_rbac(docs: list[dict]) -> None:
-    """One role: the collector's ClusterRole, read-only on pods, `get` on nodes and, for DRA, `list` on
+    """One role: the collector's ClusterRole, read-only on pods and namespaces, `get` on nodes and, for DRA, `list` on
     resourceslices and `get` on resourceclaims, bound to the collectors' service account only; no wildcards, no
     built-in roles."""
     roles = of_kind(docs, "Role", "ClusterRole")
