@@ -29,12 +29,17 @@ Topology (a node's samples and its pods' events share a partition number, so eac
   records) before any of the partition's input is processed, its pod events are read from Kafka first
   (``preload_pod_event``), and its samples are read again from ``resume_position``: the first tick of the oldest
   window any node had not seen acknowledged. Ticks of windows already emitted come back as redeliveries and are
-  dropped; windows that were in flight are emitted again.
+  dropped; windows that were in flight are emitted again. A partition kept across a rebalance goes on one past
+  the last record its engine processed. Both positions are committed for the group before Faust seeks to the
+  committed offsets (``_rewind_streams``), and its first record after the rebalance is checked against them.
 * Bad input of any kind becomes a dead letter through the runner; the agents carry on.
 
-Delivery: at-least-once (``processing_guarantee='at_least_once'``; Faust flushes the producer, changelogs
-included, before it commits input offsets). The changelog writes of one event go to that event's partition in
-order, which is what makes "progress record before deletes" hold after recovery (see ``engine``).
+Delivery: at-least-once (``processing_guarantee='at_least_once'``). Where input is read again from never rests on
+the offsets Faust commits (it commits what its streams acknowledged, which can be past records no agent processed,
+and its flush before a commit gives up on a slow producer): a partition resumes from its durable progress records
+(rebuilt) or from what its engine processed (kept), as above. The changelog writes of one event go to that
+event's partition in order, which is what makes "progress record before deletes" hold after recovery (see
+``engine``), and what makes a changelog recovered before the last writes arrived a safe, older prefix.
 """
 
 from __future__ import annotations
@@ -237,15 +242,17 @@ class AttributorStream:
 
     async def _check_resume(self, topic: str, resume_from: dict[int, int], raw: RawMessage,
                             process: Callable[[RawMessage], Awaitable[None]]) -> None:
-        """Before the first record of a partition after a rebuild: process what lies between its resume position
-        (``resume_position``) and that record, read directly from Kafka.
+        """Before the first record of a partition after a rebalance: process what lies between its resume position
+        (rebuilt: ``resume_position``; kept: one past its last record processed) and that record, read directly
+        from Kafka.
 
-        ``_rewind_streams`` seeks and commits every rebuilt partition to its resume position, but Faust does not
-        always honour it: after a crash it can resume at a committed offset beyond what its changelog made durable
-        (seen in CI, when open ticks were still stored: 16 of the 36 ticks below the resume point were missing,
-        and a window was lost). The records in between are therefore read again here, inside the current event so
-        that their table writes go to this partition's changelog, and processed in order; ticks of windows already
-        emitted come back as redeliveries, which the engine drops."""
+        ``_rewind_streams`` seeks and commits every assigned partition to that position, but Faust does not always
+        honour it (the commit fails when another rebalance is under way): after a crash it can resume at a
+        committed offset beyond what its changelog made durable (seen in CI, when open ticks were still stored: 16
+        of the 36 ticks below the resume point were missing, and a window was lost). The records in between are
+        therefore read again here, inside the current event so that their table writes go to this partition's
+        changelog, and processed in order; ticks of windows already emitted come back as redeliveries, which the
+        engine drops."""
         start = resume_from.pop(raw.partition, None)
         if start is None or raw.offset <= start:
             return
@@ -476,33 +483,38 @@ class AttributorStream:
     async def _rewind_streams(self, rebuilt: set[int]) -> None:
         """Put every assigned input partition where this worker's processing must go on, before streams resume.
 
-        * a partition it kept: one past the last offset it processed there (its start if it processed none);
+        * a partition it kept: one past the last offset it processed there (where a rebuild of an earlier
+          rebalance said to resume, if it processed none since; its start if neither);
         * a partition rebuilt from the tables: ``_resume_samples_from`` (``resume_position``: the first tick of the
-          oldest window not yet acknowledged; pod events from the start). The group's committed offsets are
-          moved there too, because Faust seeks every partition to its committed offset right after this hook.
+          oldest window not yet acknowledged; pod events from the start).
 
-        Why: Faust drops records it had already fetched when a rebalance interrupts a batch (and any queued from
-        the previous generation), relying on that seek to committed offsets to fetch them again. For a partition
-        without a committed offset (a new group, or a rebalance within the commit interval of its first records)
-        the seek does nothing, and the dropped records would never be processed: their windows would never close.
-        Where the group has committed, on a partition kept, its offset wins, and the engine takes the records read
-        again as duplicates. On a partition rebuilt, seeking there from inside a stream would race with the
-        records Faust still delivers from before the seek."""
+        Both are sought and committed for the group, because Faust seeks every partition to its committed offset
+        right after this hook, and the group's committed offset is Faust's, not the processor's: Faust commits
+        what its streams acknowledged, and acknowledges records it never handed to an agent (a record still
+        queued when a revocation suspends the flow is skipped and acknowledged), so its revocation commit can
+        stand past input whose effect is in no state at all. On a partition kept, a seek there would skip that
+        input for good: its engine runs on, and a window comes out short of the ticks skipped (seen in CI: a
+        window of 9 of its 10 ticks after a second worker joined). Each position is also where the partition's
+        first record after the rebalance is checked against (``_check_resume``): where the commit fails (another
+        rebalance under way) and Faust resumes past it, what lies in between is read from Kafka first.
+
+        Why seek as well: Faust drops records it had already fetched when a rebalance interrupts a batch (and
+        any queued from the previous generation), relying on that seek to committed offsets to fetch them again;
+        for a partition without a committed offset that seek does nothing. On a partition rebuilt, seeking there
+        from inside a stream would race with the records Faust still delivers from before the seek."""
         commits: dict[TP, int] = {}
         seeks: dict[TP, int] = {}
         for partition in sorted(self._assigned):
-            if partition in rebuilt:
-                samples_at = self._resume_samples_from.get(partition, 0)
-                pods_at = self._resume_pods_from.get(partition, 0)
-                commits[TP(self.samples_topic_name, partition)] = samples_at
-                commits[TP(self.pods_topic_name, partition)] = pods_at
-            else:
-                processed, processed_pods = self._processed_offset.get(partition), self._processed_pod_offset.get(
-                    partition)
-                samples_at = 0 if processed is None else processed + 1
-                pods_at = 0 if processed_pods is None else processed_pods + 1
-            seeks[TP(self.samples_topic_name, partition)] = samples_at
-            seeks[TP(self.pods_topic_name, partition)] = pods_at
+            for topic, processed, resume_from in (
+                    (self.samples_topic_name, self._processed_offset, self._resume_samples_from),
+                    (self.pods_topic_name, self._processed_pod_offset, self._resume_pods_from)):
+                tp = TP(topic, partition)
+                if partition not in rebuilt and partition in processed:
+                    resume_from[partition] = processed[partition] + 1
+                if partition in resume_from:  # rebuilt, kept, or rebuilt earlier and nothing processed since
+                    seeks[tp] = commits[tp] = resume_from[partition]
+                else:
+                    seeks[tp] = 0  # kept without a known position (not expected): Faust's committed offset wins
         if seeks:
             await self._seek_positions(seeks)
         if commits:
