@@ -41,6 +41,7 @@ _ENGINE_OPTIONS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "idle_handling": ("GPUMETER_IDLE_HANDLING", str, "keep"),
     "sharing": (SHARING_ENV, str, ""),
     "mps_compute": ("GPUMETER_MPS_COMPUTE", str, "memory"),
+    "mps_thread_annotation": ("GPUMETER_MPS_THREAD_ANNOTATION", str, ""),
     "grouping_labels": ("GPUMETER_GROUPING_LABELS", parse_label_keys, DEFAULT_GROUPING_LABELS),
     "grouping_label_source": ("GPUMETER_GROUPING_LABEL_SOURCE", parse_label_sources, GroupingLabelSources()),
 }
@@ -77,6 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                           f"(buckets idle, driver_reserved, unattributed, unavailable, node_other, "
                                           f"all; env {SHARING_ENV}; default keep)")
     parser.add_argument("--mps-compute", help="memory | threads (default memory)")
+    parser.add_argument("--mps-thread-annotation",
+                        help="a pod annotation the platform writes whose value is the MPS active-thread percentage "
+                             "(default: none is read)")
     parser.add_argument("--grouping-labels", type=parse_label_keys,
                         help="pod labels the share rows carry, comma-separated (default team,model; "
                              "env GPUMETER_GROUPING_LABELS)")
@@ -127,7 +131,8 @@ def sharing_with_idle_handling(sharing_text: str, idle_handling: str) -> Sharing
 def replay_options(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, Any]:
     """The keyword arguments of ``replay`` from flags over env over defaults. Raises ``ConfigError``."""
     values = {name: _option(args, env, name) for name in _ENGINE_OPTIONS}
-    policy = AttributionPolicy.parse(values.pop("cost_basis"), values.pop("mps_compute"))
+    policy = AttributionPolicy.parse(values.pop("cost_basis"), values.pop("mps_compute"),
+                                    values.pop("mps_thread_annotation"))
     sharing = sharing_with_idle_handling(values.pop("sharing"), values.pop("idle_handling"))
     price_env = {variable: env[variable] for variable in _PRICE_ENV_FLAGS if env.get(variable)}
     for variable, attribute in _PRICE_ENV_FLAGS.items():

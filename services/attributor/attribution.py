@@ -79,14 +79,18 @@ class AttributionPolicy:
     comparison: each pod pays the replicas it was assigned, unassigned replicas are idle).
     IDLE is always a row of its own: sharing it (or any bucket) to pods is billing's sharing policy
     (``services.billing.sharing``), applied to money, once, where the ledger and every report see it.
-    ``mps_compute``: MEMORY (busy time split by memory) or THREADS (by active-thread percentage: the pod's
-    ``mps_thread_annotation`` value, else its replicas' 100/replicas each).
+    ``mps_compute``: MEMORY (busy time split by memory) or THREADS (by active-thread percentage: the
+    ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` its container spec sets, which the MPS server enforces, else its replicas'
+    100/replicas each). ``mps_thread_annotation``: a pod annotation whose value is taken before both -- only when
+    the platform names one (an annotation its admission webhook writes): empty (the default), no annotation is
+    read, because a pod's owner writes its annotations and one nothing enforces would let a tenant lower its own
+    share of an MPS GPU.
     """
 
     cost_basis: CostBasis = CostBasis.MEMORY
     blend_alpha: float = 0.5
     mps_compute: MpsCompute = MpsCompute.MEMORY
-    mps_thread_annotation: str = DEFAULT_MPS_THREAD_ANNOTATION
+    mps_thread_annotation: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.cost_basis, CostBasis):
@@ -98,9 +102,10 @@ class AttributionPolicy:
             raise ConfigError(f"blend alpha must be within [0, 1], got {alpha!r}")
 
     @classmethod
-    def parse(cls, cost_basis: str = "memory", mps_compute: str = "memory") -> "AttributionPolicy":
+    def parse(cls, cost_basis: str = "memory", mps_compute: str = "memory",
+              mps_thread_annotation: str = "") -> "AttributionPolicy":
         """From configuration strings: ``memory`` | ``compute`` | ``blend:<alpha>`` | ``request``; ``memory`` |
-        ``threads``. Raises ConfigError on anything else."""
+        ``threads``; an annotation key or empty. Raises ConfigError on anything else."""
         text = cost_basis.strip().lower()
         alpha = 0.5
         if text.startswith("blend:"):
@@ -120,7 +125,7 @@ class AttributionPolicy:
             mps = MpsCompute(mps_compute.strip().lower())
         except ValueError:
             raise ConfigError(f"MPS compute {mps_compute!r} is not one of memory, threads") from None
-        return cls(basis, alpha, mps)
+        return cls(basis, alpha, mps, mps_thread_annotation.strip())
 
     @property
     def basis_text(self) -> str:
@@ -709,13 +714,16 @@ def _decide(epoch: _Epoch, unit: UnitWindow, assignees: Sequence[tuple[PodInfo, 
 
 def _thread_percents(replicas: int, nslots: int, assignees: Sequence[tuple[PodInfo, UnitAssignment]],
                      assignee_slots: Sequence[int], policy: AttributionPolicy) -> list[float]:
-    """Per pod slot: the active-thread percentage its MPS clients run with -- the pod's annotation when set and
-    valid, else the ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` its container spec sets, else its replicas'
-    100/replicas each (the device plugin's cap); processes of no known pod count with one replica's share."""
+    """Per pod slot: the active-thread percentage its MPS clients run with -- the platform's annotation
+    (``policy.mps_thread_annotation``, when one is configured) when set and valid, else the
+    ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` its container spec sets (the cap the MPS server enforces), else its
+    replicas' 100/replicas each (the device plugin's cap); processes of no known pod count with one replica's
+    share."""
     default_pct = 100.0 / replicas
     thread_pct = [default_pct] * (nslots + 1)
     for slot, (info, claim) in zip(assignee_slots, assignees):
-        configured = _parse_thread_percent(info, policy.mps_thread_annotation)
+        configured = (_parse_thread_percent(info, policy.mps_thread_annotation)
+                      if policy.mps_thread_annotation else None)
         if configured is None:
             configured = info.mps_active_thread_percentage
         if configured is None:

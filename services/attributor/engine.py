@@ -161,8 +161,8 @@ class EngineConfig:
         """What the engine keeps of each pod: the grouping labels, and only the annotation attribution reads."""
         if self.grouping_labels is None:
             return PodFields(sources=self.grouping_label_sources)
-        return PodFields.for_grouping(self.grouping_labels, (self.policy.mps_thread_annotation,),
-                                      self.grouping_label_sources)
+        annotations = (self.policy.mps_thread_annotation,) if self.policy.mps_thread_annotation else ()
+        return PodFields.for_grouping(self.grouping_labels, annotations, self.grouping_label_sources)
 
     def __post_init__(self) -> None:
         # The accumulator validates window and grace; these are the engine's own.

@@ -130,6 +130,11 @@ class AttributorSettings:
                                  help="deprecated: keep only; idle sharing is billing's --sharing idle=weighted")
     mps_compute: str = setting("memory", env="GPUMETER_MPS_COMPUTE", flag="--mps-compute", check=_mps_compute,
                                help="memory | threads")
+    mps_thread_annotation: str = setting("", env="GPUMETER_MPS_THREAD_ANNOTATION", flag="--mps-thread-annotation",
+                                         help="a pod annotation the platform writes (e.g. an admission webhook) "
+                                              "whose value is a pod's MPS active-thread percentage for "
+                                              "--mps-compute threads; empty: none is read (a pod's owner writes its "
+                                              "annotations)")
     pod_linger_seconds: int = setting(900, env="GPUMETER_POD_LINGER_SECONDS", flag="--pod-linger-seconds",
                                       parse=integer, help="seconds a deleted pod stays known")
     max_clock_skew_seconds: int = setting(120, env="GPUMETER_MAX_CLOCK_SKEW_SECONDS", flag="--max-clock-skew-seconds",
@@ -189,7 +194,7 @@ class AttributorSettings:
 
     @property
     def policy(self) -> AttributionPolicy:
-        return AttributionPolicy.parse(self.cost_basis, self.mps_compute)
+        return AttributionPolicy.parse(self.cost_basis, self.mps_compute, self.mps_thread_annotation)
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(

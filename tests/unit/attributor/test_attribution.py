@@ -310,11 +310,11 @@ def test_mps_memory_proportional_compute():
     assert {s.sharing_mode for s in shares} == {SharingMode.MPS}
 
 
-def test_mps_thread_percentages_from_annotation_or_replicas():
-    annotation = "gpumeter.io/mps-active-thread-percentage"
+def test_mps_thread_percentages_from_the_platforms_annotation_or_replicas():
+    annotation = "platform.example.com/mps-active-thread-percentage"
     pct_a = 30.0
     pods, samples, _, _, util = _mps_setup(annotations_a={annotation: f"{pct_a:g}"})
-    shares = attribute_node_window(window(samples), pods, AttributionPolicy(mps_compute=MpsCompute.THREADS))
+    shares = attribute_node_window(window(samples), pods, AttributionPolicy.parse("memory", "threads", annotation))
     rows = by_subject(shares)
     pct_b = 100.0 * 2 / 4  # two of four replicas, no annotation
     busy = util / 100
@@ -322,6 +322,26 @@ def test_mps_thread_percentages_from_annotation_or_replicas():
     assert rows["b"].compute_share == pytest.approx(busy * pct_b / (pct_a + pct_b), abs=TOL)
     assert {s.method for s in shares} == {METHOD_MPS_THREADS}
     assert_conserves(shares)
+
+
+def test_a_tenants_mps_annotation_moves_no_compute_unless_the_platform_names_it():
+    # A pod's owner writes its annotations: with no annotation configured, a pod annotating a small percentage
+    # for itself pays what its replicas' cap (the one MPS enforces) gives it, exactly as without the annotation.
+    pods_annotated, samples, _, _, util = _mps_setup(
+        annotations_a={"gpumeter.io/mps-active-thread-percentage": "1"})
+    pods_plain, _, _, _, _ = _mps_setup()
+    policy = AttributionPolicy.parse("memory", "threads")
+    annotated = by_subject(attribute_node_window(window(samples), pods_annotated, policy))
+    plain = by_subject(attribute_node_window(window(samples), pods_plain, policy))
+    busy = util / 100
+    # a holds one of four replicas (25 %), b two (50 %)
+    assert annotated["a"].compute_share == pytest.approx(busy * 25 / 75, abs=TOL)
+    assert annotated["a"].compute_share == plain["a"].compute_share
+    assert annotated["b"].compute_share == plain["b"].compute_share
+    # Named by the platform, the same annotation is read.
+    named = by_subject(attribute_node_window(window(samples), pods_annotated, AttributionPolicy.parse(
+        "memory", "threads", "gpumeter.io/mps-active-thread-percentage")))
+    assert named["a"].compute_share == pytest.approx(busy * 1 / (1 + 50), abs=TOL)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import pytest
 from gpumeter.errors import ConfigError
 from gpumeter.validation import DEFAULT_MAX_CLOCK_SKEW_SECONDS, check_window_shares
 from schemas.records import NodeWindowShares, ShareSubjectKind
-from services.attributor.attribution import DEFAULT_MPS_THREAD_ANNOTATION
+from services.attributor.attribution import DEFAULT_MPS_THREAD_ANNOTATION, AttributionPolicy
 from services.attributor.engine import AttributionEngine, EngineConfig
 from services.attributor.pod_index import (
     PodFields,
@@ -30,7 +30,8 @@ def _event(**changes):
 
 
 def test_share_rows_carry_only_the_grouping_labels_and_say_which_were_carried():
-    config = EngineConfig(window_seconds=10, grace_seconds=2, grouping_labels=("team", "model"))
+    config = EngineConfig(window_seconds=10, grace_seconds=2, grouping_labels=("team", "model"),
+                          policy=AttributionPolicy.parse("memory", "threads", DEFAULT_MPS_THREAD_ANNOTATION))
     engine = AttributionEngine(config)
     assert engine.on_pod_event(_event(observed_at_unix_ms=1_000, started_at_unix_ms=0))
     base = 1_780_000_000_000 // 10_000 * 10_000
@@ -47,6 +48,12 @@ def test_share_rows_carry_only_the_grouping_labels_and_say_which_were_carried():
                         DEFAULT_MAX_CLOCK_SKEW_SECONDS * 1000)
     info = engine.pods.pod("uid-a")
     assert dict(info.annotations) == {DEFAULT_MPS_THREAD_ANNOTATION: "40"}
+
+
+def test_no_annotation_is_kept_unless_the_platform_names_one():
+    engine = AttributionEngine(EngineConfig(window_seconds=10, grace_seconds=2, grouping_labels=("team", "model")))
+    assert engine.on_pod_event(_event(observed_at_unix_ms=1_000, started_at_unix_ms=0))
+    assert dict(engine.pods.pod("uid-a").annotations) == {}
 
 
 def test_the_trimmed_event_gives_the_same_pod_state_and_is_small():

@@ -676,7 +676,8 @@ async def test_an_oversized_value_gets_a_dead_letter_that_fits_and_the_next_mess
 async def test_the_attributor_stores_a_pod_cut_to_what_it_keeps_and_refuses_one_that_stays_too_large(
         make_harness):
     """Any producer can put 30,000 labels and a 5 MB annotation in a valid pod event (one crashed the changelog
-    write): the pod table keeps only the grouping labels and the annotation attribution reads."""
+    write): the pod table keeps only the grouping labels and the annotation attribution reads (none unless the
+    platform names one)."""
     from services.attributor.app import MAX_STORED_POD_BYTES
     from services.attributor.attribution import DEFAULT_MPS_THREAD_ANNOTATION
 
@@ -689,9 +690,8 @@ async def test_the_attributor_stores_a_pod_cut_to_what_it_keeps_and_refuses_one_
     stored = h.stream.pods[pod_table_key(event)]
     assert len(stored) < 4096
     kept = codec_for(PodEvent).decode(stored)
-    assert (dict(kept.labels), dict(kept.annotations)) == ({"team": "t", "model": "m"},
-                                                           {DEFAULT_MPS_THREAD_ANNOTATION: "50"})
-    assert (kept.labels_dropped, kept.annotations_dropped) == (30_000, 1)
+    assert (dict(kept.labels), dict(kept.annotations)) == ({"team": "t", "model": "m"}, {})
+    assert (kept.labels_dropped, kept.annotations_dropped) == (30_000, 2)
 
     containers = tuple(dataclasses.replace(event.containers[0], name=f"c{i:05d}", assigned_devices=())
                        for i in range(5_000))
