@@ -528,6 +528,25 @@ def test_guard_config_from_values_loads_and_agrees_with_billing_and_the_collecto
     assert config.team_label_key == settings_for(billing["args"], container_env(billing, docs)).team_label
     for daemonset in of_kind(docs, "DaemonSet"):
         assert daemonset["spec"]["template"]["metadata"]["labels"].get(config.exempt_label) == "true"
+        # The label is honoured only where the config lists the namespace (the release's, by default).
+        assert config.exempt_label_namespaces == (daemonset["metadata"]["namespace"],)
+
+
+def test_the_collector_is_exempt_in_the_release_namespace_unless_the_values_list_namespaces(render, tmp_path):
+    def loaded(docs):
+        (guard,) = by_role(docs, "guard")
+        spec = pod_spec(guard)
+        (container,) = spec["containers"]
+        env = container_env(container, docs)
+        path = tmp_path / "guard.yaml"
+        path.write_text(mounted_file(spec, container, str(settings_for(container["args"], env).config_path), docs),
+                        encoding="utf-8")
+        return GuardConfig.load(path, env)
+
+    assert loaded(render("acme", "metering")).exempt_label_namespaces == ("metering",)
+    chosen = render("acme", "metering", set_values=(
+        "guard.config.visibility_leak.exempt_label_namespaces={metering,monitoring}",))
+    assert loaded(chosen).exempt_label_namespaces == ("metering", "monitoring")
 
 
 def test_a_changed_config_rolls_its_pods(render):
