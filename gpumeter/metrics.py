@@ -2,8 +2,8 @@
 
 Services create their metrics through ``ServiceMetrics(service)``, which builds them on a private
 ``CollectorRegistry`` (so tests and several services in one process never collide) from the definitions below,
-and holds the service's liveness ``Heartbeat`` (``gpumeter.health``): ``serve(port)`` answers ``/metrics`` and
-``/healthz`` on one port.
+and holds the service's liveness ``Heartbeat`` and, for a consumer, its ``DeadLetterWindow`` (``gpumeter.health``):
+``serve(port)`` answers ``/metrics`` and ``/healthz`` on one port.
 """
 
 from __future__ import annotations
@@ -16,7 +16,14 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
 from gpumeter.clock import Clock, SystemClock
-from gpumeter.health import DEFAULT_MAX_SILENCE_SECONDS, DEFAULT_MAX_STALL_SECONDS, Heartbeat, health_wsgi_app
+from gpumeter.settings import DeadLetterHealthSettings
+from gpumeter.health import (
+    DEFAULT_MAX_SILENCE_SECONDS,
+    DEFAULT_MAX_STALL_SECONDS,
+    DeadLetterWindow,
+    Heartbeat,
+    health_wsgi_app,
+)
 
 
 @dataclass(frozen=True)
@@ -71,6 +78,9 @@ METRICS: dict[str, MetricDef] = {
         MetricDef("gpumeter_dead_letters_truncated_total", "counter",
                   "Dead letters whose value, key or reason was cut to fit the producer's max request size.",
                   ("service", "topic")),
+        MetricDef("gpumeter_recent_dead_letter_ratio", "gauge",
+                  "Share of the input messages of the last GPUMETER_DEAD_LETTER_WINDOW_SECONDS that were dead-lettered "
+                  "(0 without input); above GPUMETER_DEAD_LETTER_MAX_RATIO /healthz says degraded.", ("service",)),
         # attributor
         MetricDef("gpumeter_attributor_windows_closed_total", "counter", "Node windows attributed and emitted."),
         MetricDef("gpumeter_attributor_shares_emitted_total", "counter", "GpuShare records emitted."),
@@ -121,11 +131,16 @@ class ServiceMetrics:
 
     def __init__(self, service: str, names: tuple[str, ...] | None = None, *, clock: Clock | None = None,
                  max_silence_seconds: float = DEFAULT_MAX_SILENCE_SECONDS,
-                 max_stall_seconds: float = DEFAULT_MAX_STALL_SECONDS) -> None:
+                 max_stall_seconds: float = DEFAULT_MAX_STALL_SECONDS,
+                 dead_letters: DeadLetterHealthSettings | None = None) -> None:
         self.service = service
         self.registry = CollectorRegistry()
         # Infrastructure, not logic: the heartbeat measures real silence, so the real clock unless a test passes one.
-        self.heartbeat = Heartbeat(clock or SystemClock(), max_silence_seconds, max_stall_seconds)
+        clock = clock or SystemClock()
+        self.heartbeat = Heartbeat(clock, max_silence_seconds, max_stall_seconds)
+        # Every consumer's recent dead-letter rate (what its runner reports); the defaults unless its settings say.
+        limits = dead_letters or DeadLetterHealthSettings()
+        self.dead_letters = DeadLetterWindow(clock, limits.window_seconds, limits.max_ratio, limits.min_inputs)
         self.server: WSGIServer | None = None
         self._metrics = {}
         for name in names or tuple(METRICS):
@@ -134,6 +149,9 @@ class ServiceMetrics:
             # prometheus_client appends _total to counters itself.
             base = name[: -len("_total")] if definition.kind == "counter" and name.endswith("_total") else name
             self._metrics[name] = metric_type(base, definition.doc, definition.labels, registry=self.registry)
+        if "gpumeter_recent_dead_letter_ratio" in self._metrics:
+            self._metrics["gpumeter_recent_dead_letter_ratio"].labels(service).set_function(
+                lambda: self.dead_letters.rate().ratio)
 
     def get(self, name: str):
         return self._metrics[name]
@@ -145,9 +163,14 @@ class ServiceMetrics:
         """A loop's position on its input (``gpumeter.health.Heartbeat.progress``)."""
         self.heartbeat.progress(name, position, waiting)
 
+    def inputs(self, count: int = 1, dead_letters: int = 0) -> None:
+        """``count`` input messages taken, ``dead_letters`` messages dead-lettered (``DeadLetterWindow.record``)."""
+        self.dead_letters.record(count, dead_letters)
+
     def wsgi_app(self):
-        """``/healthz`` from the heartbeat, every other path the Prometheus exposition of this registry."""
-        return health_wsgi_app(self.heartbeat, make_wsgi_app(self.registry))
+        """``/healthz`` from the heartbeat and the dead-letter window, every other path the Prometheus exposition of
+        this registry."""
+        return health_wsgi_app(self.heartbeat, make_wsgi_app(self.registry), self.dead_letters)
 
     def serve(self, port: int, addr: str = "0.0.0.0", app=None) -> WSGIServer | None:
         """Serve ``/metrics`` and ``/healthz`` on ``port`` from a daemon thread (0 disables); returns the server.

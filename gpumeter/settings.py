@@ -17,14 +17,21 @@ from gpumeter.config import (
     at_least,
     check_client_id,
     describe,
+    greater_than,
     integer,
     load,
     non_empty,
+    number,
     one_of,
     setting,
     validate,
 )
 from gpumeter.errors import ConfigError
+from gpumeter.health import (
+    DEFAULT_DEAD_LETTER_MAX_RATIO,
+    DEFAULT_DEAD_LETTER_MIN_INPUTS,
+    DEFAULT_DEAD_LETTER_WINDOW_SECONDS,
+)
 from gpumeter.redact import SECRET_MARK  # noqa: F401 - re-exported: tests import the mark from here
 from schemas.catalog import TopicCatalog
 
@@ -130,11 +137,38 @@ def check_metrics_address(address: str) -> str:
     raise ConfigError(f"metrics address {address!r} is not an IP address or host name")
 
 
+def _below_one(value: float) -> float:
+    if not 0 <= value < 1:
+        raise ValueError("must be >= 0 and < 1")
+    return value
+
+
 def metrics_address_setting(help: str = "address the /metrics and /healthz server listens on") -> Any:
     """The ``metrics_address`` field every service has: ``--metrics-address`` / ``GPUMETER_METRICS_ADDRESS``,
     default every interface."""
     return setting(DEFAULT_METRICS_ADDRESS, env=METRICS_ADDRESS_ENV, flag="--metrics-address",
                    check=check_metrics_address, help=help, default_text=f"{DEFAULT_METRICS_ADDRESS}: every interface")
+
+
+@dataclass(frozen=True)
+class DeadLetterHealthSettings:
+    """When a consumer (attributor, billing, guard) says ``degraded`` on ``/healthz``: more than ``max_ratio`` of
+    its input messages of the last ``window_seconds`` dead-lettered, over at least ``min_inputs`` of them
+    (``gpumeter.health.DeadLetterWindow``). Liveness is not affected."""
+
+    window_seconds: float = setting(DEFAULT_DEAD_LETTER_WINDOW_SECONDS, env="GPUMETER_DEAD_LETTER_WINDOW_SECONDS",
+                                    parse=number, check=greater_than(0),
+                                    help="seconds of recent input the dead-letter ratio of /healthz is taken over")
+    max_ratio: float = setting(DEFAULT_DEAD_LETTER_MAX_RATIO, env="GPUMETER_DEAD_LETTER_MAX_RATIO", parse=number,
+                               check=_below_one,
+                               help="share of recent input dead-lettered above which /healthz says degraded "
+                                    "(0 to 1, exclusive of 1)")
+    min_inputs: int = setting(DEFAULT_DEAD_LETTER_MIN_INPUTS, env="GPUMETER_DEAD_LETTER_MIN_INPUTS", parse=integer,
+                              check=at_least(1),
+                              help="recent input messages needed before the ratio can say degraded")
+
+    def __post_init__(self) -> None:
+        validate(self)
 
 
 def env_snapshot() -> dict[str, str]:

@@ -20,7 +20,7 @@ END = "<!-- end of the generated settings tables -->"
 
 def settings_tables() -> str:
     """The generated part of the page: one section per role's settings class, then KafkaSettings."""
-    from gpumeter.settings import KafkaSettings
+    from gpumeter.settings import DeadLetterHealthSettings, KafkaSettings
     from services.attributor.settings import AttributorSettings
     from services.billing.api import ApiSettings
     from services.billing.settings import BillingSettings
@@ -35,6 +35,8 @@ def settings_tables() -> str:
         ("`gpumeter guard`", GuardSettings, "services/guard/settings.py"),
         ("Kafka (every service, `gpumeter topics`, `report`, `violations`, `run`)", KafkaSettings,
          "gpumeter/settings.py"),
+        ("Dead-letter health (`gpumeter attributor`, `billing`, `guard`: `/healthz` says `degraded`)",
+         DeadLetterHealthSettings, "gpumeter/settings.py"),
     ]
     parts = []
     for title, cls, source in sections:

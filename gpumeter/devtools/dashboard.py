@@ -298,6 +298,12 @@ def build_dashboard():
             [_query("sum by (service, topic) (rate(gpumeter_messages_consumed_total[$__rate_interval]))",
                     legend="{{service}} {{topic}}")],
             width=8, height=8, stacked=False, fill_opacity=10))
+        .with_panel(_timeseries(
+            ids, "Recent dead-letter ratio", "percentunit",
+            [_query("max by (service) (gpumeter_recent_dead_letter_ratio)", legend="{{service}}")],
+            width=24, height=6, stacked=False, fill_opacity=10,
+            description="Share of each consumer's input of the last GPUMETER_DEAD_LETTER_WINDOW_SECONDS that was "
+                        "dead-lettered; above GPUMETER_DEAD_LETTER_MAX_RATIO its /healthz says degraded."))
     )
     return builder.build()
 

@@ -16,7 +16,10 @@ A rejected message becomes one dead letter (``gpumeter.kafka.deadletter.dead_let
 producer's request size), emitted to ``DEAD_LETTERS`` keyed by its source topic, counted
 (``gpumeter_dead_letters_total``, ``gpumeter_dead_letters_truncated_total``) and logged; the runner carries on.
 Any other exception is a bug and propagates. Every message counts in ``gpumeter_messages_consumed_total`` and
-every step beats the liveness heartbeat.
+every step beats the liveness heartbeat. Every message is also reported to the service's dead-letter window
+(``ServiceMetrics.inputs``: one input, dead-lettered or not; a message whose change the store refuses at
+``settle`` is reported dead-lettered then), from which ``/healthz`` says whether the service is degraded
+(``gpumeter.health``).
 """
 
 from __future__ import annotations
@@ -122,14 +125,21 @@ class MessageRunner:
             event = self.decode(message)
             result = self.processor.handle(event, position)
         except InvalidMessage as error:
+            self._note_input(dead_lettered=True)
             return Step(position, self.reject(message, error), handled=False, dead_lettered=1)
         if result.rejected:
             letters = NOTHING
             for error in result.rejected:
                 letters = letters + self.reject(message, error)
             result = Result(result.emits, result.changes) + letters
+            self._note_input(dead_lettered=True)
             return Step(position, result, handled=True, dead_lettered=len(letters.emits))
+        self._note_input(dead_lettered=False)
         return Step(position, result, handled=True)
+
+    def _note_input(self, dead_lettered: bool, *, counted: bool = True) -> None:
+        if self.metrics is not None:
+            self.metrics.inputs(1 if counted else 0, 1 if dead_lettered else 0)
 
     def tick(self, now_ms: int, caught_up: bool = True) -> Result:
         """``processor.on_clock(now_ms, caught_up)``."""
@@ -149,6 +159,7 @@ class MessageRunner:
         use_store = bool(settled)
         for message, result in steps:
             emits.extend(result.emits)
+            refused = False
             for change in result.changes:
                 outcome = next(outcomes) if use_store else Settled()
                 if outcome.rejected is None:
@@ -160,6 +171,9 @@ class MessageRunner:
                                        f"{outcome.rejected!r}")
                 else:
                     emits.extend(self.reject(message, outcome.rejected).emits)
+                    refused = True
+            if refused:  # the message was counted as an input at its step
+                self._note_input(dead_lettered=True, counted=False)
         if use_store and next(outcomes, None) is not None:
             raise RuntimeError(f"{self.service}: the store answered more outcomes than there were changes")
         return Settlement(tuple(emits), tuple(published))

@@ -135,7 +135,7 @@ class AttributorStream:
             raise ConfigError("the attributor needs a data folder (settings.data_dir)")
         self.settings = settings
         self.clock = clock
-        self.metrics = metrics or ServiceMetrics(SERVICE)
+        self.metrics = metrics or ServiceMetrics(SERVICE, dead_letters=settings.dead_letters)
         self.partitions = settings.partitions
         catalog = settings.kafka.catalog
         self.samples_topic_name = catalog.node_samples

@@ -140,7 +140,7 @@ def _run_worker(settings: AttributorSettings) -> int:
 
     # asyncio.run above closed its loop and left none current; Faust's worker runs on the current one.
     asyncio.set_event_loop(asyncio.new_event_loop())
-    metrics = ServiceMetrics(SERVICE)
+    metrics = ServiceMetrics(SERVICE, dead_letters=settings.dead_letters)
     metrics.serve(settings.metrics_port, settings.metrics_address)
 
     def stop_worker(exc: BaseException) -> None:

@@ -24,7 +24,7 @@ from gpumeter.config import (
     validate,
 )
 from gpumeter.errors import ConfigError
-from gpumeter.settings import KafkaSettings, metrics_address_setting
+from gpumeter.settings import DeadLetterHealthSettings, KafkaSettings, metrics_address_setting
 from gpumeter.validation import DEFAULT_MAX_SAMPLE_AGE_SECONDS
 from services.attributor.attribution import AttributionPolicy
 from services.attributor.engine import EngineConfig
@@ -116,6 +116,7 @@ class AttributorSettings:
     """
 
     kafka: KafkaSettings = nested(KafkaSettings, client_id="gpumeter-attributor")
+    dead_letters: DeadLetterHealthSettings = nested(DeadLetterHealthSettings)
     window_seconds: int = setting(60, env="GPUMETER_WINDOW_SECONDS", flag="--window-seconds", parse=integer,
                                   help="tumbling window length in seconds")
     grace_seconds: int = setting(10, env="GPUMETER_GRACE_SECONDS", flag="--grace-seconds", parse=integer,

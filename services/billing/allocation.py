@@ -136,7 +136,10 @@ def parse_window(text: str, now_ms: int) -> tuple[int, int]:
         return int(match[1]) * 1000, int(match[2]) * 1000
     match = _RFC3339_PAIR.match(window)
     if match:
-        return tuple(_ms(datetime.fromisoformat(m.replace("Z", "+00:00"))) for m in (match[1], match[2]))
+        try:
+            return tuple(_ms(datetime.fromisoformat(m.replace("Z", "+00:00"))) for m in (match[1], match[2]))
+        except ValueError as exc:  # the shape matched, the date does not exist (month 13, 31 April)
+            raise BadQuery(f"window {text!r} is not a pair of valid RFC 3339 UTC times: {exc}") from None
     raise BadQuery(f"window {text!r} is not one of today, yesterday, week, month, lastweek, lastmonth, a duration "
                    "(45m, 24h, 7d, 2w), '<duration> offset <duration>', a pair of Unix seconds (1586822400,"
                    "1586908800) or of RFC 3339 UTC times (2020-04-01T00:00:00Z,2020-04-03T00:00:00Z)")

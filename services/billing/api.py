@@ -9,27 +9,52 @@ are ``services.billing.allocation``'s; ``gpumeter report`` and this API read the
 ``/allocation?aggregate=label:team&includeIdle=true`` adds up to ``gpumeter report --by label:team`` of the same
 windows.
 
-Answers: 200 with OpenCost's envelope; 400 ``{"code": 400, "message": ...}`` for a bad parameter (what is wrong and
-what is allowed); 405 for anything but GET and HEAD; 404 for other paths; 503 while the ledger cannot be read. Query
-windows are bounded (``max_window_days``, ``max_steps``). Exit codes: 0 after SIGTERM/SIGINT or ``--duration``, 2 for
-unusable settings.
+Answers: 200 with OpenCost's envelope; 400 ``{"code": 400, "message": ...}`` for a bad query -- a bad parameter
+(what is wrong and what is allowed), a parameter given twice, more than ``MAX_QUERY_FIELDS`` parameters; 401 with
+``WWW-Authenticate: Bearer`` when a token file is set and the request carries no accepted token; 405 for anything
+but GET and HEAD; 404 for other paths; 503 while the ledger (or the token file) cannot be read. Query windows are
+bounded (``max_window_days``, ``max_steps``). Exit codes: 0 after SIGTERM/SIGINT or ``--duration``, 2 for unusable
+settings (an unreadable or empty token file included).
+
+Authentication (``token_file``, ``GPUMETER_API_TOKEN_FILE``): ``/allocation`` then needs ``Authorization: Bearer
+<token>`` with one of the file's tokens (its non-empty lines: two during a rotation), compared in constant time.
+The file is read at start and again whenever it changes (its modification time, size or inode, looked at on every
+request: a Kubernetes Secret volume replaces the file), so a rotated token takes effect without a restart; a file
+that cannot be read any more fails closed (503). ``/healthz`` and ``/metrics`` stay unauthenticated: the kubelet's
+probes and Prometheus read them, and they hold no cost data (request counts and liveness only). Without a token
+file every caller that reaches the port is answered: keep the port to trusted callers (the Helm chart's
+NetworkPolicy).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
 import json
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping
 from urllib.parse import parse_qs
 
 from gpumeter import config
 from gpumeter.clock import Clock, SystemClock
-from gpumeter.config import between, describe, greater_than, integer, load, non_empty, number, setting, validate
+from gpumeter.config import (
+    between,
+    describe,
+    greater_than,
+    integer,
+    load,
+    non_empty,
+    number,
+    path,
+    setting,
+    validate,
+)
 from gpumeter.entrypoint import start_logging, stop_on
 from gpumeter.errors import ConfigError, GpumeterError
 from gpumeter.metrics import ServiceMetrics
@@ -52,6 +77,8 @@ API_METRICS = ("gpumeter_api_requests_total", "gpumeter_api_request_seconds")
 DEFAULT_PORT = 9003  # OpenCost's API port
 DEFAULT_MAX_WINDOW_DAYS = 93
 ALLOCATION_PATHS = ("/allocation", "/model/allocation")
+MAX_QUERY_FIELDS = 50  # OpenCost's queries use a dozen at most; more is a mistake or an attempt to load the parser
+AUTH_REALM = "gpumeter"
 _JSON = [("Content-Type", "application/json")]
 
 
@@ -66,6 +93,8 @@ class ApiSettings:
     * ``max_window_days`` (``GPUMETER_API_MAX_WINDOW_DAYS``, default 93) and ``max_steps``
       (``GPUMETER_API_MAX_STEPS``, default 1000): the largest query window and number of allocation sets.
     * ``ledger_retry_max_seconds``: the longest wait between tries while the ledger is not ready.
+    * ``token_file`` (``GPUMETER_API_TOKEN_FILE``, ``--token-file``): the bearer tokens ``/allocation`` accepts, one
+      per line (module doc); None: no authentication.
     """
 
     ledger_url: str = setting(DEFAULT_LEDGER_URL, env=LEDGER_URL_ENV, flag="--ledger-url", check=non_empty,
@@ -79,6 +108,10 @@ class ApiSettings:
     max_steps: int = setting(DEFAULT_MAX_STEPS, env="GPUMETER_API_MAX_STEPS", flag="--max-steps", parse=integer,
                              check=between(1, 100_000), help="the most allocation sets per query")
     ledger_retry_max_seconds: float = 30.0
+    token_file: Path | None = setting(None, env="GPUMETER_API_TOKEN_FILE", flag="--token-file", parse=path,
+                                      default_text="none: no authentication",
+                                      help="file of the bearer tokens /allocation accepts, one per line (re-read "
+                                           "when it changes); /healthz and /metrics stay open")
     duration_seconds: float | None = setting(None, flag="--duration", parse=number, check=greater_than(0),
                                              help="stop after this many seconds", default_text="until SIGTERM/SIGINT")
     log_level: str = setting("INFO", env="GPUMETER_LOG_LEVEL", flag="--log-level",
@@ -102,6 +135,66 @@ def api_settings(args: argparse.Namespace, env: Mapping[str, str]) -> ApiSetting
     return load(ApiSettings, args, env)
 
 
+# -- authentication -------------------------------------------------------------------------------------------
+
+
+class TokenFileUnreadable(GpumeterError):
+    """The token file cannot be read (any more): the API refuses ``/allocation`` until it can (fails closed)."""
+
+
+class TokenFile:
+    """The bearer tokens in ``path``: its non-empty lines, stripped. Read now (``ConfigError`` when the file cannot
+    be read or holds no token: a start with authentication asked for and no token is a mistake) and again whenever
+    its modification time, size or inode changes, looked at by every ``accepts``. Thread-safe."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        self._stamp: tuple[int, int, int] | None = None
+        self._tokens: tuple[bytes, ...] = ()
+        try:
+            self._current()
+        except TokenFileUnreadable as exc:
+            raise ConfigError(str(exc)) from None
+        if not self._tokens:
+            raise ConfigError(f"token file {self.path} holds no token (one per line)")
+
+    def _current(self) -> tuple[bytes, ...]:
+        try:
+            status = os.stat(self.path)
+            stamp = (status.st_mtime_ns, status.st_size, status.st_ino)
+            with self._lock:
+                if stamp != self._stamp:
+                    lines = self.path.read_bytes().splitlines()
+                    self._tokens = tuple(line.strip() for line in lines if line.strip())
+                    self._stamp = stamp
+                    if not self._tokens:
+                        log.warning("token file %s holds no token: every /allocation request is refused", self.path)
+                return self._tokens
+        except OSError as exc:
+            raise TokenFileUnreadable(f"token file {self.path} cannot be read: {exc.strerror or exc}") from None
+
+    def accepts(self, presented: bytes) -> bool:
+        """Whether ``presented`` is one of the file's tokens, compared in constant time with each of them.
+        Raises ``TokenFileUnreadable``."""
+        accepted = False
+        for token in self._current():
+            accepted |= hmac.compare_digest(token, presented)
+        return accepted
+
+
+def bearer_token(authorization: str | None) -> bytes | None:
+    """The token of an ``Authorization: Bearer <token>`` header (the scheme in any case); None for no header or
+    another scheme."""
+    if not authorization:
+        return None
+    scheme, _, token = authorization.strip().partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        return None
+    return token.encode("utf-8", "surrogateescape")
+
+
 # -- the WSGI app ---------------------------------------------------------------------------------------------
 
 
@@ -110,8 +203,9 @@ class AllocationApi:
     (the service's ``/healthz`` and ``/metrics``). Thread-safe: the ledger's engine pools connections."""
 
     def __init__(self, ledger: Ledger, fallback, *, clock: Clock, max_window_seconds: int, max_steps: int,
-                 metrics: ServiceMetrics | None = None) -> None:
+                 metrics: ServiceMetrics | None = None, tokens: TokenFile | None = None) -> None:
         self.ledger = ledger
+        self.tokens = tokens
         self.fallback = fallback
         self.clock = clock
         self.max_window_seconds = max_window_seconds
@@ -132,6 +226,9 @@ class AllocationApi:
                 return self._send(start_response, 405, error_response(405, f"{method} is not allowed: the API is "
                                                                            "read-only (GET)"), path,
                                   [("Allow", "GET, HEAD")])
+            refused = self._authenticate(environ, start_response, path)
+            if refused is not None:
+                return refused
             try:
                 params = _single_params(environ.get("QUERY_STRING", ""))
                 query = parse_query(params, self.clock.now_ms(), max_window_seconds=self.max_window_seconds,
@@ -149,6 +246,25 @@ class AllocationApi:
                 self.metrics.get("gpumeter_api_request_seconds").labels("/allocation").observe(
                     time.perf_counter() - began)
 
+    def _authenticate(self, environ, start_response, path: str):
+        """None when the request may be answered; else the 401 (or, the token file unreadable, 503) sent."""
+        if self.tokens is None:
+            return None
+        presented = bearer_token(environ.get("HTTP_AUTHORIZATION"))
+        try:
+            accepted = presented is not None and self.tokens.accepts(presented)
+        except TokenFileUnreadable as exc:
+            log.warning("%s: refusing /allocation until it can be read", exc)
+            return self._send(start_response, 503, error_response(503, "authentication is unavailable now"), path)
+        if accepted:
+            return None
+        challenge = f'Bearer realm="{AUTH_REALM}"'
+        if presented is not None:
+            challenge += ', error="invalid_token"'
+        message = "a bearer token is required" if presented is None else "the bearer token is not accepted"
+        return self._send(start_response, 401, error_response(401, message), path,
+                          [("WWW-Authenticate", challenge)])
+
     def answer(self, query) -> dict[str, Any]:
         pods, buckets = self.ledger.allocation_sums(query)
         sets = allocation_sets(query, pods, buckets)
@@ -159,8 +275,8 @@ class AllocationApi:
     def _send(self, start_response, code: int, body: Mapping[str, Any], path: str, extra_headers=(), *,
               head: bool = False):
         payload = json.dumps(body, separators=(",", ":")).encode()
-        status = {200: "200 OK", 400: "400 Bad Request", 404: "404 Not Found", 405: "405 Method Not Allowed",
-                  503: "503 Service Unavailable"}[code]
+        status = {200: "200 OK", 400: "400 Bad Request", 401: "401 Unauthorized", 404: "404 Not Found",
+                  405: "405 Method Not Allowed", 503: "503 Service Unavailable"}[code]
         start_response(status, [*_JSON, ("Content-Length", str(len(payload))), *extra_headers])
         if self.metrics is not None:
             known = path if path in ALLOCATION_PATHS else "other"
@@ -169,7 +285,12 @@ class AllocationApi:
 
 
 def _single_params(query_string: str) -> dict[str, str]:
-    parsed = parse_qs(query_string, keep_blank_values=True, strict_parsing=False, max_num_fields=50)
+    """Each parameter's one value; ``BadQuery`` for more than ``MAX_QUERY_FIELDS`` parameters or a repeated one."""
+    try:
+        parsed = parse_qs(query_string, keep_blank_values=True, strict_parsing=False,
+                          max_num_fields=MAX_QUERY_FIELDS)
+    except ValueError:  # parse_qs' refusal of too many fields
+        raise BadQuery(f"more than {MAX_QUERY_FIELDS} query parameters") from None
     repeated = sorted(name for name, values in parsed.items() if len(values) > 1)
     if repeated:
         raise BadQuery(f"parameter{'s' if len(repeated) > 1 else ''} given more than once: {', '.join(repeated)}")
@@ -198,6 +319,16 @@ async def serve(settings: ApiSettings, *, stop: asyncio.Event | None = None, clo
     stop = stop or asyncio.Event()
     clock = clock or SystemClock()
     stop_on(stop, handle_signals=handle_signals, duration_seconds=settings.duration_seconds)
+    tokens = None
+    if settings.token_file is not None:
+        try:
+            tokens = TokenFile(settings.token_file)
+        except ConfigError as exc:
+            log.error("%s", exc)
+            return 2
+    elif settings.address not in ("127.0.0.1", "::1", "localhost"):
+        log.warning("no token file (GPUMETER_API_TOKEN_FILE): /allocation answers every caller that reaches %s",
+                    settings.address)
     try:
         ledger = Ledger(settings.ledger_url, read_only=True)
     except LedgerError as exc:
@@ -222,10 +353,11 @@ async def serve(settings: ApiSettings, *, stop: asyncio.Event | None = None, clo
             return 0
         app = AllocationApi(ledger, metrics.wsgi_app(), clock=clock,
                             max_window_seconds=settings.max_window_days * 86_400, max_steps=settings.max_steps,
-                            metrics=metrics)
+                            metrics=metrics, tokens=tokens)
         server = metrics.serve(settings.metrics_port, settings.address, app)
         assert server is not None
-        log.info("serving /allocation on http://%s:%d for %r", settings.address, server.server_port, ledger)
+        log.info("serving /allocation on http://%s:%d for %r (%s)", settings.address, server.server_port, ledger,
+                 "bearer tokens required" if tokens is not None else "no authentication")
         if ready is not None:
             ready.set()
         try:

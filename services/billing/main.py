@@ -129,7 +129,7 @@ async def serve(settings: BillingSettings, *, stop: asyncio.Event | None = None,
                 log.info("created topic %s (%d partitions)", result.name, result.partitions)
         # Liveness: a beat per fetch and per retry pause; the longest pause must not read as a stuck loop.
         metrics = ServiceMetrics(SERVICE_NAME, BILLING_METRICS, clock=clock, max_silence_seconds=max(
-            DEFAULT_MAX_SILENCE_SECONDS, 2 * settings.ledger_retry_max_seconds))
+            DEFAULT_MAX_SILENCE_SECONDS, 2 * settings.ledger_retry_max_seconds), dead_letters=settings.dead_letters)
         metrics.serve(settings.metrics_port, settings.metrics_address)
         producer = RecordProducer(settings.kafka)
         await producer.start()

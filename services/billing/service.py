@@ -74,6 +74,7 @@ BILLING_METRICS = (
     "gpumeter_messages_consumed_total",
     "gpumeter_dead_letters_total",
     "gpumeter_dead_letters_truncated_total",
+    "gpumeter_recent_dead_letter_ratio",
     "gpumeter_pod_gpu_cost_micro_usd_total",
     "gpumeter_pod_shared_cost_micro_usd_total",
     "gpumeter_pod_gpu_memory_share",

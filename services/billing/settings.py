@@ -35,7 +35,7 @@ from gpumeter.config import (
 )
 from gpumeter.errors import ConfigError
 from gpumeter.redact import mask_url
-from gpumeter.settings import KafkaSettings, metrics_address_setting
+from gpumeter.settings import DeadLetterHealthSettings, KafkaSettings, metrics_address_setting
 from gpumeter.validation import DEFAULT_DOWNSTREAM_MAX_CLOCK_SKEW_SECONDS
 from services.billing.catalog import PriceCatalog, PriceError, parse_spot_discounts
 from services.billing.ledger import DEFAULT_LEDGER_URL, LEDGER_URL_ENV
@@ -84,6 +84,7 @@ class BillingSettings:
     """
 
     kafka: KafkaSettings = nested(KafkaSettings, client_id="gpumeter-billing")
+    dead_letters: DeadLetterHealthSettings = nested(DeadLetterHealthSettings)
     ledger_url: str = setting(DEFAULT_LEDGER_URL, env=LEDGER_URL_ENV, flag="--ledger-url", check=non_empty,
                               secret=True, mask=mask_url, help="SQLAlchemy URL of the ledger")
     price_dir: Path | None = setting(None, env="GPUMETER_BILLING_PRICE_DIR", flag="--price-dir", parse=path,

@@ -111,9 +111,11 @@ class GuardConfig:
     refresh_seconds: int = 120
     refire_suppression_seconds: int = 0
     disabled_rules: frozenset[str] = frozenset()
-    # who is exempt from the visibility and unrequested-use rules (node agents see every GPU by design)
+    # who is exempt from the visibility and unrequested-use rules (node agents see every GPU by design). Only the
+    # platform decides: a pod's label is its owner's to write, so it exempts only in the namespaces listed here.
     exempt_namespaces: tuple[str, ...] = ("kube-system", "gpu-operator", "nvidia-gpu-operator", "nvidia-device-plugin")
     exempt_label: str = "gpumeter.io/guard-exempt"
+    exempt_label_namespaces: tuple[str, ...] = ()
     # visibility_leak: whether the nodes' NVIDIA container toolkit honours NVIDIA_VISIBLE_DEVICES set in an
     # unprivileged container's own spec (its default). False where it is hardened
     # (accept-nvidia-visible-devices-envvar-when-unprivileged=false, with the device plugin's volume-mounts or CDI
@@ -175,6 +177,9 @@ class GuardConfig:
             raise ConfigError(f"disabled_rules names unknown rules {sorted(unknown)}; rules are {', '.join(RULES)}")
         object.__setattr__(self, "disabled_rules", frozenset(self.disabled_rules))
         object.__setattr__(self, "exempt_namespaces", tuple(self.exempt_namespaces))
+        object.__setattr__(self, "exempt_label_namespaces", tuple(self.exempt_label_namespaces))
+        if "*" in self.exempt_namespaces or "*" in self.exempt_label_namespaces:
+            raise ConfigError("exempt_namespaces and exempt_label_namespaces name namespaces; '*' is not one")
         if not isinstance(self.visible_devices_envvar_honoured, bool):
             raise ConfigError(f"visible_devices_envvar_honoured must be true or false, got "
                               f"{self.visible_devices_envvar_honoured!r}")
@@ -397,6 +402,7 @@ _PARSERS: dict[str, Callable[[Any, str], Any]] = {
     "disabled_rules": _to_rule_set,
     "exempt_namespaces": _to_str_list,
     "exempt_label": _to_str,
+    "exempt_label_namespaces": _to_str_list,
     "visible_devices_envvar_honoured": _to_bool,
     "team_label_key": _to_str,
     "pod_linger_seconds": _to_int,
@@ -430,7 +436,8 @@ _SECTIONS: dict[str, str] = {
     RULE_GPU_ERROR: "gpu_error_",
 }
 _SECTION_FIELDS: dict[str, frozenset[str]] = {
-    RULE_VISIBILITY_LEAK: frozenset({"exempt_namespaces", "exempt_label", "visible_devices_envvar_honoured"}),
+    RULE_VISIBILITY_LEAK: frozenset({"exempt_namespaces", "exempt_label", "exempt_label_namespaces",
+                                     "visible_devices_envvar_honoured"}),
     RULE_BUDGET_EXCEEDED: frozenset({"budget_forecast_warning_fraction", "budget_forecast_min_elapsed_fraction",
                                      "cost_dedup_horizon_seconds"}),
 }

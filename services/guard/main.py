@@ -162,7 +162,7 @@ async def serve(settings: GuardSettings, *, config: Any = None, env: Mapping[str
                 log.info("created topic %s (%d partitions)", result.name, result.partitions)
         # Liveness: a beat per fetch and per retry pause; the longest pause must not read as a stuck loop.
         metrics = ServiceMetrics(SERVICE_NAME, GUARD_METRICS, clock=clock, max_silence_seconds=max(
-            DEFAULT_MAX_SILENCE_SECONDS, 2 * settings.retry_max_seconds))
+            DEFAULT_MAX_SILENCE_SECONDS, 2 * settings.retry_max_seconds), dead_letters=settings.dead_letters)
         metrics.serve(settings.metrics_port, settings.metrics_address)
         processor = GuardProcessor(config, clock, engine=engine, metrics=metrics,
                                    max_clock_skew_seconds=settings.max_clock_skew_seconds,

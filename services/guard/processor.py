@@ -69,6 +69,7 @@ GUARD_METRICS = (
     "gpumeter_messages_consumed_total",
     "gpumeter_dead_letters_total",
     "gpumeter_dead_letters_truncated_total",
+    "gpumeter_recent_dead_letter_ratio",
     "gpumeter_guard_violations_firing",
     "gpumeter_guard_violation_transitions_total",
 )

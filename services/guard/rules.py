@@ -266,11 +266,16 @@ def apply_pod_event(previous: PodView | None, event: PodEvent) -> PodView:
 
 
 def is_exempt(pod: PodView, config: GuardConfig) -> bool:
-    """Pods of ``exempt_namespaces`` or labelled ``<exempt_label>: "true"`` (node agents that see every GPU by
-    design: the device plugin, DCGM, the gpumeter collector)."""
+    """Pods of ``exempt_namespaces``, and pods labelled ``<exempt_label>: "true"`` in ``exempt_label_namespaces``
+    (node agents that see every GPU by design: the device plugin, DCGM, the gpumeter collector). The label is
+    honoured nowhere else: a pod's owner writes it, and a tenant cannot take itself out of the guard's sight."""
     if pod.namespace in config.exempt_namespaces:
         return True
-    return bool(config.exempt_label) and pod.labels.get(config.exempt_label, "").lower() == "true"
+    return (
+        bool(config.exempt_label)
+        and pod.namespace in config.exempt_label_namespaces
+        and pod.labels.get(config.exempt_label, "").lower() == "true"
+    )
 
 
 def _pod_text(pod: PodView) -> str:

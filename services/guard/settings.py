@@ -33,7 +33,7 @@ from gpumeter.config import (
     validate,
 )
 from gpumeter.errors import ConfigError
-from gpumeter.settings import KafkaSettings, metrics_address_setting
+from gpumeter.settings import DeadLetterHealthSettings, KafkaSettings, metrics_address_setting
 from gpumeter.redact import mask_url
 from gpumeter.validation import DEFAULT_DOWNSTREAM_MAX_CLOCK_SKEW_SECONDS as DEFAULT_MAX_CLOCK_SKEW_SECONDS
 from gpumeter.validation import DEFAULT_MAX_SAMPLE_AGE_SECONDS
@@ -101,6 +101,7 @@ class GuardSettings:
     """
 
     kafka: KafkaSettings = nested(KafkaSettings, client_id="gpumeter-guard")
+    dead_letters: DeadLetterHealthSettings = nested(DeadLetterHealthSettings)
     config_path: Path | None = setting(None, env=CONFIG_PATH_ENV, flag="--config", parse=path,
                                        help="guard config file: rules, thresholds, budgets")
     consumer_group: str = setting(DEFAULT_CONSUMER_GROUP, env="GPUMETER_GUARD_CONSUMER_GROUP", flag="--group",

@@ -69,11 +69,24 @@ def free_port() -> int:
 
 @pytest.fixture
 def api(billed, tmp_path):
+    yield from _run_api(billed, tmp_path)
+
+
+@pytest.fixture
+def api_with_tokens(billed, tmp_path):
+    """The API with a token file (``tokens``: the file, holding ``t0ken-one``)."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("t0ken-one\n")
+    for base, url, results in _run_api(billed, tmp_path, "--token-file", str(tokens)):
+        yield base, tokens
+
+
+def _run_api(billed, tmp_path, *extra: str):
     url, results = billed
     port = free_port()
     log = (tmp_path / "api.log").open("wb")
     process = subprocess.Popen([sys.executable, "-m", "gpumeter.cli", "api", "--ledger-url", url, "--port", str(port),
-                                "--metrics-address", "127.0.0.1"], stdout=log, stderr=subprocess.STDOUT,
+                                "--metrics-address", "127.0.0.1", *extra], stdout=log, stderr=subprocess.STDOUT,
                                env={**os.environ, "GPUMETER_LOG_LEVEL": "INFO"})
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
@@ -94,9 +107,9 @@ def api(billed, tmp_path):
     log.close()
 
 
-def get(url: str) -> tuple[int, dict]:
+def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict]:
     try:
-        with urllib.request.urlopen(url, timeout=30) as answer:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=30) as answer:
             return answer.status, json.loads(answer.read())
     except urllib.error.HTTPError as error:
         return error.code, json.loads(error.read())
@@ -154,3 +167,26 @@ def test_bad_parameters_are_400s_and_the_api_is_read_only(api):
     with pytest.raises(LedgerError, match="read-only transaction"):
         reader.write([c for r in results for c in r.costs], [r.bill for r in results])
     reader.close()
+
+
+def test_too_many_parameters_are_a_400_over_http_not_a_500(api):
+    base, _, _ = api
+    code, body = get(f"{base}/allocation?window=1d&" + "&".join(f"p{i}=1" for i in range(60)))
+    assert code == 400 and "more than 50 query parameters" in body["message"]
+
+
+def test_a_token_file_guards_allocation_over_http_and_a_rotation_needs_no_restart(api_with_tokens):
+    base, tokens = api_with_tokens
+    window = f"{iso(WINDOW_START_MS)},{iso(END_MS)}"
+    try:
+        urllib.request.urlopen(f"{base}/allocation?window={window}", timeout=10)
+        pytest.fail("answered without a token")
+    except urllib.error.HTTPError as refused:
+        assert refused.code == 401 and refused.headers["WWW-Authenticate"] == 'Bearer realm="gpumeter"'
+    assert get(f"{base}/allocation?window={window}", {"Authorization": "Bearer t0ken-one"})[0] == 200
+    assert get(f"{base}/allocation?window={window}", {"Authorization": "Bearer t0ken-number-two"})[0] == 401
+    tokens.write_text("t0ken-number-two\n")  # a rotation (another size): read again at the next request
+    assert get(f"{base}/allocation?window={window}", {"Authorization": "Bearer t0ken-number-two"})[0] == 200
+    assert get(f"{base}/allocation?window={window}", {"Authorization": "Bearer t0ken-one"})[0] == 401
+    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as answer:  # no token for Prometheus
+        assert b'gpumeter_api_requests_total{code="401",path="/allocation"}' in answer.read()

@@ -8,6 +8,7 @@ import io
 import json
 from collections import defaultdict
 from datetime import datetime, timezone
+from pathlib import Path
 from wsgiref.util import setup_testing_defaults
 
 import pytest
@@ -89,13 +90,18 @@ def test_steps_split_the_window_and_accumulate_merges_them():
 # The app on a ledger
 
 
-def call(app, path="/allocation", query="", method="GET"):
+def call(app, path="/allocation", query="", method="GET", *, headers=None, seen=None):
+    """(status code, JSON body or raw bytes); ``seen`` (a dict) gets the response headers."""
     environ = {"PATH_INFO": path, "QUERY_STRING": query, "REQUEST_METHOD": method}
+    for name, value in (headers or {}).items():
+        environ["HTTP_" + name.upper().replace("-", "_")] = value
     setup_testing_defaults(environ)
     environ["wsgi.input"] = io.BytesIO(b"")
     status = []
     body = b"".join(app(environ, lambda s, headers: status.append((s, headers))))
     code = int(status[0][0].split()[0])
+    if seen is not None:
+        seen.update(dict(status[0][1]))
     if dict(status[0][1]).get("Content-Type") != "application/json":
         return code, body
     return code, json.loads(body) if body else None
@@ -222,6 +228,79 @@ def test_clear_errors_for_bad_requests_paths_and_methods(api):
     assert call(app, "/healthz") == (200, b"metrics")  # the service's own paths, on the same server
 
 
+def test_every_bad_query_is_a_400_with_a_reason(api):
+    """More than 50 parameters made parse_qs raise outside the handler (a 500 with a traceback); a date that matches
+    the RFC 3339 shape but does not exist made fromisoformat raise (issue 22)."""
+    app, _ = api()
+    many = "&".join(f"p{i}=1" for i in range(51))
+    code, body = call(app, query=f"{window_param()}&{many}")
+    assert code == 400 and "more than 50 query parameters" in body["message"]
+    code, body = call(app, query="&".join([window_param(), *(f"p{i}=1" for i in range(49))]))
+    assert code == 400 and "more than 50" not in body["message"]  # 50 are parsed (and p0 is no parameter)
+    code, body = call(app, query="window=2026-13-01T00:00:00Z,2026-12-01T00:00:00Z")
+    assert code == 400 and "not a pair of valid RFC 3339" in body["message"]
+    code, body = call(app, query="window=2026-04-31T00:00:00Z,2026-05-01T00:00:00Z")
+    assert code == 400 and body["code"] == 400
+
+
+def test_a_token_file_makes_allocation_need_a_bearer_token_and_leaves_health_and_metrics_open(api, tmp_path):
+    from services.billing.api import TokenFile
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text("first-token\n\n  second-token  \n")
+    app, _ = api()
+    app.tokens = TokenFile(tokens)
+    headers = {}
+    code, body = call(app, query=window_param(), seen=headers)
+    assert code == 401 and body == {"code": 401, "message": "a bearer token is required"}
+    assert headers["WWW-Authenticate"] == 'Bearer realm="gpumeter"'
+    headers = {}
+    code, body = call(app, query=window_param(), headers={"Authorization": "Bearer first-token-x"}, seen=headers)
+    assert code == 401 and headers["WWW-Authenticate"] == 'Bearer realm="gpumeter", error="invalid_token"'
+    assert call(app, query=window_param(), headers={"Authorization": "Basic Zmlyc3QtdG9rZW4="})[0] == 401
+    for token in ("first-token", "second-token"):
+        code, body = call(app, query=window_param(), headers={"Authorization": f"Bearer {token}"})
+        assert code == 200 and body["code"] == 200
+    assert call(app, query=window_param(), headers={"Authorization": "bearer first-token"})[0] == 200
+    # The service's own paths are for probes and Prometheus: no token.
+    assert call(app, "/healthz") == (200, b"metrics") and call(app, "/metrics") == (200, b"metrics")
+
+
+def test_a_rotated_token_file_takes_effect_without_a_restart_and_an_unreadable_one_fails_closed(api, tmp_path):
+    import os
+
+    from services.billing.api import TokenFile
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text("old-token\n")
+    app, _ = api()
+    app.tokens = TokenFile(tokens)
+    bearer = lambda token: {"Authorization": f"Bearer {token}"}  # noqa: E731
+    assert call(app, query=window_param(), headers=bearer("old-token"))[0] == 200
+    # A Secret volume swaps the file: another inode (and here another size), read again at the next request.
+    replacement = tmp_path / "tokens.new"
+    replacement.write_text("new-token-2\n")
+    os.replace(replacement, tokens)
+    assert call(app, query=window_param(), headers=bearer("old-token"))[0] == 401
+    assert call(app, query=window_param(), headers=bearer("new-token-2"))[0] == 200
+    tokens.unlink()
+    code, body = call(app, query=window_param(), headers=bearer("new-token-2"))
+    assert code == 503 and "authentication" in body["message"]
+    tokens.write_text("")  # readable, but no token: nobody is let in
+    assert call(app, query=window_param(), headers=bearer("new-token-2"))[0] == 401
+
+
+def test_a_token_file_that_is_missing_or_empty_at_start_is_a_config_error(tmp_path):
+    from gpumeter.errors import ConfigError
+    from services.billing.api import TokenFile
+
+    with pytest.raises(ConfigError, match="cannot be read"):
+        TokenFile(tmp_path / "absent")
+    (tmp_path / "empty").write_text("\n \n")
+    with pytest.raises(ConfigError, match="holds no token"):
+        TokenFile(tmp_path / "empty")
+
+
 def test_the_api_reads_and_never_writes(sqlite_ledger, tmp_path):
     results = sample_costs(1)
     reader = Ledger(sqlite_ledger.url, read_only=True)
@@ -243,6 +322,10 @@ def test_the_settings():
     settings = api_settings(parser.parse_args(["--port", "9100"]), {"GPUMETER_API_MAX_WINDOW_DAYS": "31",
                                                                       "GPUMETER_LEDGER_URL": "postgresql://u:pw@db/x"})
     assert (settings.metrics_port, settings.max_window_days) == (9100, 31)
+    assert settings.token_file is None
+    assert api_settings(parser.parse_args(["--token-file", "/a"]), {"GPUMETER_API_TOKEN_FILE": "/b"}).token_file \
+        == Path("/a")
+    assert api_settings(parser.parse_args([]), {"GPUMETER_API_TOKEN_FILE": "/b"}).token_file == Path("/b")
     assert "pw" not in json.dumps(settings.describe())
     for bad in ({"metrics_port": 0}, {"max_window_days": 0}, {"max_steps": 0}, {"address": "not an address!"}):
         with pytest.raises(Exception):

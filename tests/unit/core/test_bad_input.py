@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import json
 import random
 import struct
 from collections import Counter
@@ -633,6 +634,33 @@ async def test_every_input_topic_survives_a_stream_of_bad_messages(make_harness,
     for kind in h.kinds:
         await h.good(kind)
     assert len(h.dead_letters()) == sent
+
+
+@pytest.mark.parametrize("service", sorted(HARNESSES))
+async def test_a_large_share_of_dead_lettered_input_makes_healthz_say_degraded_while_alive(make_harness, service):
+    """Every consumer's runner reports its inputs: with the default limits (more than 10 % of at least 100 inputs
+    of the last 300 s dead-lettered) /healthz says ``degraded`` with the rate, and stays 200 (issue 22)."""
+    from gpumeter.health import HEALTH_PATH
+    from tests.unit.core.test_health import call
+
+    h = make_harness(service)
+    app = h.metrics.wsgi_app()
+    kind = h.kinds[0]
+    while h.metrics.dead_letters.rate().inputs < 90:  # the guard's good() sends each record twice
+        await h.good(kind)
+    assert h.metrics.dead_letters.rate().inputs == 90
+    for _ in range(10):
+        await h.send(kind, b"\x00not a record")
+    status, _, body = call(app, HEALTH_PATH)
+    health = json.loads(body)
+    assert status == "200 OK" and health["status"] == "ok", health  # 10 of 100: at the limit, not above it
+    assert (health["dead_letters"]["inputs_count"], health["dead_letters"]["dead_letters_count"]) == (100, 10)
+    await h.send(kind, b"\x00not a record")
+    status, _, body = call(app, HEALTH_PATH)
+    health = json.loads(body)
+    assert status == "200 OK" and health["alive"] and health["status"] == "degraded", health
+    assert health["dead_letters"]["ratio"] == pytest.approx(11 / 101, abs=1e-6)
+    assert metric(h.metrics, "gpumeter_recent_dead_letter_ratio", service=service) == pytest.approx(11 / 101)
 
 
 OVERSIZED = {

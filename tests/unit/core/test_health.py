@@ -11,7 +11,8 @@ import pytest
 
 from gpumeter.clock import ManualClock
 from gpumeter.errors import ConfigError
-from gpumeter.health import HEALTH_PATH, Heartbeat
+from gpumeter.config import load
+from gpumeter.health import HEALTH_PATH, DeadLetterWindow, Heartbeat
 from gpumeter.metrics import ServiceMetrics
 from schemas.records import NodeWindowShares
 
@@ -92,16 +93,103 @@ def test_healthz_answers_from_the_heartbeat_and_every_other_path_is_the_expositi
     status, headers, body = call(app, HEALTH_PATH)
     assert status == "200 OK" and headers["Content-Type"] == "application/json"
     assert json.loads(body) == {"alive": True, "silent_seconds": 0.0, "max_silence_seconds": 30.0, "stalled": {},
-                                "max_stall_seconds": 300.0}
+                                "max_stall_seconds": 300.0, "status": "ok",
+                                "dead_letters": {"ratio": 0.0, "inputs_count": 0, "dead_letters_count": 0,
+                                                 "window_seconds": 300.0, "max_ratio": 0.1, "min_inputs": 100}}
 
     clock.advance_ms(45_000)
     status, _, body = call(app, HEALTH_PATH)
     assert status.startswith("503") and json.loads(body)["silent_seconds"] == 45.0
+    assert json.loads(body)["status"] == "unhealthy"
     metrics.beat()
     assert call(app, HEALTH_PATH)[0] == "200 OK"
 
     status, _, body = call(app, "/metrics")
     assert status.startswith("200") and b"gpumeter_collector_ticks_total 3.0" in body
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Degraded: a large share of recent input dead-lettered (liveness unaffected)
+
+
+def test_the_dead_letter_ratio_is_over_the_recent_window_and_needs_the_minimum_count():
+    clock = ManualClock(0)
+    window = DeadLetterWindow(clock, window_seconds=60, max_ratio=0.25, min_inputs=8)
+    window.record(4)
+    window.record(3, dead_letters=3)
+    rate = window.rate()
+    assert (rate.inputs, rate.dead_letters) == (7, 3) and not rate.degraded  # 3/7 is above 0.25, but only 7 inputs
+    window.record(1)
+    assert window.rate().degraded and window.rate().ratio == pytest.approx(3 / 8)
+    # Good input dilutes it: 3 of 12 is the limit, not above it.
+    window.record(4)
+    assert not window.rate().degraded and window.rate().ratio == pytest.approx(0.25)
+    # Inputs leave the window as the clock moves: 61 s later only what came since counts.
+    clock.advance_ms(61_000)
+    assert (window.rate().inputs, window.rate().dead_letters) == (0, 0) and window.rate().ratio == 0.0
+    window.record(10, dead_letters=10)
+    clock.advance_ms(30_000)
+    window.record(10)
+    assert window.rate().ratio == pytest.approx(0.5) and window.rate().degraded
+    clock.advance_ms(31_000)  # the bad ten are older than 60 s
+    assert (window.rate().inputs, window.rate().dead_letters) == (10, 0) and not window.rate().degraded
+
+
+def test_a_store_refusal_counts_its_message_dead_lettered_once_and_never_above_one():
+    clock = ManualClock(0)
+    window = DeadLetterWindow(clock, window_seconds=10, max_ratio=0.5, min_inputs=1)
+    window.record(1)
+    window.record(0, dead_letters=1)  # settled later: refused by the store
+    window.record(0, dead_letters=1)  # a second refusal of the same input
+    assert window.rate().ratio == 1.0 and window.rate().degraded
+
+
+@pytest.mark.parametrize("kwargs", [dict(window_seconds=0), dict(window_seconds=float("nan")), dict(max_ratio=1.0),
+                                    dict(max_ratio=-0.1), dict(min_inputs=0), dict(min_inputs=True)])
+def test_unusable_dead_letter_limits_are_refused(kwargs):
+    with pytest.raises(ConfigError):
+        DeadLetterWindow(ManualClock(0), **kwargs)
+
+
+def test_healthz_says_degraded_with_the_rate_and_stays_200_while_alive_then_recovers():
+    from gpumeter.settings import DeadLetterHealthSettings
+
+    clock = ManualClock(0)
+    limits = DeadLetterHealthSettings(window_seconds=120, max_ratio=0.5, min_inputs=4)
+    metrics = ServiceMetrics("billing", ("gpumeter_recent_dead_letter_ratio",), clock=clock, dead_letters=limits)
+    app = metrics.wsgi_app()
+    metrics.inputs(1)
+    metrics.inputs(3, dead_letters=3)
+    status, _, body = call(app, HEALTH_PATH)
+    health = json.loads(body)
+    assert status == "200 OK" and health["alive"] and health["status"] == "degraded"
+    assert health["dead_letters"] == {"ratio": 0.75, "inputs_count": 4, "dead_letters_count": 3,
+                                      "window_seconds": 120.0, "max_ratio": 0.5, "min_inputs": 4}
+    exposition = call(app, "/metrics")[2].decode()
+    assert 'gpumeter_recent_dead_letter_ratio{service="billing"} 0.75' in exposition
+    # Not alive wins over degraded (and answers 503).
+    clock.advance_ms(61_000)
+    status, _, body = call(app, HEALTH_PATH)
+    assert status.startswith("503") and json.loads(body)["status"] == "unhealthy"
+    metrics.beat()
+    clock.advance_ms(60_000)
+    metrics.beat()
+    status, _, body = call(app, HEALTH_PATH)
+    assert status == "200 OK" and json.loads(body)["status"] == "ok"  # the bad input left the window
+
+
+def test_the_consumers_read_the_dead_letter_limits_from_the_environment():
+    from services.attributor.settings import AttributorSettings
+    from services.billing.settings import BillingSettings
+    from services.guard.settings import GuardSettings
+
+    env = {"GPUMETER_DEAD_LETTER_WINDOW_SECONDS": "600", "GPUMETER_DEAD_LETTER_MAX_RATIO": "0.3",
+           "GPUMETER_DEAD_LETTER_MIN_INPUTS": "20"}
+    for cls in (AttributorSettings, BillingSettings, GuardSettings):
+        limits = load(cls, None, env).dead_letters
+        assert (limits.window_seconds, limits.max_ratio, limits.min_inputs) == (600.0, 0.3, 20), cls.__name__
+        with pytest.raises(ConfigError, match="GPUMETER_DEAD_LETTER_MAX_RATIO"):
+            load(cls, None, {"GPUMETER_DEAD_LETTER_MAX_RATIO": "1.5"})
 
 
 async def test_the_collector_loop_beats_once_per_tick():

@@ -469,6 +469,49 @@ def test_mutual_tls_mounts_the_client_certificate_and_plaintext_stays_plain(rend
         assert all("secret" not in v for v in spec["volumes"]), "no TLS: no Secret volume"
 
 
+def test_the_api_takes_its_bearer_tokens_from_the_named_secret_mounted_whole(render):
+    docs = render("gpumeter", "gpumeter", set_values=("api.auth.tokenSecret.name=api-tokens",
+                                                      "api.auth.tokenSecret.key=current"))
+    (api,) = by_role(docs, "api")
+    spec = pod_spec(api)
+    (container,) = spec["containers"]
+    settings = settings_for(container["args"], container_env(container, docs))
+    assert settings.token_file is not None
+    assert mounted_secret_key(spec, container, str(settings.token_file)) == ("api-tokens", "current")
+    mount = next(m for m in container["volumeMounts"] if str(settings.token_file).startswith(m["mountPath"]))
+    assert "subPath" not in mount and mount["readOnly"], "a subPath mount never sees a rotated Secret"
+    # Without a Secret: no token file, no volume.
+    (plain,) = pod_spec(by_role(render("gpumeter", "gpumeter"), "api")[0])["containers"]
+    assert "GPUMETER_API_TOKEN_FILE" not in {e["name"] for e in plain["env"]}
+
+
+def api_policy_namespaces(docs: list[dict]) -> list[str] | None:
+    """The namespaces the API's NetworkPolicy admits (None: no policy); checks it selects the API's pods only."""
+    policies = [d for d in of_kind(docs, "NetworkPolicy")]
+    if not policies:
+        return None
+    (policy,) = policies
+    (api,) = by_role(docs, "api")
+    assert policy["spec"]["podSelector"]["matchLabels"] == api["spec"]["selector"]["matchLabels"]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["ports"] == [{"port": "metrics", "protocol": "TCP"}]
+    (peer,) = rule["from"]
+    assert set(peer) == {"namespaceSelector"}, "namespaces only: no ipBlock or podSelector widening it"
+    (expression,) = peer["namespaceSelector"]["matchExpressions"]
+    assert (expression["key"], expression["operator"]) == ("kubernetes.io/metadata.name", "In")
+    return expression["values"]
+
+
+def test_a_network_policy_admits_only_the_namespaces_the_values_name(render):
+    assert api_policy_namespaces(render("acme", "metering")) == ["metering"]
+    listed = render("acme", "metering", set_values=("api.networkPolicy.allowedNamespaces={monitoring,finops}",))
+    assert api_policy_namespaces(listed) == ["metering", "monitoring", "finops"]
+    off = render("acme", "metering", set_values=("api.networkPolicy.enabled=false",))
+    assert api_policy_namespaces(off) is None
+    assert api_policy_namespaces(render("acme", "metering", set_values=("api.enabled=false",))) is None
+
+
 def test_image_registry_digest_pull_secrets_and_guard_state_claim(render):
     docs = render("acme", "metering", "ci/monitoring-values.yaml")
     chosen = values("ci/monitoring-values.yaml")
@@ -528,6 +571,25 @@ def test_guard_config_from_values_loads_and_agrees_with_billing_and_the_collecto
     assert config.team_label_key == settings_for(billing["args"], container_env(billing, docs)).team_label
     for daemonset in of_kind(docs, "DaemonSet"):
         assert daemonset["spec"]["template"]["metadata"]["labels"].get(config.exempt_label) == "true"
+        # The label is honoured only where the config lists the namespace (the release's, by default).
+        assert config.exempt_label_namespaces == (daemonset["metadata"]["namespace"],)
+
+
+def test_the_collector_is_exempt_in_the_release_namespace_unless_the_values_list_namespaces(render, tmp_path):
+    def loaded(docs):
+        (guard,) = by_role(docs, "guard")
+        spec = pod_spec(guard)
+        (container,) = spec["containers"]
+        env = container_env(container, docs)
+        path = tmp_path / "guard.yaml"
+        path.write_text(mounted_file(spec, container, str(settings_for(container["args"], env).config_path), docs),
+                        encoding="utf-8")
+        return GuardConfig.load(path, env)
+
+    assert loaded(render("acme", "metering")).exempt_label_namespaces == ("metering",)
+    chosen = render("acme", "metering", set_values=(
+        "guard.config.visibility_leak.exempt_label_namespaces={metering,monitoring}",))
+    assert loaded(chosen).exempt_label_namespaces == ("metering", "monitoring")
 
 
 def test_a_changed_config_rolls_its_pods(render):

@@ -229,6 +229,8 @@ def test_guard_config_configmap_loads_and_agrees_with_billing_and_the_collector(
 
     collector_labels = by_role["collector"]["spec"]["template"]["metadata"]["labels"]
     assert collector_labels.get(config.exempt_label) == "true", "the collector sees every GPU by design"
+    assert by_role["collector"]["metadata"]["namespace"] in config.exempt_label_namespaces, \
+        "the label exempts only in the namespaces the config lists"
 
     example = tmp_path / "example.yaml"
     example.write_text(commented_block(MANIFEST_DIR / "guard.yaml", "budgets:"), encoding="utf-8")

@@ -30,6 +30,7 @@ def test_defaults_load_from_nothing_and_every_field_round_trips_through_env(tmp_
         "GPUMETER_GUARD_DISABLED_RULES": "stale_node, gpu_error",
         "GPUMETER_GUARD_EXEMPT_NAMESPACES": "a,b",
         "GPUMETER_GUARD_EXEMPT_LABEL": "x/exempt",
+        "GPUMETER_GUARD_EXEMPT_LABEL_NAMESPACES": "gpumeter, monitoring",
         "GPUMETER_GUARD_VISIBLE_DEVICES_ENVVAR_HONOURED": "false",
         "GPUMETER_GUARD_TEAM_LABEL_KEY": "squad",
         "GPUMETER_GUARD_POD_LINGER_SECONDS": "64",
@@ -67,7 +68,7 @@ def test_defaults_load_from_nothing_and_every_field_round_trips_through_env(tmp_
 def test_the_file_uses_rule_sections_and_env_overrides_it(tmp_path):
     path = write(tmp_path, """
 hold_down_seconds: 45
-visibility_leak: {exempt_namespaces: [kube-system, monitoring]}
+visibility_leak: {exempt_namespaces: [kube-system, monitoring], exempt_label_namespaces: [gpumeter]}
 idle_allocation: {compute_below_percent: 2.5, for_seconds: 600}
 shared_memory_pressure: {used_above_percent: 95}
 stale_node: {intervals: 4, min_seconds: 30}
@@ -84,6 +85,8 @@ budgets:
     config = GuardConfig.load(path, {"GPUMETER_GUARD_IDLE_FOR_SECONDS": "900"})
     assert config.hold_down_seconds == 45
     assert config.exempt_namespaces == ("kube-system", "monitoring")
+    assert config.exempt_label_namespaces == ("gpumeter",)
+    assert GuardConfig().exempt_label_namespaces == (), "by default a pod's own label exempts it nowhere"
     assert (config.idle_compute_below_percent, config.idle_for_seconds) == (2.5, 900)
     assert config.shared_memory_used_above_percent == 95.0
     assert (config.stale_node_intervals, config.stale_node_min_seconds) == (4, 30)
@@ -120,6 +123,7 @@ def test_the_thresholds_shipped_with_the_guard_scenarios_load():
     ("shared_memory_pressure: {fair_share_factor: 0}", "shared_memory_fair_share_factor"),
     ("budget_exceeded: {forecast_min_elapsed_fraction: 1.5}", "budget_forecast_min_elapsed_fraction"),
     ("disabled_rules: [visibility_leak, vibes]", "vibes"),
+    ("visibility_leak: {exempt_label_namespaces: ['*']}", "exempt_label_namespaces"),
     ("gpu_error: {ignored: [NOT_SUPPORTED]}", "nvmlFunction:ERROR_CODE"),
     ("stale_node: {min_seconds: 100, forget_seconds: 100}", "stale_node_forget_seconds"),
     ("budgets: {namespaces: {ml: {day_usd: 1, day_micro_usd: 1000000}}}", "not both"),

@@ -355,3 +355,24 @@ def test_violations_are_byte_for_byte_deterministic(tmp_path):
     for folder in ("a", "b"):
         replay(SCENARIOS / "guard_visibility.yaml", tmp_path / folder, guard_config=CONFIG)
     assert (tmp_path / "a" / "violations.jsonl").read_bytes() == (tmp_path / "b" / "violations.jsonl").read_bytes()
+
+
+def test_a_tenants_exempt_label_exempts_nothing_and_the_leaker_pays_whatever_the_exemption(tmp_path):
+    """The leaking pod of ``visibility_leak.yaml`` labels itself ``gpumeter.io/guard-exempt: "true"``: by default
+    the guard still raises its violations; only when the platform lists its namespace in
+    ``exempt_label_namespaces`` is it exempt. Either way billing charges it the same cost (issue 22)."""
+    text = (SCENARIOS / "visibility_leak.yaml").read_text()
+    plain = "    labels: {team: platform}\n"
+    assert text.count(plain) == 1
+    scenario = tmp_path / "labelled.yaml"
+    scenario.write_text(text.replace(plain, '    labels: {team: platform, "gpumeter.io/guard-exempt": "true"}\n'))
+    leaker_costs, leaker_rules = [], []
+    for name, config in (("default", GuardConfig()), ("listed", GuardConfig(exempt_label_namespaces=("scratch",)))):
+        out = tmp_path / name
+        summary = replay(scenario, out, guard_config=config)
+        assert summary.dead_letters == {} and summary.unpriced == ()
+        leaker_rules.append({r["rule"] for r in read_jsonl(out / "violations.jsonl") if r["pod"] == "cuda-debug"})
+        leaker_costs.append(sum(c["cost_micro_usd"] for c in read_jsonl(out / "costs.jsonl")
+                                if c["pod"] == "cuda-debug"))
+    assert leaker_rules == [{"visibility_leak", "unrequested_gpu_use"}, set()]
+    assert leaker_costs[0] > 0 and leaker_costs[0] == leaker_costs[1]

@@ -170,16 +170,49 @@ def test_processes_on_own_units_are_not_leaks_in_every_id_form():
 
 
 def test_unknown_pods_pods_without_their_assignment_yet_and_exempt_pods_are_not_judged():
+    config = GuardConfig(exempt_label_namespaces=("monitoring",))
     waiting = pod_event(UID_1, "waiting", containers=[container(requests={"nvidia.com/gpu": 1})])
     agent = pod_event(UID_2, "dcgm", namespace="gpu-operator", containers=[container(privileged=True)])
-    labelled = pod_event(UID_3, "mine", labels={"gpumeter.io/guard-exempt": "true"},
+    labelled = pod_event(UID_3, "mine", namespace="monitoring", labels={"gpumeter.io/guard-exempt": "true"},
                          containers=[container(privileged=True)])
     pods = pods_of(waiting, agent, labelled)
     s = sample([device(GPU_A, processes=[proc(1, 0, GIB), proc(2, 1, GIB), proc(3, 2, GIB), proc(4, 3, GIB),
                                          proc(5, -1, GIB)])],
                [UID_1, UID_2, UID_3, "00000000-0000-4000-8000-0000000000ff"])
-    assert visibility_leak(s, pods, CONFIG) == ()
-    assert unrequested_gpu_use(s, pods, CONFIG) == ()
+    assert visibility_leak(s, pods, config) == ()
+    assert unrequested_gpu_use(s, pods, config) == ()
+
+
+def labelled_leaker(namespace: str = "scratch", value: str = "true"):
+    return pod_event(UID_2, "leaker", namespace=namespace, labels={"gpumeter.io/guard-exempt": value},
+                     containers=[container(env=None)])
+
+
+def test_a_tenants_own_exempt_label_exempts_nothing_by_default():
+    """The label is the pod owner's to write: by default it is honoured in no namespace, so a labelled pod using
+    another team's GPU is still judged (issue 22)."""
+    pods = pods_of(owner_of(GPU_A), labelled_leaker())
+    s = sample([device(GPU_A, processes=[proc(1, 0, 10 * GIB), proc(2, 1, 3 * GIB)])], [UID_1, UID_2])
+    (unrequested,) = unrequested_gpu_use(s, pods, CONFIG)
+    assert (unrequested.rule, unrequested.pod_uid) == ("unrequested_gpu_use", UID_2)
+    (leak,) = visibility_leak(s, pods, CONFIG)
+    assert (leak.rule, leak.pod_uid, leak.gpu_uuid) == ("visibility_leak", UID_2, GPU_A)
+    # Listing another namespace for the label changes nothing for this one.
+    elsewhere = GuardConfig(exempt_label_namespaces=("gpumeter",))
+    assert len(unrequested_gpu_use(s, pods, elsewhere)) == 1 and len(visibility_leak(s, pods, elsewhere)) == 1
+
+
+def test_the_exempt_label_is_honoured_only_in_the_namespaces_the_platform_lists():
+    s = sample([device(GPU_A, processes=[proc(1, 0, 10 * GIB), proc(2, 1, 3 * GIB)])], [UID_1, UID_2])
+    listed = GuardConfig(exempt_label_namespaces=("scratch",))
+    pods = pods_of(owner_of(GPU_A), labelled_leaker())
+    assert unrequested_gpu_use(s, pods, listed) == () and visibility_leak(s, pods, listed) == ()
+    # In a listed namespace an unlabelled (or not "true") pod is still judged.
+    unlabelled = pods_of(owner_of(GPU_A), labelled_leaker(value="false"))
+    assert len(unrequested_gpu_use(s, unlabelled, listed)) == 1
+    # A whole namespace exempt by exempt_namespaces needs no label.
+    by_namespace = GuardConfig(exempt_namespaces=("scratch",))
+    assert unrequested_gpu_use(s, unlabelled, by_namespace) == ()
 
 
 @pytest.mark.parametrize("env", ["", "void", "none", " NONE "])
