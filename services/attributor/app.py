@@ -275,11 +275,12 @@ class AttributorStream:
         async for record in self._read_range(self.pods_topic_name, partition, 0, None):
             try:
                 event = self.runner.decode(record)
+                if not isinstance(event.record, PodEvent):
+                    continue  # a tombstone: the pods agent removes its table entry
+                changed, result = self.processor.preload_pod_event(partition, event.record,
+                                                                   event.received_at_unix_ms, event.timestamp_ms)
             except InvalidMessage:
                 continue
-            if not isinstance(event.record, PodEvent):
-                continue  # a tombstone: the pods agent removes its table entry
-            changed, result = self.processor.preload_pod_event(partition, event.record)
             self._defer(partition, result.changes)
             applied += changed
         log.info("partition %d: %d pod events applied before its streams resume", partition, applied)
