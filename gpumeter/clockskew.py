@@ -20,7 +20,9 @@ timestamps (0: the node's clock is trusted as it reads). The rules, deterministi
 * otherwise a new offset (the measurement itself) is taken only when it is *confirmed*: the node's previous
   message measured the same within ``tolerance_ms`` (at most half the tick interval) -- or there was no previous one and the clock reads ahead
   (a delay never makes a message look early) or the caller says the message would be late on its own clock
-  (its window is closed, so taking it as it reads loses it anyway). A message of a buffer draining does not
+  (its window is closed, so taking it as it reads loses it anyway). Such an offset, taken from one message
+  alone, is provisional: if the node's next message does not agree with it, it is dropped (it was a delayed
+  message, a buffer drained from the collector's start, not the clock). A message of a buffer draining does not
   confirm its neighbour (consecutive ticks differ by their interval, while they were appended together), nor does
   a lone forged or garbled timestamp, so neither moves a node's offset; a clock that really moved is confirmed by
   its second message, and the first one is taken with the offset that was in effect (``ClockReading.moved``).
@@ -65,6 +67,7 @@ class NodeClocks:
         self.tolerance_ms = tolerance_ms
         self._offsets: dict[Hashable, int] = {}
         self._last: dict[Hashable, int] = {}
+        self._provisional: set[Hashable] = set()  # offsets set by a node's first message alone
 
     def observe(self, node: Hashable, timestamp_ms: int, appended_at_ms: int,
                 late_on_own_clock: Callable[[], bool] = lambda: False, interval_ms: int | None = None
@@ -85,11 +88,21 @@ class NodeClocks:
             return ClockReading(offset, measured, True)
         elif abs(measured - offset) <= tolerance:
             new = offset
-        elif (abs(measured - previous) <= tolerance if previous is not None
-              else measured > 0 or late_on_own_clock()):
+        elif previous is not None and abs(measured - previous) <= tolerance:
             new = measured
+        elif previous is None and (measured > 0 or late_on_own_clock()):
+            self._offsets[node] = measured
+            self._provisional.add(node)
+            return ClockReading(measured, measured, False)
+        elif node in self._provisional:
+            # The node's first message set the offset alone and this one does not bear it out: that was a delayed
+            # message (a buffer drained from the collector's start), not the node's clock.
+            self._provisional.discard(node)
+            self._offsets.pop(node, None)
+            return ClockReading(0, measured, True)
         else:
             return ClockReading(offset, measured, True)
+        self._provisional.discard(node)
         if new:
             self._offsets[node] = new
         else:
@@ -108,6 +121,7 @@ class NodeClocks:
         """Drop what is known of ``node`` (gone silent)."""
         self._offsets.pop(node, None)
         self._last.pop(node, None)
+        self._provisional.discard(node)
 
 
 __all__ = ["CLOCK_SKEW_TOLERANCE_MS", "DEFAULT_CLOCK_SKEW_THRESHOLD_SECONDS", "MAX_CLOCK_CORRECTION_MS", "ClockReading",

@@ -167,6 +167,7 @@ class AttributorProcessor:
             Input(POD_EVENTS, PodEvent, tombstones=True),
             Input(SAMPLES, NodeSample),
         )
+        self._clock_ms: int | None = None
         self.second_collector_ticks = 0
         self._second_collector_by_node: dict[tuple[str, str], int] = {}
         self._engines: dict[int, AttributionEngine] = {}
@@ -185,7 +186,12 @@ class AttributorProcessor:
         raise ValueError(f"{SERVICE} has no input {event.input!r}")
 
     def on_clock(self, now_ms: int, caught_up: bool = True) -> Result:
-        """``on_clock_partition`` for every partition with an engine, in partition order."""
+        """``on_clock_partition`` for every partition with an engine, in partition order. The input is then one
+        whole, caught up or not (the in-memory driver): an engine created later by a message starts on the
+        latest caught-up clock, as the engines that existed did (so a node's first tick is judged late or not
+        alike on every partition)."""
+        if caught_up:
+            self._clock_ms = now_ms
         result = NOTHING
         for partition in sorted(self._engines):
             result = result + self.on_clock_partition(partition, now_ms, caught_up)
@@ -393,6 +399,8 @@ class AttributorProcessor:
         if engine is None:
             engine = self._engines[partition] = AttributionEngine(self.config)
             self._unacknowledged[partition] = {}
+            if self._clock_ms is not None:
+                engine.on_clock(self._clock_ms)  # empty: closes nothing, sets its clock watermark
         return engine
 
     def _closed(self, partition: int, engine: AttributionEngine, windows: Sequence[WindowResult]) -> Result:
