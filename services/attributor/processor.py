@@ -254,6 +254,10 @@ class AttributorProcessor:
             offsets.update(self._engines[partition].clock_offsets())
         return offsets
 
+    def second_collector_counts(self) -> dict[tuple[str, str], int]:
+        """(cluster, node) -> ticks of a second collector of the node merged so far (``EngineOutput.second_collector``)."""
+        return dict(self._second_collector_by_node)
+
     def engine(self, partition: int) -> AttributionEngine | None:
         """The partition's engine, for inspection (None before its first input or restore)."""
         return self._engines.get(partition)
