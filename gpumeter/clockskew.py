@@ -15,7 +15,7 @@ timestamps (0: the node's clock is trusted as it reads). The rules, deterministi
 
 * a measurement within ``threshold_ms`` of 0 agrees with the broker: offset 0 (a clock put right is trusted at
   once: a message cannot arrive before it was sent, so it is not a delayed message of a skewed clock);
-* one further off than ``MAX_CLOCK_CORRECTION_MS`` (a day) is no drift: it moves nothing;
+* one a day or more off (``MAX_CLOCK_CORRECTION_MS``) is no drift: it moves nothing;
 * one within ``tolerance_ms`` of the offset in effect keeps it (the delay's jitter does not move it);
 * otherwise a new offset (the measurement itself) is taken only when it is *confirmed*: the node's previous
   message measured the same within ``tolerance_ms`` (at most half the tick interval) -- or there was no previous one and the clock reads ahead
@@ -37,7 +37,7 @@ from typing import Callable, Hashable, Mapping
 
 DEFAULT_CLOCK_SKEW_THRESHOLD_SECONDS = 5
 MAX_CLOCK_CORRECTION_MS = 86_400_000
-"""The largest offset taken: a clock further off than a day is broken rather than drifting (and its ticks older than
+"""The bound on offsets taken: a clock a day or more off is broken rather than drifting (and its ticks older than
 anything the samples topic keeps); its messages are judged as they read."""
 CLOCK_SKEW_TOLERANCE_MS = 1000
 """How far two measurements of one clock may differ and still agree: the jitter of a live collector's delay
@@ -84,7 +84,7 @@ class NodeClocks:
         tolerance = self.tolerance_ms if interval_ms is None else min(self.tolerance_ms, max(interval_ms, 0) // 2)
         if abs(measured) <= self.threshold_ms:
             new = 0
-        elif abs(measured) > MAX_CLOCK_CORRECTION_MS:
+        elif abs(measured) >= MAX_CLOCK_CORRECTION_MS:
             return ClockReading(offset, measured, True)
         elif abs(measured - offset) <= tolerance:
             new = offset

@@ -268,7 +268,7 @@ def pod_event_lead(event: PodEvent, appended_at_ms: int | None, threshold_ms: in
     if appended_at_ms is None:
         return 0
     lead = event.observed_at_unix_ms - appended_at_ms
-    return lead if threshold_ms < lead <= MAX_CLOCK_CORRECTION_MS else 0
+    return lead if threshold_ms < lead < MAX_CLOCK_CORRECTION_MS else 0
 
 
 def shift_pod_event(event: PodEvent, offset_ms: int) -> PodEvent:

@@ -59,8 +59,8 @@ def test_a_lone_forged_timestamp_moves_nothing_and_a_real_clock_step_is_confirme
     assert clocks.observe("n", T0 + 7 * TICK, T0 + 7 * TICK, lambda: True, TICK).offset_ms == 0
 
 
-def test_a_clock_off_by_more_than_a_day_is_not_corrected():
+def test_a_clock_a_day_or_more_off_is_not_corrected():
     clocks = NodeClocks()
-    far = [clocks.observe("n", T0 + k * TICK + MAX_CLOCK_CORRECTION_MS + 1, T0 + k * TICK, lambda: True, TICK)
+    far = [clocks.observe("n", T0 + k * TICK + MAX_CLOCK_CORRECTION_MS, T0 + k * TICK, lambda: True, TICK)
            for k in range(3)]
     assert {r.offset_ms for r in far} == {0}
