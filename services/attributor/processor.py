@@ -10,8 +10,10 @@ once its node's clock offset is taken off it; a message without value is the com
 Time: each message's ``Event.timestamp_ms`` is the broker's append time (the input topics are
 ``LogAppendTime``), the clock gpumeter trusts; a node whose own clock disagrees with it has its ticks' and pod
 events' times corrected by the engine (``gpumeter.clockskew``, ``engine.on_sample``), so it is billed in the
-windows it was really sampled in; ``clock_offsets()`` reports each node's offset. Output role: ``window_shares`` (``output_topics``),
-one ``NodeWindowShares`` per closed window, keyed by node name; dead letters are the runner's.
+windows it was really sampled in; ``clock_offsets()`` reports each node's offset.
+
+Output role: ``window_shares`` (``output_topics``), one ``NodeWindowShares`` per closed window, keyed by node name;
+dead letters are the runner's.
 
 Per message, after the runner decoded and checked it (a raised ``InvalidMessage`` dead-letters the message, with
 nothing done; a ``Result.rejected`` one dead-letters it with the result's changes kept):
@@ -255,7 +257,8 @@ class AttributorProcessor:
         return offsets
 
     def second_collector_counts(self) -> dict[tuple[str, str], int]:
-        """(cluster, node) -> ticks of a second collector of the node merged so far (``EngineOutput.second_collector``)."""
+        """(cluster, node) -> ticks of a second collector of the node merged so far
+        (``EngineOutput.second_collector``)."""
         return dict(self._second_collector_by_node)
 
     def engine(self, partition: int) -> AttributionEngine | None:
