@@ -17,15 +17,15 @@ timestamps (0: the node's clock is trusted as it reads). The rules, deterministi
   once: a message cannot arrive before it was sent, so it is not a delayed message of a skewed clock);
 * one a day or more off (``MAX_CLOCK_CORRECTION_MS``) is no drift: it moves nothing;
 * one within ``tolerance_ms`` of the offset in effect keeps it (the delay's jitter does not move it);
-* otherwise a new offset (the measurement itself) is taken only when it is *confirmed*: the node's previous
-  message measured the same within ``tolerance_ms`` (at most half the tick interval) -- or there was no previous
-  one and the clock reads ahead (a delay never makes a message look early) or the caller says the message would
-  be late on its own clock (its window is closed, so taking it as it reads loses it anyway). Such an offset,
-  taken from one message alone, is provisional: if the node's next message does not agree with it, it is
-  dropped (it was a delayed message, a buffer drained from the collector's start, not the clock). A message of a buffer draining does not
-  confirm its neighbour (consecutive ticks differ by their interval, while they were appended together), nor does
-  a lone forged or garbled timestamp, so neither moves a node's offset; a clock that really moved is confirmed by
-  its second message, and the first one is taken with the offset that was in effect (``ClockReading.moved``).
+* otherwise a new offset (the measurement itself) is taken only when it is *confirmed*: the node's previous message
+  measured the same within ``tolerance_ms`` (at most half the tick interval) -- or there was no previous one and the
+  clock reads ahead (a delay never makes a message look early) or the caller says the message would be late on its
+  own clock (its window is closed, so taking it as it reads loses it anyway). Such an offset, taken from one message
+  alone, is provisional: if the node's next message does not agree with it, it is dropped (it was a delayed message,
+  a buffer drained from the collector's start, not the clock). A message of a buffer draining does not confirm its
+  neighbour (consecutive ticks differ by their interval, while they were appended together), nor does a lone forged
+  or garbled timestamp, so neither moves a node's offset; a clock that really moved is confirmed by its second
+  message, and the first one is taken with the offset that was in effect (``ClockReading.moved``).
 
 The offset is only ever a measurement of the node's own messages; nothing a tenant writes enters it.
 """
