@@ -60,3 +60,11 @@ class LateMessage(InvalidMessage):
     reason_code = "LATE"
 
 
+
+
+class ClockSkew(InvalidMessage):
+    """A record refused because of its node's clock rather than of its contents: stamped by a clock that
+    disagrees with the broker's in a way the attributor could not correct (``gpumeter.clockskew``: the node's
+    clock moved and its new offset is not confirmed yet)."""
+
+    reason_code = "CLOCK_SKEW"

@@ -86,6 +86,12 @@ METRICS: dict[str, MetricDef] = {
         MetricDef("gpumeter_attributor_shares_emitted_total", "counter", "GpuShare records emitted."),
         MetricDef("gpumeter_attributor_window_lag_seconds", "gauge",
                   "Seconds between a window's close (end + grace) and its emission."),
+        MetricDef("gpumeter_attributor_node_clock_skew_seconds", "gauge",
+                  "How far a node's clock is off the broker's append time (+ ahead), as corrected: 0 while within "
+                  "the skew threshold.", ("node",)),
+        MetricDef("gpumeter_attributor_second_collector_ticks_total", "counter",
+                  "Ticks of a node's older collector still writing after a newer one started: two collectors for one "
+                  "node, merged into its windows.", ("node",)),
         # billing: the per-pod series carry dcgm-exporter's labels too (DCGM_JOIN_LABELS)
         MetricDef("gpumeter_pod_gpu_cost_micro_usd_total", "counter",
                   "GPU cost billed to a pod for its own use (its direct lines), per GPU it used.",

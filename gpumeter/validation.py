@@ -86,6 +86,7 @@ __all__ = [
     "check_names",
     "check_pod_event",
     "check_sample",
+    "check_sample_names",
 ]
 
 
@@ -217,7 +218,7 @@ def _first_duplicate_in(values: tuple) -> object | None:
 
 
 def check_sample(sample: NodeSample, now_unix_ms: int, max_clock_skew_ms: int,
-                 max_age_ms: int | None = None) -> None:
+                 max_age_ms: int | None = None, *, names: bool = True) -> None:
     """Raise ``OutOfRange`` when ``sample`` holds values no real tick can have; return None otherwise.
 
     Impossible: sampled further in the future than ``now + max_clock_skew_ms`` (it would move the node's watermark
@@ -229,9 +230,11 @@ def check_sample(sample: NodeSample, now_unix_ms: int, max_clock_skew_ms: int,
     device, a negative pid, a pod index outside [-1, pod count) (an unknown pod), memory below -1, SM
     utilization outside [-1, 100]. Container ids and indexes are carried for people, read by no consumer, and
     not checked. The first impossible value in that order is the one named. Before all that, ``InvalidName`` for
-    a cluster, node name, pod uid, container id or GPU/MIG uuid of the wrong syntax.
+    a cluster, node name, pod uid, container id or GPU/MIG uuid of the wrong syntax (``names=False``: the caller
+    ran ``check_sample_names`` already).
     """
-    _check_sample_names(sample)
+    if names:
+        _check_sample_names(sample)
     # Runs on every tick the attributor takes in: each group of checks is one plain condition, and only when it
     # fails are the values walked again, in the documented order, to name the first impossible one.
     sampled_at = sample.sampled_at_unix_ms
@@ -303,6 +306,11 @@ def check_sample(sample: NodeSample, now_unix_ms: int, max_clock_skew_ms: int,
 
 _VALID_SAMPLE_NAMES: set[tuple] = set()
 _VALID_SAMPLE_NAMES_MAX = 4096
+
+
+def check_sample_names(sample: NodeSample) -> None:
+    """The names part of ``check_sample`` alone: ``InvalidName`` for a name of the wrong syntax."""
+    _check_sample_names(sample)
 
 
 def _check_sample_names(sample: NodeSample) -> None:

@@ -59,11 +59,13 @@ class TruthAccumulator:
                 (gpu.index, unit) for gpu in node.gpus for unit in self._world.units_of_gpu(node.name, gpu.index)
             )
         self._cells: dict[tuple[int, str, str], _TruthCell] = {}
+        # A node's clock offset (``NodeSpec.clock_offset_seconds``): its ticks read that far off the truth's time.
+        self._skew_ms = {node.name: node.clock_offset_seconds * 1000 for node in scenario.nodes}
         self._unit_info: dict[str, Any] = {unit.uuid: unit for units in self._units.values() for _, unit in units}
 
     def add_tick(self, sample: NodeSample) -> None:
         node = sample.node_name
-        t = sample.sampled_at_unix_ms
+        t = sample.sampled_at_unix_ms - self._skew_ms.get(node, 0)
         weight = min(max(sample.interval_ms, 0), self._window_ms)
         window_start = (t // self._window_ms) * self._window_ms
         by_unit: dict[str, list] = {}

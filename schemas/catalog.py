@@ -65,7 +65,9 @@ NODE_SAMPLES = TopicSpec(
     retention_ms=DAY_MS,
     producers=("collector",),
     consumers=("attributor", "guard"),
-    doc="One NodeSample per node per tick (the hot topic). NodeSample v3: no container ids (no consumer read them).",
+    doc="One NodeSample per node per tick (the hot topic). NodeSample v3: no container ids (no consumer read them). "
+        "Stamped by the broker (LogAppendTime): the clock a node's own is measured against (gpumeter.clockskew).",
+    extra_config=(("message.timestamp.type", "LogAppendTime"),),
     record_versions=(3,),
 )
 POD_EVENTS = TopicSpec(
@@ -78,8 +80,9 @@ POD_EVENTS = TopicSpec(
     producers=("collector",),
     consumers=("attributor", "guard"),
     doc="Pod changes on GPU nodes; compacted to the latest state per pod. PodEvent v3: a DRA device's owning claim, "
-        "the namespace's labels.",
-    extra_config=(("min.compaction.lag.ms", str(HOUR_MS)), ("delete.retention.ms", str(DAY_MS))),
+        "the namespace's labels. Stamped by the broker (LogAppendTime).",
+    extra_config=(("min.compaction.lag.ms", str(HOUR_MS)), ("delete.retention.ms", str(DAY_MS)),
+                  ("message.timestamp.type", "LogAppendTime")),
     record_versions=(1, 2, 3),
 )
 NODE_WINDOW_SHARES = TopicSpec(

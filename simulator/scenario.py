@@ -291,6 +291,9 @@ class NodeSpec:
     labels: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     device_id_strategy: str = "uuid"  # the device plugin's deviceIDStrategy: uuid | index
     allocation: str = "device_plugin"  # how pods get GPUs: device_plugin | dra (ResourceClaims)
+    # How far the node's clock is off (its collector's and kubelet's timestamps), seconds; + ahead, - behind. The
+    # broker's append time stays the scenario's: what gpumeter trusts (gpumeter.clockskew).
+    clock_offset_seconds: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -937,6 +940,8 @@ def _read_nodes(raw: Any, seed: int, duration: float) -> tuple[NodeSpec, ...]:
             device_id_strategy=_choice(m.get("device_id_strategy", "uuid"), m.sub("device_id_strategy"),
                                        DEVICE_ID_STRATEGIES),
             allocation=_choice(m.get("allocation", "device_plugin"), m.sub("allocation"), ALLOCATIONS),
+            clock_offset_seconds=_int(m.get("clock_offset_seconds", 0), m.sub("clock_offset_seconds"),
+                                      minimum=-86_400, maximum=86_400),
         )
         m.done()
         nodes.append(node)

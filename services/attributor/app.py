@@ -155,6 +155,7 @@ class AttributorStream:
         self._deferred: dict[int, list[TableWrite]] = {}
         # partition -> window records sent and not yet acknowledged to the processor, each with its delivery future
         self._in_flight: dict[int, list[tuple[tuple[NodeWindowShares, ...], list[asyncio.Future]]]] = {}
+        self._second_collector_reported: dict[tuple[str, str], int] = {}  # (cluster, node) -> ticks counted
         self._ready = False
         self._rebuild_lock = asyncio.Lock()
         self._on_failure = on_failure
@@ -282,11 +283,12 @@ class AttributorStream:
         async for record in self._read_range(self.pods_topic_name, partition, 0, None):
             try:
                 event = self.runner.decode(record)
+                if not isinstance(event.record, PodEvent):
+                    continue  # a tombstone: the pods agent removes its table entry
+                changed, result = self.processor.preload_pod_event(partition, event.record,
+                                                                   event.received_at_unix_ms, event.timestamp_ms)
             except InvalidMessage:
                 continue
-            if not isinstance(event.record, PodEvent):
-                continue  # a tombstone: the pods agent removes its table entry
-            changed, result = self.processor.preload_pod_event(partition, event.record)
             self._defer(partition, result.changes)
             applied += changed
         log.info("partition %d: %d pod events applied before its streams resume", partition, applied)
@@ -339,6 +341,7 @@ class AttributorStream:
         self.metrics.progress("input", (tuple(sorted(self._processed_offset.items())),
                                         tuple(sorted(self._processed_pod_offset.items()))),
                               any(not self._caught_up(p) for p in self.processor.partitions()))
+        self._report_clocks()
         now_ms = self.clock.now_ms()
         try:
             for partition in self.processor.partitions():
@@ -348,6 +351,19 @@ class AttributorStream:
         except Exception as exc:
             self._fail("clock timer", exc)
             raise
+
+    def _report_clocks(self) -> None:
+        """Each node's clock offset (``gpumeter_attributor_node_clock_skew_seconds``) and the ticks of second
+        collectors merged since the last report."""
+        skew = self.metrics.get("gpumeter_attributor_node_clock_skew_seconds")
+        for (_, node), offset_ms in sorted(self.processor.clock_offsets().items()):
+            skew.labels(node).set(offset_ms / 1000)
+        counter = self.metrics.get("gpumeter_attributor_second_collector_ticks_total")
+        for key, count in sorted(self.processor.second_collector_counts().items()):
+            reported = self._second_collector_reported.get(key, 0)
+            if count > reported:
+                counter.labels(key[1]).inc(count - reported)
+                self._second_collector_reported[key] = count
 
     def _fail(self, where: str, exc: BaseException) -> None:
         """An error that is not bad input (a bug, Kafka unreachable past its timeouts): windows may have closed

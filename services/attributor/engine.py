@@ -39,12 +39,14 @@ redelivery (dropped, counted) and one above it is really late (the caller dead-l
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-from gpumeter.errors import ConfigError, InvalidMessage
-from gpumeter.validation import DEFAULT_MAX_SAMPLE_AGE_SECONDS, check_sample
+from gpumeter.clockskew import DEFAULT_CLOCK_SKEW_THRESHOLD_SECONDS, MAX_CLOCK_CORRECTION_MS, ClockReading, NodeClocks
+from gpumeter.errors import ClockSkew, ConfigError, InvalidMessage, OutOfRange
+from gpumeter.validation import DEFAULT_MAX_SAMPLE_AGE_SECONDS, check_sample, check_sample_names
 from schemas.catalog import pod_event_key
 from schemas.pods import GroupingLabelSources
 from schemas.records import GpuShare, NodeSample, PodEvent
@@ -149,6 +151,9 @@ class EngineConfig:
     pod_linger_ms: int = DEFAULT_LINGER_MS
     policy: AttributionPolicy = field(default_factory=AttributionPolicy)
     closed_key_retention: int = 2
+    # A node whose clock disagrees with the broker's by more than this has its timestamps corrected
+    # (``gpumeter.clockskew``); within it, a node's clock is taken as it reads.
+    clock_skew_threshold_seconds: int = DEFAULT_CLOCK_SKEW_THRESHOLD_SECONDS
     # The labels share rows carry (``pod_index.PodFields``); None: every label (the streaming attributor and
     # ``gpumeter replay`` pass ``GPUMETER_GROUPING_LABELS``, default ``pod_index.DEFAULT_GROUPING_LABELS``).
     grouping_labels: tuple[str, ...] | None = None
@@ -178,6 +183,9 @@ class EngineConfig:
             raise ConfigError(
                 f"max_sample_age_seconds must be a positive integer or None, got {self.max_sample_age_seconds!r}"
             )
+        if not isinstance(self.clock_skew_threshold_seconds, int) or self.clock_skew_threshold_seconds < 0:
+            raise ConfigError(f"clock_skew_threshold_seconds must be a non-negative integer, got "
+                              f"{self.clock_skew_threshold_seconds!r}")
         if self.pod_linger_ms < 0:
             raise ConfigError(f"pod linger must be >= 0 ms, got {self.pod_linger_ms}")
         if self.grouping_labels is not None and (
@@ -215,15 +223,28 @@ class EngineOutput:
     """What one engine call produced.
 
     ``windows``: windows closed by this call, sorted by (window start, cluster, node). ``late``: the tick of this
-    call when its window was already closed (dead-letter it with ``late[0].error()``). ``accepted``: the tick was
-    added to an open window (store it in the state table). ``duplicate``: the tick was seen before, or is a
-    redelivery of a tick of an emitted window (nothing to do).
+    call when its window was already closed (dead-letter it with ``late[0].error()``, or ``rejection``).
+    ``accepted``: the tick was added to an open window (store it in the state table). ``duplicate``: the tick was
+    seen before, or is a redelivery of a tick of an emitted window (nothing to do). ``clock_skew``: the late tick
+    was refused because its node's clock moved (``late[0]`` says how; ``rejection`` is then ``ClockSkew``).
+    ``second_collector``: the tick came from a collector of the node older than one already heard from, still
+    writing after its successor started (two collectors for one node: their ticks are merged).
     """
 
     windows: tuple[WindowResult, ...] = ()
     late: tuple[LateSample, ...] = ()
     accepted: bool = False
     duplicate: bool = False
+    clock_skew: bool = False
+    second_collector: bool = False
+
+    @property
+    def rejection(self) -> InvalidMessage | None:
+        """The dead letter's error of the tick of this call, if it was refused (None otherwise)."""
+        if not self.late:
+            return None
+        late = self.late[0]
+        return ClockSkew(late.reason) if self.clock_skew else late.error()
 
     @property
     def shares(self) -> tuple[GpuShare, ...]:
@@ -254,6 +275,36 @@ def _window_order(w: WindowResult) -> tuple[int, str, str]:
     return (w.window_start_unix_ms, w.cluster, w.node_name)
 
 
+def pod_event_lead(event: PodEvent, appended_at_ms: int | None, threshold_ms: int) -> int:
+    """How far ``event`` is stamped ahead of its append, when that is more than ``threshold_ms`` (else 0):
+    what its node's clock is ahead by at least (a delay never makes a message look early)."""
+    if appended_at_ms is None:
+        return 0
+    lead = event.observed_at_unix_ms - appended_at_ms
+    return lead if threshold_ms < lead < MAX_CLOCK_CORRECTION_MS else 0
+
+
+def shift_pod_event(event: PodEvent, offset_ms: int) -> PodEvent:
+    """``event`` with ``offset_ms`` taken off its node-clock times (``observed_at``, ``started_at``)."""
+    if not offset_ms:
+        return event
+    started = event.started_at_unix_ms
+    return dataclasses.replace(event, observed_at_unix_ms=event.observed_at_unix_ms - offset_ms,
+                               started_at_unix_ms=None if started is None else started - offset_ms)
+
+
+def _clock_note(reading: ClockReading) -> str:
+    """What a dead letter says of the node's clock: the broker's time against it, and what was done."""
+    text = (f"; by the broker's append time the node's clock reads {reading.measured_ms / 1000:+.3f} s off "
+            f"(less any delay before the append)")
+    if reading.offset_ms:
+        text += f", its times were corrected by its clock offset {reading.offset_ms / 1000:+.3f} s"
+    if reading.moved:
+        text += (" -- this tick disagrees with that offset and the node's previous tick does not confirm a new one "
+                 "(its clock may just have moved)")
+    return text
+
+
 class AttributionEngine:
     """One partition's windows and pods. Mutable (it holds immutable accumulators and a ``LivePodIndex``, changed in
     place per pod event; ``pods`` gives an immutable snapshot); not thread-safe: one caller at a time (the Faust
@@ -278,16 +329,40 @@ class AttributionEngine:
         self._pending_pod_deletes: list[str] = []
         self.redeliveries_ignored = 0
         self.late_rejected = 0
+        self.clocks = NodeClocks(config.clock_skew_threshold_seconds * 1000)
+        # node -> the newest collector start heard of (collector_started_at_unix_ms)
+        self._collector_starts: dict[NodeKey, int] = {}
+        self.second_collector_ticks = 0
 
     # -- inputs ----------------------------------------------------------------------------------------------------
 
-    def on_sample(self, sample: NodeSample, now_ms: int, position: int | None = None) -> EngineOutput:
+    def on_sample(self, sample: NodeSample, now_ms: int, position: int | None = None,
+                  appended_at_ms: int | None = None) -> EngineOutput:
         """Add one tick (``check_sample`` first, with the config's clock skew and maximum age: raises
         ``OutOfRange``). ``position``: the tick's place in the input (its Kafka offset), or None when the input has
-        no positions."""
-        age = self.config.max_sample_age_seconds
-        check_sample(sample, now_ms, self.config.max_clock_skew_seconds * 1000, None if age is None else age * 1000)
+        no positions. ``appended_at_ms``: when the broker appended it (its trusted clock; None: unknown, the
+        node's clock is taken as it reads): measured against it (``gpumeter.clockskew``), a node whose clock is
+        off has its tick's ``sampled_at`` corrected by its offset before anything else judges it, so it is
+        billed in the windows it was really sampled in. A tick whose time is impossible (out of range, late)
+        only because its node's clock just moved is refused ``CLOCK_SKEW`` rather than ``OUT_OF_RANGE``/``LATE``."""
+        check_sample_names(sample)
         key: NodeKey = (sample.cluster, sample.node_name)
+        reading: ClockReading | None = None
+        if appended_at_ms is not None:
+            reading = self.clocks.observe(key, sample.sampled_at_unix_ms, appended_at_ms,
+                                          lambda: self._is_late(key, sample.sampled_at_unix_ms),
+                                          sample.interval_ms)
+            if reading.offset_ms:
+                sample = dataclasses.replace(sample,
+                                             sampled_at_unix_ms=sample.sampled_at_unix_ms - reading.offset_ms)
+        age = self.config.max_sample_age_seconds
+        try:
+            check_sample(sample, now_ms, self.config.max_clock_skew_seconds * 1000,
+                         None if age is None else age * 1000, names=False)
+        except OutOfRange as exc:
+            if reading is not None and reading.moved and reading.offset_ms:
+                raise ClockSkew(f"{exc.detail}{_clock_note(reading)}") from None
+            raise
         acc = self._acc_for(key)
         result = acc.add(sample, position)
         self._accs[key] = result.state
@@ -299,9 +374,15 @@ class AttributionEngine:
                 self.redeliveries_ignored += 1
                 return EngineOutput(duplicate=True)
             self.late_rejected += 1
-            return EngineOutput(late=result.rejected)
+            late = result.rejected
+            skew = False
+            if reading is not None and (reading.offset_ms or reading.measured_ms):
+                late = (dataclasses.replace(late[0], clock_note=_clock_note(reading)),)
+                skew = reading.moved and reading.offset_ms != 0
+            return EngineOutput(late=late, clock_skew=skew)
         if result.state.duplicates_ignored > acc.duplicates_ignored:
             return EngineOutput(duplicate=True)
+        second = self._second_collector(key, sample)
         last = self._last_sampled_at.get(key)
         if last is None or sample.sampled_at_unix_ms > last:
             self._last_sampled_at[key] = sample.sampled_at_unix_ms
@@ -314,7 +395,22 @@ class AttributionEngine:
                     # The node's only unacknowledged window starts here: the re-read point moved (from none), and
                     # nothing else would record it until this window is acknowledged.
                     self._queue_progress(key, result.state)
-        return EngineOutput(windows=self._attribute(key, result.closed), accepted=True)
+        return EngineOutput(windows=self._attribute(key, result.closed), accepted=True, second_collector=second)
+
+    def corrected_pod_event(self, event: PodEvent, appended_at_ms: int | None) -> PodEvent:
+        """``event`` with its node's clock offset taken off its times (``observed_at``, ``started_at``: its
+        collector's and its kubelet's, both the node's clock). A pod event does not move the offset (ticks do:
+        ``on_sample``); before its node's first tick, an event stamped further ahead of its append than the skew
+        threshold is corrected by that much (a delay never makes a message look early)."""
+        key: NodeKey = (event.cluster, event.node_name)
+        offset = self.clocks.offset(key)
+        if not offset and key not in self.clocks.offsets():
+            offset = pod_event_lead(event, appended_at_ms, self.clocks.threshold_ms)
+        return shift_pod_event(event, offset)
+
+    def clock_offsets(self) -> Mapping[NodeKey, int]:
+        """Every node's clock offset in effect, ms (0: its clock agrees with the broker's)."""
+        return self.clocks.offsets()
 
     def pod_record(self, event: PodEvent) -> PodEvent:
         """``event`` as the engine keeps it (``pod_index.trim_pod_event`` with the config's ``pod_fields``): what
@@ -504,6 +600,27 @@ class AttributionEngine:
 
     # -- internals -------------------------------------------------------------------------------------------------
 
+    def _is_late(self, key: NodeKey, sampled_at_unix_ms: int) -> bool:
+        acc = self._accs.get(key)
+        if acc is None:
+            acc = WindowAccumulator(self.config.window_seconds, self.config.grace_seconds)
+            if self._clock_watermark_ms is not None:
+                acc = acc.advance(self._clock_watermark_ms).state
+        return acc.is_closed(key[0], key[1], sampled_at_unix_ms)
+
+    def _second_collector(self, key: NodeKey, sample: NodeSample) -> bool:
+        # A collector restart changes the start for good; a tick of an older start sampled after the newer
+        # collector started means both are writing.
+        start = sample.collector_started_at_unix_ms
+        newest = self._collector_starts.get(key)
+        if newest is None or start > newest:
+            self._collector_starts[key] = start
+            return False
+        if start < newest and sample.sampled_at_unix_ms >= newest - self.clocks.offset(key):
+            self.second_collector_ticks += 1
+            return True
+        return False
+
     def _acc_for(self, key: NodeKey) -> WindowAccumulator:
         acc = self._accs.get(key)
         if acc is None:
@@ -549,6 +666,8 @@ class AttributionEngine:
                 continue
             del self._accs[key]
             self._last_sampled_at.pop(key, None)
+            self.clocks.forget(key)
+            self._collector_starts.pop(key, None)
             self._restored_positions.pop(key, None)
             if key in self._has_progress:
                 self._has_progress.discard(key)
@@ -566,7 +685,9 @@ __all__ = [
     "check_sample",
     "is_progress_key",
     "node_of_table_key",
+    "pod_event_lead",
     "pod_table_key",
     "progress_table_key",
     "sample_table_key",
+    "shift_pod_event",
 ]

@@ -4,9 +4,16 @@
 through ``MessageRunner``, and what a ``MemoryDriver`` runs offline. No Kafka, no Faust, no asyncio here.
 
 Input roles (``input_topics``): ``samples`` (``NodeSample``; the range check is the engine's ``check_sample``, after
-the partition check) and ``pod_events`` (``PodEvent``, checked by ``check_pod_event`` with the config's clock skew;
-a message without value is the compacted topic's tombstone). Output role: ``window_shares`` (``output_topics``),
-one ``NodeWindowShares`` per closed window, keyed by node name; dead letters are the runner's.
+the partition check) and ``pod_events`` (``PodEvent``, checked by ``check_pod_event`` with the config's clock skew
+once its node's clock offset is taken off it; a message without value is the compacted topic's tombstone).
+
+Time: each message's ``Event.timestamp_ms`` is the broker's append time (the input topics are
+``LogAppendTime``), the clock gpumeter trusts; a node whose own clock disagrees with it has its ticks' and pod
+events' times corrected by the engine (``gpumeter.clockskew``, ``engine.on_sample``), so it is billed in the
+windows it was really sampled in; ``clock_offsets()`` reports each node's offset.
+
+Output role: ``window_shares`` (``output_topics``), one ``NodeWindowShares`` per closed window, keyed by node name;
+dead letters are the runner's.
 
 Per message, after the runner decoded and checked it (a raised ``InvalidMessage`` dead-letters the message, with
 nothing done; a ``Result.rejected`` one dead-letters it with the result's changes kept):
@@ -14,7 +21,10 @@ nothing done; a ``Result.rejected`` one dead-letters it with the result's change
 * a sample: ``WRONG_PARTITION`` unless it is on its node's partition (``schemas.catalog.partition_for_node``:
   samples and pod events of a node must share one, or its windows are attributed without its pods); then the
   partition's engine (``engine.on_sample`` at the event's ``received_at_unix_ms`` with the message offset as
-  position: ``OUT_OF_RANGE`` raised; a tick of a closed window is rejected ``LATE``; windows it closed are emitted);
+  position and its timestamp as append time: ``OUT_OF_RANGE`` raised; a tick of a closed window is rejected
+  ``LATE``, or ``CLOCK_SKEW`` when only its node's clock moving put it there; windows it closed are emitted);
+  a tick of a second collector of one node (``EngineOutput.second_collector``) is merged, counted
+  (``second_collector_ticks``) and logged (the first per node, then every ``SECOND_COLLECTOR_LOG_EVERY``th);
 * a pod event: ``WRONG_KEY`` unless keyed ``<node>/<uid>``, ``WRONG_PARTITION``, ``TOO_LARGE`` when what the engine
   keeps of it (``engine.pod_record``) encodes to more than ``max_stored_pod_bytes``; an event that changes the pod
   index is put in the pod table; a tombstone deletes its key from the pod table (a keyless one is ``EMPTY``).
@@ -55,7 +65,9 @@ from services.attributor.engine import (
     WindowResult,
     is_progress_key,
     node_of_table_key,
+    pod_event_lead,
     pod_table_key,
+    shift_pod_event,
 )
 
 log = logging.getLogger(__name__)
@@ -64,6 +76,9 @@ SERVICE = "attributor"
 SAMPLES = "samples"
 POD_EVENTS = "pod_events"
 WINDOW_SHARES = "window_shares"
+
+SECOND_COLLECTOR_LOG_EVERY = 1000
+"""Ticks of a second collector of one node logged: the first, then one in this many (a steady state, not news)."""
 
 SAMPLES_TABLE = "open_samples"
 PODS_TABLE = "pods"
@@ -146,14 +161,17 @@ class AttributorProcessor:
         self.config = config
         self.partition_count = partitions
         self.max_stored_pod_bytes = max_stored_pod_bytes
-        skew_ms = config.max_clock_skew_seconds * 1000
+        self._skew_ms = config.max_clock_skew_seconds * 1000
         # In the order of precedence at one instant (gpumeter.stream.contract.Processor.inputs): a tick's pods
-        # must be known when the tick's window closes at the same instant.
+        # must be known when the tick's window closes at the same instant. Pod events are range-checked in
+        # ``handle``, once their node's clock offset is taken off them.
         self.inputs: Sequence[Input] = (
-            Input(POD_EVENTS, PodEvent, lambda event, now_ms: check_pod_event(event, now_ms, skew_ms),
-                  tombstones=True),
+            Input(POD_EVENTS, PodEvent, tombstones=True),
             Input(SAMPLES, NodeSample),
         )
+        self._clock_ms: int | None = None
+        self.second_collector_ticks = 0
+        self._second_collector_by_node: dict[tuple[str, str], int] = {}
         self._engines: dict[int, AttributionEngine] = {}
         # partition -> windows emitted and not yet acknowledged, in emission order
         self._unacknowledged: dict[int, dict[WindowKey, WindowResult]] = {}
@@ -163,13 +181,19 @@ class AttributorProcessor:
     def handle(self, event: Event, position: Position) -> Result:
         """One sample or pod event of ``position.partition`` (see the module docstring)."""
         if event.input == SAMPLES:
-            return self._on_sample(event.record, event.received_at_unix_ms, position)
+            return self._on_sample(event.record, event.received_at_unix_ms, position, event.timestamp_ms)
         if event.input == POD_EVENTS:
-            return self._on_pod_event(event.record, event.key, position.partition)
+            return self._on_pod_event(event.record, event.key, position.partition, event.received_at_unix_ms,
+                                      event.timestamp_ms)
         raise ValueError(f"{SERVICE} has no input {event.input!r}")
 
     def on_clock(self, now_ms: int, caught_up: bool = True) -> Result:
-        """``on_clock_partition`` for every partition with an engine, in partition order."""
+        """``on_clock_partition`` for every partition with an engine, in partition order. The input is then one
+        whole, caught up or not (the in-memory driver): an engine created later by a message starts on the
+        latest caught-up clock, as the engines that existed did (so a node's first tick is judged late or not
+        alike on every partition)."""
+        if caught_up:
+            self._clock_ms = now_ms
         result = NOTHING
         for partition in sorted(self._engines):
             result = result + self.on_clock_partition(partition, now_ms, caught_up)
@@ -223,6 +247,19 @@ class AttributorProcessor:
 
     def partitions(self) -> tuple[int, ...]:
         return tuple(sorted(self._engines))
+
+    def clock_offsets(self) -> dict[tuple[str, str], int]:
+        """(cluster, node) -> the node's clock offset in effect, ms, over every partition (0: its clock agrees
+        with the broker's within the threshold; ``gpumeter.clockskew``)."""
+        offsets: dict[tuple[str, str], int] = {}
+        for partition in sorted(self._engines):
+            offsets.update(self._engines[partition].clock_offsets())
+        return offsets
+
+    def second_collector_counts(self) -> dict[tuple[str, str], int]:
+        """(cluster, node) -> ticks of a second collector of the node merged so far
+        (``EngineOutput.second_collector``)."""
+        return dict(self._second_collector_by_node)
 
     def engine(self, partition: int) -> AttributionEngine | None:
         """The partition's engine, for inspection (None before its first input or restore)."""
@@ -279,34 +316,60 @@ class AttributorProcessor:
                                            len(progress[partition]))
         return restored
 
-    def preload_pod_event(self, partition: int, event: PodEvent) -> tuple[bool, Result]:
-        """Apply a (decoded, checked) pod event of ``partition`` read before its streams resume: whether it changed
-        the partition's pods, and the table writes that follow (pods the index pruned). Nothing for an event of
-        another partition's node or of a partition without an engine."""
+    def preload_pod_event(self, partition: int, event: PodEvent, now_ms: int,
+                          appended_at_ms: int | None = None) -> tuple[bool, Result]:
+        """Apply a (decoded) pod event of ``partition`` read before its streams resume, corrected and checked as
+        ``handle`` does (raises ``InvalidMessage``: leave it to the pods agent, which dead-letters it): whether it
+        changed the partition's pods, and the table writes that follow (pods the index pruned). Nothing for an
+        event of another partition's node or of a partition without an engine."""
         engine = self._engines.get(partition)
         if engine is None or partition_for_node(event.node_name, self.partition_count) != partition:
             return False, NOTHING
-        applied = engine.on_pod_event(event)
+        event = engine.corrected_pod_event(event, appended_at_ms)
+        check_pod_event(event, now_ms, self._skew_ms)
+        applied = engine.on_pod_event(engine.pod_record(event))
         return applied, Result(changes=self._table_writes(partition, engine))
 
     # -- per message -----------------------------------------------------------------------------------------------
 
-    def _on_sample(self, sample: NodeSample, now_ms: int, position: Position) -> Result:
+    def _on_sample(self, sample: NodeSample, now_ms: int, position: Position,
+                   appended_at_ms: int | None = None) -> Result:
         partition = position.partition
         self._check_partition(partition, sample.node_name)
         engine = self._engine(partition)
-        output = engine.on_sample(sample, now_ms, position.offset)
+        output = engine.on_sample(sample, now_ms, position.offset, appended_at_ms)
+        if output.second_collector:
+            self._count_second_collector(sample)
         result = self._closed(partition, engine, output.windows)
-        if output.late:
-            result = Result(result.emits, result.changes, (output.late[0].error(),))
+        rejection = output.rejection
+        if rejection is not None:
+            result = Result(result.emits, result.changes, (rejection,))
         return result
 
-    def _on_pod_event(self, event: PodEvent | None, key: bytes | None, partition: int) -> Result:
+    def _count_second_collector(self, sample: NodeSample) -> None:
+        self.second_collector_ticks += 1
+        key = (sample.cluster, sample.node_name)
+        seen = self._second_collector_by_node.get(key, 0) + 1
+        self._second_collector_by_node[key] = seen
+        if seen % SECOND_COLLECTOR_LOG_EVERY == 1:
+            log.warning("node %s: ticks of two collectors (one started at %d still writing after a newer one "
+                        "started); merged into its windows (%d such ticks so far)", sample.node_name,
+                        sample.collector_started_at_unix_ms, seen)
+
+    def _on_pod_event(self, event: PodEvent | None, key: bytes | None, partition: int, now_ms: int = 0,
+                      appended_at_ms: int | None = None) -> Result:
         if event is None:
             if key is None:
                 raise InvalidMessage("a tombstone without key deletes no pod", reason_code="EMPTY")
             # The pod is gone for good; the index prunes it by itself.
             return Result(changes=(TableWrite(partition, PODS_TABLE, key.decode("utf-8", errors="replace"), None),))
+        engine = self._engines.get(partition)
+        if engine is not None:
+            event = engine.corrected_pod_event(event, appended_at_ms)
+        else:
+            event = shift_pod_event(event, pod_event_lead(event, appended_at_ms,
+                                                          self.config.clock_skew_threshold_seconds * 1000))
+        check_pod_event(event, now_ms, self._skew_ms)
         table_key = pod_table_key(event)
         if key is not None and key != table_key.encode("utf-8"):
             raise InvalidMessage(
@@ -343,6 +406,8 @@ class AttributorProcessor:
         if engine is None:
             engine = self._engines[partition] = AttributionEngine(self.config)
             self._unacknowledged[partition] = {}
+            if self._clock_ms is not None:
+                engine.on_clock(self._clock_ms)  # empty: closes nothing, sets its clock watermark
         return engine
 
     def _closed(self, partition: int, engine: AttributionEngine, windows: Sequence[WindowResult]) -> Result:

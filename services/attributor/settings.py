@@ -24,6 +24,7 @@ from gpumeter.config import (
     validate,
 )
 from gpumeter.errors import ConfigError
+from gpumeter.clockskew import DEFAULT_CLOCK_SKEW_THRESHOLD_SECONDS
 from gpumeter.settings import DeadLetterHealthSettings, KafkaSettings, metrics_address_setting
 from gpumeter.validation import DEFAULT_MAX_SAMPLE_AGE_SECONDS
 from services.attributor.attribution import AttributionPolicy
@@ -91,6 +92,9 @@ class AttributorSettings:
     * ``pod_linger_seconds``: how long a deleted pod stays known, for windows that close after it ended.
     * ``max_clock_skew_seconds``: ticks sampled, and pod events observed, further in the future than the clock plus
       this are dead-lettered (``OUT_OF_RANGE``).
+    * ``clock_skew_threshold_seconds``: a node whose clock reads further off the broker's append time than this has
+      its ticks' and pod events' times corrected by its measured offset (``gpumeter.clockskew``), so it is billed in
+      the windows it really sampled in; reported as ``gpumeter_attributor_node_clock_skew_seconds``.
     * ``max_sample_age_seconds``: ticks sampled longer ago than this are dead-lettered (``OUT_OF_RANGE``): no
       collector buffers that long and the samples topic keeps one day.
     * ``app_id``: Faust app id = consumer group and changelog topic prefix; default ``<topic prefix>`` +
@@ -142,6 +146,12 @@ class AttributorSettings:
                                           parse=integer,
                                           help="ticks and pod events stamped further ahead of this clock are "
                                                "dead-lettered")
+    clock_skew_threshold_seconds: int = setting(DEFAULT_CLOCK_SKEW_THRESHOLD_SECONDS,
+                                                env="GPUMETER_CLOCK_SKEW_THRESHOLD_SECONDS",
+                                                flag="--clock-skew-threshold-seconds", parse=integer,
+                                                check=at_least(0),
+                                                help="a node's clock further off the broker's than this is "
+                                                     "corrected")
     max_sample_age_seconds: int = setting(DEFAULT_MAX_SAMPLE_AGE_SECONDS, env="GPUMETER_MAX_SAMPLE_AGE_SECONDS",
                                           flag="--max-sample-age-seconds", parse=integer,
                                           help="ticks older than this are dead-lettered")
@@ -204,6 +214,7 @@ class AttributorSettings:
             idle_close_seconds=self.idle_close_seconds,
             max_clock_skew_seconds=self.max_clock_skew_seconds,
             max_sample_age_seconds=self.max_sample_age_seconds,
+            clock_skew_threshold_seconds=self.clock_skew_threshold_seconds,
             pod_linger_ms=self.pod_linger_seconds * 1000,
             policy=self.policy,
             grouping_labels=tuple(self.grouping_labels),

@@ -58,14 +58,26 @@ class LateSample:
     closed_before_unix_ms: int
     watermark_unix_ms: int
     metadata: Any = None
+    node_watermark_unix_ms: int | None = None
+    clock_watermark_unix_ms: int | None = None
+    clock_note: str = ""
 
     @property
     def reason(self) -> str:
+        # Which watermark closed the window: the node's own (its newest tick) or the attributor's clock (shared
+        # by every node of the partition, so it must never read as another node's).
+        own = self.node_watermark_unix_ms
+        clock = self.clock_watermark_unix_ms
+        if own is None and clock is None:
+            marks = f"watermark {self.watermark_unix_ms}"
+        else:
+            marks = (f"the node's own watermark {'none' if own is None else own} (its newest tick), the "
+                     f"attributor's clock watermark {'none' if clock is None else clock}")
         return (
             f"tick {self.sample.collector_started_at_unix_ms}/{self.sample.sequence} of node "
             f"{self.sample.node_name} sampled at {self.sample.sampled_at_unix_ms} belongs to window "
-            f"{self.window_start_unix_ms}, already closed (windows before {self.closed_before_unix_ms} are closed; "
-            f"watermark {self.watermark_unix_ms})"
+            f"{self.window_start_unix_ms}, already closed for this node (windows before "
+            f"{self.closed_before_unix_ms} are closed; {marks}){self.clock_note}"
         )
 
     def error(self) -> LateMessage:
@@ -140,6 +152,14 @@ class WindowAccumulator:
             return None
         return max(state.watermark_unix_ms, self._clock_watermark_unix_ms)
 
+    def is_closed(self, cluster: str, node_name: str, t_unix_ms: int) -> bool:
+        """Whether a tick of the node sampled at ``t_unix_ms`` would be late (its window is closed)."""
+        state = self._nodes.get((cluster, node_name))
+        closed_before = self.closed_before_for(self._clock_watermark_unix_ms)
+        if state is not None:
+            closed_before = max(closed_before, state.closed_before_unix_ms)
+        return self.window_start_of(t_unix_ms) < closed_before
+
     def open_window_starts(self, cluster: str, node_name: str) -> tuple[int, ...]:
         state = self._nodes.get((cluster, node_name))
         return tuple(sorted(state.open_windows)) if state is not None else ()
@@ -163,7 +183,9 @@ class WindowAccumulator:
             if any(tick in keys for keys in state.recent_closed_keys):
                 return AddResult(self._replace(self._nodes, duplicates=1), (), ())
             watermark = max(state.watermark_unix_ms, self._clock_watermark_unix_ms)
-            late = LateSample(sample, start, closed_before, watermark, metadata)
+            late = LateSample(sample, start, closed_before, watermark, metadata,
+                              None if state.watermark_unix_ms <= _NEVER else state.watermark_unix_ms,
+                              None if self._clock_watermark_unix_ms <= _NEVER else self._clock_watermark_unix_ms)
             return AddResult(self, (), (late,))
 
         window = state.open_windows.get(start)

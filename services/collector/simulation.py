@@ -12,6 +12,7 @@ Two shapes share the same parts:
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -191,6 +192,7 @@ def node_streams(scenario: Scenario, node_name: str, proc_root: Path | None = No
     identities = ProcessIdentityCache(root)
     facts = node_facts(scenario, node)
     interval_ms = int(round(scenario.interval_seconds * 1000))
+    skew_ms = node.clock_offset_seconds * 1000
     known: dict[str, SimPod] = {}
     # DRA pods' claim devices as last published: they change as the pods sharing a claim come and go, and the
     # collector republishes a pod whose devices changed (MODIFIED), as its kubelet refresh does.
@@ -235,10 +237,24 @@ def node_streams(scenario: Scenario, node_name: str, proc_root: Path | None = No
             )
             previous_ms = now_ms
             identities.retain_only(pid for device in reading.devices for pid in device.process_pids)
+            if skew_ms:
+                sample, events = _on_node_clock(sample, events, skew_ms)
             yield SimulatedTick(now_ms, sample, tuple(events))
     finally:
         if owned_root:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def _on_node_clock(sample: NodeSample, events: list[PodEvent], skew_ms: int) -> tuple[NodeSample, list[PodEvent]]:
+    """The tick and pod events as a node whose clock is ``skew_ms`` off stamps them (``NodeSpec.clock_offset_seconds``):
+    its collector's times and its kubelet's (a pod's start) read that much off; ``SimulatedTick.sampled_at_unix_ms``
+    stays the scenario's time, when the broker appends them."""
+    sample = dataclasses.replace(sample, sampled_at_unix_ms=sample.sampled_at_unix_ms + skew_ms,
+                                 collector_started_at_unix_ms=sample.collector_started_at_unix_ms + skew_ms)
+    events = [dataclasses.replace(e, observed_at_unix_ms=e.observed_at_unix_ms + skew_ms,
+                                  started_at_unix_ms=None if e.started_at_unix_ms is None
+                                  else e.started_at_unix_ms + skew_ms) for e in events]
+    return sample, events
 
 
 class SimulatedNode:

@@ -13,6 +13,7 @@ File layout (YAML, or JSON, which YAML reads too); every key is optional, unknow
     shared_memory_pressure: {used_above_percent: 90, fair_share_factor: 1.0}
     stale_node: {intervals: 5, min_seconds: 60}
     gpu_error: {ignored: ["nvmlDeviceGetPowerUsage:NOT_SUPPORTED"], min_consecutive_samples: 2}
+    clock_skew: {threshold_seconds: 5}
     unrequested_gpu_use: {min_memory_bytes: 0}
     budget_exceeded: {forecast_warning_fraction: 1.0, forecast_min_elapsed_fraction: 0.05}
     budgets:
@@ -51,6 +52,7 @@ RULE_SHARED_MEMORY_PRESSURE = "shared_memory_pressure"
 RULE_BUDGET_EXCEEDED = "budget_exceeded"
 RULE_STALE_NODE = "stale_node"
 RULE_GPU_ERROR = "gpu_error"
+RULE_CLOCK_SKEW = "clock_skew"
 RULES = (
     RULE_VISIBILITY_LEAK,
     RULE_UNREQUESTED_GPU_USE,
@@ -59,6 +61,7 @@ RULES = (
     RULE_BUDGET_EXCEEDED,
     RULE_STALE_NODE,
     RULE_GPU_ERROR,
+    RULE_CLOCK_SKEW,
 )
 
 ENV_PREFIX = "GPUMETER_GUARD_"
@@ -145,6 +148,8 @@ class GuardConfig:
     # gpu_error
     gpu_error_ignored: tuple[str, ...] = ()
     gpu_error_min_consecutive_samples: int = 2
+    # clock_skew: a node's clock further off the broker's append time than this (gpumeter.clockskew)
+    clock_skew_threshold_seconds: int = 5
 
     def __post_init__(self) -> None:
         for name in (
@@ -155,6 +160,7 @@ class GuardConfig:
             "unrequested_min_memory_bytes",
             "idle_for_seconds",
             "stale_node_min_seconds",
+            "clock_skew_threshold_seconds",
         ):
             _check_int(name, getattr(self, name), minimum=0)
         for name in ("idle_evidence_max_age_seconds", "cost_dedup_horizon_seconds", "stale_node_forget_seconds",
@@ -422,6 +428,7 @@ _PARSERS: dict[str, Callable[[Any, str], Any]] = {
     "stale_node_forget_seconds": _to_int,
     "gpu_error_ignored": _to_str_list,
     "gpu_error_min_consecutive_samples": _to_int,
+    "clock_skew_threshold_seconds": _to_int,
 }
 assert set(_PARSERS) == {f.name for f in dataclasses.fields(GuardConfig)}, "every field needs a parser"
 
@@ -434,6 +441,7 @@ _SECTIONS: dict[str, str] = {
     RULE_BUDGET_EXCEEDED: "budget_",
     RULE_STALE_NODE: "stale_node_",
     RULE_GPU_ERROR: "gpu_error_",
+    RULE_CLOCK_SKEW: "clock_skew_",
 }
 _SECTION_FIELDS: dict[str, frozenset[str]] = {
     RULE_VISIBILITY_LEAK: frozenset({"exempt_namespaces", "exempt_label", "exempt_label_namespaces",
@@ -538,6 +546,7 @@ __all__ = [
     "PERIODS",
     "RULES",
     "RULE_BUDGET_EXCEEDED",
+    "RULE_CLOCK_SKEW",
     "RULE_GPU_ERROR",
     "RULE_IDLE_ALLOCATION",
     "RULE_SHARED_MEMORY_PRESSURE",

@@ -47,6 +47,7 @@ from dataclasses import asdict, dataclass, replace
 from types import MappingProxyType
 from typing import Any, Iterable, Mapping, Sequence
 
+from gpumeter.clockskew import NodeClocks
 from gpumeter.errors import InvalidMessage, OutOfRange
 from schemas.pods import PodAssignment
 from schemas.records import (
@@ -73,6 +74,7 @@ from services.guard.rules import (
     apply_pod_event,
     budget_exceeded,
     classify_unit_window,
+    clock_skew,
     cost_subject,
     gpu_error,
     gpu_error_counts,
@@ -149,6 +151,7 @@ class GuardEngine:
 
     def __init__(self, config: GuardConfig) -> None:
         self.config = config
+        self.clocks = NodeClocks(config.clock_skew_threshold_seconds * 1000)
         self._now_ms: int | None = None
         self._tracked: dict[str, _Tracked] = {}
         self._scopes: dict[str, dict[str, None]] = {}
@@ -175,12 +178,21 @@ class GuardEngine:
 
     # -- inputs ----------------------------------------------------------------------------------------------------
 
-    def on_sample(self, sample: NodeSample, now_ms: int) -> tuple[Violation, ...]:
+    def on_sample(self, sample: NodeSample, now_ms: int, appended_at_ms: int | None = None) -> tuple[Violation, ...]:
         """One collector tick: the node is alive; its sample rules and its pods' spec check are re-evaluated.
-        A tick not newer than the node's newest (a redelivery) changes nothing but the clock."""
+        A tick not newer than the node's newest (a redelivery) changes nothing but the clock. ``appended_at_ms``:
+        the broker's append time (None: unknown): the node's clock is measured against it
+        (``gpumeter.clockskew``, as the attributor does), its tick's ``sampled_at`` corrected by the offset, and
+        ``clock_skew`` judged from it."""
         now = self._tick(now_ms)
         out: list[Violation] = []
         key = (sample.cluster, sample.node_name)
+        offset_ms = 0
+        if appended_at_ms is not None:
+            offset_ms = self.clocks.observe(key, sample.sampled_at_unix_ms, appended_at_ms,
+                                            interval_ms=sample.interval_ms).offset_ms
+            if offset_ms:
+                sample = replace(sample, sampled_at_unix_ms=sample.sampled_at_unix_ms - offset_ms)
         node = self._nodes.get(key)
         if node is not None and sample.sampled_at_unix_ms <= node.last_sampled_at_ms:
             self.old_samples_ignored += 1
@@ -198,6 +210,7 @@ class GuardEngine:
             + unrequested_gpu_use(sample, pods, self.config)
             + shared_memory_pressure(sample, pods, self.config)
             + gpu_error(sample, self.config, streaks)
+            + clock_skew(sample.cluster, sample.node_name, offset_ms, self.config)
         )
         self._reconcile(_scope("sample", *key), conditions, now, out)
         self._reconcile(_scope("stale", *key), (), now, out)

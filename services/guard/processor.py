@@ -143,7 +143,7 @@ class GuardProcessor:
             return NOTHING
         engine = self.engine
         if event.input == SAMPLES:
-            violations = engine.on_sample(record, now_ms)
+            violations = engine.on_sample(record, now_ms, event.timestamp_ms)
         elif event.input == POD_EVENTS:
             violations = engine.on_pod_event(record, now_ms)
         elif event.input == WINDOW_SHARES:

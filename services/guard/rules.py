@@ -51,6 +51,7 @@ from services.guard.config import (
     PERIOD_DAY,
     PERIOD_MONTH,
     RULE_BUDGET_EXCEEDED,
+    RULE_CLOCK_SKEW,
     RULE_GPU_ERROR,
     RULE_IDLE_ALLOCATION,
     RULE_SHARED_MEMORY_PRESSURE,
@@ -620,6 +621,26 @@ def gpu_error(sample: NodeSample, config: GuardConfig, consecutive_samples: Mapp
             node_name=sample.node_name, gpu_uuid=None if node_level else key,
         ))
     return tuple(out)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# clock_skew
+
+
+def clock_skew(cluster: str, node_name: str, offset_ms: int, config: GuardConfig) -> tuple[Condition, ...]:
+    """WARNING: the node's clock is off the broker's append time by more than ``clock_skew_threshold_seconds``
+    (``offset_ms``: its offset as ``gpumeter.clockskew.NodeClocks`` measures it, + ahead). Its ticks are
+    corrected and billed in the right windows; the node's NTP is what to fix."""
+    if not config.rule_enabled(RULE_CLOCK_SKEW) or abs(offset_ms) <= config.clock_skew_threshold_seconds * 1000:
+        return ()
+    direction = "ahead of" if offset_ms > 0 else "behind"
+    return (_condition(
+        RULE_CLOCK_SKEW, Severity.WARNING, cluster,
+        f"the clock of node {node_name} is {abs(offset_ms) / 1000:.1f} s {direction} the broker's (more than "
+        f"{config.clock_skew_threshold_seconds} s): its timestamps are corrected; check its time sync (NTP)",
+        {"clock_skew_seconds": offset_ms / 1000, "threshold_seconds": config.clock_skew_threshold_seconds},
+        node_name=node_name,
+    ),)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -530,3 +530,71 @@ def test_progress_records_round_trip_and_garbage_is_corrupt():
 def test_engine_config_rejects_unusable_values(changes):
     with pytest.raises(ConfigError):
         dataclasses.replace(CONFIG, **changes)
+
+
+# -- clock skew (gpumeter.clockskew): the broker's append time decides ----------------------------------------------
+
+
+def _behind(sample: NodeSample, skew_ms: int) -> NodeSample:
+    return dataclasses.replace(sample, sampled_at_unix_ms=sample.sampled_at_unix_ms + skew_ms)
+
+
+def test_a_node_whose_clock_is_behind_is_corrected_by_the_brokers_append_time_and_a_clock_step_is_clock_skew():
+    engine = AttributionEngine(CONFIG)
+    for event in pods_of("n1"):
+        engine.on_pod_event(event)
+    engine.on_clock(BASE)  # the attributor is caught up at BASE: a tick 10 minutes old is late as it reads
+    samples = ticks("n1", windows=2)
+    outputs = [engine.on_sample(_behind(s, -600_000), s.sampled_at_unix_ms + 3, k, s.sampled_at_unix_ms)
+               for k, s in enumerate(samples)]
+    assert all(o.accepted for o in outputs)
+    assert engine.clock_offsets() == {(CLUSTER, "n1"): -600_000}
+    windows = [w for o in outputs for w in o.windows]
+    assert [w.window_start_unix_ms for w in windows] == [BASE]  # the tick's true window, not 10 minutes before
+    assert windows[0].shares == expected_windows(samples, pods_of("n1"))[("n1", BASE)]
+    # The clock steps another 10 minutes back: the first tick after the step is refused CLOCK_SKEW (not LATE), its
+    # message says what the broker's clock said; the second confirms the new offset and is taken.
+    t = BASE + len(samples) * 1000
+    step = [two_pod_tick(t + k * 1000, "n1", len(samples) + k) for k in range(2)]
+    first = engine.on_sample(_behind(step[0], -1_200_000), t, 100, step[0].sampled_at_unix_ms)
+    assert first.clock_skew and first.rejection.reason_code == "CLOCK_SKEW"
+    assert "-1200.000 s off" in first.rejection.detail and "clock may just have moved" in first.rejection.detail
+    second = engine.on_sample(_behind(step[1], -1_200_000), t + 1000, 101, step[1].sampled_at_unix_ms)
+    assert second.accepted and engine.clock_offsets() == {(CLUSTER, "n1"): -1_200_000}
+
+
+def test_a_node_whose_clock_is_ahead_is_corrected_pod_events_too():
+    engine = AttributionEngine(CONFIG)
+    ahead = 600_000
+    for event in pods_of("n1"):
+        shifted = dataclasses.replace(event, observed_at_unix_ms=event.observed_at_unix_ms + ahead,
+                                      started_at_unix_ms=event.started_at_unix_ms + ahead)
+        corrected = engine.corrected_pod_event(shifted, event.observed_at_unix_ms)
+        assert corrected == event
+        engine.on_pod_event(corrected)
+    samples = ticks("n1", windows=2)
+    outputs = [engine.on_sample(_behind(s, ahead), s.sampled_at_unix_ms, k, s.sampled_at_unix_ms)
+               for k, s in enumerate(samples)]
+    assert all(o.accepted for o in outputs)  # before: OUT_OF_RANGE, 600 s in the future (allowed skew 60 s)
+    windows = [w for o in outputs for w in o.windows]
+    assert windows[0].shares == expected_windows(samples, pods_of("n1"))[("n1", BASE)]
+
+
+def test_a_late_tick_says_which_watermark_closed_its_window():
+    engine = AttributionEngine(CONFIG)
+    samples = ticks("n1", windows=3)
+    for k, s in enumerate(samples):
+        engine.on_sample(s, NOW, k)
+    late = engine.on_sample(two_pod_tick(BASE, "n1", 999), NOW, 999)
+    assert late.rejection.reason_code == "LATE"
+    assert "the node's own watermark" in late.rejection.detail and "attributor's clock watermark none" in \
+        late.rejection.detail
+
+
+def test_ticks_of_two_collectors_of_one_node_are_merged_and_counted():
+    engine = AttributionEngine(CONFIG)
+    old = [two_pod_tick(BASE + k * 1000, "n1", k, started=1) for k in range(4)]
+    new = [two_pod_tick(BASE + k * 1000 + 500, "n1", k, started=BASE + 1500) for k in range(2, 4)]
+    flags = [engine.on_sample(s, NOW, None).second_collector for s in (*old[:2], new[0], old[2], new[1], old[3])]
+    assert flags == [False, False, False, True, False, True]
+    assert engine.second_collector_ticks == 2

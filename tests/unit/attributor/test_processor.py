@@ -245,14 +245,32 @@ def test_a_pod_too_large_to_store_is_dead_lettered():
     assert s.store.writes == []
 
 
-def test_an_impossible_pod_event_is_out_of_range_before_the_processor_sees_it():
+def test_an_impossible_pod_event_is_out_of_range_before_the_processor_keeps_anything():
+    # Two days ahead of its append: beyond any clock correction (gpumeter.clockskew.MAX_CLOCK_CORRECTION_MS).
     s = Setup()
-    future = dataclasses.replace(pods_of(NODE)[0], observed_at_unix_ms=NOW + 3600_000)
-    s.broker.produce("t.pods", pod_event_key(NODE, future.uid), POD_CODEC.encode(future), timestamp_ms=BASE,
+    future = dataclasses.replace(pods_of(NODE)[0], observed_at_unix_ms=NOW + 2 * 86_400_000)
+    s.broker.produce("t.pods", pod_event_key(NODE, future.uid), POD_CODEC.encode(future), timestamp_ms=NOW,
                      partition=P)
     s.run()
     assert [d.reason_code for d in s.letters()] == ["OUT_OF_RANGE"]
     assert s.processor.engine(P) is None
+
+
+def test_a_pod_event_of_a_clock_ahead_of_the_broker_is_corrected_not_refused():
+    # The node's clock is an hour ahead: its pod event reads an hour after the broker appended it. Judged as it
+    # reads it would be from the future (OUT_OF_RANGE); the broker's append time says by how much to correct it.
+    s = Setup()
+    pod = pods_of(NODE)[0]
+    ahead = dataclasses.replace(pod, observed_at_unix_ms=pod.observed_at_unix_ms + 3600_000,
+                                started_at_unix_ms=None if pod.started_at_unix_ms is None
+                                else pod.started_at_unix_ms + 3600_000)
+    s.broker.produce("t.pods", pod_event_key(NODE, pod.uid), POD_CODEC.encode(ahead),
+                     timestamp_ms=pod.observed_at_unix_ms, partition=P)
+    s.run()
+    assert s.letters() == []
+    stored = POD_CODEC.decode(s.store.writes[-1].value)
+    assert (stored.observed_at_unix_ms, stored.started_at_unix_ms) == (pod.observed_at_unix_ms,
+                                                                       pod.started_at_unix_ms)
 
 
 def test_restore_rebuilds_from_the_tables_and_says_where_to_read_again():

@@ -50,6 +50,7 @@ def test_defaults_load_from_nothing_and_every_field_round_trips_through_env(tmp_
         "GPUMETER_GUARD_STALE_NODE_FORGET_SECONDS": "7100",
         "GPUMETER_GUARD_GPU_ERROR_IGNORED": "nvmlDeviceGetPowerUsage:NOT_SUPPORTED,*:TIMEOUT",
         "GPUMETER_GUARD_GPU_ERROR_MIN_CONSECUTIVE_SAMPLES": "3",
+        "GPUMETER_GUARD_CLOCK_SKEW_THRESHOLD_SECONDS": "7",
         "GPUMETER_GUARD_ALERTMANAGER_URL": "http://not-ours",  # the service's variable: ignored here
     }
     config = GuardConfig.load(None, env)
@@ -182,7 +183,7 @@ def test_constructor_validation_and_lookups():
     assert config.is_error_ignored("nvmlDeviceGetPowerUsage", "UNKNOWN")
     assert not config.is_error_ignored("nvmlDeviceGetMemoryInfo", "UNKNOWN")
     assert set(RULES) == {"visibility_leak", "unrequested_gpu_use", "idle_allocation", "shared_memory_pressure",
-                          "budget_exceeded", "stale_node", "gpu_error"}
+                          "budget_exceeded", "stale_node", "gpu_error", "clock_skew"}
     dumped = GuardConfig(namespace_budgets={"ml": Budget(day_micro_usd=3)}).to_json()
     assert dumped["namespace_budgets"] == {"ml": {"day_micro_usd": 3, "month_micro_usd": None}}
     json.dumps(dumped)
