@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 import math
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping, NamedTuple, Sequence
@@ -507,10 +508,12 @@ def _attribute(unit: UnitWindow, pods: PodLookup, policy: AttributionPolicy, slo
     # Pods holding an id that names the unit, alive at one of its ticks at least.
     first_device = next((t.device for t in ticks if not t.all_idle), ticks[0].device if ticks else None)
     keys = device_keys(unit.kind, unit.unit_uuid, unit.parent_uuid, first_device)
-    tick_times = [t.sampled_at_unix_ms for t in ticks]
+    tick_times = sorted(t.sampled_at_unix_ms for t in ticks)
     assignees: list[tuple[PodInfo, UnitAssignment]] = []
     for info, claim in pods.assignments_for(keys):
-        if any(info.alive_at(t) for t in tick_times):
+        # Alive at one tick at least: the first tick at or after its start comes before its end.
+        first = bisect_left(tick_times, info.life_start_ms)
+        if first < len(tick_times) and tick_times[first] < info.life_end_ms:
             assignees.append((info, claim))
     assignee_slots = [slots.slot(info.uid) for info, _ in assignees]
     for t in ticks:
@@ -660,6 +663,10 @@ def _accumulate(
     quality = _Quality()
     epochs: dict[tuple[int, ...], _Epoch] = {}
     unavailable_w = 0.0
+    # The alive holders change only where a holder's life starts or ends: between two such times they are the
+    # same for every tick, so they are worked out once per stretch.
+    cuts = sorted({edge for info, _claim in assignees for edge in (info.life_start_ms, info.life_end_ms)})
+    holders_in: dict[int, tuple[int, ...]] = {}
     for tick, w in zip(ticks, weights):
         if w <= 0.0:
             continue
@@ -668,7 +675,11 @@ def _accumulate(
             quality.unavailable += 1
             continue
         t = tick.sampled_at_unix_ms
-        holders = tuple(i for i, (info, _claim) in enumerate(assignees) if info.alive_at(t))
+        stretch = bisect_right(cuts, t)
+        holders = holders_in.get(stretch)
+        if holders is None:
+            holders = holders_in[stretch] = tuple(
+                i for i, (info, _claim) in enumerate(assignees) if info.alive_at(t))
         epoch = epochs.get(holders)
         if epoch is None:
             epoch = epochs[holders] = _Epoch(holders, nslots)
@@ -741,15 +752,21 @@ def _add_ticks(epoch: _Epoch, slots: _PodSlots, quality: _Quality, thread_pct: l
     last_smap: list[int] | None = None
     last_ppi: tuple[int, ...] | None = None
     last_slots: list[int] = []
+    # The epoch's sums as locals while its ticks are added (written back at the end): the same additions in
+    # the same order, without an attribute store per addition.
+    mem_w, mem_idle, bytes_idle = epoch.mem_w, epoch.mem_idle, epoch.bytes_idle
+    mem_res, bytes_res, mem_unx, bytes_unx = epoch.mem_res, epoch.bytes_res, epoch.mem_unx, epoch.bytes_unx
+    comp_w, comp_idle, comp_unx = epoch.comp_w, epoch.comp_idle, epoch.comp_unx
+    busy_per_process, busy_proxy = epoch.busy_per_process, epoch.busy_proxy
     for tick, w in epoch.ticks:
         if w <= 0.0:
             continue
         if tick.all_idle:
-            epoch.mem_w += w
-            epoch.mem_idle += w
-            epoch.bytes_idle += tick.unassigned_memory_bytes * w
-            epoch.comp_w += w
-            epoch.comp_idle += w
+            mem_w += w
+            mem_idle += w
+            bytes_idle += tick.unassigned_memory_bytes * w
+            comp_w += w
+            comp_idle += w
             continue
         dev = tick.device
         smap = maps[id(tick.pod_uids)]
@@ -813,12 +830,12 @@ def _add_ticks(epoch: _Epoch, slots: _PodSlots, quality: _Quality, thread_pct: l
             if clamped:
                 quality.mem_clamped += 1
             inv = w / total
-            epoch.mem_w += w
-            epoch.mem_res += reserved * inv
-            epoch.bytes_res += reserved * w
+            mem_w += w
+            mem_res += reserved * inv
+            bytes_res += reserved * w
             free = capacity - used
-            epoch.mem_idle += free * inv
-            epoch.bytes_idle += free * w
+            mem_idle += free * inv
+            bytes_idle += free * w
             if mem_sum > used:
                 # Processes report more than the device has in use (sampled at another instant): the device
                 # total is authoritative, so scale the processes into it.
@@ -828,8 +845,8 @@ def _add_ticks(epoch: _Epoch, slots: _PodSlots, quality: _Quality, thread_pct: l
             else:
                 scale = 1.0
                 unexplained = used - mem_sum
-            epoch.mem_unx += unexplained * inv
-            epoch.bytes_unx += unexplained * w
+            mem_unx += unexplained * inv
+            bytes_unx += unexplained * w
             if mem_sum:
                 fi = scale * inv
                 bi = scale * w
@@ -860,8 +877,8 @@ def _add_ticks(epoch: _Epoch, slots: _PodSlots, quality: _Quality, thread_pct: l
         else:
             quality.comp_unknown += 1
             continue
-        epoch.comp_w += w
-        epoch.comp_idle += (1.0 - busy_fraction) * w
+        comp_w += w
+        comp_idle += (1.0 - busy_fraction) * w
         busy = busy_fraction * w
         if busy <= 0.0:
             continue
@@ -878,7 +895,7 @@ def _add_ticks(epoch: _Epoch, slots: _PodSlots, quality: _Quality, thread_pct: l
                 mem_sum = sum(pmem)
                 last_smap = None  # the filtered slots must not be reused as the tick's own
         if not n_procs:
-            epoch.comp_unx += busy
+            comp_unx += busy
             quality.busy_unexplained += 1
         elif thread_pct is not None:
             pct_of: dict[int, float] = {}
@@ -889,13 +906,13 @@ def _add_ticks(epoch: _Epoch, slots: _PodSlots, quality: _Quality, thread_pct: l
             for slot, pct in pct_of.items():
                 comp[slot] += pct * c
         elif per_process_ok:
-            epoch.busy_per_process += busy
+            busy_per_process += busy
             c = busy / sm_sum
             for slot, s in zip(tick_slots, psm):
                 if s:
                     comp[slot] += s * c
         else:
-            epoch.busy_proxy += busy
+            busy_proxy += busy
             if mem_sum:
                 c = busy / mem_sum
                 for slot, m in zip(tick_slots, pmem):
@@ -905,6 +922,10 @@ def _add_ticks(epoch: _Epoch, slots: _PodSlots, quality: _Quality, thread_pct: l
                 c = busy / n_procs
                 for slot in tick_slots:
                     comp[slot] += c
+    epoch.mem_w, epoch.mem_idle, epoch.bytes_idle = mem_w, mem_idle, bytes_idle
+    epoch.mem_res, epoch.bytes_res, epoch.mem_unx, epoch.bytes_unx = mem_res, bytes_res, mem_unx, bytes_unx
+    epoch.comp_w, epoch.comp_idle, epoch.comp_unx = comp_w, comp_idle, comp_unx
+    epoch.busy_per_process, epoch.busy_proxy = busy_per_process, busy_proxy
 
 
 def _unit_vectors(
