@@ -125,15 +125,15 @@ async def run(settings: CollectorSettings, scenario=None) -> int:
                 kind).inc(),
         )
         tasks.append(asyncio.create_task(namespaces.run()))
-        # Pods are first published with their namespace's labels where the namespaces can be read in time; later
-        # labels republish the pods (CollectorService.on_namespace_event).
-        await _until_synced(namespaces, NAMESPACE_SYNC_WAIT_SECONDS, stop)
         watcher = PodWatcher(
             api_client, settings.node_name, facts.cluster, clock, service.on_pod_event,
             on_watch_error=lambda kind: metrics.get("gpumeter_collector_pod_watch_restarts_total").labels(kind).inc(),
             on_pod_warning=lambda code: metrics.get("gpumeter_collector_pod_warnings_total").labels(code).inc(),
         )
-        tasks.append(asyncio.create_task(watcher.run()))
+        # Pods are first published with their namespace's labels where the namespaces can be read in time; later
+        # labels republish the pods (CollectorService.on_namespace_event). Only the pod watch waits for them: the
+        # ticks start now, whatever the API server does.
+        tasks.append(asyncio.create_task(_watch_pods_once_synced(watcher, namespaces, stop)))
     stop_on(stop, handle_signals=False, duration_seconds=settings.duration_seconds)
     try:
         await service.run_ticks(stop, interval_seconds / (settings.time_scale if simulated else 1.0))
@@ -153,6 +153,13 @@ async def run(settings: CollectorSettings, scenario=None) -> int:
 
 
 NAMESPACE_SYNC_WAIT_SECONDS = 10.0
+
+
+async def _watch_pods_once_synced(pods, namespaces, stop: asyncio.Event) -> None:
+    """Run the pod watch once the namespace watch has listed (or ``NAMESPACE_SYNC_WAIT_SECONDS`` went by)."""
+    await _until_synced(namespaces, NAMESPACE_SYNC_WAIT_SECONDS, stop)
+    if not stop.is_set():
+        await pods.run()
 
 
 async def _until_synced(watcher, wait_s: float, stop: asyncio.Event) -> None:

@@ -376,3 +376,31 @@ async def test_index_ids_from_the_kubelet_are_published_as_uuids_once_nvml_was_r
     finally:
         await client.close()
         await kubelet.stop()
+
+
+async def test_the_pod_watch_waits_for_the_namespace_list_but_nothing_else_does(monkeypatch):
+    """The collector's ticks never wait for the API server: only the pod watch waits (at most
+    NAMESPACE_SYNC_WAIT_SECONDS) for the first namespace list, so that pods are first published with their
+    namespace's labels. Before, ``serve`` awaited the namespace list before its tick loop started (up to 10 s of
+    ticks not taken on a slow API server)."""
+    import asyncio
+
+    from services.collector import main as collector_main
+
+    class Namespaces:
+        has_synced = False
+
+    class Pods:
+        started = asyncio.Event()
+
+        async def run(self):
+            self.started.set()
+
+    namespaces, pods, stop = Namespaces(), Pods(), asyncio.Event()
+    monkeypatch.setattr(collector_main, "NAMESPACE_SYNC_WAIT_SECONDS", 30.0)
+    task = asyncio.create_task(collector_main._watch_pods_once_synced(pods, namespaces, stop))
+    await asyncio.sleep(0.2)
+    assert not pods.started.is_set()  # still waiting for the namespaces, in a task of its own
+    namespaces.has_synced = True
+    await asyncio.wait_for(task, 5)
+    assert pods.started.is_set()
