@@ -220,3 +220,64 @@ async def test_leak_fires_survives_a_restart_resolves_and_shows_in_the_cli(kafka
         (violation_json(v) for v in latest.values()), key=lambda e: e["fingerprint"])
     assert {e["fingerprint"] for e in shown if e["rule"] == "visibility_leak"} == set(leaks)
     assert all(e["state"] == "resolved" for e in shown)
+
+
+class _NodeClock:
+    """The clock of a node whose own clock is ``offset_ms`` off the real one (NTP down, a VM resumed)."""
+
+    def __init__(self, offset_ms: int) -> None:
+        self.offset_ms = offset_ms
+
+    def now_ms(self) -> int:
+        return SystemClock().now_ms() + self.offset_ms
+
+
+async def test_clock_skew_fires_from_the_brokers_append_time_and_resolves_when_the_clock_is_right(
+        kafka_settings, topic_catalog, group_id, tmp_path):
+    """Through the real broker: the samples topic is stamped by the broker (LogAppendTime), so a node whose own
+    clock reads ten minutes behind is seen as such -- ``clock_skew`` FIRING with the measured offset as evidence --
+    and once its clock is right again (and the hold-down passed) the violation is RESOLVED under the same
+    fingerprint. Nothing else fires: the node's samples are judged on the corrected time."""
+    config = GuardConfig(hold_down_seconds=HOLD_DOWN_SECONDS, refresh_seconds=3600)
+    settings = GuardSettings(kafka=kafka_settings, consumer_group=group_id, metrics_port=0,
+                             topic_partitions=PARTITIONS, state_path=tmp_path / "guard.state",
+                             snapshot_interval_seconds=0.5, clock_interval_seconds=0.2)
+    behind = _NodeClock(-600_000)
+    stop = asyncio.Event()
+    service = asyncio.create_task(serve(settings, config=config, stop=stop, clock=SystemClock()))
+    ticking = None
+    try:
+        ticking = asyncio.create_task(tick_like_a_collector(kafka_settings, topic_catalog, behind, "no-pod",
+                                                            process_memory_bytes=0))
+
+        def skew_firing(violations):
+            latest = {v.fingerprint: v for v in violations if v.rule == "clock_skew"}
+            return any(v.state is ViolationState.FIRING for v in latest.values())
+
+        records = await wait_for_violations(kafka_settings, topic_catalog.violations, skew_firing,
+                                            "a FIRING clock_skew for the node")
+        (fired,) = {v.fingerprint: v for _, v in records if v.rule == "clock_skew"}.values()
+        assert fired.node_name == NODE
+        # Behind by ten minutes, and the moments a sample takes to reach the broker (which read as behind too).
+        assert -610 <= fired.evidence["clock_skew_seconds"] <= -600, fired.evidence
+        assert {v.rule for _, v in records} == {"clock_skew"}
+
+        ticking.cancel()
+        await asyncio.gather(ticking, return_exceptions=True)
+        behind.offset_ms = 0  # NTP is back
+        ticking = asyncio.create_task(tick_like_a_collector(kafka_settings, topic_catalog, behind, "no-pod",
+                                                            process_memory_bytes=0))
+
+        def skew_resolved(violations):
+            latest = {v.fingerprint: v for v in violations}
+            return latest[fired.fingerprint].state is ViolationState.RESOLVED
+
+        records = await wait_for_violations(kafka_settings, topic_catalog.violations, skew_resolved,
+                                            "the clock_skew RESOLVED")
+        assert {v.rule for _, v in records} == {"clock_skew"}
+    finally:
+        if ticking is not None:
+            ticking.cancel()
+            await asyncio.gather(ticking, return_exceptions=True)
+        stop.set()
+        assert await asyncio.wait_for(service, WAIT_S) == 0
