@@ -151,15 +151,25 @@ async def co_partition_count(kafka: KafkaSettings, topics: TopicCatalog) -> int:
     return next(iter(counts.values()))
 
 
-def rebuild_assigned(processor: NodeGuardProcessor, kafka: KafkaSettings, violations_topic: str):
+def rebuild_assigned(processor: NodeGuardProcessor, kafka: KafkaSettings, violations_topic: str, *,
+                     retry_initial_seconds: float = 0.5, retry_max_seconds: float = 30.0):
     """The driver's ``on_assigned`` for the ``nodes`` role: partitions to rebuild get the violations topic's last
-    states (read once per assignment, and only when some partition is not resumed)."""
+    states (read once per assignment, and only when some partition is not resumed). A topic that cannot be read is
+    read again with backoff until it can: rebuilt without it, a moved violation would fire again."""
 
     async def on_assigned(tps: set[tuple[str, int]]) -> None:
         partitions = {p for _, p in tps}
         states: tuple[Violation, ...] = ()
-        if processor.to_rebuild(partitions):
-            states = await read_last_states(kafka, violations_topic)
+        delay = retry_initial_seconds
+        while processor.to_rebuild(partitions):
+            try:
+                states = await read_last_states(kafka, violations_topic)
+                break
+            except ConsumerUnavailable as exc:
+                log.warning("rebuilding partitions %s: %s; reading it again in %.1f s", sorted(partitions), exc,
+                            delay)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, retry_max_seconds)
         processor.on_assigned(partitions, states)
 
     return on_assigned
@@ -240,7 +250,9 @@ async def serve(settings: GuardSettings, *, config: Any = None, env: Mapping[str
                 runner, assignment="group", co_partitioned=True,
                 # An assigned partition is rebuilt: the rules need every live pod of its nodes.
                 from_beginning=(topics.pod_events,),
-                on_assigned=rebuild_assigned(processor, settings.kafka, topics.violations),
+                on_assigned=rebuild_assigned(processor, settings.kafka, topics.violations,
+                                             retry_initial_seconds=settings.retry_initial_seconds,
+                                             retry_max_seconds=settings.retry_max_seconds),
                 on_revoked=lambda tps: processor.on_revoked({p for _, p in tps}),
                 on_read_to_start=processor.finish_rebuild, **common)
         else:

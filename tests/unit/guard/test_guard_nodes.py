@@ -226,3 +226,29 @@ def _budget_violation() -> Violation:
                      state=ViolationState.FIRING, cluster="c", node_name=None, gpu_uuid=None, namespace="research",
                      pod_name=None, pod_uid=None, team=None, summary="over budget", evidence={},
                      first_seen_unix_ms=START_MS, last_seen_unix_ms=START_MS, resolved_at_unix_ms=None)
+
+
+async def test_an_assignment_whose_violations_topic_cannot_be_read_reads_it_again_before_rebuilding(monkeypatch):
+    from gpumeter.kafka.processor import ConsumerUnavailable
+    from services.guard import main as guard_main
+
+    leak = dataclasses.replace(_budget_violation(), rule="visibility_leak", fingerprint="leak", node_name=NODES[3])
+    answers = [ConsumerUnavailable("broker away"), ConsumerUnavailable("broker away"), (leak,)]
+
+    async def read_last_states(kafka, topic):
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(guard_main, "read_last_states", read_last_states)
+    processor = NodeGuardProcessor(CONFIG, ManualClock(START_MS), partitions=PARTITIONS)
+    hook = guard_main.rebuild_assigned(processor, None, "violations", retry_initial_seconds=0.001,
+                                       retry_max_seconds=0.002)
+    await hook({("samples", 3), ("pods", 3)})
+    assert answers == [] and processor.owned == (3,)
+    assert [v.fingerprint for v in processor.active()] == ["leak"]  # adopted: it stays firing, not fired again
+    answers.append(AssertionError("a resumed partition needs no read"))
+    processor.on_revoked({3})
+    await hook({("samples", 3)})
+    assert processor.stats.resumed == 1
