@@ -197,6 +197,11 @@ def _detail_tables(results: dict[str, dict[str, Any]]) -> list[str]:
                        f"{s.get('p50_s')} s, p99 {s.get('p99_s')} s, max {s.get('max_s')} s; attributor input lag "
                        f"max {lag.get('max_lag_messages', '?'):,} messages; CPU seconds while sending: "
                        f"{_cpu(phase['cpu_while_sending'])}.")
+        for n, g in f.get("guard", {}).items():
+            out.append(f"- Guard, {n} instance(s) of the nodes role (partitions {g['partitions_per_instance']}): "
+                       f"{g['guard_cpu_s_per_1000_gpu_samples']} CPU-s per 1,000 GPU-samples over a backlog of "
+                       f"{g['backlog_messages']:,} samples (idle {g['guard_idle_cpu_s_per_s']} CPU-s/s); a planted "
+                       f"leak's violation after {g['planted_leak_to_violation_s']} s; CPU seconds: {_cpu(g)}.")
         out.append("")
     return out
 

@@ -27,6 +27,14 @@ Phases:
    ``drain_timeout_s`` after sending stopped is reported as such (its latencies are then lower bounds), with the
    attributor's input lag and the rate at which it took input in.
 
+5. **Guard scale-out** (``guard_instances``, 1, 2 and 4): the attributor and billing are stopped; ``N`` guards of
+   the ``nodes`` role (``gpumeter guard --role nodes``, one consumer group per ``N``, starting at the samples'
+   end) join, read the pod events and settle their partitions; then a backlog of ``guard_ticks`` ticks of the
+   ceiling nodes is produced and drained. CPU-seconds of the ``N`` guards per 1,000 GPU-samples, from the backlog
+   to the group's commit of its end: equal for every ``N`` when no work is duplicated (each partition's nodes
+   handled by one instance). Then a pod with ``NVIDIA_VISIBLE_DEVICES=all`` is planted on a node: seconds from its
+   pod event to its FIRING ``visibility_leak`` on the violations topic.
+
 A reader of the costs topic in this process follows the output (a few µs per record); CPU seconds of every
 process (broker, attributor, billing, this process) are read from ``/proc`` at each phase boundary: they show
 where the machine's cores went, which is what limits the figures on a small machine.
@@ -63,6 +71,9 @@ IDLE_CLOSE_SECONDS = 30
 PREFIX = "bench."
 APP_ID = "bench-attributor"
 BILLING_GROUP = "bench-billing"
+GUARD_GROUP = "bench-guard"
+GUARD_IDLE_S = 5.0
+TARGET_GUARD_SCALING_SPREAD = 0.15  # issue 23: CPU per 1,000 GPU-samples with 1, 2 and 4 guards within 15 %
 CHANGELOG_TABLES = ("open_samples", "pods")  # services.attributor.app's tables
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -578,6 +589,8 @@ class StreamConfig:
     ceiling_nodes: int = 250
     scaling_workers: tuple[int, ...] = (2, 4)
     sustainable_fraction: float = 0.6
+    guard_instances: tuple[int, ...] = (1, 2, 4)
+    guard_ticks: int = 60
     drain_timeout_s: float = 120.0
     pods_timeout_s: float = 600.0
 
@@ -668,6 +681,12 @@ async def run_stream(config: StreamConfig, workdir: Path, log: Callable[[str], N
             figures["live"] = {}
             for label, nodes in phases:
                 figures["live"][label] = await live_phase(bench, label, nodes)
+            for service in services:  # the guard's figures are its own: nothing else takes the cores
+                service.stop()
+            figures["guard"] = {}
+            for instances in config.guard_instances:
+                figures["guard"][str(instances)] = await guard_phase(bench, common, workdir, instances,
+                                                                     ceiling_nodes)
         finally:
             await producer.stop()
         log("stream: reading the node-window-shares topic for the attributor's part of the latency")
@@ -875,6 +894,139 @@ async def live_phase(b: Bench, label: str, nodes: int) -> dict[str, Any]:
     return out
 
 
+def _guarded_partitions(log_text: str) -> list[int] | None:
+    """The partitions a ``nodes``-role guard's latest ``guarding partitions [..]`` line names (None: none yet)."""
+    marker = "guarding partitions ["
+    at = log_text.rfind(marker)
+    if at < 0:
+        return None
+    listed = log_text[at + len(marker):log_text.index("]", at)]
+    return [int(p) for p in listed.split(",") if p.strip()]
+
+
+async def guard_phase(b: Bench, common: list[str], workdir: Path, instances: int, nodes: int) -> dict[str, Any]:
+    """``instances`` guards of the ``nodes`` role in a group of their own drain a backlog of ``guard_ticks`` ticks
+    of ``nodes`` nodes (see the module docstring); then the planted leak."""
+    from gpumeter.kafka.producer import RecordProducer
+
+    label = f"guard {instances}"
+    group = f"{GUARD_GROUP}-{instances}"
+    command = gpumeter_command() + ["guard", *common, "--role", "nodes", "--group", group,
+                                    "--auto-offset-reset", "latest"]
+    guards = [Service(f"guard-{n}", command, workdir / f"guard-{instances}-{n}.log").start()
+              for n in range(instances)]
+    try:
+        partitions = b.catalog.partitions(NODE_SAMPLES)
+        pod_events = await end_total(b.settings, b.catalog.pod_events)
+
+        async def settled() -> bool:
+            owned = [_guarded_partitions(g.log()) for g in guards]
+            if any(o is None for o in owned) or sorted(p for o in owned for p in o) != list(range(partitions)):
+                return False
+            return await _committed_at_least(b.settings, group, b.catalog.pod_events, pod_events)
+
+        await wait_until(settled, b.config.pods_timeout_s, f"{label}: the group settling its partitions",
+                         services=guards)
+        for n, guard in enumerate(guards):
+            b.cpu.pids[f"guard {n + 1} of {instances}"] = guard.pid
+        # Idle: what the instances cost doing nothing (polls, heartbeats, clock rules), for the figures' reader.
+        b.cpu.mark(f"{label} idle")
+        await asyncio.sleep(GUARD_IDLE_S)
+        b.cpu.mark(label)
+        sent = await guard_backlog(b, nodes)
+        end = await end_total(b.settings, b.catalog.node_samples)
+        b.log(f"stream: {label}: backlog of {sent:,} samples ({nodes} nodes) for {instances} guard(s)")
+        await wait_until(lambda: _committed_at_least(b.settings, group, b.catalog.node_samples, end),
+                         b.config.drain_timeout_s * 5, f"{label}: draining the samples", every_s=0.5,
+                         services=guards)
+        b.cpu.mark(f"{label} done")
+        between = b.cpu.between(label, f"{label} done")
+        idle = b.cpu.between(f"{label} idle", label)
+        guard_cpu = sum(v for who, v in between["cpu_s"].items() if who.startswith("guard "))
+        idle_cpu_per_s = sum(v for who, v in idle["cpu_s"].items() if who.startswith("guard ")) / idle["wall_s"]
+        gpu_samples = sent * b.fleet.gpus_per_node
+        figures = {
+            "instances": instances,
+            "backlog_messages": sent,
+            "backlog_gpu_samples": gpu_samples,
+            "guard_cpu_s": round(guard_cpu, 2),
+            "guard_cpu_s_per_1000_gpu_samples": round(guard_cpu / (gpu_samples / 1000), 4),
+            "guard_idle_cpu_s_per_s": round(idle_cpu_per_s, 3),
+            "partitions_per_instance": [len(_guarded_partitions(g.log()) or []) for g in guards],
+            **between,
+        }
+        producer = RecordProducer(b.settings)
+        await producer.start()
+        try:
+            figures["planted_leak_to_violation_s"] = await planted_leak_s(b, producer, f"guard-{instances}-leak")
+        finally:
+            await producer.stop()
+        b.log(f"stream: {label}: {figures['guard_cpu_s_per_1000_gpu_samples']} guard CPU-s per 1,000 GPU-samples; "
+              f"planted leak seen in {figures['planted_leak_to_violation_s']} s")
+        return figures
+    finally:
+        for n, guard in enumerate(guards):
+            guard.stop()
+            b.cpu.pids.pop(f"guard {n + 1} of {instances}", None)
+
+
+async def guard_backlog(b: Bench, nodes: int) -> int:
+    """``guard_ticks`` ticks of ``nodes`` nodes as fast as possible, each stamped when it is produced (a
+    collector's own clock: the guard's clock-skew rule sees clocks in step with the broker's)."""
+    topic = b.catalog.node_samples
+    started_ms = int(time.time() * 1000) - 60_000
+    for k in range(b.config.guard_ticks):
+        for i in range(nodes):
+            await b.generator.producer.send_bytes(
+                topic, b.generator.encoder.encode(i, k, started_ms, int(time.time() * 1000), 1000),
+                key=b.generator.encoder.keys[i])
+        await b.generator.producer.flush()
+    return b.config.guard_ticks * nodes
+
+
+async def planted_leak_s(b: Bench, producer: Any, uid: str) -> float:
+    """Seconds from a leaky pod's ADDED event (``NVIDIA_VISIBLE_DEVICES=all``, no GPU requested) on the fleet's
+    first node to its FIRING ``visibility_leak`` on the violations topic (read from this moment on)."""
+    import dataclasses
+
+    from aiokafka import AIOKafkaConsumer
+
+    from schemas.records import Violation, ViolationState
+
+    name = b.fleet.node(0).name
+    template = b.fleet.pod_events(0)[0]
+    container = dataclasses.replace(template.containers[0], visible_devices_env="all", gpu_requests={},
+                                    assigned_devices=())
+    now_ms = int(time.time() * 1000)
+    event = dataclasses.replace(template, uid=uid, name=uid, containers=(container,), gpu_requests={},
+                                observed_at_unix_ms=now_ms, started_at_unix_ms=now_ms,
+                                resource_version=str(now_ms))
+    partitions = await topic_partitions(b.settings, b.catalog.violations)
+    consumer = AIOKafkaConsumer(**b.settings.client_kwargs(), group_id=None)
+    await consumer.start()
+    try:
+        consumer.assign(partitions)
+        await consumer.seek_to_end(*partitions)
+        for tp in partitions:
+            await consumer.position(tp)
+        sent_at = time.time()
+        await producer.send(b.catalog.pod_events, event, key=pod_event_key(name, uid),
+                            partition=partition_for_node(name, b.catalog.partitions(NODE_SAMPLES)))
+        await producer.flush()
+        decode = codec_for(Violation).decode
+        deadline = time.monotonic() + 2 * WINDOW_SECONDS
+        while time.monotonic() < deadline:
+            batch = await consumer.getmany(timeout_ms=500)
+            for records in batch.values():
+                for record in records:
+                    v = decode(record.value)
+                    if v.pod_uid == uid and v.rule == "visibility_leak" and v.state is ViolationState.FIRING:
+                        return round(time.time() - sent_at, 3)
+        return float("inf")
+    finally:
+        await consumer.stop()
+
+
 async def _committed_at_least(settings: Any, group: str, topic: str, count: int) -> bool:
     return await committed_total(settings, group, topic) >= count
 
@@ -960,6 +1112,23 @@ def targets_for(figures: dict[str, Any]) -> list[Target]:
                               "; ".join(parts), met,
                               "" if met else "the machine's cores also run the broker, billing and the generator: "
                               "an added worker has no core of its own; see docs/performance.md"))
+    guard = figures.get("guard", {})
+    if guard:
+        per = {k: g["guard_cpu_s_per_1000_gpu_samples"] for k, g in guard.items()}
+        spread = max(per.values()) / min(per.values()) - 1 if min(per.values()) > 0 else float("inf")
+        met = len(per) > 1 and spread <= TARGET_GUARD_SCALING_SPREAD
+        targets.append(Target(
+            "guard scale-out (nodes role)", f"CPU-s per 1,000 GPU-samples with {', '.join(per)} instances within "
+            f"{TARGET_GUARD_SCALING_SPREAD:.0%} of each other (no work duplicated)",
+            "; ".join(f"{k}: {v} CPU-s" for k, v in per.items()) + f" (spread {spread:.0%})", met,
+            "" if met else "every instance shares the machine's cores with the broker and the others: on a small "
+            "machine the per-instance overhead and contention show; duplicated work would show as N x"))
+        leaks = [g["planted_leak_to_violation_s"] for g in guard.values()]
+        met = all(s_ < WINDOW_SECONDS for s_ in leaks)
+        targets.append(Target("guard: a planted leak's violation", f"within one window ({WINDOW_SECONDS} s)",
+                              "; ".join(f"{k} instance(s): {g['planted_leak_to_violation_s']} s"
+                                        for k, g in guard.items()), met,
+                              "" if met else "the guard did not publish it in time: see its log"))
     sustainable = live.get("sustainable")
     if sustainable is not None:
         text, p99, complete = _latency_text(sustainable)

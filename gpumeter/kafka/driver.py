@@ -54,7 +54,12 @@ class KafkaDriver(ProcessorLifecycle):
     delivery future and ``partitions_for(topic)`` (``gpumeter.kafka.producer.RecordProducer``). ``outputs``: emit
     role -> topic. ``on_emitted(emits)``: told of every record handed to the outbox (the guard's Alertmanager
     sink). ``on_read_to_start()``: called once the driver has read every assigned partition as far as it reached
-    when the driver started; its result is settled (the guard publishes what its rebuild held back)."""
+    when the driver started -- in group mode, when it was assigned (partitions assigned before it is called are
+    waited for together) --; its result is settled (the guard publishes what its rebuild held back).
+    ``on_assigned(partitions)``: awaited in group mode once assigned partitions are positioned (the guard's
+    ``nodes`` role rebuilds their state). ``co_partitioned``: the group assigns partition ``p`` of every input topic
+    to the same member (Kafka's range assignor; input topics keyed alike with equal partition counts), instead of
+    spreading every topic-partition round-robin."""
 
     def __init__(
         self,
@@ -77,6 +82,8 @@ class KafkaDriver(ProcessorLifecycle):
         on_emitted: Callable[[Sequence[Emit]], None] | None = None,
         on_read_to_start: Callable[[], Result] | None = None,
         on_revoked: Callable[[set[TopicPartition]], None] | None = None,
+        on_assigned: Callable[[set[TopicPartition]], Awaitable[None]] | None = None,
+        co_partitioned: bool = False,
         retry_initial_seconds: float = 0.5,
         retry_max_seconds: float = 30.0,
         max_poll_records: int = 2000,
@@ -107,6 +114,8 @@ class KafkaDriver(ProcessorLifecycle):
         self.on_emitted = on_emitted
         self.on_read_to_start = on_read_to_start
         self.on_revoked = on_revoked
+        self.on_assigned = on_assigned
+        self.co_partitioned = co_partitioned
         self.retry_initial_seconds = retry_initial_seconds
         self.retry_max_seconds = retry_max_seconds
         self.max_poll_records = max_poll_records
@@ -139,9 +148,13 @@ class KafkaDriver(ProcessorLifecycle):
         cannot be reached at start; any exception of the processor or store other than the expected ones stops
         the service without committing what it was handling."""
         from aiokafka import AIOKafkaConsumer
+        from aiokafka.coordinator.assignors.range import RangePartitionAssignor
+        from aiokafka.coordinator.assignors.roundrobin import RoundRobinPartitionAssignor
         from aiokafka.errors import KafkaError
 
         consumer = AIOKafkaConsumer(
+            partition_assignment_strategy=(
+                (RangePartitionAssignor,) if self.co_partitioned else (RoundRobinPartitionAssignor,)),
             **self.kafka.client_kwargs(),
             group_id=self.consumer_group,
             enable_auto_commit=False,
@@ -333,7 +346,12 @@ class KafkaDriver(ProcessorLifecycle):
         if self._start_ends is None or self.on_read_to_start is None:
             return
         for tp, end in self._start_ends.items():
-            if self._taken.get(tp, self._committed.get(tp, 0)) < end:
+            position = self._taken.get(tp, self._committed.get(tp))
+            if position is None and self._consumer is not None and self.assignment == "group":
+                from aiokafka.structs import TopicPartition as KafkaTopicPartition
+
+                position = await self._consumer.position(KafkaTopicPartition(*tp))
+            if (position or 0) < end:
                 return
         self._start_ends = None
         result = self.on_read_to_start()
@@ -399,8 +417,15 @@ class KafkaDriver(ProcessorLifecycle):
 
             async def on_partitions_assigned(self, assigned):
                 async with driver._lock:
-                    driver._owned |= {(tp.topic, tp.partition) for tp in assigned}
+                    keys = {(tp.topic, tp.partition) for tp in assigned}
+                    driver._owned |= keys
                     await driver._seek_assigned(assigned)
+                    if driver.on_read_to_start is not None and assigned:
+                        ends = await driver._consumer.end_offsets(list(assigned))
+                        driver._start_ends = {**(driver._start_ends or {}),
+                                              **{(tp.topic, tp.partition): end for tp, end in ends.items()}}
+                    if driver.on_assigned is not None:
+                        await driver.on_assigned(keys)
                 log.info("%s: assigned %s", driver.runner.service,
                          sorted((tp.topic, tp.partition) for tp in assigned))
 
@@ -431,6 +456,8 @@ class KafkaDriver(ProcessorLifecycle):
             for tp in tps:
                 self._taken.pop(tp, None)
                 self._committed.pop(tp, None)
+                if self._start_ends is not None:
+                    self._start_ends.pop(tp, None)
             self._generation += 1
             if self.on_revoked is not None:
                 self.on_revoked(tps)

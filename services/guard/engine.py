@@ -24,7 +24,9 @@ measured from arrival times (``now_ms`` of ``on_sample``), so ``on_clock`` must 
 is caught up (during a backlog, the backlog's own samples are late, not the nodes silent), as for the attributor.
 
 Budgets sum every cost line of a cluster: one engine must see all of a cluster's CostRecords (a single consumer
-of the costs topic, or one engine per cluster). Cost lines are deduplicated by (node, window, unit, pod) for
+of the costs topic, or one engine per cluster). ``GuardEngine(config, budgets=False)`` keeps no spend and judges no
+budget (an engine that sees only some nodes: the guard's ``nodes`` role); every other rule needs one node's input
+only, so such engines split the nodes between them. Cost lines are deduplicated by (node, window, unit, pod) for
 ``cost_dedup_horizon_seconds`` behind the newest window of their node: a redelivered line replaces the first,
 a line older than that is ignored (``late_costs_ignored``).
 
@@ -149,8 +151,9 @@ def _violation(t: _Tracked, fingerprint: str, state: ViolationState, resolved_at
 class GuardEngine:
     """Rules → violations with state; see the module docstring for the contract of every method."""
 
-    def __init__(self, config: GuardConfig) -> None:
+    def __init__(self, config: GuardConfig, *, budgets: bool = True) -> None:
         self.config = config
+        self.budgets = budgets
         self.clocks = NodeClocks(config.clock_skew_threshold_seconds * 1000)
         self._now_ms: int | None = None
         self._tracked: dict[str, _Tracked] = {}
@@ -294,16 +297,17 @@ class GuardEngine:
         self._cost_keys_by_node.setdefault(node_key, {})[cell_key] = None
         old = cells.get(window)
         cells[window] = (cost.cost_micro_usd, namespace, team)
-        if old is not None:
-            # A redelivery replaces the line it repeats: take the old one out where it was counted.
-            self._add_spend(cost.cluster, window, old[1], old[2], -old[0])
-        self._add_spend(cost.cluster, window, namespace, team, cost.cost_micro_usd)
+        if self.budgets:
+            if old is not None:
+                # A redelivery replaces the line it repeats: take the old one out where it was counted.
+                self._add_spend(cost.cluster, window, old[1], old[2], -old[0])
+            self._add_spend(cost.cluster, window, namespace, team, cost.cost_micro_usd)
         delta = cost.cost_micro_usd - (old[0] if old is not None else 0)
         if newest is None or window > newest:
             self._cost_window_max[node_key] = window
             self._prune_costs(node_key, window - horizon_ms)
         for kind, name in ((SUBJECT_NAMESPACE, namespace), (SUBJECT_TEAM, team)):
-            if name is None:
+            if name is None or not self.budgets:
                 continue
             self._budget_subjects[(cost.cluster, kind, name)] = None
             for period in PERIODS:
@@ -653,10 +657,10 @@ class GuardEngine:
         return json.dumps(state, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
 
     @classmethod
-    def restore(cls, config: GuardConfig, data: bytes) -> "GuardEngine":
+    def restore(cls, config: GuardConfig, data: bytes, *, budgets: bool = True) -> "GuardEngine":
         """An engine in the state ``snapshot`` wrote, under ``config`` (thresholds may have changed since).
         Raises ``InvalidMessage`` (reason ``CORRUPT``) for bytes ``snapshot`` did not write."""
-        engine = cls(config)
+        engine = cls(config, budgets=budgets)
         try:
             state = json.loads(data)
             if not isinstance(state, dict) or state.get("version") != SNAPSHOT_VERSION:

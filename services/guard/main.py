@@ -4,9 +4,16 @@
 plus the ``AlertmanagerSink`` when an Alertmanager URL is set) until SIGTERM/SIGINT or ``--duration``; all
 behaviour lives in the modules it wires.
 
-The wiring: budgets span nodes and stale-node detection needs every node, so the driver reads every partition of
-the four input topics itself (``assignment="all"``; the group only stores offsets): run one replica. Start
-positions: those of the state file (a partition it has no position for is read from its beginning: the state
+Roles (``--role``, ``GuardSettings.role``): ``all`` and ``budgets`` run one ``GuardProcessor`` whose driver reads
+every partition of its inputs itself (``assignment="all"``; the group only stores offsets) -- ``all`` the four
+node-keyed topics with every rule, ``budgets`` the cost lines with ``budget_exceeded`` only: one replica each.
+``nodes`` runs a ``NodeGuardProcessor`` (``services/guard/nodes.py``: every rule but budgets, one engine per
+partition) as a member of the consumer group (``assignment="group"``, ``co_partitioned``: partition ``p`` of the
+four topics goes to one member), so that every replica takes a share of the nodes: on assignment it reads the
+violations topic (``read_last_states``) and rebuilds the partitions it did not hold, pod events from the
+beginning and the rest from the group's commits, publishing nothing of them until it has read as far as they
+reached at the assignment (``on_read_to_start``); on revocation it flushes, commits and suspends their engines.
+It commits after every batch and keeps no state file. ``all``/``budgets``, start positions: those of the state file (a partition it has no position for is read from its beginning: the state
 covers none of it). Without a state file (first start, none configured, or an unreadable one moved aside) the
 guard first reads the compacted violations topic whole (``read_last_states``) and seeds its engine with it
 (``GuardProcessor.begin_rebuild``), reads pod events from the beginning of their compacted topic -- the rules need
@@ -46,8 +53,10 @@ from gpumeter.stream.runner import MessageRunner
 from schemas.catalog import TopicCatalog
 from schemas.records import Violation
 from services.guard.alertmanager import AlertmanagerSink
+from services.guard.nodes import NodeGuardProcessor
 from services.guard.processor import (
     GUARD_METRICS,
+    ROLE_NODES,
     SERVICE_NAME,
     VIOLATIONS,
     GuardProcessor,
@@ -124,6 +133,48 @@ async def read_last_states(kafka: KafkaSettings, topic: str) -> tuple[Violation,
     return tuple(view.violations)
 
 
+async def co_partition_count(kafka: KafkaSettings, topics: TopicCatalog) -> int:
+    """The partition count the node-keyed input topics share (the ``nodes`` role maps nodes to partitions with it);
+    ``ConfigError`` when they differ (a node's samples and pods would land with different members),
+    ``ConsumerUnavailable`` when the broker cannot tell."""
+    from gpumeter.kafka.admin import partition_numbers
+
+    names = tuple(guard_topics(topics, ROLE_NODES).values())
+    try:
+        known = await partition_numbers(kafka, names)
+    except Exception as exc:  # KafkaError, OSError, TimeoutError: the broker is not there
+        raise ConsumerUnavailable(f"cannot read the partitions of {', '.join(names)}: {exc!r}") from exc
+    counts = {name: len(known.get(name, ())) for name in names}
+    if len(set(counts.values())) != 1 or 0 in counts.values():
+        raise ConfigError(f"the guard's nodes role needs its input topics co-partitioned (equal partition counts, "
+                          f"keyed by node name): {counts}")
+    return next(iter(counts.values()))
+
+
+def rebuild_assigned(processor: NodeGuardProcessor, kafka: KafkaSettings, violations_topic: str, *,
+                     retry_initial_seconds: float = 0.5, retry_max_seconds: float = 30.0):
+    """The driver's ``on_assigned`` for the ``nodes`` role: partitions to rebuild get the violations topic's last
+    states (read once per assignment, and only when some partition is not resumed). A topic that cannot be read is
+    read again with backoff until it can: rebuilt without it, a moved violation would fire again."""
+
+    async def on_assigned(tps: set[tuple[str, int]]) -> None:
+        partitions = {p for _, p in tps}
+        states: tuple[Violation, ...] = ()
+        delay = retry_initial_seconds
+        while processor.to_rebuild(partitions):
+            try:
+                states = await read_last_states(kafka, violations_topic)
+                break
+            except ConsumerUnavailable as exc:
+                log.warning("rebuilding partitions %s: %s; reading it again in %.1f s", sorted(partitions), exc,
+                            delay)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, retry_max_seconds)
+        processor.on_assigned(partitions, states)
+
+    return on_assigned
+
+
 def alert_on_emitted(sink: AlertmanagerSink):
     """The driver's ``on_emitted`` for ``sink``: every violation emitted (refreshes included) goes to the sink."""
 
@@ -155,7 +206,7 @@ async def serve(settings: GuardSettings, *, config: Any = None, env: Mapping[str
     sink_stop = asyncio.Event()
     sink_task: asyncio.Task | None = None
     try:
-        engine, state = restore_engine(config, store, clock)
+        engine, state = restore_engine(config, store, clock) if settings.role != ROLE_NODES else (None, None)
         topics = TopicCatalog(prefix=settings.kafka.topic_prefix, partitions_override=settings.topic_partitions)
         for result in await create_topics(settings.kafka, topics):
             if result.created:
@@ -164,13 +215,18 @@ async def serve(settings: GuardSettings, *, config: Any = None, env: Mapping[str
         metrics = ServiceMetrics(SERVICE_NAME, GUARD_METRICS, clock=clock, max_silence_seconds=max(
             DEFAULT_MAX_SILENCE_SECONDS, 2 * settings.retry_max_seconds), dead_letters=settings.dead_letters)
         metrics.serve(settings.metrics_port, settings.metrics_address)
-        processor = GuardProcessor(config, clock, engine=engine, metrics=metrics,
-                                   max_clock_skew_seconds=settings.max_clock_skew_seconds,
-                                   max_sample_age_seconds=settings.max_sample_age_seconds)
         producer = RecordProducer(settings.kafka)
         await producer.start()
-        if state is None:
-            processor.begin_rebuild(await read_last_states(settings.kafka, topics.violations))
+        if settings.role == ROLE_NODES:
+            processor = NodeGuardProcessor(config, clock, partitions=await co_partition_count(settings.kafka, topics),
+                                           metrics=metrics, max_clock_skew_seconds=settings.max_clock_skew_seconds,
+                                           max_sample_age_seconds=settings.max_sample_age_seconds)
+        else:
+            processor = GuardProcessor(config, clock, engine=engine, metrics=metrics,
+                                       max_clock_skew_seconds=settings.max_clock_skew_seconds,
+                                       max_sample_age_seconds=settings.max_sample_age_seconds, role=settings.role)
+            if state is None:
+                processor.begin_rebuild(await read_last_states(settings.kafka, topics.violations))
         if settings.alertmanager_url:
             sink = AlertmanagerSink(settings.alertmanager_url, settings.alertmanager_timeout_seconds, clock=clock,
                                     resend_interval_s=settings.alertmanager_resend_seconds,
@@ -178,42 +234,47 @@ async def serve(settings: GuardSettings, *, config: Any = None, env: Mapping[str
                                     generator_url=settings.external_url)
             await sink.start()
             # Renew the leases of what the restored state, or the violations topic, holds firing.
-            sink.update(processor.engine.active())
+            sink.update(processor.active() if settings.role == ROLE_NODES else processor.engine.active())
             sink_task = asyncio.create_task(sink.run(sink_stop))
-        runner = MessageRunner(processor, guard_topics(topics), clock, metrics=metrics,
+        runner = MessageRunner(processor, guard_topics(topics, settings.role), clock, metrics=metrics,
                                max_request_size_bytes=settings.kafka.max_request_size_bytes)
-        checkpoint = StateCheckpoint(processor, store, clock)
-        driver = KafkaDriver(
-            runner,
-            kafka=settings.kafka,
-            outputs=guard_outputs(topics),
-            producer=producer,
-            clock=clock,
-            consumer_group=settings.consumer_group,
-            metrics=metrics,
-            assignment="all",
-            start_positions=state.positions if state is not None else None,
-            # Restored: a partition the state has no position for is covered by none of it. Without state: the
-            # rules need every live pod.
-            from_beginning=tuple(runner.inputs.by_topic) if state is not None else (topics.pod_events,),
-            auto_offset_reset=settings.auto_offset_reset,
-            checkpoint=checkpoint,
-            checkpoint_interval_seconds=settings.snapshot_interval_seconds,
-            tick_seconds=settings.clock_interval_seconds,
-            on_emitted=alert_on_emitted(sink) if sink is not None else None,
-            on_read_to_start=processor.finish_rebuild if processor.rebuilding else None,
-            retry_initial_seconds=settings.retry_initial_seconds,
-            retry_max_seconds=settings.retry_max_seconds,
-            max_poll_records=settings.max_poll_records,
-        )
-        log.info("guarding %s as group %s (%s)%s", ", ".join(driver.input_topics), settings.consumer_group,
-                 "positions from the state file" if state is not None else "no state file: pod events from the start",
+        common = dict(kafka=settings.kafka, outputs=guard_outputs(topics), producer=producer, clock=clock,
+                      consumer_group=settings.group_id, metrics=metrics, auto_offset_reset=settings.auto_offset_reset,
+                      tick_seconds=settings.clock_interval_seconds,
+                      on_emitted=alert_on_emitted(sink) if sink is not None else None,
+                      retry_initial_seconds=settings.retry_initial_seconds,
+                      retry_max_seconds=settings.retry_max_seconds, max_poll_records=settings.max_poll_records)
+        checkpoint: StateCheckpoint | None = None
+        if settings.role == ROLE_NODES:
+            driver = KafkaDriver(
+                runner, assignment="group", co_partitioned=True,
+                # An assigned partition is rebuilt: the rules need every live pod of its nodes.
+                from_beginning=(topics.pod_events,),
+                on_assigned=rebuild_assigned(processor, settings.kafka, topics.violations,
+                                             retry_initial_seconds=settings.retry_initial_seconds,
+                                             retry_max_seconds=settings.retry_max_seconds),
+                on_revoked=lambda tps: processor.on_revoked({p for _, p in tps}),
+                on_read_to_start=processor.finish_rebuild, **common)
+        else:
+            checkpoint = StateCheckpoint(processor, store, clock)
+            driver = KafkaDriver(
+                runner, assignment="all", start_positions=state.positions if state is not None else None,
+                # Restored: a partition the state has no position for is covered by none of it. Without state: the
+                # rules need every live pod.
+                from_beginning=(tuple(runner.inputs.by_topic) if state is not None
+                                else tuple(t for t in (topics.pod_events,) if t in runner.inputs.by_topic)),
+                checkpoint=checkpoint, checkpoint_interval_seconds=settings.snapshot_interval_seconds,
+                on_read_to_start=processor.finish_rebuild if processor.rebuilding else None, **common)
+        log.info("guarding %s as %s of group %s (%s)%s", ", ".join(driver.input_topics), settings.role,
+                 settings.group_id,
+                 "partitions as assigned" if settings.role == ROLE_NODES else
+                 "positions from the state file" if state is not None else "no state file: rebuilt from the topics",
                  f", alerts to {sink.endpoint}" if sink else "")
         await driver.run(stop)
         stats = processor.stats
-        log.info("stopped: %d messages, %d violations published (%d state changes), %d dead-lettered, "
-                 "%d snapshots, %d commits", runner.consumed, stats.violations_emitted, stats.transitions,
-                 runner.dead_lettered, checkpoint.snapshots, driver.commits)
+        log.info("stopped: %d messages, %d violations published, %d dead-lettered, %d snapshots, %d commits",
+                 runner.consumed, stats.violations_emitted, runner.dead_lettered,
+                 checkpoint.snapshots if checkpoint is not None else 0, driver.commits)
         return 0
     except GpumeterError as exc:
         log.error("guard failed: %s", exc)

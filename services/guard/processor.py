@@ -50,7 +50,7 @@ from gpumeter.validation import (
 )
 from schemas.catalog import TopicCatalog
 from schemas.records import NodeSample, NodeWindowCost, NodeWindowShares, PodEvent, Violation, ViolationState
-from services.guard.config import GuardConfig
+from services.guard.config import RULE_BUDGET_EXCEEDED, GuardConfig
 from services.guard.engine import GuardEngine
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,14 @@ WINDOW_SHARES = "window_shares"
 WINDOW_COSTS = "window_costs"
 VIOLATIONS = "violations"
 
+# Roles of a guard instance (``gpumeter guard --role``): ``all`` -- every rule over every partition, one instance;
+# ``nodes`` -- every rule but budgets, over the partitions its consumer group assigns it (``NodeGuardProcessor``,
+# ``services/guard/nodes.py``); ``budgets`` -- ``budget_exceeded`` over every partition of the cost lines.
+ROLE_ALL = "all"
+ROLE_NODES = "nodes"
+ROLE_BUDGETS = "budgets"
+ROLES = (ROLE_ALL, ROLE_NODES, ROLE_BUDGETS)
+
 # The metrics this service exports (all names from gpumeter.metrics.METRICS).
 GUARD_METRICS = (
     "gpumeter_messages_consumed_total",
@@ -75,10 +83,29 @@ GUARD_METRICS = (
 )
 
 
-def guard_topics(topics: TopicCatalog) -> dict[str, str]:
-    """The guard's input roles -> topics of ``topics`` (what ``MessageRunner`` binds)."""
+def guard_topics(topics: TopicCatalog, role: str = ROLE_ALL) -> dict[str, str]:
+    """The input roles of a guard of ``role`` -> topics of ``topics`` (what ``MessageRunner`` binds): the
+    ``budgets`` role reads the cost lines only, the others all four node-keyed topics."""
+    if role == ROLE_BUDGETS:
+        return {WINDOW_COSTS: topics.node_window_costs}
     return {SAMPLES: topics.node_samples, POD_EVENTS: topics.pod_events,
             WINDOW_SHARES: topics.node_window_shares, WINDOW_COSTS: topics.node_window_costs}
+
+
+def guard_inputs(max_clock_skew_ms: int, max_sample_age_ms: int, role: str = ROLE_ALL) -> tuple[Input, ...]:
+    """The inputs of a guard of ``role`` with their range checks, in the order of precedence at one instant
+    (``gpumeter.stream.contract.Processor.inputs``): a sample is judged with the pods that started at its
+    instant."""
+    skew_ms, age_ms = max_clock_skew_ms, max_sample_age_ms
+    costs = Input(WINDOW_COSTS, NodeWindowCost, lambda cost, now_ms: check_window_cost(cost, now_ms, skew_ms))
+    if role == ROLE_BUDGETS:
+        return (costs,)
+    return (
+        Input(POD_EVENTS, PodEvent, lambda event, now_ms: check_pod_event(event, now_ms, skew_ms), tombstones=True),
+        Input(SAMPLES, NodeSample, lambda sample, now_ms: check_sample(sample, now_ms, skew_ms, age_ms)),
+        Input(WINDOW_SHARES, NodeWindowShares, lambda shares, now_ms: check_window_shares(shares, now_ms, skew_ms)),
+        costs,
+    )
 
 
 def guard_outputs(topics: TopicCatalog) -> dict[str, str]:
@@ -101,30 +128,27 @@ class GuardProcessor:
     """The guard on the processing contract (see the module docstring). ``engine``: the engine to drive (one
     restored from a state file); None: a fresh ``GuardEngine(config)``. ``clock``: the time of
     ``begin_rebuild``/``finish_rebuild`` (input and ticks carry their own). ``metrics``: a ``ServiceMetrics`` with
-    ``GUARD_METRICS``, or None."""
+    ``GUARD_METRICS``, or None. ``role``: ``all`` (every input, every rule) or ``budgets`` (cost lines only:
+    ``budget_exceeded``; a rebuild adopts only that rule's violations). ``firing_gauge=False``: leave the firing
+    gauge to the caller (``NodeGuardProcessor`` sums it over its partitions' processors)."""
 
     service = SERVICE_NAME
 
     def __init__(self, config: GuardConfig, clock: Clock, *, engine: GuardEngine | None = None, metrics: Any = None,
                  max_clock_skew_seconds: int = DEFAULT_DOWNSTREAM_MAX_CLOCK_SKEW_SECONDS,
-                 max_sample_age_seconds: int = DEFAULT_MAX_SAMPLE_AGE_SECONDS) -> None:
+                 max_sample_age_seconds: int = DEFAULT_MAX_SAMPLE_AGE_SECONDS, role: str = ROLE_ALL,
+                 firing_gauge: bool = True) -> None:
+        if role not in (ROLE_ALL, ROLE_BUDGETS):
+            raise ValueError(f"a GuardProcessor runs role {ROLE_ALL!r} or {ROLE_BUDGETS!r}, not {role!r}")
         self.config = config
         self.clock = clock
         self.engine = engine if engine is not None else GuardEngine(config)
         self.metrics = metrics
         self.max_clock_skew_ms = max_clock_skew_seconds * 1000
         self.max_sample_age_ms = max_sample_age_seconds * 1000
-        skew_ms, age_ms = self.max_clock_skew_ms, self.max_sample_age_ms
-        # In the order of precedence at one instant (gpumeter.stream.contract.Processor.inputs): a sample is
-        # judged with the pods that started at its instant.
-        self.inputs = (
-            Input(POD_EVENTS, PodEvent, lambda event, now_ms: check_pod_event(event, now_ms, skew_ms),
-                  tombstones=True),
-            Input(SAMPLES, NodeSample, lambda sample, now_ms: check_sample(sample, now_ms, skew_ms, age_ms)),
-            Input(WINDOW_SHARES, NodeWindowShares,
-                  lambda shares, now_ms: check_window_shares(shares, now_ms, skew_ms)),
-            Input(WINDOW_COSTS, NodeWindowCost, lambda cost, now_ms: check_window_cost(cost, now_ms, skew_ms)),
-        )
+        self.role = role
+        self.inputs = guard_inputs(self.max_clock_skew_ms, self.max_sample_age_ms, role)
+        self.firing_gauge = firing_gauge
         self.stats = GuardStats()
         self._states: dict[str, ViolationState] = {v.fingerprint: v.state for v in self.engine.active()
                                                    if v.state is ViolationState.FIRING}
@@ -168,7 +192,7 @@ class GuardProcessor:
     def begin_rebuild(self, last_states: Iterable[Violation]) -> tuple[Violation, ...]:
         """Seed the engine from the violations topic (its last state per fingerprint) and hold violations back
         until ``finish_rebuild``. Returns the violations firing now (the ones whose alerts' leases to renew)."""
-        states = {v.fingerprint: v for v in last_states}
+        states = {v.fingerprint: v for v in last_states if self.role == ROLE_ALL or v.rule == RULE_BUDGET_EXCEEDED}
         self.engine.adopt(states.values(), self.clock.now_ms())
         self._rebuild_states = states
         firing = tuple(v for v in self.engine.active() if v.state is ViolationState.FIRING)
@@ -220,19 +244,26 @@ class GuardProcessor:
                                   for v in violations))
 
     def _refresh_firing_gauge(self) -> None:
-        if self.metrics is None:
+        if self.metrics is None or not self.firing_gauge:
             return
-        counts: dict[tuple[str, str], int] = {}
-        for violation in self.engine.active():
-            if violation.state is ViolationState.FIRING:
-                series = (violation.rule, violation.severity.value.lower())
-                counts[series] = counts.get(series, 0) + 1
-        gauge = self.metrics.get("gpumeter_guard_violations_firing")
-        # Series that dropped to zero stay at 0 (a missing series reads as "no data", not "nothing firing").
-        for series in self._firing_series | set(counts):
-            gauge.labels(*series).set(counts.get(series, 0))
-        self._firing_series |= set(counts)
+        self._firing_series = set_firing_gauge(self.metrics, self.engine.active(), self._firing_series)
 
 
-__all__ = ["GUARD_METRICS", "POD_EVENTS", "SAMPLES", "SERVICE_NAME", "VIOLATIONS", "WINDOW_COSTS", "WINDOW_SHARES",
-           "GuardProcessor", "GuardStats", "guard_outputs", "guard_topics"]
+def set_firing_gauge(metrics: Any, active: Iterable[Violation], series_seen: set[tuple[str, str]]
+                     ) -> set[tuple[str, str]]:
+    """``gpumeter_guard_violations_firing{rule,severity}`` from the ``active`` violations; returns the series set so
+    far (series that dropped to zero stay at 0: a missing series reads as "no data", not "nothing firing")."""
+    counts: dict[tuple[str, str], int] = {}
+    for violation in active:
+        if violation.state is ViolationState.FIRING:
+            series = (violation.rule, violation.severity.value.lower())
+            counts[series] = counts.get(series, 0) + 1
+    gauge = metrics.get("gpumeter_guard_violations_firing")
+    for series in series_seen | set(counts):
+        gauge.labels(*series).set(counts.get(series, 0))
+    return series_seen | set(counts)
+
+
+__all__ = ["GUARD_METRICS", "POD_EVENTS", "ROLES", "ROLE_ALL", "ROLE_BUDGETS", "ROLE_NODES", "SAMPLES", "SERVICE_NAME",
+           "VIOLATIONS", "WINDOW_COSTS", "WINDOW_SHARES", "GuardProcessor", "GuardStats", "guard_inputs",
+           "guard_outputs", "guard_topics", "set_firing_gauge"]

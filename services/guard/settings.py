@@ -78,9 +78,15 @@ class GuardSettings:
     """Everything the guard service needs, validated once.
 
     * ``config_path``: the guard config file (rules, thresholds, budgets, hold-down); None: the built-in defaults.
-    * ``consumer_group``: the group the service commits its input offsets under (lag monitoring, and where a guard
-      without a state file resumes). The guard reads every partition of its four input topics itself (budgets
-      and stale nodes need the whole cluster), so it runs as one replica.
+    * ``role``: what this instance judges. ``all``: every rule over every partition of the four input topics (it
+      reads them all itself), one replica. ``nodes``: every rule but budgets, over the partitions the consumer
+      group assigns it -- run as many replicas as wanted, each takes its share of the nodes (no state file: an
+      assigned partition is rebuilt from the violations topic and its input). ``budgets``: ``budget_exceeded``
+      only, over every partition of the cost lines (one replica, beside the ``nodes`` ones).
+    * ``consumer_group``: the group the service commits its input offsets under (lag monitoring, where a guard
+      without a state file resumes, and -- role ``nodes`` -- the group whose members share the partitions). The
+      ``budgets`` role commits under ``<consumer_group>-budgets``: it reads the cost lines beside the ``nodes``
+      group, not as a member of it.
     * ``auto_offset_reset``: where a guard with neither a state file nor committed offsets starts reading samples,
       shares and costs. Pod events are always read from the beginning then (the compacted topic is the pod table).
     * ``state_path``: the file the engine's snapshot and the input positions it covers are written to
@@ -106,6 +112,8 @@ class GuardSettings:
                                        help="guard config file: rules, thresholds, budgets")
     consumer_group: str = setting(DEFAULT_CONSUMER_GROUP, env="GPUMETER_GUARD_CONSUMER_GROUP", flag="--group",
                                   check=non_empty, help="consumer group")
+    role: str = setting("all", env="GPUMETER_GUARD_ROLE", flag="--role", check=one_of("all", "nodes", "budgets"),
+                        help="all | nodes (scales out in its consumer group) | budgets (one replica beside nodes)")
     auto_offset_reset: str = setting("earliest", env="GPUMETER_GUARD_AUTO_OFFSET_RESET", flag="--auto-offset-reset",
                                      check=one_of("earliest", "latest"),
                                      help="where a guard without state or committed offsets starts: earliest | "
@@ -160,6 +168,14 @@ class GuardSettings:
         validate(self)
         if not (0 < self.retry_initial_seconds <= self.retry_max_seconds):
             raise ConfigError("retry backoff needs 0 < initial <= max seconds")
+        if self.role == "nodes" and self.state_path is not None:
+            raise ConfigError("the guard's nodes role keeps no state file (its partitions change with the group; an "
+                              "assigned partition is rebuilt from the violations topic): unset the state path")
+
+    @property
+    def group_id(self) -> str:
+        """The consumer group this instance joins or commits under (see ``consumer_group``)."""
+        return f"{self.consumer_group}-budgets" if self.role == "budgets" else self.consumer_group
 
     @property
     def alertmanager_lease_seconds(self) -> float:

@@ -50,7 +50,10 @@ from pipeline.recordings import InputRecord, scenario_records, write_recording
 from simulator.scenario import load_scenario
 from services.guard import config as guard_config
 from services.guard.config import GuardConfig
+from services.guard import main as guard_main
 from services.guard.main import serve
+from services.guard.nodes import NodeGuardProcessor
+from services.guard.processor import guard_topics
 from services.guard.settings import GuardSettings
 from tests.integration.topic_reading import read_records
 
@@ -185,19 +188,46 @@ async def _committed(admin: AIOKafkaAdminClient, group: str) -> dict[tuple[str, 
     return {(tp.topic, tp.partition): meta.offset for tp, meta in offsets.items() if meta is not None}
 
 
-async def _drive(plan: Plan, kafka_settings, topics: TopicCatalog, group: str, tmp_path: Path) -> None:
-    """Run the guard service over the plan's input, at the plan's instants, in the plan's order."""
+class _SeenNodeGuard(NodeGuardProcessor):
+    """The nodes role's processor, kept for the test to see when its partitions are assigned."""
+
+    instances: list["_SeenNodeGuard"] = []
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        _SeenNodeGuard.instances.append(self)
+
+
+async def _drive(plan: Plan, kafka_settings, topics: TopicCatalog, group: str, tmp_path: Path,
+                 roles: tuple[str, ...] = ("all",), monkeypatch=None) -> None:
+    """Run the guard service -- one instance per role of ``roles`` -- over the plan's input, at the plan's
+    instants, in the plan's order."""
     clock = ScenarioClock(plan.instants[0][0])
-    settings = GuardSettings(kafka=kafka_settings, consumer_group=group, metrics_port=0,
-                             topic_partitions=PARTITIONS, state_path=tmp_path / "guard.state",
-                             snapshot_interval_seconds=0.001, clock_interval_seconds=CLOCK_INTERVAL_S)
     stop = asyncio.Event()
-    service = asyncio.create_task(serve(settings, config=CONFIG, stop=stop, clock=clock))
+    services, readers = [], {}
+    if "nodes" in roles:
+        _SeenNodeGuard.instances.clear()
+        monkeypatch.setattr(guard_main, "NodeGuardProcessor", _SeenNodeGuard)
+    for role in roles:
+        settings = GuardSettings(kafka=kafka_settings, consumer_group=group, metrics_port=0, role=role,
+                                 topic_partitions=PARTITIONS,
+                                 state_path=None if role == "nodes" else tmp_path / f"guard-{role}.state",
+                                 snapshot_interval_seconds=0.001, clock_interval_seconds=CLOCK_INTERVAL_S)
+        services.append(asyncio.create_task(serve(settings, config=CONFIG, stop=stop, clock=clock)))
+        for topic in guard_topics(topics, role).values():
+            readers.setdefault(topic, []).append(settings.group_id)
     producer = RecordProducer(kafka_settings)
     admin = AIOKafkaAdminClient(**kafka_settings.client_kwargs())
     await producer.start()
     await admin.start()
     try:
+        if "nodes" in roles:
+            # Input produced before the group assigns the partitions would be held back by their rebuild.
+            deadline = time.monotonic() + WAIT_S
+            while not (_SeenNodeGuard.instances and len(_SeenNodeGuard.instances[0].owned) == PARTITIONS
+                       and not _SeenNodeGuard.instances[0].rebuilding):
+                assert time.monotonic() < deadline, "the nodes guard was never assigned its partitions"
+                await asyncio.sleep(0.05)
         for at, runs in plan.instants:
             clock.set_ms(at)
             await asyncio.sleep(SETTLE_S)
@@ -206,19 +236,21 @@ async def _drive(plan: Plan, kafka_settings, topics: TopicCatalog, group: str, t
                 await producer.flush()
                 end_offset = max(f.result().offset for f in futures) + 1
                 deadline = time.monotonic() + WAIT_S
-                while (await _committed(admin, group)).get((topic, partition), 0) < end_offset:
-                    if service.done():
-                        pytest.fail(f"the guard service stopped: {service.result()!r}")
-                    if time.monotonic() > deadline:
-                        pytest.fail(f"the guard did not consume {topic}[{partition}] up to {end_offset} "
-                                    f"(instant {at})")
-                    await asyncio.sleep(0.005)
+                for reader in readers[topic]:
+                    while (await _committed(admin, reader)).get((topic, partition), 0) < end_offset:
+                        if any(service.done() for service in services):
+                            pytest.fail(f"a guard service stopped: {[s.result() for s in services if s.done()]!r}")
+                        if time.monotonic() > deadline:
+                            pytest.fail(f"the guard {reader} did not consume {topic}[{partition}] up to "
+                                        f"{end_offset} (instant {at})")
+                        await asyncio.sleep(0.005)
         await asyncio.sleep(SETTLE_S)  # the clock task's runs at the last instant
     finally:
         await admin.close()
         await producer.stop()
         stop.set()
-        assert await asyncio.wait_for(service, WAIT_S) == 0  # its final checkpoint flushed every violation
+        for service in services:
+            assert await asyncio.wait_for(service, WAIT_S) == 0  # its final checkpoint flushed every violation
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_RULES))
@@ -239,10 +271,11 @@ async def test_each_rule_fires_and_resolves_through_the_broker_as_in_replay(name
         assert resolved, f"{rule} never resolved on the violations topic"
 
 
-async def _drive_and_compare(plan: Plan, kafka_settings, topics: TopicCatalog, group_id: str, tmp_path: Path):
+async def _drive_and_compare(plan: Plan, kafka_settings, topics: TopicCatalog, group_id: str, tmp_path: Path,
+                             roles: tuple[str, ...] = ("all",), monkeypatch=None):
     """Run the guard service over the plan; the violations topic must hold, per fingerprint, exactly replay's
     records in replay's order, and the guard dead-letter nothing. Returns the topic's (key, violation) pairs."""
-    await _drive(plan, kafka_settings, topics, group_id, tmp_path)
+    await _drive(plan, kafka_settings, topics, group_id, tmp_path, roles, monkeypatch)
     on_topic = await read_records(kafka_settings, topics.violations, codec_for(Violation).decode)
     streamed: dict[str, list[Violation]] = defaultdict(list)
     for key, violation in on_topic:
@@ -257,6 +290,19 @@ async def _drive_and_compare(plan: Plan, kafka_settings, topics: TopicCatalog, g
     letters = await read_records(kafka_settings, topics.dead_letters, codec_for(DeadLetter).decode)
     assert letters == []
     return on_topic
+
+
+@pytest.mark.parametrize("name", ["guard_visibility", "guard_idle", "guard_budget"])
+async def test_the_nodes_and_budgets_roles_publish_through_the_broker_what_replay_publishes(
+        name, kafka_settings, group_id, tmp_path, monkeypatch):
+    """The scale-out roles side by side -- a ``nodes`` guard in the group, a ``budgets`` guard beside it --
+    publish replay's records, fingerprint by fingerprint (the leaks and the idle allocation from the first, the
+    budgets from the second)."""
+    topics = TopicCatalog(prefix=kafka_settings.topic_prefix, partitions_override=PARTITIONS)
+    await create_topics(kafka_settings, topics)
+    plan = _plan(name, tmp_path, topics, monkeypatch)
+    assert EXPECTED_RULES[name] <= {v.rule for v in plan.expected}
+    await _drive_and_compare(plan, kafka_settings, topics, group_id, tmp_path, ("nodes", "budgets"), monkeypatch)
 
 
 # Every other shipped scenario: whatever replay's guard publishes (nothing, for some), the service publishes too.

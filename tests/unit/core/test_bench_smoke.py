@@ -186,3 +186,20 @@ def test_results_and_the_generated_table(tmp_path):
     assert "old table" not in text
     assert "**no**: a cause" in text
     assert "collector tick" in text and "(quick)" in text
+
+
+def test_the_stream_guard_phase_reads_a_guards_partitions_from_its_log_and_judges_the_spread():
+    log = ("2026 INFO services.guard.nodes guarding partitions [0, 1, 2, 3] (4 rebuilding)\n"
+           "2026 INFO services.guard.nodes guarding partitions [2, 3] (0 rebuilding)\n")
+    assert stream._guarded_partitions(log) == [2, 3]
+    assert stream._guarded_partitions("no assignment yet") is None
+    assert stream._guarded_partitions("guarding partitions [] (0 rebuilding)") == []
+    figures = {"workload": {"gpus": 800}, "guard": {
+        "1": {"guard_cpu_s_per_1000_gpu_samples": 0.40, "planted_leak_to_violation_s": 0.1},
+        "2": {"guard_cpu_s_per_1000_gpu_samples": 0.44, "planted_leak_to_violation_s": 0.2},
+        "4": {"guard_cpu_s_per_1000_gpu_samples": 0.80, "planted_leak_to_violation_s": 90.0}}}
+    scale, leak = [t for t in stream.targets_for(figures) if t.name.startswith("guard")]
+    assert not scale.met and "spread 100%" in scale.measured  # 4 instances at twice the cost: work duplicated
+    assert not leak.met  # 90 s: later than one window
+    figures["guard"]["4"].update(guard_cpu_s_per_1000_gpu_samples=0.42, planted_leak_to_violation_s=1.0)
+    assert all(t.met for t in stream.targets_for(figures) if t.name.startswith("guard"))

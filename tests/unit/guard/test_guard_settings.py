@@ -81,3 +81,15 @@ def test_unusable_values_are_config_errors(changes):
 def test_bad_env_number_names_the_variable():
     with pytest.raises(ConfigError, match="GPUMETER_GUARD_SNAPSHOT_INTERVAL_SECONDS"):
         guard_settings(parse(), {"GPUMETER_GUARD_SNAPSHOT_INTERVAL_SECONDS": "often"})
+
+
+def test_the_role_decides_the_group_and_the_nodes_role_keeps_no_state_file():
+    assert guard_settings(parse(), {}).role == "all"
+    nodes = guard_settings(parse("--role", "nodes", "--group", "g"), {})
+    assert (nodes.role, nodes.group_id) == ("nodes", "g")
+    budgets = guard_settings(parse("--group", "g", "--state", "/data/state"), {"GPUMETER_GUARD_ROLE": "budgets"})
+    assert (budgets.role, budgets.group_id) == ("budgets", "g-budgets")  # beside the nodes group, not in it
+    with pytest.raises(ConfigError, match="nodes role keeps no state file"):
+        guard_settings(parse("--role", "nodes", "--state", "/data/state"), {})
+    with pytest.raises(ConfigError):
+        guard_settings(parse("--role", "everything"), {})
