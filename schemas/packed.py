@@ -80,6 +80,19 @@ SCHEMA_JSON: Mapping[str, Any] = json.loads(SCHEMA_PATH.read_text())
 COLUMNS: Mapping[str, Column] = _columns_from_avsc(SCHEMA_JSON)
 DEVICE_COLUMNS = tuple(n for n, c in COLUMNS.items() if c.per == "device")
 PROCESS_COLUMNS = tuple(n for n, c in COLUMNS.items() if c.per == "process")
+_DEVICE_LAYOUT = tuple((n, COLUMNS[n].dtype, COLUMNS[n].dtype.itemsize) for n in DEVICE_COLUMNS)
+_PROCESS_LAYOUT = tuple((n, COLUMNS[n].dtype, COLUMNS[n].dtype.itemsize) for n in PROCESS_COLUMNS)
+_UUID16 = COLUMNS["pod_uids"].dtype
+_NULLABLE_POSITIONS = tuple(DEVICE_COLUMNS.index(n) for n in NULLABLE_COLUMNS)
+# to_node_sample unpacks the device columns in this order.
+assert DEVICE_COLUMNS == (
+    "device_sharing_mode", "device_index", "device_replicas", "device_mig_gpu_instance_id",
+    "device_mig_compute_instance_id", "device_mig_compute_slices", "device_mig_total_compute_slices",
+    "device_memory_total_bytes", "device_memory_used_bytes", "device_memory_free_bytes",
+    "device_memory_reserved_bytes", "device_gpu_utilization_percent", "device_memory_utilization_percent",
+    "device_power_milliwatts", "device_process_utilization_supported", "device_process_count",
+    "device_mps_server_count"), DEVICE_COLUMNS
+assert set(COLUMNS) == {*DEVICE_COLUMNS, *PROCESS_COLUMNS, "pod_uids", "pod_uid_text_slots", "mps_server_pids"}
 
 
 def _column(name: str, values: Any) -> np.ndarray:
@@ -91,6 +104,11 @@ def _column(name: str, values: Any) -> np.ndarray:
         return array.astype(COLUMNS[name].dtype)
     except (TypeError, ValueError, OverflowError) as exc:
         raise SchemaEncodeError(f"NodeSample v4 column {name} does not fit: {exc}") from exc
+
+
+_UID_TEXTS: dict[tuple[bytes, bytes, tuple[str, ...]], tuple[str, ...]] = {}
+_UID_TEXTS_MAX = 4096
+"""Pod lists seen, by their packed bytes -> their text (cleared when full: a bound, not an eviction policy)."""
 
 
 def _uid_bytes(uid: str) -> bytes | None:
@@ -182,10 +200,21 @@ class PackedNodeSample:
         return np.repeat(np.arange(self.device_count, dtype=np.int32), self.device_process_count)
 
     def pod_uid_strings(self) -> tuple[str, ...]:
-        """The pod uids as text, in slot order (one Python string per pod: for the object view, not the hot path)."""
-        texts = dict(zip(self.pod_uid_text_slots.tolist(), self.pod_uid_texts))
-        return tuple(texts[i] if i in texts else str(uuid.UUID(bytes=raw.tobytes()))
-                     for i, raw in enumerate(self.pod_uids))
+        """The pod uids as text, in slot order. One tuple per distinct pod list: a node's ticks mostly repeat its
+        list, and the same tuple object lets the engine's identity-keyed lookups hit (``_UID_TEXTS``)."""
+        raw = self.pod_uids.tobytes()
+        key = (raw, self.pod_uid_text_slots.tobytes(), self.pod_uid_texts)
+        uids = _UID_TEXTS.get(key)
+        if uids is None:
+            h = raw.hex()
+            texts = [f"{h[i:i + 8]}-{h[i + 8:i + 12]}-{h[i + 12:i + 16]}-{h[i + 16:i + 20]}-{h[i + 20:i + 32]}"
+                     for i in range(0, len(h), 32)]
+            for slot, text in zip(self.pod_uid_text_slots.tolist(), self.pod_uid_texts):
+                texts[slot] = text
+            if len(_UID_TEXTS) >= _UID_TEXTS_MAX:
+                _UID_TEXTS.clear()
+            uids = _UID_TEXTS[key] = tuple(texts)
+        return uids
 
     # -- Avro dicts ------------------------------------------------------------------------------------------------
 
@@ -208,34 +237,41 @@ class PackedNodeSample:
     @classmethod
     def from_avro(cls, d: Mapping[str, Any]) -> "PackedNodeSample":
         """The record of a v4 Avro dict. Raises ``CorruptMessage`` when a column's length breaks its rule."""
-        arrays: dict[str, np.ndarray] = {}
-        for name, column in COLUMNS.items():
-            raw = d[name]
-            if len(raw) % column.dtype.itemsize:
-                raise CorruptMessage(f"NodeSample v4 {name}: {len(raw)} bytes is not a whole number of "
-                                     f"{column.dtype.itemsize}-byte entries")
-            arrays[name] = np.frombuffer(raw, dtype=column.dtype)
         devices = len(d["device_uuids"])
-        counts = {"device": devices, "process": None, "pod": len(arrays["pod_uids"]),
-                  "MPS server pid": None, "pod uid not in canonical UUID form": len(d["pod_uid_texts"])}
-        for name in DEVICE_COLUMNS:
-            _check_length(name, arrays[name], devices)
-        for name in ("device_parent_uuids", "device_models", "device_mig_profiles"):
-            if len(d[name]) != devices:
-                raise CorruptMessage(f"NodeSample v4 {name} has {len(d[name])} entries for {devices} devices")
-        for name, per in (("device_process_count", "process"), ("device_mps_server_count", "MPS server pid")):
-            per_device = arrays[name]
-            if per_device.size and per_device.min() < 0:
-                raise CorruptMessage(f"NodeSample v4 {name} holds a negative count")
-            counts[per] = int(per_device.sum())
-        for name, column in COLUMNS.items():
-            if column.per != "device":
-                _check_length(name, arrays[name], counts[column.per])
-        slots = arrays["pod_uid_text_slots"]
-        if slots.size and (slots.min() < 0 or slots.max() >= counts["pod"] or np.any(np.diff(slots) <= 0)):
+        frombuffer = np.frombuffer
+        arrays = {}
+        for name, dtype, itemsize in _DEVICE_LAYOUT:
+            raw = d[name]
+            if len(raw) != devices * itemsize:
+                _length_error(name, raw, itemsize, devices)
+            arrays[name] = frombuffer(raw, dtype)
+        if len(d["device_parent_uuids"]) != devices or len(d["device_models"]) != devices \
+                or len(d["device_mig_profiles"]) != devices:
+            raise CorruptMessage(f"NodeSample v4 device lists do not have one entry per device ({devices})")
+        # Summed as unsigned: a negative count becomes one no message's length can match.
+        processes = int(frombuffer(d["device_process_count"], "<u4").sum(dtype=np.uint64))
+        mps_pids = int(frombuffer(d["device_mps_server_count"], "<u4").sum(dtype=np.uint64))
+        for name, dtype, itemsize in _PROCESS_LAYOUT:
+            raw = d[name]
+            if len(raw) != processes * itemsize:
+                _length_error(name, raw, itemsize, processes)
+            arrays[name] = frombuffer(raw, dtype)
+        raw = d["mps_server_pids"]
+        if len(raw) != mps_pids * 4:
+            _length_error("mps_server_pids", raw, 4, mps_pids)
+        mps = frombuffer(raw, "<i4")
+        raw = d["pod_uids"]
+        if len(raw) % 16:
+            _length_error("pod_uids", raw, 16, None)
+        pod_uids = frombuffer(raw, _UUID16)
+        raw, texts = d["pod_uid_text_slots"], d["pod_uid_texts"]
+        if len(raw) != len(texts) * 4:
+            _length_error("pod_uid_text_slots", raw, 4, len(texts))
+        slots = frombuffer(raw, "<i4")
+        if texts and (slots.min() < 0 or slots.max() >= len(pod_uids) or np.any(np.diff(slots) <= 0)):
             raise CorruptMessage("NodeSample v4 pod_uid_text_slots are not ascending pod slots")
         device_errors = d["device_errors"]
-        if any(not 0 <= e["device"] < devices for e in device_errors):
+        if device_errors and any(not 0 <= e["device"] < devices for e in device_errors):
             raise CorruptMessage("NodeSample v4 device_errors names a device that is not in the tick")
         node_errors = d["node_errors"]
         return cls(
@@ -243,13 +279,13 @@ class PackedNodeSample:
             d["interval_ms"], d["cloud_provider"], d["region"], d["instance_type"], d["price_model"], d["zone"],
             d["provider_id"],
             tuple([NvmlError.from_avro(e) for e in node_errors]) if node_errors else (),
-            arrays["pod_uids"], slots, tuple(d["pod_uid_texts"]),
+            pod_uids, slots, tuple(texts),
             tuple(d["device_uuids"]), tuple(d["device_parent_uuids"]), tuple(d["device_models"]),
             tuple(d["device_mig_profiles"]),
-            *(arrays[name] for name in DEVICE_COLUMNS),
+            *[arrays[name] for name in DEVICE_COLUMNS],
             tuple([(e["device"], NvmlError.from_avro(e)) for e in device_errors]) if device_errors else (),
-            *(arrays[name] for name in PROCESS_COLUMNS),
-            arrays["mps_server_pids"],
+            *[arrays[name] for name in PROCESS_COLUMNS],
+            mps,
         )
 
     # -- NodeSample objects ----------------------------------------------------------------------------------------
@@ -292,12 +328,16 @@ class PackedNodeSample:
 
     def to_node_sample(self) -> NodeSample:
         """The ``NodeSample`` object this record says, exactly as v3 decoding would build it."""
-        columns = {name: getattr(self, name).tolist() for name in DEVICE_COLUMNS}
-        for name in NULLABLE_COLUMNS:
-            sentinel = _missing(name)
-            columns[name] = [None if v == sentinel else v for v in columns[name]]
-        modes = [SHARING_MODE_CODES[c] if c < len(SHARING_MODE_CODES) else SharingMode.UNKNOWN
-                 for c in columns["device_sharing_mode"]]
+        columns = [getattr(self, name).tolist() for name in DEVICE_COLUMNS]
+        for position in _NULLABLE_POSITIONS:
+            sentinel = _missing(DEVICE_COLUMNS[position])
+            column = columns[position]
+            if sentinel in column:
+                columns[position] = [None if v == sentinel else v for v in column]
+        (modes, index, replicas, gi, ci, slices, total_slices, mem_total, mem_used, mem_free, mem_reserved,
+         gpu_util, mem_util, power, supported, process_counts, mps_counts) = columns
+        codes = SHARING_MODE_CODES
+        modes = [codes[c] if c < len(codes) else SharingMode.UNKNOWN for c in modes]
         errors: list[list[NvmlError]] = [[] for _ in self.device_uuids]
         for position, error in self.device_errors:
             errors[position].append(error)
@@ -306,18 +346,12 @@ class PackedNodeSample:
         mps = self.mps_server_pids.tolist()
         devices = []
         start = mps_start = 0
-        for i, (count, mps_count) in enumerate(zip(columns["device_process_count"],
-                                                   columns["device_mps_server_count"])):
-            end, mps_end = start + count, mps_start + mps_count
+        for i, device_uuid in enumerate(self.device_uuids):
+            end, mps_end = start + process_counts[i], mps_start + mps_counts[i]
             devices.append(GpuDeviceSample(
-                self.device_uuids[i], self.device_parent_uuids[i], columns["device_index"][i], self.device_models[i],
-                modes[i], columns["device_replicas"][i], columns["device_mig_gpu_instance_id"][i],
-                columns["device_mig_compute_instance_id"][i], self.device_mig_profiles[i],
-                columns["device_mig_compute_slices"][i], columns["device_mig_total_compute_slices"][i],
-                columns["device_memory_total_bytes"][i], columns["device_memory_used_bytes"][i],
-                columns["device_memory_free_bytes"][i], columns["device_memory_reserved_bytes"][i],
-                columns["device_gpu_utilization_percent"][i], columns["device_memory_utilization_percent"][i],
-                columns["device_power_milliwatts"][i], bool(columns["device_process_utilization_supported"][i]),
+                device_uuid, self.device_parent_uuids[i], index[i], self.device_models[i], modes[i], replicas[i],
+                gi[i], ci[i], self.device_mig_profiles[i], slices[i], total_slices[i], mem_total[i], mem_used[i],
+                mem_free[i], mem_reserved[i], gpu_util[i], mem_util[i], power[i], supported[i] != 0,
                 tuple(errors[i]), tuple(pids[start:end]), tuple(pods[start:end]), tuple(memory[start:end]),
                 tuple(sm[start:end]), tuple(mps[mps_start:mps_end]),
             ))
@@ -352,9 +386,11 @@ def _missing(column: str) -> int:
     return MISSING_I8 if COLUMNS[column].dtype.itemsize == 8 else MISSING_I4
 
 
-def _check_length(name: str, array: np.ndarray, count: int) -> None:
-    if len(array) != count:
-        raise CorruptMessage(f"NodeSample v4 {name} has {len(array)} entries, its length rule says {count}")
+def _length_error(name: str, raw: bytes, itemsize: int, count: int | None) -> None:
+    if len(raw) % itemsize:
+        raise CorruptMessage(f"NodeSample v4 {name}: {len(raw)} bytes is not a whole number of {itemsize}-byte "
+                             "entries")
+    raise CorruptMessage(f"NodeSample v4 {name} has {len(raw) // itemsize} entries, its length rule says {count}")
 
 
 # ------------------------------------------------------------------------------------------------------------------
