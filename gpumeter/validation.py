@@ -527,7 +527,7 @@ def check_packed_sample(sample: PackedNodeSample, now_unix_ms: int, max_clock_sk
     reserved = sample.device_memory_reserved_bytes
     gpu_util, memory_util = sample.device_gpu_utilization_percent, sample.device_memory_utilization_percent
     power = sample.device_power_milliwatts
-    uuids, parents = sample.device_uuids, sample.device_parent_uuids
+    uuids, parents = sample.device_uuids, sample.device_parent_uuid_strings()
     gpus = {u for u, p in zip(uuids, parents) if p is None}
     suspect = (
         sample.pod_uid_texts != ()  # uids in text: their duplicates and names are check_sample's to judge

@@ -86,7 +86,8 @@ _UUID16 = COLUMNS["pod_uids"].dtype
 _NULLABLE_POSITIONS = tuple(DEVICE_COLUMNS.index(n) for n in NULLABLE_COLUMNS)
 # to_node_sample unpacks the device columns in this order.
 assert DEVICE_COLUMNS == (
-    "device_sharing_mode", "device_index", "device_replicas", "device_mig_gpu_instance_id",
+    "device_model", "device_parent_uuid", "device_mig_profile", "device_sharing_mode", "device_index",
+    "device_replicas", "device_mig_gpu_instance_id",
     "device_mig_compute_instance_id", "device_mig_compute_slices", "device_mig_total_compute_slices",
     "device_memory_total_bytes", "device_memory_used_bytes", "device_memory_free_bytes",
     "device_memory_reserved_bytes", "device_gpu_utilization_percent", "device_memory_utilization_percent",
@@ -141,9 +142,10 @@ class PackedNodeSample:
     pod_uid_text_slots: np.ndarray
     pod_uid_texts: tuple[str, ...]
     device_uuids: tuple[str, ...]
-    device_parent_uuids: tuple[str | None, ...]
-    device_models: tuple[str, ...]
-    device_mig_profiles: tuple[str | None, ...]
+    device_texts: tuple[str, ...]
+    device_model: np.ndarray
+    device_parent_uuid: np.ndarray
+    device_mig_profile: np.ndarray
     device_sharing_mode: np.ndarray
     device_index: np.ndarray
     device_replicas: np.ndarray
@@ -199,6 +201,11 @@ class PackedNodeSample:
         """Per process: its device's position in the device columns (derived from device_process_count)."""
         return np.repeat(np.arange(self.device_count, dtype=np.int32), self.device_process_count)
 
+    def device_parent_uuid_strings(self) -> tuple[str | None, ...]:
+        """Per device: its parent GPU's uuid (a MIG instance), else None."""
+        texts = self.device_texts
+        return tuple([texts[i] if i >= 0 else None for i in self.device_parent_uuid.tolist()])
+
     def pod_uid_strings(self) -> tuple[str, ...]:
         """The pod uids as text, in slot order. One tuple per distinct pod list: a node's ticks mostly repeat its
         list, and the same tuple object lets the engine's identity-keyed lookups hit (``_UID_TEXTS``)."""
@@ -245,9 +252,13 @@ class PackedNodeSample:
             if len(raw) != devices * itemsize:
                 _length_error(name, raw, itemsize, devices)
             arrays[name] = frombuffer(raw, dtype)
-        if len(d["device_parent_uuids"]) != devices or len(d["device_models"]) != devices \
-                or len(d["device_mig_profiles"]) != devices:
-            raise CorruptMessage(f"NodeSample v4 device lists do not have one entry per device ({devices})")
+        if devices:
+            # Text indexes within device_texts (-1 allowed but for the model): as uint16, -1 + 1 wraps to 0.
+            texts = len(d["device_texts"])
+            optional = frombuffer(d["device_parent_uuid"] + d["device_mig_profile"], "<u2") + np.uint16(1)
+            if arrays["device_model"].max() >= texts or optional.max() > texts \
+                    or arrays["device_model"].min() < 0:
+                raise CorruptMessage("NodeSample v4 device text indexes point outside device_texts")
         # Summed as unsigned: a negative count becomes one no message's length can match.
         processes = int(frombuffer(d["device_process_count"], "<u4").sum(dtype=np.uint64))
         mps_pids = int(frombuffer(d["device_mps_server_count"], "<u4").sum(dtype=np.uint64))
@@ -280,8 +291,7 @@ class PackedNodeSample:
             d["provider_id"],
             tuple([NvmlError.from_avro(e) for e in node_errors]) if node_errors else (),
             pod_uids, slots, tuple(texts),
-            tuple(d["device_uuids"]), tuple(d["device_parent_uuids"]), tuple(d["device_models"]),
-            tuple(d["device_mig_profiles"]),
+            tuple(d["device_uuids"]), tuple(d["device_texts"]),
             *[arrays[name] for name in DEVICE_COLUMNS],
             tuple([(e["device"], NvmlError.from_avro(e)) for e in device_errors]) if device_errors else (),
             *[arrays[name] for name in PROCESS_COLUMNS],
@@ -296,10 +306,11 @@ class PackedNodeSample:
         devices = sample.devices
         uid_bytes = [_uid_bytes(uid) for uid in sample.pod_uids]
         text_slots = [i for i, raw in enumerate(uid_bytes) if raw is None]
+        texts: dict[str, int] = {}
         device_values: dict[str, list] = {name: [] for name in DEVICE_COLUMNS}
         for dev in devices:
             for name in DEVICE_COLUMNS:
-                device_values[name].append(_device_figure(dev, name))
+                device_values[name].append(_device_figure(dev, name, texts))
         process = {name: [] for name in PROCESS_COLUMNS}
         mps: list[int] = []
         for dev in devices:
@@ -318,8 +329,7 @@ class PackedNodeSample:
             sample.instance_type, sample.price_model, sample.zone, sample.provider_id, tuple(sample.node_errors),
             np.frombuffer(b"".join(raw or bytes(16) for raw in uid_bytes), dtype=COLUMNS["pod_uids"].dtype),
             _column("pod_uid_text_slots", text_slots), tuple(sample.pod_uids[i] for i in text_slots),
-            tuple(dev.uuid for dev in devices), tuple(dev.parent_uuid for dev in devices),
-            tuple(dev.model for dev in devices), tuple(dev.mig_profile for dev in devices),
+            tuple(dev.uuid for dev in devices), tuple(texts),
             *(_column(name, device_values[name]) for name in DEVICE_COLUMNS),
             tuple((position, e) for position, dev in enumerate(devices) for e in dev.errors),
             *(_column(name, process[name]) for name in PROCESS_COLUMNS),
@@ -334,8 +344,9 @@ class PackedNodeSample:
             column = columns[position]
             if sentinel in column:
                 columns[position] = [None if v == sentinel else v for v in column]
-        (modes, index, replicas, gi, ci, slices, total_slices, mem_total, mem_used, mem_free, mem_reserved,
-         gpu_util, mem_util, power, supported, process_counts, mps_counts) = columns
+        texts = self.device_texts
+        (models, parents, profiles, modes, index, replicas, gi, ci, slices, total_slices, mem_total, mem_used,
+         mem_free, mem_reserved, gpu_util, mem_util, power, supported, process_counts, mps_counts) = columns
         codes = SHARING_MODE_CODES
         modes = [codes[c] if c < len(codes) else SharingMode.UNKNOWN for c in modes]
         errors: list[list[NvmlError]] = [[] for _ in self.device_uuids]
@@ -349,11 +360,11 @@ class PackedNodeSample:
         for i, device_uuid in enumerate(self.device_uuids):
             end, mps_end = start + process_counts[i], mps_start + mps_counts[i]
             devices.append(GpuDeviceSample(
-                device_uuid, self.device_parent_uuids[i], index[i], self.device_models[i], modes[i], replicas[i],
-                gi[i], ci[i], self.device_mig_profiles[i], slices[i], total_slices[i], mem_total[i], mem_used[i],
-                mem_free[i], mem_reserved[i], gpu_util[i], mem_util[i], power[i], supported[i] != 0,
-                tuple(errors[i]), tuple(pids[start:end]), tuple(pods[start:end]), tuple(memory[start:end]),
-                tuple(sm[start:end]), tuple(mps[mps_start:mps_end]),
+                device_uuid, texts[parents[i]] if parents[i] >= 0 else None, index[i], texts[models[i]], modes[i],
+                replicas[i], gi[i], ci[i], texts[profiles[i]] if profiles[i] >= 0 else None, slices[i],
+                total_slices[i], mem_total[i], mem_used[i], mem_free[i], mem_reserved[i], gpu_util[i], mem_util[i],
+                power[i], supported[i] != 0, tuple(errors[i]), tuple(pids[start:end]), tuple(pods[start:end]),
+                tuple(memory[start:end]), tuple(sm[start:end]), tuple(mps[mps_start:mps_end]),
             ))
             start, mps_start = end, mps_end
         return NodeSample(
@@ -363,7 +374,10 @@ class PackedNodeSample:
         )
 
 
-def _device_figure(dev: GpuDeviceSample, column: str) -> Any:
+def _device_figure(dev: GpuDeviceSample, column: str, texts: dict[str, int]) -> Any:
+    if column in _TEXT_ATTRIBUTES:
+        text = getattr(dev, _TEXT_ATTRIBUTES[column])
+        return -1 if text is None else texts.setdefault(text, len(texts))
     if column == "device_sharing_mode":
         try:
             return _MODE_CODE[SharingMode(dev.sharing_mode)]
@@ -380,6 +394,9 @@ def _device_figure(dev: GpuDeviceSample, column: str) -> Any:
     if column == "device_mps_server_count":
         return len(dev.mps_server_pids)
     return getattr(dev, column[len("device_"):])
+
+
+_TEXT_ATTRIBUTES = {"device_model": "model", "device_parent_uuid": "parent_uuid", "device_mig_profile": "mig_profile"}
 
 
 def _missing(column: str) -> int:

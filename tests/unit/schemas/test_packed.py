@@ -58,7 +58,7 @@ def test_every_bytes_field_doc_states_dtype_unit_and_length_rule():
         column = COLUMNS[f["name"]]
         dtype = f["doc"].split(",")[0]
         assert np.dtype("V16" if dtype == "uuid16" else dtype) == column.dtype, f["name"]
-        assert column.dtype.itemsize in (1, 4, 8, 16) and column.unit and column.per, f["name"]
+        assert column.dtype.itemsize in (1, 2, 4, 8, 16) and column.unit and column.per, f["name"]
         assert f["doc"].startswith(f"{dtype}, {column.unit}, one per {column.per}."), f["name"]
         assert dtype == "uuid16" or dtype[0] == "<" or column.dtype.itemsize == 1, f"{f['name']}: little-endian"
     for name in NULLABLE_COLUMNS:
@@ -74,8 +74,7 @@ def test_every_v3_field_has_its_v4_field():
     field is a device column or list (the process fields per process), the per-device errors in device_errors."""
     v4_names = {f["name"] for f in V4["fields"]}
     assert {f["name"] for f in V3["fields"]} - {"devices"} <= v4_names
-    renamed = {"uuid": "device_uuids", "parent_uuid": "device_parent_uuids", "model": "device_models",
-               "mig_profile": "device_mig_profiles", "errors": "device_errors", "process_pids": "process_pid",
+    renamed = {"uuid": "device_uuids", "errors": "device_errors", "process_pids": "process_pid",
                "mps_server_pids": "mps_server_pids",
                "process_utilization_supported": "device_process_utilization_supported"}
     for name in V3_DEVICE_FIELDS:
@@ -130,9 +129,8 @@ def test_exact_bytes_of_a_one_process_tick():
         _long(0),  # node_errors: empty array
         _blob(bytes(15) + b"\x01"), _blob(b""), _long(0),  # pod_uids, no text slots, no texts
         _long(1) + _str("GPU-0") + _long(0),  # device_uuids
-        _long(1) + _long(0) + _long(0),  # device_parent_uuids: [null]
-        _long(1) + _str("M") + _long(0),  # device_models
-        _long(1) + _long(0) + _long(0),  # device_mig_profiles: [null]
+        _long(1) + _str("M") + _long(0),  # device_texts
+        _blob(b"\x00\x00"), _blob(b"\xff\xff"), _blob(b"\xff\xff"),  # model texts[0]; no parent, no MIG profile
         _blob(b"\x01"),  # device_sharing_mode: EXCLUSIVE
         _blob(i4(0)), _blob(i4(1)), _blob(i4(MISSING_I4)), _blob(i4(MISSING_I4)), _blob(i4(0)), _blob(i4(0)),
         _blob(i8(16)), _blob(i8(8)), _blob(i8(8)), _blob(i8(0)),
@@ -275,7 +273,8 @@ def test_a_negative_count_or_a_stray_device_error_is_corrupt():
     for change in ({"device_process_count": struct.pack("<i", -1)},
                    {"device_errors": [{"device": 1, "nvml_function": "f", "error_code": "e", "message": "m"}]},
                    {"pod_uid_text_slots": struct.pack("<i", 1), "pod_uid_texts": ["x"]},
-                   {"device_models": []}):
+                   {"device_texts": []}, {"device_model": struct.pack("<h", -1)},
+                   {"device_parent_uuid": struct.pack("<h", 1)}, {"device_mig_profile": struct.pack("<h", -2)}):
         with pytest.raises(CorruptMessage):
             codec.decode(codec.packed.encode({**base, **change}))
 
@@ -295,3 +294,15 @@ def test_arbitrary_bodies_after_a_v4_header_raise_only_invalid_message(body):
     except InvalidMessage:
         return
     assert isinstance(decoded, NodeSample)
+
+
+def test_device_texts_are_listed_once():
+    mig = dataclasses.replace(_tiny_sample().devices[0], uuid="MIG-1", parent_uuid="GPU-0", mig_profile="1g.10gb",
+                              mig_gpu_instance_id=1, mig_compute_instance_id=0, process_pids=(), process_pod_index=(),
+                              process_used_memory_bytes=(), process_sm_utilization_percent=())
+    sample = dataclasses.replace(_tiny_sample(), devices=(_tiny_sample().devices[0], mig))
+    packed = PackedNodeSample.from_node_sample(sample)
+    assert packed.device_texts == ("M", "GPU-0", "1g.10gb")
+    assert packed.device_model.tolist() == [0, 0]
+    assert packed.device_parent_uuid.tolist() == [-1, 1] and packed.device_mig_profile.tolist() == [-1, 2]
+    assert codec_for(NodeSample).decode(codec_for(NodeSample).encode(sample)) == sample
