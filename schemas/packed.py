@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import sys
 import uuid
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
@@ -253,15 +254,14 @@ class PackedNodeSample:
                 _length_error(name, raw, itemsize, devices)
             arrays[name] = frombuffer(raw, dtype)
         if devices:
-            # Text indexes within device_texts (-1 allowed but for the model): as uint16, -1 + 1 wraps to 0.
             texts = len(d["device_texts"])
-            optional = frombuffer(d["device_parent_uuid"] + d["device_mig_profile"], "<u2") + np.uint16(1)
-            if arrays["device_model"].max() >= texts or optional.max() > texts \
-                    or arrays["device_model"].min() < 0:
+            models = _ints(d["device_model"], "h")
+            optional = _ints(d["device_parent_uuid"] + d["device_mig_profile"], "h")
+            if min(models) < 0 or max(models) >= texts or min(optional) < -1 or max(optional) >= texts:
                 raise CorruptMessage("NodeSample v4 device text indexes point outside device_texts")
         # Summed as unsigned: a negative count becomes one no message's length can match.
-        processes = int(frombuffer(d["device_process_count"], "<u4").sum(dtype=np.uint64))
-        mps_pids = int(frombuffer(d["device_mps_server_count"], "<u4").sum(dtype=np.uint64))
+        processes = sum(_ints(d["device_process_count"], "I"))
+        mps_pids = sum(_ints(d["device_mps_server_count"], "I"))
         for name, dtype, itemsize in _PROCESS_LAYOUT:
             raw = d[name]
             if len(raw) != processes * itemsize:
@@ -401,6 +401,17 @@ _TEXT_ATTRIBUTES = {"device_model": "model", "device_parent_uuid": "parent_uuid"
 
 def _missing(column: str) -> int:
     return MISSING_I8 if COLUMNS[column].dtype.itemsize == 8 else MISSING_I4
+
+
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+def _ints(raw: bytes, code: str) -> Any:
+    """The little-endian integers of ``raw`` (``code``: "h" int16, "I" uint32) for a few Python-level min/max/sum
+    calls: a memoryview on little-endian machines (no numpy call's overhead for a handful of values)."""
+    if _LITTLE_ENDIAN:
+        return memoryview(raw).cast(code)
+    return np.frombuffer(raw, "<i2" if code == "h" else "<u4").tolist()
 
 
 def _length_error(name: str, raw: bytes, itemsize: int, count: int | None) -> None:
