@@ -16,6 +16,11 @@ after tick across the fleet as the node-samples topic delivers them, through
   efficiency rather than flattering it.
 
 GPU-samples/s = (messages × GPUs per message) / CPU seconds of the best repetition.
+
+The messages are what the collector writes: NodeSample v4 (packed columns, ``schemas.packed``). The decode
+breakdown measures, in one run: v4 into ``NodeSample`` objects (what the engine takes today), v4 into
+``PackedNodeSample`` arrays (``decode_packed``: fastavro, then ``numpy.frombuffer`` per column), the same ticks as
+NodeSample v3 into objects (the old topic's record), and stdlib ``json.loads`` of the same ticks.
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ import json
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
+from schemas.packed import PackedNodeSample
 from schemas.records import GpuShare, NodeSample, PodEvent
-from schemas.typed import codec_for
+from schemas.typed import RecordCodec, codec_for
 from services.attributor.engine import AttributionEngine, EngineConfig
 
 from bench.common import Target, alternate, fmt_int
@@ -47,6 +53,7 @@ class AttributionInput:
     json_messages: tuple[tuple[int, bytes], ...]
     pod_events: tuple[PodEvent, ...]
     json_pod_events: tuple[bytes, ...]
+    v3_messages: tuple[tuple[int, bytes], ...] = ()  # the same ticks as NodeSample v3 (the old topic's record)
 
     @property
     def gpu_samples(self) -> int:
@@ -59,16 +66,17 @@ class AttributionInput:
 
 def build_input(nodes: int, ticks: int, gpus_per_node: int = 8, pods_per_gpu: int = 8) -> AttributionInput:
     fleet = Fleet(nodes, gpus_per_node, pods_per_gpu)
-    codec = codec_for(NodeSample)
-    avro, js = [], []
+    codec, v3_codec = codec_for(NodeSample), RecordCodec(NodeSample)
+    avro, js, v3 = [], [], []
     for tick in range(ticks):
         for node in range(nodes):
             sample = fleet.node_sample(node, tick)
             avro.append((sample.sampled_at_unix_ms, codec.encode(sample)))
             js.append((sample.sampled_at_unix_ms, json.dumps(sample.to_avro()).encode()))
+            v3.append((sample.sampled_at_unix_ms, v3_codec.encode(sample)))
     events = tuple(e for node in range(nodes) for e in fleet.pod_events(node))
     json_events = tuple(json.dumps(e.to_avro()).encode() for e in events)
-    return AttributionInput(fleet, ticks, tuple(avro), tuple(js), events, json_events)
+    return AttributionInput(fleet, ticks, tuple(avro), tuple(js), events, json_events, tuple(v3))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -105,6 +113,20 @@ def run_engine(engine: AttributionEngine, messages: Sequence[tuple[int, bytes]])
 def decode_only(messages: Sequence[tuple[int, bytes]]) -> list[NodeSample]:
     decode = codec_for(NodeSample).decode
     return [decode(data) for _, data in messages]
+
+
+def decode_packed_only(messages: Sequence[tuple[int, bytes]]) -> list[PackedNodeSample]:
+    decode = codec_for(NodeSample).decode_packed
+    return [decode(data) for _, data in messages]
+
+
+def decode_v3_only(messages: Sequence[tuple[int, bytes]]) -> list[NodeSample]:
+    decode = RecordCodec(NodeSample).decode
+    return [decode(data) for _, data in messages]
+
+
+def decode_json_only(messages: Sequence[tuple[int, bytes]]) -> list[dict[str, Any]]:
+    return [json.loads(data) for _, data in messages]
 
 
 def engine_only(engine: AttributionEngine, samples: Sequence[tuple[int, NodeSample]]) -> int:
@@ -305,6 +327,9 @@ def measure(nodes: int, ticks: int, repeats: int, gpus_per_node: int = 8, pods_p
     parts = alternate(
         [
             ("decode", lambda: None, lambda _: decode_only(data.avro_messages)),
+            ("decode_v4_arrays", lambda: None, lambda _: decode_packed_only(data.avro_messages)),
+            ("decode_v3", lambda: None, lambda _: decode_v3_only(data.v3_messages)),
+            ("decode_json", lambda: None, lambda _: decode_json_only(data.json_messages)),
             ("engine", lambda: engine_with_pods(data), lambda engine: engine_only(engine, samples)),
         ],
         repeats,
@@ -324,6 +349,7 @@ def measure(nodes: int, ticks: int, repeats: int, gpus_per_node: int = 8, pods_p
             "grace_seconds": GRACE_SECONDS,
             "share_rows": expected_rows,
             "avro_bytes_per_message": round(sum(len(m) for _, m in data.avro_messages) / data.message_count),
+            "avro_v3_bytes_per_message": round(sum(len(m) for _, m in data.v3_messages) / data.message_count),
             "json_bytes_per_message": round(sum(len(m) for _, m in data.json_messages) / data.message_count),
         },
         "gpumeter": ours,
@@ -331,7 +357,10 @@ def measure(nodes: int, ticks: int, repeats: int, gpus_per_node: int = 8, pods_p
         "speedup_vs_baseline": round(base["best_cpu_s"] / max(ours["best_cpu_s"], 1e-9), 2),
         "max_share_difference": difference,
         "breakdown": {
-            "decode": parts["decode"].summary(units, "gpu_samples"),
+            "decode": parts["decode"].summary(units, "gpu_samples"),  # v4 into NodeSample objects
+            "decode_v4_arrays": parts["decode_v4_arrays"].summary(units, "gpu_samples"),
+            "decode_v3": parts["decode_v3"].summary(units, "gpu_samples"),
+            "decode_json": parts["decode_json"].summary(units, "gpu_samples"),
             "engine": parts["engine"].summary(units, "gpu_samples"),
         },
     }
@@ -352,5 +381,10 @@ def run(quick: bool) -> tuple[dict[str, Any], list[Target], list[str]]:
     targets = [Target("attribution core", f">= {fmt_int(TARGET_GPU_SAMPLES_PER_S)} GPU-samples/s on one core and "
                       f">= {TARGET_SPEEDUP_VS_BASELINE}x the JSON baseline",
                       f"{fmt_int(rate)} GPU-samples/s ({speedup}x the baseline)", met, cause)]
-    notes = [f"gpumeter and the baseline agree on every share to {figures['max_share_difference']:.1e}"]
+    breakdown = figures["breakdown"]
+    notes = [f"gpumeter and the baseline agree on every share to {figures['max_share_difference']:.1e}",
+             "decode, GPU-samples/s: NodeSample v4 into arrays "
+             f"{fmt_int(breakdown['decode_v4_arrays']['gpu_samples_per_cpu_s'])}, into objects "
+             f"{fmt_int(decode_rate)}; v3 into objects {fmt_int(breakdown['decode_v3']['gpu_samples_per_cpu_s'])}; "
+             f"stdlib json.loads {fmt_int(breakdown['decode_json']['gpu_samples_per_cpu_s'])}"]
     return figures, targets, notes

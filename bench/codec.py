@@ -29,6 +29,7 @@ import fastavro
 from fastavro.schema import to_parsing_canonical_form
 
 from schemas.codec import HEADER_BYTES
+from schemas.packed import PackedNodeSample
 from schemas.records import (
     DeadLetter,
     NodeSample,
@@ -37,7 +38,7 @@ from schemas.records import (
     Violation,
     ViolationState,
 )
-from schemas.typed import RecordCodec, codec_for
+from schemas.typed import codec_for
 from services.billing.catalog import bundled_catalog
 from services.billing.costing import bill_node_window
 
@@ -138,23 +139,29 @@ def json_variant(record_type: type) -> Variant:
 
 def hinted_variant(record_type: type) -> Variant:
     """The proposed fix: fastavro's own cached parse of the same writer schema (same bytes on the wire)."""
-    codec: RecordCodec = codec_for(record_type)
+    codec = codec_for(record_type)
     registered = codec.avro.schema
     hinted = fastavro.parse_schema(dict(registered.schema_json))
     if to_parsing_canonical_form(hinted) != registered.canonical_form:
         raise AssertionError(f"{record_type.__name__}: the hinted schema has another canonical form")
     header = registered.header
+    # NodeSample's wire record is v4, packed columns (schemas.packed); every other type's is its to_avro dict.
+    if record_type is NodeSample:
+        to_wire = lambda r: PackedNodeSample.from_node_sample(r).to_avro()  # noqa: E731
+        from_wire = lambda d: PackedNodeSample.from_avro(d).to_node_sample()  # noqa: E731
+    else:
+        to_wire, from_wire = (lambda r: r.to_avro()), record_type.from_avro
 
     def encode(record: Any) -> bytes:
         buffer = io.BytesIO()
         buffer.write(header)
-        fastavro.schemaless_writer(buffer, hinted, record.to_avro())
+        fastavro.schemaless_writer(buffer, hinted, to_wire(record))
         return buffer.getvalue()
 
     def decode(data: bytes) -> Any:
         body = io.BytesIO(data)
         body.seek(HEADER_BYTES)
-        return record_type.from_avro(fastavro.schemaless_reader(body, hinted, None))
+        return from_wire(fastavro.schemaless_reader(body, hinted, None))
 
     return Variant(encode, decode)
 

@@ -55,8 +55,12 @@ import re
 from functools import lru_cache
 from typing import Iterable, Mapping
 
+import numpy as np
+
 from gpumeter.errors import InvalidName, OutOfRange
+from schemas.packed import MISSING_I4, MISSING_I8, PackedNodeSample
 from schemas.records import (
+    MEMORY_INFO_FUNCTION,
     GpuDeviceSample,
     NodeSample,
     NodeWindowCost,
@@ -507,3 +511,67 @@ def check_window_cost(cost: NodeWindowCost, now_unix_ms: int, max_clock_skew_ms:
     for name in ("line_cost_share", "line_memory_share", "line_compute_share"):
         for value in getattr(cost, name):
             _check_fraction(where, name, value)
+
+
+def check_packed_sample(sample: PackedNodeSample, now_unix_ms: int, max_clock_skew_ms: int,
+                        max_age_ms: int | None = None) -> None:
+    """``check_sample`` on a NodeSample v4 record's arrays: the same verdict, reason code and message.
+
+    The checks run as whole-array conditions (no Python object per process); only when one fails is the record
+    converted and ``check_sample`` run on it, so the value named is the one ``check_sample`` names, in its order.
+    Names are checked the same way, once per distinct set of names (``check_sample``'s own cache)."""
+    devices = sample.device_count
+    sampled_at = sample.sampled_at_unix_ms
+    total = sample.device_memory_total_bytes
+    used, free = sample.device_memory_used_bytes, sample.device_memory_free_bytes
+    reserved = sample.device_memory_reserved_bytes
+    gpu_util, memory_util = sample.device_gpu_utilization_percent, sample.device_memory_utilization_percent
+    power = sample.device_power_milliwatts
+    uuids, parents = sample.device_uuids, sample.device_parent_uuid_strings()
+    gpus = {u for u, p in zip(uuids, parents) if p is None}
+    suspect = (
+        sample.pod_uid_texts != ()  # uids in text: their duplicates and names are check_sample's to judge
+        or sampled_at < EARLIEST_UNIX_MS or sampled_at > now_unix_ms + max_clock_skew_ms
+        or (max_age_ms is not None and sampled_at < now_unix_ms - max_age_ms)
+        or sample.sequence < 0 or sample.interval_ms < 0
+        or len(np.unique(sample.pod_uids)) != len(sample.pod_uids)
+        or len(set(uuids)) != devices
+        or any(p is not None and p not in gpus for p in parents)
+    )
+    if not suspect and devices:
+        suspect = bool(
+            (total < 0).any() or (used < 0).any() or (free < 0).any() or (reserved < 0).any()
+            or (used > total).any() or (free > total).any() or (reserved > total).any()
+            or ((gpu_util != MISSING_I4) & ((gpu_util < 0) | (gpu_util > 100))).any()
+            or ((memory_util != MISSING_I4) & ((memory_util < 0) | (memory_util > 100))).any()
+            or ((power != MISSING_I8) & (power < 0)).any()
+            or (sample.device_replicas < 1).any() or (sample.device_mig_compute_slices < 0).any()
+            or (sample.device_mig_total_compute_slices < 0).any()
+            or (sample.device_mig_compute_slices > 0).any()  # slices against their total: check_sample's walk
+        )
+    if not suspect and sample.process_count:
+        pids, pods = sample.process_pid, sample.process_pod_index
+        memory, sm = sample.process_used_memory_bytes, sample.process_sm_utilization_percent
+        limit = total.copy()
+        for position, error in sample.device_errors:
+            if MEMORY_INFO_FUNCTION in error.nvml_function:
+                limit[position] = np.iinfo(np.int64).max  # memory unknown: no total to compare a process with
+        process_device = sample.process_device
+        # (device, pid) as one int64: the same pid twice on one device is a repeated key.
+        keys = (process_device.astype(np.int64) << 32) | (pids.astype(np.int64) & 0xFFFFFFFF)
+        suspect = bool(
+            (pids < 0).any() or (pods < -1).any() or (pods >= len(sample.pod_uids)).any()
+            or (memory < -1).any() or (memory > limit[process_device]).any()
+            or (sm < -1).any() or (sm > 100).any()
+            or len(np.unique(keys)) != len(keys)
+        )
+        if not suspect and len(sample.mps_server_pids):
+            server_devices = np.repeat(np.arange(devices, dtype=np.int64), sample.device_mps_server_count)
+            server_keys = (server_devices << 32) | (sample.mps_server_pids.astype(np.int64) & 0xFFFFFFFF)
+            suspect = not np.isin(server_keys, keys).all()
+    if suspect:
+        check_sample(sample.to_node_sample(), now_unix_ms, max_clock_skew_ms, max_age_ms)
+        return
+    key = (sample.cluster, sample.node_name, sample.pod_uid_strings(), tuple(zip(uuids, parents)))
+    if key not in _VALID_SAMPLE_NAMES:
+        _check_sample_names(sample.to_node_sample())

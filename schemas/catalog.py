@@ -11,7 +11,7 @@ enum without a default -- goes to a new topic version, and ``record_versions`` s
 type each topic carries (``tests/unit/schemas/test_codec.py`` checks that no topic carries two versions that do not
 read each other). The topics an older release wrote (``LEGACY_TOPICS``) keep their data for the readers of that
 release until their retention ends: no gpumeter service writes them, ``gpumeter topics create`` does not create
-them, and docs/migration-v2.md says how to move.
+them, and docs/migration-v2.md and docs/migration-v4.md say how to move.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ HOUR_MS = 3_600_000
 DAY_MS = 24 * HOUR_MS
 
 NODE_SAMPLES = TopicSpec(
-    name="gpumeter.node-samples.v2",
+    name="gpumeter.node-samples.v3",
     record_type=NodeSample,
     key="node_name",
     partitions=12,
@@ -65,10 +65,11 @@ NODE_SAMPLES = TopicSpec(
     retention_ms=DAY_MS,
     producers=("collector",),
     consumers=("attributor", "guard"),
-    doc="One NodeSample per node per tick (the hot topic). NodeSample v3: no container ids (no consumer read them). "
+    doc="One NodeSample per node per tick (the hot topic). NodeSample v4: packed little-endian columns (bytes "
+        "fields, read with numpy.frombuffer), pod uids as 16-byte binary (schemas.packed). "
         "Stamped by the broker (LogAppendTime): the clock a node's own is measured against (gpumeter.clockskew).",
     extra_config=(("message.timestamp.type", "LogAppendTime"),),
-    record_versions=(3,),
+    record_versions=(4,),
 )
 POD_EVENTS = TopicSpec(
     name="gpumeter.pod-events.v1",
@@ -169,6 +170,20 @@ GPU_SHARES_V1 = TopicSpec(
     consumers=("billing and guard before GpuShare v2",),
     doc="GpuShare v1 rows (no UNAVAILABLE subject).",
 )
+NODE_SAMPLES_V2 = TopicSpec(
+    name="gpumeter.node-samples.v2",
+    record_type=NodeSample,
+    key="node_name",
+    partitions=12,
+    cleanup_policy="delete",
+    retention_ms=DAY_MS,
+    producers=("collector before NodeSample v4",),
+    consumers=("attributor and guard before NodeSample v4",),
+    doc="NodeSample v3 per node per tick (arrays of int/long per process, pod uids as strings); "
+        "docs/migration-v4.md.",
+    extra_config=(("message.timestamp.type", "LogAppendTime"),),
+    record_versions=(3,),
+)
 NODE_SAMPLES_V1 = TopicSpec(
     name="gpumeter.node-samples.v1",
     record_type=NodeSample,
@@ -195,7 +210,7 @@ COSTS_V1 = TopicSpec(
 
 ALL_TOPICS: tuple[TopicSpec, ...] = (NODE_SAMPLES, POD_EVENTS, NODE_WINDOW_SHARES, NODE_WINDOW_COSTS, COSTS,
                                      VIOLATIONS, DEAD_LETTERS)
-LEGACY_TOPICS: tuple[TopicSpec, ...] = (NODE_SAMPLES_V1, GPU_SHARES_V1, GPU_SHARES, COSTS_V1)
+LEGACY_TOPICS: tuple[TopicSpec, ...] = (NODE_SAMPLES_V2, NODE_SAMPLES_V1, GPU_SHARES_V1, GPU_SHARES, COSTS_V1)
 
 
 @dataclass(frozen=True)

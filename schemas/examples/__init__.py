@@ -6,13 +6,19 @@ import json
 from pathlib import Path
 from typing import Any
 
-from schemas.records import RECORD_TYPES
+from schemas.codec import AVRO_DIR
+from schemas.packed import OBJECT_VERSION
+
+# Record types whose newest version is not the one their record class's from_avro reads (schemas.packed).
+OBJECT_VERSIONS = {"NodeSample": OBJECT_VERSION}
 
 EXAMPLES_DIR = Path(__file__).parent
 
 
-def _bytes_fields(record_type: type) -> tuple[str, ...]:
-    return tuple(n for n, t in record_type.__annotations__.items() if "bytes" in str(t))
+def _bytes_fields(record_name: str, version: int) -> tuple[str, ...]:
+    """The top-level ``bytes`` fields of ``record_name`` at ``version``, from its ``.avsc``."""
+    schema = json.loads((AVRO_DIR / f"{record_name}.v{version}.avsc").read_text())
+    return tuple(f["name"] for f in schema["fields"] if f["type"] == "bytes" or "bytes" in f["type"])
 
 
 def example_versions(record_name: str) -> tuple[int, ...]:
@@ -23,13 +29,13 @@ def example_versions(record_name: str) -> tuple[int, ...]:
 
 def load_example_dicts(record_name: str, version: int | None = None) -> list[dict[str, Any]]:
     """The example records of ``record_name`` (e.g. "NodeSample") as Avro dicts of ``version`` (None: the newest
-    version with examples)."""
+    version with examples that the record class's ``from_avro`` reads: NodeSample v3, v4 being packed columns)."""
     if version is None:
-        version = example_versions(record_name)[-1]
+        newest = OBJECT_VERSIONS.get(record_name)
+        version = max(v for v in example_versions(record_name) if newest is None or v <= newest)
     records = json.loads((EXAMPLES_DIR / f"{record_name}.v{version}.json").read_text())
-    record_type = RECORD_TYPES[f"gpumeter.{record_name}"]
     for record in records:
-        for name in _bytes_fields(record_type):
+        for name in _bytes_fields(record_name, version):
             if isinstance(record.get(name), str):
                 record[name] = record[name].encode("latin-1")
     return records

@@ -39,6 +39,7 @@ from gpumeter.metrics import ServiceMetrics
 from gpumeter.settings import KafkaSettings
 from schemas.catalog import TopicCatalog, partition_for_node, pod_event_key
 from schemas.codec import MAGIC
+from schemas.packed import PackedNodeSample
 from schemas.records import (
     DeadLetter,
     GpuShare,
@@ -430,7 +431,23 @@ def codec_cases(kind: str) -> list[tuple[str, Callable[[Harness], tuple[list, Ba
     ]
     if kind != PODS:  # a pod-events value of None is the compacted topic's tombstone, not bad input
         cases.append(("no value", lambda h: ([], Bad(None)), "EMPTY"))
+    if kind == SAMPLES:
+        # NodeSample v4 columns share their counts by construction: a v4 message whose process columns disagree
+        # (the v3 "process arrays of unequal length") or whose column is not whole entries breaks a length rule.
+        cases += [
+            ("process arrays of unequal length",
+             lambda h: ([], Bad(_packed_bytes(_sample(h), process_pid=b"\x01\x00\x00\x00\x02\x00\x00\x00"))),
+             "CORRUPT"),
+            ("a column that is not whole entries",
+             lambda h: ([], Bad(_packed_bytes(_sample(h), device_memory_total_bytes=b"\x00" * 7))), "CORRUPT"),
+        ]
     return cases
+
+
+def _packed_bytes(sample: NodeSample, **columns: bytes) -> bytes:
+    """``sample`` as a NodeSample v4 message with ``columns`` replaced by the given raw bytes."""
+    codec = codec_for(NodeSample)
+    return codec.packed.encode({**PackedNodeSample.from_node_sample(sample).to_avro(), **columns})
 
 
 def _dev(**changes):
@@ -460,7 +477,6 @@ SAMPLE_CASES = [
     ("a process of an unknown pod", lambda h: _sample(h, [_dev(process_pod_index=(3,))])),
     ("duplicate pids on one device", lambda h: _sample(h, [dataclasses.replace(
         device("GPU-0", used=4 * GIB, util=50, procs=[(0, GIB, 10), (0, GIB, 10)]), process_pids=(7, 7))])),
-    ("process arrays of unequal length", lambda h: _sample(h, [_dev(process_pids=(1, 2))])),
     ("the same GPU twice", lambda h: _sample(h, [_dev(), _dev()])),
     ("a negative interval", lambda h: _sample(h, interval_ms=-1000)),
     ("SM utilization over 100 %", lambda h: _sample(h, [_dev(process_sm_utilization_percent=(140,))])),

@@ -31,7 +31,9 @@ def test_attribution_measures_engine_and_baseline_that_agree():
     for variant in ("gpumeter", "baseline"):
         assert figures[variant]["runs"] == 1
         assert figures[variant]["gpu_samples_per_cpu_s"] > 0
-    assert set(figures["breakdown"]) == {"decode", "engine"}
+    assert set(figures["breakdown"]) == {"decode", "decode_v4_arrays", "decode_v3", "decode_json", "engine"}
+    assert all(part["gpu_samples_per_cpu_s"] > 0 for part in figures["breakdown"].values())
+    assert workload["avro_v3_bytes_per_message"] > 0
 
 
 def test_share_comparison_notices_a_disagreement():

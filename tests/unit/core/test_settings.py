@@ -13,7 +13,7 @@ def test_env_overrides_defaults_and_kafka_bootstrap_wins():
     )
     assert settings.bootstrap_servers == "b:2"
     assert settings.topic_prefix == "x."
-    assert settings.catalog.node_samples == "x.gpumeter.node-samples.v2"
+    assert settings.catalog.node_samples == "x.gpumeter.node-samples.v3"
 
 
 def test_sasl_settings_reach_the_client_and_the_password_stays_hidden():

@@ -451,7 +451,7 @@ def test_a_corrupt_message_is_dead_lettered_and_the_rest_replays(tmp_path, catal
     assert [letter["service"] for letter in letters] == ["attributor", "guard"]
     for letter in letters:
         assert letter["input"] == f"broken.gmrec#{victim}"
-        assert letter["source_topic"] == "gpumeter.node-samples.v2"
+        assert letter["source_topic"] == "gpumeter.node-samples.v3"
         assert letter["failed_at_unix_ms"] == frames[victim].received_at_unix_ms
         assert letter["payload_length_bytes"] == len(frames[victim].payload) and not letter["truncated"]
 
@@ -481,7 +481,7 @@ def test_a_tick_later_than_grace_is_dead_lettered_as_late(tmp_path, catalog):
     summary = replay(path, tmp_path / "out", catalog=catalog)
     assert summary.dead_letters == {"LATE": 1}
     (letter,) = read_jsonl(tmp_path / "out" / "dead_letters.jsonl")
-    assert (letter["service"], letter["source_topic"]) == ("attributor", "gpumeter.node-samples.v2")
+    assert (letter["service"], letter["source_topic"]) == ("attributor", "gpumeter.node-samples.v3")
     assert letter["failed_at_unix_ms"] == last
     window = (late.message.sampled_at_unix_ms // 60_000) * 60_000
     rows = [r for r in read_jsonl(tmp_path / "out" / "shares.jsonl") if r["window_start_unix_ms"] == window]

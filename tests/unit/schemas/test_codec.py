@@ -24,6 +24,7 @@ from gpumeter.errors import (
 )
 from schemas.codec import AVRO_DIR, AvroCodec, SchemaRegistry, crc64_avro, default_registry, make_registered_schema
 from schemas.examples import example_versions, load_example_dicts, load_examples
+from schemas.packed import PACKED_VERSION
 from schemas.records import RECORD_TYPES, NodeSample, PodEvent
 from schemas.typed import RecordCodec, codec_for
 
@@ -80,11 +81,22 @@ def test_every_record_type_round_trips_its_examples(record_name):
         assert codec.decode(encoded) == record
 
 
+# Versions that begin a new generation of their record: no Avro resolution reads an older version into them (a
+# new shape, not added fields); their topic carries no older version and code converts between the two
+# (NodeSample v4: packed columns, schemas/packed.py, tests/unit/schemas/test_packed.py).
+GENERATION_STARTS = {"NodeSample": (PACKED_VERSION,)}
+
+
+def _generation(record_name: str, version: int) -> int:
+    return sum(1 for start in GENERATION_STARTS.get(record_name, ()) if version >= start)
+
+
 @pytest.mark.parametrize("record_name", RECORD_NAMES)
 def test_dataclass_fields_match_the_avsc_fields(record_name):
-    """The typed record has exactly the fields of the newest version, in its order."""
+    """The typed record has exactly the fields of the newest version its from_avro speaks, in its order (NodeSample:
+    v3; v4's typed layer, PackedNodeSample, is checked in test_packed.py)."""
     record_type = RECORD_TYPES[f"gpumeter.{record_name}"]
-    schema = _schema_file(record_name, _versions(record_name)[-1])
+    schema = _schema_file(record_name, RecordCodec(record_type).avro.schema.version)
     assert [f.name for f in fields(record_type)] == [f["name"] for f in schema["fields"]]
 
 
@@ -97,7 +109,11 @@ def test_each_version_reads_every_version_before_it(record_name):
     assert versions == list(range(1, len(versions) + 1))
     for newer in versions[1:]:
         for older in range(1, newer):
-            assert _reads(_schema_file(record_name, older), _schema_file(record_name, newer)), (older, newer)
+            reads = _reads(_schema_file(record_name, older), _schema_file(record_name, newer))
+            if _generation(record_name, older) == _generation(record_name, newer):
+                assert reads, (older, newer)
+            else:  # a declared generation start really is one: else it would not need a topic of its own
+                assert not reads, (older, newer)
 
 
 def _all_topic_specs():
@@ -173,6 +189,8 @@ def test_the_examples_of_every_version_are_read_by_the_newest_reader(record_name
     newest = RecordCodec(record_type)
     newest_fields = {name for _record, name in _field_names(newest.avro.schema.schema_json)}
     for version in example_versions(record_name):
+        if _generation(record_name, version) != _generation(record_name, newest.avro.schema.version):
+            continue  # another generation: converted by code, tested with it (test_packed.py)
         writer = AvroCodec(default_registry(), f"gpumeter.{record_name}", version)
         for example in load_example_dicts(record_name, version):
             record = newest.decode(writer.encode(example))
@@ -219,7 +237,7 @@ def test_the_apache_avro_package_decodes_our_body(record_name):
     registered = default_registry().get(f"gpumeter.{record_name}")
     apache_schema = avro.schema.parse(json.dumps(registered.schema_json))
     codec = AvroCodec(default_registry(), registered.full_name)
-    for record in load_example_dicts(record_name):
+    for record in load_example_dicts(record_name, registered.version):
         encoded = codec.encode(record)
         decoder = avro.io.BinaryDecoder(io.BytesIO(encoded[10:]))
         decoded = avro.io.DatumReader(apache_schema).read(decoder)

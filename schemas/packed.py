@@ -1,0 +1,474 @@
+"""NodeSample v4, the packed hot-topic record: its typed layer (``PackedNodeSample``, numpy arrays), the exact
+conversion to and from today's ``NodeSample`` objects, and its codec.
+
+One definition: the column table (``COLUMNS``: every ``bytes`` field, its numpy dtype, unit and length rule) is read
+from ``schemas/avro/NodeSample.v4.avsc`` at import, from each field's ``doc``, which starts ``<dtype>, <unit>, one
+per <thing>.``; ``PackedNodeSample``'s fields are the ``.avsc``'s fields in its order (tests/unit/schemas/
+test_packed.py checks both). Decoding reads the Avro record with fastavro (a ``bytes`` field comes out as ``bytes``)
+and views each column with ``numpy.frombuffer``: no Python object per value.
+
+Conversion contract: ``PackedNodeSample.from_node_sample(s).to_node_sample() == s`` for every ``NodeSample`` whose
+figures fit the v3 schema's types, except the two a packed column cannot say apart from "missing": a device figure
+equal to its column's sentinel (the dtype's minimum), which ``from_node_sample`` refuses with ``SchemaEncodeError``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import sys
+import uuid
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+import fastavro
+import numpy as np
+
+from schemas.codec import AVRO_DIR, HEADER_BYTES, AvroCodec, RegisteredSchema, SchemaRegistry, default_registry
+from schemas.errors import CorruptMessage, SchemaEncodeError, TruncatedMessage, WrongRecordType
+from schemas.records import GpuDeviceSample, NodeSample, NvmlError, SharingMode
+
+PACKED_VERSION = 4
+OBJECT_VERSION = 3  # the newest NodeSample version whose Avro dicts NodeSample.to_avro/from_avro speak
+SCHEMA_PATH = AVRO_DIR / f"NodeSample.v{PACKED_VERSION}.avsc"
+
+SHARING_MODE_CODES: tuple[SharingMode, ...] = (
+    SharingMode.UNKNOWN, SharingMode.EXCLUSIVE, SharingMode.TIME_SLICING, SharingMode.MPS, SharingMode.MIG,
+)
+"""device_sharing_mode's symbol indexes, in the order its doc lists them (a test checks the doc)."""
+_MODE_CODE = {mode: code for code, mode in enumerate(SHARING_MODE_CODES)}
+
+MISSING_I4 = -(2**31)
+MISSING_I8 = -(2**63)
+NULLABLE_COLUMNS: Mapping[str, str] = {
+    "device_mig_gpu_instance_id": "mig_gpu_instance_id",
+    "device_mig_compute_instance_id": "mig_compute_instance_id",
+    "device_gpu_utilization_percent": "gpu_utilization_percent",
+    "device_memory_utilization_percent": "memory_utilization_percent",
+    "device_power_milliwatts": "power_milliwatts",
+}
+"""Device columns whose v3 field is nullable: None travels as the dtype's minimum (the field's doc says so)."""
+
+_DOC_HEAD = re.compile(r"^(<[iu][1248]|uuid16), ([^,]+), one per ([^.]+)\.")
+
+
+@dataclass(frozen=True, slots=True)
+class Column:
+    """One packed ``bytes`` field: ``dtype`` (numpy notation; uuid16 is ``V16``), ``unit``, and ``per``: what its
+    length counts (``device``, ``process``, ``pod``, ``MPS server pid``, ``pod uid not in canonical UUID form``)."""
+
+    name: str
+    dtype: np.dtype
+    unit: str
+    per: str
+
+
+def _columns_from_avsc(schema: Mapping[str, Any]) -> dict[str, Column]:
+    columns = {}
+    for f in schema["fields"]:
+        if f["type"] != "bytes":
+            continue
+        match = _DOC_HEAD.match(f["doc"])
+        if match is None:
+            raise ValueError(f"{SCHEMA_PATH.name}: {f['name']}'s doc does not start '<dtype>, <unit>, one per <x>.'")
+        dtype, unit, per = match.groups()
+        columns[f["name"]] = Column(f["name"], np.dtype("V16" if dtype == "uuid16" else dtype), unit, per)
+    return columns
+
+
+SCHEMA_JSON: Mapping[str, Any] = json.loads(SCHEMA_PATH.read_text())
+COLUMNS: Mapping[str, Column] = _columns_from_avsc(SCHEMA_JSON)
+DEVICE_COLUMNS = tuple(n for n, c in COLUMNS.items() if c.per == "device")
+PROCESS_COLUMNS = tuple(n for n, c in COLUMNS.items() if c.per == "process")
+_DEVICE_LAYOUT = tuple((n, COLUMNS[n].dtype, COLUMNS[n].dtype.itemsize) for n in DEVICE_COLUMNS)
+_PROCESS_LAYOUT = tuple((n, COLUMNS[n].dtype, COLUMNS[n].dtype.itemsize) for n in PROCESS_COLUMNS)
+_UUID16 = COLUMNS["pod_uids"].dtype
+_NULLABLE_POSITIONS = tuple(DEVICE_COLUMNS.index(n) for n in NULLABLE_COLUMNS)
+# to_node_sample unpacks the device columns in this order.
+assert DEVICE_COLUMNS == (
+    "device_model", "device_parent_uuid", "device_mig_profile", "device_sharing_mode", "device_index",
+    "device_replicas", "device_mig_gpu_instance_id",
+    "device_mig_compute_instance_id", "device_mig_compute_slices", "device_mig_total_compute_slices",
+    "device_memory_total_bytes", "device_memory_used_bytes", "device_memory_free_bytes",
+    "device_memory_reserved_bytes", "device_gpu_utilization_percent", "device_memory_utilization_percent",
+    "device_power_milliwatts", "device_process_utilization_supported", "device_process_count",
+    "device_mps_server_count"), DEVICE_COLUMNS
+assert set(COLUMNS) == {*DEVICE_COLUMNS, *PROCESS_COLUMNS, "pod_uids", "pod_uid_text_slots", "mps_server_pids"}
+
+
+def _column(name: str, values: Any) -> np.ndarray:
+    try:
+        array = np.asarray(values, dtype=np.int64)
+        info = np.iinfo(COLUMNS[name].dtype)
+        if array.size and (array.min() < info.min or array.max() > info.max):
+            raise OverflowError(f"{name} holds a value outside {COLUMNS[name].dtype}")
+        return array.astype(COLUMNS[name].dtype)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise SchemaEncodeError(f"NodeSample v4 column {name} does not fit: {exc}") from exc
+
+
+_UID_TEXTS: dict[tuple[bytes, bytes, tuple[str, ...]], tuple[str, ...]] = {}
+_UID_TEXTS_MAX = 4096
+"""Pod lists seen, by their packed bytes -> their text (cleared when full: a bound, not an eviction policy)."""
+
+
+def _uid_bytes(uid: str) -> bytes | None:
+    try:
+        parsed = uuid.UUID(uid)
+    except (ValueError, TypeError, AttributeError):
+        return None
+    return parsed.bytes if str(parsed) == uid else None
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PackedNodeSample:
+    """A NodeSample v4 record: Avro fields in ``.avsc`` order; every ``bytes`` field is a read-only numpy array of
+    its column's dtype (``COLUMNS``), lists are tuples. Equal when every field is (arrays: same dtype and values)."""
+
+    cluster: str
+    node_name: str
+    sequence: int
+    collector_started_at_unix_ms: int
+    sampled_at_unix_ms: int
+    interval_ms: int
+    cloud_provider: str
+    region: str
+    instance_type: str
+    price_model: str
+    zone: str
+    provider_id: str
+    node_errors: tuple[NvmlError, ...]
+    pod_uids: np.ndarray
+    pod_uid_text_slots: np.ndarray
+    pod_uid_texts: tuple[str, ...]
+    device_uuids: tuple[str, ...]
+    device_texts: tuple[str, ...]
+    device_model: np.ndarray
+    device_parent_uuid: np.ndarray
+    device_mig_profile: np.ndarray
+    device_sharing_mode: np.ndarray
+    device_index: np.ndarray
+    device_replicas: np.ndarray
+    device_mig_gpu_instance_id: np.ndarray
+    device_mig_compute_instance_id: np.ndarray
+    device_mig_compute_slices: np.ndarray
+    device_mig_total_compute_slices: np.ndarray
+    device_memory_total_bytes: np.ndarray
+    device_memory_used_bytes: np.ndarray
+    device_memory_free_bytes: np.ndarray
+    device_memory_reserved_bytes: np.ndarray
+    device_gpu_utilization_percent: np.ndarray
+    device_memory_utilization_percent: np.ndarray
+    device_power_milliwatts: np.ndarray
+    device_process_utilization_supported: np.ndarray
+    device_process_count: np.ndarray
+    device_mps_server_count: np.ndarray
+    device_errors: tuple[tuple[int, NvmlError], ...]
+    process_pid: np.ndarray
+    process_pod_index: np.ndarray
+    process_used_memory_bytes: np.ndarray
+    process_sm_utilization_percent: np.ndarray
+    mps_server_pids: np.ndarray
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PackedNodeSample):
+            return NotImplemented
+        for f in fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(a, np.ndarray):
+                if not isinstance(b, np.ndarray) or a.dtype != b.dtype or not np.array_equal(a, b):
+                    return False
+            elif a != b:
+                return False
+        return True
+
+    __hash__ = None  # type: ignore[assignment]
+
+    @property
+    def device_count(self) -> int:
+        return len(self.device_uuids)
+
+    @property
+    def process_count(self) -> int:
+        return len(self.process_pid)
+
+    @property
+    def pod_count(self) -> int:
+        return len(self.pod_uids)
+
+    @property
+    def process_device(self) -> np.ndarray:
+        """Per process: its device's position in the device columns (derived from device_process_count)."""
+        return np.repeat(np.arange(self.device_count, dtype=np.int32), self.device_process_count)
+
+    def device_parent_uuid_strings(self) -> tuple[str | None, ...]:
+        """Per device: its parent GPU's uuid (a MIG instance), else None."""
+        texts = self.device_texts
+        return tuple([texts[i] if i >= 0 else None for i in self.device_parent_uuid.tolist()])
+
+    def pod_uid_strings(self) -> tuple[str, ...]:
+        """The pod uids as text, in slot order. One tuple per distinct pod list: a node's ticks mostly repeat its
+        list, and the same tuple object lets the engine's identity-keyed lookups hit (``_UID_TEXTS``)."""
+        raw = self.pod_uids.tobytes()
+        key = (raw, self.pod_uid_text_slots.tobytes(), self.pod_uid_texts)
+        uids = _UID_TEXTS.get(key)
+        if uids is None:
+            h = raw.hex()
+            texts = [f"{h[i:i + 8]}-{h[i + 8:i + 12]}-{h[i + 12:i + 16]}-{h[i + 16:i + 20]}-{h[i + 20:i + 32]}"
+                     for i in range(0, len(h), 32)]
+            for slot, text in zip(self.pod_uid_text_slots.tolist(), self.pod_uid_texts):
+                texts[slot] = text
+            if len(_UID_TEXTS) >= _UID_TEXTS_MAX:
+                _UID_TEXTS.clear()
+            uids = _UID_TEXTS[key] = tuple(texts)
+        return uids
+
+    # -- Avro dicts ------------------------------------------------------------------------------------------------
+
+    def to_avro(self) -> dict[str, Any]:
+        d: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, np.ndarray):
+                d[f.name] = value.tobytes()
+            elif f.name == "node_errors":
+                d[f.name] = [e.to_avro() for e in value]
+            elif f.name == "device_errors":
+                d[f.name] = [{"device": device, **e.to_avro()} for device, e in value]
+            elif isinstance(value, tuple):
+                d[f.name] = list(value)
+            else:
+                d[f.name] = value
+        return d
+
+    @classmethod
+    def from_avro(cls, d: Mapping[str, Any]) -> "PackedNodeSample":
+        """The record of a v4 Avro dict. Raises ``CorruptMessage`` when a column's length breaks its rule."""
+        devices = len(d["device_uuids"])
+        frombuffer = np.frombuffer
+        arrays = {}
+        for name, dtype, itemsize in _DEVICE_LAYOUT:
+            raw = d[name]
+            if len(raw) != devices * itemsize:
+                _length_error(name, raw, itemsize, devices)
+            arrays[name] = frombuffer(raw, dtype)
+        if devices:
+            texts = len(d["device_texts"])
+            models = _ints(d["device_model"], "h")
+            optional = _ints(d["device_parent_uuid"] + d["device_mig_profile"], "h")
+            if min(models) < 0 or max(models) >= texts or min(optional) < -1 or max(optional) >= texts:
+                raise CorruptMessage("NodeSample v4 device text indexes point outside device_texts")
+        # Summed as unsigned: a negative count becomes one no message's length can match.
+        processes = sum(_ints(d["device_process_count"], "I"))
+        mps_pids = sum(_ints(d["device_mps_server_count"], "I"))
+        for name, dtype, itemsize in _PROCESS_LAYOUT:
+            raw = d[name]
+            if len(raw) != processes * itemsize:
+                _length_error(name, raw, itemsize, processes)
+            arrays[name] = frombuffer(raw, dtype)
+        raw = d["mps_server_pids"]
+        if len(raw) != mps_pids * 4:
+            _length_error("mps_server_pids", raw, 4, mps_pids)
+        mps = frombuffer(raw, "<i4")
+        raw = d["pod_uids"]
+        if len(raw) % 16:
+            _length_error("pod_uids", raw, 16, None)
+        pod_uids = frombuffer(raw, _UUID16)
+        raw, texts = d["pod_uid_text_slots"], d["pod_uid_texts"]
+        if len(raw) != len(texts) * 4:
+            _length_error("pod_uid_text_slots", raw, 4, len(texts))
+        slots = frombuffer(raw, "<i4")
+        if texts and (slots.min() < 0 or slots.max() >= len(pod_uids) or np.any(np.diff(slots) <= 0)):
+            raise CorruptMessage("NodeSample v4 pod_uid_text_slots are not ascending pod slots")
+        device_errors = d["device_errors"]
+        if device_errors and any(not 0 <= e["device"] < devices for e in device_errors):
+            raise CorruptMessage("NodeSample v4 device_errors names a device that is not in the tick")
+        node_errors = d["node_errors"]
+        return cls(
+            d["cluster"], d["node_name"], d["sequence"], d["collector_started_at_unix_ms"], d["sampled_at_unix_ms"],
+            d["interval_ms"], d["cloud_provider"], d["region"], d["instance_type"], d["price_model"], d["zone"],
+            d["provider_id"],
+            tuple([NvmlError.from_avro(e) for e in node_errors]) if node_errors else (),
+            pod_uids, slots, tuple(texts),
+            tuple(d["device_uuids"]), tuple(d["device_texts"]),
+            *[arrays[name] for name in DEVICE_COLUMNS],
+            tuple([(e["device"], NvmlError.from_avro(e)) for e in device_errors]) if device_errors else (),
+            *[arrays[name] for name in PROCESS_COLUMNS],
+            mps,
+        )
+
+    # -- NodeSample objects ----------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_node_sample(cls, sample: NodeSample) -> "PackedNodeSample":
+        """The packed form of ``sample``. Raises ``SchemaEncodeError`` for a figure its column cannot carry."""
+        devices = sample.devices
+        uid_bytes = [_uid_bytes(uid) for uid in sample.pod_uids]
+        text_slots = [i for i, raw in enumerate(uid_bytes) if raw is None]
+        texts: dict[str, int] = {}
+        device_values: dict[str, list] = {name: [] for name in DEVICE_COLUMNS}
+        for dev in devices:
+            for name in DEVICE_COLUMNS:
+                device_values[name].append(_device_figure(dev, name, texts))
+        process = {name: [] for name in PROCESS_COLUMNS}
+        mps: list[int] = []
+        for dev in devices:
+            process["process_pid"].extend(dev.process_pids)
+            process["process_pod_index"].extend(dev.process_pod_index)
+            process["process_used_memory_bytes"].extend(dev.process_used_memory_bytes)
+            process["process_sm_utilization_percent"].extend(dev.process_sm_utilization_percent)
+            mps.extend(dev.mps_server_pids)
+        for name, v3_name in NULLABLE_COLUMNS.items():
+            if any(v == _missing(name) for v in device_values[name]):
+                raise SchemaEncodeError(f"NodeSample v4 {name}: {v3_name} equal to the missing sentinel")
+            device_values[name] = [_missing(name) if v is None else v for v in device_values[name]]
+        return cls(
+            sample.cluster, sample.node_name, sample.sequence, sample.collector_started_at_unix_ms,
+            sample.sampled_at_unix_ms, sample.interval_ms, sample.cloud_provider, sample.region,
+            sample.instance_type, sample.price_model, sample.zone, sample.provider_id, tuple(sample.node_errors),
+            np.frombuffer(b"".join(raw or bytes(16) for raw in uid_bytes), dtype=COLUMNS["pod_uids"].dtype),
+            _column("pod_uid_text_slots", text_slots), tuple(sample.pod_uids[i] for i in text_slots),
+            tuple(dev.uuid for dev in devices), tuple(texts),
+            *(_column(name, device_values[name]) for name in DEVICE_COLUMNS),
+            tuple((position, e) for position, dev in enumerate(devices) for e in dev.errors),
+            *(_column(name, process[name]) for name in PROCESS_COLUMNS),
+            _column("mps_server_pids", mps),
+        )
+
+    def to_node_sample(self) -> NodeSample:
+        """The ``NodeSample`` object this record says, exactly as v3 decoding would build it."""
+        columns = [getattr(self, name).tolist() for name in DEVICE_COLUMNS]
+        for position in _NULLABLE_POSITIONS:
+            sentinel = _missing(DEVICE_COLUMNS[position])
+            column = columns[position]
+            if sentinel in column:
+                columns[position] = [None if v == sentinel else v for v in column]
+        texts = self.device_texts
+        (models, parents, profiles, modes, index, replicas, gi, ci, slices, total_slices, mem_total, mem_used,
+         mem_free, mem_reserved, gpu_util, mem_util, power, supported, process_counts, mps_counts) = columns
+        codes = SHARING_MODE_CODES
+        modes = [codes[c] if c < len(codes) else SharingMode.UNKNOWN for c in modes]
+        errors: list[list[NvmlError]] = [[] for _ in self.device_uuids]
+        for position, error in self.device_errors:
+            errors[position].append(error)
+        pids, pods = self.process_pid.tolist(), self.process_pod_index.tolist()
+        memory, sm = self.process_used_memory_bytes.tolist(), self.process_sm_utilization_percent.tolist()
+        mps = self.mps_server_pids.tolist()
+        devices = []
+        start = mps_start = 0
+        for i, device_uuid in enumerate(self.device_uuids):
+            end, mps_end = start + process_counts[i], mps_start + mps_counts[i]
+            devices.append(GpuDeviceSample(
+                device_uuid, texts[parents[i]] if parents[i] >= 0 else None, index[i], texts[models[i]], modes[i],
+                replicas[i], gi[i], ci[i], texts[profiles[i]] if profiles[i] >= 0 else None, slices[i],
+                total_slices[i], mem_total[i], mem_used[i], mem_free[i], mem_reserved[i], gpu_util[i], mem_util[i],
+                power[i], supported[i] != 0, tuple(errors[i]), tuple(pids[start:end]), tuple(pods[start:end]),
+                tuple(memory[start:end]), tuple(sm[start:end]), tuple(mps[mps_start:mps_end]),
+            ))
+            start, mps_start = end, mps_end
+        return NodeSample(
+            self.cluster, self.node_name, self.sequence, self.collector_started_at_unix_ms, self.sampled_at_unix_ms,
+            self.interval_ms, self.cloud_provider, self.region, self.instance_type, self.price_model,
+            self.pod_uid_strings(), self.node_errors, tuple(devices), self.zone, self.provider_id,
+        )
+
+
+def _device_figure(dev: GpuDeviceSample, column: str, texts: dict[str, int]) -> Any:
+    if column in _TEXT_ATTRIBUTES:
+        text = getattr(dev, _TEXT_ATTRIBUTES[column])
+        return -1 if text is None else texts.setdefault(text, len(texts))
+    if column == "device_sharing_mode":
+        try:
+            return _MODE_CODE[SharingMode(dev.sharing_mode)]
+        except ValueError as exc:
+            raise SchemaEncodeError(f"NodeSample v4: sharing mode {dev.sharing_mode!r} has no code") from exc
+    if column == "device_process_utilization_supported":
+        return 1 if dev.process_utilization_supported else 0
+    if column == "device_process_count":
+        lengths = {len(dev.process_pids), len(dev.process_pod_index), len(dev.process_used_memory_bytes),
+                   len(dev.process_sm_utilization_percent)}
+        if len(lengths) != 1:
+            raise SchemaEncodeError(f"device {dev.uuid}'s process columns differ in length: {sorted(lengths)}")
+        return len(dev.process_pids)
+    if column == "device_mps_server_count":
+        return len(dev.mps_server_pids)
+    return getattr(dev, column[len("device_"):])
+
+
+_TEXT_ATTRIBUTES = {"device_model": "model", "device_parent_uuid": "parent_uuid", "device_mig_profile": "mig_profile"}
+
+
+def _missing(column: str) -> int:
+    return MISSING_I8 if COLUMNS[column].dtype.itemsize == 8 else MISSING_I4
+
+
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+def _ints(raw: bytes, code: str) -> Any:
+    """The little-endian integers of ``raw`` (``code``: "h" int16, "I" uint32) for a few Python-level min/max/sum
+    calls: a memoryview on little-endian machines (no numpy call's overhead for a handful of values)."""
+    if _LITTLE_ENDIAN:
+        return memoryview(raw).cast(code)
+    return np.frombuffer(raw, "<i2" if code == "h" else "<u4").tolist()
+
+
+def _length_error(name: str, raw: bytes, itemsize: int, count: int | None) -> None:
+    if len(raw) % itemsize:
+        raise CorruptMessage(f"NodeSample v4 {name}: {len(raw)} bytes is not a whole number of {itemsize}-byte "
+                             "entries")
+    raise CorruptMessage(f"NodeSample v4 {name} has {len(raw) // itemsize} entries, its length rule says {count}")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The codec
+
+
+class NodeSampleCodec:
+    """``codec_for(NodeSample)``: encodes a ``NodeSample`` as v4 (what the collector writes to the hot topic) and
+    decodes any registered NodeSample version -- v4 on the fast path, v1-v3 through Avro resolution to v3 (the old
+    topic, during the migration) -- into ``NodeSample`` objects, or with ``decode_packed`` into ``PackedNodeSample``.
+    Every failure is an ``InvalidMessage`` subclass."""
+
+    record_type = NodeSample
+
+    def __init__(self, registry: SchemaRegistry | None = None) -> None:
+        registry = registry or default_registry()
+        self.packed = AvroCodec(registry, "gpumeter.NodeSample", PACKED_VERSION)
+        self.objects = AvroCodec(registry, "gpumeter.NodeSample", OBJECT_VERSION)
+        self.avro = self.packed
+        self._packed_schema: RegisteredSchema = self.packed.schema
+
+    def encode(self, record: NodeSample) -> bytes:
+        return self.encode_packed(PackedNodeSample.from_node_sample(record))
+
+    def encode_packed(self, record: PackedNodeSample) -> bytes:
+        return self.packed.encode(record.to_avro())
+
+    def decode(self, data: bytes) -> NodeSample:
+        writer = self.packed.writer_of(data)
+        if writer.full_name == "gpumeter.NodeSample" and writer.version < PACKED_VERSION:
+            return NodeSample.from_avro(self.objects.decode(data))
+        return self.decode_packed(data).to_node_sample()
+
+    def decode_packed(self, data: bytes) -> PackedNodeSample:
+        """The v4 record in ``data`` as arrays; an older NodeSample version is converted."""
+        writer = self.packed.writer_of(data)
+        if writer.full_name != "gpumeter.NodeSample":
+            raise WrongRecordType(f"expected gpumeter.NodeSample, got {writer.full_name} v{writer.version}")
+        if writer.version < PACKED_VERSION:
+            return PackedNodeSample.from_node_sample(NodeSample.from_avro(self.objects.decode(data)))
+        if writer.fingerprint != self._packed_schema.fingerprint:
+            raise WrongRecordType(f"NodeSample v{writer.version} is newer than this reader's v{PACKED_VERSION}")
+        body = io.BytesIO(data)
+        body.seek(HEADER_BYTES)
+        try:
+            record = fastavro.schemaless_reader(body, writer.parsed, None)
+        except EOFError as exc:
+            raise TruncatedMessage(f"NodeSample v4 body ends early: {exc}") from exc
+        except Exception as exc:  # fastavro signals bad bytes with many types (ValueError, IndexError, ...)
+            raise CorruptMessage(f"NodeSample v4 body does not decode: {type(exc).__name__}: {exc}") from exc
+        if body.tell() != len(data):
+            raise CorruptMessage(f"{len(data) - body.tell()} trailing bytes after the NodeSample v4 body")
+        return PackedNodeSample.from_avro(record)
