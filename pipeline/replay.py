@@ -68,7 +68,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from gpumeter.clock import ManualClock, iso_utc
 from gpumeter.errors import ConfigError
-from gpumeter.kafka.deadletter import RawMessage
+from gpumeter.stream.deadletter import RawMessage
 from gpumeter.stream.contract import Emit, Settled
 from gpumeter.stream.memory import MemoryBroker, MemoryDriver
 from gpumeter.stream.runner import MessageRunner

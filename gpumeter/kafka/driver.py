@@ -36,7 +36,7 @@ import logging
 from typing import Any, Awaitable, Callable, Iterable, Literal, Mapping, Sequence
 
 from gpumeter.clock import Clock
-from gpumeter.kafka.deadletter import RawMessage
+from gpumeter.stream.deadletter import RawMessage
 from gpumeter.kafka.outbox import Outbox, next_backoff_seconds
 from gpumeter.kafka.processor import ConsumerUnavailable, ProcessorLifecycle, ServiceStopping, raw_message
 from gpumeter.stream.contract import Emit, Result, Settled, Store, StoreUnavailable

@@ -22,7 +22,7 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
-from gpumeter.kafka.deadletter import RawMessage
+from gpumeter.stream.deadletter import RawMessage
 from gpumeter.stream.contract import Emit, Position, Result, Store
 from gpumeter.stream.runner import MessageRunner, changes_of
 from schemas.catalog import murmur2, partition_for_node

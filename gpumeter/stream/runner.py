@@ -12,7 +12,7 @@ order — the same for every driver, so a message is accepted or rejected alike 
 4. ``processor.handle(event, position)``: raising ``InvalidMessage`` rejects the message; so does every error in
    the result's ``rejected``.
 
-A rejected message becomes one dead letter (``gpumeter.kafka.deadletter.dead_letter_for``: always within the
+A rejected message becomes one dead letter (``gpumeter.stream.deadletter.dead_letter_for``: always within the
 producer's request size), emitted to ``DEAD_LETTERS`` keyed by its source topic, counted
 (``gpumeter_dead_letters_total``, ``gpumeter_dead_letters_truncated_total``) and logged; the runner carries on.
 Any other exception is a bug and propagates. Every message counts in ``gpumeter_messages_consumed_total`` and
@@ -30,7 +30,7 @@ from typing import Any, Mapping, Sequence
 
 from gpumeter.clock import Clock
 from gpumeter.errors import InvalidMessage
-from gpumeter.kafka.deadletter import RawMessage, cut_text, dead_letter_budget_bytes, dead_letter_for
+from gpumeter.stream.deadletter import RawMessage, cut_text, dead_letter_budget_bytes, dead_letter_for
 from gpumeter.settings import DEFAULT_MAX_REQUEST_SIZE_BYTES
 from gpumeter.stream.contract import (
     DEAD_LETTERS,

@@ -53,7 +53,7 @@ from faust.types import TP
 
 from gpumeter.clock import Clock
 from gpumeter.errors import ConfigError, GpumeterError, InvalidMessage
-from gpumeter.kafka.deadletter import RawMessage
+from gpumeter.stream.deadletter import RawMessage
 from gpumeter.logflood import guard_root_handlers
 from gpumeter.metrics import ServiceMetrics
 from gpumeter.settings import KafkaSettings

@@ -17,7 +17,7 @@ import asyncio
 from faust.types import TP
 
 from gpumeter.clock import ManualClock
-from gpumeter.kafka.deadletter import RawMessage
+from gpumeter.stream.deadletter import RawMessage
 from gpumeter.metrics import ServiceMetrics
 from gpumeter.settings import KafkaSettings
 from schemas.catalog import pod_event_key
