@@ -156,8 +156,10 @@ class ProcessorDefaults:
     ``on_assigned(partitions)`` / ``on_revoked(partitions)``: the driver now reads ``partitions`` (topic,
     partition) / stops reading them. ``on_revoked`` comes after the last batch of those partitions and before
     their last commit; its result is settled (emitted, its changes made durable) before that commit, so state a
-    processor flushes there is never behind a committed offset. A partition kept across a rebalance is neither
-    revoked nor assigned again. Default: nothing to do."""
+    processor flushes there is never behind a committed offset (a driver that cannot make it durable commits
+    nothing). An eager rebalance (aiokafka's) revokes every partition and assigns the kept ones again, so
+    ``on_revoked`` leaves nothing undurable behind; the Faust driver tells only of partitions lost and gained.
+    Default: nothing to do."""
 
     def handle_batch(self, events: Sequence[tuple[Event, Position]]) -> Sequence[Result | InvalidMessage]:
         return handle_each(self, events)  # type: ignore[arg-type]

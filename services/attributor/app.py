@@ -483,18 +483,31 @@ class AttributorStream:
     async def _on_rebalance_complete(self, sender: Any, **_: Any) -> None:
         # Tables are recovered; streams have not resumed yet. Partitions kept across the rebalance keep their
         # engine and their deferred table writes; new ones are rebuilt from the tables.
-        for partition in self.processor.partitions():
-            if partition not in self._assigned:
-                self.processor.drop_partition(partition)  # the new owner re-emits its windows in flight
-                self._processed_offset.pop(partition, None)
-                self._processed_pod_offset.pop(partition, None)
-                self._deferred.pop(partition, None)
-                self._in_flight.pop(partition, None)
+        # Faust's revocation hook names every partition held (an eager rebalance): only those not assigned again
+        # are lost, and only they are revoked in the processor's contract (``on_revoked``: their engines dropped;
+        # the new owner re-emits their windows in flight).
+        lost = {p for p in self.processor.partitions() if p not in self._assigned}
+        if self.runner.revoked(self._topic_partitions(lost)):
+            # Tables of a lost partition can no longer be written here; what is durable of it is in them already.
+            raise RuntimeError(f"{SERVICE}: on_revoked must leave nothing to flush")
+        for partition in lost:
+            self._processed_offset.pop(partition, None)
+            self._processed_pod_offset.pop(partition, None)
+            self._deferred.pop(partition, None)
+            self._in_flight.pop(partition, None)
         rebuilt = self._assigned - set(self.processor.partitions())
         await self._rebuild(rebuilt)
         await self._preload_pod_events(rebuilt)
         await self._rewind_streams(rebuilt)
+        assigned = self.runner.assigned(self._topic_partitions(rebuilt))  # nothing beyond the rebuild so far
+        if assigned.emits:
+            raise RuntimeError(f"{SERVICE}: on_assigned emits nothing (a window is emitted by its partition's event)")
+        for change in assigned.changes:
+            self._defer(change.partition, (change,))
         self._ready = True
+
+    def _topic_partitions(self, partitions: Iterable[int]) -> set[tuple[str, int]]:
+        return {(topic, p) for p in partitions for topic in (self.samples_topic_name, self.pods_topic_name)}
 
     async def _rewind_streams(self, rebuilt: set[int]) -> None:
         """Put every assigned input partition where this worker's processing must go on, before streams resume.
