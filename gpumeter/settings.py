@@ -69,7 +69,7 @@ class KafkaSettings:
     # For topics gpumeter creates; 3 on a production cluster.
     replication_factor: int = setting(1, env=_KAFKA + "REPLICATION_FACTOR", parse=integer, check=at_least(1),
                                       help="replication factor of the topics gpumeter creates")
-    # The largest record (batch) every producer sends; dead letters are sized from it (gpumeter.kafka.deadletter).
+    # The largest record (batch) every producer sends; dead letters are sized from it (gpumeter.stream.deadletter).
     max_request_size_bytes: int = setting(DEFAULT_MAX_REQUEST_SIZE_BYTES, env=_KAFKA + "MAX_REQUEST_SIZE_BYTES",
                                           parse=integer, check=at_least(64 * 1024),
                                           help="the producers' max_request_size in bytes")

@@ -68,7 +68,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from gpumeter.clock import ManualClock, iso_utc
 from gpumeter.errors import ConfigError
-from gpumeter.kafka.deadletter import RawMessage
+from gpumeter.stream.deadletter import RawMessage
 from gpumeter.stream.contract import Emit, Settled
 from gpumeter.stream.memory import MemoryBroker, MemoryDriver
 from gpumeter.stream.runner import MessageRunner
@@ -110,6 +110,9 @@ TRUTH_FILE = "truth.jsonl"
 COSTS_FILE = "costs.jsonl"
 BILLS_FILE = "bills.jsonl"
 DEAD_LETTERS_FILE = "dead_letters.jsonl"
+
+DEFAULT_BATCH_SIZE = 1
+"""Messages of one instant a replayed processor handles at once, by default (the output is the same for any)."""
 
 INPUT_SCENARIO = "scenario"
 INPUT_RECORDING = "recording"
@@ -289,10 +292,10 @@ class _Stage:
     """One service's processor on the in-memory broker: the runner it runs on in the stream, a ``MemoryDriver``."""
 
     def __init__(self, processor: Any, inputs: Mapping[str, str], outputs: Mapping[str, str], broker: MemoryBroker,
-                 clock: ManualClock, *, store: Any = None, on_produced: Any = None) -> None:
+                 clock: ManualClock, *, store: Any = None, on_produced: Any = None, batch_size: int = 1) -> None:
         self.clock = clock  # the service's own: each moves through the input's time on its own
         self.runner = MessageRunner(processor, inputs, clock, log_dead_letters=False)  # dead_letters.jsonl has them
-        self.driver = MemoryDriver(self.runner, broker, outputs, store, on_produced)
+        self.driver = MemoryDriver(self.runner, broker, outputs, store, on_produced, batch_size=batch_size)
         self.last_tick_ms: int | None = None
 
     def run(self, *, tick_until_ms: int | None = None) -> int:
@@ -332,6 +335,7 @@ def replay(
     guard_config: GuardConfig | None = None,
     grouping_labels: tuple[str, ...] | None = DEFAULT_GROUPING_LABELS,
     grouping_label_sources: GroupingLabelSources = GroupingLabelSources(),
+    batch_size: int = DEFAULT_BATCH_SIZE,
 ) -> ReplaySummary:
     """Replay ``input_path`` (a scenario YAML, a recording file, or a directory of recordings) into ``out_dir``.
 
@@ -343,7 +347,8 @@ def replay(
     ``guard_config``: the guard's thresholds for ``violations.jsonl`` (default ``GuardConfig()``).
     ``grouping_labels``: the pod labels share rows carry, as the streaming attributor's ``GPUMETER_GROUPING_LABELS``
     (None: every label); ``grouping_label_sources`` where their values come from, as its
-    ``GPUMETER_GROUPING_LABEL_SOURCE`` (default: the pod's labels).
+    ``GPUMETER_GROUPING_LABEL_SOURCE`` (default: the pod's labels). ``batch_size``: the most messages of one
+    instant each service's processor handles at once (``MemoryDriver``); the output does not depend on it.
     Raises ``ScenarioError``, ``RecordingError`` (broken recording structure) or ``ConfigError`` (bad options,
     unknown input, unknown node).
     """
@@ -422,17 +427,18 @@ def replay(
     input_end_ms = latest_ms
     attributor = AttributorProcessor(config, 1)
     attribution = _Stage(attributor, attributor_inputs(REPLAY_TOPICS), attributor_outputs(REPLAY_TOPICS), broker,
-                         ManualClock(0), on_produced=attributor.acknowledge_all)
+                         ManualClock(0), on_produced=attributor.acknowledge_all, batch_size=batch_size)
     ledger = Ledger("sqlite://")
     ledger.migrate()
     store = _KeptBills(LedgerStore(ledger))
     billing = _Stage(BillingProcessor(catalog=catalog, policy=split_policy, sharing=sharing,
                                       max_clock_skew_seconds=max_clock_skew_seconds),
                      billing_inputs(REPLAY_TOPICS), billing_outputs(REPLAY_TOPICS), broker, ManualClock(0),
-                     store=store)
+                     store=store, batch_size=batch_size)
     guard_clock = ManualClock(0)
     guard_processor = GuardProcessor(guard_config or GuardConfig(), guard_clock)
-    guard = _Stage(guard_processor, guard_topics(REPLAY_TOPICS), guard_outputs(REPLAY_TOPICS), broker, guard_clock)
+    guard = _Stage(guard_processor, guard_topics(REPLAY_TOPICS), guard_outputs(REPLAY_TOPICS), broker, guard_clock,
+                   batch_size=batch_size)
     try:
         attribution.run()
         end_ms: int | None = None

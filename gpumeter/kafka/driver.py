@@ -8,7 +8,8 @@ What the driver adds to the runner is transport, and nothing of any service's lo
   whose rules span nodes, like the guard's budgets; the group only stores offsets). Start positions: the
   ``start_positions`` given (a state file's), else topics in ``from_beginning`` from their start, else the group's
   committed offsets, else ``auto_offset_reset``.
-* **Step** each message through the runner (decode, check, processor, dead letters), in partition order.
+* **Step** each fetched batch through the runner (``MessageRunner.step_batch``: decode and check per message, a
+  bad one dead-lettered alone, then one ``handle_batch`` over the rest), in partition order.
 * **Settle** the batch: its state changes go to the ``Store`` in one ``apply`` (in a worker thread; retried with
   backoff, forever, while it raises ``StoreUnavailable``), and ``MessageRunner.settle`` says what to produce, in
   order: each step's emits, what each change owes, the dead letter of a change the store refused.
@@ -25,8 +26,13 @@ What the driver adds to the runner is transport, and nothing of any service's lo
 * **Liveness**: every batch and tick beats ``gpumeter.health``'s heartbeat and reports the input and outbox
   positions, so a loop stuck in a retry shows as stalled (``ProcessorLifecycle``).
 
-A rebalance flushes and commits first, then drops the revoked partitions (``on_revoked``). ``run(stop)`` returns
-when ``stop`` is set, after a last flush and commit (both best effort: what is not committed is read again).
+**Partitions** are the processor's to hear of (``on_assigned`` / ``on_revoked`` of the contract): assigned ones
+once sought to their start (every partition at start under ``assignment="all"``), revoked ones after the last
+batch that read them. A revocation settles the processor's ``on_revoked`` result (its state changes made durable
+in the store, its records produced), then flushes and commits, then drops the partitions; if that settling fails,
+nothing is committed, so no offset stands past input whose effect is not durable, and the partitions' new owner
+reads them again from the last commit. ``run(stop)`` returns when ``stop`` is set, after a last flush and commit
+(both best effort: what is not committed is read again).
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ import logging
 from typing import Any, Awaitable, Callable, Iterable, Literal, Mapping, Sequence
 
 from gpumeter.clock import Clock
-from gpumeter.kafka.deadletter import RawMessage
+from gpumeter.stream.deadletter import RawMessage
 from gpumeter.kafka.outbox import Outbox, next_backoff_seconds
 from gpumeter.kafka.processor import ConsumerUnavailable, ProcessorLifecycle, ServiceStopping, raw_message
 from gpumeter.stream.contract import Emit, Result, Settled, Store, StoreUnavailable
@@ -81,7 +87,6 @@ class KafkaDriver(ProcessorLifecycle):
         tick_seconds: float | None = None,
         on_emitted: Callable[[Sequence[Emit]], None] | None = None,
         on_read_to_start: Callable[[], Result] | None = None,
-        on_revoked: Callable[[set[TopicPartition]], None] | None = None,
         on_assigned: Callable[[set[TopicPartition]], Awaitable[None]] | None = None,
         co_partitioned: bool = False,
         retry_initial_seconds: float = 0.5,
@@ -113,7 +118,6 @@ class KafkaDriver(ProcessorLifecycle):
         self.tick_seconds = tick_seconds
         self.on_emitted = on_emitted
         self.on_read_to_start = on_read_to_start
-        self.on_revoked = on_revoked
         self.on_assigned = on_assigned
         self.co_partitioned = co_partitioned
         self.retry_initial_seconds = retry_initial_seconds
@@ -230,17 +234,17 @@ class KafkaDriver(ProcessorLifecycle):
         await self.handle_messages(raw_message(record) for records in batch.values() for record in records)
 
     async def handle_messages(self, messages: Iterable[RawMessage]) -> int:
-        """Step ``messages`` (one fetched batch, in partition order) and settle them together: what ``run`` does
-        per fetch. Once stopping it takes no more (the rest is read again after the restart). Returns how many
-        it took."""
-        steps: list[tuple[RawMessage | None, Result]] = []
-        taken: dict[TopicPartition, int] = {}
+        """Step ``messages`` (one fetched batch, in partition order) through the runner at once and settle them
+        together: what ``run`` does per fetch. Once stopping it takes no more (the rest is read again after the
+        restart). Returns how many it took."""
+        batch: list[RawMessage] = []
         for message in messages:
             if self.stopping:
                 break
-            step = self.runner.step(message)
-            steps.append((message, step.result))
-            taken[(message.topic, message.partition)] = message.offset + 1
+            batch.append(message)
+        steps: list[tuple[RawMessage | None, Result]] = [
+            (message, step.result) for message, step in zip(batch, self.runner.step_batch(batch))]
+        taken = {(message.topic, message.partition): message.offset + 1 for message in batch}
         if steps:
             self.batches += 1
             log.debug("%s: batch of %d messages", self.runner.service, len(steps))
@@ -416,20 +420,29 @@ class KafkaDriver(ProcessorLifecycle):
                 await driver._revoked({(tp.topic, tp.partition) for tp in revoked})
 
             async def on_partitions_assigned(self, assigned):
-                async with driver._lock:
-                    keys = {(tp.topic, tp.partition) for tp in assigned}
-                    driver._owned |= keys
-                    await driver._seek_assigned(assigned)
-                    if driver.on_read_to_start is not None and assigned:
-                        ends = await driver._consumer.end_offsets(list(assigned))
-                        driver._start_ends = {**(driver._start_ends or {}),
-                                              **{(tp.topic, tp.partition): end for tp, end in ends.items()}}
-                    if driver.on_assigned is not None:
-                        await driver.on_assigned(keys)
-                log.info("%s: assigned %s", driver.runner.service,
-                         sorted((tp.topic, tp.partition) for tp in assigned))
+                await driver._assigned({(tp.topic, tp.partition) for tp in assigned}, assigned)
 
         return Listener()
+
+    async def _assigned(self, tps: set[TopicPartition], assigned: Iterable[Any] = ()) -> None:
+        """Own ``tps`` (sought to their start: ``assigned``, the client's partitions) and tell the processor of the
+        ones new to it; its result is settled like a batch's."""
+        async with self._lock:
+            new = tps - self._owned
+            self._owned |= tps
+            await self._seek_assigned(assigned)
+            if self.on_read_to_start is not None and assigned:
+                ends = await self._consumer.end_offsets(list(assigned))
+                self._start_ends = {**(self._start_ends or {}),
+                                    **{(tp.topic, tp.partition): end for tp, end in ends.items()}}
+            result = self.runner.assigned(new)
+            if result:
+                await self.settle(((None, result),))
+            if self.on_assigned is not None:
+                # What the contract's synchronous hook cannot do: a service's own reads before the partitions'
+                # input (the guard's nodes role reads the violations topic for them).
+                await self.on_assigned(tps)
+        log.info("%s: assigned %s", self.runner.service, sorted(tps))
 
     async def _seek_assigned(self, assigned: Iterable[Any]) -> None:
         """Group members start a partition from its committed offset (the consumer's own default) unless a
@@ -445,11 +458,23 @@ class KafkaDriver(ProcessorLifecycle):
             await self._consumer.seek_to_beginning(*beginning)
 
     async def _revoked(self, tps: set[TopicPartition]) -> None:
+        """Give up ``tps``: the processor's ``on_revoked`` result settled, then flush and commit, then drop them
+        (see the module docstring). Waits for the batch in hand (the lock): a batch is committed whole or not."""
         async with self._lock:
+            revoked = tps & self._owned
             try:
-                await self._checkpoint(retry=False)
+                result = self.runner.revoked(revoked)
+                if result:
+                    await self.settle(((None, result),))
             except Exception as exc:
-                log.warning("%s: commit before revocation failed: %r", self.runner.service, exc)
+                # Not durable: commit nothing, so the new owner reads these partitions again from the last commit.
+                log.warning("%s: the processor's state for the revoked partitions %s could not be made durable, "
+                            "nothing committed: %r", self.runner.service, sorted(revoked), exc)
+            else:
+                try:
+                    await self._checkpoint(retry=False)
+                except Exception as exc:
+                    log.warning("%s: commit before revocation failed: %r", self.runner.service, exc)
             if not tps:
                 return
             self._owned -= tps
@@ -459,8 +484,6 @@ class KafkaDriver(ProcessorLifecycle):
                 if self._start_ends is not None:
                     self._start_ends.pop(tp, None)
             self._generation += 1
-            if self.on_revoked is not None:
-                self.on_revoked(tps)
         if tps:
             log.info("%s: revoked %s", self.runner.service, sorted(tps))
 
@@ -477,6 +500,10 @@ class KafkaDriver(ProcessorLifecycle):
             partitions.extend(KafkaTopicPartition(topic, p) for p in known[topic])
         consumer.assign(partitions)
         self._owned = {(tp.topic, tp.partition) for tp in partitions}
+        assigned = self.runner.assigned(self._owned)
+        if assigned:
+            async with self._lock:
+                await self.settle(((None, assigned),))
         beginning, to_end = [], []
         for tp in partitions:
             key = (tp.topic, tp.partition)

@@ -9,7 +9,7 @@ import asyncio
 from typing import Any, Awaitable, Callable
 
 from gpumeter.errors import GpumeterError
-from gpumeter.kafka.deadletter import RawMessage
+from gpumeter.stream.deadletter import RawMessage
 from gpumeter.kafka.outbox import pause_unless_stopping
 
 

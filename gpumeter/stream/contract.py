@@ -7,6 +7,14 @@ driver must make durable before the input is committed, and rejections of the ev
 (each becomes a dead letter through the runner, like a message that did not decode). ``on_clock(now_ms)`` is the
 same for time passing (windows of silent nodes closing, violations resolving).
 
+Drivers hand the runner what they fetched as one batch; the runner decodes and checks each message (a bad one is
+dead-lettered on its own, the rest go on) and hands the processor every good one in one ``handle_batch`` call,
+which answers per event, in order. A processor that does per-batch work (one ledger write, one pass over a node's
+samples) implements it; the default (``handle_each``) calls ``handle`` per event. Either way the result must not
+depend on where the batches were cut: the same input in batches of 1, 7 or 1000 gives the same records. Partitions
+come and go through ``on_assigned`` / ``on_revoked`` (default: nothing to do), called by every driver: its result
+is settled like a batch's, before a revoked partition's input is committed for the last time.
+
 The same processor runs under every driver: an aiokafka consumer group (billing, guard), a Faust worker (the
 attributor), and the in-memory broker (``gpumeter.stream.memory``) that ``gpumeter replay`` and the tests use. What
 a driver adds is transport: fetching, producing, committing after what the results asked for is durable. So
@@ -19,7 +27,7 @@ Outputs and inputs are named by role (``Input.name``, ``Emit.output``: ``samples
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generic, Mapping, Protocol, Sequence, TypeVar
+from typing import Any, Callable, Collection, Generic, Mapping, Protocol, Sequence, TypeVar
 
 from gpumeter.errors import InvalidMessage
 
@@ -27,6 +35,9 @@ T = TypeVar("T")
 
 DEAD_LETTERS = "dead_letters"
 """The output role of dead letters, which the runner emits for every rejected message."""
+
+TopicPartition = tuple[str, int]
+"""A partition of an input topic, as drivers assign and revoke it: (topic, partition)."""
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -117,6 +128,48 @@ class Processor(Protocol):
         node's silence, so nothing may be judged from it)."""
         ...
 
+    # Optional (the runner falls back to ``handle_each`` / nothing): ``handle_batch``, ``on_assigned``,
+    # ``on_revoked``; ``ProcessorDefaults`` has them for a processor to inherit.
+
+
+def handle_each(processor: Processor, events: Sequence[tuple[Event, Position]]) -> list[Result | InvalidMessage]:
+    """The default ``handle_batch``: ``processor.handle`` per event, in order; an ``InvalidMessage`` it raises is
+    that event's outcome (the runner dead-letters that message alone) and the next event is handled."""
+    outcomes: list[Result | InvalidMessage] = []
+    for event, position in events:
+        try:
+            outcomes.append(processor.handle(event, position))
+        except InvalidMessage as error:
+            outcomes.append(error)
+    return outcomes
+
+
+class ProcessorDefaults:
+    """The optional part of the processor contract, for a processor to inherit.
+
+    ``handle_batch(events)``: the outcome of each ``(event, position)`` of one batch, in order -- its ``Result``,
+    or the ``InvalidMessage`` that rejects it outright (as ``handle`` raising it would). A batch is what one fetch
+    brought (consecutive in each partition, partitions in no promised order; under the in-memory driver, messages
+    of one instant in the order of ``inputs``). The outcomes must not depend on where batches were cut: the same
+    input cut differently gives the same records, in the same order. Default: ``handle`` per event.
+
+    ``on_assigned(partitions)`` / ``on_revoked(partitions)``: the driver now reads ``partitions`` (topic,
+    partition) / stops reading them. ``on_revoked`` comes after the last batch of those partitions and before
+    their last commit; its result is settled (emitted, its changes made durable) before that commit, so state a
+    processor flushes there is never behind a committed offset (a driver that cannot make it durable commits
+    nothing). An eager rebalance (aiokafka's) revokes every partition and assigns the kept ones again, so
+    ``on_revoked`` leaves nothing undurable behind; the Faust driver tells only of partitions lost and gained.
+    Default: nothing to do."""
+
+    def handle_batch(self, events: Sequence[tuple[Event, Position]]) -> Sequence[Result | InvalidMessage]:
+        return handle_each(self, events)  # type: ignore[arg-type]
+
+    def on_assigned(self, partitions: Collection[TopicPartition]) -> Result:
+        return NOTHING
+
+    def on_revoked(self, partitions: Collection[TopicPartition]) -> Result:
+        return NOTHING
+
 
 @dataclass(frozen=True, slots=True)
 class Settled:
@@ -175,5 +228,5 @@ class Inputs:
         return cls(by_role, {topics[name]: spec for name, spec in by_role.items()})
 
 
-__all__ = ["DEAD_LETTERS", "NOTHING", "Emit", "Event", "Input", "Inputs", "Position", "Processor", "Result", "Settled",
-           "Step", "Store", "StoreUnavailable"]
+__all__ = ["DEAD_LETTERS", "NOTHING", "Emit", "Event", "Input", "Inputs", "Position", "Processor", "ProcessorDefaults",
+           "Result", "Settled", "Step", "Store", "StoreUnavailable", "TopicPartition", "handle_each"]

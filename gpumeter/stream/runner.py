@@ -12,7 +12,13 @@ order — the same for every driver, so a message is accepted or rejected alike 
 4. ``processor.handle(event, position)``: raising ``InvalidMessage`` rejects the message; so does every error in
    the result's ``rejected``.
 
-A rejected message becomes one dead letter (``gpumeter.kafka.deadletter.dead_letter_for``: always within the
+``step_batch(messages)`` does the same for a fetched batch: steps 1-3 per message (a bad one is dead-lettered on
+its own, the rest go on), then one ``processor.handle_batch`` over every good one (``contract.handle_each`` for a
+processor without it), then step 4's rejections per message: the same ``Step`` per message as ``step``, in order.
+``assigned(partitions)`` / ``revoked(partitions)`` are the processor's ``on_assigned`` / ``on_revoked`` (nothing
+for a processor without them); drivers settle their result like a tick's.
+
+A rejected message becomes one dead letter (``gpumeter.stream.deadletter.dead_letter_for``: always within the
 producer's request size), emitted to ``DEAD_LETTERS`` keyed by its source topic, counted
 (``gpumeter_dead_letters_total``, ``gpumeter_dead_letters_truncated_total``) and logged; the runner carries on.
 Any other exception is a bug and propagates. Every message counts in ``gpumeter_messages_consumed_total`` and
@@ -26,11 +32,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Iterable, Mapping, Sequence
 
 from gpumeter.clock import Clock
 from gpumeter.errors import InvalidMessage
-from gpumeter.kafka.deadletter import RawMessage, cut_text, dead_letter_budget_bytes, dead_letter_for
+from gpumeter.stream.deadletter import RawMessage, cut_text, dead_letter_budget_bytes, dead_letter_for
 from gpumeter.settings import DEFAULT_MAX_REQUEST_SIZE_BYTES
 from gpumeter.stream.contract import (
     DEAD_LETTERS,
@@ -43,6 +49,8 @@ from gpumeter.stream.contract import (
     Result,
     Settled,
     Step,
+    TopicPartition,
+    handle_each,
 )
 from schemas.typed import RecordCodec, codec_for
 
@@ -116,17 +124,55 @@ class MessageRunner:
 
     def step(self, message: RawMessage) -> Step:
         """Run one message through decode, check and the processor; reject it on ``InvalidMessage``."""
-        self.consumed += 1
-        if self.metrics is not None:
-            self.metrics.get("gpumeter_messages_consumed_total").labels(self.service, message.topic).inc()
-            self.metrics.beat()
+        self._count(message)
         position = Position(message.topic, message.partition, message.offset)
         try:
             event = self.decode(message)
             result = self.processor.handle(event, position)
         except InvalidMessage as error:
-            self._note_input(dead_lettered=True)
-            return Step(position, self.reject(message, error), handled=False, dead_lettered=1)
+            return self._rejected(message, position, error)
+        return self._handled(message, position, result)
+
+    def step_batch(self, messages: Iterable[RawMessage]) -> list[Step]:
+        """Run a fetched batch: decode and check each message, hand the good ones to the processor in one
+        ``handle_batch``, and make one ``Step`` per message, in order (as ``step`` would have, one at a time)."""
+        batch = list(messages)
+        steps: list[Step | None] = [None] * len(batch)
+        events: list[tuple[Event, Position]] = []
+        indices: list[int] = []
+        for index, message in enumerate(batch):
+            self._count(message)
+            position = Position(message.topic, message.partition, message.offset)
+            try:
+                events.append((self.decode(message), position))
+            except InvalidMessage as error:
+                steps[index] = self._rejected(message, position, error)
+                continue
+            indices.append(index)
+        if events:
+            handle_batch = getattr(self.processor, "handle_batch", None)
+            outcomes = handle_batch(events) if handle_batch is not None else handle_each(self.processor, events)
+            if len(outcomes) != len(events):
+                raise RuntimeError(f"{self.service}: handle_batch answered {len(outcomes)} outcomes for "
+                                   f"{len(events)} events")
+            for index, (_, position), outcome in zip(indices, events, outcomes):
+                if isinstance(outcome, InvalidMessage):
+                    steps[index] = self._rejected(batch[index], position, outcome)
+                else:
+                    steps[index] = self._handled(batch[index], position, outcome)
+        return steps  # type: ignore[return-value]  # every index was filled
+
+    def _count(self, message: RawMessage) -> None:
+        self.consumed += 1
+        if self.metrics is not None:
+            self.metrics.get("gpumeter_messages_consumed_total").labels(self.service, message.topic).inc()
+            self.metrics.beat()
+
+    def _rejected(self, message: RawMessage, position: Position, error: InvalidMessage) -> Step:
+        self._note_input(dead_lettered=True)
+        return Step(position, self.reject(message, error), handled=False, dead_lettered=1)
+
+    def _handled(self, message: RawMessage, position: Position, result: Result) -> Step:
         if result.rejected:
             letters = NOTHING
             for error in result.rejected:
@@ -146,6 +192,16 @@ class MessageRunner:
         if self.metrics is not None:
             self.metrics.beat()
         return self.processor.on_clock(now_ms, caught_up)
+
+    def assigned(self, partitions: Collection[TopicPartition]) -> Result:
+        """``processor.on_assigned(partitions)`` (nothing for a processor without it)."""
+        hook = getattr(self.processor, "on_assigned", None)
+        return hook(frozenset(partitions)) if hook is not None and partitions else NOTHING
+
+    def revoked(self, partitions: Collection[TopicPartition]) -> Result:
+        """``processor.on_revoked(partitions)`` (nothing for a processor without it)."""
+        hook = getattr(self.processor, "on_revoked", None)
+        return hook(frozenset(partitions)) if hook is not None and partitions else NOTHING
 
     def settle(self, steps: Sequence[tuple[RawMessage | None, Result]], settled: Sequence[Settled]) -> Settlement:
         """What to produce for ``steps`` (each a message -- None for a clock tick -- with its result, in input

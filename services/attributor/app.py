@@ -7,8 +7,11 @@ tables, the timer, rebalances, delivery. ``build_app(settings, clock)`` returns 
 
 Topology (a node's samples and its pods' events share a partition number, so each partition is self-contained):
 
-* ``node-samples`` and ``pod-events`` agents: each message, inside its event, is ``runner.step``; its result is
-  applied: its emits are produced (each closed window as one ``NodeWindowShares`` keyed by node name on the
+* ``node-samples`` and ``pod-events`` agents take their input in batches (``Stream.take_events``: up to
+  ``AGENT_BATCH_MAX`` messages, or what came within ``AGENT_BATCH_WITHIN_SECONDS``) and hand each batch to the
+  runner at once (``runner.step_batch``: one ``handle_batch``; a bad message is dead-lettered alone). Each
+  message's result is then applied inside its own event (Faust writes a table's changelog to the current
+  event's partition): its emits are produced (each closed window as one ``NodeWindowShares`` keyed by node name on the
   node-window-shares topic; each dead letter on the dead-letters topic), and its ``TableWrite``s are written to the
   tables ``open_samples`` (each node's progress record ``<node>|progress|<cluster>``: how far its windows are
   done, and the input position of the first tick of its oldest window not yet acknowledged) and ``pods`` (key
@@ -18,7 +21,8 @@ Topology (a node's samples and its pods' events share a partition number, so eac
   record is in flight (windows of every node close in the same second; waiting ~30 ms per node-window made the
   close of a large fleet serial). Once Kafka acknowledged it, the next event of the partition tells the processor
   (``AttributorProcessor.acknowledge``) and writes the table changes that follow; until then the window is in
-  flight and its node's progress stays behind it.
+  flight and its node's progress stays behind it. A batch hears of acknowledgements at the last message of each
+  partition in it, after its own events' table writes.
 * A timer (every second) closes windows of nodes that went silent (``on_clock_partition``), only on partitions
   whose input is caught up, and emits them. Tables can only be written inside an agent's event, so table writes
   that arise outside one (the timer's, a rebuild's) are written by the next event processed on that partition,
@@ -53,7 +57,7 @@ from faust.types import TP
 
 from gpumeter.clock import Clock
 from gpumeter.errors import ConfigError, GpumeterError, InvalidMessage
-from gpumeter.kafka.deadletter import RawMessage
+from gpumeter.stream.deadletter import RawMessage
 from gpumeter.logflood import guard_root_handlers
 from gpumeter.metrics import ServiceMetrics
 from gpumeter.settings import KafkaSettings
@@ -88,6 +92,21 @@ def changelog_topic(app_id: str, table: str) -> str:
 
 
 CLOCK_INTERVAL_SECONDS = 1.0
+
+AGENT_BATCH_MAX = 1000
+"""The most messages an agent hands the runner at once (``Stream.take_events``)."""
+AGENT_BATCH_WITHIN_SECONDS = 0.05
+"""How long an agent waits for a batch to fill before it handles what it has: the most a message waits."""
+
+
+def _set_current_event(event: Any) -> None:
+    """Make ``event`` Faust's current event (what a table write's changelog partition is taken from), as its
+    stream does for each event it yields; ``take_events`` yields a batch with the last one current."""
+    import weakref
+
+    from faust.streams import _current_event
+
+    _current_event.set(weakref.ref(event))
 
 
 def faust_broker_urls(kafka: KafkaSettings) -> list[str]:
@@ -203,35 +222,69 @@ class AttributorStream:
     # -- agents --------------------------------------------------------------------------------------------------
 
     async def _samples_agent(self, stream: Any) -> None:
-        async for event in stream.events():
-            try:
-                await self.process_sample(raw_message(event.message))
-            except Exception as exc:
-                self._fail("node-samples agent", exc)
-                raise
+        await self._consume(stream, "node-samples agent", self.process_samples)
 
     async def _pods_agent(self, stream: Any) -> None:
-        async for event in stream.events():
+        await self._consume(stream, "pod-events agent", self.process_pod_events)
+
+    async def _consume(self, stream: Any, name: str,
+                       process: Callable[..., Awaitable[None]]) -> None:
+        """Feed ``process`` what the stream took in, a batch at a time (``Stream.take_events``: at most
+        ``AGENT_BATCH_MAX`` events, or what came within ``AGENT_BATCH_WITHIN_SECONDS``). Faust acknowledges a
+        batch's events once ``process`` returned, so its commits never pass a batch in hand."""
+        async for events in stream.take_events(AGENT_BATCH_MAX, within=AGENT_BATCH_WITHIN_SECONDS):
             try:
-                await self.process_pod_event(raw_message(event.message))
+                await process([raw_message(event.message) for event in events],
+                              lambda index, events=events: _set_current_event(events[index]))
             except Exception as exc:
-                self._fail("pod-events agent", exc)
+                self._fail(name, exc)
                 raise
 
     async def process_sample(self, raw: RawMessage) -> None:
-        """One node-samples message, whole (inside its event): the runner's step, its emits and table writes.
-        Bad input is dead-lettered; anything else raised is not bad input (the agent stops the worker)."""
-        await self._ensure_partition(raw.partition)
-        await self._check_resume(self.samples_topic_name, self._resume_samples_from, raw, self._step)
-        await self._step(raw)
-        self._processed_offset[raw.partition] = raw.offset
+        """One node-samples message, whole (inside its event): ``process_samples`` of a batch of one."""
+        await self.process_samples((raw,))
 
     async def process_pod_event(self, raw: RawMessage) -> None:
         """One pod-events message, whole (inside its event); a tombstone removes the pod's table entry."""
-        await self._ensure_partition(raw.partition)
-        await self._check_resume(self.pods_topic_name, self._resume_pods_from, raw, self._step)
-        await self._step(raw)
-        self._processed_pod_offset[raw.partition] = raw.offset
+        await self.process_pod_events((raw,))
+
+    async def process_samples(self, raws: Sequence[RawMessage],
+                              enter: Callable[[int], None] | None = None) -> None:
+        """A batch of node-samples messages (see ``_process``). Bad input is dead-lettered; anything else raised
+        is not bad input (the agent stops the worker)."""
+        await self._process(self.samples_topic_name, self._resume_samples_from, self._processed_offset, raws, enter)
+
+    async def process_pod_events(self, raws: Sequence[RawMessage],
+                                 enter: Callable[[int], None] | None = None) -> None:
+        """A batch of pod-events messages (see ``_process``)."""
+        await self._process(self.pods_topic_name, self._resume_pods_from, self._processed_pod_offset, raws, enter)
+
+    async def _process(self, topic: str, resume_from: dict[int, int], processed: dict[int, int],
+                       raws: Sequence[RawMessage], enter: Callable[[int], None] | None) -> None:
+        """One batch of one topic's messages, each partition's in offset order: first, per partition, its first
+        record after a rebalance is checked against its resume position (``_check_resume``); then the runner
+        steps the batch at once (``step_batch``: one ``handle_batch``); then each message's result is applied
+        inside its own event (``enter(i)`` makes the i-th message's event the current one: Faust writes a
+        table's changelog to the current event's partition): its records sent, its table writes written. The
+        windows Kafka acknowledged are told to the processor at the last message of their partition in the
+        batch, so the table writes that follow come after every write of the batch's own events: the same
+        writes, in the same order, as one message at a time with the acknowledgements arriving after the batch."""
+        for index, raw in enumerate(raws):
+            if enter is not None:
+                enter(index)
+            await self._ensure_partition(raw.partition)
+            await self._check_resume(topic, resume_from, raw, self._step)
+        steps = self.runner.step_batch(raws)
+        last = {raw.partition: index for index, raw in enumerate(raws)}
+        for index, (raw, step) in enumerate(zip(raws, steps)):
+            if enter is not None:
+                enter(index)
+            await self._send(raw.partition, step.result.emits)
+            changes = step.result.changes
+            if last[raw.partition] == index:
+                changes = changes + self._settle(raw.partition).changes
+            self._write_tables(raw.partition, changes)
+            processed[raw.partition] = raw.offset
 
     async def _step(self, raw: RawMessage) -> None:
         """``runner.step(raw)`` applied inside ``raw``'s event: its records sent, then the windows Kafka acknowledged
@@ -483,18 +536,31 @@ class AttributorStream:
     async def _on_rebalance_complete(self, sender: Any, **_: Any) -> None:
         # Tables are recovered; streams have not resumed yet. Partitions kept across the rebalance keep their
         # engine and their deferred table writes; new ones are rebuilt from the tables.
-        for partition in self.processor.partitions():
-            if partition not in self._assigned:
-                self.processor.drop_partition(partition)  # the new owner re-emits its windows in flight
-                self._processed_offset.pop(partition, None)
-                self._processed_pod_offset.pop(partition, None)
-                self._deferred.pop(partition, None)
-                self._in_flight.pop(partition, None)
+        # Faust's revocation hook names every partition held (an eager rebalance): only those not assigned again
+        # are lost, and only they are revoked in the processor's contract (``on_revoked``: their engines dropped;
+        # the new owner re-emits their windows in flight).
+        lost = {p for p in self.processor.partitions() if p not in self._assigned}
+        if self.runner.revoked(self._topic_partitions(lost)):
+            # Tables of a lost partition can no longer be written here; what is durable of it is in them already.
+            raise RuntimeError(f"{SERVICE}: on_revoked must leave nothing to flush")
+        for partition in lost:
+            self._processed_offset.pop(partition, None)
+            self._processed_pod_offset.pop(partition, None)
+            self._deferred.pop(partition, None)
+            self._in_flight.pop(partition, None)
         rebuilt = self._assigned - set(self.processor.partitions())
         await self._rebuild(rebuilt)
         await self._preload_pod_events(rebuilt)
         await self._rewind_streams(rebuilt)
+        assigned = self.runner.assigned(self._topic_partitions(rebuilt))  # nothing beyond the rebuild so far
+        if assigned.emits:
+            raise RuntimeError(f"{SERVICE}: on_assigned emits nothing (a window is emitted by its partition's event)")
+        for change in assigned.changes:
+            self._defer(change.partition, (change,))
         self._ready = True
+
+    def _topic_partitions(self, partitions: Iterable[int]) -> set[tuple[str, int]]:
+        return {(topic, p) for p in partitions for topic in (self.samples_topic_name, self.pods_topic_name)}
 
     async def _rewind_streams(self, rebuilt: set[int]) -> None:
         """Put every assigned input partition where this worker's processing must go on, before streams resume.

@@ -50,10 +50,20 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Collection, Iterable, Sequence
 
 from gpumeter.errors import ConfigError, InvalidMessage
-from gpumeter.stream.contract import DEAD_LETTERS, NOTHING, Emit, Event, Input, Position, Result
+from gpumeter.stream.contract import (
+    DEAD_LETTERS,
+    NOTHING,
+    Emit,
+    Event,
+    Input,
+    Position,
+    ProcessorDefaults,
+    Result,
+    TopicPartition,
+)
 from gpumeter.validation import check_pod_event
 from schemas.catalog import TopicCatalog, partition_for_node
 from schemas.records import NodeSample, NodeWindowShares, PodEvent
@@ -148,7 +158,7 @@ def resume_position(progress: Iterable[NodeProgress]) -> int:
     return max(positions) + 1 if positions else 0
 
 
-class AttributorProcessor:
+class AttributorProcessor(ProcessorDefaults):
     """See the module docstring. ``partitions``: the input topics' partition count (what ``WRONG_PARTITION`` is
     judged against). Mutable (its engines); one caller at a time."""
 
@@ -269,6 +279,14 @@ class AttributorProcessor:
         """Forget ``partition`` (revoked): its engine and its windows in flight (the new owner emits them again)."""
         self._engines.pop(partition, None)
         self._unacknowledged.pop(partition, None)
+
+    def on_revoked(self, partitions: Collection[TopicPartition]) -> Result:
+        """The contract's revocation: ``drop_partition`` for the partition number of each of ``partitions`` (a
+        partition number holds a node's samples and its pod events alike). Nothing to flush: what is durable of
+        a partition is in its tables already, and its windows in flight are emitted again by the new owner."""
+        for partition in sorted({partition for _, partition in partitions}):
+            self.drop_partition(partition)
+        return NOTHING
 
     def restore(self, partitions: Iterable[int], open_samples: Iterable[tuple[str, bytes]],
                 pods: Iterable[tuple[str, bytes]]) -> dict[int, Restored]:

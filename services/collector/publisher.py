@@ -11,7 +11,7 @@ Contract:
   producer's ``max_request_size`` or the broker's ``message.max.bytes``), or one that failed ``max_record_tries``
   rounds in a row while other records of its topic were delivered in the same round, is given up: replaced in
   the buffer by a ``DeadLetter`` (reason ``TOO_LARGE`` or ``UNDELIVERABLE``, its value cut to fit, with the full
-  length and SHA-256: ``gpumeter.kafka.deadletter``) for the dead-letters topic, or dropped when it is itself a
+  length and SHA-256: ``gpumeter.stream.deadletter``) for the dead-letters topic, or dropped when it is itself a
   dead letter or no dead-letters topic is configured. Either is counted
   (``gpumeter_collector_undeliverable_records_total{kind,outcome}``) and logged. The records around it are sent
   on in the same round, without a producer reset or a back-off. During an outage nothing is delivered, so
@@ -30,7 +30,7 @@ from typing import Callable
 
 from gpumeter.clock import Clock, SystemClock
 from gpumeter.errors import GpumeterError, InvalidMessage
-from gpumeter.kafka.deadletter import RawMessage, dead_letter_for
+from gpumeter.stream.deadletter import RawMessage, dead_letter_for
 from gpumeter.kafka.producer import refused_for_good
 from gpumeter.settings import DEFAULT_MAX_REQUEST_SIZE_BYTES
 from schemas.catalog import partition_for_node

@@ -170,7 +170,7 @@ def rebuild_assigned(processor: NodeGuardProcessor, kafka: KafkaSettings, violat
                             delay)
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, retry_max_seconds)
-        processor.on_assigned(partitions, states)
+        processor.adopt(partitions, states)
 
     return on_assigned
 
@@ -253,7 +253,6 @@ async def serve(settings: GuardSettings, *, config: Any = None, env: Mapping[str
                 on_assigned=rebuild_assigned(processor, settings.kafka, topics.violations,
                                              retry_initial_seconds=settings.retry_initial_seconds,
                                              retry_max_seconds=settings.retry_max_seconds),
-                on_revoked=lambda tps: processor.on_revoked({p for _, p in tps}),
                 on_read_to_start=processor.finish_rebuild, **common)
         else:
             checkpoint = StateCheckpoint(processor, store, clock)

@@ -12,15 +12,17 @@ topics to one instance (``KafkaDriver(co_partitioned=True)``).
 
 Partition lifecycle (the driver's hooks; partitions are numbers, the same on every input topic):
 
-* ``on_assigned(partitions, last_states)``: a partition this instance handled until the revocation just before
+* ``adopt(partitions, last_states)`` (from the driver's own ``on_assigned`` hook, once the violations topic is read;
+  the contract's ``on_assigned`` does nothing): a partition this instance handled until the revocation just before
   resumes with its engine (nobody else owned it in between); any other gets a fresh engine seeded from the
   violations topic's last states of its nodes (``begin_rebuild`` filtered by ``owns``: rule not ``budget_exceeded``,
   node in the partition) and publishes nothing until the driver has read what its partitions held at the
   assignment (``finish_rebuild``, the driver's ``on_read_to_start``). The old owner flushed its violations before
   giving the partition up, so a violation firing there is adopted here under the same fingerprint and
   ``first_seen`` and stays firing when the re-read input holds it: no resolve, no refire.
-* ``on_revoked(partitions)``: their engines are suspended (no clock, no output), never resolved -- the new owner
-  carries their violations on; suspended engines not assigned back at the next ``on_assigned`` are dropped.
+* ``suspend(partitions)`` (the contract's ``on_revoked``): their engines are suspended (no clock, no output), never
+  resolved -- the new owner carries their violations on; suspended engines not assigned back at the next ``adopt``
+  are dropped.
 
 Re-reads: a resumed partition is read again from its last commit, and pod events from their beginning (the driver
 seeks them there on every assignment); a record at an offset this instance's engine has already handled is
@@ -33,7 +35,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Collection, Iterable
 
 from gpumeter.clock import Clock
 from gpumeter.stream.contract import NOTHING, Event, Position, Result
@@ -112,10 +114,20 @@ class NodeGuardProcessor:
                 and partition_for_node(violation.node_name, self.partitions) == partition)
 
     def to_rebuild(self, partitions: Iterable[int]) -> set[int]:
-        """Which of ``partitions`` ``on_assigned`` would rebuild (neither live nor suspended here)."""
+        """Which of ``partitions`` ``adopt`` would rebuild (neither live nor suspended here)."""
         return {p for p in partitions if p not in self._parts and p not in self._suspended}
 
-    def on_assigned(self, partitions: Iterable[int], last_states: Iterable[Violation]) -> None:
+    def on_assigned(self, partitions: Collection[tuple[str, int]]) -> Result:
+        """The contract's hook: nothing here -- a partition's engine is adopted by ``adopt`` once the driver's own
+        hook has read the violations topic for it (``services.guard.main.rebuild_assigned``)."""
+        return NOTHING
+
+    def on_revoked(self, partitions: Collection[tuple[str, int]]) -> Result:
+        """The contract's hook: the partitions' engines are suspended (``suspend``); nothing to make durable."""
+        self.suspend({p for _, p in partitions})
+        return NOTHING
+
+    def adopt(self, partitions: Iterable[int], last_states: Iterable[Violation]) -> None:
         """The group assigned ``partitions`` (see the module docstring); ``last_states``: the violations topic's last
         state per fingerprint (only read for partitions that are rebuilt)."""
         partitions = set(partitions)
@@ -140,7 +152,7 @@ class NodeGuardProcessor:
         log.info("guarding partitions %s (%d rebuilding)", sorted(self._parts),
                  sum(1 for part in self._parts.values() if part.rebuilding))
 
-    def on_revoked(self, partitions: Iterable[int]) -> None:
+    def suspend(self, partitions: Iterable[int]) -> None:
         """Suspend the engines of ``partitions``: nothing of theirs is resolved or published any more."""
         for p in partitions:
             part = self._parts.pop(p, None)

@@ -22,7 +22,7 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
 from gpumeter.clock import SystemClock
-from gpumeter.kafka.deadletter import dead_letter_budget_bytes
+from gpumeter.stream.deadletter import dead_letter_budget_bytes
 from schemas.catalog import partition_for_node, pod_event_key
 from schemas.codec import MAGIC
 from schemas.records import DeadLetter, NodeWindowShares, Violation, ViolationState

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from gpumeter.clock import ManualClock
-from gpumeter.kafka.deadletter import RawMessage
+from gpumeter.stream.deadletter import RawMessage
 from gpumeter.metrics import ServiceMetrics
 from gpumeter.settings import KafkaSettings
 from schemas.catalog import pod_event_key

@@ -17,7 +17,7 @@ import asyncio
 from faust.types import TP
 
 from gpumeter.clock import ManualClock
-from gpumeter.kafka.deadletter import RawMessage
+from gpumeter.stream.deadletter import RawMessage
 from gpumeter.metrics import ServiceMetrics
 from gpumeter.settings import KafkaSettings
 from schemas.catalog import pod_event_key
@@ -149,3 +149,36 @@ async def test_when_that_commit_fails_the_skipped_tick_is_read_from_kafka_first(
         (w.node_name, w.window_start_unix_ms, w.rows()) for w in expected]
     assert worker.reads == [(worker.catalog.node_samples, consumed, consumed + 1)]
     assert worker.dead.sent == []
+
+
+async def test_the_processor_hears_through_the_contract_of_the_partitions_lost_and_only_those(tmp_path):
+    """Faust's revocation hook names every partition held; the processor's ``on_revoked`` (the contract's) is told
+    of the partitions not assigned again, and keeps the engine of the one kept."""
+    settings = AttributorSettings(kafka=KafkaSettings(topic_prefix="t."), partitions=2, data_dir=tmp_path,
+                                  metrics_port=0, window_seconds=WINDOW_S, grace_seconds=2)
+    stream = AttributorStream(settings, ManualClock(NOW), ServiceMetrics("attributor"))
+    stream.open_samples, stream.pods = {}, {}
+
+    async def nothing(offsets):
+        pass
+
+    async def read_nothing(topic, partition, start, stop):
+        return
+        yield
+
+    stream._seek_positions = stream._commit_positions = nothing
+    stream._read_range = read_nothing
+    catalog = settings.kafka.catalog
+    held = {TP(topic, p) for topic in (catalog.node_samples, catalog.pod_events) for p in (0, 1)}
+    await stream._on_partitions_assigned(None, held)
+    await stream._on_rebalance_complete(None)
+    assert stream.processor.partitions() == (0, 1)
+    revoked: list[frozenset] = []
+    on_revoked = stream.processor.on_revoked
+    stream.processor.on_revoked = lambda partitions: (revoked.append(frozenset(partitions)), on_revoked(partitions))[1]
+
+    await stream._on_partitions_revoked(None, held)
+    await stream._on_partitions_assigned(None, {tp for tp in held if tp.partition == 0})
+    await stream._on_rebalance_complete(None)
+    assert revoked == [frozenset({(catalog.node_samples, 1), (catalog.pod_events, 1)})]
+    assert stream.processor.partitions() == (0,)

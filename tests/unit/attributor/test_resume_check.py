@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gpumeter.clock import ManualClock
-from gpumeter.kafka.deadletter import RawMessage
+from gpumeter.stream.deadletter import RawMessage
 from gpumeter.metrics import ServiceMetrics
 from gpumeter.settings import KafkaSettings
 from services.attributor.app import AttributorStream

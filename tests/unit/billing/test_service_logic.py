@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy.exc import IntegrityError, OperationalError
 
 from gpumeter.clock import ManualClock
-from gpumeter.kafka.deadletter import RawMessage
+from gpumeter.stream.deadletter import RawMessage
 from gpumeter.kafka.producer import DeliveryError
 from gpumeter.metrics import ServiceMetrics
 from schemas.catalog import TopicCatalog

@@ -34,7 +34,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpumeter.clock import ManualClock
-from gpumeter.kafka.deadletter import RawMessage
+from gpumeter.stream.deadletter import RawMessage
 from gpumeter.metrics import ServiceMetrics
 from gpumeter.settings import KafkaSettings
 from schemas.catalog import TopicCatalog, partition_for_node, pod_event_key
@@ -693,7 +693,7 @@ async def test_an_oversized_value_gets_a_dead_letter_that_fits_and_the_next_mess
         make_harness, service, kind, size):
     from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
-    from gpumeter.kafka.deadletter import dead_letter_budget_bytes
+    from gpumeter.stream.deadletter import dead_letter_budget_bytes
     from gpumeter.settings import DEFAULT_MAX_REQUEST_SIZE_BYTES
 
     h = make_harness(service)
@@ -749,7 +749,7 @@ async def test_the_attributor_stores_a_pod_cut_to_what_it_keeps_and_refuses_one_
 
 def test_a_small_bad_value_is_dead_lettered_whole_and_says_so():
     from gpumeter.errors import CorruptMessage
-    from gpumeter.kafka.deadletter import dead_letter_for
+    from gpumeter.stream.deadletter import dead_letter_for
 
     message = RawMessage("t", 2, 9, b"key", b"\x00bad", None)
     letter = dead_letter_for(message, CorruptMessage("no"), "billing", 5)

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpumeter.errors import CorruptMessage
-from gpumeter.kafka.deadletter import (
+from gpumeter.stream.deadletter import (
     REASON_MAX_BYTES,
     SOURCE_KEY_MAX_BYTES,
     RawMessage,

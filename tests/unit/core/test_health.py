@@ -299,7 +299,7 @@ async def _stall_of(processor, clock: ManualClock, metrics: ServiceMetrics, name
 
 
 async def test_billing_retrying_an_outbox_that_is_never_acknowledged_is_a_stall(tmp_path):
-    from gpumeter.kafka.deadletter import RawMessage
+    from gpumeter.stream.deadletter import RawMessage
     from schemas.catalog import TopicCatalog
     from schemas.typed import codec_for
     from services.billing.ledger import Ledger
@@ -324,7 +324,7 @@ async def test_billing_retrying_an_outbox_that_is_never_acknowledged_is_a_stall(
 async def test_billing_retrying_an_unreachable_ledger_with_input_waiting_is_a_stall(tmp_path):
     from sqlalchemy.exc import OperationalError
 
-    from gpumeter.kafka.deadletter import RawMessage
+    from gpumeter.stream.deadletter import RawMessage
     from schemas.catalog import TopicCatalog
     from schemas.typed import codec_for
     from services.billing.ledger import LedgerError
@@ -350,7 +350,7 @@ async def test_billing_retrying_an_unreachable_ledger_with_input_waiting_is_a_st
 async def test_the_guard_retrying_an_outbox_that_is_never_acknowledged_is_a_stall():
     import dataclasses
 
-    from gpumeter.kafka.deadletter import RawMessage
+    from gpumeter.stream.deadletter import RawMessage
     from gpumeter.kafka.driver import KafkaDriver
     from gpumeter.settings import KafkaSettings
     from gpumeter.stream.runner import MessageRunner

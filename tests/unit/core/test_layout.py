@@ -124,3 +124,22 @@ def test_every_consuming_service_runs_its_processor_on_the_one_runner():
                       if "AIOKafkaConsumer(" in p.read_text(encoding="utf-8"))
     assert set(builders) <= CONSUMER_OWNERS, builders
     assert "gpumeter/kafka/driver.py" in builders
+
+
+TRANSPORTS = ("aiokafka", "faust", "kafka", "confluent_kafka", "gpumeter.kafka")
+
+
+def test_the_processing_contract_imports_no_transport():
+    """``gpumeter/stream`` (the contract, the runner, the dead letter of a ``RawMessage``, the in-memory broker) is
+    the transport-free layer every driver builds on: it imports no Kafka client and nothing of ``gpumeter.kafka``,
+    neither itself nor through what it imports."""
+    import subprocess
+    import sys
+
+    assert _violations(_modules("gpumeter/stream"), lambda _: list(TRANSPORTS)) == []
+    modules = [_module_name(p) for p in _modules("gpumeter/stream")]
+    probe = ("import importlib, sys\n"
+             f"for m in {modules!r}: importlib.import_module(m)\n"
+             f"print(sorted(k for k in sys.modules if any(k == t or k.startswith(t + '.') for t in {TRANSPORTS!r})))")
+    loaded = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
+    assert loaded.stdout.strip() == "[]", loaded.stdout

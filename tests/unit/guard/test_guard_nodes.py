@@ -1,5 +1,5 @@
 """The guard's ``nodes`` role without Kafka: ``NodeGuardProcessor`` behind the one runner, its partitions handed
-over the way the driver's group hooks hand them (``on_revoked``, ``on_assigned`` with the violations topic's last
+over the way the driver's group hooks hand them (``suspend``, ``adopt`` with the violations topic's last
 states, ``finish_rebuild`` once read to the assignment's end).
 
 Two instances that split the partitions publish what one instance holding them all publishes, each handling only
@@ -122,8 +122,8 @@ def test_two_instances_splitting_the_partitions_publish_what_one_publishes_each_
     single = Instance(clock)
     single.read(log.messages)
     a, b = Instance(clock), Instance(clock)
-    a.processor.on_assigned({0, 1}, ())
-    b.processor.on_assigned({2, 3}, ())
+    a.processor.adopt({0, 1}, ())
+    b.processor.adopt({2, 3}, ())
     for instance in (a, b):
         instance.finish_rebuild()
         instance.read(log.messages, partitions=set(instance.processor.owned))
@@ -141,17 +141,17 @@ def test_a_moved_partition_keeps_its_violation_firing_and_its_new_owner_resolves
     node = NODES[2]
     log.leaky(node, "leaky", clock.now_ms())
     a = Instance(clock)
-    a.processor.on_assigned(range(PARTITIONS), ())
+    a.processor.adopt(range(PARTITIONS), ())
     a.finish_rebuild()
     (fired,) = a.read(log.messages)
     assert fired.state is ViolationState.FIRING
 
     # A second instance joins: the group revokes everything, then assigns {0, 1} to a and {2, 3} to b.
     clock.advance_ms(5_000)
-    a.processor.on_revoked(range(PARTITIONS))
-    a.processor.on_assigned({0, 1}, ())
+    a.processor.suspend(range(PARTITIONS))
+    a.processor.adopt({0, 1}, ())
     b = Instance(clock)
-    b.processor.on_assigned({2, 3}, last_states(a.published).values())
+    b.processor.adopt({2, 3}, last_states(a.published).values())
     assert b.processor.rebuilding
     assert b.read(log.messages, partitions={2, 3}) == []  # pod events from the beginning, publishing nothing
     assert b.finish_rebuild() == []  # the topic has it firing already: nothing to say
@@ -183,7 +183,7 @@ def test_a_partition_assigned_back_resumes_and_an_old_leak_re_read_from_the_begi
     log.leaky(node, "old", clock.now_ms())
     log.leaky(node, "old", clock.now_ms(), PodEventType.DELETED)
     a = Instance(clock)
-    a.processor.on_assigned({1}, ())
+    a.processor.adopt({1}, ())
     a.finish_rebuild()
     a.read(log.messages)
     clock.advance_ms(2 * HOLD_DOWN_SECONDS * 1000)  # resolved, and the deleted pod pruned after its linger
@@ -191,9 +191,9 @@ def test_a_partition_assigned_back_resumes_and_an_old_leak_re_read_from_the_begi
     assert [v.state for v in a.published] == [ViolationState.FIRING, ViolationState.RESOLVED]
 
     # A rebalance gives partition 1 back to a: the driver seeks pod events to their beginning again.
-    a.processor.on_revoked({1})
+    a.processor.suspend({1})
     assert a.processor.to_rebuild({1}) == set()
-    a.processor.on_assigned({1}, ())
+    a.processor.adopt({1}, ())
     assert not a.processor.rebuilding and a.processor.stats.resumed == 1
     assert a.read(log.messages) == []
     assert a.processor.stats.reread_skipped == 2
@@ -202,8 +202,8 @@ def test_a_partition_assigned_back_resumes_and_an_old_leak_re_read_from_the_begi
     assert len(a.published) == 2
 
     # A partition not assigned back is dropped: assigned later, it is rebuilt, not resumed.
-    a.processor.on_revoked({1})
-    a.processor.on_assigned({0}, ())
+    a.processor.suspend({1})
+    a.processor.adopt({0}, ())
     assert a.processor.to_rebuild({1}) == {1}
 
 
@@ -249,6 +249,6 @@ async def test_an_assignment_whose_violations_topic_cannot_be_read_reads_it_agai
     assert answers == [] and processor.owned == (3,)
     assert [v.fingerprint for v in processor.active()] == ["leak"]  # adopted: it stays firing, not fired again
     answers.append(AssertionError("a resumed partition needs no read"))
-    processor.on_revoked({3})
+    processor.suspend({3})
     await hook({("samples", 3)})
     assert processor.stats.resumed == 1

@@ -12,7 +12,7 @@ import asyncio
 import dataclasses
 
 from gpumeter.clock import ManualClock
-from gpumeter.kafka.deadletter import RawMessage
+from gpumeter.stream.deadletter import RawMessage
 from gpumeter.kafka.driver import KafkaDriver
 from gpumeter.kafka.producer import DeliveryError
 from gpumeter.metrics import ServiceMetrics

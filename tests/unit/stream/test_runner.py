@@ -8,7 +8,7 @@ import pytest
 
 from gpumeter.clock import ManualClock
 from gpumeter.errors import InvalidMessage, OutOfRange
-from gpumeter.kafka.deadletter import RawMessage
+from gpumeter.stream.deadletter import RawMessage
 from gpumeter.stream.contract import DEAD_LETTERS, NOTHING, Emit, Event, Input, Position, Result, Settled
 from gpumeter.stream.memory import MemoryBroker, MemoryDriver
 from gpumeter.stream.runner import MessageRunner
