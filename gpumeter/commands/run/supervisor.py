@@ -49,7 +49,7 @@ class ManagedProcess:
         self.spec = spec
         self.workdir = workdir
         self.log_path = log_dir / (spec.name.replace(" ", "-") + ".log")
-        self.env = dict(env)
+        self.env = {**env, **dict(spec.env)}
         self.process: subprocess.Popen | None = None
         self.state = ProcessState.STOPPED
         self.starts = 0

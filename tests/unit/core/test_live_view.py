@@ -575,3 +575,34 @@ def test_the_runs_sharing_policy_reaches_billing_and_is_checked_at_start(tmp_pat
     assert billing.argv[billing.argv.index("--sharing") + 1] == "idle=weighted,node_other=weighted"
     with pytest.raises(ConfigError):
         _config(tmp_path, sharing="idle=spread")
+
+
+def test_a_time_scaled_run_takes_no_clock_correction_and_raises_no_clock_skew(tmp_path):
+    """A time-scaled run's ticks read ahead of the broker's append time by design: the attributor's threshold and
+    the guard's clock_skew threshold cover what the speed-up gains (before, the attributor took a collector that
+    started late for a skewed node and billed its first tick a window early); a run at real time keeps the
+    defaults."""
+    nodes = ("gpu-p5-a",)
+    skew = plan.clock_skew_allowance_seconds(10.0, 60.0, 60)
+    scaled = {s.name: s for s in plan.service_specs(_config(tmp_path, time_scale=10.0, window_seconds=60), nodes,
+                                                     tmp_path / "scenario.yaml", "127.0.0.1:9", skew,
+                                                     with_guard=True)}
+    argv = scaled["attributor"].argv
+    assert argv[argv.index("--clock-skew-threshold-seconds") + 1] == str(skew)
+    assert dict(scaled["guard"].env) == {"GPUMETER_GUARD_CLOCK_SKEW_THRESHOLD_SECONDS": str(skew)}
+    real = {s.name: s for s in plan.service_specs(_config(tmp_path, time_scale=1.0, window_seconds=60), nodes,
+                                                   tmp_path / "scenario.yaml", "127.0.0.1:9", 120,
+                                                   with_guard=True)}
+    assert "--clock-skew-threshold-seconds" not in real["attributor"].argv
+    assert real["guard"].env == ()
+    # The value is one each service accepts.
+    import argparse
+
+    from services.attributor.settings import add_arguments, attributor_settings
+    from services.guard.config import GuardConfig
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(list(argv[argv.index("attributor") + 1:]))
+    assert attributor_settings(args, env={}).clock_skew_threshold_seconds == skew
+    assert GuardConfig.load(None, env=dict(scaled["guard"].env)).clock_skew_threshold_seconds == skew
