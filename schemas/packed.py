@@ -14,6 +14,7 @@ equal to its column's sentinel (the dtype's minimum), which ``from_node_sample``
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import re
@@ -113,7 +114,10 @@ _UID_TEXTS_MAX = 4096
 """Pod lists seen, by their packed bytes -> their text (cleared when full: a bound, not an eviction policy)."""
 
 
+@functools.lru_cache(maxsize=65_536)
 def _uid_bytes(uid: str) -> bytes | None:
+    """The 16 bytes of a canonical (lowercase, hyphenated) UUID text, else None; cached: a node's pods tick again
+    every second."""
     try:
         parsed = uuid.UUID(uid)
     except (ValueError, TypeError, AttributeError):
