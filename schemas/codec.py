@@ -166,6 +166,11 @@ class AvroCodec:
         writer = self.writer_of(data)
         if writer.full_name != self.full_name:
             raise WrongRecordType(f"expected {self.full_name}, got {writer.full_name} v{writer.version}")
+        return self.decode_body(data, writer)
+
+    def decode_body(self, data: bytes, writer: RegisteredSchema) -> dict[str, Any]:
+        """The body of ``data``, written with ``writer`` (its header already read: ``writer_of``), resolved to this
+        codec's schema. Raises InvalidMessage subclasses only."""
         body = io.BytesIO(data)
         body.seek(HEADER_BYTES)
         reader = None if writer.fingerprint == self.schema.fingerprint else self.schema.parsed

@@ -15,7 +15,6 @@ equal to its column's sentinel (the dtype's minimum), which ``from_node_sample``
 from __future__ import annotations
 
 import functools
-import io
 import json
 import re
 import sys
@@ -23,11 +22,10 @@ import uuid
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
-import fastavro
 import numpy as np
 
-from schemas.codec import AVRO_DIR, HEADER_BYTES, AvroCodec, RegisteredSchema, SchemaRegistry, default_registry
-from schemas.errors import CorruptMessage, SchemaEncodeError, TruncatedMessage, WrongRecordType
+from schemas.codec import AVRO_DIR, AvroCodec, RegisteredSchema, SchemaRegistry, default_registry
+from schemas.errors import CorruptMessage, SchemaEncodeError, WrongRecordType
 from schemas.records import GpuDeviceSample, NodeSample, NvmlError, SharingMode
 
 PACKED_VERSION = 4
@@ -453,26 +451,18 @@ class NodeSampleCodec:
     def decode(self, data: bytes) -> NodeSample:
         writer = self.packed.writer_of(data)
         if writer.full_name == "gpumeter.NodeSample" and writer.version < PACKED_VERSION:
-            return NodeSample.from_avro(self.objects.decode(data))
-        return self.decode_packed(data).to_node_sample()
+            return NodeSample.from_avro(self.objects.decode_body(data, writer))
+        return self._packed(data, writer).to_node_sample()
 
     def decode_packed(self, data: bytes) -> PackedNodeSample:
         """The v4 record in ``data`` as arrays; an older NodeSample version is converted."""
-        writer = self.packed.writer_of(data)
+        return self._packed(data, self.packed.writer_of(data))
+
+    def _packed(self, data: bytes, writer: RegisteredSchema) -> PackedNodeSample:
         if writer.full_name != "gpumeter.NodeSample":
             raise WrongRecordType(f"expected gpumeter.NodeSample, got {writer.full_name} v{writer.version}")
         if writer.version < PACKED_VERSION:
-            return PackedNodeSample.from_node_sample(NodeSample.from_avro(self.objects.decode(data)))
+            return PackedNodeSample.from_node_sample(NodeSample.from_avro(self.objects.decode_body(data, writer)))
         if writer.fingerprint != self._packed_schema.fingerprint:
             raise WrongRecordType(f"NodeSample v{writer.version} is newer than this reader's v{PACKED_VERSION}")
-        body = io.BytesIO(data)
-        body.seek(HEADER_BYTES)
-        try:
-            record = fastavro.schemaless_reader(body, writer.parsed, None)
-        except EOFError as exc:
-            raise TruncatedMessage(f"NodeSample v4 body ends early: {exc}") from exc
-        except Exception as exc:  # fastavro signals bad bytes with many types (ValueError, IndexError, ...)
-            raise CorruptMessage(f"NodeSample v4 body does not decode: {type(exc).__name__}: {exc}") from exc
-        if body.tell() != len(data):
-            raise CorruptMessage(f"{len(data) - body.tell()} trailing bytes after the NodeSample v4 body")
-        return PackedNodeSample.from_avro(record)
+        return PackedNodeSample.from_avro(self.packed.decode_body(data, writer))
