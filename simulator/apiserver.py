@@ -298,25 +298,11 @@ class FakeApiServer:
 
     def modify_pod(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         """Replace an existing pod (matched by uid); returns the stored copy with its new resourceVersion."""
-        pod = copy.deepcopy(dict(obj))
-        uid = _uid_of(pod)
-        old = self._pods.get(uid)
-        if old is None:
-            raise KeyError(f"no pod with uid {uid}")
-        pod.setdefault("apiVersion", "v1")
-        pod.setdefault("kind", "Pod")
-        self._record("MODIFIED", old, pod)
-        self._pods[uid] = pod
-        return pod
+        return self._modify(self._pods, obj, "Pod", PODS)
 
     def delete_pod(self, uid: str) -> dict[str, Any]:
         """Delete a pod; returns the final object (as the DELETED event carries it, with a new resourceVersion)."""
-        old = self._pods.pop(uid, None)
-        if old is None:
-            raise KeyError(f"no pod with uid {uid}")
-        final = copy.deepcopy(old)
-        self._record("DELETED", old, final)
-        return final
+        return self._delete(self._pods, uid, "pod", PODS)
 
     def namespaces(self) -> Mapping[str, Mapping[str, Any]]:
         """The current namespaces by uid (the stored objects; do not mutate them)."""
@@ -337,24 +323,31 @@ class FakeApiServer:
 
     def modify_namespace(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         """Replace an existing Namespace (matched by uid), e.g. with other labels."""
-        item = copy.deepcopy(dict(obj))
-        uid = _uid_of(item)
-        old = self._namespaces.get(uid)
-        if old is None:
-            raise KeyError(f"no namespace with uid {uid}")
-        item.setdefault("apiVersion", "v1")
-        item.setdefault("kind", "Namespace")
-        self._record("MODIFIED", old, item, NAMESPACES)
-        self._namespaces[uid] = item
-        return item
+        return self._modify(self._namespaces, obj, "Namespace", NAMESPACES)
 
     def delete_namespace(self, uid: str) -> dict[str, Any]:
         """Delete a Namespace; returns the final object."""
-        old = self._namespaces.pop(uid, None)
+        return self._delete(self._namespaces, uid, "namespace", NAMESPACES)
+
+    def _modify(self, store: dict[str, dict[str, Any]], obj: Mapping[str, Any], kind: str,
+                resource: str) -> dict[str, Any]:
+        item = copy.deepcopy(dict(obj))
+        uid = _uid_of(item)
+        old = store.get(uid)
         if old is None:
-            raise KeyError(f"no namespace with uid {uid}")
+            raise KeyError(f"no {kind.lower()} with uid {uid}")
+        item.setdefault("apiVersion", "v1")
+        item.setdefault("kind", kind)
+        self._record("MODIFIED", old, item, resource)
+        store[uid] = item
+        return item
+
+    def _delete(self, store: dict[str, dict[str, Any]], uid: str, what: str, resource: str) -> dict[str, Any]:
+        old = store.pop(uid, None)
+        if old is None:
+            raise KeyError(f"no {what} with uid {uid}")
         final = copy.deepcopy(old)
-        self._record("DELETED", old, final, NAMESPACES)
+        self._record("DELETED", old, final, resource)
         return final
 
     def send_bookmark(self) -> str:
