@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from gpumeter.clock import ManualClock
-from gpumeter.kafka.deadletter import RawMessage
+from gpumeter.stream.deadletter import RawMessage
 from gpumeter.metrics import ServiceMetrics
 from gpumeter.stream.runner import MessageRunner
 from schemas.catalog import TopicCatalog, partition_for_node
