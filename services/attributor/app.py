@@ -77,6 +77,7 @@ from services.attributor.processor import (
     output_topics,
     resume_position,
 )
+from services.attributor.faust_tables import GpumeterTableManager
 from services.attributor.settings import AttributorSettings
 
 log = logging.getLogger(__name__)
@@ -200,6 +201,7 @@ class AttributorStream:
             topic_replication_factor=settings.topic_replication_factor,
             topic_disable_leader=True,
             web_enabled=False,
+            TableManager=GpumeterTableManager,  # Faust's recovery with a rebalance race closed (see faust_tables)
         )
         app = self.app
         raw = {"key_type": bytes, "value_type": bytes, "key_serializer": "raw", "value_serializer": "raw"}
