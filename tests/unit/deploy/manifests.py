@@ -395,8 +395,8 @@ def check_commands_and_settings(docs: list[dict]) -> list[str]:
 
 def check_metrics_services(docs: list[dict]) -> None:
     """Each long-running workload serves /metrics and /healthz on the port its settings name, behind exactly one
-    Service carrying the Prometheus annotations; five metrics Services (the API's also serves /allocation), five
-    ports."""
+    Service carrying the Prometheus annotations; five roles' metrics Services (the API's also serves /allocation)
+    on five ports -- a guard scaled out has a Service per guard role, on the guard's one port."""
     services = of_kind(docs, "Service")
     for workload in workloads(docs):
         spec = pod_spec(workload)
@@ -419,8 +419,12 @@ def check_metrics_services(docs: list[dict]) -> None:
         annotations = service["metadata"]["annotations"]
         assert annotations == {"prometheus.io/scrape": "true", "prometheus.io/port": str(port["containerPort"]),
                                "prometheus.io/path": "/metrics"}
-    ports = sorted(s["spec"]["ports"][0]["port"] for s in services)
-    assert len(ports) == len(set(ports)) == 5
+    ports = {}
+    for service in services:
+        ports.setdefault(service["metadata"]["labels"]["app.kubernetes.io/component"], set()).add(
+            service["spec"]["ports"][0]["port"])
+    assert all(len(found) == 1 for found in ports.values()), f"one port per role: {ports}"
+    assert len(ports) == len({port for found in ports.values() for port in found}) == 5, ports
 
 
 def check_workload_selectors_are_disjoint(docs: list[dict]) -> None:
@@ -446,6 +450,71 @@ def check_state_on_volumes(docs: list[dict]) -> None:
             state_path = getattr(settings, "state_path", None)
             if state_path is not None:
                 assert any(str(state_path).startswith(m.rstrip("/") + "/") for m in mounts), state_path
+
+
+GUARD_ROLE_LABEL = "gpumeter.io/guard-role"
+
+
+def guard_deployments(docs: list[dict]) -> dict[str, dict]:
+    """The guard Deployments by the role their settings run (``GuardSettings.role``, read through the real CLI and
+    loader), each with its ``workload``, ``settings``, ``replicas``, ``strategy`` and ``volumes``; asserts that two
+    Deployments never run the same role and that each pod is labelled with its role."""
+    found: dict[str, dict] = {}
+    for workload in by_role(docs, "guard"):
+        assert workload["kind"] == "Deployment", workload["metadata"]["name"]
+        spec = pod_spec(workload)
+        (container,) = spec["containers"]
+        settings = settings_for(container["args"], container_env(container, docs))
+        assert settings.role not in found, f"two guard Deployments run role {settings.role}"
+        assert workload["spec"]["template"]["metadata"]["labels"].get(GUARD_ROLE_LABEL) == settings.role
+        found[settings.role] = {"workload": workload, "settings": settings, "replicas": workload["spec"]["replicas"],
+                                "strategy": workload["spec"].get("strategy", {}).get("type", "RollingUpdate"),
+                                "volumes": {v["name"]: v for v in spec["volumes"]},
+                                "mounts": {m["mountPath"] for m in container["volumeMounts"]}}
+    return found
+
+
+def check_guard_roles(docs: list[dict]) -> str:
+    """The guard runs either as one Deployment of role ``all`` (every rule, every partition, one replica, Recreate,
+    a state file on the state volume) or scaled out: role ``nodes`` (any number of replicas, rolled, no state file
+    and no state volume) beside exactly one replica of role ``budgets`` (Recreate, a state file of its own on the
+    state volume). Never ``all`` beside another role, never two instances reading every partition. Returns
+    "single" or "scaled"."""
+    guards = guard_deployments(docs)
+    assert set(guards) in ({"all"}, {"nodes", "budgets"}), f"guard roles deployed: {sorted(guards)}"
+    for role in set(guards) & {"all", "budgets"}:
+        guard = guards[role]
+        assert guard["replicas"] == 1 and guard["strategy"] == "Recreate", (role, guard["replicas"], guard["strategy"])
+        assert guard["settings"].state_path is not None, f"role {role} keeps its state in a file"
+        assert "state" in guard["volumes"] and "/var/lib/gpumeter" in guard["mounts"], role
+    if "all" in guards:
+        return "single"
+    nodes, budgets = guards["nodes"], guards["budgets"]
+    assert nodes["replicas"] >= 1 and nodes["strategy"] == "RollingUpdate", (nodes["replicas"], nodes["strategy"])
+    assert nodes["settings"].state_path is None and "state" not in nodes["volumes"], "the nodes role keeps no state"
+    assert nodes["settings"].group_id != budgets["settings"].group_id
+    assert budgets["settings"].state_path.name != "guard-state.json", (
+        "the budgets role never reads the file a guard of role all wrote")
+    return "scaled"
+
+
+def check_guard_pods_are_served(docs: list[dict]) -> None:
+    """Each guard Deployment selects its role's pods only, and exactly one metrics Service selects them, a Service
+    of the guard's (component guard) carrying the role's label when the guard is scaled out."""
+    guards = guard_deployments(docs)
+    services = of_kind(docs, "Service")
+    for role, guard in guards.items():
+        labels = guard["workload"]["spec"]["template"]["metadata"]["labels"]
+        assert labels["app.kubernetes.io/component"] == "guard", role
+        selector = guard["workload"]["spec"]["selector"]["matchLabels"]
+        for other_role, other in guards.items():
+            if other_role != role:
+                assert not selector.items() <= other["workload"]["spec"]["template"]["metadata"]["labels"].items()
+        (service,) = [s for s in services if s["spec"]["selector"].items() <= labels.items()]
+        assert service["metadata"]["labels"]["app.kubernetes.io/component"] == "guard"
+        if len(guards) > 1:
+            assert service["metadata"]["labels"][GUARD_ROLE_LABEL] == role
+            assert service["spec"]["selector"][GUARD_ROLE_LABEL] == role
 
 
 def secret_settings_kept_out_of_repr() -> set[tuple[type, str]]:

@@ -41,6 +41,8 @@ from tests.unit.deploy.manifests import (
     check_collector_host_access,
     check_collector_pools_are_priced,
     check_commands_and_settings,
+    check_guard_pods_are_served,
+    check_guard_roles,
     check_kubernetes_schemas,
     check_least_privilege_rbac,
     check_metrics_services,
@@ -54,6 +56,7 @@ from tests.unit.deploy.manifests import (
     container_env,
     containers,
     env_item,
+    guard_deployments,
     mounted_file,
     mounted_secret_key,
     of_kind,
@@ -87,6 +90,8 @@ DEFAULT_DIFFERENCES = {
         {"helm.sh/hook": "post-install,post-upgrade", "helm.sh/hook-delete-policy": "before-hook-creation"},
     ("Deployment", "gpumeter-billing", "spec.template.metadata.annotations"): {"checksum/prices"},
     ("Deployment", "gpumeter-guard", "spec.template.metadata.annotations"): {"checksum/config"},
+    ("Deployment", "gpumeter-guard-nodes", "spec.template.metadata.annotations"): {"checksum/config"},
+    ("Deployment", "gpumeter-guard-budgets", "spec.template.metadata.annotations"): {"checksum/config"},
 }
 # Series Prometheus makes itself for every scrape target, which an alert may read besides gpumeter's registry.
 PROMETHEUS_SERIES = {"up"}
@@ -125,7 +130,12 @@ RENDERINGS = {
     "default": ("gpumeter", "gpumeter", ()),
     "two-pools-sasl": ("gpumeter", "gpumeter", ("ci/two-pools-sasl-values.yaml",)),
     "monitoring": ("acme", "metering", ("ci/monitoring-values.yaml",)),
+    "guard-scaled": ("gpumeter", "gpumeter", ("ci/guard-scaled-values.yaml",)),
 }
+# The monitoring renderings: one guard, and the guard scaled out (a metrics Service, ServiceMonitor and job per
+# guard role).
+MONITORING = {"single": ("ci/monitoring-values.yaml",),
+              "scaled": ("ci/monitoring-values.yaml", "ci/guard-scaled-values.yaml")}
 
 
 @pytest.fixture(scope="session")
@@ -159,6 +169,17 @@ def rendering(request, render) -> tuple[str, str, str, list[dict]]:
 def kustomize_objects(go_tools) -> list[dict]:
     """What `kubectl apply -k deploy/kubernetes` applies: the real kustomize's build."""
     result = run_tool([str(go_tools["kustomize"]), "build", str(KUSTOMIZE_DIR)])
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+@pytest.fixture(scope="session")
+def kustomize_scaled_objects(go_tools, tmp_path_factory) -> list[dict]:
+    """deploy/kubernetes with the component guard-scaled added to its kustomization, as its comments say."""
+    copied = shutil.copytree(KUSTOMIZE_DIR, tmp_path_factory.mktemp("kustomize") / "kubernetes")
+    with (copied / "kustomization.yaml").open("a", encoding="utf-8") as file:
+        file.write("components:\n  - guard-scaled\n")
+    result = run_tool([str(go_tools["kustomize"]), "build", str(copied)])
     assert result.returncode == 0, result.stderr
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
@@ -284,26 +305,42 @@ def take(doc: dict, dotted: str) -> Any:
     return node.pop(last, None) if isinstance(node, dict) else None
 
 
+def assert_same_objects(kustomized: dict[tuple[str, str], dict], charted: dict[tuple[str, str], dict],
+                        expected_keys: set[tuple[str, str]]) -> None:
+    """The chart's objects are the kustomization's, field by field, less DEFAULT_DIFFERENCES and Helm's labels."""
+    assert set(charted) == expected_keys, (
+        f"only in the chart: {set(charted) - expected_keys}; only in the kustomization: "
+        f"{expected_keys - set(charted)}")
+    for key in sorted(expected_keys):
+        ours, theirs = copy.deepcopy(kustomized[key]), without_helm_labels(charted[key])
+        for (kind, name, dotted), allowed in DEFAULT_DIFFERENCES.items():
+            if key == (kind, name):
+                extra = take(theirs, dotted)
+                assert extra is not None and set(extra) == set(allowed), (key, dotted, extra)
+                if isinstance(allowed, dict):
+                    assert extra == allowed, (key, dotted, extra)
+        if key == ("ConfigMap", "gpumeter-guard"):
+            assert yaml.safe_load(ours["data"].pop("guard.yaml")) == yaml.safe_load(
+                theirs["data"].pop("guard.yaml"))
+        assert not differences(ours, theirs), f"{key}:\n" + "\n".join(differences(ours, theirs))
+
+
 def test_default_values_render_the_kustomizations_objects_field_by_field(render, kustomize_objects):
     kustomized = by_identity(kustomize_objects)
     for namespace_create in (False, True):
         charted = by_identity(render("gpumeter", "gpumeter", set_values=(f"namespace.create={namespace_create}",)))
         expected_keys = set(kustomized) - (set() if namespace_create else {("Namespace", "gpumeter")})
-        assert set(charted) == expected_keys, (
-            f"only in the chart: {set(charted) - expected_keys}; only in the kustomization: "
-            f"{expected_keys - set(charted)}")
-        for key in sorted(expected_keys):
-            ours, theirs = copy.deepcopy(kustomized[key]), without_helm_labels(charted[key])
-            for (kind, name, dotted), allowed in DEFAULT_DIFFERENCES.items():
-                if key == (kind, name):
-                    extra = take(theirs, dotted)
-                    assert extra is not None and set(extra) == set(allowed), (key, dotted, extra)
-                    if isinstance(allowed, dict):
-                        assert extra == allowed, (key, dotted, extra)
-            if key == ("ConfigMap", "gpumeter-guard"):
-                assert yaml.safe_load(ours["data"].pop("guard.yaml")) == yaml.safe_load(
-                    theirs["data"].pop("guard.yaml"))
-            assert not differences(ours, theirs), f"{key}:\n" + "\n".join(differences(ours, theirs))
+        assert_same_objects(kustomized, charted, expected_keys)
+
+
+def test_the_scaled_guard_renders_the_kustomize_components_objects_field_by_field(render, kustomize_scaled_objects):
+    kustomized = by_identity(kustomize_scaled_objects)
+    charted = by_identity(render("gpumeter", "gpumeter", set_values=("guard.mode=scaled", "namespace.create=true")))
+    assert {key for key in kustomized if "guard" in key[1]} == {
+        ("ServiceAccount", "gpumeter-guard"), ("ConfigMap", "gpumeter-guard"),
+        ("Deployment", "gpumeter-guard-nodes"), ("Service", "gpumeter-guard-nodes"),
+        ("Deployment", "gpumeter-guard-budgets"), ("Service", "gpumeter-guard-budgets")}
+    assert_same_objects(kustomized, charted, set(kustomized))
 
 
 def test_the_comparison_sees_a_changed_field(render, kustomize_objects):
@@ -377,6 +414,41 @@ def test_every_container_command_line_and_environment_goes_through_the_real_cli_
 def test_metrics_services_probes_and_ports(rendering):
     _name, _release, _namespace, docs = rendering
     check_metrics_services(docs)
+
+
+def test_the_guard_runs_as_one_all_role_or_scaled_out_as_nodes_beside_one_budgets(rendering):
+    name, _release, _namespace, docs = rendering
+    assert check_guard_roles(docs) == ("scaled" if name == "guard-scaled" else "single")
+    check_guard_pods_are_served(docs)
+
+
+def test_guard_mode_scaled_renders_nodes_replicas_beside_one_budgets_guard(render, helm):
+    def helm_fails(*set_values: str) -> bool:
+        args = ["template", "gpumeter", str(CHART)]
+        for item in set_values:
+            args += ["--set", item]
+        return helm(*args).returncode != 0
+
+    single = guard_deployments(render("gpumeter", "gpumeter"))
+    assert set(single) == {"all"} and single["all"]["workload"]["metadata"]["name"] == "gpumeter-guard"
+    assert str(single["all"]["settings"].state_path) == "/var/lib/gpumeter/guard-state.json"
+
+    for replicas in (2, 5):
+        docs = render("gpumeter", "gpumeter", set_values=("guard.mode=scaled", f"guard.nodes.replicas={replicas}",
+                                                          "guard.state.existingClaim=guard-claim"))
+        guards = guard_deployments(docs)
+        assert {role: g["workload"]["metadata"]["name"] for role, g in guards.items()} == {
+            "nodes": "gpumeter-guard-nodes", "budgets": "gpumeter-guard-budgets"}
+        assert (guards["nodes"]["replicas"], guards["budgets"]["replicas"]) == (replicas, 1)
+        assert guards["budgets"]["volumes"]["state"]["persistentVolumeClaim"] == {"claimName": "guard-claim"}
+        assert "state" not in guards["nodes"]["volumes"]
+        for guard in guards.values():
+            # Both roles raise violations: both post them to Alertmanager.
+            (container,) = pod_spec(guard["workload"])["containers"]
+            assert env_item(container, "GPUMETER_GUARD_ALERTMANAGER_URL")["valueFrom"]["secretKeyRef"] == {
+                "name": "gpumeter-guard", "key": "alertmanager-url", "optional": True}
+        assert check_guard_roles(docs) == "scaled"
+    assert helm_fails("guard.mode=sharded") and helm_fails("guard.mode=scaled", "guard.nodes.replicas=0")
 
 
 def test_every_collector_pool_is_priced_by_billing(rendering, tmp_path):
@@ -690,9 +762,10 @@ def test_crd_validation_rejects_a_misspelt_field_and_a_wrong_type(render):
         check_custom_resource(rule)
 
 
-def test_one_service_monitor_per_role_scrapes_exactly_that_roles_metrics_service(render):
-    docs = render("acme", "metering", "ci/monitoring-values.yaml")
-    chosen = values("ci/monitoring-values.yaml")["serviceMonitor"]
+@pytest.mark.parametrize("guard_mode", sorted(MONITORING))
+def test_one_service_monitor_per_role_scrapes_exactly_that_roles_metrics_service(render, guard_mode):
+    docs = render("acme", "metering", *MONITORING[guard_mode])
+    chosen = values(*MONITORING[guard_mode])["serviceMonitor"]
     monitors = of_kind(docs, "ServiceMonitor")
     services = of_kind(docs, "Service")
     scraped = []
@@ -708,7 +781,14 @@ def test_one_service_monitor_per_role_scrapes_exactly_that_roles_metrics_service
         # Billing's per-pod series keep the namespace/pod labels of the pods they bill.
         assert endpoint["honorLabels"] is (role == "billing")
         scraped.append(role)
-    assert sorted(scraped) == sorted(ROLES)
+    # Scaled out, the guard has a metrics Service, and so a ServiceMonitor, per role: nodes and budgets.
+    assert sorted(scraped) == sorted(ROLES + (("guard",) if guard_mode == "scaled" else ()))
+    guards = guard_deployments(docs)
+    monitored = [s for s in services if any(m["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"]
+                                            .items() for m in monitors)]
+    for role, guard in guards.items():
+        pods = guard["workload"]["spec"]["template"]["metadata"]["labels"]
+        assert [s for s in monitored if s["spec"]["selector"].items() <= pods.items()], f"guard {role} unscraped"
 
 
 def alert_rules(docs: list[dict]) -> list[dict]:
@@ -800,11 +880,15 @@ def roles_producing(metric: str) -> frozenset[str]:
     return frozenset(roles)
 
 
-def test_alerts_select_exactly_the_services_that_set_their_metrics(render):
-    docs = render("acme", "metering", "ci/monitoring-values.yaml")
+@pytest.mark.parametrize("guard_mode", sorted(MONITORING))
+def test_alerts_select_exactly_the_services_that_set_their_metrics(render, guard_mode):
+    docs = render("acme", "metering", *MONITORING[guard_mode])
     services = {s["metadata"]["name"]: s["metadata"]["labels"]["app.kubernetes.io/component"]
                 for s in of_kind(docs, "Service")}
-    chosen = values("ci/monitoring-values.yaml")["prometheusRule"]
+    chosen = values(*MONITORING[guard_mode])["prometheusRule"]
+    guard_jobs = {"scaled": {"acme-gpumeter-guard-nodes", "acme-gpumeter-guard-budgets"},
+                  "single": {"acme-gpumeter-guard"}}[guard_mode]
+    assert guard_jobs == {name for name, role in services.items() if role == "guard"}
     for rule in alert_rules(docs):
         for metric, found in selectors(rule["expr"]):
             where = f"{rule['alert']}: {metric}"
@@ -814,9 +898,11 @@ def test_alerts_select_exactly_the_services_that_set_their_metrics(render):
             ((op, value),) = jobs
             assert op in ("=", "=~"), where
             # Prometheus anchors regular expressions at both ends.
-            selected = {role for name, role in services.items()
-                        if (name == value if op == "=" else re.fullmatch(value, name))}
+            names = {name for name in services if (name == value if op == "=" else re.fullmatch(value, name))}
+            selected = {services[name] for name in names}
             assert selected == roles_producing(metric), f"{where}: job {op}{value!r} selects {selected}"
+            # Every guard role's job, when the alert reads the guard's series.
+            assert "guard" not in selected or guard_jobs <= names, f"{where}: job {op}{value!r} misses a guard role"
         assert rule["labels"]["severity"] in ("warning", "critical")
         assert rule["labels"]["team"] == chosen["alertLabels"]["team"]
         assert rule["annotations"]["summary"] and rule["annotations"]["description"]

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import re
+import shutil
+import subprocess
 import tomllib
 from pathlib import Path
 
@@ -26,6 +28,8 @@ from tests.unit.deploy.manifests import (
     check_collector_host_access,
     check_collector_pools_are_priced,
     check_commands_and_settings,
+    check_guard_pods_are_served,
+    check_guard_roles,
     check_kubernetes_schemas,
     check_least_privilege_rbac,
     check_metrics_services,
@@ -38,6 +42,7 @@ from tests.unit.deploy.manifests import (
     check_workload_selectors_are_disjoint,
     container_env,
     containers,
+    guard_deployments,
     mounted_file,
     named,
     of_kind,
@@ -48,6 +53,7 @@ from tests.unit.deploy.manifests import (
 
 MANIFEST_DIR = REPO_ROOT / "deploy" / "kubernetes"
 KUSTOMIZATION = MANIFEST_DIR / "kustomization.yaml"
+GUARD_SCALED = MANIFEST_DIR / "guard-scaled"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -249,3 +255,71 @@ def test_topics_job_cleans_up_after_itself_so_it_reruns_on_apply(docs):
     assert pod_spec(job)["containers"][0]["args"] == ["topics", "create"]
     assert job["spec"]["ttlSecondsAfterFinished"] > 0
     assert pod_spec(job)["restartPolicy"] in ("OnFailure", "Never")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The guard: one of role all as shipped, or scaled out with the component guard-scaled
+
+
+def test_the_shipped_guard_is_one_replica_of_role_all(docs):
+    assert check_guard_roles(docs) == "single"
+    check_guard_pods_are_served(docs)
+
+
+@pytest.fixture(scope="module")
+def scaled_docs(go_tools, tmp_path_factory) -> list[dict]:
+    """What `kubectl apply -k` applies once the component guard-scaled is added to the kustomization, as its
+    comments say (the real kustomize)."""
+    copied = shutil.copytree(MANIFEST_DIR, tmp_path_factory.mktemp("kustomize") / "kubernetes")
+    with (copied / "kustomization.yaml").open("a", encoding="utf-8") as file:
+        file.write("components:\n  - guard-scaled\n")
+    result = subprocess.run([str(go_tools["kustomize"]), "build", str(copied)], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def test_the_guard_scaled_component_is_a_kustomize_component_of_its_own_files():
+    component = yaml.safe_load((GUARD_SCALED / "kustomization.yaml").read_text(encoding="utf-8"))
+    assert component["kind"] == "Component"
+    assert sorted(component["resources"]) == sorted(
+        p.name for p in GUARD_SCALED.glob("*.yaml") if p.name != "kustomization.yaml")
+    # The way its comments say to use it is the way scaled_docs builds it.
+    assert "#   components:\n#     - guard-scaled\n" in (GUARD_SCALED / "kustomization.yaml").read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_the_scaled_guard_validates_against_the_kubernetes_schemas(scaled_docs, version):
+    check_kubernetes_schemas(scaled_docs, version)
+
+
+def test_the_scaled_guard_runs_nodes_replicas_beside_one_budgets_guard(scaled_docs):
+    assert check_guard_roles(scaled_docs) == "scaled"
+    check_guard_pods_are_served(scaled_docs)
+    guards = guard_deployments(scaled_docs)
+    assert {role: g["workload"]["metadata"]["name"] for role, g in guards.items()} == {
+        "nodes": "gpumeter-guard-nodes", "budgets": "gpumeter-guard-budgets"}
+    assert guards["nodes"]["replicas"] >= 2
+    assert not [d for d in scaled_docs if d["metadata"]["name"] == "gpumeter-guard" and d["kind"] in
+                ("Deployment", "Service")], "the single guard is replaced, not run beside"
+    # Both roles raise violations: both post them to Alertmanager, with the one guard config.
+    for guard in guards.values():
+        spec = pod_spec(guard["workload"])
+        (container,) = spec["containers"]
+        assert guard["settings"].alertmanager_url and str(guard["settings"].config_path) == (
+            "/etc/gpumeter/guard/guard.yaml")
+        assert {v["configMap"]["name"] for v in spec["volumes"] if "configMap" in v} == {"gpumeter-guard"}
+
+
+def test_the_scaled_guard_keeps_every_property_of_the_manifests(scaled_docs, tmp_path):
+    check_least_privilege_rbac(scaled_docs)
+    check_no_rbac_wildcards(scaled_docs)
+    check_service_accounts(scaled_docs)
+    check_workload_selectors_are_disjoint(scaled_docs)
+    check_restricted_pods(scaled_docs)
+    check_resources(scaled_docs)
+    check_state_on_volumes(scaled_docs)
+    check_metrics_services(scaled_docs)
+    assert check_secrets_by_reference(scaled_docs) == {"gpumeter-kafka", "gpumeter-ledger", "gpumeter-guard"}
+    assert check_commands_and_settings(scaled_docs) == [
+        "api", "attributor", "billing", "collector", "guard", "guard", "topics"]
