@@ -199,6 +199,7 @@ class AttributorStream:
             producer_max_request_size=settings.kafka.max_request_size_bytes,
             topic_partitions=self.partitions,
             topic_replication_factor=settings.topic_replication_factor,
+            table_standby_replicas=settings.table_standby_replicas,
             topic_disable_leader=True,
             web_enabled=False,
             TableManager=GpumeterTableManager,  # Faust's recovery with a rebalance race closed (see faust_tables)
@@ -347,6 +348,39 @@ class AttributorStream:
             self._defer(partition, result.changes)
             applied += changed
         log.info("partition %d: %d pod events applied before its streams resume", partition, applied)
+
+    async def _resume_pods_after_preload(self, partitions: set[int]) -> None:
+        """A rebuilt partition's pods stream resumes at the group's committed offset on the pod-events topic, not at
+        its beginning: the preload has applied every pod event up to the topic's end, so what lies below the
+        commit is in the state already, and the group handled it (a bad record there was dead-lettered by
+        whoever processed it). Re-reading from the beginning applied every pod a third time (table, preload,
+        stream; about 1 ms per pod at each worker's start: make bench's scale-out phase) and dead-lettered the
+        partition's bad pod events again at every rebuild. Where the group has no commit, or it cannot be read
+        (another rebalance under way), the stream starts at the beginning as before."""
+        if not partitions:
+            return
+        committed = await self._committed_positions({TP(self.pods_topic_name, p) for p in partitions})
+        for partition in sorted(partitions):
+            offset = committed.get(TP(self.pods_topic_name, partition))
+            if offset is not None and offset > 0 and partition in self._resume_pods_from:
+                self._resume_pods_from[partition] = offset
+
+    async def _committed_positions(self, tps: set[TP]) -> dict[TP, int | None]:
+        """The group's committed offsets of ``tps`` (None: no commit), read on Faust's consumer thread; empty
+        when they cannot be read."""
+        from aiokafka.structs import TopicPartition
+
+        thread = self.app.consumer._thread  # faust-streaming's AIOKafkaConsumerThread
+        offsets: dict[TP, int | None] = {}
+        try:
+            client = thread._ensure_consumer()
+            for tp in sorted(tps):
+                offsets[tp] = await thread.call_thread(client.committed, TopicPartition(tp.topic, tp.partition))
+        except Exception as exc:
+            log.warning("could not read the group's committed offsets of %s: %r",
+                        sorted(f"{tp.topic}[{tp.partition}]" for tp in tps), exc)
+            return {}
+        return offsets
 
     async def _read_range(self, topic: str, partition: int, start: int, stop: int | None):
         """Records of one partition with ``start <= offset < stop`` (``stop`` None: its end offset now), read by a
@@ -553,6 +587,7 @@ class AttributorStream:
         rebuilt = self._assigned - set(self.processor.partitions())
         await self._rebuild(rebuilt)
         await self._preload_pod_events(rebuilt)
+        await self._resume_pods_after_preload(rebuilt)
         await self._rewind_streams(rebuilt)
         assigned = self.runner.assigned(self._topic_partitions(rebuilt))  # nothing beyond the rebuild so far
         if assigned.emits:

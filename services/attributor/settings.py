@@ -104,6 +104,11 @@ class AttributorSettings:
     * ``data_dir``: Faust's data folder; None lets ``main`` make a fresh one per worker (memory store only).
     * ``partitions``: the input topics' partition count; None lets ``main`` read it from the broker.
     * ``topic_replication_factor``: replication of the changelog topics Faust creates.
+    * ``table_standby_replicas``: how many other workers keep a standby copy of each partition's tables by
+      reading their changelogs (Faust's ``table_standby_replicas``). Default 0: a partition that moves is rebuilt
+      from its changelog, its pod events and its samples anyway (``AttributorStream._rebuild``), so a standby
+      only shortens the changelog read, and it costs every worker a full read of the others' changelogs at
+      every start and every rebalance (measured in ``make bench``'s scale-out phase: docs/performance.md).
     * ``session_timeout_seconds``: consumer-group session timeout: how long a worker that died without leaving
       holds its partitions before the group moves them (the broker allows 6 s and up by default).
     * ``metrics_port``: Prometheus ``/metrics`` port, 0 for none; ``metrics_address``: where it listens.
@@ -169,6 +174,9 @@ class AttributorSettings:
     topic_replication_factor: int = setting(1, env="GPUMETER_TOPIC_REPLICATION_FACTOR",
                                             flag="--topic-replication-factor", parse=integer, check=at_least(1),
                                             help="replication factor of the changelog topics")
+    table_standby_replicas: int = setting(0, env="GPUMETER_ATTRIBUTOR_TABLE_STANDBY_REPLICAS",
+                                          flag="--table-standby-replicas", parse=integer, check=at_least(0),
+                                          help="workers that keep a standby copy of each partition's tables")
     session_timeout_seconds: float = setting(30.0, env="GPUMETER_SESSION_TIMEOUT_SECONDS",
                                              flag="--session-timeout-seconds", parse=number, check=greater_than(0),
                                              help="consumer-group session timeout in seconds")

@@ -67,3 +67,15 @@ def test_the_attributor_app_recovers_its_tables_with_the_safe_recovery(tmp_path)
                                   metrics_port=0)
     stream = AttributorStream(settings, ManualClock(0), ServiceMetrics("attributor"))
     assert type(stream.app.tables.recovery) is SafeSeekRecovery
+
+
+def test_tables_have_no_standby_copies_unless_configured(tmp_path):
+    # Faust's own default is one standby: every worker would read the other workers' changelogs at each start
+    # and rebalance, which a rebuild (changelog, pod events, samples) makes useless.
+    def app_of(**overrides):
+        settings = AttributorSettings(kafka=KafkaSettings(topic_prefix="t."), partitions=1, data_dir=tmp_path,
+                                      metrics_port=0, **overrides)
+        return AttributorStream(settings, ManualClock(0), ServiceMetrics("attributor")).app
+
+    assert app_of().conf.table_standby_replicas == 0
+    assert app_of(table_standby_replicas=2).conf.table_standby_replicas == 2

@@ -65,8 +65,12 @@ class Worker:
             for raw in self.log[topic][start:stop]:
                 yield raw
 
+        async def committed_positions(tps):
+            return {tp: self.committed.get(tp) for tp in tps}
+
         stream._seek_positions, stream._commit_positions, stream._read_range = (
             seek_positions, commit_positions, read_range)
+        stream._committed_positions = committed_positions
 
     def append(self, topic: str, key: bytes, value: bytes) -> RawMessage:
         raw = RawMessage(topic, PARTITION, len(self.log[topic]), key, value, NOW)
@@ -182,3 +186,48 @@ async def test_the_processor_hears_through_the_contract_of_the_partitions_lost_a
     await stream._on_rebalance_complete(None)
     assert revoked == [frozenset({(catalog.node_samples, 1), (catalog.pod_events, 1)})]
     assert stream.processor.partitions() == (0,)
+
+
+async def test_a_rebuilt_partition_reads_its_pod_events_on_from_the_groups_commit_not_again_from_the_start(tmp_path):
+    """Worker A handles a partition's pods (one of them a record that is no PodEvent: dead-lettered) and part of
+    its ticks, and stops; worker B is assigned the partition and rebuilds it from A's tables. B's preload applies
+    every pod event; its pods stream then goes on from the group's commit, so the bad record is not dead-lettered
+    a second time and no pod is applied a third time, and A's and B's windows are the uninterrupted run's."""
+    a = Worker(tmp_path / "a")
+    pods = [event for node in NODES for event in pods_of(node)]
+    samples = [two_pod_tick(BASE + k * 1000, node, k) for k in range(TICKS) for node in NODES]
+    pod_records = [a.append(a.catalog.pod_events, pod_event_key(e.node_name, e.uid), codec_for(PodEvent).encode(e))
+                   for e in pods]
+    pod_records.append(a.append(a.catalog.pod_events, pod_event_key(NODES[0], "not-a-pod"), b"no avro here"))
+    tick_records = [a.append(a.catalog.node_samples, s.node_name.encode(), codec_for(NodeSample).encode(s))
+                    for s in samples]
+    handled = len(tick_records) // 2
+    for raw in pod_records + tick_records[:handled]:
+        await a.process(raw)
+    a.shares.acknowledge()
+    await asyncio.sleep(0)
+    assert len(a.dead.sent) == 1  # the bad pod record, once
+    # What Faust committed for the group before A stopped: every record A's agents handled.
+    a.committed[TP(a.catalog.pod_events, PARTITION)] = len(pod_records)
+    a.committed[TP(a.catalog.node_samples, PARTITION)] = handled
+
+    b = Worker(tmp_path / "b")
+    b.log, b.committed = a.log, a.committed  # one broker, one group
+    b.stream.open_samples, b.stream.pods = dict(a.stream.open_samples), dict(a.stream.pods)  # the changelogs
+    tps = {TP(topic, PARTITION) for topic in b.log}
+    await b.stream._on_partitions_assigned(None, tps)
+    await b.stream._on_rebalance_complete(None)
+    # Faust seeks each partition to the group's commit, which the rebalance hook left where B must go on.
+    assert b.committed[TP(b.catalog.pod_events, PARTITION)] == len(pod_records)
+    for topic in (b.catalog.pod_events, b.catalog.node_samples):
+        for raw in b.log[topic][b.committed[TP(topic, PARTITION)]:]:
+            await b.process(raw)
+    b.shares.acknowledge()
+    await asyncio.sleep(0)
+
+    assert b.dead.sent == []
+    assert b.reads == [(b.catalog.pod_events, 0, None)]  # the preload: the pod events once, from the start
+    expected = uninterrupted_windows(pods, samples, b.stream.settings.engine_config())
+    emitted = {(w.node_name, w.window_start_unix_ms): w.rows() for w in a.windows() + b.windows()}
+    assert emitted == {(w.node_name, w.window_start_unix_ms): w.rows() for w in expected}
+    assert len(expected) == 3 * len(NODES)
