@@ -19,6 +19,12 @@ Phases:
    backlog; the window closes on its clock once it has caught up. Ceiling = GPU-samples in the backlog /
    (attributor ready → last cost record's append time): the rate at which the pipeline turned input into costs.
 3. **Pods of the other nodes**: the rest of the fleet's pods.
+3b. **Attributor scale-out** (``scaling_workers``, 1, 2 and 4): for each ``N``, a whole window of ticks of
+   ``ceiling_nodes`` nodes not used before is produced while no attributor runs, then ``N`` workers of one app id
+   start (they split the partitions; each restores its tables and re-reads its partitions' pod events) and drain
+   it. All ``N`` run with the whole fleet's pods known, one worker's run included, so each does the same work:
+   the attributor CPU-seconds per 1,000 GPU-samples are equal for every ``N`` when an added worker repeats
+   nothing, and the wall-clock rate shows ``N``× only where each worker has a core of its own.
 4. **Live**: the generator sends at 1 Hz per node in real time until the first window that starts after it began
    (the *full* window) has closed on every node. Latency of a node-window = append time of its last cost record
    − (window end + grace). A *sustainable* phase runs first at ``sustainable_fraction`` of the measured ceiling
@@ -74,6 +80,7 @@ BILLING_GROUP = "bench-billing"
 GUARD_GROUP = "bench-guard"
 GUARD_IDLE_S = 5.0
 TARGET_GUARD_SCALING_SPREAD = 0.15  # issue 23: CPU per 1,000 GPU-samples with 1, 2 and 4 guards within 15 %
+TARGET_ATTRIBUTOR_SCALING_SPREAD = 0.15  # issue 23: the same for 1, 2 and 4 attributor workers
 CHANGELOG_TABLES = ("open_samples", "pods")  # services.attributor.app's tables
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -587,7 +594,8 @@ class StreamConfig:
     nodes: int = 1250
     pods_per_gpu: int = 8
     ceiling_nodes: int = 250
-    scaling_workers: tuple[int, ...] = (2, 4)
+    scaling_workers: tuple[int, ...] = (1, 2, 4)
+    live: bool = True
     sustainable_fraction: float = 0.6
     guard_instances: tuple[int, ...] = (1, 2, 4)
     guard_ticks: int = 60
@@ -666,7 +674,9 @@ async def run_stream(config: StreamConfig, workdir: Path, log: Callable[[str], N
             figures["ceiling"] = await ceiling_phase(bench, attributor_command, workdir, backlog_start)
             if ceiling_nodes < config.nodes:
                 figures["pods"]["other_nodes"] = await pods_phase(bench, ceiling_nodes, config.nodes, "pods")
-            figures["scaling"] = {"1": {"attributor_workers": 1, **figures["ceiling"]}}
+            # Every scaling phase, one worker's included, runs with the whole fleet's pods known and its own
+            # nodes' backlog: the same work for each worker count (the ceiling phase knew 16,000 pods only).
+            figures["scaling"] = {}
             for k, workers in enumerate(config.scaling_workers, start=1):
                 if (k + 1) * ceiling_nodes > config.nodes:
                     break
@@ -679,7 +689,7 @@ async def run_stream(config: StreamConfig, workdir: Path, log: Callable[[str], N
                 phases.append(("sustainable", sustainable))
             phases.append(("target", config.nodes))
             figures["live"] = {}
-            for label, nodes in phases:
+            for label, nodes in (phases if config.live else ()):
                 figures["live"][label] = await live_phase(bench, label, nodes)
             for service in services:  # the guard's figures are its own: nothing else takes the cores
                 service.stop()
@@ -821,6 +831,9 @@ async def scaling_phase(b: Bench, attributor_command: list[str], workdir: Path, 
         "gpu_samples_per_s_end_to_end": round(gpu_samples / elapsed, 1),
         **b.cpu.between(label, f"{label} done"),
     }
+    attributor_cpu_s = sum(v for who, v in figures["cpu_s"].items() if who.startswith("attributor "))
+    figures["attributor_cpu_s"] = round(attributor_cpu_s, 2)
+    figures["attributor_cpu_s_per_1000_gpu_samples"] = round(attributor_cpu_s / gpu_samples * 1000, 4)
     b.log(f"stream: {label}: {figures['gpu_samples_per_s_end_to_end']:,.0f} GPU-samples/s end to end")
     for n, worker in enumerate(attributors):
         worker.stop()
@@ -1037,7 +1050,7 @@ def _log_summary(text: str) -> dict[str, int]:
 
 
 def run(quick: bool) -> tuple[dict[str, Any], list[Target], list[str]]:
-    config = StreamConfig(nodes=100, ceiling_nodes=50) if quick else StreamConfig()
+    config = StreamConfig(nodes=200, ceiling_nodes=50) if quick else StreamConfig()
     workdir = Path(tempfile.mkdtemp(prefix="gpumeter-bench-stream-"))
     try:
         figures = asyncio.run(run_stream(config, workdir, log=lambda m: print(m, file=sys.stderr, flush=True)))
@@ -1112,6 +1125,17 @@ def targets_for(figures: dict[str, Any]) -> list[Target]:
                               "; ".join(parts), met,
                               "" if met else "the machine's cores also run the broker, billing and the generator: "
                               "an added worker has no core of its own; see docs/performance.md"))
+        per = {w: s["attributor_cpu_s_per_1000_gpu_samples"] for w, s in scaling.items()
+               if "attributor_cpu_s_per_1000_gpu_samples" in s}
+        if len(per) > 1:
+            spread = max(per.values()) / min(per.values()) - 1 if min(per.values()) > 0 else float("inf")
+            met = spread <= TARGET_ATTRIBUTOR_SCALING_SPREAD
+            targets.append(Target(
+                "attributor scale-out (CPU)", f"CPU-s per 1,000 GPU-samples with {', '.join(per)} workers within "
+                f"{TARGET_ATTRIBUTOR_SCALING_SPREAD:.0%} of each other (no work duplicated)",
+                "; ".join(f"{w}: {v} CPU-s" for w, v in per.items()) + f" (spread {spread:.0%})", met,
+                "" if met else "work an added worker repeats (table recovery, pod re-reads, rebalances); see "
+                "docs/performance.md"))
     guard = figures.get("guard", {})
     if guard:
         per = {k: g["guard_cpu_s_per_1000_gpu_samples"] for k, g in guard.items()}
