@@ -13,9 +13,11 @@ four topics goes to one member), so that every replica takes a share of the node
 violations topic (``read_last_states``) and rebuilds the partitions it did not hold, pod events from the
 beginning and the rest from the group's commits, publishing nothing of them until it has read as far as they
 reached at the assignment (``on_read_to_start``); on revocation it flushes, commits and suspends their engines.
-It commits after every batch and keeps no state file. ``all``/``budgets``, start positions: those of the state file (a partition it has no position for is read from its beginning: the state
-covers none of it). Without a state file (first start, none configured, or an unreadable one moved aside) the
-guard first reads the compacted violations topic whole (``read_last_states``) and seeds its engine with it
+It commits after every batch and keeps no state file. ``all``/``budgets``, start positions: those of the state
+file (a partition it has no position for is read from its beginning: the state covers none of it). Without a state
+file (first start, none configured, or an unreadable one moved aside -- as is another guard's: one written by
+another role or covering other input topics, ``check_state``; a file that records no role is the ``all`` role's)
+the guard first reads the compacted violations topic whole (``read_last_states``) and seeds its engine with it
 (``GuardProcessor.begin_rebuild``), reads pod events from the beginning of their compacted topic -- the rules need
 every live pod -- and the other topics from the group's committed offsets (else ``auto_offset_reset``); it emits
 no violation until it has read as far as the input reached when it started (the driver's ``on_read_to_start``:
@@ -36,7 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from gpumeter.clock import Clock, SystemClock
 from gpumeter.errors import ConfigError, GpumeterError
@@ -64,7 +66,7 @@ from services.guard.processor import (
     guard_topics,
 )
 from services.guard.settings import GuardSettings, add_arguments, guard_settings
-from services.guard.state import GuardState, GuardStateStore, StateCheckpoint
+from services.guard.state import GuardState, GuardStateMismatch, GuardStateStore, StateCheckpoint, check_state
 
 log = logging.getLogger("gpumeter.guard")
 
@@ -94,11 +96,14 @@ def load_config(settings: GuardSettings, env: Mapping[str, str]) -> Any:
     return GuardConfig.load(settings.config_path, env)
 
 
-def restore_engine(config: Any, store: GuardStateStore | None, clock: Clock) -> tuple[Any, GuardState | None]:
+def restore_engine(config: Any, store: GuardStateStore | None, clock: Clock, *, role: str,
+                   topics: Iterable[str]) -> tuple[Any, GuardState | None]:
     """A ``GuardEngine`` from the state file when there is a usable one (and that state), else a fresh engine.
-    A file that cannot be read back or restored is moved aside and the guard starts without state (logged as an
-    error); the service then rebuilds from the violations topic before it raises anything (see the module
-    docstring)."""
+    ``role`` and ``topics``: the role of this guard and the input topics it reads; a state file another role
+    wrote or covering other topics (``check_state``: ``GuardStateMismatch``) is not this guard's state. A file that
+    cannot be read back or restored, or is not this guard's, is moved aside (``<name>.corrupt-<ms>``, or
+    ``<name>.foreign-<ms>`` for another guard's) and the guard starts without state (logged as an error); the
+    service then rebuilds from the violations topic before it raises anything (see the module docstring)."""
     from services.guard.engine import GuardEngine
 
     if store is None:
@@ -109,7 +114,13 @@ def restore_engine(config: Any, store: GuardStateStore | None, clock: Clock) -> 
         if state is None:
             log.info("no state file at %s yet: starting fresh", store.path)
             return GuardEngine(config), None
+        check_state(state, role, topics)
         engine = GuardEngine.restore(config, state.engine_bytes)
+    except GuardStateMismatch as exc:
+        moved = store.move_aside(clock.now_ms(), "foreign")
+        log.error("state file %s is not this %s guard's: %s; moved to %s, starting without state (is another "
+                  "guard configured with the same state path, or was --role changed?)", store.path, role, exc, moved)
+        return GuardEngine(config), None
     except GpumeterError as exc:  # GuardStateError (the file) or InvalidMessage (the engine's snapshot)
         moved = store.move_aside(clock.now_ms())
         log.error("state file %s unusable (%s); moved to %s, starting fresh", store.path, exc, moved)
@@ -206,8 +217,10 @@ async def serve(settings: GuardSettings, *, config: Any = None, env: Mapping[str
     sink_stop = asyncio.Event()
     sink_task: asyncio.Task | None = None
     try:
-        engine, state = restore_engine(config, store, clock) if settings.role != ROLE_NODES else (None, None)
         topics = TopicCatalog(prefix=settings.kafka.topic_prefix, partitions_override=settings.topic_partitions)
+        inputs = tuple(guard_topics(topics, settings.role).values())
+        engine, state = (restore_engine(config, store, clock, role=settings.role, topics=inputs)
+                         if settings.role != ROLE_NODES else (None, None))
         for result in await create_topics(settings.kafka, topics):
             if result.created:
                 log.info("created topic %s (%d partitions)", result.name, result.partitions)
@@ -255,7 +268,7 @@ async def serve(settings: GuardSettings, *, config: Any = None, env: Mapping[str
                                              retry_max_seconds=settings.retry_max_seconds),
                 on_read_to_start=processor.finish_rebuild, **common)
         else:
-            checkpoint = StateCheckpoint(processor, store, clock)
+            checkpoint = StateCheckpoint(processor, store, clock, topics=inputs)
             driver = KafkaDriver(
                 runner, assignment="all", start_positions=state.positions if state is not None else None,
                 # Restored: a partition the state has no position for is covered by none of it. Without state: the

@@ -15,6 +15,8 @@ its input publishing nothing, and then only says what the topic does not know:
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import uuid
 
 import pytest
@@ -23,8 +25,10 @@ from gpumeter.clock import SystemClock
 from schemas.records import PodEventType, Violation, ViolationState
 from schemas.typed import codec_for
 from services.guard.config import GuardConfig
+from services.guard.engine import GuardEngine
 from services.guard.main import serve
 from services.guard.settings import GuardSettings
+from services.guard.state import STATE_MAGIC
 from tests.integration.test_billing_stream import wait_until_committed_to_end
 from tests.integration.test_guard_stream import (
     PARTITIONS,
@@ -63,8 +67,20 @@ async def run_guard_until_read(settings, config, clock, kafka_settings, topics, 
         assert await asyncio.wait_for(service, WAIT_S) == 0
 
 
+def budgets_role_state(topic_catalog, engine_bytes: bytes) -> bytes:
+    """A state file the ``budgets`` role wrote (its header spelled out, as ``encode_state`` writes it): an engine
+    that heard no pod, positions on the cost lines only."""
+    header = {"saved_at_unix_ms": 0, "positions": [[topic_catalog.node_window_costs, 0, 0]],
+              "engine_bytes": len(engine_bytes), "engine_sha256": hashlib.sha256(engine_bytes).hexdigest(),
+              "role": "budgets", "topics": [topic_catalog.node_window_costs]}
+    return STATE_MAGIC + json.dumps(header, sort_keys=True).encode("utf-8") + b"\n" + engine_bytes
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "foreign"])
 async def test_a_damaged_state_file_rebuilds_from_the_violations_topic_and_fires_nothing_old(
-        kafka_settings, topic_catalog, group_id, tmp_path):
+        kafka_settings, topic_catalog, group_id, tmp_path, damage):
+    """``corrupt``: the file cannot be read back. ``foreign``: a readable file of another guard role (the
+    ``budgets`` one's), refused like a damaged one -- restored, its empty engine would replay the old leaks."""
     config = GuardConfig(hold_down_seconds=HOLD_DOWN_SECONDS, refresh_seconds=3600)
     settings = GuardSettings(kafka=kafka_settings, consumer_group=group_id, metrics_port=0,
                              topic_partitions=PARTITIONS, state_path=tmp_path / "guard.state",
@@ -96,12 +112,13 @@ async def test_a_damaged_state_file_rebuilds_from_the_violations_topic_and_fires
     await produce(kafka_settings, topic_catalog,
                   ("pod", leaky_pod(clock.now_ms(), deleted_while_down, PodEventType.DELETED)),
                   ("pod", leaky_pod(clock.now_ms(), new)))
-    settings.state_path.write_bytes(b"GPUMETER-GUARD-STATE 1\n{not json")
+    settings.state_path.write_bytes(b"GPUMETER-GUARD-STATE 1\n{not json" if damage == "corrupt"
+                                    else budgets_role_state(topic_catalog, GuardEngine(config).snapshot()))
 
     # 3. The second guard: no state, so it rebuilds from the topic and re-reads the pod events from the start.
     await run_guard_until_read(settings, config, clock, kafka_settings, topic_catalog,
                                then_s=HOLD_DOWN_SECONDS + 1.5)
-    assert list(tmp_path.glob("guard.state.corrupt-*"))  # the damaged file was kept for a post-mortem
+    assert list(tmp_path.glob(f"guard.state.{damage}-*"))  # the damaged file was kept for a post-mortem
     # What the second guard published: the records past each partition's end before it started.
     decode = codec_for(Violation).decode
     added = [(m.key, decode(m.value)) for m in await read_messages(kafka_settings, topic_catalog.violations)

@@ -216,7 +216,8 @@ async def test_a_failed_delivery_is_sent_again_with_a_beating_pause_before_the_s
 
     driver = KafkaDriver(runner, kafka=KafkaSettings(topic_prefix="unit."), outputs=guard_outputs(TOPICS),
                          producer=producer, clock=clock, consumer_group="g", metrics=metrics,
-                         checkpoint=Checkpoint(processor, store, clock), sleep=no_sleep)
+                         checkpoint=Checkpoint(processor, store, clock, topics=guard_topics(TOPICS).values()),
+                         sleep=no_sleep)
     message = RawMessage(TOPICS.pod_events, 0, 0, b"k", codec_for(PodEvent).encode(leaky(clock.now_ms())),
                          clock.now_ms())
     step = runner.step(message)
@@ -239,7 +240,7 @@ async def test_the_checkpoint_writes_the_engine_with_its_positions_and_the_state
     guard.pod(leaky(guard.clock.now_ms()))
     guard.run()
     store = GuardStateStore(tmp_path / "guard.state")
-    checkpoint = StateCheckpoint(guard.processor, store, guard.clock)
+    checkpoint = StateCheckpoint(guard.processor, store, guard.clock, topics=guard_topics(TOPICS).values())
     positions = {(TOPICS.pod_events, 0): 1, (TOPICS.node_samples, 2): 7}
     assert await checkpoint(positions) == positions  # what the driver then commits
     state = store.load()
@@ -254,12 +255,14 @@ async def test_the_checkpoint_writes_and_commits_nothing_while_rebuilding_and_co
     guard = Guard()
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("")
-    failing = StateCheckpoint(guard.processor, GuardStateStore(blocker / "guard.state"), guard.clock)
+    failing = StateCheckpoint(guard.processor, GuardStateStore(blocker / "guard.state"), guard.clock,
+                              topics=guard_topics(TOPICS).values())
     positions = {(TOPICS.pod_events, 0): 3}
     assert await failing(positions) == positions and failing.snapshots == 0  # logged; committing is still safe
     guard.processor.begin_rebuild(())
     store = GuardStateStore(tmp_path / "guard.state")
-    assert await StateCheckpoint(guard.processor, store, guard.clock)(positions) is None
+    assert await StateCheckpoint(guard.processor, store, guard.clock, topics=guard_topics(TOPICS).values())(
+        positions) is None
     assert store.load() is None
 
 

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.guard.state import GuardState, GuardStateError, GuardStateStore, decode_state, encode_state
+from services.guard.state import (
+    STATE_MAGIC,
+    GuardState,
+    GuardStateError,
+    GuardStateStore,
+    decode_state,
+    encode_state,
+)
 
 positions_strategy = st.dictionaries(
     st.tuples(st.text(min_size=1, max_size=30), st.integers(min_value=0, max_value=2**10)),
@@ -18,9 +26,11 @@ positions_strategy = st.dictionaries(
 
 
 @given(engine_bytes=st.binary(max_size=4096), positions=positions_strategy,
-       saved_at=st.integers(min_value=0, max_value=2**52))
-def test_round_trip_is_exact(engine_bytes, positions, saved_at):
-    state = GuardState(engine_bytes=engine_bytes, positions=positions, saved_at_unix_ms=saved_at)
+       saved_at=st.integers(min_value=0, max_value=2**52), role=st.none() | st.sampled_from(["all", "budgets"]),
+       topics=st.none() | st.frozensets(st.text(min_size=1, max_size=30), max_size=4))
+def test_round_trip_is_exact(engine_bytes, positions, saved_at, role, topics):
+    state = GuardState(engine_bytes=engine_bytes, positions=positions, saved_at_unix_ms=saved_at, role=role,
+                       topics=topics)
     assert decode_state(encode_state(state)) == state
 
 
@@ -58,6 +68,18 @@ def test_damaged_files_are_refused(tmp_path, damage):
     store.path.write_bytes(bytes(data))
     with pytest.raises(GuardStateError):
         store.load()
+
+
+@pytest.mark.parametrize("field, value", [("role", 7), ("topics", "unit.gpumeter.node-samples.v1"),
+                                          ("topics", [1, 2])])
+def test_a_role_or_topics_of_the_wrong_type_is_refused(field, value):
+    state = GuardState(engine_bytes=b"e", positions={}, saved_at_unix_ms=0, role="all", topics=frozenset({"t"}))
+    data = encode_state(state)
+    start = len(STATE_MAGIC)
+    end = data.index(b"\n", start)
+    header = {**json.loads(data[start:end]), field: value}
+    with pytest.raises(GuardStateError):
+        decode_state(data[:start] + json.dumps(header).encode() + data[end:])
 
 
 def test_move_aside_keeps_the_damaged_file_for_a_post_mortem(tmp_path):
