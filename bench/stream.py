@@ -43,6 +43,19 @@ Phases:
    handled by one instance). Then a pod with ``NVIDIA_VISIBLE_DEVICES=all`` is planted on a node: seconds from its
    pod event to its FIRING ``visibility_leak`` on the violations topic.
 
+6. **Billing scale-out** (``billing_instances``, 1, 2 and 4): nothing else runs; ``N`` billing instances in a
+   consumer group of their own (``--auto-offset-reset latest``), on a PostgreSQL ledger of their own (a throwaway
+   ``PostgresServer``; SQLite refuses a second billing instance on one file), join and settle their partitions;
+   then the first ``billing_node_windows`` ``NodeWindowShares`` records the attributor wrote in the phases above
+   are produced again, as they were (same key, same partition), and drained. CPU-seconds of the ``N`` billing
+   processes per 1,000 node-windows and per 1,000 GPU-samples those windows cover, from the backlog to the
+   group's commit of its end: equal for every ``N`` when no work is duplicated. PostgreSQL's own CPU (its server
+   and backends) is reported beside it.
+
+**Memory**: every service's resident set (``VmRSS``) and its peak (``VmHWM``) from ``/proc``: the attributor,
+billing and the broker after the 10,000-GPU live phase (the attributor then holds the whole fleet's pods), each
+guard after its backlog, each billing instance after its backlog.
+
 A reader of the costs topic in this process follows the output (a few µs per record); CPU seconds of every
 process (broker, attributor, billing, this process) are read from ``/proc`` at each phase boundary: they show
 where the machine's cores went, which is what limits the figures on a small machine.
@@ -52,6 +65,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -83,6 +97,9 @@ GUARD_GROUP = "bench-guard"
 GUARD_IDLE_S = 5.0
 TARGET_GUARD_SCALING_SPREAD = 0.15  # issue 23: CPU per 1,000 GPU-samples with 1, 2 and 4 guards within 15 %
 TARGET_ATTRIBUTOR_SCALING_SPREAD = 0.15  # issue 23: the same for 1, 2 and 4 attributor workers
+TARGET_BILLING_SCALING_SPREAD = 0.15  # issue 23: the same for 1, 2 and 4 billing instances
+BILLING_SCALE_GROUP = "bench-billing-scale"
+BILLING_IDLE_S = 5.0
 CHANGELOG_TABLES = ("open_samples", "pods")  # services.attributor.app's tables
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -195,6 +212,43 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _CLK_TCK
 
 
+def process_memory_bytes(pid: int) -> dict[str, int] | None:
+    """``{"rss_bytes": VmRSS, "peak_rss_bytes": VmHWM}`` of ``pid`` from ``/proc``; None when it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    values = {}
+    for line in text.splitlines():
+        name, _, rest = line.partition(":")
+        if name in ("VmRSS", "VmHWM"):
+            values[name] = int(rest.split()[0]) * 1024  # the kernel reports kB
+    if len(values) != 2:
+        return None
+    return {"rss_bytes": values["VmRSS"], "peak_rss_bytes": values["VmHWM"]}
+
+
+def process_tree_cpu_s(pid: int) -> float:
+    """CPU seconds of ``pid``, its living children (PostgreSQL's backends) and its children that have exited."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = text[text.rfind(")") + 2:].split()
+    total = sum(int(v) for v in fields[11:15]) / _CLK_TCK  # utime, stime, cutime, cstime
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            child = (entry / "stat").read_text()
+        except OSError:
+            continue
+        child_fields = child[child.rfind(")") + 2:].split()
+        if int(child_fields[1]) == pid:
+            total += (int(child_fields[11]) + int(child_fields[12])) / _CLK_TCK
+    return total
+
+
 def gpumeter_command() -> list[str]:
     script = Path(sys.executable).with_name("gpumeter")
     return [str(script)] if script.exists() else [sys.executable, "-m", "gpumeter.cli"]
@@ -253,9 +307,12 @@ class CpuLedger:
 
     pids: dict[str, int]
     marks: list[tuple[str, float, dict[str, float]]] = field(default_factory=list)
+    # Whose CPU is not one process's: name -> a reading (PostgreSQL's server and backends)
+    readers: dict[str, Callable[[], float]] = field(default_factory=dict)
 
     def mark(self, name: str) -> None:
         usage = {who: process_cpu_s(pid) for who, pid in self.pids.items()}
+        usage.update({who: read() for who, read in self.readers.items()})
         usage["generator (this process)"] = time.process_time()
         self.marks.append((name, time.time(), usage))
 
@@ -601,6 +658,8 @@ class StreamConfig:
     sustainable_fraction: float = 0.6
     guard_instances: tuple[int, ...] = (1, 2, 4)
     guard_ticks: int = 60
+    billing_instances: tuple[int, ...] = (1, 2, 4)
+    billing_node_windows: int = 2500
     drain_timeout_s: float = 120.0
     pods_timeout_s: float = 600.0
 
@@ -693,12 +752,21 @@ async def run_stream(config: StreamConfig, workdir: Path, log: Callable[[str], N
             figures["live"] = {}
             for label, nodes in (phases if config.live else ()):
                 figures["live"][label] = await live_phase(bench, label, nodes)
+            figures["memory"] = {
+                "when": (f"after the live phase at {fleet.gpu_count:,} GPUs" if config.live
+                         else "after the scaling phases"),
+                "pods": config.nodes * 8 * config.pods_per_gpu,
+                "gpus": fleet.gpu_count,
+                "services": {who: process_memory_bytes(pid) for who, pid in cpu.pids.items()},
+            }
             for service in services:  # the guard's figures are its own: nothing else takes the cores
                 service.stop()
             figures["guard"] = {}
             for instances in config.guard_instances:
                 figures["guard"][str(instances)] = await guard_phase(bench, common, workdir, instances,
                                                                      ceiling_nodes)
+            if config.billing_instances:
+                figures["billing"] = await billing_scaling(bench, common, workdir)
         finally:
             await producer.stop()
         log("stream: reading the node-window-shares topic for the attributor's part of the latency")
@@ -982,6 +1050,7 @@ async def guard_phase(b: Bench, common: list[str], workdir: Path, instances: int
                          b.config.drain_timeout_s * 5, f"{label}: draining the samples", every_s=0.5,
                          services=guards)
         b.cpu.mark(f"{label} done")
+        memory = [process_memory_bytes(g.pid) for g in guards]
         between = b.cpu.between(label, f"{label} done")
         idle = b.cpu.between(f"{label} idle", label)
         guard_cpu = sum(v for who, v in between["cpu_s"].items() if who.startswith("guard "))
@@ -995,6 +1064,7 @@ async def guard_phase(b: Bench, common: list[str], workdir: Path, instances: int
             "guard_cpu_s_per_1000_gpu_samples": round(guard_cpu / (gpu_samples / 1000), 4),
             "guard_idle_cpu_s_per_s": round(idle_cpu_per_s, 3),
             "partitions_per_instance": [len(_guarded_partitions(g.log()) or []) for g in guards],
+            "memory": memory,
             **between,
         }
         producer = RecordProducer(b.settings)
@@ -1069,6 +1139,146 @@ async def planted_leak_s(b: Bench, producer: Any, uid: str) -> float:
         await consumer.stop()
 
 
+def _billed_partitions(log_text: str, topic: str) -> list[int] | None:
+    """The partitions of ``topic`` a billing instance's latest ``assigned [..]`` line names (None: none yet)."""
+    marker = ": assigned ["
+    at = log_text.rfind(marker)
+    if at < 0:
+        return None
+    listed = log_text[at + len(marker):log_text.index("]", at + len(marker))]
+    return sorted(int(p) for name, p in re.findall(r"\('([^']*)', (\d+)\)", listed) if name == topic)
+
+
+async def share_backlog(settings: Any, topic: str, limit: int) -> list[tuple[int, bytes | None, bytes]]:
+    """The first ``limit`` records of ``topic`` as (partition, key, value), taken evenly over its partitions
+    (ordered by offset, then partition)."""
+    from aiokafka import AIOKafkaConsumer
+
+    partitions = await topic_partitions(settings, topic)
+    consumer = AIOKafkaConsumer(**settings.client_kwargs(), group_id=None, enable_auto_commit=False,
+                                fetch_max_bytes=32 * 1024 * 1024, max_partition_fetch_bytes=8 * 1024 * 1024)
+    await consumer.start()
+    records: list[tuple[int, int, bytes | None, bytes]] = []
+    try:
+        consumer.assign(partitions)
+        await consumer.seek_to_beginning(*partitions)
+        ends = await consumer.end_offsets(partitions)
+        remaining = {tp for tp in partitions if ends[tp] > 0}
+        while remaining:
+            batch = await consumer.getmany(timeout_ms=500, max_records=5_000)
+            for tp, got in batch.items():
+                records.extend((r.offset, tp.partition, r.key, r.value) for r in got)
+                if got and got[-1].offset + 1 >= ends[tp]:
+                    remaining.discard(tp)
+    finally:
+        await consumer.stop()
+    records.sort(key=lambda r: (r[0], r[1]))
+    return [(partition, key, value) for _offset, partition, key, value in records[:limit]]
+
+
+async def billing_scaling(b: Bench, common: list[str], workdir: Path) -> dict[str, Any]:
+    """Phase 6 of the module docstring: a throwaway PostgreSQL server, one database per instance count."""
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    from gpumeter.devtools.postgres import PostgresServer
+    from schemas.records import NodeWindowShares
+
+    topic = b.catalog.node_window_shares
+    backlog = await share_backlog(b.settings, topic, b.config.billing_node_windows)
+    decode = codec_for(NodeWindowShares).decode
+    gpu_samples = sum(unit.sample_count for _p, _k, value in backlog for unit in decode(value).units)
+    out: dict[str, Any] = {"node_windows": len(backlog), "gpu_samples": gpu_samples,
+                           "ledger": "throwaway PostgresServer (fsync off), one database per instance count",
+                           "instances": {}}
+    b.log(f"stream: billing scale-out over {len(backlog):,} node-windows ({gpu_samples:,} GPU-samples)")
+    with PostgresServer() as server:
+        postmaster = int((server.data_dir / "postmaster.pid").read_text().split()[0])
+        admin = create_engine(server.url, isolation_level="AUTOCOMMIT")
+        with admin.connect() as connection:
+            for instances in b.config.billing_instances:
+                connection.execute(text(f'CREATE DATABASE "billing_{instances}"'))
+        admin.dispose()
+        base = make_url(server.url)
+        b.cpu.readers["postgresql"] = lambda: process_tree_cpu_s(postmaster)
+        try:
+            for instances in b.config.billing_instances:
+                url = base.set(database=f"billing_{instances}").render_as_string(hide_password=False)
+                out["instances"][str(instances)] = await billing_phase(b, common, workdir, instances, url, backlog,
+                                                                       gpu_samples)
+        finally:
+            b.cpu.readers.pop("postgresql", None)
+    return out
+
+
+async def billing_phase(b: Bench, common: list[str], workdir: Path, instances: int, ledger_url: str,
+                        backlog: list[tuple[int, bytes | None, bytes]], gpu_samples: int) -> dict[str, Any]:
+    """``instances`` billing processes in a group of their own drain ``backlog`` (see the module docstring)."""
+    from gpumeter.kafka.producer import RecordProducer
+
+    label = f"billing {instances}"
+    group = f"{BILLING_SCALE_GROUP}-{instances}"
+    topic = b.catalog.node_window_shares
+    command = gpumeter_command() + ["billing", *common, "--group", group, "--ledger-url", ledger_url,
+                                    "--auto-offset-reset", "latest"]
+    billers = [Service(f"billing-{n}", command, workdir / f"billing-{instances}-{n}.log").start()
+               for n in range(instances)]
+    try:
+        partitions = b.catalog.partitions(NODE_WINDOW_SHARES)
+
+        async def settled() -> bool:
+            owned = [_billed_partitions(x.log(), topic) for x in billers]
+            return all(o is not None for o in owned) and sorted(p for o in owned for p in o) == list(range(partitions))
+
+        await wait_until(settled, b.config.pods_timeout_s, f"{label}: the group settling its partitions",
+                         services=billers)
+        for n, biller in enumerate(billers):
+            b.cpu.pids[f"billing {n + 1} of {instances}"] = biller.pid
+        b.cpu.mark(f"{label} idle")
+        await asyncio.sleep(BILLING_IDLE_S)
+        if not await settled():
+            raise RuntimeError(f"{label}: the group rebalanced while idle")
+        b.cpu.mark(label)
+        producer = RecordProducer(b.settings)
+        await producer.start()
+        try:
+            for partition, key, value in backlog:
+                await producer.send_bytes(topic, value, key=key, partition=partition)
+            await producer.flush()
+        finally:
+            await producer.stop()
+        end = await end_total(b.settings, topic)
+        b.log(f"stream: {label}: backlog of {len(backlog):,} node-windows for {instances} billing instance(s)")
+        await wait_until(lambda: _committed_at_least(b.settings, group, topic, end),
+                         b.config.drain_timeout_s * 5, f"{label}: billing the node-windows", every_s=0.5,
+                         services=billers)
+        b.cpu.mark(f"{label} done")
+        memory = [process_memory_bytes(x.pid) for x in billers]
+        between = b.cpu.between(label, f"{label} done")
+        idle = b.cpu.between(f"{label} idle", label)
+        billing_cpu = sum(v for who, v in between["cpu_s"].items() if who.startswith("billing "))
+        idle_cpu_per_s = sum(v for who, v in idle["cpu_s"].items() if who.startswith("billing ")) / idle["wall_s"]
+        figures = {
+            "instances": instances,
+            "billing_cpu_s": round(billing_cpu, 2),
+            "billing_cpu_s_per_1000_node_windows": round(billing_cpu / len(backlog) * 1000, 3),
+            "billing_cpu_s_per_1000_gpu_samples": round(billing_cpu / gpu_samples * 1000, 5),
+            "postgresql_cpu_s": between["cpu_s"].get("postgresql"),
+            "billing_idle_cpu_s_per_s": round(idle_cpu_per_s, 3),
+            "node_windows_per_s": round(len(backlog) / max(between["wall_s"], 1e-9), 1),
+            "partitions_per_instance": [len(_billed_partitions(x.log(), topic) or []) for x in billers],
+            "memory": memory,
+            **between,
+        }
+        b.log(f"stream: {label}: {figures['billing_cpu_s_per_1000_node_windows']} billing CPU-s per 1,000 "
+              f"node-windows ({figures['node_windows_per_s']:,} node-windows/s)")
+        return figures
+    finally:
+        for n, biller in enumerate(billers):
+            biller.stop()
+            b.cpu.pids.pop(f"billing {n + 1} of {instances}", None)
+
+
 async def _committed_at_least(settings: Any, group: str, topic: str, count: int) -> bool:
     return await committed_total(settings, group, topic) >= count
 
@@ -1079,7 +1289,7 @@ def _log_summary(text: str) -> dict[str, int]:
 
 
 def run(quick: bool) -> tuple[dict[str, Any], list[Target], list[str]]:
-    config = StreamConfig(nodes=200, ceiling_nodes=50) if quick else StreamConfig()
+    config = StreamConfig(nodes=200, ceiling_nodes=50, billing_node_windows=300) if quick else StreamConfig()
     workdir = Path(tempfile.mkdtemp(prefix="gpumeter-bench-stream-"))
     try:
         figures = asyncio.run(run_stream(config, workdir, log=lambda m: print(m, file=sys.stderr, flush=True)))
@@ -1185,6 +1395,29 @@ def targets_for(figures: dict[str, Any]) -> list[Target]:
                               "; ".join(f"{k} instance(s): {g['planted_leak_to_violation_s']} s"
                                         for k, g in guard.items()), met,
                               "" if met else "the guard did not publish it in time: see its log"))
+    billing = figures.get("billing", {}).get("instances", {})
+    if billing:
+        per = {k: g["billing_cpu_s_per_1000_node_windows"] for k, g in billing.items()}
+        spread = max(per.values()) / min(per.values()) - 1 if min(per.values()) > 0 else float("inf")
+        met = len(per) > 1 and spread <= TARGET_BILLING_SCALING_SPREAD
+        targets.append(Target(
+            "billing scale-out", f"CPU-s per 1,000 node-windows with {', '.join(per)} instances within "
+            f"{TARGET_BILLING_SCALING_SPREAD:.0%} of each other (no work duplicated)",
+            "; ".join(f"{k}: {v} CPU-s ({g['billing_cpu_s_per_1000_gpu_samples']} per 1,000 GPU-samples)"
+                      for (k, v), g in zip(per.items(), billing.values())) + f" (spread {spread:.0%})", met,
+            "" if met else "see docs/performance.md"))
+    memory = figures.get("memory")
+    if memory:
+        parts = [f"{who} {m['rss_bytes'] / 2**20:,.0f} MiB (peak {m['peak_rss_bytes'] / 2**20:,.0f})"
+                 for who, m in memory["services"].items() if m is not None]
+        for name, phase in (("guard", figures.get("guard", {})),
+                            ("billing", figures.get("billing", {}).get("instances", {}))):
+            peaks = [m["peak_rss_bytes"] for g in phase.values() for m in g.get("memory", ()) if m is not None]
+            if peaks:
+                parts.append(f"each {name} instance at most {max(peaks) / 2**20:,.0f} MiB peak")
+        targets.append(Target("memory (no numeric target)",
+                              f"each service's RSS at {memory['gpus']:,} GPUs and {memory['pods']:,} pods, reported",
+                              "; ".join(parts) + f" ({memory['when']})", True, ""))
     sustainable = live.get("sustainable")
     if sustainable is not None:
         text, p99, complete = _latency_text(sustainable)

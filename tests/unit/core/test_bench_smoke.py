@@ -205,3 +205,42 @@ def test_the_stream_guard_phase_reads_a_guards_partitions_from_its_log_and_judge
     assert not leak.met  # 90 s: later than one window
     figures["guard"]["4"].update(guard_cpu_s_per_1000_gpu_samples=0.42, planted_leak_to_violation_s=1.0)
     assert all(t.met for t in stream.targets_for(figures) if t.name.startswith("guard"))
+
+
+def test_the_stream_billing_phase_reads_an_instances_partitions_from_its_log_and_judges_the_spread():
+    topic = "bench.node-window-shares.v1"
+    log = (f"2026 INFO billing: assigned [('{topic}', 0), ('{topic}', 1), ('{topic}', 2)]\n"
+           f"2026 INFO billing: assigned [('{topic}', 2), ('other.topic', 5), ('{topic}', 11)]\n")
+    assert stream._billed_partitions(log, topic) == [2, 11]  # the latest line, this topic's partitions only
+    assert stream._billed_partitions("starting", topic) is None
+    assert stream._billed_partitions("billing: assigned []", topic) == []
+    figures = {"workload": {"gpus": 800}, "billing": {"node_windows": 100, "instances": {
+        "1": {"billing_cpu_s_per_1000_node_windows": 10.0, "billing_cpu_s_per_1000_gpu_samples": 0.02},
+        "2": {"billing_cpu_s_per_1000_node_windows": 10.5, "billing_cpu_s_per_1000_gpu_samples": 0.021},
+        "4": {"billing_cpu_s_per_1000_node_windows": 20.0, "billing_cpu_s_per_1000_gpu_samples": 0.04}}}}
+    (scale,) = [t for t in stream.targets_for(figures) if t.name == "billing scale-out"]
+    assert not scale.met and "spread 100%" in scale.measured  # 4 instances at twice the cost: work duplicated
+    figures["billing"]["instances"]["4"]["billing_cpu_s_per_1000_node_windows"] = 11.0
+    (scale,) = [t for t in stream.targets_for(figures) if t.name == "billing scale-out"]
+    assert scale.met and "spread 10%" in scale.measured
+
+
+def test_the_stream_memory_figures_read_a_processs_resident_set_from_proc():
+    import os
+
+    mine = stream.process_memory_bytes(os.getpid())
+    assert mine is not None and 0 < mine["rss_bytes"] <= mine["peak_rss_bytes"]
+    ballast = bytearray(64 * 2**20)  # touched pages: the resident set grows by them
+    grown = stream.process_memory_bytes(os.getpid())
+    assert grown["peak_rss_bytes"] >= mine["rss_bytes"] + 60 * 2**20
+    del ballast
+    assert stream.process_memory_bytes(2**22 + 12345) is None  # no such process
+    assert stream.process_tree_cpu_s(os.getpid()) > 0
+    figures = {"workload": {"gpus": 10_000}, "memory": {
+        "when": "after the live phase at 10,000 GPUs", "gpus": 10_000, "pods": 80_000,
+        "services": {"attributor": {"rss_bytes": 300 * 2**20, "peak_rss_bytes": 400 * 2**20}, "gone": None}},
+        "guard": {"1": {"guard_cpu_s_per_1000_gpu_samples": 0.4, "planted_leak_to_violation_s": 0.1,
+                        "memory": [{"rss_bytes": 100 * 2**20, "peak_rss_bytes": 150 * 2**20}]}}}
+    (memory,) = [t for t in stream.targets_for(figures) if t.name.startswith("memory")]
+    assert "attributor 300 MiB (peak 400)" in memory.measured
+    assert "each guard instance at most 150 MiB peak" in memory.measured
