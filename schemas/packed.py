@@ -108,8 +108,64 @@ def _column(name: str, values: Any) -> np.ndarray:
 
 
 _UID_TEXTS: dict[tuple[bytes, bytes, tuple[str, ...]], tuple[str, ...]] = {}
-_UID_TEXTS_MAX = 4096
+_UID_TEXTS_MAX = 16_384
 """Pod lists seen, by their packed bytes -> their text (cleared when full: a bound, not an eviction policy)."""
+
+# What a node repeats from tick to tick, shared between the ticks that repeat it: an attributor holds every tick of
+# every open window (a window and its grace: ~70 ticks of each of its nodes), and a decoded tick is mostly the
+# per-process tuples (pids, pod slots, memory: a process's allocation moves rarely) and the device names. One
+# object per distinct value instead of one per tick cuts what an open tick holds (``make bench``: attribution
+# core, bytes per open tick) and the lists ``tolist`` would build. Each maps the packed bytes (with the per-device
+# counts that cut them) -> the per-device tuples; a dict per column so that a column whose values change every
+# tick (SM utilization is not cached at all) cannot push the others out. Cleared when full, like ``_UID_TEXTS``:
+# the bound is what matters (16,384 entries of a few hundred bytes: a few MiB), and a node's next tick fills its
+# entry again.
+_SEGMENTS_MAX = 16_384
+_PID_SEGMENTS: dict[tuple[bytes, bytes], tuple[tuple[int, ...], ...]] = {}
+_POD_SLOT_SEGMENTS: dict[tuple[bytes, bytes], tuple[tuple[int, ...], ...]] = {}
+_MEMORY_SEGMENTS: dict[tuple[bytes, bytes], tuple[tuple[int, ...], ...]] = {}
+_MPS_SEGMENTS: dict[tuple[bytes, bytes], tuple[tuple[int, ...], ...]] = {}
+_TEXT_TUPLES: dict[tuple[str, ...], tuple[str, ...]] = {}
+
+
+def forget_shared_values() -> None:
+    """Empty the decoder's shared values (the pod lists' texts and what ticks repeat): the next decode of each
+    node builds them again. For measurements of what a decoded tick holds (``make bench``) and for tests."""
+    for cache in (_UID_TEXTS, _PID_SEGMENTS, _POD_SLOT_SEGMENTS, _MEMORY_SEGMENTS, _MPS_SEGMENTS, _TEXT_TUPLES):
+        cache.clear()
+
+
+def _split(values: list, counts: list[int]) -> tuple[tuple, ...]:
+    """``values`` cut into consecutive tuples of ``counts[i]`` entries."""
+    out = []
+    start = 0
+    for count in counts:
+        end = start + count
+        out.append(tuple(values[start:end]))
+        start = end
+    return tuple(out)
+
+
+def _segments(cache: dict, column: np.ndarray, counts_raw: bytes, counts: list[int]) -> tuple[tuple, ...]:
+    """``column`` cut per device by ``counts`` (``counts_raw``: their packed bytes), one shared tuple per value."""
+    key = (column.tobytes(), counts_raw)
+    found = cache.get(key)
+    if found is None:
+        found = _split(column.tolist(), counts)
+        if len(cache) >= _SEGMENTS_MAX:
+            cache.clear()
+        cache[key] = found
+    return found
+
+
+def _shared_texts(texts: tuple[str, ...]) -> tuple[str, ...]:
+    """The one tuple (and strings) for ``texts`` (device uuids, models, profiles: the same every tick)."""
+    found = _TEXT_TUPLES.get(texts)
+    if found is None:
+        if len(_TEXT_TUPLES) >= _SEGMENTS_MAX:
+            _TEXT_TUPLES.clear()
+        found = _TEXT_TUPLES[texts] = texts
+    return found
 
 
 @functools.lru_cache(maxsize=65_536)
@@ -346,7 +402,7 @@ class PackedNodeSample:
             column = columns[position]
             if sentinel in column:
                 columns[position] = [None if v == sentinel else v for v in column]
-        texts = self.device_texts
+        texts = _shared_texts(self.device_texts)
         (models, parents, profiles, modes, index, replicas, gi, ci, slices, total_slices, mem_total, mem_used,
          mem_free, mem_reserved, gpu_util, mem_util, power, supported, process_counts, mps_counts) = columns
         codes = SHARING_MODE_CODES
@@ -354,25 +410,27 @@ class PackedNodeSample:
         errors: list[list[NvmlError]] = [[] for _ in self.device_uuids]
         for position, error in self.device_errors:
             errors[position].append(error)
-        pids, pods = self.process_pid.tolist(), self.process_pod_index.tolist()
-        memory, sm = self.process_used_memory_bytes.tolist(), self.process_sm_utilization_percent.tolist()
-        mps = self.mps_server_pids.tolist()
+        counts_raw = self.device_process_count.tobytes()
+        pids = _segments(_PID_SEGMENTS, self.process_pid, counts_raw, process_counts)
+        pods = _segments(_POD_SLOT_SEGMENTS, self.process_pod_index, counts_raw, process_counts)
+        memory = _segments(_MEMORY_SEGMENTS, self.process_used_memory_bytes, counts_raw, process_counts)
+        sm = _split(self.process_sm_utilization_percent.tolist(), process_counts)  # new every tick: not cached
+        mps = _segments(_MPS_SEGMENTS, self.mps_server_pids, self.device_mps_server_count.tobytes(), mps_counts)
         devices = []
-        start = mps_start = 0
-        for i, device_uuid in enumerate(self.device_uuids):
-            end, mps_end = start + process_counts[i], mps_start + mps_counts[i]
+        for i, device_uuid in enumerate(_shared_texts(self.device_uuids)):
             devices.append(GpuDeviceSample(
                 device_uuid, texts[parents[i]] if parents[i] >= 0 else None, index[i], texts[models[i]], modes[i],
                 replicas[i], gi[i], ci[i], texts[profiles[i]] if profiles[i] >= 0 else None, slices[i],
                 total_slices[i], mem_total[i], mem_used[i], mem_free[i], mem_reserved[i], gpu_util[i], mem_util[i],
-                power[i], supported[i] != 0, tuple(errors[i]), tuple(pids[start:end]), tuple(pods[start:end]),
-                tuple(memory[start:end]), tuple(sm[start:end]), tuple(mps[mps_start:mps_end]),
+                power[i], supported[i] != 0, tuple(errors[i]), pids[i], pods[i], memory[i], sm[i], mps[i],
             ))
-            start, mps_start = end, mps_end
+        cluster, node_name, cloud_provider, region, instance_type, price_model, zone, provider_id = _shared_texts(
+            (self.cluster, self.node_name, self.cloud_provider, self.region, self.instance_type, self.price_model,
+             self.zone, self.provider_id))
         return NodeSample(
-            self.cluster, self.node_name, self.sequence, self.collector_started_at_unix_ms, self.sampled_at_unix_ms,
-            self.interval_ms, self.cloud_provider, self.region, self.instance_type, self.price_model,
-            self.pod_uid_strings(), self.node_errors, tuple(devices), self.zone, self.provider_id,
+            cluster, node_name, self.sequence, self.collector_started_at_unix_ms, self.sampled_at_unix_ms,
+            self.interval_ms, cloud_provider, region, instance_type, price_model,
+            self.pod_uid_strings(), self.node_errors, tuple(devices), zone, provider_id,
         )
 
 

@@ -306,3 +306,58 @@ def test_device_texts_are_listed_once():
     assert packed.device_model.tolist() == [0, 0]
     assert packed.device_parent_uuid.tolist() == [-1, 1] and packed.device_mig_profile.tolist() == [-1, 2]
     assert codec_for(NodeSample).decode(codec_for(NodeSample).encode(sample)) == sample
+
+
+# -- what ticks of one node share -----------------------------------------------------------------------------------
+
+
+def _two_device_tick(sequence: int, counts: tuple[int, int], sm: tuple[int, ...]) -> NodeSample:
+    """Two devices whose processes are cut ``counts`` from the same five pids, memory figures and pod slots."""
+    pids, slots, memory = (101, 102, 103, 104, 105), (0, 1, 0, 1, 0), (10, 20, 30, 40, 50)
+    cut = counts[0]
+    devices = tuple(
+        GpuDeviceSample(f"GPU-{d}", None, d, "M", SharingMode.TIME_SLICING, 4, None, None, None, 0, 0, 1000, 150,
+                        850, 0, 60, None, None, True, (), pids[a:b], slots[a:b], memory[a:b], sm[a:b], ())
+        for d, (a, b) in enumerate(((0, cut), (cut, 5))))
+    return NodeSample("c", "n", sequence, 2, 1_000 * sequence, 1000, "aws", "r", "i", "p",
+                      ("00000000-0000-0000-0000-000000000001", "00000000-0000-0000-0000-000000000002"), (), devices,
+                      "z", "")
+
+
+def test_ticks_of_one_node_share_what_they_repeat_and_keep_what_changes():
+    codec = codec_for(NodeSample)
+    first, second = (_two_device_tick(n, (2, 3), sm) for n, sm in ((1, (1, 2, 3, 4, 5)), (2, (5, 4, 3, 2, 1))))
+    a, b = codec.decode(codec.encode(first)), codec.decode(codec.encode(second))
+    assert (a, b) == (first, second)
+    for dev_a, dev_b in zip(a.devices, b.devices):
+        # One object per repeated value: what an open window holds per tick (bench: bytes per open tick).
+        assert dev_a.process_pids is dev_b.process_pids
+        assert dev_a.process_pod_index is dev_b.process_pod_index
+        assert dev_a.process_used_memory_bytes is dev_b.process_used_memory_bytes
+        assert dev_a.uuid is dev_b.uuid
+        assert dev_a.process_sm_utilization_percent != dev_b.process_sm_utilization_percent
+    assert a.node_name is b.node_name and a.pod_uids is b.pod_uids
+
+
+def test_the_same_process_columns_cut_differently_per_device_decode_as_cut():
+    # Same bytes in every process column, other per-device counts: a shared value keyed by the bytes alone would
+    # hand the second tick the first tick's cut.
+    codec = codec_for(NodeSample)
+    two_three, four_one = _two_device_tick(1, (2, 3), (1, 2, 3, 4, 5)), _two_device_tick(2, (4, 1), (1, 2, 3, 4, 5))
+    assert codec.decode(codec.encode(two_three)) == two_three
+    decoded = codec.decode(codec.encode(four_one))
+    assert decoded == four_one
+    assert [d.process_pids for d in decoded.devices] == [(101, 102, 103, 104), (105,)]
+
+
+def test_the_shared_values_are_bounded(monkeypatch):
+    import schemas.packed as packed
+
+    monkeypatch.setattr(packed, "_SEGMENTS_MAX", 8)
+    codec = codec_for(NodeSample)
+    for n in range(40):
+        sample = _two_device_tick(n, (2, 3), (1, 2, 3, 4, 5))
+        sample = dataclasses.replace(sample, node_name=f"n{n}", devices=tuple(
+            dataclasses.replace(d, process_pids=tuple(p + 10 * n for p in d.process_pids)) for d in sample.devices))
+        assert codec.decode(codec.encode(sample)) == sample
+    assert len(packed._PID_SEGMENTS) <= 8 and len(packed._TEXT_TUPLES) <= 8
