@@ -29,7 +29,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
-from schemas.packed import PackedNodeSample
+from schemas.packed import PackedNodeSample, forget_shared_values
 from schemas.records import GpuShare, NodeSample, PodEvent
 from schemas.typed import RecordCodec, codec_for
 from services.attributor.engine import AttributionEngine, EngineConfig
@@ -297,6 +297,43 @@ def max_share_difference(shares: Iterable[GpuShare], rows: Iterable[dict[str, An
     return worst
 
 
+def engine_memory(nodes: int, gpus_per_node: int = 8, pods_per_gpu: int = 8) -> dict[str, Any]:
+    """What an engine holds (``tracemalloc``, after a collection): bytes per pod in its index, and per open tick
+    (one node's ``NodeSample`` of ``gpus_per_node`` GPUs held until its window closes), over ``nodes`` nodes and
+    50 ticks of one 60 s window, each decoded as the attributor decodes it. At 10,000 GPUs a worker holding the whole
+    fleet keeps about 1,250 nodes × (window + grace) ≈ 87,500 open ticks."""
+    import gc
+    import tracemalloc
+
+    data = build_input(nodes, 50, gpus_per_node, pods_per_gpu)
+    decode = codec_for(NodeSample).decode
+    forget_shared_values()  # what ticks share is counted too: built under the trace, not by an earlier decode
+    gc.collect()
+    tracemalloc.start()
+    try:
+        engine = AttributionEngine(EngineConfig(window_seconds=WINDOW_SECONDS, grace_seconds=GRACE_SECONDS))
+        for event in data.pod_events:
+            engine.on_pod_event(event)
+        engine.take_table_changes()
+        gc.collect()
+        pods_bytes = tracemalloc.get_traced_memory()[0]
+        for position, (now_ms, message) in enumerate(data.avro_messages):
+            engine.on_sample(decode(message), now_ms, position)
+        gc.collect()
+        ticks_bytes = tracemalloc.get_traced_memory()[0] - pods_bytes
+    finally:
+        tracemalloc.stop()
+    open_ticks = engine.open_sample_count()
+    if open_ticks != data.message_count:
+        raise AssertionError(f"{open_ticks} ticks open, expected all {data.message_count}")
+    per_tick = ticks_bytes / open_ticks
+    per_pod = pods_bytes / len(data.pod_events)
+    return {"pods": len(data.pod_events), "open_ticks": open_ticks, "gpus_per_tick": gpus_per_node,
+            "processes_per_gpu": pods_per_gpu, "bytes_per_pod": round(per_pod),
+            "bytes_per_open_tick": round(per_tick),
+            "mib_at_10000_gpus_80000_pods": round((87_500 * per_tick + 80_000 * per_pod) / 2**20)}
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the benchmark
 
@@ -363,6 +400,7 @@ def measure(nodes: int, ticks: int, repeats: int, gpus_per_node: int = 8, pods_p
             "decode_json": parts["decode_json"].summary(units, "gpu_samples"),
             "engine": parts["engine"].summary(units, "gpu_samples"),
         },
+        "memory": engine_memory(nodes, gpus_per_node, pods_per_gpu),
     }
 
 
@@ -381,6 +419,12 @@ def run(quick: bool) -> tuple[dict[str, Any], list[Target], list[str]]:
     targets = [Target("attribution core", f">= {fmt_int(TARGET_GPU_SAMPLES_PER_S)} GPU-samples per CPU-second "
                       f"and >= {TARGET_SPEEDUP_VS_BASELINE}x the JSON baseline",
                       f"{fmt_int(rate)} GPU-samples/s ({speedup}x the baseline)", met, cause)]
+    memory = figures["memory"]
+    targets.append(Target("attributor engine memory (no numeric target)",
+                          "bytes it holds per pod and per open 8-GPU tick, reported",
+                          f"{fmt_int(memory['bytes_per_pod'])} B per pod, {fmt_int(memory['bytes_per_open_tick'])} B "
+                          f"per open tick: {fmt_int(memory['mib_at_10000_gpus_80000_pods'])} MiB for 10,000 GPUs "
+                          "(87,500 open ticks) and 80,000 pods", True))
     breakdown = figures["breakdown"]
     notes = [f"gpumeter and the baseline agree on every share to {figures['max_share_difference']:.1e}",
              "decode, GPU-samples/s: NodeSample v4 into arrays "
