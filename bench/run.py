@@ -202,6 +202,24 @@ def _detail_tables(results: dict[str, dict[str, Any]]) -> list[str]:
                        f"{g['guard_cpu_s_per_1000_gpu_samples']} CPU-s per 1,000 GPU-samples over a backlog of "
                        f"{g['backlog_messages']:,} samples (idle {g['guard_idle_cpu_s_per_s']} CPU-s/s); a planted "
                        f"leak's violation after {g['planted_leak_to_violation_s']} s; CPU seconds: {_cpu(g)}.")
+        billing = f.get("billing", {})
+        for n, g in billing.get("instances", {}).items():
+            out.append(f"- Billing, {n} instance(s) (partitions {g['partitions_per_instance']}; {billing['ledger']}): "
+                       f"{g['billing_cpu_s_per_1000_node_windows']} CPU-s per 1,000 node-windows over a backlog of "
+                       f"{billing['node_windows']:,} node-windows ({billing['gpu_samples']:,} GPU-samples), "
+                       f"{g['node_windows_per_s']:,} node-windows/s, PostgreSQL {g['postgresql_cpu_s']} CPU-s (idle "
+                       f"{g['billing_idle_cpu_s_per_s']} CPU-s/s); CPU seconds: {_cpu(g)}.")
+        memory = f.get("memory")
+        if memory:
+            parts = [f"{who} {m['rss_bytes'] / 2**20:,.0f} MiB (peak {m['peak_rss_bytes'] / 2**20:,.0f})"
+                     for who, m in memory["services"].items() if m]
+            out.append(f"- Resident memory {memory['when']} ({memory['pods']:,} pods): {', '.join(parts)}; each "
+                       "guard and billing instance after its backlog: "
+                       + "; ".join(f"{name} x{n}: " + ", ".join(f"{m['peak_rss_bytes'] / 2**20:,.0f}" for m in
+                                                                g.get("memory", ()) if m) + " MiB peak"
+                                   for name, phase in (("guard", f.get("guard", {})),
+                                                       ("billing", billing.get("instances", {})))
+                                   for n, g in phase.items()) + ".")
         out.append("")
     return out
 
