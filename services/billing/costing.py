@@ -351,7 +351,13 @@ def price_node_window(shares: Sequence[GpuShare], price: NodePrice,
                       sharing: SharingPolicy = KEEP_ALL) -> NodeWindowCost:
     """Cost one complete node-window and share its buckets by ``sharing`` (see the module docstring)."""
     rows = dedupe_shares(shares)
-    facts = node_facts(rows)
+    return _price_checked_node_window(rows, node_facts(rows), price, sharing)
+
+
+def _price_checked_node_window(rows: Sequence[GpuShare], facts: NodeFacts, price: NodePrice,
+                               sharing: SharingPolicy) -> NodeWindowCost:
+    """``price_node_window`` of ``rows`` already deduplicated and checked into ``facts`` (``bill_node_window``
+    checks them once, to look the price up, rather than twice: about 1 ms of a node-window's ~20)."""
     _check_price_fits(facts, price)
     billed_ms = billed_milliseconds(facts.node_covered_seconds, facts.window_seconds)
     scale = Fraction(MICRO_USD_PER_USD * billed_ms, _MS_PER_HOUR)  # billed hours x 10^6: USD/h -> micro-dollars
@@ -466,7 +472,7 @@ def bill_node_window(
         observed_gpu_count=facts.physical_gpu_count,
         policy=policy,
     )
-    return price_node_window(rows, price, sharing)
+    return _price_checked_node_window(rows, facts, price, sharing)
 
 
 def window_cost_record(priced: NodeWindowCost, shares: NodeWindowShares) -> NodeWindowCostRecord:
