@@ -75,7 +75,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, AsyncIterator, Callable, Iterable
 
 from schemas.catalog import COSTS, NODE_SAMPLES, NODE_WINDOW_SHARES, TopicCatalog, partition_for_node, pod_event_key
 from schemas.records import NodeSample, PodEvent
@@ -205,14 +205,19 @@ def shares_per_node_window(fleet: Fleet) -> int:
 # processes
 
 
-def process_cpu_s(pid: int) -> float:
-    """utime + stime of ``pid`` (all its threads) in seconds, 0 when it is gone."""
+def _stat_fields(pid: int | str) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (field 3 onward); None when it is gone."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return 0.0
-    fields = text[text.rfind(")") + 2:].split()
-    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+        return None
+    return text[text.rfind(")") + 2:].split()
+
+
+def process_cpu_s(pid: int) -> float:
+    """utime + stime of ``pid`` (all its threads) in seconds, 0 when it is gone."""
+    fields = _stat_fields(pid)
+    return 0.0 if fields is None else (int(fields[11]) + int(fields[12])) / _CLK_TCK
 
 
 def process_memory_bytes(pid: int) -> dict[str, int] | None:
@@ -233,22 +238,16 @@ def process_memory_bytes(pid: int) -> dict[str, int] | None:
 
 def process_tree_cpu_s(pid: int) -> float:
     """CPU seconds of ``pid``, its living children (PostgreSQL's backends) and its children that have exited."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+    fields = _stat_fields(pid)
+    if fields is None:
         return 0.0
-    fields = text[text.rfind(")") + 2:].split()
     total = sum(int(v) for v in fields[11:15]) / _CLK_TCK  # utime, stime, cutime, cstime
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
-        try:
-            child = (entry / "stat").read_text()
-        except OSError:
-            continue
-        child_fields = child[child.rfind(")") + 2:].split()
-        if int(child_fields[1]) == pid:
-            total += (int(child_fields[11]) + int(child_fields[12])) / _CLK_TCK
+        child = _stat_fields(entry.name)
+        if child is not None and int(child[1]) == pid:
+            total += (int(child[11]) + int(child[12])) / _CLK_TCK
     return total
 
 
@@ -408,37 +407,44 @@ async def wait_until(predicate: Callable[[], Any], timeout_s: float, what: str, 
         await asyncio.sleep(every_s)
 
 
-async def window_stats(settings: Any, topic: str) -> dict[tuple[str, int], list[int]]:
-    """Every record on ``topic`` right now, as (node, window start) → [record count, first, last append ms]."""
+async def read_topic(settings: Any, topic: str, max_records: int) -> AsyncIterator[tuple[int, list[Any]]]:
+    """Every record on ``topic`` from its beginning to its end at the call, as (partition, records) fetch by fetch
+    (aiokafka ``ConsumerRecord``s, in offset order within a partition)."""
     from aiokafka import AIOKafkaConsumer
 
     partitions = await topic_partitions(settings, topic)
     consumer = AIOKafkaConsumer(**settings.client_kwargs(), group_id=None, enable_auto_commit=False,
                                 fetch_max_bytes=32 * 1024 * 1024, max_partition_fetch_bytes=8 * 1024 * 1024)
     await consumer.start()
-    stats: dict[tuple[str, int], list[int]] = {}
     try:
         consumer.assign(partitions)
         await consumer.seek_to_beginning(*partitions)
         ends = await consumer.end_offsets(partitions)
         remaining = {tp for tp in partitions if ends[tp] > 0}
         while remaining:
-            batch = await consumer.getmany(timeout_ms=500, max_records=20_000)
+            batch = await consumer.getmany(timeout_ms=500, max_records=max_records)
             for tp, records in batch.items():
-                for record in records:
-                    key = window_key_of(record.value)
-                    entry = stats.get(key)
-                    if entry is None:
-                        stats[key] = [1, record.timestamp, record.timestamp]
-                    else:
-                        entry[0] += 1
-                        entry[1] = min(entry[1], record.timestamp)
-                        entry[2] = max(entry[2], record.timestamp)
+                yield tp.partition, records
                 if records and records[-1].offset + 1 >= ends[tp]:
                     remaining.discard(tp)
-        return stats
     finally:
         await consumer.stop()
+
+
+async def window_stats(settings: Any, topic: str) -> dict[tuple[str, int], list[int]]:
+    """Every record on ``topic`` right now, as (node, window start) → [record count, first, last append ms]."""
+    stats: dict[tuple[str, int], list[int]] = {}
+    async for _partition, records in read_topic(settings, topic, 20_000):
+        for record in records:
+            key = window_key_of(record.value)
+            entry = stats.get(key)
+            if entry is None:
+                stats[key] = [1, record.timestamp, record.timestamp]
+            else:
+                entry[0] += 1
+                entry[1] = min(entry[1], record.timestamp)
+                entry[2] = max(entry[2], record.timestamp)
+    return stats
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1155,26 +1161,9 @@ def _billed_partitions(log_text: str, topic: str) -> list[int] | None:
 async def share_backlog(settings: Any, topic: str, limit: int) -> list[tuple[int, bytes | None, bytes]]:
     """The first ``limit`` records of ``topic`` as (partition, key, value), taken evenly over its partitions
     (ordered by offset, then partition)."""
-    from aiokafka import AIOKafkaConsumer
-
-    partitions = await topic_partitions(settings, topic)
-    consumer = AIOKafkaConsumer(**settings.client_kwargs(), group_id=None, enable_auto_commit=False,
-                                fetch_max_bytes=32 * 1024 * 1024, max_partition_fetch_bytes=8 * 1024 * 1024)
-    await consumer.start()
     records: list[tuple[int, int, bytes | None, bytes]] = []
-    try:
-        consumer.assign(partitions)
-        await consumer.seek_to_beginning(*partitions)
-        ends = await consumer.end_offsets(partitions)
-        remaining = {tp for tp in partitions if ends[tp] > 0}
-        while remaining:
-            batch = await consumer.getmany(timeout_ms=500, max_records=5_000)
-            for tp, got in batch.items():
-                records.extend((r.offset, tp.partition, r.key, r.value) for r in got)
-                if got and got[-1].offset + 1 >= ends[tp]:
-                    remaining.discard(tp)
-    finally:
-        await consumer.stop()
+    async for partition, got in read_topic(settings, topic, 5_000):
+        records.extend((r.offset, partition, r.key, r.value) for r in got)
     records.sort(key=lambda r: (r[0], r[1]))
     return [(partition, key, value) for _offset, partition, key, value in records[:limit]]
 
