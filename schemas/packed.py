@@ -108,8 +108,7 @@ def _column(name: str, values: Any) -> np.ndarray:
 
 
 _UID_TEXTS: dict[tuple[bytes, bytes, tuple[str, ...]], tuple[str, ...]] = {}
-_UID_TEXTS_MAX = 16_384
-"""Pod lists seen, by their packed bytes -> their text (cleared when full: a bound, not an eviction policy)."""
+"""Pod lists seen, by their packed bytes -> their text (``_remember``: cleared when full)."""
 
 # What a node repeats from tick to tick, shared between the ticks that repeat it: an attributor holds every tick of
 # every open window (a window and its grace: ~70 ticks of each of its nodes), and a decoded tick is mostly the
@@ -117,9 +116,9 @@ _UID_TEXTS_MAX = 16_384
 # object per distinct value instead of one per tick cuts what an open tick holds (``make bench``: attribution
 # core, bytes per open tick) and the lists ``tolist`` would build. Each maps the packed bytes (with the per-device
 # counts that cut them) -> the per-device tuples; a dict per column so that a column whose values change every
-# tick (SM utilization is not cached at all) cannot push the others out. Cleared when full, like ``_UID_TEXTS``:
-# the bound is what matters (16,384 entries of a few hundred bytes: a few MiB), and a node's next tick fills its
-# entry again.
+# tick (SM utilization is not cached at all) cannot push the others out. Every one of these dicts, ``_UID_TEXTS``
+# included, is cleared when it holds ``_SEGMENTS_MAX`` entries (``_remember``): the bound is what matters (16,384
+# entries of a few hundred bytes: a few MiB), not an eviction policy, and a node's next tick fills its entry again.
 _SEGMENTS_MAX = 16_384
 _PID_SEGMENTS: dict[tuple[bytes, bytes], tuple[tuple[int, ...], ...]] = {}
 _POD_SLOT_SEGMENTS: dict[tuple[bytes, bytes], tuple[tuple[int, ...], ...]] = {}
@@ -146,15 +145,21 @@ def _split(values: list, counts: list[int]) -> tuple[tuple, ...]:
     return tuple(out)
 
 
+def _remember(cache: dict, key: Any, value: Any) -> Any:
+    """Store ``value`` under ``key`` in one of the shared-value dicts, emptying it first when it is full; return
+    ``value``."""
+    if len(cache) >= _SEGMENTS_MAX:
+        cache.clear()
+    cache[key] = value
+    return value
+
+
 def _segments(cache: dict, column: np.ndarray, counts_raw: bytes, counts: list[int]) -> tuple[tuple, ...]:
     """``column`` cut per device by ``counts`` (``counts_raw``: their packed bytes), one shared tuple per value."""
     key = (column.tobytes(), counts_raw)
     found = cache.get(key)
     if found is None:
-        found = _split(column.tolist(), counts)
-        if len(cache) >= _SEGMENTS_MAX:
-            cache.clear()
-        cache[key] = found
+        found = _remember(cache, key, _split(column.tolist(), counts))
     return found
 
 
@@ -162,9 +167,7 @@ def _shared_texts(texts: tuple[str, ...]) -> tuple[str, ...]:
     """The one tuple (and strings) for ``texts`` (device uuids, models, profiles: the same every tick)."""
     found = _TEXT_TUPLES.get(texts)
     if found is None:
-        if len(_TEXT_TUPLES) >= _SEGMENTS_MAX:
-            _TEXT_TUPLES.clear()
-        found = _TEXT_TUPLES[texts] = texts
+        found = _remember(_TEXT_TUPLES, texts, texts)
     return found
 
 
@@ -277,9 +280,7 @@ class PackedNodeSample:
                      for i in range(0, len(h), 32)]
             for slot, text in zip(self.pod_uid_text_slots.tolist(), self.pod_uid_texts):
                 texts[slot] = text
-            if len(_UID_TEXTS) >= _UID_TEXTS_MAX:
-                _UID_TEXTS.clear()
-            uids = _UID_TEXTS[key] = tuple(texts)
+            uids = _remember(_UID_TEXTS, key, tuple(texts))
         return uids
 
     # -- Avro dicts ------------------------------------------------------------------------------------------------
