@@ -33,6 +33,7 @@ from services.attributor.modes import (
     UnitKind,
     decide_mode,
     device_keys,
+    majority_of,
     majority_sample_mode,
 )
 from services.attributor.pod_index import PodInfo, PodLookup
@@ -291,6 +292,12 @@ def split_units(window: NodeWindow) -> tuple[UnitWindow, ...]:
     meta: dict[str, list] = {}  # uuid -> [parent_uuid, kind, model]
     for sample in window.samples:
         _split_sample(sample, ticks_by_unit, meta)
+    return _unit_windows(window, ticks_by_unit, meta)
+
+
+def _unit_windows(window: NodeWindow, ticks_by_unit: Mapping[str, list[UnitTick]],
+                  meta: Mapping[str, list]) -> tuple[UnitWindow, ...]:
+    """``split_units``' result from its per-unit ticks and meta (``_split_sample`` over every sample)."""
     units = []
     for uuid, ticks in ticks_by_unit.items():
         parent_uuid, kind, model = meta[uuid]
@@ -446,6 +453,7 @@ class _Epoch:
         "holders", "ticks", "weight", "decision", "mode", "occupancy", "mps_threads", "use_per_process",
         "mem_frac", "mem_bytes", "comp", "present", "mem_w", "comp_w", "mem_res", "mem_idle", "mem_unx",
         "bytes_res", "bytes_idle", "bytes_unx", "comp_idle", "comp_unx", "busy_per_process", "busy_proxy",
+        "slot_cache", "summed", "mode_weights", "replicas_max", "decided_on",
     )
 
     def __init__(self, holders: tuple[int, ...], nslots: int) -> None:
@@ -467,6 +475,24 @@ class _Epoch:
         self.bytes_res = self.bytes_idle = self.bytes_unx = 0.0
         self.comp_idle = self.comp_unx = 0.0
         self.busy_per_process = self.busy_proxy = 0.0
+        # (slot map, process_pod_index, their slots) of the last tick summed: the next tick of a node whose pods
+        # and processes stayed reuses its slots (``_add_ticks``)
+        self.slot_cache: tuple[list[int] | None, tuple[int, ...] | None, list[int]] = (None, None, [])
+        self.summed = 0  # how many of ``ticks`` are in the sums (``OpenNodeWindow`` adds them in batches)
+        # What ``_decide`` reads of the ticks, summed as they arrive (``OpenNodeWindow``): the weight of each
+        # sharing mode the samples report (``majority_sample_mode``) and the largest replicas
+        self.mode_weights: dict[SharingMode, float] = {}
+        self.replicas_max = 1
+        # (sample mode, replicas, claims) ``decision`` was taken on, when it was taken on one tick as it arrived
+        self.decided_on: tuple[SharingMode, int, list[UnitAssignment]] | None = None
+
+    def fit(self, nslots: int) -> None:
+        """Room for ``nslots`` pod slots: slots the node window's later ticks added, inserted before the last
+        entry (the processes of no known pod), which stays last."""
+        extra = nslots + 1 - len(self.comp)
+        if extra > 0:
+            for values in (self.mem_frac, self.mem_bytes, self.comp):
+                values[-1:-1] = [0.0] * extra
 
     def method(self, mps_compute: MpsCompute) -> str:
         if self.occupancy:
@@ -489,7 +515,46 @@ class _Quality:
         self.util_clamped = self.busy_unexplained = self.unavailable = 0
 
 
+class _Prepared(NamedTuple):
+    """Phase 1 of one unit's attribution (``_prepare``, or ``OpenNodeWindow`` tick by tick): its epochs with
+    their sums and decisions, and the unit's weights and holders; ``_finish`` makes the rows from it."""
+
+    epochs: list[_Epoch]
+    unavailable_w: float
+    quality: _Quality
+    total_weight: float
+    gpu_fraction: float
+    covered_seconds: float
+    zero_weight_ticks: int
+    assignees: list[tuple[PodInfo, UnitAssignment]]
+    assignee_slots: list[int]
+
+
 def _attribute(unit: UnitWindow, pods: PodLookup, policy: AttributionPolicy, slots: _PodSlots) -> UnitAttribution:
+    return _finish(unit, pods, policy, slots, _prepare(unit, pods, policy, slots))
+
+
+def _assignees(pods: PodLookup, keys: tuple[str, ...],
+               tick_times: Sequence[int]) -> list[tuple[PodInfo, UnitAssignment]]:
+    """Pods holding an id that names the unit (``keys``), alive at one of its ticks (``tick_times``, sorted) at
+    least, sorted by uid."""
+    assignees: list[tuple[PodInfo, UnitAssignment]] = []
+    for info, claim in pods.assignments_for(keys):
+        # Alive at one tick at least: the first tick at or after its start comes before its end.
+        first = bisect_left(tick_times, info.life_start_ms)
+        if first < len(tick_times) and tick_times[first] < info.life_end_ms:
+            assignees.append((info, claim))
+    return assignees
+
+
+def _unit_keys(unit: UnitWindow) -> tuple[str, ...]:
+    """The device ids naming ``unit``, from its first tick that is not all idle (MIG ids can only come from one)."""
+    ticks = unit.ticks
+    first_device = next((t.device for t in ticks if not t.all_idle), ticks[0].device if ticks else None)
+    return device_keys(unit.kind, unit.unit_uuid, unit.parent_uuid, first_device)
+
+
+def _prepare(unit: UnitWindow, pods: PodLookup, policy: AttributionPolicy, slots: _PodSlots) -> _Prepared:
     ticks = unit.ticks
     weights, intervals, zero_weight_ticks = _weights(unit)
     total_weight = sum(weights)
@@ -505,16 +570,8 @@ def _attribute(unit: UnitWindow, pods: PodLookup, policy: AttributionPolicy, slo
     window_ms = unit.window_seconds * 1000
     covered_seconds = min(sum(max(t.interval_ms, 0) for t in ticks), window_ms) / 1000.0
 
-    # Pods holding an id that names the unit, alive at one of its ticks at least.
-    first_device = next((t.device for t in ticks if not t.all_idle), ticks[0].device if ticks else None)
-    keys = device_keys(unit.kind, unit.unit_uuid, unit.parent_uuid, first_device)
     tick_times = sorted(t.sampled_at_unix_ms for t in ticks)
-    assignees: list[tuple[PodInfo, UnitAssignment]] = []
-    for info, claim in pods.assignments_for(keys):
-        # Alive at one tick at least: the first tick at or after its start comes before its end.
-        first = bisect_left(tick_times, info.life_start_ms)
-        if first < len(tick_times) and tick_times[first] < info.life_end_ms:
-            assignees.append((info, claim))
+    assignees = _assignees(pods, _unit_keys(unit), tick_times)
     assignee_slots = [slots.slot(info.uid) for info, _ in assignees]
     for t in ticks:
         slots.map_for(t.pod_uids)
@@ -522,6 +579,18 @@ def _attribute(unit: UnitWindow, pods: PodLookup, policy: AttributionPolicy, slo
 
     epochs, unavailable_w, quality = _accumulate(unit, ticks, weights, assignees, assignee_slots, slots, nslots,
                                                  policy)
+    return _Prepared(epochs, unavailable_w, quality, total_weight, gpu_fraction, covered_seconds, zero_weight_ticks,
+                     assignees, assignee_slots)
+
+
+def _finish(unit: UnitWindow, pods: PodLookup, policy: AttributionPolicy, slots: _PodSlots,
+            prepared: _Prepared) -> UnitAttribution:
+    """Phase 2 of one unit's attribution: its rows, from its epochs' sums and decisions."""
+    ticks = unit.ticks
+    epochs, unavailable_w, quality = prepared.epochs, prepared.unavailable_w, prepared.quality
+    total_weight, gpu_fraction, covered_seconds = prepared.total_weight, prepared.gpu_fraction, prepared.covered_seconds
+    zero_weight_ticks, assignees, assignee_slots = (prepared.zero_weight_ticks, prepared.assignees,
+                                                    prepared.assignee_slots)
     main = max(epochs, key=lambda e: e.weight)
     decision = main.decision
     assert decision is not None
@@ -700,9 +769,9 @@ def _accumulate(
             if pct is None:
                 pct = thread_pct_cache[replicas] = _thread_percents(
                     replicas, nslots, assignees, assignee_slots, policy)
-            _add_ticks(epoch, slots, quality, pct)
+            _add_ticks(epoch, epoch.ticks, slots, quality, pct)
         else:
-            _add_ticks(epoch, slots, quality, None)
+            _add_ticks(epoch, epoch.ticks, slots, quality, None)
     return list(epochs.values()), unavailable_w, quality
 
 
@@ -716,11 +785,33 @@ def _decide(epoch: _Epoch, unit: UnitWindow, assignees: Sequence[tuple[PodInfo, 
         unit.kind, sample_mode, replicas, [assignees[i][1] for i in epoch.holders],
         sample_mode_changed=mode_changed,
     )
+    _apply_decision(epoch, decision, unit.kind, policy)
+
+
+def _decide_summed(epoch: _Epoch, kind: UnitKind, assignees: Sequence[tuple[PodInfo, UnitAssignment]],
+                   policy: AttributionPolicy) -> None:
+    """``_decide`` of an epoch whose ticks' modes and replicas were summed as they arrived (``mode_weights``,
+    ``replicas_max``): the same decision, without going over its ticks again."""
+    sample_mode, mode_changed = majority_of(epoch.mode_weights)
+    claims = [assignees[i][1] for i in epoch.holders]
+    if not mode_changed and epoch.decided_on == (sample_mode, epoch.replicas_max, claims):
+        return  # decided on the same evidence when its first tick arrived (``decide_mode`` is pure)
+    decision = decide_mode(kind, sample_mode, epoch.replicas_max, claims, sample_mode_changed=mode_changed)
+    _apply_decision(epoch, decision, kind, policy)
+
+
+def _apply_decision(epoch: _Epoch, decision: ModeDecision, kind: UnitKind, policy: AttributionPolicy) -> None:
+    """Set the epoch's decision and the branch of the per-tick math it selects (``_add_ticks``)."""
     epoch.decision = decision
     epoch.mode = decision.mode
-    epoch.occupancy = unit.kind is not UnitKind.GPU
+    epoch.occupancy = kind is not UnitKind.GPU
     epoch.mps_threads = decision.mode is SharingMode.MPS and policy.mps_compute is MpsCompute.THREADS
     epoch.use_per_process = decision.mode is not SharingMode.MPS and not epoch.occupancy
+
+
+def _branch(epoch: _Epoch) -> tuple[bool, bool, bool, bool]:
+    """What of the epoch's decision ``_add_ticks`` reads: ticks summed under one branch are summed alike."""
+    return epoch.occupancy, epoch.use_per_process, epoch.mode is SharingMode.MPS, epoch.mps_threads
 
 
 def _thread_percents(replicas: int, nslots: int, assignees: Sequence[tuple[PodInfo, UnitAssignment]],
@@ -743,22 +834,22 @@ def _thread_percents(replicas: int, nslots: int, assignees: Sequence[tuple[PodIn
     return thread_pct
 
 
-def _add_ticks(epoch: _Epoch, slots: _PodSlots, quality: _Quality, thread_pct: list[float] | None) -> None:
-    """Sum the memory and compute fractions of each of the epoch's ticks, weighted by the tick's weight."""
+def _add_ticks(epoch: _Epoch, ticks: Sequence[tuple[UnitTick, float]], slots: _PodSlots, quality: _Quality,
+               thread_pct: list[float] | None) -> None:
+    """Add the memory and compute fractions of ``ticks`` (the epoch's, in time order: all at once, or one at a
+    time as they arrive) to the epoch's sums, each weighted by the tick's weight, by the epoch's decision."""
     maps = slots.maps
     mem_frac, mem_bytes, comp, present = epoch.mem_frac, epoch.mem_bytes, epoch.comp, epoch.present
     occupancy, use_per_process = epoch.occupancy, epoch.use_per_process
     mps = epoch.mode is SharingMode.MPS
-    last_smap: list[int] | None = None
-    last_ppi: tuple[int, ...] | None = None
-    last_slots: list[int] = []
+    last_smap, last_ppi, last_slots = epoch.slot_cache
     # The epoch's sums as locals while its ticks are added (written back at the end): the same additions in
     # the same order, without an attribute store per addition.
     mem_w, mem_idle, bytes_idle = epoch.mem_w, epoch.mem_idle, epoch.bytes_idle
     mem_res, bytes_res, mem_unx, bytes_unx = epoch.mem_res, epoch.bytes_res, epoch.mem_unx, epoch.bytes_unx
     comp_w, comp_idle, comp_unx = epoch.comp_w, epoch.comp_idle, epoch.comp_unx
     busy_per_process, busy_proxy = epoch.busy_per_process, epoch.busy_proxy
-    for tick, w in epoch.ticks:
+    for tick, w in ticks:
         if w <= 0.0:
             continue
         if tick.all_idle:
@@ -926,6 +1017,7 @@ def _add_ticks(epoch: _Epoch, slots: _PodSlots, quality: _Quality, thread_pct: l
     epoch.mem_res, epoch.bytes_res, epoch.mem_unx, epoch.bytes_unx = mem_res, bytes_res, mem_unx, bytes_unx
     epoch.comp_w, epoch.comp_idle, epoch.comp_unx = comp_w, comp_idle, comp_unx
     epoch.busy_per_process, epoch.busy_proxy = busy_per_process, busy_proxy
+    epoch.slot_cache = (last_smap, last_ppi, last_slots)
 
 
 def _unit_vectors(
@@ -1160,12 +1252,16 @@ def _combined_decision(epochs: Sequence[_Epoch], assignees: Sequence[tuple[PodIn
 # A node window
 
 
-def attribute_node_window(window: NodeWindow, pods: PodLookup, policy: AttributionPolicy) -> tuple[GpuShare, ...]:
-    """Every unit's GpuShare rows for one node window, units in ``split_units`` order, rows as ``attribute_unit``."""
-    return attribute_node_window_detailed(window, pods, policy).shares
+def attribute_node_window(window: NodeWindow, pods: PodLookup, policy: AttributionPolicy,
+                          open_window: "OpenNodeWindow | None" = None) -> tuple[GpuShare, ...]:
+    """Every unit's GpuShare rows for one node window, units in ``split_units`` order, rows as ``attribute_unit``.
+    ``open_window``: the window's sums as its ticks arrived (``OpenNodeWindow``); the rows are the same with or
+    without it, it only saves the close the per-tick work."""
+    return attribute_node_window_detailed(window, pods, policy, open_window).shares
 
 
-def attribute_node_window_detailed(window: NodeWindow, pods: PodLookup, policy: AttributionPolicy) -> NodeAttribution:
+def attribute_node_window_detailed(window: NodeWindow, pods: PodLookup, policy: AttributionPolicy,
+                                   open_window: "OpenNodeWindow | None" = None) -> NodeAttribution:
     """``attribute_node_window`` with each unit's mode decision and data-quality counts."""
     if not window.samples:
         return NodeAttribution((), (), 0.0)
@@ -1173,13 +1269,13 @@ def attribute_node_window_detailed(window: NodeWindow, pods: PodLookup, policy: 
     node_covered_seconds = min(sum(max(s.interval_ms, 0) for s in window.samples), window_ms) / 1000.0
     facts = window.samples[-1]
     cost_basis = policy.basis_text
-    slots = _PodSlots()
-    windows = tuple(
-        unit for unit in split_units(window)
-        # A MIG GPU whose capacity is all in instances leaves nothing of its own to attribute.
-        if not (unit.kind is UnitKind.MIG_UNASSIGNED and all(t.capacity_fraction <= 0.0 for t in unit.ticks))
-    )
-    units = tuple(_attribute(unit, pods, policy, slots) for unit in windows)
+    if open_window is not None and open_window.holds(window, policy):
+        windows = open_window.unit_windows(window)
+        units = tuple(open_window.attribute_unit(unit, pods) for unit in windows)
+    else:
+        slots = _PodSlots()
+        windows = tuple(unit for unit in split_units(window) if _has_capacity(unit))
+        units = tuple(_attribute(unit, pods, policy, slots) for unit in windows)
     shares = []
     units_in_node = len(units)
     for unit_window, unit in zip(windows, units):
@@ -1234,3 +1330,251 @@ def attribute_node_window_detailed(window: NodeWindow, pods: PodLookup, policy: 
                 )
             )
     return NodeAttribution(tuple(shares), units, node_covered_seconds)
+
+
+def _has_capacity(unit: UnitWindow) -> bool:
+    # A MIG GPU whose capacity is all in instances leaves nothing of its own to attribute.
+    return not (unit.kind is UnitKind.MIG_UNASSIGNED and all(t.capacity_fraction <= 0.0 for t in unit.ticks))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# A node window summed as its ticks arrive
+
+
+_SUM_BATCH_TICKS = 8
+_FOREVER_MS = 2**63
+"""An open window's ticks are added to its sums this many at a time: one ``_add_ticks`` call per tick would cost
+more than the close saves (``make bench``: attribution core), and a close is left at most this many less one per
+epoch to add."""
+
+
+class _OpenUnit:
+    """One unit of an open node window: its ticks and their weights, and its epochs' sums so far (keyed by the
+    uids of the holders alive at their ticks, by the pods known when each tick arrived). ``runs``: consecutive
+    ticks summed under the same holders, ``[first tick time, last tick time, holder uids]``, for the close to
+    check against the holders it finds. ``usable`` turns False when the sums cannot be the close's (the unit's
+    ids changed, or an epoch would split busy time by thread percentages, which the close must know the pods
+    for): the close then attributes the unit from its ticks."""
+
+    __slots__ = ("kind", "keys", "ticks", "weights", "intervals", "covered_ms", "epochs", "runs",
+                 "unavailable_w", "quality", "usable", "_assignments", "_assignments_generation", "_cuts", "_current")
+
+    def __init__(self, kind: UnitKind) -> None:
+        self.kind = kind
+        self.keys: tuple[str, ...] | None = None
+        self.ticks: list[UnitTick] = []
+        self.weights: list[float] = []
+        self.intervals: list[int] = []
+        self.covered_ms = 0
+        self.epochs: dict[tuple[str, ...], _Epoch] = {}
+        self.runs: list[list] = []
+        self.unavailable_w = 0.0
+        self.quality = _Quality()
+        self.usable = True
+        self._assignments: tuple[tuple[PodInfo, UnitAssignment], ...] = ()
+        self._assignments_generation = -1
+        self._cuts: list[int] = []
+        # (pods generation, from ms, until ms, holders, epoch): the stretch of the last tick summed
+        self._current: tuple[int, int, int, tuple[str, ...], _Epoch] | None = None
+
+    def add(self, tick: UnitTick, uuid: str, parent_uuid: str | None, window_ms: int, slots: _PodSlots,
+            pods: PodLookup, generation: int, policy: AttributionPolicy) -> None:
+        """``_prepare``'s and ``_accumulate``'s per-tick steps for one tick (its sums added in batches: ``_sum``)."""
+        self.ticks.append(tick)
+        interval = tick.interval_ms
+        if interval < 0:
+            interval = 0
+        self.covered_ms += interval
+        if interval > window_ms:
+            interval = window_ms
+        self.intervals.append(interval)
+        w = interval * min(max(tick.capacity_fraction, 0.0), 1.0)
+        self.weights.append(w)
+        if not self.usable or w <= 0.0:
+            return
+        device = tick.device
+        if device.unavailable:
+            self.unavailable_w += w
+            self.quality.unavailable += 1
+            return
+        if self.keys is None:
+            self.keys = device_keys(self.kind, uuid, parent_uuid, device)
+        elif self.kind is UnitKind.MIG_INSTANCE and device_keys(self.kind, uuid, parent_uuid, device) != self.keys:
+            self.usable = False
+            return
+        t = tick.sampled_at_unix_ms
+        current = self._current
+        if current is not None and current[0] == generation and current[1] <= t < current[2]:
+            # Same pods, same stretch as the previous tick summed (ticks come in time order): same epoch.
+            epoch = current[4]
+            self.runs[-1][1] = t
+        else:
+            epoch = self._enter(t, pods, generation, slots, device, policy)
+            if epoch is None:
+                return
+        epoch.ticks.append((tick, w))
+        epoch.weight += w
+        if not tick.all_idle or self.kind is UnitKind.MIG_UNASSIGNED:
+            mode = device.sharing_mode
+            epoch.mode_weights[mode] = epoch.mode_weights.get(mode, 0.0) + max(w, 0.0)
+        if device.replicas > epoch.replicas_max:
+            epoch.replicas_max = device.replicas
+        if len(epoch.ticks) - epoch.summed >= _SUM_BATCH_TICKS:
+            self._sum(epoch, slots)
+
+    def _enter(self, t: int, pods: PodLookup, generation: int, slots: _PodSlots, device: GpuDeviceSample,
+               policy: AttributionPolicy) -> _Epoch | None:
+        """The epoch of a tick at ``t`` that is not in the previous tick's stretch (None: the unit's sums cannot
+        be used); records the tick's run and the stretch for the ticks after it."""
+        # The holders change only where one's life starts or ends, and the pods only when the index does: both
+        # are worked out once per stretch and per change of the index, not per tick.
+        if generation != self._assignments_generation:
+            assert self.keys is not None
+            self._assignments = pods.assignments_for(self.keys)
+            self._assignments_generation = generation
+            self._cuts = sorted({edge for info, _ in self._assignments for edge in (info.life_start_ms,
+                                                                                   info.life_end_ms)})
+        cuts = self._cuts
+        stretch = bisect_right(cuts, t)
+        alive = [(info.uid, claim) for info, claim in self._assignments if info.alive_at(t)]
+        holders = tuple(uid for uid, _ in alive)
+        epoch = self.epochs.get(holders)
+        if epoch is None:
+            epoch = _Epoch((), len(slots.uids))
+            # The branch a decision on this tick alone selects; the close decides on all of the epoch's ticks and
+            # uses these sums only if it selects the same branch.
+            claims = [c for _, c in alive]
+            decision = decide_mode(self.kind, device.sharing_mode, device.replicas, claims)
+            _apply_decision(epoch, decision, self.kind, policy)
+            epoch.decided_on = (device.sharing_mode, max(device.replicas, 1), claims)
+            if epoch.mps_threads:
+                self.usable = False
+                return None
+            self.epochs[holders] = epoch
+        runs = self.runs
+        if runs and runs[-1][2] == holders:
+            runs[-1][1] = t
+        else:
+            runs.append([t, t, holders])
+        self._current = (generation, cuts[stretch - 1] if stretch else -_FOREVER_MS,
+                         cuts[stretch] if stretch < len(cuts) else _FOREVER_MS, holders, epoch)
+        return epoch
+
+    def _sum(self, epoch: _Epoch, slots: _PodSlots) -> None:
+        """Add the epoch's ticks not yet in its sums (in order: the sums are the same however they are batched)."""
+        epoch.fit(len(slots.uids))
+        _add_ticks(epoch, epoch.ticks[epoch.summed:], slots, self.quality, None)
+        epoch.summed = len(epoch.ticks)
+
+    def prepared(self, unit: UnitWindow, pods: PodLookup, policy: AttributionPolicy,
+                 slots: _PodSlots) -> _Prepared | None:
+        """``_prepare(unit, ...)``'s result from the sums, or None where they are not provably the same: a weight
+        fallback applies, the unit's ids or kind changed, a tick was summed under other holders than the close
+        finds for it (a pod event arrived after the tick), or an epoch's decision selects another branch."""
+        if not self.usable or not self.epochs or unit.kind is not self.kind:
+            return None
+        intervals = self.intervals
+        if intervals.count(0) == len(intervals):
+            return None
+        total_weight = sum(self.weights)
+        if total_weight <= 0.0:
+            return None
+        keys = _unit_keys(unit)
+        if keys != self.keys:
+            return None
+        interval_sum = sum(intervals)
+        gpu_fraction = total_weight / interval_sum if interval_sum > 0 else 0.0
+        covered_seconds = min(self.covered_ms, unit.window_seconds * 1000) / 1000.0
+        assignees = _assignees(pods, keys, [t.sampled_at_unix_ms for t in self.ticks])
+        cuts = sorted({edge for info, _claim in assignees for edge in (info.life_start_ms, info.life_end_ms)})
+        for first, last, holders in self.runs:
+            if bisect_right(cuts, first) != bisect_right(cuts, last):
+                return None
+            if tuple(info.uid for info, _claim in assignees if info.alive_at(first)) != holders:
+                return None
+        index_of = {info.uid: i for i, (info, _claim) in enumerate(assignees)}
+        assignee_slots = [slots.slot(info.uid) for info, _ in assignees]
+        nslots = len(slots.uids)
+        for holders, epoch in self.epochs.items():
+            if epoch.summed < len(epoch.ticks):
+                self._sum(epoch, slots)
+            summed_as = _branch(epoch)
+            epoch.holders = tuple(index_of[uid] for uid in holders)
+            _decide_summed(epoch, unit.kind, assignees, policy)
+            if _branch(epoch) != summed_as:
+                return None
+            epoch.fit(nslots)
+        return _Prepared(list(self.epochs.values()), self.unavailable_w, self.quality, total_weight, gpu_fraction,
+                         covered_seconds, intervals.count(0), assignees, assignee_slots)
+
+
+class OpenNodeWindow:
+    """One node window's attribution summed tick by tick as its ticks arrive, so that its close is O(units): the
+    per-tick work (splitting ticks into units, their weights and holders, each tick's memory and compute
+    fractions) is done at ``add``, and the close (``attribute_node_window(..., open_window=self)``) only checks
+    and decides.
+
+    Contract: ``add`` each tick the window takes in, as it takes it in. The close gives exactly what it gives
+    without this object, bit for bit: the sums are the same floating-point operations (``_add_ticks``) in the same
+    order, and a unit's sums are used only where they are provably the ones the close would make -- the window's
+    ticks are the ones added, in the order added (which is the close's (sampled_at, collector start, sequence)
+    order), each tick was summed under the holders the close finds for it, and each epoch's decision selects the
+    branch its ticks were summed under. Any other unit (a pod event that arrived after its ticks, a mode that
+    changed) is attributed from its ticks as before; a tick out of order drops the sums of the whole window.
+    Mutable, one owner; holds every tick of the window until it closes."""
+
+    __slots__ = ("window_ms", "policy", "samples", "slots", "ticks_by_unit", "meta", "units", "in_order",
+                 "_last_order")
+
+    def __init__(self, window_seconds: int, policy: AttributionPolicy) -> None:
+        self.window_ms = window_seconds * 1000
+        self.policy = policy
+        self.samples: list[NodeSample] = []
+        self.slots = _PodSlots()
+        self.ticks_by_unit: dict[str, list[UnitTick]] = {}
+        self.meta: dict[str, list] = {}
+        self.units: dict[str, _OpenUnit] = {}
+        self.in_order = True
+        self._last_order: tuple[int, int, int] | None = None
+
+    def add(self, sample: NodeSample, pods: PodLookup, pods_generation: int) -> None:
+        """Sum one tick. ``pods``: the pods known now; ``pods_generation`` changes whenever they change
+        (``LivePodIndex.generation``)."""
+        if not self.in_order:
+            return
+        order = (sample.sampled_at_unix_ms, sample.collector_started_at_unix_ms, sample.sequence)
+        if self._last_order is not None and order <= self._last_order:
+            # A tick older than one already summed: the close sorts it before that one, so no sum can be reused.
+            self.in_order = False
+            self.samples, self.ticks_by_unit, self.units = [], {}, {}
+            return
+        self._last_order = order
+        self.samples.append(sample)
+        ticks_by_unit, meta = self.ticks_by_unit, self.meta
+        _split_sample(sample, ticks_by_unit, meta)
+        self.slots.map_for(sample.pod_uids)
+        for uuid in dict.fromkeys(d.uuid for d in sample.devices):
+            parent_uuid, kind, _model = meta[uuid]
+            unit = self.units.get(uuid)
+            if unit is None:
+                unit = self.units[uuid] = _OpenUnit(kind)
+            unit.add(ticks_by_unit[uuid][-1], uuid, parent_uuid, self.window_ms, self.slots, pods, pods_generation,
+                     self.policy)
+
+    def holds(self, window: NodeWindow, policy: AttributionPolicy) -> bool:
+        """Whether this summed exactly ``window``'s ticks, in its order, under ``policy``."""
+        samples = self.samples
+        return (self.in_order and policy == self.policy and window.window_seconds * 1000 == self.window_ms
+                and len(samples) == len(window.samples) and all(a is b for a, b in zip(samples, window.samples)))
+
+    def unit_windows(self, window: NodeWindow) -> tuple[UnitWindow, ...]:
+        """``split_units(window)`` of a window this ``holds``, without splitting its ticks again."""
+        return tuple(unit for unit in _unit_windows(window, self.ticks_by_unit, self.meta) if _has_capacity(unit))
+
+    def attribute_unit(self, unit: UnitWindow, pods: PodLookup) -> UnitAttribution:
+        """``attribute_unit_detailed`` of one of ``unit_windows``' units, from its sums where they hold."""
+        summed = self.units.get(unit.unit_uuid)
+        prepared = summed.prepared(unit, pods, self.policy, self.slots) if summed is not None else None
+        if prepared is None:
+            return _attribute(unit, pods, self.policy, self.slots)
+        return _finish(unit, pods, self.policy, self.slots, prepared)

@@ -51,7 +51,7 @@ from schemas.catalog import pod_event_key
 from schemas.pods import GroupingLabelSources
 from schemas.records import GpuShare, NodeSample, PodEvent
 
-from services.attributor.attribution import AttributionPolicy, attribute_node_window
+from services.attributor.attribution import AttributionPolicy, OpenNodeWindow, attribute_node_window
 from services.attributor.pod_index import DEFAULT_LINGER_MS, LivePodIndex, PodFields, PodIndex, trim_pod_event
 from services.attributor.windows import LateSample, NodeKey, NodeWindow, WindowAccumulator
 
@@ -325,6 +325,9 @@ class AttributionEngine:
         # as emitted (open or in flight): where a rebuild must re-read the input from (NodeProgress)
         self._first_positions: dict[NodeKey, dict[int, int]] = {}
         self._pending_progress: dict[NodeKey, NodeProgress] = {}
+        # (node, window start) -> the open window's attribution summed as its ticks arrived: the close of a
+        # window is then O(units), not O(ticks) (``attribution.OpenNodeWindow``; same rows either way)
+        self._open_windows: dict[tuple[NodeKey, int], OpenNodeWindow] = {}
         self._pending_sample_deletes: list[str] = []
         self._pending_pod_deletes: list[str] = []
         self.redeliveries_ignored = 0
@@ -386,9 +389,10 @@ class AttributionEngine:
         last = self._last_sampled_at.get(key)
         if last is None or sample.sampled_at_unix_ms > last:
             self._last_sampled_at[key] = sample.sampled_at_unix_ms
+        start = result.state.window_start_of(sample.sampled_at_unix_ms)
+        self._sum_tick(key, start, sample)
         if position is not None:
             firsts = self._first_positions.setdefault(key, {})
-            start = result.state.window_start_of(sample.sampled_at_unix_ms)
             if start not in firsts:
                 firsts[start] = position
                 if len(firsts) == 1:
@@ -500,6 +504,8 @@ class AttributionEngine:
             if result.rejected:
                 self._pending_sample_deletes.append(sample_table_key(sample))
                 continue
+            if result.state.duplicates_ignored == acc.duplicates_ignored:
+                self._sum_tick(key, result.state.window_start_of(sample.sampled_at_unix_ms), sample)
             last = self._last_sampled_at.get(key)
             if last is None or sample.sampled_at_unix_ms > last:
                 self._last_sampled_at[key] = sample.sampled_at_unix_ms
@@ -634,10 +640,19 @@ class AttributionEngine:
             self._accs[key] = acc
         return acc
 
+    def _sum_tick(self, key: NodeKey, window_start_unix_ms: int, sample: NodeSample) -> None:
+        """Sum a tick its window took in into the window's ``OpenNodeWindow``."""
+        summed = self._open_windows.get((key, window_start_unix_ms))
+        if summed is None:
+            summed = self._open_windows[(key, window_start_unix_ms)] = OpenNodeWindow(self.config.window_seconds,
+                                                                                      self.config.policy)
+        summed.add(sample, self._pods, self._pods.generation)
+
     def _attribute(self, key: NodeKey, closed: tuple[NodeWindow, ...]) -> tuple[WindowResult, ...]:
         results = []
         for window in closed:
-            shares = attribute_node_window(window, self._pods, self.config.policy)
+            summed = self._open_windows.pop((key, window.window_start_unix_ms), None)
+            shares = attribute_node_window(window, self._pods, self.config.policy, summed)
             results.append(
                 WindowResult(
                     window.cluster,
@@ -665,6 +680,8 @@ class AttributionEngine:
             if last is not None and last >= horizon:
                 continue
             del self._accs[key]
+            for open_key in [k for k in self._open_windows if k[0] == key]:
+                del self._open_windows[open_key]
             self._last_sampled_at.pop(key, None)
             self.clocks.forget(key)
             self._collector_starts.pop(key, None)

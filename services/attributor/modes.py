@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from schemas.devices import REPLICA_SEPARATOR, is_hami_resource, is_mig_resource, is_shared_resource, unit_keys
 from schemas.records import GpuDeviceSample, SharingMode
@@ -124,6 +124,12 @@ def majority_sample_mode(devices: Iterable[tuple[GpuDeviceSample, float]]) -> tu
     for device, weight in devices:
         mode = device.sharing_mode
         weights[mode] = weights.get(mode, 0.0) + max(weight, 0.0)
+    return majority_of(weights)
+
+
+def majority_of(weights: Mapping[SharingMode, float]) -> tuple[SharingMode, bool]:
+    """``majority_sample_mode`` of a window whose ticks' weights per sharing mode are ``weights`` (each summed in
+    tick order, negative weights as 0)."""
     if not weights:
         return SharingMode.UNKNOWN, False
     order = _MODE_ORDER

@@ -417,9 +417,13 @@ class LivePodIndex(PodLookup):
     events)`` gives (same pods, device map, clock and next expiry). Its lookups read the current state: use them
     within one synchronous step (attributing a window against the pods of the moment) and keep ``snapshot()``,
     never this object, where the pods must not change afterwards. Not thread-safe: one owner.
+
+    ``generation`` changes whenever a pod or a device's holders change (an event applied, a pod pruned): what was
+    looked up under one generation holds until it changes.
     """
 
-    __slots__ = ("linger_ms", "fields", "clock_unix_ms", "_pods", "_by_device", "_expiries", "_snapshot")
+    __slots__ = ("linger_ms", "fields", "clock_unix_ms", "generation", "_pods", "_by_device", "_expiries",
+                 "_snapshot")
 
     def __init__(self, linger_ms: int = DEFAULT_LINGER_MS, fields: PodFields = ALL_FIELDS) -> None:
         if linger_ms < 0:
@@ -427,6 +431,7 @@ class LivePodIndex(PodLookup):
         self.linger_ms = linger_ms
         self.fields = fields
         self.clock_unix_ms = -_FOREVER
+        self.generation = 0
         self._pods: dict[str, PodInfo] = {}
         self._by_device: dict[str, tuple[str, ...]] = {}
         # (deleted_at + linger, uid) of every deleted pod, plus stale entries (pod since pruned, or its deletion
@@ -444,6 +449,7 @@ class LivePodIndex(PodLookup):
                 return self._advance_clock(event.observed_at_unix_ms)
             return PodChange(False, ())
         self._snapshot = None
+        self.generation += 1
         info = _pod_info(event, previous, self.fields)
         self._pods[uid] = info
         old_bases = {a.base_id for a in previous.assignments} if previous is not None else set()
@@ -493,6 +499,8 @@ class LivePodIndex(PodLookup):
             for base in {a.base_id for a in info.assignments}:
                 self._remove_holder(base, uid)
             dropped.append(uid)
+        if dropped:
+            self.generation += 1
         return dropped
 
     def _next_expiry(self) -> int:

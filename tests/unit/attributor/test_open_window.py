@@ -1,0 +1,211 @@
+"""A node window summed as its ticks arrive (``OpenNodeWindow``) closes to exactly the rows of the window attributed
+from its ticks at close: for any pods, processes, modes and policies, whether or not the pods changed after the
+ticks arrived, however the sums were batched -- and the engine closes its windows that way."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given
+
+from schemas.records import PodEventType, SharingMode
+from services.attributor import attribution
+from services.attributor.attribution import (
+    AttributionPolicy,
+    MpsCompute,
+    OpenNodeWindow,
+    attribute_node_window,
+    attribute_node_window_detailed,
+)
+from services.attributor.engine import AttributionEngine, EngineConfig
+from services.attributor.pod_index import PodIndex, apply_pod_events
+from services.attributor.windows import NodeWindow
+from tests.unit.attributor import GIB, device, node_sample, pod_event
+from tests.unit.attributor.test_attribution_properties import PROPERTY_SETTINGS, START, WINDOW_S, policies, scenarios
+
+
+def _summed(window: NodeWindow, pods, policy: AttributionPolicy, generation: int = 0) -> OpenNodeWindow:
+    summed = OpenNodeWindow(window.window_seconds, policy)
+    for sample in window.samples:
+        summed.add(sample, pods, generation)
+    return summed
+
+
+class _Counting:
+    """How many units the close attributed from their sums, and how many from their ticks."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.from_sums = self.from_ticks = 0
+        prepared = attribution._OpenUnit.prepared
+
+        def counted(unit, *args):
+            result = prepared(unit, *args)
+            if result is None:
+                self.from_ticks += 1
+            else:
+                self.from_sums += 1
+            return result
+
+        monkeypatch.setattr(attribution._OpenUnit, "prepared", counted)
+
+
+@pytest.mark.parametrize("batch_ticks", [1, 3, 8])
+@PROPERTY_SETTINGS
+@given(scenario=scenarios(), policy=policies)
+def test_summed_as_ticks_arrive_equals_attributed_at_close(batch_ticks, scenario, policy):
+    window, index = scenario
+    original = attribution._SUM_BATCH_TICKS
+    attribution._SUM_BATCH_TICKS = batch_ticks
+    try:
+        summed = _summed(window, index, policy)
+    finally:
+        attribution._SUM_BATCH_TICKS = original
+    expected = attribute_node_window_detailed(window, index, policy)
+    got = attribute_node_window_detailed(window, index, policy, summed)
+    # Bit for bit: the same floating-point sums in the same order, the same decisions and data-quality counts.
+    assert got == expected
+
+
+@PROPERTY_SETTINGS
+@given(scenario=scenarios(), policy=policies)
+def test_pods_that_changed_after_the_ticks_arrived_give_the_close_s_rows(scenario, policy):
+    # The ticks are summed under no pods at all (their events not in yet), the close sees every pod.
+    window, index = scenario
+    summed = _summed(window, PodIndex.empty(), policy)
+    assert attribute_node_window_detailed(window, index, policy, summed) == attribute_node_window_detailed(
+        window, index, policy)
+
+
+def _time_sliced_window(ticks: int, *, modes: list[SharingMode] | None = None,
+                        times: list[int] | None = None) -> tuple[NodeWindow, PodIndex]:
+    events = [pod_event(f"pod-{i}", devices=[("nvidia.com/gpu", [f"GPU-0::{i}"])],
+                        observed_at_unix_ms=START - 20_000) for i in range(3)]
+    samples = []
+    for seq in range(ticks):
+        t = times[seq] if times is not None else START + seq * 1000
+        mode = modes[seq] if modes is not None else SharingMode.TIME_SLICING
+        procs = [(i, (i + 1) * GIB + seq * 1024, 10 * i + seq % 7) for i in range(3)]
+        samples.append(node_sample(t, [device("GPU-0", used=8 * GIB, util=60 + seq % 30, mode=mode, replicas=3,
+                                              procs=procs)], pod_uids=[f"pod-{i}" for i in range(3)],
+                                   sequence=seq))
+    ordered = tuple(sorted(samples, key=lambda s: (s.sampled_at_unix_ms, s.sequence)))
+    return NodeWindow("c1", "node-a", START, WINDOW_S, ordered), apply_pod_events(PodIndex.empty(), events)
+
+
+def test_a_steady_window_closes_from_its_sums(monkeypatch):
+    window, index = _time_sliced_window(60)
+    count = _Counting(monkeypatch)
+    policy = AttributionPolicy()
+    summed = _summed(window, index, policy)
+    assert attribute_node_window(window, index, policy, summed) == attribute_node_window(window, index, policy)
+    assert (count.from_sums, count.from_ticks) == (1, 0)
+
+
+def test_a_unit_whose_holders_changed_after_its_ticks_is_attributed_from_its_ticks(monkeypatch):
+    window, index = _time_sliced_window(60)
+    policy = AttributionPolicy()
+    summed = _summed(window, index, policy)
+    # pod-1's deletion, observed after the ticks were summed, ends its life in the middle of the window.
+    later = apply_pod_events(index, [pod_event("pod-1", devices=[("nvidia.com/gpu", ["GPU-0::1"])],
+                                               event_type=PodEventType.DELETED, phase="Succeeded",
+                                               observed_at_unix_ms=START + 30_500, resource_version="2")])
+    count = _Counting(monkeypatch)
+    assert attribute_node_window(window, later, policy, summed) == attribute_node_window(window, later, policy)
+    assert (count.from_sums, count.from_ticks) == (0, 1)
+
+
+def test_an_epoch_whose_majority_mode_selects_another_branch_is_attributed_from_its_ticks(monkeypatch):
+    # Summed under time-slicing (the first tick's mode), decided MPS at close (most of the window's weight).
+    modes = [SharingMode.TIME_SLICING] * 10 + [SharingMode.MPS] * 50
+    window, index = _time_sliced_window(60, modes=modes)
+    policy = AttributionPolicy()
+    summed = _summed(window, index, policy)
+    count = _Counting(monkeypatch)
+    assert attribute_node_window(window, index, policy, summed) == attribute_node_window(window, index, policy)
+    assert (count.from_sums, count.from_ticks) == (0, 1)
+
+
+def test_mps_split_by_threads_is_attributed_from_the_ticks(monkeypatch):
+    window, index = _time_sliced_window(20, modes=[SharingMode.MPS] * 20)
+    policy = AttributionPolicy(mps_compute=MpsCompute.THREADS)
+    summed = _summed(window, index, policy)
+    count = _Counting(monkeypatch)
+    assert attribute_node_window(window, index, policy, summed) == attribute_node_window(window, index, policy)
+    assert (count.from_sums, count.from_ticks) == (0, 1)
+
+
+def test_a_tick_out_of_order_drops_the_sums_and_the_close_uses_the_ticks():
+    times = [START + s * 1000 for s in range(30)]
+    times[10], times[11] = times[11], times[10]
+    window, index = _time_sliced_window(30, times=times)
+    policy = AttributionPolicy()
+    summed = OpenNodeWindow(WINDOW_S, policy)
+    arrived = sorted(window.samples, key=lambda s: s.sequence)  # arrival order: 11's time before 10's
+    for sample in arrived:
+        summed.add(sample, index, 0)
+    assert not summed.holds(window, policy)
+    assert attribute_node_window(window, index, policy, summed) == attribute_node_window(window, index, policy)
+
+
+def test_the_sums_of_another_window_or_policy_are_not_used():
+    window, index = _time_sliced_window(20)
+    policy = AttributionPolicy()
+    summed = _summed(window, index, policy)
+    assert summed.holds(window, policy)
+    shorter = NodeWindow(window.cluster, window.node_name, window.window_start_unix_ms, window.window_seconds,
+                         window.samples[:-1])
+    assert not summed.holds(shorter, policy)
+    assert not summed.holds(window, AttributionPolicy(mps_compute=MpsCompute.THREADS))
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_engine_closes_from_its_sums_exactly_what_it_closes_from_its_ticks(seed, monkeypatch):
+    # Ticks of three nodes interleaved, some late or out of order, pods arriving and leaving as the ticks flow.
+    rng = random.Random(seed)
+
+    def run(summing: bool):
+        engine = AttributionEngine(EngineConfig())
+        if not summing:
+            monkeypatch.setattr(engine, "_sum_tick", lambda *args: None)
+        results = []
+        for kind, item, now in inputs:
+            if kind == "pod":
+                engine.on_pod_event(item)
+                continue
+            try:
+                output = engine.on_sample(item, now)
+            except Exception as exc:  # out-of-range ticks are the caller's dead letters, alike both ways
+                results.append(type(exc).__name__)
+                continue
+            results.extend(w.shares for w in output.windows)
+        results.extend(w.shares for w in engine.flush().windows)
+        return results
+
+    inputs = []
+    for node in ("node-a", "node-b", "node-c"):
+        for i in range(4):
+            ids = [("nvidia.com/gpu", [f"GPU-{node}::{i}"])]
+            inputs.append(("pod", pod_event(f"{node}-pod-{i}", node=node, devices=ids,
+                                            observed_at_unix_ms=START - 5_000 + rng.randrange(0, 90_000)), 0))
+            if i == 3:
+                inputs.append(("pod", pod_event(f"{node}-pod-{i}", node=node, devices=ids,
+                                                event_type=PodEventType.DELETED, phase="Succeeded",
+                                                resource_version="2",
+                                                observed_at_unix_ms=START + rng.randrange(20_000, 140_000)), 0))
+    for second in range(150):
+        for node in ("node-a", "node-b", "node-c"):
+            t = START + second * 1000 + rng.randrange(-3_000, 1_000)
+            procs = [(i, rng.randrange(1, 20) * GIB, rng.choice([-1, 0, 5, 40])) for i in range(rng.randrange(0, 5))]
+            sample = node_sample(t, [device(f"GPU-{node}", used=30 * GIB, util=rng.randrange(0, 101), replicas=4,
+                                            procs=procs)],
+                                 pod_uids=[f"{node}-pod-{i}" for i in range(4)], sequence=second, node=node)
+            inputs.append(("sample", sample, t + 500))
+    # Pod events arrive among the ticks: some before the ticks they concern, some after.
+    events = [item for item in inputs if item[0] == "pod"]
+    ticks = [item for item in inputs if item[0] == "sample"]
+    for event in events:
+        ticks.insert(rng.randrange(0, len(ticks)), event)
+    inputs = ticks
+    summed_results = run(True)
+    assert summed_results and summed_results == run(False)
