@@ -26,6 +26,7 @@ NodeSample v3 into objects (the old topic's record), and stdlib ``json.loads`` o
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
@@ -39,6 +40,7 @@ from bench.workload import Fleet
 
 TARGET_GPU_SAMPLES_PER_S = 150_000  # issue 23: per CPU-second, decode + engine
 TARGET_SPEEDUP_VS_BASELINE = 3.0  # issue 23: at least 3x the JSON baseline, in the same run
+TARGET_CLOSE_S_FOR_1250_NODE_WINDOWS = 1.0  # issue 23: "the close of 1,250 node-windows must not take seconds"
 WINDOW_SECONDS = 60
 GRACE_SECONDS = 10
 
@@ -334,6 +336,50 @@ def engine_memory(nodes: int, gpus_per_node: int = 8, pods_per_gpu: int = 8) -> 
             "mib_at_10000_gpus_80000_pods": round((87_500 * per_tick + 80_000 * per_pod) / 2**20)}
 
 
+def close_burst(nodes: int, repeats: int, gpus_per_node: int = 8, pods_per_gpu: int = 8) -> dict[str, Any]:
+    """CPU to close ``nodes`` node-windows at once, as a fleet's all close in the same second (each node's first
+    tick past end + grace), each a whole window of 1 Hz ticks, and CPU to take those ticks in: the engine as it
+    runs (each tick summed into its window as it arrives, ``attribution.OpenNodeWindow``) against every tick
+    summed at the close (what the engine did before), alternately, best of ``repeats``. Both close to the same
+    rows (checked)."""
+    import gc
+
+    data = build_input(nodes, WINDOW_SECONDS, gpus_per_node, pods_per_gpu)
+    decode = codec_for(NodeSample).decode
+    samples = [(now_ms, decode(message)) for now_ms, message in data.avro_messages]
+    best: dict[str, tuple[float, float, int]] = {}
+    rows: dict[str, list[GpuShare]] = {}
+    for _ in range(repeats):
+        for label in ("summed_as_ticks_arrive", "summed_at_close"):
+            engine = engine_with_pods(data)
+            if label == "summed_at_close":
+                engine._sum_tick = lambda *_args: None  # type: ignore[method-assign]  # every tick summed at close
+            gc.collect()
+            started = time.process_time()
+            for position, (now_ms, sample) in enumerate(samples):
+                engine.on_sample(sample, now_ms, position)
+            ingest_s = time.process_time() - started
+            gc.collect()
+            started = time.process_time()
+            closed = engine.flush().windows
+            close_s = time.process_time() - started
+            rows[label] = [share for window in closed for share in window.shares]
+            if label not in best or ingest_s + close_s < sum(best[label][:2]):
+                best[label] = (ingest_s, close_s, len(closed))
+    if rows["summed_as_ticks_arrive"] != rows["summed_at_close"]:
+        raise AssertionError("summing ticks as they arrive changed the rows")
+    figures: dict[str, Any] = {"nodes": nodes, "ticks_per_node_window": WINDOW_SECONDS, "repeats": repeats}
+    for label, (ingest_s, close_s, windows) in best.items():
+        figures[label] = {
+            "node_windows": windows,
+            "close_cpu_ms_per_node_window": round(close_s * 1000 / windows, 3),
+            "ingest_cpu_us_per_message": round(ingest_s * 1e6 / len(samples), 1),
+            "close_cpu_s_for_1250_node_windows": round(close_s / windows * 1250, 2),
+            "cpu_ms_per_node_window_in_all": round((ingest_s + close_s) * 1000 / windows, 3),
+        }
+    return figures
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the benchmark
 
@@ -401,6 +447,7 @@ def measure(nodes: int, ticks: int, repeats: int, gpus_per_node: int = 8, pods_p
             "engine": parts["engine"].summary(units, "gpu_samples"),
         },
         "memory": engine_memory(nodes, gpus_per_node, pods_per_gpu),
+        "close": close_burst(nodes, repeats, gpus_per_node, pods_per_gpu),
     }
 
 
@@ -425,6 +472,18 @@ def run(quick: bool) -> tuple[dict[str, Any], list[Target], list[str]]:
                           f"{fmt_int(memory['bytes_per_pod'])} B per pod, {fmt_int(memory['bytes_per_open_tick'])} B "
                           f"per open tick: {fmt_int(memory['mib_at_10000_gpus_80000_pods'])} MiB for 10,000 GPUs "
                           "(87,500 open ticks) and 80,000 pods", True))
+    close = figures["close"]
+    summed, at_close = close["summed_as_ticks_arrive"], close["summed_at_close"]
+    close_s = summed["close_cpu_s_for_1250_node_windows"]
+    targets.append(Target(
+        "attributor close of 1,250 node-windows", f"< {TARGET_CLOSE_S_FOR_1250_NODE_WINDOWS:g} s CPU (a 10,000-GPU "
+        "fleet's windows all close in the same second)",
+        f"{close_s:g} s ({summed['close_cpu_ms_per_node_window']} ms per node-window; "
+        f"{at_close['close_cpu_s_for_1250_node_windows']:g} s with every tick summed at the close); taking the ticks "
+        f"in {summed['ingest_cpu_us_per_message']} us per message ({at_close['ingest_cpu_us_per_message']})",
+        close_s < TARGET_CLOSE_S_FOR_1250_NODE_WINDOWS,
+        "" if close_s < TARGET_CLOSE_S_FOR_1250_NODE_WINDOWS else
+        "what is left is per unit and per row (decisions, share rows); see docs/performance.md"))
     breakdown = figures["breakdown"]
     notes = [f"gpumeter and the baseline agree on every share to {figures['max_share_difference']:.1e}",
              "decode, GPU-samples/s: NodeSample v4 into arrays "
