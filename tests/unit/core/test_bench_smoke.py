@@ -34,6 +34,12 @@ def test_attribution_measures_engine_and_baseline_that_agree():
     assert set(figures["breakdown"]) == {"decode", "decode_v4_arrays", "decode_v3", "decode_json", "engine"}
     assert all(part["gpu_samples_per_cpu_s"] > 0 for part in figures["breakdown"].values())
     assert workload["avro_v3_bytes_per_message"] > 0
+    close = figures["close"]
+    for variant in ("summed_as_ticks_arrive", "summed_at_close"):
+        # One whole window per node, all closed at once (the rows of both ways are checked equal inside).
+        assert close[variant]["node_windows"] == nodes  # the fleet's ticks start at a window's start
+        assert close[variant]["close_cpu_ms_per_node_window"] >= 0
+        assert close[variant]["ingest_cpu_us_per_message"] > 0
 
 
 def test_share_comparison_notices_a_disagreement():
