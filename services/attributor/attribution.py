@@ -22,7 +22,7 @@ import math
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Mapping, NamedTuple, Sequence
+from typing import Iterable, Mapping, NamedTuple, Sequence
 
 from gpumeter.errors import ConfigError
 from schemas.records import GpuDeviceSample, GpuShare, NodeSample, SharingMode, ShareSubjectKind
@@ -175,9 +175,10 @@ class UnitWindow:
             raise ValueError(f"unit window {self.unit_uuid} has no ticks: a unit exists only where it was sampled")
 
 
-@dataclass(frozen=True, slots=True)
-class ShareRow:
-    """One subject's share of one unit in one window: the ``GpuShare`` fields that do not depend on the node."""
+class ShareRow(NamedTuple):
+    """One subject's share of one unit in one window: the ``GpuShare`` fields that do not depend on the node. (A
+    NamedTuple, not a frozen dataclass: a close makes one per row, and a frozen dataclass costs a ``__setattr__``
+    per field to build.)"""
 
     gpu_uuid: str
     parent_gpu_uuid: str | None
@@ -538,8 +539,14 @@ def _assignees(pods: PodLookup, keys: tuple[str, ...],
                tick_times: Sequence[int]) -> list[tuple[PodInfo, UnitAssignment]]:
     """Pods holding an id that names the unit (``keys``), alive at one of its ticks (``tick_times``, sorted) at
     least, sorted by uid."""
+    return _alive_assignees(pods.assignments_for(keys), tick_times)
+
+
+def _alive_assignees(assignments: Iterable[tuple[PodInfo, UnitAssignment]],
+                     tick_times: Sequence[int]) -> list[tuple[PodInfo, UnitAssignment]]:
+    """Of ``assignments``, those alive at one of ``tick_times`` (sorted) at least, in their order."""
     assignees: list[tuple[PodInfo, UnitAssignment]] = []
-    for info, claim in pods.assignments_for(keys):
+    for info, claim in assignments:
         # Alive at one tick at least: the first tick at or after its start comes before its end.
         first = bisect_left(tick_times, info.life_start_ms)
         if first < len(tick_times) and tick_times[first] < info.life_end_ms:
@@ -1031,6 +1038,9 @@ def _unit_vectors(
     comp_w = sum(e.comp_w for e in epochs)
 
     def summed(slot_attr: str) -> list[float]:
+        if len(epochs) == 1:
+            values = getattr(epochs[0], slot_attr)
+            return [0.0 + values[s] for s in row_slots]  # sum() of one value: 0 + it
         return [sum(getattr(e, slot_attr)[s] for e in epochs) for s in row_slots]
 
     available_memory = available_compute = None
@@ -1357,7 +1367,8 @@ class _OpenUnit:
     for): the close then attributes the unit from its ticks."""
 
     __slots__ = ("kind", "keys", "ticks", "weights", "intervals", "covered_ms", "epochs", "runs",
-                 "unavailable_w", "quality", "usable", "_assignments", "_assignments_generation", "_cuts", "_current")
+                 "unavailable_w", "quality", "usable", "_assignments", "_assignments_generation", "_cuts", "_current",
+                 "_runs_generation")
 
     def __init__(self, kind: UnitKind) -> None:
         self.kind = kind
@@ -1376,6 +1387,8 @@ class _OpenUnit:
         self._cuts: list[int] = []
         # (pods generation, from ms, until ms, holders, epoch): the stretch of the last tick summed
         self._current: tuple[int, int, int, tuple[str, ...], _Epoch] | None = None
+        # The pods generation every run's holders were found under (None: several)
+        self._runs_generation: int | None = None
 
     def add(self, tick: UnitTick, uuid: str, parent_uuid: str | None, window_ms: int, slots: _PodSlots,
             pods: PodLookup, generation: int, policy: AttributionPolicy) -> None:
@@ -1452,6 +1465,10 @@ class _OpenUnit:
                 return None
             self.epochs[holders] = epoch
         runs = self.runs
+        if not runs:
+            self._runs_generation = generation
+        elif generation != self._runs_generation:
+            self._runs_generation = None
         if runs and runs[-1][2] == holders:
             runs[-1][1] = t
         else:
@@ -1466,8 +1483,14 @@ class _OpenUnit:
         _add_ticks(epoch, epoch.ticks[epoch.summed:], slots, self.quality, None)
         epoch.summed = len(epoch.ticks)
 
+    def settle(self, slots: _PodSlots) -> None:
+        """Add every tick not yet in the sums (a window that takes no more ticks but has not closed yet)."""
+        for epoch in self.epochs.values():
+            if epoch.summed < len(epoch.ticks):
+                self._sum(epoch, slots)
+
     def prepared(self, unit: UnitWindow, pods: PodLookup, policy: AttributionPolicy,
-                 slots: _PodSlots) -> _Prepared | None:
+                 slots: _PodSlots, same_pods: bool) -> _Prepared | None:
         """``_prepare(unit, ...)``'s result from the sums, or None where they are not provably the same: a weight
         fallback applies, the unit's ids or kind changed, a tick was summed under other holders than the close
         finds for it (a pod event arrived after the tick), or an epoch's decision selects another branch."""
@@ -1485,13 +1508,21 @@ class _OpenUnit:
         interval_sum = sum(intervals)
         gpu_fraction = total_weight / interval_sum if interval_sum > 0 else 0.0
         covered_seconds = min(self.covered_ms, unit.window_seconds * 1000) / 1000.0
-        assignees = _assignees(pods, keys, [t.sampled_at_unix_ms for t in self.ticks])
-        cuts = sorted({edge for info, _claim in assignees for edge in (info.life_start_ms, info.life_end_ms)})
-        for first, last, holders in self.runs:
-            if bisect_right(cuts, first) != bisect_right(cuts, last):
-                return None
-            if tuple(info.uid for info, _claim in assignees if info.alive_at(first)) != holders:
-                return None
+        tick_times = [t.sampled_at_unix_ms for t in self.ticks]
+        generation = pods.generation
+        if (same_pods and generation is not None and generation == self._runs_generation
+                and generation == self._assignments_generation):
+            # The pods have not changed since every run's holders were found among these same assignments: the
+            # close would find the same holders.
+            assignees = _alive_assignees(self._assignments, tick_times)
+        else:
+            assignees = _assignees(pods, keys, tick_times)
+            cuts = sorted({edge for info, _claim in assignees for edge in (info.life_start_ms, info.life_end_ms)})
+            for first, last, holders in self.runs:
+                if bisect_right(cuts, first) != bisect_right(cuts, last):
+                    return None
+                if tuple(info.uid for info, _claim in assignees if info.alive_at(first)) != holders:
+                    return None
         index_of = {info.uid: i for i, (info, _claim) in enumerate(assignees)}
         assignee_slots = [slots.slot(info.uid) for info, _ in assignees]
         nslots = len(slots.uids)
@@ -1524,7 +1555,7 @@ class OpenNodeWindow:
     Mutable, one owner; holds every tick of the window until it closes."""
 
     __slots__ = ("window_ms", "policy", "samples", "slots", "ticks_by_unit", "meta", "units", "in_order",
-                 "_last_order")
+                 "_last_order", "_pods")
 
     def __init__(self, window_seconds: int, policy: AttributionPolicy) -> None:
         self.window_ms = window_seconds * 1000
@@ -1536,12 +1567,18 @@ class OpenNodeWindow:
         self.units: dict[str, _OpenUnit] = {}
         self.in_order = True
         self._last_order: tuple[int, int, int] | None = None
+        # The pods every tick was summed against (None: none yet, or not always the same object)
+        self._pods: PodLookup | None = None
 
     def add(self, sample: NodeSample, pods: PodLookup, pods_generation: int) -> None:
         """Sum one tick. ``pods``: the pods known now; ``pods_generation`` changes whenever they change
-        (``LivePodIndex.generation``)."""
+        (``LivePodIndex.generation``; a caller passing immutable indexes passes a new number for each)."""
         if not self.in_order:
             return
+        if not self.samples:
+            self._pods = pods
+        elif pods is not self._pods:
+            self._pods = None
         order = (sample.sampled_at_unix_ms, sample.collector_started_at_unix_ms, sample.sequence)
         if self._last_order is not None and order <= self._last_order:
             # A tick older than one already summed: the close sorts it before that one, so no sum can be reused.
@@ -1561,6 +1598,13 @@ class OpenNodeWindow:
             unit.add(ticks_by_unit[uuid][-1], uuid, parent_uuid, self.window_ms, self.slots, pods, pods_generation,
                      self.policy)
 
+    def settle(self) -> None:
+        """Add every tick taken in to the sums now (the node's ticks have moved on to its next window): less for
+        the close to do. The sums are the same whenever this is called."""
+        for unit in self.units.values():
+            if unit.usable:
+                unit.settle(self.slots)
+
     def holds(self, window: NodeWindow, policy: AttributionPolicy) -> bool:
         """Whether this summed exactly ``window``'s ticks, in its order, under ``policy``."""
         samples = self.samples
@@ -1574,7 +1618,8 @@ class OpenNodeWindow:
     def attribute_unit(self, unit: UnitWindow, pods: PodLookup) -> UnitAttribution:
         """``attribute_unit_detailed`` of one of ``unit_windows``' units, from its sums where they hold."""
         summed = self.units.get(unit.unit_uuid)
-        prepared = summed.prepared(unit, pods, self.policy, self.slots) if summed is not None else None
+        prepared = (summed.prepared(unit, pods, self.policy, self.slots, pods is self._pods)
+                    if summed is not None else None)
         if prepared is None:
             return _attribute(unit, pods, self.policy, self.slots)
         return _finish(unit, pods, self.policy, self.slots, prepared)

@@ -646,6 +646,11 @@ class AttributionEngine:
         if summed is None:
             summed = self._open_windows[(key, window_start_unix_ms)] = OpenNodeWindow(self.config.window_seconds,
                                                                                       self.config.policy)
+            previous = self._open_windows.get((key, window_start_unix_ms - self.config.window_seconds * 1000))
+            if previous is not None:
+                # The node's ticks moved on to its next window: the previous one's sums are completed now, in its
+                # grace, rather than at its close, when every node's window closes at once.
+                previous.settle()
         summed.add(sample, self._pods, self._pods.generation)
 
     def _attribute(self, key: NodeKey, closed: tuple[NodeWindow, ...]) -> tuple[WindowResult, ...]:

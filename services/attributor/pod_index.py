@@ -246,6 +246,8 @@ class PodLookup:
     __slots__ = ()
     _pods: Mapping[str, PodInfo]
     _by_device: Mapping[str, tuple[str, ...]]  # base device id -> uids holding it, sorted
+    # Changes whenever the pods or their devices' holders change (``LivePodIndex``); None where not counted
+    generation: int | None = None
 
     def __len__(self) -> int:
         return len(self._pods)
