@@ -19,7 +19,7 @@ from services.attributor.attribution import (
     attribute_node_window_detailed,
 )
 from services.attributor.engine import AttributionEngine, EngineConfig
-from services.attributor.pod_index import PodIndex, apply_pod_events
+from services.attributor.pod_index import LivePodIndex, PodIndex, apply_pod_events
 from services.attributor.windows import NodeWindow
 from tests.unit.attributor import GIB, device, node_sample, pod_event
 from tests.unit.attributor.test_attribution_properties import PROPERTY_SETTINGS, START, WINDOW_S, policies, scenarios
@@ -77,10 +77,14 @@ def test_pods_that_changed_after_the_ticks_arrived_give_the_close_s_rows(scenari
         window, index, policy)
 
 
+def _time_sliced_pods() -> list:
+    return [pod_event(f"pod-{i}", devices=[("nvidia.com/gpu", [f"GPU-0::{i}"])], observed_at_unix_ms=START - 20_000)
+            for i in range(3)]
+
+
 def _time_sliced_window(ticks: int, *, modes: list[SharingMode] | None = None,
                         times: list[int] | None = None) -> tuple[NodeWindow, PodIndex]:
-    events = [pod_event(f"pod-{i}", devices=[("nvidia.com/gpu", [f"GPU-0::{i}"])],
-                        observed_at_unix_ms=START - 20_000) for i in range(3)]
+    events = _time_sliced_pods()
     samples = []
     for seq in range(ticks):
         t = times[seq] if times is not None else START + seq * 1000
@@ -209,3 +213,31 @@ def test_the_engine_closes_from_its_sums_exactly_what_it_closes_from_its_ticks(s
     inputs = ticks
     summed_results = run(True)
     assert summed_results and summed_results == run(False)
+
+
+def test_a_live_index_that_changed_after_the_ticks_is_checked_again(monkeypatch):
+    # The engine's own index (``LivePodIndex``): while its generation stays, the holders found as the ticks arrived
+    # are the close's; once an event changes it, the close checks them again.
+    window, _ = _time_sliced_window(60)
+    live = LivePodIndex()
+    for event in _time_sliced_pods():
+        assert live.apply(event).changed
+    policy = AttributionPolicy()
+    summed = OpenNodeWindow(WINDOW_S, policy)
+    for sample in window.samples:
+        summed.add(sample, live, live.generation)
+    count = _Counting(monkeypatch)
+    assert attribute_node_window(window, live, policy, summed) == attribute_node_window(window, live, policy)
+    assert (count.from_sums, count.from_ticks) == (1, 0)
+
+    summed = OpenNodeWindow(WINDOW_S, policy)
+    for sample in window.samples:
+        summed.add(sample, live, live.generation)
+    generation = live.generation
+    assert live.apply(pod_event("pod-1", devices=[("nvidia.com/gpu", ["GPU-0::1"])],
+                                event_type=PodEventType.DELETED, phase="Succeeded",
+                                observed_at_unix_ms=START + 30_500, resource_version="2")).changed
+    assert live.generation != generation
+    assert attribute_node_window(window, live, policy, summed) == attribute_node_window(window, live, policy)
+    assert (count.from_sums, count.from_ticks) == (1, 1)
+
