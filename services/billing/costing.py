@@ -402,7 +402,7 @@ def _price_checked_node_window(rows: Sequence[GpuShare], facts: NodeFacts, price
                                       gpu_fraction=float(fraction), **common))
             continue
         unit_rows = sorted(units[gpu_uuid], key=_row_order)
-        row_micro = apportion(micro, [Fraction(r.cost_share) for r in unit_rows])
+        row_micro = apportion(micro, [r.cost_share for r in unit_rows])  # floats, at their exact value
         for row, amount in zip(unit_rows, row_micro):
             records.append(
                 CostRecord(
