@@ -51,11 +51,23 @@ def write_int(n: int) -> bytes:
     return write_long(n)
 
 
+_STRINGS: dict[str, bytes] = {}
+_STRINGS_BOUND = 8192  # node, GPU, pod names and labels of a few node-windows; cleared when full
+
+
 def write_string(text: str) -> bytes:
+    """Avro ``string``: the UTF-8 length, then the bytes. Repeated strings (a node-window's GPUs, namespaces,
+    label keys) come from a bounded cache."""
     if type(text) is not str:
         raise TypeError(f"a string must be a str, not {type(text).__name__}")
-    data = text.encode("utf-8")
-    return write_long(len(data)) + data
+    written = _STRINGS.get(text)
+    if written is None:
+        data = text.encode("utf-8")
+        written = write_long(len(data)) + data
+        if len(_STRINGS) >= _STRINGS_BOUND:
+            _STRINGS.clear()
+        _STRINGS[text] = written
+    return written
 
 
 def write_optional_string(text: str | None) -> bytes:

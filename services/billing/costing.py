@@ -423,7 +423,9 @@ def _price_checked_node_window(rows: Sequence[GpuShare], facts: NodeFacts, price
                     **common,
                 )
             )
-    records = list(apply_sharing(records, requests_by_pod(rows), sharing))
+    # The pods' requests weigh only a policy that shares (a keep-all policy returns the lines as they are).
+    requests = requests_by_pod(rows) if sharing.shares_anything else MappingProxyType({})
+    records = list(apply_sharing(records, requests, sharing))
     node_other_micro = part_micro[-1]
     bill = NodeBill(
         cluster=facts.key.cluster,
