@@ -1,11 +1,12 @@
-"""Hand-written Avro writers for records billing publishes by the hundred per node-window.
+"""Hand-written Avro writers of the records billing publishes for every node-window (its ~97 ``CostRecord`` lines
+and its ``NodeWindowCost``).
 
 ``fast_writer(full_name, version, schema_json)`` returns a function ``record -> body bytes`` (the Avro binary body,
 without the single-object header) for a record type and schema version listed here, or None. The bytes are
 exactly fastavro's ``schemaless_writer`` output for the same record (Avro binary encoding: zig-zag varint longs,
 length-prefixed UTF-8 strings, union branch indexes, enum symbol indexes, maps and arrays as one block then 0,
 little-endian doubles); ``tests/unit/schemas/test_fastwrite.py`` pins them to fastavro's. The writer skips
-``to_avro`` and fastavro's per-call schema dispatch: for ``CostRecord`` about a fifth of the generic path's cost.
+``to_avro`` and fastavro's per-call schema dispatch.
 
 Contract: the writer raises on any value that is not of the schema's plain Python type (a long that is not an
 ``int`` or out of range, a string that is not a ``str``, an enum value outside the symbols, ...); the caller
@@ -181,8 +182,99 @@ def _cost_record_v2(schema_json: Mapping[str, Any]) -> Callable[[Any], bytes] | 
     return write
 
 
+# -- NodeWindowCost v1 -----------------------------------------------------------------------------------------
+
+_WINDOW_POD_FIELDS = (
+    ("pod_uid", "string"), ("namespace", ["null", "string"]), ("pod_name", ["null", "string"]),
+    ("labels", "map<string>"), ("carried_label_keys", "array<string>"), ("workload_kind", ["null", "string"]),
+    ("workload_name", ["null", "string"]), ("cpu_request_millicores", "long"), ("memory_request_bytes", "long"),
+)
+_NODE_WINDOW_COST_V1_FIELDS = (
+    ("cluster", "string"), ("node_name", "string"), ("window_start_unix_ms", "long"), ("window_seconds", "int"),
+    ("billed_milliseconds", "long"), ("cloud_provider", "string"), ("region", "string"), ("zone", "string"),
+    ("provider_id", "string"), ("instance_type", "string"), ("price_model", "string"), ("price_version", "string"),
+    ("price_per_hour_usd", "string"), ("split_rule", "string"), ("gpu_count", "int"),
+    ("node_cost_micro_usd", "long"), ("gpu_cost_micro_usd", "long"), ("node_other_micro_usd", "long"),
+    ("sharing", "string"), ("pods", ("array", _WINDOW_POD_FIELDS)), ("unit_uuids", "array<string>"),
+    ("line_unit_index", "array<int>"), ("line_subject_kinds", "array<CostSubjectKind>"),
+    ("line_pod_index", "array<int>"), ("line_cost_share", "array<double>"), ("line_cost_micro_usd", "array<long>"),
+    ("line_shared_from", "array<union>"), ("line_sharing_method", "array<string>"),
+    ("line_method", "array<string>"), ("line_cost_basis", "array<string>"), ("line_memory_share", "array<double>"),
+    ("line_compute_share", "array<double>"), ("line_gpu_fraction", "array<double>"),
+)
+
+
+def _window_shape(avro_type: Any) -> Any:
+    if isinstance(avro_type, dict) and avro_type["type"] == "array":
+        items = avro_type["items"]
+        if isinstance(items, dict) and items.get("type") == "record":
+            return ("array", tuple((f["name"], _shape(f["type"])) for f in items["fields"]))
+        if isinstance(items, list):
+            return "array<union>" if [_shape(t) for t in items] == ["null", "CostSubjectKind"] else None
+        return f"array<{_shape(items)}>"
+    return _shape(avro_type)
+
+
+def _array(items: Any, write_item: Callable[[Any], bytes]) -> bytes:
+    if not items:
+        return b"\x00"
+    return b"".join([write_long(len(items)), *map(write_item, items), b"\x00"])
+
+
+def _double_array(values: Any) -> bytes:
+    if not values:
+        return b"\x00"
+    if any(type(v) is not float for v in values):
+        raise TypeError("a double must be a float")
+    return write_long(len(values)) + struct.pack(f"<{len(values)}d", *values) + b"\x00"
+
+
+def _window_pod(pod: Any) -> bytes:
+    return b"".join((
+        write_string(pod.pod_uid), write_optional_string(pod.namespace), write_optional_string(pod.pod_name),
+        write_string_map(pod.labels), write_string_array(pod.carried_label_keys),
+        write_optional_string(pod.workload_kind), write_optional_string(pod.workload_name),
+        write_long(pod.cpu_request_millicores), write_long(pod.memory_request_bytes),
+    ))
+
+
+def _node_window_cost_v1(schema_json: Mapping[str, Any]) -> Callable[[Any], bytes] | None:
+    if tuple((f["name"], _window_shape(f["type"])) for f in schema_json["fields"]) != _NODE_WINDOW_COST_V1_FIELDS:
+        return None
+    symbols = next(f["type"]["items"]["symbols"] for f in schema_json["fields"] if f["name"] == "line_subject_kinds")
+    kinds = {symbol: write_long(i) for i, symbol in enumerate(symbols)}
+    shared = {symbol: b"\x02" + index for symbol, index in kinds.items()}
+
+    def kind(value: Any) -> bytes:
+        return kinds[str(value)]
+
+    def shared_from(value: Any) -> bytes:
+        return b"\x00" if value is None else shared[str(value)]
+
+    def write(record: Any) -> bytes:
+        r = record
+        return b"".join((
+            write_string(r.cluster), write_string(r.node_name), write_long(r.window_start_unix_ms),
+            write_int(r.window_seconds), write_long(r.billed_milliseconds), write_string(r.cloud_provider),
+            write_string(r.region), write_string(r.zone), write_string(r.provider_id), write_string(r.instance_type),
+            write_string(r.price_model), write_string(r.price_version), write_string(r.price_per_hour_usd),
+            write_string(r.split_rule), write_int(r.gpu_count), write_long(r.node_cost_micro_usd),
+            write_long(r.gpu_cost_micro_usd), write_long(r.node_other_micro_usd), write_string(r.sharing),
+            _array(r.pods, _window_pod), write_string_array(r.unit_uuids), _array(r.line_unit_index, write_int),
+            _array(r.line_subject_kinds, kind), _array(r.line_pod_index, write_int),
+            _double_array(r.line_cost_share), _array(r.line_cost_micro_usd, write_long),
+            _array(r.line_shared_from, shared_from), write_string_array(r.line_sharing_method),
+            write_string_array(r.line_method), write_string_array(r.line_cost_basis),
+            _double_array(r.line_memory_share), _double_array(r.line_compute_share),
+            _double_array(r.line_gpu_fraction),
+        ))
+
+    return write
+
+
 _WRITERS: dict[tuple[str, int], Callable[[Mapping[str, Any]], Callable[[Any], bytes] | None]] = {
     ("gpumeter.CostRecord", 2): _cost_record_v2,
+    ("gpumeter.NodeWindowCost", 1): _node_window_cost_v1,
 }
 
 
