@@ -31,7 +31,6 @@ import gc
 import importlib
 import io
 import pstats
-import sqlite3
 import subprocess
 import sys
 import tarfile
@@ -108,12 +107,13 @@ def workload(name: str, nodes: int, windows: int, first_node: int = 0) -> Worklo
 class Run:
     cpu_s: float
     wall_s: float
-    ledger_path: Path
+    ledger_url: str
     produced: dict[str, list[tuple[bytes | None, bytes | None]]]
 
 
-def prepare(work: Workload, directory: Path, batch_size: int) -> Any:
-    """A migrated ledger and the billing service's driver over a broker holding ``work`` (not timed)."""
+def prepare(work: Workload, url: str, batch_size: int) -> Any:
+    """A migrated ledger at ``url`` and the billing service's driver over a broker holding ``work`` (not
+    timed)."""
     from gpumeter.clock import ManualClock
     from gpumeter.metrics import ServiceMetrics
     from gpumeter.stream.memory import MemoryBroker, MemoryDriver
@@ -124,8 +124,7 @@ def prepare(work: Workload, directory: Path, batch_size: int) -> Any:
     from services.billing.service import (BILLING_METRICS, BillingProcessor, LedgerStore, billing_inputs,
                                           billing_outputs)
 
-    path = directory / "ledger.sqlite3"
-    ledger = Ledger(f"sqlite:///{path}")
+    ledger = Ledger(url)
     ledger.migrate()
     topics = TopicCatalog(prefix="bench.")
     broker = MemoryBroker()
@@ -140,12 +139,12 @@ def prepare(work: Workload, directory: Path, batch_size: int) -> Any:
     store = LedgerStore(ledger, metrics=metrics)
     runner = MessageRunner(processor, billing_inputs(topics), clock, metrics=metrics)
     driver = MemoryDriver(runner, broker, outputs, store=store, batch_size=batch_size)
-    return driver, ledger, path, outputs
+    return driver, ledger, outputs
 
 
-def run_once(work: Workload, directory: Path, batch_size: int = DEFAULT_BATCH, profile: cProfile.Profile | None = None
+def run_once(work: Workload, url: str, batch_size: int = DEFAULT_BATCH, profile: cProfile.Profile | None = None
              ) -> Run:
-    driver, ledger, path, outputs = prepare(work, directory, batch_size)
+    driver, ledger, outputs = prepare(work, url, batch_size)
     gc.collect()
     cpu0, wall0 = time.process_time(), time.perf_counter()
     if profile is not None:
@@ -157,14 +156,56 @@ def run_once(work: Workload, directory: Path, batch_size: int = DEFAULT_BATCH, p
     assert count == work.node_windows, (count, work.node_windows)
     produced = {role: [(m.key, m.value) for m in driver.broker.messages(topic, 0)] for role, topic in outputs.items()}
     ledger.close()
-    return Run(cpu1 - cpu0, wall1 - wall0, path, produced)
+    return Run(cpu1 - cpu0, wall1 - wall0, url, produced)
 
 
-def ledger_rows(path: Path) -> dict[str, list[tuple]]:
-    """Every row of every table of the ledger file, sorted (the outputs two variants must agree on)."""
-    with sqlite3.connect(path) as db:
-        tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")]
-        return {t: sorted(db.execute(f'SELECT * FROM "{t}"').fetchall(), key=repr) for t in tables}
+def ledger_rows(url: str) -> dict[str, list[tuple]]:
+    """Every row of every table of the ledger, sorted (the outputs two variants must agree on)."""
+    from sqlalchemy import create_engine, inspect, text
+
+    engine = create_engine(url)
+    try:
+        with engine.connect() as connection:
+            tables = sorted(inspect(connection).get_table_names())
+            return {t: sorted((tuple(r) for r in connection.execute(text(f'SELECT * FROM "{t}"'))), key=repr)
+                    for t in tables}
+    finally:
+        engine.dispose()
+
+
+class Databases:
+    """A fresh ledger URL per run: a SQLite file in a temporary directory, or a new database on a throwaway
+    PostgreSQL server (``gpumeter.devtools.postgres.PostgresServer``: fsync off, loopback)."""
+
+    def __init__(self, postgres: bool) -> None:
+        self.postgres = postgres
+        self._tmp = tempfile.TemporaryDirectory(prefix="gpumeter-bench-billing-")
+        self._count = 0
+        self._server = None
+        if postgres:
+            from gpumeter.devtools.postgres import PostgresServer
+
+            self._server = PostgresServer()
+            self._server.__enter__()
+
+    def new(self) -> str:
+        self._count += 1
+        if self._server is None:
+            return f"sqlite:///{Path(self._tmp.name) / f'ledger-{self._count}.sqlite3'}"
+        from sqlalchemy import create_engine, text
+        from sqlalchemy.engine import make_url
+
+        admin = create_engine(self._server.url, isolation_level="AUTOCOMMIT")
+        with admin.connect() as connection:
+            connection.execute(text(f'CREATE DATABASE "bench_billing_{self._count}"'))
+        admin.dispose()
+        return make_url(self._server.url).set(database=f"bench_billing_{self._count}").render_as_string(
+            hide_password=False)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.__exit__(None, None, None)
+        self._tmp.cleanup()
 
 
 # -- code trees ---------------------------------------------------------------------------------------------------
@@ -219,10 +260,9 @@ def extract(revision: str, into: Path) -> Path:
 # -- reports ------------------------------------------------------------------------------------------------------
 
 
-def profile_run(work: Workload, batch_size: int, top: int = 30) -> str:
+def profile_run(work: Workload, databases: Databases, batch_size: int, top: int = 30) -> str:
     profile = cProfile.Profile()
-    with tempfile.TemporaryDirectory() as tmp:
-        run = run_once(work, Path(tmp), batch_size, profile)
+    run = run_once(work, databases.new(), batch_size, profile)
     out = io.StringIO()
     stats = pstats.Stats(profile, stream=out)
     print(f"{work.name}: {run.cpu_s / work.node_windows * 1000:.2f} ms CPU per node-window under cProfile", file=out)
@@ -231,16 +271,18 @@ def profile_run(work: Workload, batch_size: int, top: int = 30) -> str:
     return out.getvalue()
 
 
-def compare(work: Workload, trees: Sequence[CodeTree], repeats: int, batch_size: int) -> dict[str, Any]:
+def compare(work: Workload, trees: Sequence[CodeTree], databases: Databases, repeats: int, batch_size: int
+            ) -> dict[str, Any]:
     """Alternate the trees ``repeats`` times on ``work``; best CPU per node-window of each and the ratio of the
     first to each other. Every run's ledger rows and produced bytes must equal the first tree's."""
     best: dict[str, float] = {t.name: float("inf") for t in trees}
     reference: tuple[Any, Any] | None = None
     for _ in range(repeats):
         for tree in trees:
-            with tempfile.TemporaryDirectory() as tmp, tree.active():
-                run = run_once(work, Path(tmp), batch_size)
-                outputs = (ledger_rows(run.ledger_path), run.produced)
+            url = databases.new()
+            with tree.active():
+                run = run_once(work, url, batch_size)
+            outputs = (ledger_rows(url), run.produced)
             if reference is None:
                 reference = outputs
             elif outputs != reference:
@@ -250,7 +292,8 @@ def compare(work: Workload, trees: Sequence[CodeTree], repeats: int, batch_size:
             best[tree.name] = min(best[tree.name], run.cpu_s)
     per_window = {name: cpu / work.node_windows * 1000 for name, cpu in best.items()}
     first = trees[0].name
-    return {"workload": work.name, "node_windows": work.node_windows, "batch_size": batch_size, "repeats": repeats,
+    return {"workload": work.name, "ledger": "postgresql" if databases.postgres else "sqlite",
+            "node_windows": work.node_windows, "batch_size": batch_size, "repeats": repeats,
             "best_cpu_ms_per_node_window": {n: round(v, 3) for n, v in per_window.items()},
             "ratio_to_" + first: {n: round(v / per_window[first], 3) for n, v in per_window.items()}}
 
@@ -265,22 +308,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--new-nodes", type=int, default=300, help="new-nodes workload: node-windows")
     parser.add_argument("--profile", action="store_true", help="print cProfile's top costs of one run")
     parser.add_argument("--only", choices=("repeating", "new"))
+    parser.add_argument("--postgres", action="store_true", help="the ledger on a throwaway PostgreSQL server")
     args = parser.parse_args(argv)
     works = []
     if args.only in (None, "repeating"):
         works.append(workload("repeating", args.nodes, args.windows))
     if args.only in (None, "new"):
         works.append(workload("new", args.new_nodes, 1, first_node=10_000))
-    if args.profile:
-        for work in works:
-            print(profile_run(work, args.batch))
-        return 0
-    with tempfile.TemporaryDirectory() as tmp:
-        trees = [CodeTree("current", None)]
-        if args.baseline:
-            trees.insert(0, CodeTree(args.baseline, extract(args.baseline, Path(tmp))))
-        for work in works:
-            print(compare(work, trees, args.repeats, args.batch), flush=True)
+    databases = Databases(args.postgres)
+    try:
+        if args.profile:
+            for work in works:
+                print(profile_run(work, databases, args.batch))
+            return 0
+        with tempfile.TemporaryDirectory() as tmp:
+            trees = [CodeTree("current", None)]
+            if args.baseline:
+                trees.insert(0, CodeTree(args.baseline, extract(args.baseline, Path(tmp))))
+            for work in works:
+                print(compare(work, trees, databases, args.repeats, args.batch), flush=True)
+    finally:
+        databases.close()
     return 0
 
 
