@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Generic, TypeVar
 
 from schemas.codec import AvroCodec, SchemaRegistry, default_registry
+from schemas.fastwrite import fast_writer
 from schemas.packed import OBJECT_VERSION, NodeSampleCodec
 from schemas.records import RECORD_TYPES, NodeSample
 
@@ -29,8 +30,16 @@ class RecordCodec(Generic[T]):
         if version is None:
             version = _OBJECT_VERSIONS.get(record_type)
         self.avro = AvroCodec(registry or default_registry(), _FULL_NAMES[record_type], version)
+        schema = self.avro.schema
+        # A hand-written writer of the same bytes (schemas.fastwrite), where one exists for this schema.
+        self._fast = fast_writer(schema.full_name, schema.version, schema.schema_json)
 
     def encode(self, record: T) -> bytes:
+        if self._fast is not None:
+            try:
+                return self.avro._header + self._fast(record)
+            except Exception:  # a value of another type than the schema's: the generic path decides (see fastwrite)
+                pass
         return self.avro.encode(record.to_avro())  # type: ignore[attr-defined]
 
     def decode(self, data: bytes) -> T:

@@ -402,7 +402,7 @@ def _price_checked_node_window(rows: Sequence[GpuShare], facts: NodeFacts, price
                                       gpu_fraction=float(fraction), **common))
             continue
         unit_rows = sorted(units[gpu_uuid], key=_row_order)
-        row_micro = apportion(micro, [Fraction(r.cost_share) for r in unit_rows])
+        row_micro = apportion(micro, [r.cost_share for r in unit_rows])  # floats, at their exact value
         for row, amount in zip(unit_rows, row_micro):
             records.append(
                 CostRecord(
@@ -423,7 +423,9 @@ def _price_checked_node_window(rows: Sequence[GpuShare], facts: NodeFacts, price
                     **common,
                 )
             )
-    records = list(apply_sharing(records, requests_by_pod(rows), sharing))
+    # The pods' requests weigh only a policy that shares (a keep-all policy returns the lines as they are).
+    requests = requests_by_pod(rows) if sharing.shares_anything else MappingProxyType({})
+    records = list(apply_sharing(records, requests, sharing))
     node_other_micro = part_micro[-1]
     bill = NodeBill(
         cluster=facts.key.cluster,

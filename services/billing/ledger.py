@@ -413,6 +413,23 @@ def _line_key(cost: CostRecord) -> tuple:
             cost.subject_kind.value, cost.pod_uid or NO_POD, _shared_from(cost))
 
 
+def _line_values(cost: CostRecord) -> tuple:
+    """``_line_row(cost)``'s values, in its order (``LINE_COLUMNS``): the row of the driver-level insert."""
+    shared_from = cost.shared_from
+    return (cost.window_start_unix_ms, cost.cluster, cost.node_name, cost.gpu_uuid or NO_GPU,
+            cost.subject_kind.value, cost.pod_uid or NO_POD, cost.window_seconds, cost.namespace, cost.pod_name,
+            dict(cost.labels), cost.cost_share, cost.cost_micro_usd, cost.instance_type, cost.price_model,
+            cost.price_version, ",".join(cost.carried_label_keys),
+            shared_from.value if shared_from is not None else NOT_SHARED, cost.sharing_method, cost.method,
+            cost.cost_basis, cost.memory_share, cost.compute_share, cost.gpu_fraction)
+
+
+LINE_COLUMNS = ("window_start_unix_ms", "cluster", "node_name", "gpu_uuid", "subject_kind", "pod_uid",
+                "window_seconds", "namespace", "pod_name", "labels", "cost_share", "cost_micro_usd", "instance_type",
+                "price_model", "price_version", "carried_label_keys", "shared_from", "sharing_method", "method",
+                "cost_basis", "memory_share", "compute_share", "gpu_fraction")
+
+
 def _line_row(cost: CostRecord) -> dict[str, Any]:
     return {
         "window_start_unix_ms": cost.window_start_unix_ms,
@@ -448,6 +465,22 @@ def _alembic_config(connection: Connection):
     config.set_main_option("script_location", str(MIGRATIONS_DIR))
     config.attributes["connection"] = connection
     return config
+
+
+def _driver_lines_insert(dialect: Any) -> tuple[str, tuple[tuple[int, Any], ...]]:
+    """The cost lines' ``INSERT ... ON CONFLICT DO NOTHING`` compiled for ``dialect`` with positional parameters
+    in ``LINE_COLUMNS`` order, and the bind processor of each column that has one (by position)."""
+    statement = (sqlite.insert(cost_lines).values({name: bindparam(name) for name in LINE_COLUMNS})
+                 .on_conflict_do_nothing())
+    compiled = statement.compile(dialect=dialect)
+    if tuple(compiled.positiontup or ()) != LINE_COLUMNS:
+        raise RuntimeError(f"the cost lines' insert binds {compiled.positiontup}, not {LINE_COLUMNS}")
+    processors = []
+    for index, name in enumerate(LINE_COLUMNS):
+        process = cost_lines.c[name].type._cached_bind_processor(dialect)
+        if process is not None:
+            processors.append((index, process))
+    return str(compiled), tuple(processors)
 
 
 class Ledger:
@@ -488,6 +521,7 @@ class Ledger:
         except (ArgumentError, NoSuchModuleError, ValueError) as exc:
             raise LedgerError(f"cannot open ledger {shown!r}: {mask_secrets(str(exc))}") from exc
         self.dialect = self.engine.dialect.name
+        self._lines_sql = _driver_lines_insert(self.engine.dialect) if self.dialect == "sqlite" else None
         # A SQLite file's -wal/-shm are checked before every use (sqlite_files): a -shm that cannot back its
         # mapping kills the process with SIGBUS as soon as SQLite touches it.
         self._files = SqliteFiles(Path(parsed.database)) if backend == "sqlite" and not in_memory else None
@@ -657,13 +691,10 @@ class Ledger:
                     [{**_bill_row(b), "publisher": self.publisher} for b in bills_by_key.values()],
                 ).all()
                 new_keys = {NodeWindowKey(cluster, node, start) for start, cluster, node in inserted}
-                rows = [
-                    _line_row(cost)
-                    for cost in lines.values()
-                    if NodeWindowKey(cost.cluster, cost.node_name, cost.window_start_unix_ms) in new_keys
-                ]
-                if rows:
-                    connection.execute(self._insert(cost_lines).on_conflict_do_nothing(), rows)
+                new_lines = [cost for cost in lines.values()
+                             if NodeWindowKey(cost.cluster, cost.node_name, cost.window_start_unix_ms) in new_keys]
+                if new_lines:
+                    self._insert_lines(connection, new_lines)
                 unpublished, others = self._unpublished(connection, {k: b for k, b in bills_by_key.items()
                                                                      if k not in new_keys})
         except SQLAlchemyError as exc:
@@ -671,12 +702,29 @@ class Ledger:
         return WriteResult(
             bills_written=len(new_keys),
             bills_skipped=len(bills_by_key) - len(new_keys),
-            lines_written=len(rows),
-            lines_skipped=len(lines) - len(rows),
+            lines_written=len(new_lines),
+            lines_skipped=len(lines) - len(new_lines),
             unpublished=frozenset(unpublished),
             written=frozenset(new_keys),
             others=frozenset(others),
         )
+
+    def _insert_lines(self, connection: Connection, costs: list[CostRecord]) -> None:
+        """Insert the cost lines of ``costs``, skipping any already there. On SQLite, one driver-level
+        ``executemany`` of value tuples through the statement SQLAlchemy compiles (and the bind processors it
+        would apply: labels to JSON, shares to float): the same rows without SQLAlchemy building a parameter set
+        per row, which cost more than SQLite's own insert (``bench/billing.py``). Elsewhere the Core statement."""
+        if self._lines_sql is None:
+            connection.execute(self._insert(cost_lines).on_conflict_do_nothing(), [_line_row(c) for c in costs])
+            return
+        sql, processors = self._lines_sql
+        rows = []
+        for cost in costs:
+            values = list(_line_values(cost))
+            for index, process in processors:
+                values[index] = process(values[index])
+            rows.append(tuple(values))
+        connection.exec_driver_sql(sql, rows)
 
     def _unpublished(self, connection, existing: dict[NodeWindowKey, NodeBill]
                      ) -> tuple[set[NodeWindowKey], set[NodeWindowKey]]:

@@ -170,6 +170,45 @@ def test_apportion_is_exact_and_within_one_of_each_quota(total, raw_weights):
         assert math.floor(quota) <= share <= math.ceil(quota)
 
 
+def fraction_apportion(total, weights):
+    """The largest-remainder rule in ``Fraction`` arithmetic, as ``apportion`` was first written: the reference
+    its integer arithmetic must match exactly."""
+    weights = [Fraction(w) for w in weights]
+    weight_sum = sum(weights, Fraction(0))
+    if weight_sum == 0:
+        return (0,) * len(weights)
+    quotas = [total * w / weight_sum for w in weights]
+    shares = [q.numerator // q.denominator for q in quotas]
+    ranking = sorted(range(len(quotas)), key=lambda i: (shares[i] - quotas[i], i))
+    for index in ranking[:total - sum(shares)]:
+        shares[index] += 1
+    return tuple(shares)
+
+
+WEIGHTS = st.one_of(
+    st.integers(0, 10**6),
+    st.fractions(min_value=0, max_value=10**4, max_denominator=10**7),
+    st.floats(min_value=0, max_value=1, allow_subnormal=True),  # cost shares, taken at their exact binary value
+)
+
+
+@HYPOTHESIS
+@given(st.integers(0, 10**12), st.lists(WEIGHTS, min_size=1, max_size=40))
+def test_apportion_in_integers_is_the_fraction_rule_exactly(total, weights):
+    if not any(weights):
+        weights[0] = 1
+    assert apportion(total, weights) == fraction_apportion(total, weights)
+    # A float weight is its exact rational: the same split as the Fraction of it.
+    assert apportion(total, weights) == apportion(total, [Fraction(w) for w in weights])
+
+
+def test_apportion_of_equal_remainders_and_float_shares_matches_the_fraction_rule():
+    thirds = [0.1, 0.2, 0.7, 1 / 3, 1 / 3, 1 / 3]
+    for total in (0, 1, 7, 999_999, 10**9 + 7):
+        assert apportion(total, thirds) == fraction_apportion(total, thirds)
+        assert apportion(total, [Fraction(1, 3)] * 3) == fraction_apportion(total, [Fraction(1, 3)] * 3)
+
+
 def test_apportion_breaks_ties_by_position_and_refuses_impossible_splits():
     assert apportion(1, [Fraction(1)] * 3) == (1, 0, 0)
     assert apportion(2, [Fraction(1)] * 3) == (1, 1, 0)

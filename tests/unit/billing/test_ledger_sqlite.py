@@ -15,7 +15,7 @@ from schemas.records import CostSubjectKind
 from services.billing.costing import bill_node_window
 from services.billing.catalog import PriceCatalog
 from services.billing.ledger import VERSION_TABLE, Grouping, Ledger, LedgerError, metadata
-from tests.unit.billing.conftest import sample_costs, sample_shares
+from tests.unit.billing.conftest import WINDOW_START_MS, sample_costs, sample_shares
 
 
 def everything(results):
@@ -243,3 +243,45 @@ def test_unusable_sqlite_files_are_reported_before_sqlite_touches_them_and_retri
         shutil.copy(backup, db)
     assert ledger.migrate() == Ledger.head_revision()
     assert ledger.close()
+
+
+def _all_rows(ledger):
+    with ledger.engine.connect() as connection:
+        return {table: sorted(connection.execute(text(f"SELECT * FROM {table}")).all(), key=repr)
+                for table in ("node_bills", "cost_lines", "price_versions")}
+
+
+def test_the_driver_level_line_insert_stores_what_the_core_statement_stores(tmp_path):
+    """SQLite's cost lines go through one driver-level executemany (``Ledger._insert_lines``); every column of
+    every row must be what SQLAlchemy's Core statement stores for the same lines."""
+    fast, core = (Ledger(f"sqlite:///{tmp_path / name}") for name in ("fast.sqlite3", "core.sqlite3"))
+    core._lines_sql = None  # the Core statement, as on PostgreSQL
+    assert fast._lines_sql is not None
+    odd = dataclasses.replace  # lines as awkward as the ledger takes: unicode labels, None names, shared lines
+    results = sample_costs(2) + sample_costs(2, start_ms=WINDOW_START_MS + 600_000, sharing="idle=weighted")
+    costs, bills = everything(results)
+    costs = [odd(c, labels={**c.labels, "tëam": "ünï \"q\"", "n": "1"}, namespace=None) if i % 3 == 0 else c
+             for i, c in enumerate(costs)]
+    assert any(c.shared_from is not None for c in costs)
+    try:
+        for ledger in (fast, core):
+            ledger.migrate()
+            outcome = ledger.write(costs, bills)
+            assert outcome.lines_written == len(costs)
+            assert ledger.write(costs, bills).lines_written == 0  # a repeat inserts nothing
+        assert _all_rows(fast) == _all_rows(core)
+        assert _all_rows(fast)["cost_lines"]
+        assert sorted(fast.iter_cost_lines(), key=repr) == sorted(core.iter_cost_lines(), key=repr)
+    finally:
+        fast.close()
+        core.close()
+
+
+def test_line_values_are_the_line_row_in_column_order():
+    from services.billing.ledger import LINE_COLUMNS, _line_row, _line_values
+
+    for result in sample_costs(1) + sample_costs(1, sharing="idle=even"):
+        for cost in result.costs:
+            row = _line_row(cost)
+            assert tuple(row) == LINE_COLUMNS
+            assert _line_values(cost) == tuple(row.values())
