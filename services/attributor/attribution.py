@@ -293,12 +293,6 @@ def split_units(window: NodeWindow) -> tuple[UnitWindow, ...]:
     meta: dict[str, list] = {}  # uuid -> [parent_uuid, kind, model]
     for sample in window.samples:
         _split_sample(sample, ticks_by_unit, meta)
-    return _unit_windows(window, ticks_by_unit, meta)
-
-
-def _unit_windows(window: NodeWindow, ticks_by_unit: Mapping[str, list[UnitTick]],
-                  meta: Mapping[str, list]) -> tuple[UnitWindow, ...]:
-    """``split_units``' result from its per-unit ticks and meta (``_split_sample`` over every sample)."""
     units = []
     for uuid, ticks in ticks_by_unit.items():
         parent_uuid, kind, model = meta[uuid]
@@ -358,13 +352,15 @@ def _split_sample(sample: NodeSample, ticks_by_unit: dict[str, list[UnitTick]], 
         ticks = ticks_by_unit.get(uuid)
         if ticks is None:
             ticks_by_unit[uuid] = [tick]
-            meta[uuid] = [dev.parent_uuid, kind, model]
         else:
             ticks.append(tick)
-            entry = meta[uuid]
+        # ``meta`` may outlive ``ticks_by_unit`` (an open window keeps the one, not the other): it decides alone.
+        entry = meta.get(uuid)
+        if entry is None:
+            meta[uuid] = [dev.parent_uuid, kind, model]
+        elif kind is UnitKind.GPU and entry[1] is UnitKind.MIG_UNASSIGNED:
             # A GPU whose MIG mode flipped within the window stays one unit: its MIG ticks are all idle.
-            if kind is UnitKind.GPU and entry[1] is UnitKind.MIG_UNASSIGNED:
-                entry[1] = UnitKind.GPU
+            entry[1] = UnitKind.GPU
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -529,10 +525,21 @@ class _Prepared(NamedTuple):
     zero_weight_ticks: int
     assignees: list[tuple[PodInfo, UnitAssignment]]
     assignee_slots: list[int]
+    sample_count: int
+
+
+class _UnitId(NamedTuple):
+    """What a unit's rows say of the unit itself."""
+
+    unit_uuid: str
+    parent_uuid: str | None
+    model: str
+    kind: UnitKind
 
 
 def _attribute(unit: UnitWindow, pods: PodLookup, policy: AttributionPolicy, slots: _PodSlots) -> UnitAttribution:
-    return _finish(unit, pods, policy, slots, _prepare(unit, pods, policy, slots))
+    return _finish(_UnitId(unit.unit_uuid, unit.parent_uuid, unit.model, unit.kind), pods, policy, slots,
+                   _prepare(unit, pods, policy, slots))
 
 
 def _assignees(pods: PodLookup, keys: tuple[str, ...],
@@ -587,13 +594,12 @@ def _prepare(unit: UnitWindow, pods: PodLookup, policy: AttributionPolicy, slots
     epochs, unavailable_w, quality = _accumulate(unit, ticks, weights, assignees, assignee_slots, slots, nslots,
                                                  policy)
     return _Prepared(epochs, unavailable_w, quality, total_weight, gpu_fraction, covered_seconds, zero_weight_ticks,
-                     assignees, assignee_slots)
+                     assignees, assignee_slots, len(ticks))
 
 
-def _finish(unit: UnitWindow, pods: PodLookup, policy: AttributionPolicy, slots: _PodSlots,
+def _finish(unit: _UnitId, pods: PodLookup, policy: AttributionPolicy, slots: _PodSlots,
             prepared: _Prepared) -> UnitAttribution:
     """Phase 2 of one unit's attribution: its rows, from its epochs' sums and decisions."""
-    ticks = unit.ticks
     epochs, unavailable_w, quality = prepared.epochs, prepared.unavailable_w, prepared.quality
     total_weight, gpu_fraction, covered_seconds = prepared.total_weight, prepared.gpu_fraction, prepared.covered_seconds
     zero_weight_ticks, assignees, assignee_slots = (prepared.zero_weight_ticks, prepared.assignees,
@@ -636,7 +642,7 @@ def _finish(unit: UnitWindow, pods: PodLookup, policy: AttributionPolicy, slots:
         method = main.method(policy.mps_compute)
 
     rows = []
-    sample_count = len(ticks)
+    sample_count = prepared.sample_count
     uuid, parent, model = unit.unit_uuid, unit.parent_uuid, unit.model
     for i, slot in enumerate(row_slots):
         uid = slots.uids[slot]
@@ -1280,19 +1286,18 @@ def attribute_node_window_detailed(window: NodeWindow, pods: PodLookup, policy: 
     facts = window.samples[-1]
     cost_basis = policy.basis_text
     if open_window is not None and open_window.holds(window, policy):
-        windows = open_window.unit_windows(window)
-        units = tuple(open_window.attribute_unit(unit, pods) for unit in windows)
+        attributed = open_window.attribute_units(window, pods)
     else:
         slots = _PodSlots()
-        windows = tuple(unit for unit in split_units(window) if _has_capacity(unit))
-        units = tuple(_attribute(unit, pods, policy, slots) for unit in windows)
+        attributed = [(unit.ticks[-1].device, _attribute(unit, pods, policy, slots))
+                      for unit in split_units(window) if _has_capacity(unit)]
+    units = tuple(unit for _device, unit in attributed)
     shares = []
     units_in_node = len(units)
-    for unit_window, unit in zip(windows, units):
+    for device, unit in attributed:
         rows_in_unit = len(unit.rows)
         # A MIG instance's profile and GPU instance id as NVML gave them last in the window (what dcgm-exporter
         # labels GPU_I_PROFILE and GPU_I_ID); None for a whole GPU and a MIG GPU's unassigned capacity.
-        device = unit_window.ticks[-1].device
         mig_instance = unit.kind is UnitKind.MIG_INSTANCE
         mig_profile = device.mig_profile if mig_instance else None
         mig_gpu_instance_id = device.mig_gpu_instance_id if mig_instance else None
@@ -1355,25 +1360,32 @@ _SUM_BATCH_TICKS = 8
 _FOREVER_MS = 2**63
 """An open window's ticks are added to its sums this many at a time: one ``_add_ticks`` call per tick would cost
 more than the close saves (``make bench``: attribution core), and a close is left at most this many less one per
-epoch to add."""
+epoch to add. Once added, a tick is let go: an open window holds its ticks' sums, not its ticks (which would be
+objects the garbage collector walks until the window closes)."""
 
 
 class _OpenUnit:
-    """One unit of an open node window: its ticks and their weights, and its epochs' sums so far (keyed by the
-    uids of the holders alive at their ticks, by the pods known when each tick arrived). ``runs``: consecutive
-    ticks summed under the same holders, ``[first tick time, last tick time, holder uids]``, for the close to
-    check against the holders it finds. ``usable`` turns False when the sums cannot be the close's (the unit's
-    ids changed, or an epoch would split busy time by thread percentages, which the close must know the pods
-    for): the close then attributes the unit from its ticks."""
+    """One unit of an open node window: its ticks' weights and times, and its epochs' sums so far (keyed by the
+    uids of the holders alive at their ticks, by the pods known when each tick arrived; an epoch's ``ticks`` are
+    those not yet added to its sums). ``runs``: consecutive ticks summed under the same holders, ``[first tick
+    time, last tick time, holder uids]``, for the close to check against the holders it finds. ``usable`` turns
+    False when the sums cannot be the close's (the unit's ids changed, or an epoch would split busy time by thread
+    percentages, which the close must know the pods for): the close then attributes the unit from its ticks."""
 
-    __slots__ = ("kind", "keys", "ticks", "weights", "intervals", "covered_ms", "epochs", "runs",
-                 "unavailable_w", "quality", "usable", "_assignments", "_assignments_generation", "_cuts", "_current",
-                 "_runs_generation")
+    __slots__ = ("uuid", "parent_uuid", "kind", "model", "keys", "sample_count", "first_device", "first_busy_device",
+                 "last_device", "has_capacity", "times", "weights", "intervals", "covered_ms", "epochs", "runs",
+                 "unavailable_w", "quality", "usable", "keep_ticks", "_assignments", "_assignments_generation",
+                 "_cuts", "_current", "_runs_generation")
 
-    def __init__(self, kind: UnitKind) -> None:
-        self.kind = kind
+    def __init__(self, uuid: str, parent_uuid: str | None, kind: UnitKind, model: str, keep_ticks: bool) -> None:
+        self.uuid, self.parent_uuid, self.kind, self.model = uuid, parent_uuid, kind, model
         self.keys: tuple[str, ...] | None = None
-        self.ticks: list[UnitTick] = []
+        self.sample_count = 0
+        self.first_device: GpuDeviceSample | None = None
+        self.first_busy_device: GpuDeviceSample | None = None  # the first that is not all idle
+        self.last_device: GpuDeviceSample | None = None
+        self.has_capacity = False
+        self.times: list[int] = []
         self.weights: list[float] = []
         self.intervals: list[int] = []
         self.covered_ms = 0
@@ -1382,6 +1394,8 @@ class _OpenUnit:
         self.unavailable_w = 0.0
         self.quality = _Quality()
         self.usable = True
+        # The cost basis REQUEST reads every tick of an epoch at close (``_request_cost``): its ticks are kept.
+        self.keep_ticks = keep_ticks
         self._assignments: tuple[tuple[PodInfo, UnitAssignment], ...] = ()
         self._assignments_generation = -1
         self._cuts: list[int] = []
@@ -1390,10 +1404,19 @@ class _OpenUnit:
         # The pods generation every run's holders were found under (None: several)
         self._runs_generation: int | None = None
 
-    def add(self, tick: UnitTick, uuid: str, parent_uuid: str | None, window_ms: int, slots: _PodSlots,
-            pods: PodLookup, generation: int, policy: AttributionPolicy) -> None:
+    def add(self, tick: UnitTick, window_ms: int, slots: _PodSlots, pods: PodLookup, generation: int,
+            policy: AttributionPolicy) -> None:
         """``_prepare``'s and ``_accumulate``'s per-tick steps for one tick (its sums added in batches: ``_sum``)."""
-        self.ticks.append(tick)
+        device = tick.device
+        self.sample_count += 1
+        if self.first_device is None:
+            self.first_device = device
+        if self.first_busy_device is None and not tick.all_idle:
+            self.first_busy_device = device
+        self.last_device = device
+        if not tick.capacity_fraction <= 0.0:  # _has_capacity's test, negated
+            self.has_capacity = True
+        self.times.append(tick.sampled_at_unix_ms)
         interval = tick.interval_ms
         if interval < 0:
             interval = 0
@@ -1405,14 +1428,14 @@ class _OpenUnit:
         self.weights.append(w)
         if not self.usable or w <= 0.0:
             return
-        device = tick.device
         if device.unavailable:
             self.unavailable_w += w
             self.quality.unavailable += 1
             return
         if self.keys is None:
-            self.keys = device_keys(self.kind, uuid, parent_uuid, device)
-        elif self.kind is UnitKind.MIG_INSTANCE and device_keys(self.kind, uuid, parent_uuid, device) != self.keys:
+            self.keys = device_keys(self.kind, self.uuid, self.parent_uuid, device)
+        elif self.kind is UnitKind.MIG_INSTANCE and device_keys(self.kind, self.uuid, self.parent_uuid,
+                                                                device) != self.keys:
             self.usable = False
             return
         t = tick.sampled_at_unix_ms
@@ -1478,10 +1501,14 @@ class _OpenUnit:
         return epoch
 
     def _sum(self, epoch: _Epoch, slots: _PodSlots) -> None:
-        """Add the epoch's ticks not yet in its sums (in order: the sums are the same however they are batched)."""
+        """Add the epoch's ticks not yet in its sums (in order: the sums are the same however they are batched),
+        then let them go (unless ``keep_ticks``)."""
         epoch.fit(len(slots.uids))
         _add_ticks(epoch, epoch.ticks[epoch.summed:], slots, self.quality, None)
-        epoch.summed = len(epoch.ticks)
+        if self.keep_ticks:
+            epoch.summed = len(epoch.ticks)
+        else:
+            epoch.ticks.clear()
 
     def settle(self, slots: _PodSlots) -> None:
         """Add every tick not yet in the sums (a window that takes no more ticks but has not closed yet)."""
@@ -1489,12 +1516,12 @@ class _OpenUnit:
             if epoch.summed < len(epoch.ticks):
                 self._sum(epoch, slots)
 
-    def prepared(self, unit: UnitWindow, pods: PodLookup, policy: AttributionPolicy,
-                 slots: _PodSlots, same_pods: bool) -> _Prepared | None:
-        """``_prepare(unit, ...)``'s result from the sums, or None where they are not provably the same: a weight
-        fallback applies, the unit's ids or kind changed, a tick was summed under other holders than the close
+    def prepared(self, pods: PodLookup, policy: AttributionPolicy, slots: _PodSlots, same_pods: bool,
+                 window_ms: int) -> _Prepared | None:
+        """What ``_prepare`` makes of the unit's ticks, from the sums; None where they are not provably the same: a
+        weight fallback applies, the unit's ids changed, a tick was summed under other holders than the close
         finds for it (a pod event arrived after the tick), or an epoch's decision selects another branch."""
-        if not self.usable or not self.epochs or unit.kind is not self.kind:
+        if not self.usable or not self.epochs:
             return None
         intervals = self.intervals
         if intervals.count(0) == len(intervals):
@@ -1502,21 +1529,21 @@ class _OpenUnit:
         total_weight = sum(self.weights)
         if total_weight <= 0.0:
             return None
-        keys = _unit_keys(unit)
+        # ``_unit_keys``: from the first tick that is not all idle (a MIG instance's ids come from it)
+        keys = device_keys(self.kind, self.uuid, self.parent_uuid, self.first_busy_device or self.first_device)
         if keys != self.keys:
             return None
         interval_sum = sum(intervals)
         gpu_fraction = total_weight / interval_sum if interval_sum > 0 else 0.0
-        covered_seconds = min(self.covered_ms, unit.window_seconds * 1000) / 1000.0
-        tick_times = [t.sampled_at_unix_ms for t in self.ticks]
+        covered_seconds = min(self.covered_ms, window_ms) / 1000.0
         generation = pods.generation
         if (same_pods and generation is not None and generation == self._runs_generation
                 and generation == self._assignments_generation):
             # The pods have not changed since every run's holders were found among these same assignments: the
             # close would find the same holders.
-            assignees = _alive_assignees(self._assignments, tick_times)
+            assignees = _alive_assignees(self._assignments, self.times)
         else:
-            assignees = _assignees(pods, keys, tick_times)
+            assignees = _assignees(pods, keys, self.times)
             cuts = sorted({edge for info, _claim in assignees for edge in (info.life_start_ms, info.life_end_ms)})
             for first, last, holders in self.runs:
                 if bisect_right(cuts, first) != bisect_right(cuts, last):
@@ -1531,12 +1558,12 @@ class _OpenUnit:
                 self._sum(epoch, slots)
             summed_as = _branch(epoch)
             epoch.holders = tuple(index_of[uid] for uid in holders)
-            _decide_summed(epoch, unit.kind, assignees, policy)
+            _decide_summed(epoch, self.kind, assignees, policy)
             if _branch(epoch) != summed_as:
                 return None
             epoch.fit(nslots)
         return _Prepared(list(self.epochs.values()), self.unavailable_w, self.quality, total_weight, gpu_fraction,
-                         covered_seconds, intervals.count(0), assignees, assignee_slots)
+                         covered_seconds, intervals.count(0), assignees, assignee_slots, self.sample_count)
 
 
 class OpenNodeWindow:
@@ -1552,17 +1579,16 @@ class OpenNodeWindow:
     order), each tick was summed under the holders the close finds for it, and each epoch's decision selects the
     branch its ticks were summed under. Any other unit (a pod event that arrived after its ticks, a mode that
     changed) is attributed from its ticks as before; a tick out of order drops the sums of the whole window.
-    Mutable, one owner; holds every tick of the window until it closes."""
+    Mutable, one owner. It holds its samples (the window's accumulator holds them anyway) and its ticks' sums,
+    not the per-unit ticks."""
 
-    __slots__ = ("window_ms", "policy", "samples", "slots", "ticks_by_unit", "meta", "units", "in_order",
-                 "_last_order", "_pods")
+    __slots__ = ("window_ms", "policy", "samples", "slots", "meta", "units", "in_order", "_last_order", "_pods")
 
     def __init__(self, window_seconds: int, policy: AttributionPolicy) -> None:
         self.window_ms = window_seconds * 1000
         self.policy = policy
         self.samples: list[NodeSample] = []
         self.slots = _PodSlots()
-        self.ticks_by_unit: dict[str, list[UnitTick]] = {}
         self.meta: dict[str, list] = {}
         self.units: dict[str, _OpenUnit] = {}
         self.in_order = True
@@ -1583,20 +1609,21 @@ class OpenNodeWindow:
         if self._last_order is not None and order <= self._last_order:
             # A tick older than one already summed: the close sorts it before that one, so no sum can be reused.
             self.in_order = False
-            self.samples, self.ticks_by_unit, self.units = [], {}, {}
+            self.samples, self.units = [], {}
             return
         self._last_order = order
         self.samples.append(sample)
-        ticks_by_unit, meta = self.ticks_by_unit, self.meta
-        _split_sample(sample, ticks_by_unit, meta)
+        ticks: dict[str, list[UnitTick]] = {}
+        meta = self.meta
+        _split_sample(sample, ticks, meta)
         self.slots.map_for(sample.pod_uids)
-        for uuid in dict.fromkeys(d.uuid for d in sample.devices):
-            parent_uuid, kind, _model = meta[uuid]
+        keep_ticks = self.policy.cost_basis is CostBasis.REQUEST
+        for uuid, (tick,) in ticks.items():
             unit = self.units.get(uuid)
             if unit is None:
-                unit = self.units[uuid] = _OpenUnit(kind)
-            unit.add(ticks_by_unit[uuid][-1], uuid, parent_uuid, self.window_ms, self.slots, pods, pods_generation,
-                     self.policy)
+                parent_uuid, kind, model = meta[uuid]
+                unit = self.units[uuid] = _OpenUnit(uuid, parent_uuid, kind, model, keep_ticks)
+            unit.add(tick, self.window_ms, self.slots, pods, pods_generation, self.policy)
 
     def settle(self) -> None:
         """Add every tick taken in to the sums now (the node's ticks have moved on to its next window): less for
@@ -1611,15 +1638,28 @@ class OpenNodeWindow:
         return (self.in_order and policy == self.policy and window.window_seconds * 1000 == self.window_ms
                 and len(samples) == len(window.samples) and all(a is b for a, b in zip(samples, window.samples)))
 
-    def unit_windows(self, window: NodeWindow) -> tuple[UnitWindow, ...]:
-        """``split_units(window)`` of a window this ``holds``, without splitting its ticks again."""
-        return tuple(unit for unit in _unit_windows(window, self.ticks_by_unit, self.meta) if _has_capacity(unit))
-
-    def attribute_unit(self, unit: UnitWindow, pods: PodLookup) -> UnitAttribution:
-        """``attribute_unit_detailed`` of one of ``unit_windows``' units, from its sums where they hold."""
-        summed = self.units.get(unit.unit_uuid)
-        prepared = (summed.prepared(unit, pods, self.policy, self.slots, pods is self._pods)
-                    if summed is not None else None)
-        if prepared is None:
-            return _attribute(unit, pods, self.policy, self.slots)
-        return _finish(unit, pods, self.policy, self.slots, prepared)
+    def attribute_units(self, window: NodeWindow, pods: PodLookup
+                        ) -> list[tuple[GpuDeviceSample, UnitAttribution]]:
+        """Of a window this ``holds``: each unit's last device and ``attribute_unit_detailed``, in ``split_units``
+        order, from the sums where they hold and from the window's ticks where they do not."""
+        meta = self.meta
+        units = [u for u in self.units.values() if not (meta[u.uuid][1] is UnitKind.MIG_UNASSIGNED
+                                                        and not u.has_capacity)]
+        units.sort(key=lambda u: (meta[u.uuid][0] or u.uuid, meta[u.uuid][0] is not None, u.uuid))
+        split: dict[str, UnitWindow] | None = None
+        same_pods = pods is self._pods
+        attributed = []
+        for unit in units:
+            kind = meta[unit.uuid][1]  # a GPU whose MIG mode flipped in the window is one GPU unit (_split_sample)
+            prepared = (unit.prepared(pods, self.policy, self.slots, same_pods, self.window_ms)
+                        if kind is unit.kind else None)
+            if prepared is None:
+                if split is None:
+                    split = {u.unit_uuid: u for u in split_units(window)}
+                attribution = _attribute(split[unit.uuid], pods, self.policy, self.slots)
+            else:
+                attribution = _finish(_UnitId(unit.uuid, unit.parent_uuid, unit.model, kind), pods, self.policy,
+                                      self.slots, prepared)
+            assert unit.last_device is not None
+            attributed.append((unit.last_device, attribution))
+        return attributed
