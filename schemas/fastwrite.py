@@ -1,5 +1,5 @@
-"""Hand-written Avro writers of the records billing publishes for every node-window (its ~97 ``CostRecord`` lines
-and its ``NodeWindowCost``).
+"""Hand-written Avro writers of the records written for every node-window: the attributor's ``NodeWindowShares``,
+billing's ~97 ``CostRecord`` lines and its ``NodeWindowCost``.
 
 ``fast_writer(full_name, version, schema_json)`` returns a function ``record -> body bytes`` (the Avro binary body,
 without the single-object header) for a record type and schema version listed here, or None. The bytes are
@@ -208,7 +208,7 @@ def _window_shape(avro_type: Any) -> Any:
     if isinstance(avro_type, dict) and avro_type["type"] == "array":
         items = avro_type["items"]
         if isinstance(items, dict) and items.get("type") == "record":
-            return ("array", tuple((f["name"], _shape(f["type"])) for f in items["fields"]))
+            return ("array", tuple((f["name"], _window_shape(f["type"])) for f in items["fields"]))
         if isinstance(items, list):
             return "array<union>" if [_shape(t) for t in items] == ["null", "CostSubjectKind"] else None
         return f"array<{_shape(items)}>"
@@ -272,9 +272,67 @@ def _node_window_cost_v1(schema_json: Mapping[str, Any]) -> Callable[[Any], byte
     return write
 
 
+# -- NodeWindowShares v1 ---------------------------------------------------------------------------------------
+
+_UNIT_SHARES_FIELDS = (
+    ("gpu_uuid", "string"), ("parent_gpu_uuid", ["null", "string"]), ("gpu_model", "string"),
+    ("gpu_fraction", "double"), ("sharing_mode", "SharingMode"), ("method", "string"), ("sample_count", "int"),
+    ("covered_seconds", "double"), ("subject_kinds", "array<ShareSubjectKind>"),
+    ("subject_pod_index", "array<int>"), ("memory_used_bytes_avg", "array<double>"),
+    ("memory_share", "array<double>"), ("compute_share", "array<double>"), ("cost_share", "array<double>"),
+    ("mig_profile", ["null", "string"]), ("mig_gpu_instance_id", ["null", "int"]),
+)
+_NODE_WINDOW_SHARES_V1_FIELDS = (
+    ("cluster", "string"), ("node_name", "string"), ("window_start_unix_ms", "long"), ("window_seconds", "int"),
+    ("node_covered_seconds", "double"), ("cloud_provider", "string"), ("region", "string"), ("zone", "string"),
+    ("provider_id", "string"), ("instance_type", "string"), ("price_model", "string"), ("cost_basis", "string"),
+    ("pods", ("array", _WINDOW_POD_FIELDS)), ("units", ("array", _UNIT_SHARES_FIELDS)),
+)
+
+
+def _symbols(avro_type: Mapping[str, Any]) -> dict[str, bytes]:
+    return {symbol: write_long(i) for i, symbol in enumerate(avro_type["symbols"])}
+
+
+def _node_window_shares_v1(schema_json: Mapping[str, Any]) -> Callable[[Any], bytes] | None:
+    if tuple((f["name"], _window_shape(f["type"])) for f in schema_json["fields"]) != _NODE_WINDOW_SHARES_V1_FIELDS:
+        return None
+    unit_fields = {f["name"]: f["type"] for f in
+                   next(f["type"]["items"]["fields"] for f in schema_json["fields"] if f["name"] == "units")}
+    modes = _symbols(unit_fields["sharing_mode"])
+    kinds = _symbols(unit_fields["subject_kinds"]["items"])
+
+    def kind(value: Any) -> bytes:
+        return kinds[str(value)]
+
+    def unit(u: Any) -> bytes:
+        gi = u.mig_gpu_instance_id
+        return b"".join((
+            write_string(u.gpu_uuid), write_optional_string(u.parent_gpu_uuid), write_string(u.gpu_model),
+            write_double(u.gpu_fraction), modes[str(u.sharing_mode)], write_string(u.method),
+            write_int(u.sample_count), write_double(u.covered_seconds), _array(u.subject_kinds, kind),
+            _array(u.subject_pod_index, write_int), _double_array(u.memory_used_bytes_avg),
+            _double_array(u.memory_share), _double_array(u.compute_share), _double_array(u.cost_share),
+            write_optional_string(u.mig_profile), b"\x00" if gi is None else b"\x02" + write_int(gi),
+        ))
+
+    def write(record: Any) -> bytes:
+        r = record
+        return b"".join((
+            write_string(r.cluster), write_string(r.node_name), write_long(r.window_start_unix_ms),
+            write_int(r.window_seconds), write_double(r.node_covered_seconds), write_string(r.cloud_provider),
+            write_string(r.region), write_string(r.zone), write_string(r.provider_id), write_string(r.instance_type),
+            write_string(r.price_model), write_string(r.cost_basis), _array(r.pods, _window_pod),
+            _array(r.units, unit),
+        ))
+
+    return write
+
+
 _WRITERS: dict[tuple[str, int], Callable[[Mapping[str, Any]], Callable[[Any], bytes] | None]] = {
     ("gpumeter.CostRecord", 2): _cost_record_v2,
     ("gpumeter.NodeWindowCost", 1): _node_window_cost_v1,
+    ("gpumeter.NodeWindowShares", 1): _node_window_shares_v1,
 }
 
 

@@ -1,5 +1,5 @@
-"""The hand-written writers (``schemas.fastwrite``: CostRecord, NodeWindowCost) write exactly fastavro's bytes, and
-leave any value of another type than the schema's to the generic path."""
+"""The hand-written writers (``schemas.fastwrite``: NodeWindowShares, CostRecord, NodeWindowCost) write exactly
+fastavro's bytes, and leave any value of another type than the schema's to the generic path."""
 
 from __future__ import annotations
 
@@ -15,7 +15,16 @@ from hypothesis import strategies as st
 from schemas.codec import SchemaEncodeError
 from schemas.examples import load_example_dicts
 from schemas.fastwrite import write_long
-from schemas.records import CostRecord, CostSubjectKind, NodeWindowCost, WindowPod
+from schemas.records import (
+    CostRecord,
+    CostSubjectKind,
+    NodeWindowCost,
+    NodeWindowShares,
+    SharingMode,
+    ShareSubjectKind,
+    UnitShares,
+    WindowPod,
+)
 from schemas.typed import RecordCodec, codec_for
 
 HYPOTHESIS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -154,5 +163,51 @@ def test_the_example_node_window_costs_encode_to_the_same_bytes():
         # Odd values: whatever the generic path does with them, encode does the same.
         for odd in (dict(line_cost_share=(1,) * len(record.line_cost_share)), dict(gpu_count=2.0),
                     dict(line_subject_kinds=("NOPE",)), dict(sharing=None)):
+            changed = dataclasses.replace(record, **odd)
+            assert outcome(lambda: codec.encode(changed)) == outcome(lambda: codec.avro.encode(changed.to_avro()))
+
+
+UNIT_SHARES = st.integers(0, 5).flatmap(lambda n: st.builds(
+    UnitShares, gpu_uuid=TEXT, parent_gpu_uuid=st.none() | TEXT, gpu_model=TEXT, gpu_fraction=DOUBLES,
+    sharing_mode=st.sampled_from(SharingMode), method=TEXT, sample_count=INTS, covered_seconds=DOUBLES,
+    subject_kinds=st.lists(st.sampled_from(ShareSubjectKind), min_size=n, max_size=n).map(tuple),
+    subject_pod_index=st.lists(INTS, min_size=n, max_size=n).map(tuple),
+    memory_used_bytes_avg=st.lists(DOUBLES, min_size=n, max_size=n).map(tuple),
+    memory_share=st.lists(DOUBLES, min_size=n, max_size=n).map(tuple),
+    compute_share=st.lists(DOUBLES, min_size=n, max_size=n).map(tuple),
+    cost_share=st.lists(DOUBLES, min_size=n, max_size=n).map(tuple),
+    mig_profile=st.none() | TEXT, mig_gpu_instance_id=st.none() | INTS,
+))
+NODE_WINDOW_SHARES = st.builds(
+    NodeWindowShares,
+    cluster=TEXT, node_name=TEXT, window_start_unix_ms=LONGS, window_seconds=INTS, node_covered_seconds=DOUBLES,
+    cloud_provider=TEXT, region=TEXT, zone=TEXT, provider_id=TEXT, instance_type=TEXT, price_model=TEXT,
+    cost_basis=TEXT, pods=tuples(WINDOW_PODS), units=tuples(UNIT_SHARES),
+)
+
+
+def test_the_node_window_shares_codec_has_the_fast_writer():
+    assert codec_for(NodeWindowShares)._fast is not None
+
+
+@HYPOTHESIS
+@given(NODE_WINDOW_SHARES)
+def test_fast_node_window_shares_are_fastavro_s_bytes(record):
+    codec = codec_for(NodeWindowShares)
+    assert codec.avro._header + codec._fast(record) == fastavro_bytes(codec, record)
+
+
+def test_the_example_node_window_shares_encode_to_the_same_bytes():
+    codec = codec_for(NodeWindowShares)
+    examples = [NodeWindowShares.from_avro(d) for d in load_example_dicts("NodeWindowShares", 1)]
+    assert examples
+    for record in examples:
+        assert codec.encode(record) == fastavro_bytes(codec, record)
+        assert codec.decode(codec.encode(record)) == record
+        unit = record.units[0]
+        # Odd values: whatever the generic path does with them, encode does the same.
+        for odd in (dict(units=(dataclasses.replace(unit, memory_share=(1,) * len(unit.memory_share)),)),
+                    dict(units=(dataclasses.replace(unit, sharing_mode="NOPE"),)), dict(window_seconds=60.0),
+                    dict(zone=None), dict(units=(dataclasses.replace(unit, mig_gpu_instance_id=1 << 40),))):
             changed = dataclasses.replace(record, **odd)
             assert outcome(lambda: codec.encode(changed)) == outcome(lambda: codec.avro.encode(changed.to_avro()))
