@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import faulthandler
+import gc
 import json
 import logging
 import signal
@@ -13,6 +14,14 @@ from typing import Any, Mapping
 from gpumeter.logflood import guard_root_handlers
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
+
+GC_GEN0_THRESHOLD = 10_000
+"""Net allocations of container objects between two young-generation collections in a service process (CPython's
+default: 700). A stream service holds a large long-lived state (the attributor's pods and open windows, the
+guard's pods, billing's series) and allocates a few hundred objects per message; at 700 the young collections come
+so often that the full collections they lead to, each a walk over all of that state, took about a third of the
+attributor's engine time at 250 nodes and 64,000 pods (``make bench``'s attribution figures; docs/performance.md).
+The older generations keep CPython's thresholds: a full collection still follows from enough young ones."""
 
 
 def start_logging(service: str, log_level: str, description: Mapping[str, Any]) -> None:
@@ -29,6 +38,12 @@ def start_logging(service: str, log_level: str, description: Mapping[str, Any]) 
     print(f"gpumeter {service} " + json.dumps(description, sort_keys=True), flush=True)
 
 
+def tune_garbage_collector() -> None:
+    """Set the young generation's threshold to ``GC_GEN0_THRESHOLD`` (the others as they are). Call once, at start."""
+    _gen0, gen1, gen2 = gc.get_threshold()
+    gc.set_threshold(GC_GEN0_THRESHOLD, gen1, gen2)
+
+
 def stop_on(stop: asyncio.Event, *, handle_signals: bool, duration_seconds: float | None) -> None:
     """Set ``stop`` on SIGINT/SIGTERM (``handle_signals``) and after ``duration_seconds`` (None: never). Call from
     the running event loop."""
@@ -40,4 +55,4 @@ def stop_on(stop: asyncio.Event, *, handle_signals: bool, duration_seconds: floa
         loop.call_later(duration_seconds, stop.set)
 
 
-__all__ = ["LOG_FORMAT", "start_logging", "stop_on"]
+__all__ = ["GC_GEN0_THRESHOLD", "LOG_FORMAT", "start_logging", "stop_on", "tune_garbage_collector"]

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Mapping
 
 from gpumeter.clock import SystemClock
+from gpumeter.entrypoint import tune_garbage_collector
 from gpumeter.errors import ConfigError, GpumeterError
 from gpumeter.settings import KafkaSettings
 from schemas.catalog import TopicCatalog
@@ -138,6 +139,7 @@ def _run_worker(settings: AttributorSettings) -> int:
     from gpumeter.metrics import ServiceMetrics
     from services.attributor.app import SERVICE, AttributorWorker, build_app
 
+    tune_garbage_collector()
     # asyncio.run above closed its loop and left none current; Faust's worker runs on the current one.
     asyncio.set_event_loop(asyncio.new_event_loop())
     metrics = ServiceMetrics(SERVICE, dead_letters=settings.dead_letters)

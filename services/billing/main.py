@@ -22,7 +22,7 @@ from typing import Mapping
 
 from gpumeter.clock import Clock, SystemClock
 from gpumeter.errors import ConfigError, GpumeterError
-from gpumeter.entrypoint import start_logging, stop_on
+from gpumeter.entrypoint import start_logging, stop_on, tune_garbage_collector
 from gpumeter.health import DEFAULT_MAX_SILENCE_SECONDS
 from gpumeter.kafka.admin import create_topics
 from gpumeter.kafka.driver import KafkaDriver
@@ -56,6 +56,7 @@ def main(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         print(f"error: {exc}", flush=True)
         return 2
     start_logging("billing", settings.log_level, settings.describe())
+    tune_garbage_collector()
     try:
         code = asyncio.run(serve(settings, handle_signals=True))
     except KeyboardInterrupt:
