@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 import math
+from array import array
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -1385,9 +1386,11 @@ class _OpenUnit:
         self.first_busy_device: GpuDeviceSample | None = None  # the first that is not all idle
         self.last_device: GpuDeviceSample | None = None
         self.has_capacity = False
-        self.times: list[int] = []
-        self.weights: list[float] = []
-        self.intervals: list[int] = []
+        # Packed arrays, not lists: 8 bytes per tick each instead of a Python int or float object (and the same
+        # values: ``sum`` adds them in the same order, ``count`` and ``bisect`` read them alike).
+        self.times = array("q")
+        self.weights = array("d")
+        self.intervals = array("q")
         self.covered_ms = 0
         self.epochs: dict[tuple[str, ...], _Epoch] = {}
         self.runs: list[list] = []
