@@ -98,8 +98,8 @@ GUARD_IDLE_S = 5.0
 TARGET_GUARD_SCALING_SPREAD = 0.15  # issue 23: CPU per 1,000 GPU-samples with 1, 2 and 4 guards within 15 %
 TARGET_ATTRIBUTOR_SCALING_SPREAD = 0.15  # issue 23: the same for 1, 2 and 4 attributor workers
 CLOSE_BURST_CAUSE = ("the close burst: every node-window closes in the same second, and one attributor and one "
-                     "billing process each work through all of them (~10 and ~20 ms per node-window); see "
-                     "docs/performance.md")
+                     "billing process each work through all of them, on cores the generator and the broker share; "
+                     "see docs/performance.md")
 TARGET_BILLING_SCALING_SPREAD = 0.15  # issue 23: the same for 1, 2 and 4 billing instances
 BILLING_SCALE_GROUP = "bench-billing-scale"
 BILLING_IDLE_S = 5.0
