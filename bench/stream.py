@@ -786,10 +786,13 @@ async def run_stream(config: StreamConfig, workdir: Path, log: Callable[[str], N
                 if w is None:
                     continue
                 close_ms = w["window_start_unix_ms"] + window_ms + GRACE_SECONDS * 1000
-                latencies = [(v[2] - close_ms) / 1000 for (node, start), v in shares.items()
+                # The window's first record: when its shares came out. Not its last: the billing phase re-produces
+                # the topic's first node-windows' records minutes later (which reached into this phase's windows at
+                # 07:28 UTC on 2026-12-03, and read as a 367 s p99).
+                latencies = [(v[1] - close_ms) / 1000 for (node, start), v in shares.items()
                              if start == w["window_start_unix_ms"] and v[0] >= 1
                              and node in phase["_nodes"]]
-                w["close_to_last_share_record"] = latency_summary(latencies)
+                w["close_to_share_record"] = latency_summary(latencies)
             del phase["_nodes"]
         figures["service_logs"] = {p.name: _log_summary(p.read_text(errors="replace"))
                                    for p in sorted(workdir.glob("*.log"))}
