@@ -152,7 +152,14 @@ async def test_a_revocation_in_the_middle_of_a_batch_commits_only_once_the_batch
     await driver.handle_messages(_messages(0, [_pod("a")]))
     await driver.checkpoint()
     store.gate.clear()
-    batch = asyncio.ensure_future(driver.handle_messages(_messages(0, [_pod("b"), _pod("c")], start=1)))
+    store.entered.clear()  # set by the first batch's write: the wait below must see this batch's
+
+    async def as_run_handles_it():
+        # ``run`` handles each fetched batch under the driver's lock, which a revocation waits for.
+        async with driver._lock:
+            return await driver.handle_messages(_messages(0, [_pod("b"), _pod("c")], start=1))
+
+    batch = asyncio.ensure_future(as_run_handles_it())
     await asyncio.to_thread(store.entered.wait, 10)  # the batch's changes are being written
     revocation = asyncio.ensure_future(driver._revoked({(TOPIC, 0)}))
     await asyncio.sleep(0.05)
