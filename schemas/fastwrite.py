@@ -100,11 +100,15 @@ def write_string_array(items: Any) -> bytes:
     return b"".join([write_long(len(items)), *map(write_string, items), b"\x00"])
 
 
+def _symbols(avro_type: Mapping[str, Any]) -> dict[str, bytes]:
+    """An enum type's symbols -> their index as an Avro long."""
+    return {symbol: write_long(i) for i, symbol in enumerate(avro_type["symbols"])}
+
+
 def _enum_indexes(schema_json: Mapping[str, Any], field: str) -> dict[str, bytes]:
     for f in schema_json["fields"]:
         if f["name"] == field:
-            symbols = f["type"]["symbols"]
-            return {symbol: write_long(i) for i, symbol in enumerate(symbols)}
+            return _symbols(f["type"])
     raise KeyError(field)
 
 
@@ -241,8 +245,7 @@ def _window_pod(pod: Any) -> bytes:
 def _node_window_cost_v1(schema_json: Mapping[str, Any]) -> Callable[[Any], bytes] | None:
     if tuple((f["name"], _window_shape(f["type"])) for f in schema_json["fields"]) != _NODE_WINDOW_COST_V1_FIELDS:
         return None
-    symbols = next(f["type"]["items"]["symbols"] for f in schema_json["fields"] if f["name"] == "line_subject_kinds")
-    kinds = {symbol: write_long(i) for i, symbol in enumerate(symbols)}
+    kinds = _symbols(next(f["type"]["items"] for f in schema_json["fields"] if f["name"] == "line_subject_kinds"))
     shared = {symbol: b"\x02" + index for symbol, index in kinds.items()}
 
     def kind(value: Any) -> bytes:
@@ -288,10 +291,6 @@ _NODE_WINDOW_SHARES_V1_FIELDS = (
     ("provider_id", "string"), ("instance_type", "string"), ("price_model", "string"), ("cost_basis", "string"),
     ("pods", ("array", _WINDOW_POD_FIELDS)), ("units", ("array", _UNIT_SHARES_FIELDS)),
 )
-
-
-def _symbols(avro_type: Mapping[str, Any]) -> dict[str, bytes]:
-    return {symbol: write_long(i) for i, symbol in enumerate(avro_type["symbols"])}
 
 
 def _node_window_shares_v1(schema_json: Mapping[str, Any]) -> Callable[[Any], bytes] | None:
