@@ -49,9 +49,9 @@ from gpumeter.errors import ClockSkew, ConfigError, InvalidMessage, OutOfRange
 from gpumeter.validation import DEFAULT_MAX_SAMPLE_AGE_SECONDS, check_sample, check_sample_names
 from schemas.catalog import pod_event_key
 from schemas.pods import GroupingLabelSources
-from schemas.records import GpuShare, NodeSample, PodEvent
+from schemas.records import GpuShare, NodeSample, NodeWindowShares, PodEvent
 
-from services.attributor.attribution import AttributionPolicy, OpenNodeWindow, attribute_node_window
+from services.attributor.attribution import AttributionPolicy, OpenNodeWindow, node_window_record
 from services.attributor.pod_index import DEFAULT_LINGER_MS, LivePodIndex, PodFields, PodIndex, trim_pod_event
 from services.attributor.windows import LateSample, NodeKey, NodeWindow, WindowAccumulator
 
@@ -204,14 +204,21 @@ class EngineConfig:
 
 @dataclass(frozen=True, slots=True)
 class WindowResult:
-    """One closed node window: its share rows (``attribute_node_window`` order) and its ticks' table keys."""
+    """One closed node window: the record to emit (``attribution.node_window_record``; None when the window has no
+    rows) and its ticks' table keys."""
 
     cluster: str
     node_name: str
     window_start_unix_ms: int
     window_seconds: int
-    shares: tuple[GpuShare, ...]
+    record: NodeWindowShares | None
     sample_keys: tuple[str, ...]
+
+    @property
+    def shares(self) -> tuple[GpuShare, ...]:
+        """The record's rows, one ``GpuShare`` per unit and subject (``attribute_node_window``'s rows); built on
+        each call, for readers that want rows (the streaming path emits ``record``)."""
+        return self.record.rows() if self.record is not None else ()
 
     @property
     def window_end_unix_ms(self) -> int:
@@ -657,14 +664,14 @@ class AttributionEngine:
         results = []
         for window in closed:
             summed = self._open_windows.pop((key, window.window_start_unix_ms), None)
-            shares = attribute_node_window(window, self._pods, self.config.policy, summed)
+            record = node_window_record(window, self._pods, self.config.policy, summed)
             results.append(
                 WindowResult(
                     window.cluster,
                     window.node_name,
                     window.window_start_unix_ms,
                     window.window_seconds,
-                    shares,
+                    record,
                     tuple(sample_table_key(s) for s in window.samples),
                 )
             )
