@@ -52,12 +52,10 @@ DEFAULT_BATCH = 50
 def template_shares() -> Any:
     """One bench node-window as the attributor writes it (``NodeWindowShares``)."""
     from bench.attribution import build_input, engine_with_pods, run_engine
-    from schemas.records import NodeWindowShares
 
     data = build_input(nodes=1, ticks=61)
-    rows = [s for s in run_engine(engine_with_pods(data), data.avro_messages)
-            if s.window_start_unix_ms == data.fleet.start_unix_ms]
-    return NodeWindowShares.from_rows(rows)
+    return next(record for record in run_engine(engine_with_pods(data), data.avro_messages)
+                if record.window_start_unix_ms == data.fleet.start_unix_ms)
 
 
 def clone(template: Any, node: int, window: int) -> Any:

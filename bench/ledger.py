@@ -32,7 +32,7 @@ from services.billing.catalog import bundled_catalog
 from services.billing.costing import NodeWindowCost, bill_node_window
 from services.billing.ledger import Ledger, _bill_row, _line_row, cost_lines, node_bills, price_versions
 
-from bench.attribution import build_input, engine_with_pods, run_engine
+from bench.attribution import build_input, engine_with_pods, run_engine, share_rows
 from bench.common import Target, alternate
 
 BULK_WINDOWS = 50
@@ -42,7 +42,7 @@ WINDOW_MS = 60_000
 def template_window() -> NodeWindowCost:
     """One priced node-window of the benchmark fleet (89 cost lines and its bill)."""
     data = build_input(nodes=1, ticks=61)
-    shares = [s for s in run_engine(engine_with_pods(data), data.avro_messages)
+    shares = [s for s in share_rows(run_engine(engine_with_pods(data), data.avro_messages))
               if s.window_start_unix_ms == data.fleet.start_unix_ms]
     return bill_node_window(shares, bundled_catalog())
 

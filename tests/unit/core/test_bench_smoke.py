@@ -44,7 +44,7 @@ def test_attribution_measures_engine_and_baseline_that_agree():
 
 def test_share_comparison_notices_a_disagreement():
     data = attribution.build_input(nodes=1, ticks=61, gpus_per_node=1, pods_per_gpu=2)
-    shares = attribution.run_engine(attribution.engine_with_pods(data), data.avro_messages)
+    shares = attribution.share_rows(attribution.run_engine(attribution.engine_with_pods(data), data.avro_messages))
     rows = attribution.run_naive(attribution.naive_with_pods(data), data.json_messages)
     assert attribution.max_share_difference(shares, rows) <= 1e-9
     rows[0] = {**rows[0], "memory_share": rows[0]["memory_share"] + 0.01}
