@@ -332,9 +332,9 @@ class AttributionEngine:
         # as emitted (open or in flight): where a rebuild must re-read the input from (NodeProgress)
         self._first_positions: dict[NodeKey, dict[int, int]] = {}
         self._pending_progress: dict[NodeKey, NodeProgress] = {}
-        # (node, window start) -> the open window's attribution summed as its ticks arrived: the close of a
+        # the open windows' attribution summed as their ticks arrived: the close of a
         # window is then O(units), not O(ticks) (``attribution.OpenNodeWindow``; same rows either way)
-        self._open_windows: dict[tuple[NodeKey, int], OpenNodeWindow] = {}
+        self._open_windows: dict[NodeKey, dict[int, OpenNodeWindow]] = {}  # node -> window start -> its sums
         self._pending_sample_deletes: list[str] = []
         self._pending_pod_deletes: list[str] = []
         self.redeliveries_ignored = 0
@@ -649,11 +649,14 @@ class AttributionEngine:
 
     def _sum_tick(self, key: NodeKey, window_start_unix_ms: int, sample: NodeSample) -> None:
         """Sum a tick its window took in into the window's ``OpenNodeWindow``."""
-        summed = self._open_windows.get((key, window_start_unix_ms))
+        node_windows = self._open_windows.get(key)
+        if node_windows is None:
+            node_windows = self._open_windows[key] = {}
+        summed = node_windows.get(window_start_unix_ms)
         if summed is None:
-            summed = self._open_windows[(key, window_start_unix_ms)] = OpenNodeWindow(self.config.window_seconds,
-                                                                                      self.config.policy)
-            previous = self._open_windows.get((key, window_start_unix_ms - self.config.window_seconds * 1000))
+            summed = node_windows[window_start_unix_ms] = OpenNodeWindow(self.config.window_seconds,
+                                                                         self.config.policy)
+            previous = node_windows.get(window_start_unix_ms - self.config.window_seconds * 1000)
             if previous is not None:
                 # The node's ticks moved on to its next window: the previous one's sums are completed now, in its
                 # grace, rather than at its close, when every node's window closes at once.
@@ -663,7 +666,10 @@ class AttributionEngine:
     def _attribute(self, key: NodeKey, closed: tuple[NodeWindow, ...]) -> tuple[WindowResult, ...]:
         results = []
         for window in closed:
-            summed = self._open_windows.pop((key, window.window_start_unix_ms), None)
+            node_windows = self._open_windows.get(key)
+            summed = node_windows.pop(window.window_start_unix_ms, None) if node_windows is not None else None
+            if node_windows is not None and not node_windows:
+                del self._open_windows[key]
             record = node_window_record(window, self._pods, self.config.policy, summed)
             results.append(
                 WindowResult(
@@ -692,8 +698,7 @@ class AttributionEngine:
             if last is not None and last >= horizon:
                 continue
             del self._accs[key]
-            for open_key in [k for k in self._open_windows if k[0] == key]:
-                del self._open_windows[open_key]
+            self._open_windows.pop(key, None)
             self._last_sampled_at.pop(key, None)
             self.clocks.forget(key)
             self._collector_starts.pop(key, None)
