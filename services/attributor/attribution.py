@@ -579,21 +579,28 @@ def _unit_keys(unit: UnitWindow) -> tuple[str, ...]:
     return device_keys(unit.kind, unit.unit_uuid, unit.parent_uuid, first_device)
 
 
+def _unit_totals(weights: Sequence[float], intervals: Sequence[int], covered_ms: int,
+                 window_ms: int) -> tuple[float, float, float]:
+    """A unit's total weight, its capacity fraction and its covered seconds, from its ticks' weights, intervals
+    and summed non-negative intervals: the same arithmetic for the close from ticks (``_prepare``) and from sums
+    (``_OpenUnit.prepared``). The capacity fraction is the interval-weighted mean (each weight is interval ×
+    clamped fraction), taken before any equal-weights fallback."""
+    total_weight = sum(weights)
+    interval_sum = sum(intervals)
+    gpu_fraction = total_weight / interval_sum if interval_sum > 0 else 0.0
+    return total_weight, gpu_fraction, min(covered_ms, window_ms) / 1000.0
+
+
 def _prepare(unit: UnitWindow, pods: PodLookup, policy: AttributionPolicy, slots: _PodSlots) -> _Prepared:
     ticks = unit.ticks
     weights, intervals, zero_weight_ticks = _weights(unit)
-    total_weight = sum(weights)
-    interval_sum = sum(intervals)
-    # The interval-weighted mean capacity fraction: each weight is interval × clamped fraction (before the
-    # equal-weights fallback below).
-    gpu_fraction = total_weight / interval_sum if interval_sum > 0 else 0.0
+    total_weight, gpu_fraction, covered_seconds = _unit_totals(
+        weights, intervals, sum(max(t.interval_ms, 0) for t in ticks), unit.window_seconds * 1000)
     if total_weight <= 0.0:
         # Every tick had zero capacity (a fully partitioned MIG GPU's remainder): count ticks equally so the
         # shares are still defined.
         weights = [1.0] * len(ticks)
         total_weight = float(len(ticks))
-    window_ms = unit.window_seconds * 1000
-    covered_seconds = min(sum(max(t.interval_ms, 0) for t in ticks), window_ms) / 1000.0
 
     tick_times = sorted(t.sampled_at_unix_ms for t in ticks)
     assignees = _assignees(pods, _unit_keys(unit), tick_times)
@@ -1615,16 +1622,13 @@ class _OpenUnit:
         intervals = self.intervals
         if intervals.count(0) == len(intervals):
             return None
-        total_weight = sum(self.weights)
+        total_weight, gpu_fraction, covered_seconds = _unit_totals(self.weights, intervals, self.covered_ms, window_ms)
         if total_weight <= 0.0:
             return None
         # ``_unit_keys``: from the first tick that is not all idle (a MIG instance's ids come from it)
         keys = device_keys(self.kind, self.uuid, self.parent_uuid, self.first_busy_device or self.first_device)
         if keys != self.keys:
             return None
-        interval_sum = sum(intervals)
-        gpu_fraction = total_weight / interval_sum if interval_sum > 0 else 0.0
-        covered_seconds = min(self.covered_ms, window_ms) / 1000.0
         generation = pods.generation
         if (same_pods and generation is not None and generation == self._runs_generation
                 and generation == self._assignments_generation):
