@@ -25,6 +25,7 @@ def settings_tables() -> str:
     from services.billing.api import ApiSettings
     from services.billing.settings import BillingSettings
     from services.collector.settings import CollectorSettings
+    from pipeline.record import RecordSettings
     from services.guard.settings import GuardSettings
 
     sections = [
@@ -33,6 +34,7 @@ def settings_tables() -> str:
         ("`gpumeter billing`", BillingSettings, "services/billing/settings.py"),
         ("`gpumeter api`", ApiSettings, "services/billing/api.py"),
         ("`gpumeter guard`", GuardSettings, "services/guard/settings.py"),
+        ("`gpumeter record`", RecordSettings, "pipeline/record.py"),
         ("Kafka (every service, `gpumeter topics`, `report`, `violations`, `run`)", KafkaSettings,
          "gpumeter/settings.py"),
         ("Dead-letter health (`gpumeter attributor`, `billing`, `guard`: `/healthz` says `degraded`)",
