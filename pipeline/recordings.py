@@ -30,7 +30,8 @@ samples, frame order) -- a file ``gpumeter record`` writes holds its frames in t
 several partitions that is not received order (each fetched partition's messages come in turn; a partition read
 behind another puts earlier frames after later ones), so a file is read whole before it is replayed. INPUT may
 also be a directory: every ``*.gmrec`` in it (sorted by name) is read and the files are merged by (received_at,
-pod events before samples, file order, frame order); one file alone is replayed with its snapshot frames. In a directory, a **snapshot frame already read** -- the same received time and the same
+pod events before samples, file order, frame order); one file alone is replayed with its snapshot frames. In a
+directory, a **snapshot frame already read** -- the same received time and the same
 bytes as a pod event of an earlier file, which is where ``gpumeter record`` copied it from -- is skipped, and so
 is a pod event already read as a snapshot frame: a directory of consecutive files replays as the run it was cut
 from, and a directory whose first files were deleted (retention) starts from its first file's snapshot. (A
