@@ -25,9 +25,13 @@ structure (bad header, a frame cut short, a compressed stream cut short) raises 
 whose message does not decode is dead-lettered with the codec's reason code and replay carries on, as the
 streaming consumer does.
 
-INPUT may also be a directory: every ``*.gmrec`` in it (sorted by name) is read and the files are merged by
-(received_at, pod events before samples, file order, frame order); one file is replayed in its own order, its
-snapshot frames included. In a directory, a **snapshot frame already read** -- the same received time and the same
+Frames are replayed in received order: each file's frames are ordered by (received_at, pod events before
+samples, frame order) -- a file ``gpumeter record`` writes holds its frames in the order it read them, and with
+several partitions that is not received order (each fetched partition's messages come in turn; a partition read
+behind another puts earlier frames after later ones), so a file is read whole before it is replayed. INPUT may
+also be a directory: every ``*.gmrec`` in it (sorted by name) is read and the files are merged by (received_at,
+pod events before samples, file order, frame order); one file alone is replayed with its snapshot frames. In a
+directory, a **snapshot frame already read** -- the same received time and the same
 bytes as a pod event of an earlier file, which is where ``gpumeter record`` copied it from -- is skipped, and so
 is a pod event already read as a snapshot frame: a directory of consecutive files replays as the run it was cut
 from, and a directory whose first files were deleted (retention) starts from its first file's snapshot. (A
@@ -385,22 +389,28 @@ def recorded_inputs(path: str | Path) -> Iterator[InputRecord | InvalidInput]:
     """Every input of a recording (file or directory; see the module docstring for the order and for what a
     directory skips), undecodable messages as ``InvalidInput``."""
 
-    def stream(index: int, file: Path) -> Iterator[tuple[tuple[int, int, int, int],
-                                                         tuple[RecordedFrame, InputRecord | InvalidInput]]]:
+    def stream(index: int, file: Path) -> list[tuple[tuple[int, int, int, int],
+                                                     tuple[RecordedFrame, InputRecord | InvalidInput]]]:
+        items: list[tuple[tuple[int, int, int, int], tuple[RecordedFrame, InputRecord | InvalidInput]]] = []
         for frame in iter_frames(file):
             try:
                 message = decode_message(frame.payload)
             except InvalidMessage as exc:
                 # Undecodable: no kind to order by; it sorts with samples (after the instant's pod events).
-                yield (frame.received_at_unix_ms, 1, index, frame.position), (frame, InvalidInput(
-                    frame.source, frame.received_at_unix_ms, exc, payload=frame.payload))
+                items.append(((frame.received_at_unix_ms, 1, index, frame.position), (frame, InvalidInput(
+                    frame.source, frame.received_at_unix_ms, exc, payload=frame.payload))))
                 continue
             key = (frame.received_at_unix_ms, _kind_rank(message), index, frame.position)
-            yield key, (frame, InputRecord(frame.received_at_unix_ms, message))
+            items.append((key, (frame, InputRecord(frame.received_at_unix_ms, message))))
+        # A file's frames are in the order they were read, which is not received order when several partitions
+        # were: a recorder gets each fetched partition's messages in turn, so a partition read behind another
+        # puts earlier frames after later ones. Replay (and the merge of a directory's files) is in received order.
+        items.sort(key=lambda item: item[0])
+        return items
 
     files = recording_files(path)
     if len(files) == 1:
-        # One file is replayed in its own order (what a consumer of one partition saw), snapshot frames first.
+        # One file is replayed on its own, snapshot frames included.
         for _key, (_frame, item) in stream(0, files[0]):
             yield item
         return
