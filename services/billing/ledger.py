@@ -39,15 +39,15 @@ merely wrote it again; a bill from before the column existed (no publisher) is c
 that finds it unpublished, with a conditional UPDATE, so exactly one does. Every cost record therefore reaches the
 costs topic from one instance only, however many instances with different groups bill the same shares.
 
-Writes are idempotent and all-or-nothing per node-window. ``Ledger.write(costs, bills)`` checks that every cost
-line has its bill in the same call and that each node-window's lines add up to its bill, then, in one
-transaction, inserts the price versions and the bills (with their zero lines) with ``INSERT ... ON CONFLICT DO
-NOTHING RETURNING``, and the label sets and cost lines of exactly the bills that were new (again ``ON CONFLICT DO
-NOTHING``; a line priced otherwise than its bill is refused). Every reader gets the zero lines back: counted in
-the sums and line counts, listed by ``iter_cost_lines``, ``billed_cost_lines`` and ``trueup_windows``. A redelivered node-window —
-or any part of one — therefore never bills twice, and a node-window is never half-written: on PostgreSQL a
-concurrent writer of the same node-window waits on the bill's key and then skips it. The first write of a
-node-window wins: a later, different costing of it (say, after a price change) is skipped too, never mixed in.
+Writes are idempotent and all-or-nothing per node-window. ``Ledger.write(costs, bills)`` checks that every cost line
+has its bill in the same call and that each node-window's lines add up to its bill, then, in one transaction,
+inserts the price versions and the bills (with their zero lines) with ``INSERT ... ON CONFLICT DO NOTHING
+RETURNING``, and the label sets and cost lines of exactly the bills that were new (again ``ON CONFLICT DO NOTHING``;
+a line priced otherwise than its bill is refused). A redelivered node-window — or any part of one — therefore never
+bills twice, and a node-window is never half-written: on PostgreSQL a concurrent writer of the same node-window
+waits on the bill's key and then skips it. The first write of a node- window wins: a later, different costing of it
+(say, after a price change) is skipped too, never mixed in. Every reader gets the zero lines back: counted in the
+sums and line counts, listed by ``iter_cost_lines``, ``billed_cost_lines`` and ``trueup_windows``.
 Inserts are bulk (executemany, which SQLAlchemy batches into multi-row ``VALUES``).
 
 Database errors are wrapped in ``LedgerError``. A SQLite file ledger's files are checked before every use

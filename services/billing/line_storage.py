@@ -6,10 +6,12 @@ was written. Such a line is a bucket's (subject kind not POD, no pod, not shared
 ``cost_share``, ``memory_share`` and ``compute_share`` 0.0, no namespace, pod name, labels or carried label keys,
 no sharing method, and its bill's window length, instance type, price model and price version (every line has
 those). What is left of it -- unit, kind, attribution method, cost basis and GPU fraction -- is what the bill's
-column keeps, as compact JSON: one entry per unit (``gpu_uuid``, '' for node-level), in key order, with the kinds
-of its zero lines::
+column keeps, as compact JSON: first the (method, cost basis, GPU fraction) most of its units share, then one
+entry per unit in key order (``gpu_uuid``, '' for node-level) with one letter per zero line's kind (I IDLE,
+D DRIVER_RESERVED, A UNATTRIBUTED, V UNAVAILABLE, O NODE_OTHER), followed by the unit's own method, cost basis
+and GPU fraction where they are not the first entry's::
 
-    [["GPU-0001", "memory_proxy", "memory", 1.0, ["DRIVER_RESERVED", "UNAVAILABLE"]], ...]
+    [["exclusive","memory",1.0],["GPU-0f7a…","V"],["GPU-acc9…","AV"],["MIG-1c…","DV","mig_instance","memory",0.5]]
 
 NULL: none. The GPU fraction is the line's float, written as ``repr`` writes it (it reads back bit for bit). A
 zero line's trued-up cost is 0 once its node-window is trued up (the true-up apportions by list cost: a line of
@@ -54,14 +56,26 @@ def is_zero_line(cost: CostRecord, window_seconds: int, instance_type: str, pric
 ZeroLine = tuple[str, str, str, str, float]  # (gpu_uuid or '', subject kind, method, cost basis, gpu fraction)
 
 
+# One letter per bucket kind in ``node_bills.zero_lines`` (a POD line is never a zero line).
+_KIND_LETTERS = {"IDLE": "I", "DRIVER_RESERVED": "D", "UNATTRIBUTED": "A", "UNAVAILABLE": "V", "NODE_OTHER": "O"}
+_LETTER_KINDS = {letter: kind for kind, letter in _KIND_LETTERS.items()}
+
+
 def encode_zero_lines(lines: Iterable[ZeroLine]) -> str | None:
-    """The ``node_bills.zero_lines`` text of one bill's zero lines (None: none)."""
+    """The ``node_bills.zero_lines`` text of one bill's zero lines (None: none); see the module docstring."""
     units: dict[tuple[str, str, str, float], list[str]] = {}
     for gpu_uuid, kind, method, basis, fraction in sorted(lines, key=lambda z: (z[0], z[1])):
-        units.setdefault((gpu_uuid, method, basis, fraction), []).append(kind)
+        units.setdefault((gpu_uuid, method, basis, fraction), []).append(_KIND_LETTERS[kind])
     if not units:
         return None
-    entries = [[gpu, method, basis, fraction, kinds] for (gpu, method, basis, fraction), kinds in units.items()]
+    attributes = [unit[1:] for unit in units]
+    default = max(attributes, key=attributes.count)  # the first of the most common
+    entries: list[list] = [list(default)]
+    for (gpu, *rest), letters in units.items():
+        entry = [gpu, "".join(letters)]
+        if tuple(rest) != default:
+            entry.extend(rest)
+        entries.append(entry)
     return json.dumps(entries, separators=(",", ":"), ensure_ascii=False)
 
 
@@ -69,8 +83,11 @@ def decode_zero_lines(text: str | None) -> list[ZeroLine]:
     """``encode_zero_lines``' lines back, in key order (gpu_uuid, kind)."""
     if not text:
         return []
-    out = [(gpu, kind, method, basis, float(fraction))
-           for gpu, method, basis, fraction, kinds in json.loads(text) for kind in kinds]
+    default, *entries = json.loads(text)
+    out = []
+    for gpu, letters, *rest in entries:
+        method, basis, fraction = rest or default
+        out.extend((gpu, _LETTER_KINDS[letter], method, basis, float(fraction)) for letter in letters)
     out.sort(key=lambda z: (z[0], z[1]))
     return out
 

@@ -16,7 +16,7 @@ from alembic import command
 from sqlalchemy import column, func, select, table, text
 
 from services.billing.ledger import Ledger, LedgerError, _alembic_config, cost_lines, label_sets, node_bills
-from services.billing.line_storage import decode_zero_lines, is_zero_line, label_set_id
+from services.billing.line_storage import decode_zero_lines, encode_zero_lines, is_zero_line, label_set_id
 from tests.unit.billing.data import make_ledger_0007 as recorded
 from tests.unit.billing.ledger_outputs import output_digests
 
@@ -166,3 +166,26 @@ def test_the_downgrade_puts_every_line_back_as_a_row(tmp_path):
         assert back == sorted(tuple(v) for v in FIXTURE["rows"]["cost_lines"]["values"])
     finally:
         ledger.close()
+
+
+def test_the_zero_lines_column_gives_back_every_line_bit_for_bit():
+    lines = [("GPU-b", "UNAVAILABLE", "exclusive", "memory", 1.0),
+             ("GPU-a", "UNATTRIBUTED", "exclusive", "memory", 1.0),
+             ("GPU-a", "DRIVER_RESERVED", "exclusive", "memory", 1.0),
+             ("MIG-c", "IDLE", "mig_instance", "compute", 3 / 7), ("", "NODE_OTHER", "", "", 0.0)]
+    text_ = encode_zero_lines(lines)
+    assert decode_zero_lines(text_) == sorted(lines, key=lambda z: (z[0], z[1]))
+    assert [repr(z[4]) for z in decode_zero_lines(text_)] == [repr(z[4]) for z in sorted(lines, key=lambda z: (
+        z[0], z[1]))]
+    assert encode_zero_lines([]) is None and decode_zero_lines(None) == []
+
+
+def test_a_line_with_any_share_or_a_negative_zero_is_stored_as_a_row():
+    (priced,) = recorded.results()[:1]
+    bill = priced.bill
+    facts = (bill.window_seconds, bill.instance_type, bill.price_model, bill.price_version)
+    zero = next(c for c in priced.costs if is_zero_line(c, *facts))
+    for change in ({"memory_share": 1e-9}, {"compute_share": 0.5}, {"cost_share": -0.0}, {"cost_micro_usd": 1},
+                   {"labels": {"team": "x"}}, {"carried_label_keys": ("team",)}, {"price_version": "other"}):
+        other = zero.__class__(**{**{f: getattr(zero, f) for f in zero.__slots__}, **change})
+        assert not is_zero_line(other, *facts), change

@@ -124,8 +124,8 @@ def _set_aside(name: str) -> None:
         op.execute(f'ALTER TABLE "{name}" RENAME CONSTRAINT pk_cost_lines TO pk_{name}')
 
 
-def _labels_text(bind) -> str:
-    return "CAST(o.labels AS TEXT)"
+# The stored JSON's text on both databases (SQLite keeps JSON as text; PostgreSQL's jsonb prints its own).
+_LABELS_TEXT = "CAST(o.labels AS TEXT)"
 
 
 def upgrade() -> None:
@@ -154,7 +154,7 @@ def upgrade() -> None:
     )
     sets, mapping = {}, []
     for labels_text, carried in bind.execute(sa.text(
-            f"SELECT DISTINCT {_labels_text(bind)}, o.carried_label_keys FROM cost_lines_0007 o")):
+            f"SELECT DISTINCT {_LABELS_TEXT}, o.carried_label_keys FROM cost_lines_0007 o")):
         labels = json.loads(labels_text)
         keys = tuple(filter(None, carried.split(",")))
         ident = label_set_id(labels, keys)
@@ -167,7 +167,7 @@ def upgrade() -> None:
     _new_cost_lines("cost_lines")
     columns = ", ".join(_COMMON)
     selected = ", ".join(f"o.{c}" for c in _COMMON)
-    source = (f"FROM cost_lines_0007 o JOIN label_map_0008 m ON m.labels_text = {_labels_text(bind)} "
+    source = (f"FROM cost_lines_0007 o JOIN label_map_0008 m ON m.labels_text = {_LABELS_TEXT} "
               f"AND m.carried_label_keys = o.carried_label_keys JOIN node_bills b ON {_JOIN_BILL}")
     op.execute(f"INSERT INTO cost_lines ({columns}, label_set_id) SELECT {selected}, m.label_set_id {source} "
                f"WHERE NOT ({_ZERO_LINE})")
@@ -178,8 +178,8 @@ def upgrade() -> None:
         zeros[(start, cluster, node)].append((gpu, kind, method, basis, float(fraction)))
     if zeros:
         bind.execute(
-            sa.text("UPDATE node_bills SET zero_lines = :zero WHERE window_start_unix_ms = :start AND cluster = :cluster "
-                    "AND node_name = :node"),
+            sa.text("UPDATE node_bills SET zero_lines = :zero WHERE window_start_unix_ms = :start "
+                    "AND cluster = :cluster AND node_name = :node"),
             [{"zero": encode_zero_lines(lines), "start": start, "cluster": cluster, "node": node}
              for (start, cluster, node), lines in zeros.items()])
     op.drop_table("label_map_0008")
