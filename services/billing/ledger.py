@@ -45,7 +45,7 @@ inserts the price versions and the bills (with their zero lines) with ``INSERT .
 RETURNING``, and the label sets and cost lines of exactly the bills that were new (again ``ON CONFLICT DO NOTHING``;
 a line priced otherwise than its bill is refused). A redelivered node-window — or any part of one — therefore never
 bills twice, and a node-window is never half-written: on PostgreSQL a concurrent writer of the same node-window
-waits on the bill's key and then skips it. The first write of a node- window wins: a later, different costing of it
+waits on the bill's key and then skips it. The first write of a node-window wins: a later, different costing of it
 (say, after a price change) is skipped too, never mixed in. Every reader gets the zero lines back: counted in the
 sums and line counts, listed by ``iter_cost_lines``, ``billed_cost_lines`` and ``trueup_windows``.
 Inserts are bulk (executemany, which SQLAlchemy batches into multi-row ``VALUES``).
