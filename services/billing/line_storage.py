@@ -21,6 +21,9 @@ list cost 0 gets 0) and NULL before, as a stored line's is.
 ``cost_lines.label_set_id``: the first 8 bytes of the SHA-256 of the set's canonical JSON
 (``label_set_json``), as a signed 64-bit integer (``label_set_id``); 0 is the empty set (no labels, no carried
 keys: every bucket line), which SQLite stores in no bytes at all.
+
+Both are stored formats (migration ``0008_compact_lines`` writes them with these functions): change them only with
+a migration that rewrites what is stored.
 """
 
 from __future__ import annotations

@@ -1,8 +1,12 @@
 """Records ``ledger_0007.json``: a ledger written by the code of revision 0007 (commit 285f5cf, before migration
-0008), its rows and what its readers answered. Run it with that commit's code on the path:
+0008), its rows and what its readers answered. Run it on that commit's code (this reproduces the file byte for
+byte):
 
-    git archive 285f5cf | tar -x -C /tmp/gpumeter-0007 && cp tests/unit/billing/{ledger_outputs.py,data/*.py} ...
-    PYTHONPATH=/tmp/gpumeter-0007 python tests/unit/billing/data/make_ledger_0007.py OUT.json
+    mkdir /tmp/g7 && git archive 285f5cf | tar -x -C /tmp/g7
+    cp tests/unit/billing/ledger_outputs.py /tmp/g7/tests/unit/billing/
+    mkdir /tmp/g7/tests/unit/billing/data
+    cp tests/unit/billing/data/__init__.py tests/unit/billing/data/make_ledger_0007.py /tmp/g7/tests/unit/billing/data/
+    cd /tmp/g7 && PYTHONPATH=/tmp/g7 python tests/unit/billing/data/make_ledger_0007.py OUT.json
 
 The ledger: node-windows with zero-cost bucket lines (cost and every share 0), a MIG node, pods with and without
 labels (carried label keys), a node-window shared by a sharing policy, and a FOCUS true-up applied by
