@@ -250,6 +250,8 @@ cost_lines = Table(
     ),
     ForeignKeyConstraint(["label_set_id"], ["label_sets.label_set_id"]),
     Index(None, "namespace", "window_start_unix_ms"),
+    # SQLite: the rows live in the primary key's B-tree, not in a rowid table beside a copy of the key.
+    sqlite_with_rowid=False,
 )
 
 trueups = Table(

@@ -9,6 +9,8 @@
   ``cost_lines.carried_label_keys``.
 * ``cost_lines.instance_type``, ``price_model`` and ``price_version`` are dropped: every line has its bill's
   (``node_bills``, which references ``price_versions``); the upgrade refuses a ledger where one does not.
+* On SQLite ``cost_lines`` becomes a ``WITHOUT ROWID`` table (its rows in the primary key's B-tree, the key
+  stored once).
 
 The upgrade copies ``cost_lines`` into its new shape (``INSERT ... SELECT``, set-based on both databases) and
 fills ``zero_lines`` from the lines it leaves out: a line is left out when it is a zero line and its trued-up cost
@@ -81,6 +83,7 @@ def _new_cost_lines(name: str) -> None:
         sa.PrimaryKeyConstraint(*_KEY, name="pk_cost_lines"),
         sa.ForeignKeyConstraint(_BILL_KEY, [f"node_bills.{c}" for c in _BILL_KEY], name="fk_cost_lines_node_bills"),
         sa.ForeignKeyConstraint(["label_set_id"], ["label_sets.label_set_id"], name="fk_cost_lines_label_sets"),
+        sqlite_with_rowid=False,
     )
 
 
