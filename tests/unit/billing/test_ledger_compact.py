@@ -9,6 +9,7 @@ bases and formats, the FOCUS export, ``/allocation`` answers, the lines as recor
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -127,12 +128,10 @@ def test_labels_are_stored_once_per_distinct_set_and_a_colliding_set_is_refused(
               for c in costs} | {0: ({}, "")}
     assert stored == wanted
     # Another set stored under an id of this write's (a hash collision): the write is refused, nothing written.
-    more = recorded.results()
-    moved = [r for r in more]
-    shifted = [c.__class__(**{**{f: getattr(c, f) for f in c.__slots__}, "window_start_unix_ms":
-                              c.window_start_unix_ms + 86_400_000}) for r in moved for c in r.costs]
-    bills = [r.bill.__class__(**{**{f: getattr(r.bill, f) for f in r.bill.__slots__}, "window_start_unix_ms":
-                                 r.bill.window_start_unix_ms + 86_400_000}) for r in moved]
+    day = 86_400_000
+    later = recorded.results()
+    shifted = [replace(c, window_start_unix_ms=c.window_start_unix_ms + day) for r in later for c in r.costs]
+    bills = [replace(r.bill, window_start_unix_ms=r.bill.window_start_unix_ms + day) for r in later]
     victim = next(i for i in wanted if i)
     fresh = Ledger(sqlite_ledger.url)
     with fresh.engine.begin() as connection:
@@ -147,8 +146,7 @@ def test_labels_are_stored_once_per_distinct_set_and_a_colliding_set_is_refused(
 def test_a_line_priced_otherwise_than_its_bill_is_refused_and_nothing_is_written(sqlite_ledger):
     priced = recorded.results()[:2]
     costs = [c for r in priced for c in r.costs]
-    odd = [c.__class__(**{**{f: getattr(c, f) for f in c.__slots__}, "price_version": "elsewhere"})
-           if c.subject_kind.value == "POD" and c is costs[0] else c for c in costs]
+    odd = [replace(c, price_version="elsewhere") if c is costs[0] else c for c in costs]
     with pytest.raises(LedgerError, match="keeps them once, on the bill"):
         sqlite_ledger.write(odd, [r.bill for r in priced])
     assert sqlite_ledger.bills() == () and sqlite_ledger.totals().cost_lines == 0
@@ -187,5 +185,5 @@ def test_a_line_with_any_share_or_a_negative_zero_is_stored_as_a_row():
     zero = next(c for c in priced.costs if is_zero_line(c, *facts))
     for change in ({"memory_share": 1e-9}, {"compute_share": 0.5}, {"cost_share": -0.0}, {"cost_micro_usd": 1},
                    {"labels": {"team": "x"}}, {"carried_label_keys": ("team",)}, {"price_version": "other"}):
-        other = zero.__class__(**{**{f: getattr(zero, f) for f in zero.__slots__}, **change})
+        other = replace(zero, **change)
         assert not is_zero_line(other, *facts), change
