@@ -91,6 +91,7 @@ from sqlalchemy.pool import StaticPool
 from gpumeter.errors import ConfigError, GpumeterError
 from gpumeter.redact import mask_secrets, mask_url
 from schemas.records import CostRecord, CostSubjectKind
+from services.billing import rollups
 from services.billing.costing import NodeBill, NodeWindowKey
 from services.billing.sqlite_files import SqliteFiles
 from services.billing.trueup import LedgerLine, LedgerWindow, TrueUp
@@ -186,6 +187,7 @@ node_bills = Table(
     Column("trued_cost_micro_usd", BigInteger, nullable=True),
     Column("trueup_id", String(64), nullable=True),
     Column("sharing", String(255), nullable=False, server_default="keep"),
+    Column("gpu_model", String(128), nullable=False, server_default=""),
     PrimaryKeyConstraint("window_start_unix_ms", "cluster", "node_name"),
     ForeignKeyConstraint(["price_version"], ["price_versions.price_version"]),
     Index(None, "node_name", "window_start_unix_ms"),
@@ -244,6 +246,9 @@ trueups = Table(
     Column("summary", Text, nullable=False),
     PrimaryKeyConstraint("trueup_id"),
 )
+
+# Hourly and daily rollups of the cost lines and the retention horizons (``services.billing.rollups``).
+ROLLUPS = rollups.define_tables(metadata)
 
 COST_BASES = ("list", "trued")
 
@@ -394,6 +399,7 @@ def _bill_row(bill: NodeBill) -> dict[str, Any]:
         "zone": bill.zone,
         "provider_id": bill.provider_id,
         "sharing": bill.sharing,
+        "gpu_model": bill.gpu_model,
     }
 
 
@@ -487,8 +493,10 @@ class Ledger:
     """A cost ledger at ``url`` (``sqlite:///path`` or ``postgresql+psycopg://...``). See the module docstring."""
 
     def __init__(self, url: str = DEFAULT_LEDGER_URL, *, publisher: str | None = None,
-                 read_only: bool = False) -> None:
+                 read_only: bool = False, team_label: str = rollups.DEFAULT_TEAM_LABEL) -> None:
         self.url = normalize_url(url)
+        # The pod label the rollups keep as the team (billing's ``team_label``; services.billing.rollups).
+        self.team_label = team_label
         # A reader that cannot write even by mistake: every connection is read-only in the database itself
         # (SQLite ``query_only``, PostgreSQL read-only sessions); ``migrate`` and ``write`` then fail.
         self.read_only = read_only
@@ -612,7 +620,10 @@ class Ledger:
             with self._begin() as connection:
                 if self.dialect == "postgresql":
                     connection.execute(text("SELECT pg_advisory_xact_lock(:lock)"), {"lock": _MIGRATION_LOCK_ID})
-                command.upgrade(_alembic_config(connection), "head")
+                config = _alembic_config(connection)
+                # Migration 0009 backfills the rollups' team from this label.
+                config.attributes["team_label"] = self.team_label
+                command.upgrade(config, "head")
         except SQLAlchemyError as exc:
             raise LedgerError(f"migrating {self!r} failed: {exc}") from exc
         revision = self.current_revision()
@@ -695,6 +706,8 @@ class Ledger:
                              if NodeWindowKey(cost.cluster, cost.node_name, cost.window_start_unix_ms) in new_keys]
                 if new_lines:
                     self._insert_lines(connection, new_lines)
+                    rollups.add_written(connection, ROLLUPS, new_lines, {k: bills_by_key[k] for k in new_keys},
+                                        team_key=self.team_label, insert=self._insert)
                 unpublished, others = self._unpublished(connection, {k: b for k, b in bills_by_key.items()
                                                                      if k not in new_keys})
         except SQLAlchemyError as exc:
@@ -1102,11 +1115,17 @@ class Ledger:
                         .values(trued_cost_micro_usd=bindparam("b_trued"), trueup_id=bindparam("b_run")),
                         window_updates)
                 line_updates = []
-                for start, cluster, node, gpu, kind, pod, shared_from, trued in connection.execute(
-                        select(c.window_start_unix_ms, c.cluster, c.node_name, c.gpu_uuid, c.subject_kind, c.pod_uid,
-                               c.shared_from, c.trued_cost_micro_usd)
+                trued_changes = []
+                for row in connection.execute(
+                        select(cost_lines, b.sharing.label("bill_sharing"), b.gpu_model.label("bill_gpu_model"))
+                        .select_from(cost_lines.join(node_bills, (b.window_start_unix_ms == c.window_start_unix_ms)
+                                                     & (b.cluster == c.cluster) & (b.node_name == c.node_name)))
                         .where(c.window_start_unix_ms >= bill.scope_start_ms,
                                c.window_start_unix_ms < bill.scope_end_ms)):
+                    m = row._mapping
+                    start, cluster, node, gpu, kind, pod, shared_from, trued = (
+                        m["window_start_unix_ms"], m["cluster"], m["node_name"], m["gpu_uuid"], m["subject_kind"],
+                        m["pod_uid"], m["shared_from"], m["trued_cost_micro_usd"])
                     if NodeWindowKey(cluster, node, start) not in scope:
                         continue
                     line_key = (start, cluster, node, gpu, kind, pod, shared_from)
@@ -1117,6 +1136,11 @@ class Ledger:
                         line_updates.append({"b_start": start, "b_cluster": cluster, "b_node": node, "b_gpu": gpu,
                                              "b_kind": kind, "b_pod": pod, "b_shared": shared_from,
                                              "b_trued": wanted})
+                        # The rollups' trued-up sums move with the line (services.billing.rollups).
+                        trued_changes.append(rollups.TruedChange(_cost_record(m), m["bill_gpu_model"],
+                                                                 m["bill_sharing"], trued, wanted))
+                rollups.add_trued(connection, ROLLUPS, trued_changes, team_key=self.team_label,
+                                  insert=self._insert)
                 if line_updates:
                     connection.execute(
                         update(cost_lines)
