@@ -23,6 +23,7 @@ def settings_tables() -> str:
     from gpumeter.settings import DeadLetterHealthSettings, KafkaSettings
     from services.attributor.settings import AttributorSettings
     from services.billing.api import ApiSettings
+    from services.billing.retention import RetentionSettings
     from services.billing.settings import BillingSettings
     from services.collector.settings import CollectorSettings
     from services.guard.settings import GuardSettings
@@ -32,6 +33,7 @@ def settings_tables() -> str:
         ("`gpumeter attributor`", AttributorSettings, "services/attributor/settings.py"),
         ("`gpumeter billing`", BillingSettings, "services/billing/settings.py"),
         ("`gpumeter api`", ApiSettings, "services/billing/api.py"),
+        ("`gpumeter ledger retention`", RetentionSettings, "services/billing/retention.py"),
         ("`gpumeter guard`", GuardSettings, "services/guard/settings.py"),
         ("Kafka (every service, `gpumeter topics`, `report`, `violations`, `run`)", KafkaSettings,
          "gpumeter/settings.py"),

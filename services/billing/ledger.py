@@ -567,6 +567,14 @@ class Ledger:
         if self._files is not None:
             self._files.remember(mapped=self._connections > 0)
 
+    def transaction(self):
+        """A write transaction of its own (``services.billing.retention``), after the files' check."""
+        return self._begin()
+
+    def insert(self, table: Table):
+        """The dialect's ``INSERT`` of ``table`` (with ``on_conflict_do_*``)."""
+        return self._insert(table)
+
     @contextmanager
     def _connect(self) -> Iterator[Connection]:
         """``engine.connect()`` once the files passed their check for a read."""
@@ -804,6 +812,10 @@ class Ledger:
         if cluster is not None:
             conditions.append(table.c.cluster == cluster)
         return conditions
+
+    def read(self, statement) -> list:
+        """All rows of a Core ``statement`` (``LedgerError`` on a database error): for the rollups' queries."""
+        return self._read(statement)
 
     def _read(self, statement) -> list:
         try:
