@@ -406,7 +406,8 @@ def _format_table(report: Report) -> str:
 
     rule = "-" * len(render(header))
     out = [_title(report), render(header), rule, *(render(r) for r in body), rule, render(footer),
-           *_grain_lines(report), *_pricing_lines(report), *_sharing_lines(report), f"reconciliation: {report.reconciliation.statement()}"]
+           *_grain_lines(report), *_pricing_lines(report), *_sharing_lines(report),
+           f"reconciliation: {report.reconciliation.statement()}"]
     if report.carriage is not None:
         out.append(f"labels: {report.carriage.statement()}")
     out.append(f"emitted windows: {_emitted_text(report)}")

@@ -77,7 +77,8 @@ def test_split_reads_whole_days_then_whole_hours_then_the_minutes_at_the_edges()
     start, end = DAY0 + 7 * 60_000, DAY0 + 3 * DAY_MS + 14 * HOUR_MS + 31 * 60_000
     assert split(start, end) == (
         Segment(MINUTE, start, DAY0 + HOUR_MS), Segment(HOUR, DAY0 + HOUR_MS, DAY0 + DAY_MS),
-        Segment(DAY, DAY0 + DAY_MS, DAY0 + 3 * DAY_MS), Segment(HOUR, DAY0 + 3 * DAY_MS, DAY0 + 3 * DAY_MS + 14 * HOUR_MS),
+        Segment(DAY, DAY0 + DAY_MS, DAY0 + 3 * DAY_MS),
+        Segment(HOUR, DAY0 + 3 * DAY_MS, DAY0 + 3 * DAY_MS + 14 * HOUR_MS),
         Segment(MINUTE, DAY0 + 3 * DAY_MS + 14 * HOUR_MS, end))
     assert split(DAY0 + 60_000, DAY0 + 50 * 60_000) == (Segment(MINUTE, DAY0 + 60_000, DAY0 + 50 * 60_000),)
     assert split(DAY0 + 23 * HOUR_MS, DAY0 + DAY_MS + 2 * HOUR_MS) == (
