@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 from schemas.packed import PackedNodeSample, forget_shared_values
-from schemas.records import GpuShare, NodeSample, PodEvent
+from schemas.records import GpuShare, NodeSample, NodeWindowShares, PodEvent
 from schemas.typed import RecordCodec, codec_for
 from services.attributor.engine import AttributionEngine, EngineConfig
 
@@ -93,23 +93,26 @@ def engine_with_pods(data: AttributionInput) -> AttributionEngine:
     return engine
 
 
-def run_engine(engine: AttributionEngine, messages: Sequence[tuple[int, bytes]]) -> list[GpuShare]:
-    """Decode and attribute every message as the streaming agent does; the share rows of every window."""
+def run_engine(engine: AttributionEngine, messages: Sequence[tuple[int, bytes]]) -> list[NodeWindowShares]:
+    """Decode and attribute every message as the streaming agent does; the record of every window with rows (what
+    the agent emits)."""
     decode = codec_for(NodeSample).decode
-    shares: list[GpuShare] = []
+    records: list[NodeWindowShares] = []
     for position, (now_ms, data) in enumerate(messages):
         output = engine.on_sample(decode(data), now_ms, position)
         if output.windows:
-            for window in output.windows:
-                shares.extend(window.shares)
+            records.extend(window.record for window in output.windows if window.record is not None)
             engine.record_emitted(output.windows)
         engine.take_table_changes()
     output = engine.flush()
-    for window in output.windows:
-        shares.extend(window.shares)
+    records.extend(window.record for window in output.windows if window.record is not None)
     engine.record_emitted(output.windows)
     engine.take_table_changes()
-    return shares
+    return records
+
+
+def share_rows(records: Iterable[NodeWindowShares]) -> list[GpuShare]:
+    return [row for record in records for row in record.rows()]
 
 
 def decode_only(messages: Sequence[tuple[int, bytes]]) -> list[NodeSample]:
@@ -136,11 +139,11 @@ def engine_only(engine: AttributionEngine, samples: Sequence[tuple[int, NodeSamp
     for position, (now_ms, sample) in enumerate(samples):
         output = engine.on_sample(sample, now_ms, position)
         if output.windows:
-            rows += sum(len(w.shares) for w in output.windows)
+            rows += sum(w.record.row_count for w in output.windows if w.record is not None)
             engine.record_emitted(output.windows)
         engine.take_table_changes()
     output = engine.flush()
-    return rows + sum(len(w.shares) for w in output.windows)
+    return rows + sum(w.record.row_count for w in output.windows if w.record is not None)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -342,7 +345,8 @@ def close_burst(nodes: int, repeats: int, gpus_per_node: int = 8, pods_per_gpu: 
     window's first ``GRACE_SECONDS``), then the tick at end + grace that closes its window -- the closing ticks are
     the close's figure, the others the taking in. The engine as it runs (each tick summed into its window as it
     arrives, ``attribution.OpenNodeWindow``) against every tick summed at the close (what the engine did before),
-    alternately, best of ``repeats``. Both close to the same rows (checked)."""
+    alternately, best of ``repeats``. Both close to the same rows (checked). The close's figure includes building
+    the record the attributor emits for each window (``WindowResult.record``)."""
     import gc
 
     data = build_input(nodes, WINDOW_SECONDS + GRACE_SECONDS + 1, gpus_per_node, pods_per_gpu)
@@ -391,7 +395,7 @@ def close_burst(nodes: int, repeats: int, gpus_per_node: int = 8, pods_per_gpu: 
 def measure(nodes: int, ticks: int, repeats: int, gpus_per_node: int = 8, pods_per_gpu: int = 8) -> dict[str, Any]:
     """Every figure of the attribution benchmark for ``nodes`` × ``ticks`` messages."""
     data = build_input(nodes, ticks, gpus_per_node, pods_per_gpu)
-    shares = run_engine(engine_with_pods(data), data.avro_messages)
+    shares = share_rows(run_engine(engine_with_pods(data), data.avro_messages))
     rows = run_naive(naive_with_pods(data), data.json_messages)
     difference = max_share_difference(shares, rows)
     if difference > 1e-9:
@@ -399,6 +403,8 @@ def measure(nodes: int, ticks: int, repeats: int, gpus_per_node: int = 8, pods_p
     expected_rows = len(shares)
 
     def check(name: str, value: Any) -> None:
+        if name == "gpumeter":
+            value = share_rows(value)
         if len(value) != expected_rows:
             raise AssertionError(f"{name} produced {len(value)} rows, expected {expected_rows}")
 

@@ -15,8 +15,9 @@ other nodes by renaming the node, its GPUs and its pods (so that series, ledger 
 ``--baseline REV`` (``python -m bench.billing --baseline main``) measures the code of another git revision in the
 same process: its ``gpumeter``, ``schemas`` and ``services`` packages are extracted (``git archive``) and imported
 under their own names into a separate set of modules, swapped into ``sys.modules`` while that variant runs, so the
-two variants alternate (A, B, A, B, ... best of N CPU seconds) on the same input bytes. Each run's output (every
-ledger row of every table, every produced record's bytes) is compared between the variants before any figure is
+two variants alternate (A, B, A, B, ... best of N CPU seconds) on the same input bytes. Each run's output (the
+ledger's bills and cost lines as its readers see them -- two revisions may store them differently -- and every
+produced record's bytes) is compared between the variants before any figure is
 reported: a difference stops the run.
 
 ``--profile`` prints the top cumulative and internal costs (cProfile) of one run of the current code.
@@ -52,12 +53,10 @@ DEFAULT_BATCH = 50
 def template_shares() -> Any:
     """One bench node-window as the attributor writes it (``NodeWindowShares``)."""
     from bench.attribution import build_input, engine_with_pods, run_engine
-    from schemas.records import NodeWindowShares
 
     data = build_input(nodes=1, ticks=61)
-    rows = [s for s in run_engine(engine_with_pods(data), data.avro_messages)
-            if s.window_start_unix_ms == data.fleet.start_unix_ms]
-    return NodeWindowShares.from_rows(rows)
+    return next(record for record in run_engine(engine_with_pods(data), data.avro_messages)
+                if record.window_start_unix_ms == data.fleet.start_unix_ms)
 
 
 def clone(template: Any, node: int, window: int) -> Any:
@@ -159,18 +158,17 @@ def run_once(work: Workload, url: str, batch_size: int = DEFAULT_BATCH, profile:
     return Run(cpu1 - cpu0, wall1 - wall0, url, produced)
 
 
-def ledger_rows(url: str) -> dict[str, list[tuple]]:
-    """Every row of every table of the ledger, sorted (the outputs two variants must agree on)."""
-    from sqlalchemy import create_engine, inspect, text
+def ledger_view(url: str) -> dict[str, list]:
+    """Every bill (its columns but ``zero_lines``) and every cost line (``Ledger.iter_cost_lines``, as JSON) of
+    the ledger at ``url``, read by the active code tree's ``Ledger``: what two variants must agree on."""
+    from services.billing.costing import cost_record_json
+    from services.billing.ledger import Ledger
 
-    engine = create_engine(url)
-    try:
-        with engine.connect() as connection:
-            tables = sorted(inspect(connection).get_table_names())
-            return {t: sorted((tuple(r) for r in connection.execute(text(f'SELECT * FROM "{t}"'))), key=repr)
-                    for t in tables}
-    finally:
-        engine.dispose()
+    with Ledger(url) as ledger:
+        bills = [{k: v for k, v in b.items() if k != "zero_lines"} for b in ledger.bills()]
+        lines = [{**cost_record_json(c), "carried_label_keys": list(c.carried_label_keys)}
+                 for c in ledger.iter_cost_lines()]
+    return {"node_bills": bills, "cost_lines": sorted(lines, key=repr)}
 
 
 class Databases:
@@ -282,7 +280,9 @@ def compare(work: Workload, trees: Sequence[CodeTree], databases: Databases, rep
             url = databases.new()
             with tree.active():
                 run = run_once(work, url, batch_size)
-            outputs = (ledger_rows(url), run.produced)
+                # What the ledger says (its readers' view), not how it stores it: two revisions may store
+                # differently (revision 0008 keeps zero lines on their bill, labels in label_sets).
+                outputs = (ledger_view(url), run.produced)
             if reference is None:
                 reference = outputs
             elif outputs != reference:

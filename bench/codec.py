@@ -42,7 +42,7 @@ from schemas.typed import codec_for
 from services.billing.catalog import bundled_catalog
 from services.billing.costing import bill_node_window
 
-from bench.attribution import build_input, engine_with_pods, run_engine
+from bench.attribution import build_input, engine_with_pods, run_engine, share_rows
 from bench.common import Target, alternate
 
 _BYTES_FIELDS = {DeadLetter: ("source_key", "raw_bytes")}
@@ -51,8 +51,8 @@ _BYTES_FIELDS = {DeadLetter: ("source_key", "raw_bytes")}
 def sample_records() -> dict[str, Any]:
     """One realistic record of every type, from the benchmark fleet through the real engine and billing."""
     data = build_input(nodes=1, ticks=61)
-    shares = [s for s in run_engine(engine_with_pods(data), data.avro_messages) if s.window_start_unix_ms ==
-              data.fleet.start_unix_ms]
+    shares = [s for s in share_rows(run_engine(engine_with_pods(data), data.avro_messages))
+              if s.window_start_unix_ms == data.fleet.start_unix_ms]
     pod_share = next(s for s in shares if s.subject_kind is ShareSubjectKind.POD)
     priced = bill_node_window(shares, bundled_catalog())
     pod_cost = next(c for c in priced.costs if c.pod_uid == pod_share.pod_uid)

@@ -30,9 +30,19 @@ from sqlalchemy import func, select
 
 from services.billing.catalog import bundled_catalog
 from services.billing.costing import NodeWindowCost, bill_node_window
-from services.billing.ledger import Ledger, _bill_row, _line_row, cost_lines, node_bills, price_versions
+from services.billing.ledger import (
+    Ledger,
+    _bill_row,
+    _line_row,
+    _zero_line,
+    cost_lines,
+    label_sets,
+    node_bills,
+    price_versions,
+)
+from services.billing.line_storage import encode_zero_lines, is_zero_line
 
-from bench.attribution import build_input, engine_with_pods, run_engine
+from bench.attribution import build_input, engine_with_pods, run_engine, share_rows
 from bench.common import Target, alternate
 
 BULK_WINDOWS = 50
@@ -42,7 +52,7 @@ WINDOW_MS = 60_000
 def template_window() -> NodeWindowCost:
     """One priced node-window of the benchmark fleet (89 cost lines and its bill)."""
     data = build_input(nodes=1, ticks=61)
-    shares = [s for s in run_engine(engine_with_pods(data), data.avro_messages)
+    shares = [s for s in share_rows(run_engine(engine_with_pods(data), data.avro_messages))
               if s.window_start_unix_ms == data.fleet.start_unix_ms]
     return bill_node_window(shares, bundled_catalog())
 
@@ -90,19 +100,35 @@ def write_per_window(ledger: Ledger, windows: Sequence[NodeWindowCost]) -> int:
     return written
 
 
+def stored_lines(w: NodeWindowCost) -> list:
+    """The lines of ``w`` that are ``cost_lines`` rows (the others are zero lines, kept on the bill)."""
+    b = w.bill
+    return [c for c in w.costs
+            if not is_zero_line(c, b.window_seconds, b.instance_type, b.price_model, b.price_version)]
+
+
 def write_per_row(ledger: Ledger, windows: Sequence[NodeWindowCost]) -> int:
-    """The baseline: one INSERT statement per row, one transaction per node-window. Returns the rows sent (the
-    drivers do not all report a row count for ``ON CONFLICT DO NOTHING``; ``measure_backend`` counts what is
-    stored)."""
+    """The baseline: one INSERT statement per row, one transaction per node-window. Returns the lines sent, zero
+    lines (on their bill's row) included (the drivers do not all report a row count for ``ON CONFLICT DO
+    NOTHING``; ``measure_backend`` counts what is stored)."""
     insert = ledger._insert
     sent = 0
     for w in windows:
+        kept = stored_lines(w)
+        kept_ids = {id(c) for c in kept}
+        zero = [_zero_line(c) for c in w.costs if id(c) not in kept_ids]
         with ledger.engine.begin() as connection:
             connection.execute(insert(price_versions).on_conflict_do_nothing(), w.bill.price.describe())
-            connection.execute(insert(node_bills).on_conflict_do_nothing(), _bill_row(w.bill))
-            sent += 1
-            for cost in w.costs:
-                connection.execute(insert(cost_lines).on_conflict_do_nothing(), _line_row(cost))
+            connection.execute(insert(node_bills).on_conflict_do_nothing(),
+                               {**_bill_row(w.bill), "zero_lines": encode_zero_lines(zero)})
+            sent += 1 + len(zero)
+            for cost in kept:
+                label_set = ledger._label_set(cost)
+                if label_set:
+                    connection.execute(insert(label_sets).on_conflict_do_nothing(), {
+                        "label_set_id": label_set, "labels": dict(sorted(cost.labels.items())),
+                        "carried_label_keys": ",".join(cost.carried_label_keys)})
+                connection.execute(insert(cost_lines).on_conflict_do_nothing(), _line_row(cost, label_set))
                 sent += 1
     return sent
 
@@ -134,14 +160,16 @@ def measure_backend(url_of: Callable[[str], str], windows_per_run: int, repeats:
         for name, ledger in ledgers.items():
             with ledger.engine.connect() as connection:
                 stored[name] = connection.execute(select(func.count()).select_from(cost_lines)).scalar_one()
-            if stored[name] != len(template.costs) * windows_per_run * repeats:
-                raise AssertionError(f"{name} stored {stored[name]} cost lines, expected "
-                                     f"{len(template.costs) * windows_per_run * repeats}")
+            rows = len(stored_lines(template)) * windows_per_run * repeats
+            if stored[name] != rows:
+                raise AssertionError(f"{name} stored {stored[name]} cost lines, expected {rows}")
         out: dict[str, Any] = {"rows_per_run": expected, "node_windows_per_run": windows_per_run,
                                "bulk_node_windows_per_write": BULK_WINDOWS}
         for name, s in series.items():
             out[name] = s.summary(expected, "rows")
             out[name]["cost_lines_stored"] = stored[name]
+            out[name]["zero_lines_on_bills"] = ((len(template.costs) - len(stored_lines(template)))
+                                                * windows_per_run * repeats)
         out["bulk_vs_per_row"] = round(series["per_row"].best_wall_s / max(series["bulk"].best_wall_s, 1e-9), 2)
         out["per_window_vs_per_row"] = round(
             series["per_row"].best_wall_s / max(series["per_window"].best_wall_s, 1e-9), 2)

@@ -25,6 +25,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "ledger": ("services.billing.retention", "the ledger's upkeep: drop minute lines and rollups past retention"),
     "api": ("services.billing.api", "read-only HTTP API over the ledger: OpenCost-compatible /allocation"),
     "replay": ("pipeline.cli", "attribute and price a scenario or a recording offline, no broker"),
+    "record": ("pipeline.record", "record the live input topics into hourly, compressed recordings for replay"),
     "attributor": ("services.attributor.main", "run the streaming attributor (per-pod GPU shares, a Faust worker)"),
     "run": ("gpumeter.commands.run", "the whole pipeline on this machine (simulated cluster) with a live view"),
     "guard": ("services.guard.main", "the guard service: rules over samples, pods, shares and costs to violations"),

@@ -3,22 +3,53 @@ recording file, in the order the attributor receives them.
 
 Recording format (``*.gmrec``)
 ------------------------------
-A binary file: the 21-byte header ``gpumeter-recording/1\\n``, then frames until the end of the file. A frame
-is ``received_at_unix_ms`` (int64, big-endian), ``length`` (uint32, big-endian), then ``length`` bytes: one
-Avro single-object message (``C3 01`` + CRC-64-AVRO fingerprint + body), byte for byte what the ``node-samples``
-and ``pod-events`` topics carry. The fingerprint names the writer schema and so the record type (``NodeSample``
-or ``PodEvent``); old recordings stay readable through Avro schema resolution as long as the registry holds
-their writer schema. A broken frame structure (bad header, a frame cut short) raises ``RecordingError``; a frame
+A binary file, plain or compressed as a whole (gzip or xz; the reader tells them apart by their magic bytes --
+``1f 8b`` gzip, ``fd 37 7a 58 5a 00`` xz, anything else is read as plain -- so any of the three is read the same
+way; a compressed file may be several concatenated members, as ``gpumeter record`` writes them). Inside, a header
+then frames until the end of the data.
+
+**Version 1** (header ``gpumeter-recording/1\\n``, 21 bytes): a frame is ``received_at_unix_ms`` (int64,
+big-endian), ``length`` (uint32, big-endian), then ``length`` bytes: one Avro single-object message (``C3 01`` +
+CRC-64-AVRO fingerprint + body), byte for byte what the ``node-samples`` and ``pod-events`` topics carry.
+
+**Version 2** (header ``gpumeter-recording/2\\n``): a frame is ``received_at_unix_ms`` (int64, big-endian),
+``flags`` (uint8), ``length`` (uint32, big-endian), then the message as in version 1. Flag ``0x01``
+(``FLAG_SNAPSHOT``) marks a **snapshot frame**: a pod event received before this file began, copied at its start
+(with its original time and bytes) so that the file replays on its own; ``gpumeter record`` writes them (the last
+event of every pod alive when the file was opened). Other flag bits are reserved: a frame with one set is a
+``RecordingError`` (a newer format this reader does not know).
+
+The fingerprint names the writer schema and so the record type (``NodeSample`` or ``PodEvent``); old recordings
+stay readable through Avro schema resolution as long as the registry holds their writer schema. A broken frame
+structure (bad header, a frame cut short, a compressed stream cut short) raises ``RecordingError``; a frame
 whose message does not decode is dead-lettered with the codec's reason code and replay carries on, as the
-streaming consumer does. INPUT may also be a directory: every ``*.gmrec`` in it (sorted by name) is read and the
-files are merged by (received_at, pod events before samples, file order, frame order); one file is replayed in
-its own order. ``record_scenario`` and ``gpumeter replay --record`` write recordings.
+streaming consumer does.
+
+Frames are replayed in received order: each file's frames are ordered by (received_at, pod events before
+samples, frame order) -- a file ``gpumeter record`` writes holds its frames in the order it read them, and with
+several partitions that is not received order (each fetched partition's messages come in turn; a partition read
+behind another puts earlier frames after later ones), so a file is read whole before it is replayed. INPUT may
+also be a directory: every ``*.gmrec`` in it (sorted by name) is read and the files are merged by (received_at,
+pod events before samples, file order, frame order); one file alone is replayed with its snapshot frames. In a
+directory, a **snapshot frame already read** -- the same received time and the same
+bytes as a pod event of an earlier file, which is where ``gpumeter record`` copied it from -- is skipped, and so
+is a pod event already read as a snapshot frame: a directory of consecutive files replays as the run it was cut
+from, and a directory whose first files were deleted (retention) starts from its first file's snapshot. (A
+repeated pod event would be harmless anyway -- the pod index ignores an event with the time and resource
+version it holds -- but skipped, it is neither counted nor handed to the guard twice.) ``record_scenario`` and
+``gpumeter replay --record`` write version 1 recordings, plain; ``gpumeter record`` (``pipeline/record.py``)
+writes version 2, compressed, one file per hour.
 """
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import heapq
+import lzma
+import os
 import struct
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Iterable, Iterator, Sequence, Union
@@ -28,9 +59,17 @@ from schemas.codec import HEADER_BYTES, MAGIC, default_registry
 from schemas.records import RECORD_TYPES, NodeSample, PodEvent
 from schemas.typed import codec_for
 
-RECORDING_MAGIC = b"gpumeter-recording/1\n"
+RECORDING_MAGIC_V1 = b"gpumeter-recording/1\n"
+RECORDING_MAGIC_V2 = b"gpumeter-recording/2\n"
+RECORDING_MAGIC = RECORDING_MAGIC_V1  # what plain version-1 files start with (the default writer's)
 RECORDING_SUFFIX = ".gmrec"
 _FRAME_HEADER = struct.Struct(">qI")
+_FRAME_HEADER_V2 = struct.Struct(">qBI")
+FLAG_SNAPSHOT = 0x01
+_KNOWN_FLAGS = FLAG_SNAPSHOT
+GZIP_MAGIC = b"\x1f\x8b"
+XZ_MAGIC = b"\xfd7zXZ\x00"
+COMPRESSIONS = ("none", "gzip", "lzma")
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 
 InputMessage = Union[NodeSample, PodEvent]
@@ -66,6 +105,7 @@ class RecordedFrame:
     payload: bytes
     source: str
     position: int
+    snapshot: bool = False  # a version-2 snapshot frame (a pod event from before the file began)
 
 
 def _kind_rank(message: InputMessage) -> int:
@@ -128,30 +168,88 @@ def decode_message(payload: bytes) -> InputMessage:
 
 
 class RecordingWriter:
-    """Writes a recording file (header on open, one frame per ``write``). Use as a context manager."""
+    """Writes a recording file (header on open, one frame per ``write``). Use as a context manager.
 
-    def __init__(self, path: str | Path) -> None:
+    ``version``: 1 (the default: what ``gpumeter replay --record`` has always written) or 2 (frames carry flags:
+    ``write_frame(..., snapshot=True)``). ``compression``: ``none`` (default), ``gzip`` or ``lzma`` (xz). A
+    compressed file is a sequence of members: ``sync()`` ends the current member, flushes and fsyncs, so that what
+    was written before it reads back whole even if the process dies right after; the next write starts a new
+    member. ``close()`` ends the last member (and fsyncs when ``fsync_on_close``)."""
+
+    def __init__(self, path: str | Path, *, version: int = 1, compression: str = "none",
+                 fsync_on_close: bool = False) -> None:
+        if version not in (1, 2):
+            raise ConfigError(f"recording version must be 1 or 2, not {version!r}")
+        if compression not in COMPRESSIONS:
+            raise ConfigError(f"recording compression must be one of {', '.join(COMPRESSIONS)}, not {compression!r}")
         self.path = Path(path)
+        self.version = version
+        self.compression = compression
+        self.fsync_on_close = fsync_on_close
         self.count = 0
-        self._file: IO[bytes] | None = None
+        self._raw: IO[bytes] | None = None
+        self._member: IO[bytes] | None = None
 
     def __enter__(self) -> "RecordingWriter":
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "wb")
-        self._file.write(RECORDING_MAGIC)
+        self._raw = open(self.path, "wb")
+        self._out().write(RECORDING_MAGIC_V2 if self.version == 2 else RECORDING_MAGIC_V1)
         return self
 
+    def _out(self) -> IO[bytes]:
+        assert self._raw is not None, "RecordingWriter is used as a context manager"
+        if self._member is None:
+            if self.compression == "gzip":
+                # mtime 0: the same frames give the same bytes (no time in the gzip header).
+                self._member = gzip.GzipFile(fileobj=self._raw, mode="wb", mtime=0)  # type: ignore[assignment]
+            elif self.compression == "lzma":
+                self._member = lzma.LZMAFile(self._raw, "wb", format=lzma.FORMAT_XZ)  # type: ignore[assignment]
+            else:
+                self._member = self._raw
+        return self._member
+
     def write(self, record: InputRecord) -> None:
-        assert self._file is not None, "RecordingWriter is used as a context manager"
-        payload = encode_message(record.message)
-        self._file.write(_FRAME_HEADER.pack(record.received_at_unix_ms, len(payload)))
-        self._file.write(payload)
+        self.write_frame(record.received_at_unix_ms, encode_message(record.message))
+
+    def write_frame(self, received_at_unix_ms: int, payload: bytes, *, snapshot: bool = False) -> None:
+        """One frame of ``payload`` (the message's bytes, unchanged). ``snapshot`` needs version 2."""
+        out = self._out()
+        if self.version == 2:
+            out.write(_FRAME_HEADER_V2.pack(received_at_unix_ms, FLAG_SNAPSHOT if snapshot else 0, len(payload)))
+        else:
+            if snapshot:
+                raise ConfigError("snapshot frames need a version 2 recording")
+            out.write(_FRAME_HEADER.pack(received_at_unix_ms, len(payload)))
+        out.write(payload)
         self.count += 1
 
+    def _end_member(self) -> None:
+        if self._member is not None and self._member is not self._raw:
+            self._member.close()  # ends the member; the file object under it stays open
+        self._member = None
+
+    def sync(self) -> None:
+        """Make every frame written so far durable: end the compressed member, flush, fsync."""
+        if self._raw is None:
+            return
+        self._end_member()
+        self._raw.flush()
+        os.fsync(self._raw.fileno())
+
+    def close(self) -> None:
+        if self._raw is None:
+            return
+        try:
+            self._end_member()
+            self._raw.flush()
+            if self.fsync_on_close:
+                os.fsync(self._raw.fileno())
+        finally:
+            self._raw.close()
+            self._raw = None
+
     def __exit__(self, *exc_info: object) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        self.close()
 
 
 def write_recording(records: Iterable[InputRecord], path: str | Path) -> int:
@@ -170,33 +268,86 @@ def record_scenario(scenario_path: str | Path, path: str | Path, *, node: str | 
     return write_recording(scenario_records(scenario, scenario_nodes(scenario, node)), path)
 
 
-def iter_frames(path: str | Path) -> Iterator[RecordedFrame]:
-    """The frames of one recording file, in file order. Raises ``RecordingError`` for a broken structure."""
+def _open_data(path: Path) -> IO[bytes]:
+    """``path`` opened for reading its data: decompressed when it starts with gzip's or xz's magic bytes."""
+    handle = open(path, "rb")
+    head = handle.read(len(XZ_MAGIC))
+    handle.seek(0)
+    if head.startswith(GZIP_MAGIC):
+        return gzip.GzipFile(fileobj=handle, mode="rb")  # type: ignore[return-value]
+    if head.startswith(XZ_MAGIC):
+        return lzma.LZMAFile(handle, "rb")  # type: ignore[return-value]
+    return handle
+
+
+def _read_exactly(handle: IO[bytes], size: int) -> bytes:
+    """Up to ``size`` bytes; fewer only at the end of the data. A compressed stream cut short reads as its end
+    (``_CutShort``)."""
+    try:
+        data = handle.read(size)
+    except EOFError as exc:  # gzip/xz: the compressed stream ends before its end-of-stream marker
+        raise _CutShort(str(exc)) from exc
+    except (OSError, lzma.LZMAError, zlib.error) as exc:
+        raise RecordingError(f"corrupt compressed data: {exc}") from exc
+    return data
+
+
+class _CutShort(Exception):
+    pass
+
+
+def iter_frames(path: str | Path, *, tolerate_torn_end: bool = False) -> Iterator[RecordedFrame]:
+    """The frames of one recording file (plain, gzip or xz; version 1 or 2), in file order. Raises
+    ``RecordingError`` for a broken structure -- unless ``tolerate_torn_end``, where a file whose end is torn (a
+    frame or a compressed member cut short: a writer that died mid-write) ends at its last whole frame."""
     path = Path(path)
     try:
-        handle = open(path, "rb")
+        handle = _open_data(path)
     except OSError as exc:
         raise RecordingError(f"cannot read recording {path}: {exc.strerror or exc}") from exc
     with handle:
-        header = handle.read(len(RECORDING_MAGIC))
-        if header != RECORDING_MAGIC:
+        try:
+            header = _read_exactly(handle, len(RECORDING_MAGIC_V1))
+        except _CutShort:
+            header = b""
+        if header == RECORDING_MAGIC_V1:
+            frame_header, flagged = _FRAME_HEADER, False
+        elif header == RECORDING_MAGIC_V2:
+            frame_header, flagged = _FRAME_HEADER_V2, True
+        else:
+            if tolerate_torn_end and not header:
+                return
             raise RecordingError(f"{path} is not a gpumeter recording (it does not start with "
-                                 f"{RECORDING_MAGIC!r})")
+                                 f"{RECORDING_MAGIC_V1!r} or {RECORDING_MAGIC_V2!r}, plain, gzip or xz)")
         position = 0
         while True:
-            head = handle.read(_FRAME_HEADER.size)
-            if not head:
-                return
-            if len(head) < _FRAME_HEADER.size:
-                raise RecordingError(f"{path}: frame {position} is cut short in its header")
-            received_at, length = _FRAME_HEADER.unpack(head)
-            if length > MAX_FRAME_BYTES:
-                raise RecordingError(f"{path}: frame {position} claims {length} bytes (more than "
-                                     f"{MAX_FRAME_BYTES}): not a recording, or a corrupt one")
-            payload = handle.read(length)
-            if len(payload) < length:
-                raise RecordingError(f"{path}: frame {position} is cut short ({len(payload)} of {length} bytes)")
-            yield RecordedFrame(received_at, payload, f"{path.name}#{position}", position)
+            try:
+                head = _read_exactly(handle, frame_header.size)
+                if not head:
+                    return
+                if len(head) < frame_header.size:
+                    raise _CutShort(f"{path}: frame {position} is cut short in its header")
+                if flagged:
+                    received_at, flags, length = frame_header.unpack(head)
+                else:
+                    (received_at, length), flags = frame_header.unpack(head), 0
+                if flags & ~_KNOWN_FLAGS:
+                    raise RecordingError(f"{path}: frame {position} has unknown flags {flags:#04x} (a newer "
+                                         f"recording format?)")
+                if length > MAX_FRAME_BYTES:
+                    raise RecordingError(f"{path}: frame {position} claims {length} bytes (more than "
+                                         f"{MAX_FRAME_BYTES}): not a recording, or a corrupt one")
+                payload = _read_exactly(handle, length)
+                if len(payload) < length:
+                    raise _CutShort(f"{path}: frame {position} is cut short ({len(payload)} of {length} bytes)")
+            except _CutShort as exc:
+                if tolerate_torn_end:
+                    return
+                reason = str(exc) if str(exc).startswith(str(path)) else (
+                    f"{path}: frame {position} is cut short (compressed data ends early: {exc})")
+                raise RecordingError(reason) from None
+            yield RecordedFrame(received_at, payload, f"{path.name}#{position}", position,
+                                bool(flags & FLAG_SNAPSHOT))
             position += 1
 
 
@@ -230,36 +381,61 @@ class InvalidInput:
     payload: bytes | None = None  # the recorded bytes, as the topic carried them
 
 
+def _frame_key(frame: RecordedFrame) -> tuple[int, bytes]:
+    return frame.received_at_unix_ms, hashlib.blake2b(frame.payload, digest_size=16).digest()
+
+
 def recorded_inputs(path: str | Path) -> Iterator[InputRecord | InvalidInput]:
-    def stream(index: int, file: Path) -> Iterator[tuple[tuple[int, int, int, int], InputRecord | InvalidInput]]:
+    """Every input of a recording (file or directory; see the module docstring for the order and for what a
+    directory skips), undecodable messages as ``InvalidInput``."""
+
+    def stream(index: int, file: Path) -> list[tuple[tuple[int, int, int, int],
+                                                     tuple[RecordedFrame, InputRecord | InvalidInput]]]:
+        items: list[tuple[tuple[int, int, int, int], tuple[RecordedFrame, InputRecord | InvalidInput]]] = []
         for frame in iter_frames(file):
             try:
                 message = decode_message(frame.payload)
             except InvalidMessage as exc:
                 # Undecodable: no kind to order by; it sorts with samples (after the instant's pod events).
-                yield (frame.received_at_unix_ms, 1, index, frame.position), InvalidInput(
-                    frame.source, frame.received_at_unix_ms, exc, payload=frame.payload)
+                items.append(((frame.received_at_unix_ms, 1, index, frame.position), (frame, InvalidInput(
+                    frame.source, frame.received_at_unix_ms, exc, payload=frame.payload))))
                 continue
             key = (frame.received_at_unix_ms, _kind_rank(message), index, frame.position)
-            yield key, InputRecord(frame.received_at_unix_ms, message)
+            items.append((key, (frame, InputRecord(frame.received_at_unix_ms, message))))
+        # A file's frames are in the order they were read, which is not received order when several partitions
+        # were: a recorder gets each fetched partition's messages in turn, so a partition read behind another
+        # puts earlier frames after later ones. Replay (and the merge of a directory's files) is in received order.
+        items.sort(key=lambda item: item[0])
+        return items
 
     files = recording_files(path)
     if len(files) == 1:
-        # One file is replayed in its own order (what a consumer of one partition saw).
-        for _key, item in stream(0, files[0]):
+        # One file is replayed on its own, snapshot frames included.
+        for _key, (_frame, item) in stream(0, files[0]):
             yield item
         return
-    for _key, item in heapq.merge(*(stream(i, f) for i, f in enumerate(files)), key=lambda pair: pair[0]):
+    # Pod events read so far, by (received_at, digest of the bytes): a snapshot frame is a copy of one of them.
+    seen: set[tuple[int, bytes]] = set()
+    seen_as_snapshot: set[tuple[int, bytes]] = set()
+    for _key, (frame, item) in heapq.merge(*(stream(i, f) for i, f in enumerate(files)), key=lambda pair: pair[0]):
+        if isinstance(item, InputRecord) and isinstance(item.message, PodEvent):
+            key = _frame_key(frame)
+            if key in seen and (frame.snapshot or key in seen_as_snapshot):
+                continue
+            seen.add(key)
+            if frame.snapshot:
+                seen_as_snapshot.add(key)
         yield item
 
 
 def is_recording(path: str | Path) -> bool:
-    """Whether ``path`` is a recording file or a directory (a directory is read as recordings)."""
+    """Whether ``path`` is a recording file (plain or compressed, version 1 or 2) or a directory (a directory is
+    read as recordings)."""
     path = Path(path)
     if path.is_dir():
         return True
     try:
-        with open(path, "rb") as handle:
-            return handle.read(len(RECORDING_MAGIC)) == RECORDING_MAGIC
-    except OSError:
+        with _open_data(path) as handle:
+            return _read_exactly(handle, len(RECORDING_MAGIC_V1)) in (RECORDING_MAGIC_V1, RECORDING_MAGIC_V2)
+    except (OSError, RecordingError, _CutShort):
         return False

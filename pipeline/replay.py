@@ -73,7 +73,8 @@ from gpumeter.stream.contract import Emit, Settled
 from gpumeter.stream.memory import MemoryBroker, MemoryDriver
 from gpumeter.stream.runner import MessageRunner
 from pipeline.recordings import (
-    RECORDING_MAGIC,
+    RECORDING_MAGIC_V1,
+    RECORDING_MAGIC_V2,
     RECORDING_SUFFIX,
     InputRecord,
     InvalidInput,
@@ -384,7 +385,8 @@ def replay(
             inputs = (r for r in inputs if not isinstance(r, InputRecord) or r.node_name == node)
     else:
         raise ConfigError(f"replay input {input_path} is neither a scenario (.yaml) nor a recording "
-                          f"(a file starting {RECORDING_MAGIC!r} or a directory of *{RECORDING_SUFFIX})")
+                          f"(a file starting {RECORDING_MAGIC_V1!r} or {RECORDING_MAGIC_V2!r}, plain or compressed, or a "
+                          f"directory of *{RECORDING_SUFFIX})")
 
     broker = MemoryBroker()
     for spec in ALL_TOPICS:

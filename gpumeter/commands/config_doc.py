@@ -26,6 +26,7 @@ def settings_tables() -> str:
     from services.billing.retention import RetentionSettings
     from services.billing.settings import BillingSettings
     from services.collector.settings import CollectorSettings
+    from pipeline.record import RecordSettings
     from services.guard.settings import GuardSettings
 
     sections = [
@@ -35,6 +36,7 @@ def settings_tables() -> str:
         ("`gpumeter api`", ApiSettings, "services/billing/api.py"),
         ("`gpumeter ledger retention`", RetentionSettings, "services/billing/retention.py"),
         ("`gpumeter guard`", GuardSettings, "services/guard/settings.py"),
+        ("`gpumeter record`", RecordSettings, "pipeline/record.py"),
         ("Kafka (every service, `gpumeter topics`, `report`, `violations`, `run`)", KafkaSettings,
          "gpumeter/settings.py"),
         ("Dead-letter health (`gpumeter attributor`, `billing`, `guard`: `/healthz` says `degraded`)",

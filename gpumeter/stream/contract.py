@@ -100,8 +100,9 @@ NOTHING = Result()
 
 @dataclass(frozen=True)
 class Input:
-    """One input role of a processor: the record type its messages decode to, and the range check the runner applies
-    before ``handle`` (``check(record, now_ms)`` raises ``InvalidMessage``; None: none)."""
+    """One input role of a processor: the record type its messages decode to (``bytes``: not decoded, the record is
+    the message's value as the topic carried it), and the range check the runner applies before ``handle``
+    (``check(record, now_ms)`` raises ``InvalidMessage``; None: none)."""
 
     name: str
     record_type: type

@@ -7,7 +7,8 @@ order — the same for every driver, so a message is accepted or rejected alike 
 1. a message of a topic the processor does not read → ``WRONG_TOPIC``; a message without value → ``EMPTY``
    (unless the input takes tombstones: then its record is None);
 2. decode with the input's record type (``schemas.typed``: unknown schema, truncated, corrupt, wrong record type
-   are the codec's ``InvalidMessage`` kinds);
+   are the codec's ``InvalidMessage`` kinds); an input whose record type is ``bytes`` is not decoded: its record
+   is the message's value as it is (``gpumeter record`` stores the bytes the topic carried);
 3. the input's range check with the runner's clock (``gpumeter.validation``);
 4. ``processor.handle(event, position)``: raising ``InvalidMessage`` rejects the message; so does every error in
    the result's ``rejected``.
@@ -116,6 +117,8 @@ class MessageRunner:
             if not spec.tombstones:
                 raise EmptyMessage("message has no value (tombstone on a non-compacted topic)")
             record = None
+        elif spec.record_type is bytes:
+            record = message.value  # a raw input: the bytes as the topic carried them (the recorder's)
         else:
             record = self._codec(spec.record_type).decode(message.value)
             if spec.check is not None:

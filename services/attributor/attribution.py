@@ -26,7 +26,17 @@ from types import MappingProxyType
 from typing import Iterable, Mapping, NamedTuple, Sequence
 
 from gpumeter.errors import ConfigError
-from schemas.records import GpuDeviceSample, GpuShare, NodeSample, SharingMode, ShareSubjectKind
+from schemas.records import (
+    GpuDeviceSample,
+    GpuShare,
+    NodeSample,
+    NodeWindowShares,
+    RecordShapeError,
+    SharingMode,
+    ShareSubjectKind,
+    UnitShares,
+    WindowPod,
+)
 
 from services.attributor.modes import (
     ModeDecision,
@@ -569,21 +579,28 @@ def _unit_keys(unit: UnitWindow) -> tuple[str, ...]:
     return device_keys(unit.kind, unit.unit_uuid, unit.parent_uuid, first_device)
 
 
+def _unit_totals(weights: Sequence[float], intervals: Sequence[int], covered_ms: int,
+                 window_ms: int) -> tuple[float, float, float]:
+    """A unit's total weight, its capacity fraction and its covered seconds, from its ticks' weights, intervals
+    and summed non-negative intervals: the same arithmetic for the close from ticks (``_prepare``) and from sums
+    (``_OpenUnit.prepared``). The capacity fraction is the interval-weighted mean (each weight is interval ×
+    clamped fraction), taken before any equal-weights fallback."""
+    total_weight = sum(weights)
+    interval_sum = sum(intervals)
+    gpu_fraction = total_weight / interval_sum if interval_sum > 0 else 0.0
+    return total_weight, gpu_fraction, min(covered_ms, window_ms) / 1000.0
+
+
 def _prepare(unit: UnitWindow, pods: PodLookup, policy: AttributionPolicy, slots: _PodSlots) -> _Prepared:
     ticks = unit.ticks
     weights, intervals, zero_weight_ticks = _weights(unit)
-    total_weight = sum(weights)
-    interval_sum = sum(intervals)
-    # The interval-weighted mean capacity fraction: each weight is interval × clamped fraction (before the
-    # equal-weights fallback below).
-    gpu_fraction = total_weight / interval_sum if interval_sum > 0 else 0.0
+    total_weight, gpu_fraction, covered_seconds = _unit_totals(
+        weights, intervals, sum(max(t.interval_ms, 0) for t in ticks), unit.window_seconds * 1000)
     if total_weight <= 0.0:
         # Every tick had zero capacity (a fully partitioned MIG GPU's remainder): count ticks equally so the
         # shares are still defined.
         weights = [1.0] * len(ticks)
         total_weight = float(len(ticks))
-    window_ms = unit.window_seconds * 1000
-    covered_seconds = min(sum(max(t.interval_ms, 0) for t in ticks), window_ms) / 1000.0
 
     tick_times = sorted(t.sampled_at_unix_ms for t in ticks)
     assignees = _assignees(pods, _unit_keys(unit), tick_times)
@@ -1282,26 +1299,16 @@ def attribute_node_window_detailed(window: NodeWindow, pods: PodLookup, policy: 
     """``attribute_node_window`` with each unit's mode decision and data-quality counts."""
     if not window.samples:
         return NodeAttribution((), (), 0.0)
-    window_ms = window.window_seconds * 1000
-    node_covered_seconds = min(sum(max(s.interval_ms, 0) for s in window.samples), window_ms) / 1000.0
+    node_covered_seconds = _node_covered_seconds(window)
+    attributed = _attributed_units(window, pods, policy, open_window)
     facts = window.samples[-1]
     cost_basis = policy.basis_text
-    if open_window is not None and open_window.holds(window, policy):
-        attributed = open_window.attribute_units(window, pods)
-    else:
-        slots = _PodSlots()
-        attributed = [(unit.ticks[-1].device, _attribute(unit, pods, policy, slots))
-                      for unit in split_units(window) if _has_capacity(unit)]
     units = tuple(unit for _device, unit in attributed)
     shares = []
     units_in_node = len(units)
     for device, unit in attributed:
         rows_in_unit = len(unit.rows)
-        # A MIG instance's profile and GPU instance id as NVML gave them last in the window (what dcgm-exporter
-        # labels GPU_I_PROFILE and GPU_I_ID); None for a whole GPU and a MIG GPU's unassigned capacity.
-        mig_instance = unit.kind is UnitKind.MIG_INSTANCE
-        mig_profile = device.mig_profile if mig_instance else None
-        mig_gpu_instance_id = device.mig_gpu_instance_id if mig_instance else None
+        mig_profile, mig_gpu_instance_id = _mig_instance_labels(device, unit)
         for row in unit.rows:
             shares.append(
                 GpuShare(
@@ -1346,6 +1353,92 @@ def attribute_node_window_detailed(window: NodeWindow, pods: PodLookup, policy: 
                 )
             )
     return NodeAttribution(tuple(shares), units, node_covered_seconds)
+
+
+def node_window_record(window: NodeWindow, pods: PodLookup, policy: AttributionPolicy,
+                       open_window: "OpenNodeWindow | None" = None) -> NodeWindowShares | None:
+    """The record the attributor emits for one closed node window: equal to
+    ``NodeWindowShares.from_rows(attribute_node_window(window, pods, policy))``, or None for a window without rows.
+
+    Built from the units' rows directly: a close makes one record, not first a ``GpuShare`` per row (38 fields,
+    ~5 µs each) and then the record from those. ``open_window`` as in ``attribute_node_window``. Raises
+    ``RecordShapeError`` where ``from_rows`` would: two units under one uuid, a POD row without a pod uid, a pod
+    described two ways."""
+    if not window.samples:
+        return None
+    attributed = _attributed_units(window, pods, policy, open_window)
+    pod_records: dict[str, WindowPod] = {}
+    pod_index: dict[str, int] = {}
+    units: list[UnitShares] = []
+    unit_uuids: set[str] = set()
+    for device, unit in attributed:
+        rows = unit.rows
+        if not rows:
+            continue
+        first = rows[0]
+        if first.gpu_uuid in unit_uuids:
+            raise RecordShapeError(f"the rows of unit {first.gpu_uuid} are not together")
+        unit_uuids.add(first.gpu_uuid)
+        indexes: list[int] = []
+        for row in rows:
+            if row.subject_kind is not ShareSubjectKind.POD:
+                indexes.append(-1)
+                continue
+            uid = row.pod_uid
+            if uid is None:
+                raise RecordShapeError(f"unit {row.gpu_uuid}: a POD row without pod uid")
+            at = pod_index.get(uid)
+            labels = row.labels
+            if type(labels) is not MappingProxyType:  # the pod index's are read-only copies already
+                labels = MappingProxyType(dict(labels))
+            pod = WindowPod(uid, row.namespace, row.pod_name, labels,
+                            tuple(row.carried_label_keys), row.workload_kind, row.workload_name,
+                            row.cpu_request_millicores, row.memory_request_bytes)
+            if at is None:
+                at = pod_index[uid] = len(pod_records)
+                pod_records[uid] = pod
+            elif pod_records[uid] != pod:
+                raise RecordShapeError(f"pod {uid} is described two ways in one node-window")
+            indexes.append(at)
+        mig_profile, mig_gpu_instance_id = _mig_instance_labels(device, unit)
+        units.append(UnitShares(first.gpu_uuid, first.parent_gpu_uuid, first.gpu_model, first.gpu_fraction,
+                                first.sharing_mode, first.method, first.sample_count, first.covered_seconds,
+                                tuple([row.subject_kind for row in rows]), tuple(indexes),
+                                tuple([row.memory_used_bytes_avg for row in rows]),
+                                tuple([row.memory_share for row in rows]),
+                                tuple([row.compute_share for row in rows]),
+                                tuple([row.cost_share for row in rows]),
+                                mig_profile, mig_gpu_instance_id))
+    if not units:
+        return None
+    facts = window.samples[-1]
+    return NodeWindowShares(window.cluster, window.node_name, window.window_start_unix_ms, window.window_seconds,
+                            _node_covered_seconds(window), facts.cloud_provider, facts.region, facts.zone,
+                            facts.provider_id, facts.instance_type, facts.price_model, policy.basis_text,
+                            tuple(pod_records.values()), tuple(units))
+
+
+def _node_covered_seconds(window: NodeWindow) -> float:
+    window_ms = window.window_seconds * 1000
+    return min(sum(max(s.interval_ms, 0) for s in window.samples), window_ms) / 1000.0
+
+
+def _attributed_units(window: NodeWindow, pods: PodLookup, policy: AttributionPolicy,
+                      open_window: "OpenNodeWindow | None") -> list[tuple[GpuDeviceSample, UnitAttribution]]:
+    """Each unit of the window with capacity, in ``split_units`` order, with its last tick's device facts."""
+    if open_window is not None and open_window.holds(window, policy):
+        return open_window.attribute_units(window, pods)
+    slots = _PodSlots()
+    return [(unit.ticks[-1].device, _attribute(unit, pods, policy, slots))
+            for unit in split_units(window) if _has_capacity(unit)]
+
+
+def _mig_instance_labels(device: GpuDeviceSample, unit: UnitAttribution) -> tuple[str | None, int | None]:
+    # A MIG instance's profile and GPU instance id as NVML gave them last in the window (what dcgm-exporter labels
+    # GPU_I_PROFILE and GPU_I_ID); None for a whole GPU and a MIG GPU's unassigned capacity.
+    if unit.kind is UnitKind.MIG_INSTANCE:
+        return device.mig_profile, device.mig_gpu_instance_id
+    return None, None
 
 
 def _has_capacity(unit: UnitWindow) -> bool:
@@ -1529,16 +1622,13 @@ class _OpenUnit:
         intervals = self.intervals
         if intervals.count(0) == len(intervals):
             return None
-        total_weight = sum(self.weights)
+        total_weight, gpu_fraction, covered_seconds = _unit_totals(self.weights, intervals, self.covered_ms, window_ms)
         if total_weight <= 0.0:
             return None
         # ``_unit_keys``: from the first tick that is not all idle (a MIG instance's ids come from it)
         keys = device_keys(self.kind, self.uuid, self.parent_uuid, self.first_busy_device or self.first_device)
         if keys != self.keys:
             return None
-        interval_sum = sum(intervals)
-        gpu_fraction = total_weight / interval_sum if interval_sum > 0 else 0.0
-        covered_seconds = min(self.covered_ms, window_ms) / 1000.0
         generation = pods.generation
         if (same_pods and generation is not None and generation == self._runs_generation
                 and generation == self._assignments_generation):

@@ -49,9 +49,9 @@ from gpumeter.errors import ClockSkew, ConfigError, InvalidMessage, OutOfRange
 from gpumeter.validation import DEFAULT_MAX_SAMPLE_AGE_SECONDS, check_sample, check_sample_names
 from schemas.catalog import pod_event_key
 from schemas.pods import GroupingLabelSources
-from schemas.records import GpuShare, NodeSample, PodEvent
+from schemas.records import GpuShare, NodeSample, NodeWindowShares, PodEvent
 
-from services.attributor.attribution import AttributionPolicy, OpenNodeWindow, attribute_node_window
+from services.attributor.attribution import AttributionPolicy, OpenNodeWindow, node_window_record
 from services.attributor.pod_index import DEFAULT_LINGER_MS, LivePodIndex, PodFields, PodIndex, trim_pod_event
 from services.attributor.windows import LateSample, NodeKey, NodeWindow, WindowAccumulator
 
@@ -204,14 +204,21 @@ class EngineConfig:
 
 @dataclass(frozen=True, slots=True)
 class WindowResult:
-    """One closed node window: its share rows (``attribute_node_window`` order) and its ticks' table keys."""
+    """One closed node window: the record to emit (``attribution.node_window_record``; None when the window has no
+    rows) and its ticks' table keys."""
 
     cluster: str
     node_name: str
     window_start_unix_ms: int
     window_seconds: int
-    shares: tuple[GpuShare, ...]
+    record: NodeWindowShares | None
     sample_keys: tuple[str, ...]
+
+    @property
+    def shares(self) -> tuple[GpuShare, ...]:
+        """The record's rows, one ``GpuShare`` per unit and subject (``attribute_node_window``'s rows); built on
+        each call, for readers that want rows (the streaming path emits ``record``)."""
+        return self.record.rows() if self.record is not None else ()
 
     @property
     def window_end_unix_ms(self) -> int:
@@ -325,9 +332,9 @@ class AttributionEngine:
         # as emitted (open or in flight): where a rebuild must re-read the input from (NodeProgress)
         self._first_positions: dict[NodeKey, dict[int, int]] = {}
         self._pending_progress: dict[NodeKey, NodeProgress] = {}
-        # (node, window start) -> the open window's attribution summed as its ticks arrived: the close of a
+        # the open windows' attribution summed as their ticks arrived: the close of a
         # window is then O(units), not O(ticks) (``attribution.OpenNodeWindow``; same rows either way)
-        self._open_windows: dict[tuple[NodeKey, int], OpenNodeWindow] = {}
+        self._open_windows: dict[NodeKey, dict[int, OpenNodeWindow]] = {}  # node -> window start -> its sums
         self._pending_sample_deletes: list[str] = []
         self._pending_pod_deletes: list[str] = []
         self.redeliveries_ignored = 0
@@ -642,11 +649,14 @@ class AttributionEngine:
 
     def _sum_tick(self, key: NodeKey, window_start_unix_ms: int, sample: NodeSample) -> None:
         """Sum a tick its window took in into the window's ``OpenNodeWindow``."""
-        summed = self._open_windows.get((key, window_start_unix_ms))
+        node_windows = self._open_windows.get(key)
+        if node_windows is None:
+            node_windows = self._open_windows[key] = {}
+        summed = node_windows.get(window_start_unix_ms)
         if summed is None:
-            summed = self._open_windows[(key, window_start_unix_ms)] = OpenNodeWindow(self.config.window_seconds,
-                                                                                      self.config.policy)
-            previous = self._open_windows.get((key, window_start_unix_ms - self.config.window_seconds * 1000))
+            summed = node_windows[window_start_unix_ms] = OpenNodeWindow(self.config.window_seconds,
+                                                                         self.config.policy)
+            previous = node_windows.get(window_start_unix_ms - self.config.window_seconds * 1000)
             if previous is not None:
                 # The node's ticks moved on to its next window: the previous one's sums are completed now, in its
                 # grace, rather than at its close, when every node's window closes at once.
@@ -656,15 +666,18 @@ class AttributionEngine:
     def _attribute(self, key: NodeKey, closed: tuple[NodeWindow, ...]) -> tuple[WindowResult, ...]:
         results = []
         for window in closed:
-            summed = self._open_windows.pop((key, window.window_start_unix_ms), None)
-            shares = attribute_node_window(window, self._pods, self.config.policy, summed)
+            node_windows = self._open_windows.get(key)
+            summed = node_windows.pop(window.window_start_unix_ms, None) if node_windows is not None else None
+            if node_windows is not None and not node_windows:
+                del self._open_windows[key]
+            record = node_window_record(window, self._pods, self.config.policy, summed)
             results.append(
                 WindowResult(
                     window.cluster,
                     window.node_name,
                     window.window_start_unix_ms,
                     window.window_seconds,
-                    shares,
+                    record,
                     tuple(sample_table_key(s) for s in window.samples),
                 )
             )
@@ -685,8 +698,7 @@ class AttributionEngine:
             if last is not None and last >= horizon:
                 continue
             del self._accs[key]
-            for open_key in [k for k in self._open_windows if k[0] == key]:
-                del self._open_windows[open_key]
+            self._open_windows.pop(key, None)
             self._last_sampled_at.pop(key, None)
             self.clocks.forget(key)
             self._collector_starts.pop(key, None)

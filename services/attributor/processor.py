@@ -435,12 +435,11 @@ class AttributorProcessor(ProcessorDefaults):
         empty: list[WindowResult] = []
         pending = self._unacknowledged.setdefault(partition, {})
         for window in windows:
-            if not window.shares:
+            if window.record is None:
                 empty.append(window)
                 continue
             pending[window_key(window)] = window
-            emits.append(Emit(WINDOW_SHARES, window.node_name.encode("utf-8"),
-                              NodeWindowShares.from_rows(window.shares)))
+            emits.append(Emit(WINDOW_SHARES, window.node_name.encode("utf-8"), window.record))
         if empty:
             engine.record_emitted(empty)
         return Result(emits=tuple(emits), changes=self._table_writes(partition, engine))

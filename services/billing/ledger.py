@@ -6,12 +6,18 @@ Tables (created only by the alembic migrations in ``services/billing/migrations`
 ``price_versions``
     One row per ``NodePrice.price_version``: the rate, its split and the sources it came from.
 ``node_bills``
-    One row per (window_start_unix_ms, cluster, node_name): the node's line item for the window and its split.
+    One row per (window_start_unix_ms, cluster, node_name): the node's line item for the window and its split, its
+    price version (``price_versions``; its lines have the bill's instance type, price model and price version and
+    do not repeat them), and ``zero_lines``: the node-window's lines that carry no cost and no share, which are
+    not ``cost_lines`` rows (``services.billing.line_storage``).
 ``cost_lines``
     One row per (window_start_unix_ms, cluster, node_name, gpu_uuid or '', subject_kind, pod_uid or '',
-    shared_from or ''): a ``CostRecord``. A pod's direct lines (its own use of each unit) have ``shared_from`` '';
-    its shared lines (one per bucket kind its node-window shared to pods, ``services.billing.sharing``) name the
-    bucket and the method. References its node bill, which records the sharing policy (``node_bills.sharing``).
+    shared_from or ''): a ``CostRecord`` that is not a zero line. A pod's direct lines (its own use of each unit)
+    have ``shared_from`` ''; its shared lines (one per bucket kind its node-window shared to pods,
+    ``services.billing.sharing``) name the bucket and the method. References its node bill, which records the
+    sharing policy (``node_bills.sharing``), and its label set (``label_set_id``).
+``label_sets``
+    One row per distinct (labels, carried label keys) of the lines, content-addressed (``line_storage``).
 ``trueups``
     One row per bill applied by ``gpumeter reconcile`` (``trueup_id``: the bill's digest): its file, format,
     basis, scope (``bill_scope``: providers, billing accounts and period, the same for every version of one bill)
@@ -33,13 +39,15 @@ merely wrote it again; a bill from before the column existed (no publisher) is c
 that finds it unpublished, with a conditional UPDATE, so exactly one does. Every cost record therefore reaches the
 costs topic from one instance only, however many instances with different groups bill the same shares.
 
-Writes are idempotent and all-or-nothing per node-window. ``Ledger.write(costs, bills)`` checks that every cost
-line has its bill in the same call and that each node-window's lines add up to its bill, then, in one
-transaction, inserts the price versions and the bills with ``INSERT ... ON CONFLICT DO NOTHING RETURNING`` and
-the cost lines of exactly the bills that were new (again ``ON CONFLICT DO NOTHING``). A redelivered node-window —
-or any part of one — therefore never bills twice, and a node-window is never half-written: on PostgreSQL a
-concurrent writer of the same node-window waits on the bill's key and then skips it. The first write of a
-node-window wins: a later, different costing of it (say, after a price change) is skipped too, never mixed in.
+Writes are idempotent and all-or-nothing per node-window. ``Ledger.write(costs, bills)`` checks that every cost line
+has its bill in the same call and that each node-window's lines add up to its bill, then, in one transaction,
+inserts the price versions and the bills (with their zero lines) with ``INSERT ... ON CONFLICT DO NOTHING
+RETURNING``, and the label sets and cost lines of exactly the bills that were new (again ``ON CONFLICT DO NOTHING``;
+a line priced otherwise than its bill is refused). A redelivered node-window — or any part of one — therefore never
+bills twice, and a node-window is never half-written: on PostgreSQL a concurrent writer of the same node-window
+waits on the bill's key and then skips it. The first write of a node-window wins: a later, different costing of it
+(say, after a price change) is skipped too, never mixed in. Every reader gets the zero lines back: counted in the
+sums and line counts, listed by ``iter_cost_lines``, ``billed_cost_lines`` and ``trueup_windows``.
 Inserts are bulk (executemany, which SQLAlchemy batches into multi-row ``VALUES``).
 
 Database errors are wrapped in ``LedgerError``. A SQLite file ledger's files are checked before every use
@@ -93,6 +101,15 @@ from gpumeter.redact import mask_secrets, mask_url
 from schemas.records import CostRecord, CostSubjectKind
 from services.billing import rollups
 from services.billing.costing import NodeBill, NodeWindowKey
+from services.billing.line_storage import (
+    EMPTY_LABEL_SET_ID,
+    ZeroLine,
+    decode_zero_lines,
+    encode_zero_lines,
+    is_zero_line,
+    label_set_id,
+    zero_line_record,
+)
 from services.billing.sqlite_files import SqliteFiles
 from services.billing.trueup import LedgerLine, LedgerWindow, TrueUp
 
@@ -108,6 +125,7 @@ _MIGRATION_LOCK_ID = 0x6770756D6574  # "gpumet"
 
 NO_GPU = ""
 NO_POD = ""
+_LABEL_ID_CACHE = 65_536  # label-set ids remembered per handle (cleared when full)
 
 
 class LedgerError(GpumeterError):
@@ -187,10 +205,20 @@ node_bills = Table(
     Column("trued_cost_micro_usd", BigInteger, nullable=True),
     Column("trueup_id", String(64), nullable=True),
     Column("sharing", String(255), nullable=False, server_default="keep"),
+    Column("zero_lines", Text, nullable=True),
     Column("gpu_model", String(128), nullable=False, server_default=""),
     PrimaryKeyConstraint("window_start_unix_ms", "cluster", "node_name"),
     ForeignKeyConstraint(["price_version"], ["price_versions.price_version"]),
     Index(None, "node_name", "window_start_unix_ms"),
+)
+
+label_sets = Table(
+    "label_sets",
+    metadata,
+    Column("label_set_id", BigInteger, nullable=False, autoincrement=False),
+    Column("labels", LABELS_TYPE, nullable=False),
+    Column("carried_label_keys", Text, nullable=False),
+    PrimaryKeyConstraint("label_set_id"),
 )
 
 cost_lines = Table(
@@ -205,13 +233,9 @@ cost_lines = Table(
     Column("window_seconds", Integer, nullable=False),
     Column("namespace", String(253), nullable=True),
     Column("pod_name", String(253), nullable=True),
-    Column("labels", LABELS_TYPE, nullable=False),
+    Column("label_set_id", BigInteger, nullable=False, server_default="0"),
     Column("cost_share", Double, nullable=False),
     Column("cost_micro_usd", BigInteger, nullable=False),
-    Column("instance_type", String(128), nullable=False),
-    Column("price_model", String(16), nullable=False),
-    Column("price_version", String(255), nullable=False),
-    Column("carried_label_keys", Text, nullable=False, server_default=""),
     Column("trued_cost_micro_usd", BigInteger, nullable=True),
     Column("shared_from", String(16), nullable=False, server_default=""),
     Column("sharing_method", String(16), nullable=False, server_default=""),
@@ -226,7 +250,10 @@ cost_lines = Table(
         ["window_start_unix_ms", "cluster", "node_name"],
         ["node_bills.window_start_unix_ms", "node_bills.cluster", "node_bills.node_name"],
     ),
+    ForeignKeyConstraint(["label_set_id"], ["label_sets.label_set_id"]),
     Index(None, "namespace", "window_start_unix_ms"),
+    # SQLite: the rows live in the primary key's B-tree, not in a rowid table beside a copy of the key.
+    sqlite_with_rowid=False,
 )
 
 trueups = Table(
@@ -305,6 +332,8 @@ class WriteResult:
     written: frozenset = frozenset()
     # Skipped node-windows not yet published that another publisher inserted: theirs to publish, not the caller's.
     others: frozenset = frozenset()
+    # Of ``lines_written``, the zero lines kept on their bills rather than as rows (``line_storage``).
+    lines_elided: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -409,6 +438,11 @@ NOT_SHARED = ""
 # The one place that reads it for exports: the FOCUS export's BilledCost and EffectiveCost come from here.
 BILLED_COST = func.coalesce(cost_lines.c.trued_cost_micro_usd, cost_lines.c.cost_micro_usd)
 
+# A line's node bill, and its lines with their label sets (what a reader of labels selects from).
+_BILL_OF_LINE = ((node_bills.c.window_start_unix_ms == cost_lines.c.window_start_unix_ms)
+                 & (node_bills.c.cluster == cost_lines.c.cluster) & (node_bills.c.node_name == cost_lines.c.node_name))
+_WITH_LABELS = cost_lines.join(label_sets, label_sets.c.label_set_id == cost_lines.c.label_set_id)
+
 
 def _shared_from(cost: CostRecord) -> str:
     return cost.shared_from.value if cost.shared_from is not None else NOT_SHARED
@@ -419,49 +453,34 @@ def _line_key(cost: CostRecord) -> tuple:
             cost.subject_kind.value, cost.pod_uid or NO_POD, _shared_from(cost))
 
 
-def _line_values(cost: CostRecord) -> tuple:
-    """``_line_row(cost)``'s values, in its order (``LINE_COLUMNS``): the row of the driver-level insert."""
+def _line_values(cost: CostRecord, label_set: int) -> tuple:
+    """``_line_row(cost, label_set)``'s values, in its order (``LINE_COLUMNS``): the row of the driver-level
+    insert."""
     shared_from = cost.shared_from
     return (cost.window_start_unix_ms, cost.cluster, cost.node_name, cost.gpu_uuid or NO_GPU,
             cost.subject_kind.value, cost.pod_uid or NO_POD, cost.window_seconds, cost.namespace, cost.pod_name,
-            dict(cost.labels), cost.cost_share, cost.cost_micro_usd, cost.instance_type, cost.price_model,
-            cost.price_version, ",".join(cost.carried_label_keys),
+            label_set, cost.cost_share, cost.cost_micro_usd,
             shared_from.value if shared_from is not None else NOT_SHARED, cost.sharing_method, cost.method,
             cost.cost_basis, cost.memory_share, cost.compute_share, cost.gpu_fraction)
 
 
 LINE_COLUMNS = ("window_start_unix_ms", "cluster", "node_name", "gpu_uuid", "subject_kind", "pod_uid",
-                "window_seconds", "namespace", "pod_name", "labels", "cost_share", "cost_micro_usd", "instance_type",
-                "price_model", "price_version", "carried_label_keys", "shared_from", "sharing_method", "method",
-                "cost_basis", "memory_share", "compute_share", "gpu_fraction")
+                "window_seconds", "namespace", "pod_name", "label_set_id", "cost_share", "cost_micro_usd",
+                "shared_from", "sharing_method", "method", "cost_basis", "memory_share", "compute_share",
+                "gpu_fraction")
 
 
-def _line_row(cost: CostRecord) -> dict[str, Any]:
-    return {
-        "window_start_unix_ms": cost.window_start_unix_ms,
-        "cluster": cost.cluster,
-        "node_name": cost.node_name,
-        "gpu_uuid": cost.gpu_uuid or NO_GPU,
-        "subject_kind": cost.subject_kind.value,
-        "pod_uid": cost.pod_uid or NO_POD,
-        "window_seconds": cost.window_seconds,
-        "namespace": cost.namespace,
-        "pod_name": cost.pod_name,
-        "labels": dict(cost.labels),
-        "cost_share": cost.cost_share,
-        "cost_micro_usd": cost.cost_micro_usd,
-        "instance_type": cost.instance_type,
-        "price_model": cost.price_model,
-        "price_version": cost.price_version,
-        "carried_label_keys": ",".join(cost.carried_label_keys),
-        "shared_from": _shared_from(cost),
-        "sharing_method": cost.sharing_method,
-        "method": cost.method,
-        "cost_basis": cost.cost_basis,
-        "memory_share": cost.memory_share,
-        "compute_share": cost.compute_share,
-        "gpu_fraction": cost.gpu_fraction,
-    }
+def _line_row(cost: CostRecord, label_set: int) -> dict[str, Any]:
+    """The ``cost_lines`` row of ``cost`` whose labels are the label set ``label_set`` (``line_storage``)."""
+    return dict(zip(LINE_COLUMNS, _line_values(cost, label_set)))
+
+
+def _zero_line_key(key: NodeWindowKey, line: ZeroLine) -> tuple:
+    return (key.window_start_unix_ms, key.cluster, key.node_name, line[0], line[1], NO_POD, NOT_SHARED)
+
+
+def _zero_line(cost: CostRecord) -> ZeroLine:
+    return (cost.gpu_uuid or NO_GPU, cost.subject_kind.value, cost.method, cost.cost_basis, cost.gpu_fraction)
 
 
 def _alembic_config(connection: Connection):
@@ -530,6 +549,10 @@ class Ledger:
             raise LedgerError(f"cannot open ledger {shown!r}: {mask_secrets(str(exc))}") from exc
         self.dialect = self.engine.dialect.name
         self._lines_sql = _driver_lines_insert(self.engine.dialect) if self.dialect == "sqlite" else None
+        # Label sets this handle knows are in the database (it inserted or checked them in a committed write), and
+        # the ids of label sets seen: a pod's lines carry the same labels window after window.
+        self._stored_label_sets: set[int] = set()
+        self._label_ids: dict[tuple, int] = {}
         # A SQLite file's -wal/-shm are checked before every use (sqlite_files): a -shm that cannot back its
         # mapping kills the process with SIGBUS as soon as SQLite touches it.
         self._files = SqliteFiles(Path(parsed.database)) if backend == "sqlite" and not in_memory else None
@@ -682,14 +705,22 @@ class Ledger:
                 raise LedgerError(f"two different bills for {bill.key} in one write")
         lines: dict[tuple, CostRecord] = {}
         sums: dict[NodeWindowKey, int] = defaultdict(int)
+        kept: list[tuple[NodeWindowKey, CostRecord]] = []
+        zeros: dict[NodeWindowKey, list[ZeroLine]] = defaultdict(list)
         for cost in costs:
             key = NodeWindowKey(cost.cluster, cost.node_name, cost.window_start_unix_ms)
-            if key not in bills_by_key:
+            bill = bills_by_key.get(key)
+            if bill is None:
                 raise LedgerError(f"cost line for {key} without its node bill in the same write")
             line_key = _line_key(cost)
             first_line = lines.setdefault(line_key, cost)
             if first_line is cost:
                 sums[key] += cost.cost_micro_usd
+                if is_zero_line(cost, bill.window_seconds, bill.instance_type, bill.price_model,
+                                bill.price_version):
+                    zeros[key].append(_zero_line(cost))
+                else:
+                    kept.append((key, cost))
             elif first_line != cost:
                 raise LedgerError(f"two different cost lines for {line_key} in one write")
         for key, bill in bills_by_key.items():
@@ -702,50 +733,105 @@ class Ledger:
             return WriteResult(0, 0, 0, 0)
         versions = {b.price_version: b.price.describe() for b in bills_by_key.values()}
         pk = [node_bills.c.window_start_unix_ms, node_bills.c.cluster, node_bills.c.node_name]
+        added_label_sets: set[int] = set()
         try:
             with self._begin() as connection:
                 connection.execute(self._insert(price_versions).on_conflict_do_nothing(), list(versions.values()))
                 inserted = connection.execute(
                     self._insert(node_bills).on_conflict_do_nothing().returning(*pk),
-                    [{**_bill_row(b), "publisher": self.publisher} for b in bills_by_key.values()],
+                    [{**_bill_row(b), "publisher": self.publisher, "zero_lines": encode_zero_lines(zeros.get(k, ()))}
+                     for k, b in bills_by_key.items()],
                 ).all()
                 new_keys = {NodeWindowKey(cluster, node, start) for start, cluster, node in inserted}
-                new_lines = [cost for cost in lines.values()
-                             if NodeWindowKey(cost.cluster, cost.node_name, cost.window_start_unix_ms) in new_keys]
+                new_lines = [cost for key, cost in kept if key in new_keys]
+                for cost in new_lines:
+                    bill = bills_by_key[NodeWindowKey(cost.cluster, cost.node_name, cost.window_start_unix_ms)]
+                    if (cost.price_version != bill.price_version or cost.instance_type != bill.instance_type
+                            or cost.price_model != bill.price_model):
+                        # Raised inside the transaction: nothing of this write is committed.
+                        raise LedgerError(f"cost line {_line_key(cost)} is priced as {cost.instance_type} "
+                                          f"{cost.price_model} {cost.price_version}, its bill as {bill.instance_type} "
+                                          f"{bill.price_model} {bill.price_version}: the ledger keeps them once, on "
+                                          "the bill")
                 if new_lines:
-                    self._insert_lines(connection, new_lines)
-                    rollups.add_written(connection, ROLLUPS, new_lines, {k: bills_by_key[k] for k in new_keys},
-                                        team_key=self.team_label, insert=self._insert)
+                    added_label_sets = self._insert_lines(connection, new_lines)
+                if new_keys:
+                    # Every line of the new node-windows, zero lines included (the rollups count them as every
+                    # reader does: services.billing.rollups).
+                    rollups.add_written(connection, ROLLUPS,
+                                        [cost for cost in lines.values() if NodeWindowKey(
+                                            cost.cluster, cost.node_name, cost.window_start_unix_ms) in new_keys],
+                                        {k: bills_by_key[k] for k in new_keys}, team_key=self.team_label,
+                                        insert=self._insert)
                 unpublished, others = self._unpublished(connection, {k: b for k, b in bills_by_key.items()
                                                                      if k not in new_keys})
         except SQLAlchemyError as exc:
             raise LedgerError(f"writing {len(bills_by_key)} node-windows to {self!r} failed: {exc}") from exc
+        self._stored_label_sets |= added_label_sets
+        elided = sum(len(zeros.get(key, ())) for key in new_keys)
+        written = len(new_lines) + elided
         return WriteResult(
             bills_written=len(new_keys),
             bills_skipped=len(bills_by_key) - len(new_keys),
-            lines_written=len(new_lines),
-            lines_skipped=len(lines) - len(new_lines),
+            lines_written=written,
+            lines_skipped=len(lines) - written,
             unpublished=frozenset(unpublished),
             written=frozenset(new_keys),
             others=frozenset(others),
+            lines_elided=elided,
         )
 
-    def _insert_lines(self, connection: Connection, costs: list[CostRecord]) -> None:
-        """Insert the cost lines of ``costs``, skipping any already there. On SQLite, one driver-level
-        ``executemany`` of value tuples through the statement SQLAlchemy compiles (and the bind processors it
-        would apply: labels to JSON, shares to float): the same rows without SQLAlchemy building a parameter set
-        per row, which cost more than SQLite's own insert (``bench/billing.py``). Elsewhere the Core statement."""
+    def _label_set(self, cost: CostRecord) -> int:
+        labels, carried = cost.labels, cost.carried_label_keys
+        if not labels and not carried:
+            return EMPTY_LABEL_SET_ID
+        key = (frozenset(labels.items()), carried)
+        found = self._label_ids.get(key)
+        if found is None:
+            if len(self._label_ids) >= _LABEL_ID_CACHE:
+                self._label_ids.clear()
+            found = self._label_ids[key] = label_set_id(labels, carried)
+        return found
+
+    def _insert_label_sets(self, connection: Connection, wanted: dict[int, CostRecord]) -> set[int]:
+        """Insert the label sets of ``wanted`` (id -> a line carrying it) not yet known to be stored; returns their
+        ids. ``LedgerError`` when a stored set of the same id holds other labels (a 64-bit hash collision)."""
+        new = {i: c for i, c in wanted.items() if i != EMPTY_LABEL_SET_ID and i not in self._stored_label_sets}
+        if not new:
+            return set()
+        connection.execute(self._insert(label_sets).on_conflict_do_nothing(),
+                           [{"label_set_id": i, "labels": dict(sorted(c.labels.items())),
+                             "carried_label_keys": ",".join(c.carried_label_keys)} for i, c in new.items()])
+        l = label_sets.c
+        for i, labels, carried in connection.execute(
+                select(l.label_set_id, l.labels, l.carried_label_keys).where(l.label_set_id.in_(list(new)))):
+            cost = new[i]
+            if dict(labels) != dict(cost.labels) or carried != ",".join(cost.carried_label_keys):
+                raise LedgerError(f"label set {i} holds {labels} / {carried!r}, not the {dict(cost.labels)} / "
+                                  f"{cost.carried_label_keys} whose id it is: refusing to mix them up")
+        return set(new)
+
+    def _insert_lines(self, connection: Connection, costs: list[CostRecord]) -> set[int]:
+        """Insert the cost lines of ``costs`` (no zero line among them), skipping any already there, and the label
+        sets they reference first; returns the label sets inserted. On SQLite, one driver-level ``executemany`` of
+        value tuples through the statement SQLAlchemy compiles (and the bind processors it would apply): the same
+        rows without SQLAlchemy building a parameter set per row, which cost more than SQLite's own insert
+        (``bench/billing.py``). Elsewhere the Core statement."""
+        ids = [self._label_set(c) for c in costs]
+        added = self._insert_label_sets(connection, dict(zip(ids, costs)))
         if self._lines_sql is None:
-            connection.execute(self._insert(cost_lines).on_conflict_do_nothing(), [_line_row(c) for c in costs])
-            return
+            connection.execute(self._insert(cost_lines).on_conflict_do_nothing(),
+                               [_line_row(c, i) for c, i in zip(costs, ids)])
+            return added
         sql, processors = self._lines_sql
         rows = []
-        for cost in costs:
-            values = list(_line_values(cost))
+        for cost, label_set in zip(costs, ids):
+            values = list(_line_values(cost, label_set))
             for index, process in processors:
                 values[index] = process(values[index])
             rows.append(tuple(values))
         connection.exec_driver_sql(sql, rows)
+        return added
 
     def _unpublished(self, connection, existing: dict[NodeWindowKey, NodeBill]
                      ) -> tuple[set[NodeWindowKey], set[NodeWindowKey]]:
@@ -833,6 +919,17 @@ class Ledger:
         listed = table.c.node_cost_micro_usd if table is node_bills else table.c.cost_micro_usd
         return listed if cost == "list" else func.coalesce(table.c.trued_cost_micro_usd, listed)
 
+    def _zero_lines(self, start_ms: int | None, end_ms: int | None, cluster: str | None
+                    ) -> list[tuple[Mapping[str, Any], list[ZeroLine]]]:
+        """(bill columns, its zero lines) of the bills with zero lines in the range (``line_storage``)."""
+        b = node_bills.c
+        rows = self._read(
+            select(b.window_start_unix_ms, b.cluster, b.node_name, b.window_seconds, b.instance_type,
+                   b.price_model, b.price_version, b.zero_lines)
+            .where(b.zero_lines.is_not(None), *self._range(node_bills, start_ms, end_ms, cluster))
+        )
+        return [(row._mapping, decode_zero_lines(row.zero_lines)) for row in rows]
+
     def totals(self, *, start_ms: int | None = None, end_ms: int | None = None,
                cluster: str | None = None, cost: str = "list") -> LedgerTotals:
         """Sums of cost lines and node bills for windows starting in [start_ms, end_ms), in the ``cost`` basis."""
@@ -847,9 +944,15 @@ class Ledger:
             .where(*self._range(node_bills, start_ms, end_ms, cluster))
         )
         by_kind = {kind: int(total) for kind, total, _ in line_rows}
+        count = sum(int(n) for _, _, n in line_rows)
+        for _bill, zero in self._zero_lines(start_ms, end_ms, cluster):
+            for line in zero:
+                by_kind.setdefault(line[1], 0)
+            count += len(zero)
+        by_kind = dict(sorted(by_kind.items()))
         return LedgerTotals(
             cost_micro_usd=sum(by_kind.values()),
-            cost_lines=sum(int(count) for _, _, count in line_rows),
+            cost_lines=count,
             bill_micro_usd=int(bill_sum),
             node_windows=int(bill_count),
             by_subject_kind=by_kind,
@@ -868,13 +971,14 @@ class Ledger:
         elif grouping.kind == "gpu":
             group = func.nullif(cost_lines.c.gpu_uuid, NO_GPU)
         else:
-            group = cost_lines.c.labels[grouping.label_key].as_string()
+            group = label_sets.c.labels[grouping.label_key].as_string()
         micro = self.cost_expression(cost_lines, cost)
         shared = case((cost_lines.c.shared_from != NOT_SHARED, micro), else_=0)
         # Grouping over a subquery keeps PostgreSQL from seeing two differently-bound copies of the expression.
         inner = (
             select(cost_lines.c.subject_kind.label("kind"), group.label("grp"), micro.label("micro"),
                    shared.label("shared"))
+            .select_from(_WITH_LABELS if grouping.kind == "label" else cost_lines)
             .where(*self._range(cost_lines, start_ms, end_ms, cluster))
             .subquery()
         )
@@ -882,8 +986,15 @@ class Ledger:
             select(inner.c.kind, inner.c.grp, func.sum(inner.c.micro), func.count(), func.sum(inner.c.shared))
             .group_by(inner.c.kind, inner.c.grp)
         )
-        return tuple(CostGroupRow(kind, grp, int(total), int(count), int(shared_sum or 0))
-                     for kind, grp, total, count, shared_sum in rows)
+        sums = {(kind, grp): [int(total), int(count), int(shared_sum or 0)]
+                for kind, grp, total, count, shared_sum in rows}
+        for bill, zero in self._zero_lines(start_ms, end_ms, cluster):
+            for gpu_uuid, kind, *_ in zero:
+                grp = (bill["node_name"] if grouping.kind == "node"
+                       else gpu_uuid or None if grouping.kind == "gpu" else None)
+                sums.setdefault((kind, grp), [0, 0, 0])[1] += 1
+        return tuple(CostGroupRow(kind, grp, total, count, shared_sum)
+                     for (kind, grp), (total, count, shared_sum) in sums.items())
 
     def shared_by_source(self, *, start_ms: int | None = None, end_ms: int | None = None,
                          cluster: str | None = None, cost: str = "list") -> tuple[SharedSourceRow, ...]:
@@ -912,9 +1023,10 @@ class Ledger:
                                    cluster: str | None = None) -> tuple[CostGroupRow, ...]:
         """Cost lines summed per (subject kind, carried label keys) -- the keys comma-separated, None where the
         lines name none -- for windows starting in [start_ms, end_ms)."""
-        keys = func.nullif(cost_lines.c.carried_label_keys, "")
+        keys = func.nullif(label_sets.c.carried_label_keys, "")
         inner = (
             select(cost_lines.c.subject_kind.label("kind"), keys.label("grp"), cost_lines.c.cost_micro_usd)
+            .select_from(_WITH_LABELS)
             .where(*self._range(cost_lines, start_ms, end_ms, cluster))
             .subquery()
         )
@@ -922,7 +1034,11 @@ class Ledger:
             select(inner.c.kind, inner.c.grp, func.sum(inner.c.cost_micro_usd), func.count())
             .group_by(inner.c.kind, inner.c.grp)
         )
-        return tuple(CostGroupRow(kind, grp, int(total), int(count)) for kind, grp, total, count in rows)
+        sums = {(kind, grp): [int(total), int(count)] for kind, grp, total, count in rows}
+        for _bill, zero in self._zero_lines(start_ms, end_ms, cluster):
+            for _gpu, kind, *_ in zero:
+                sums.setdefault((kind, None), [0, 0])[1] += 1
+        return tuple(CostGroupRow(kind, grp, total, count) for (kind, grp), (total, count) in sums.items())
 
     def bills(self, *, start_ms: int | None = None, end_ms: int | None = None,
               cluster: str | None = None) -> tuple[dict[str, Any], ...]:
@@ -956,23 +1072,25 @@ class Ledger:
     def iter_cost_lines(self, *, start_ms: int | None = None, end_ms: int | None = None,
                         cluster: str | None = None) -> Iterator[CostRecord]:
         """The stored cost lines as ``CostRecord``s, in key order."""
-        rows = self._read(
-            select(cost_lines).where(*self._range(cost_lines, start_ms, end_ms, cluster))
-            .order_by(*cost_lines.primary_key.columns)
-        )
-        for row in rows:
-            yield _cost_record(row._mapping)
+        for record, _billed in self.billed_cost_lines(start_ms=start_ms, end_ms=end_ms, cluster=cluster):
+            yield record
 
     def billed_cost_lines(self, *, start_ms: int | None = None, end_ms: int | None = None,
                           cluster: str | None = None) -> Iterator[tuple[CostRecord, int]]:
-        """The stored cost lines, each with what it was billed (``BILLED_COST``), in key order."""
+        """The stored cost lines, each with what it was billed (``BILLED_COST``), in key order (by code point, as
+        SQLite and a PostgreSQL of collation C order them), zero lines included (billed 0)."""
+        c, b, l = cost_lines.c, node_bills.c, label_sets.c
         rows = self._read(
-            select(cost_lines, BILLED_COST.label("billed_micro_usd"))
+            select(*(c[name] for name in _RECORD_COLUMNS), l.labels, l.carried_label_keys, b.instance_type,
+                   b.price_model, b.price_version, BILLED_COST.label("billed_micro_usd"))
+            .select_from(_WITH_LABELS.join(node_bills, _BILL_OF_LINE))
             .where(*self._range(cost_lines, start_ms, end_ms, cluster))
-            .order_by(*cost_lines.primary_key.columns)
         )
-        for row in rows:
-            yield _cost_record(row._mapping), int(row._mapping["billed_micro_usd"])
+        out = [(_cost_record(row._mapping), int(row._mapping["billed_micro_usd"])) for row in rows]
+        for bill, zero in self._zero_lines(start_ms, end_ms, cluster):
+            out.extend((zero_line_record(bill, line), 0) for line in zero)
+        out.sort(key=lambda pair: _line_key(pair[0]))
+        yield from out
 
     def allocation_sums(self, query: "AllocationQuery") -> tuple[list["PodSum"], list["BucketSum"]]:
         """What ``services.billing.allocation`` folds into OpenCost allocations: pod lines per (step, group,
@@ -992,9 +1110,8 @@ class Ledger:
         elif query.aggregate == "cluster":
             group = c.cluster
         else:
-            group = c.labels[query.label_key].as_string()
-        joined = cost_lines.join(node_bills, (b.window_start_unix_ms == c.window_start_unix_ms)
-                                 & (b.cluster == c.cluster) & (b.node_name == c.node_name))
+            group = label_sets.c.labels[query.label_key].as_string()
+        joined = (_WITH_LABELS if query.aggregate == "label" else cost_lines).join(node_bills, _BILL_OF_LINE)
         in_range = self._range(cost_lines, query.start_ms, query.end_ms, query.cluster)
         billed_ms = b.billed_milliseconds
         # Grouping over a subquery keeps PostgreSQL from seeing two differently-bound copies of an expression.
@@ -1030,8 +1147,15 @@ class Ledger:
         )
         keys = (inner.c.step, inner.c.node, inner.c.kind, inner.c.shared)
         bucket_rows = self._read(select(*keys, func.sum(inner.c.cost_micro_usd), func.count()).group_by(*keys))
-        buckets = [BucketSum(int(st), node_name, kind_name, bool(is_shared), int(cost), int(lines))
-                   for st, node_name, kind_name, is_shared, cost, lines in bucket_rows]
+        sums = {(int(st), node_name, kind_name, bool(is_shared)): [int(cost), int(lines)]
+                for st, node_name, kind_name, is_shared, cost, lines in bucket_rows}
+        for bill, zero in self._zero_lines(query.start_ms, query.end_ms, query.cluster):
+            st = (bill["window_start_unix_ms"] - query.start_ms) // query.step_ms
+            node_name = bill["node_name"] if query.idle_by_node else None
+            for _gpu, kind_name, *_ in zero:
+                sums.setdefault((st, node_name, kind_name, False), [0, 0])[1] += 1
+        buckets = [BucketSum(st, node_name, kind_name, is_shared, cost, lines)
+                   for (st, node_name, kind_name, is_shared), (cost, lines) in sums.items()]
         return pods, buckets
 
     def price_versions(self, versions: Iterable[str]) -> dict[str, dict[str, Any]]:
@@ -1069,10 +1193,14 @@ class Ledger:
         for start, cluster, node, gpu, kind, pod, shared_from, micro in self._read(
                 select(c.window_start_unix_ms, c.cluster, c.node_name, c.gpu_uuid, c.subject_kind, c.pod_uid,
                        c.shared_from, c.cost_micro_usd)
-                .where(c.window_start_unix_ms >= start_ms, c.window_start_unix_ms < end_ms)
-                .order_by(*cost_lines.primary_key.columns)):
+                .where(c.window_start_unix_ms >= start_ms, c.window_start_unix_ms < end_ms)):
             lines[NodeWindowKey(cluster, node, start)].append(
                 LedgerLine((start, cluster, node, gpu, kind, pod, shared_from), kind, int(micro)))
+        for bill, zero in self._zero_lines(start_ms, end_ms, None):
+            key = NodeWindowKey(bill["cluster"], bill["node_name"], bill["window_start_unix_ms"])
+            lines[key].extend(LedgerLine(_zero_line_key(key, line), line[1], 0) for line in zero)
+        for window_lines in lines.values():
+            window_lines.sort(key=lambda line: line.key)
         return tuple(
             LedgerWindow(cluster, node, start, seconds, int(billed), int(cost), provider_id or "",
                          tuple(lines.get(NodeWindowKey(cluster, node, start), ())), provider, scope or "")
@@ -1102,13 +1230,18 @@ class Ledger:
         changed_windows = changed_lines = 0
         try:
             with self._begin() as connection:
-                current = {
-                    NodeWindowKey(cluster, node, start): (trued, run)
-                    for start, cluster, node, trued, run in connection.execute(
-                        select(b.window_start_unix_ms, b.cluster, b.node_name, b.trued_cost_micro_usd, b.trueup_id)
+                current, zero_lines = {}, {}
+                for row in connection.execute(
+                        select(b.window_start_unix_ms, b.cluster, b.node_name, b.trued_cost_micro_usd, b.trueup_id,
+                               b.zero_lines, b.window_seconds, b.instance_type, b.price_model, b.price_version,
+                               b.sharing, b.gpu_model)
                         .where(b.window_start_unix_ms >= bill.scope_start_ms,
-                               b.window_start_unix_ms < bill.scope_end_ms))
-                }
+                               b.window_start_unix_ms < bill.scope_end_ms)):
+                    m = row._mapping
+                    key = NodeWindowKey(m["cluster"], m["node_name"], m["window_start_unix_ms"])
+                    current[key] = (m["trued_cost_micro_usd"], m["trueup_id"])
+                    if m["zero_lines"]:
+                        zero_lines[key] = (m, decode_zero_lines(m["zero_lines"]))
                 missing = (set(result.windows) | set(scope)) - set(current)
                 if missing:
                     raise LedgerError(f"{len(missing)} node-windows of the true-up are not in the ledger, e.g. "
@@ -1127,11 +1260,14 @@ class Ledger:
                         .values(trued_cost_micro_usd=bindparam("b_trued"), trueup_id=bindparam("b_run")),
                         window_updates)
                 line_updates = []
+                # What the rollups' trued-up sums move by: every line whose trued-up cost changes, stored or zero
+                # (services.billing.rollups).
                 trued_changes = []
                 for row in connection.execute(
-                        select(cost_lines, b.sharing.label("bill_sharing"), b.gpu_model.label("bill_gpu_model"))
-                        .select_from(cost_lines.join(node_bills, (b.window_start_unix_ms == c.window_start_unix_ms)
-                                                     & (b.cluster == c.cluster) & (b.node_name == c.node_name)))
+                        select(*(c[name] for name in _RECORD_COLUMNS), c.trued_cost_micro_usd, label_sets.c.labels,
+                               label_sets.c.carried_label_keys, b.instance_type, b.price_model, b.price_version,
+                               b.sharing.label("bill_sharing"), b.gpu_model.label("bill_gpu_model"))
+                        .select_from(_WITH_LABELS.join(node_bills, _BILL_OF_LINE))
                         .where(c.window_start_unix_ms >= bill.scope_start_ms,
                                c.window_start_unix_ms < bill.scope_end_ms)):
                     m = row._mapping
@@ -1148,9 +1284,30 @@ class Ledger:
                         line_updates.append({"b_start": start, "b_cluster": cluster, "b_node": node, "b_gpu": gpu,
                                              "b_kind": kind, "b_pod": pod, "b_shared": shared_from,
                                              "b_trued": wanted})
-                        # The rollups' trued-up sums move with the line (services.billing.rollups).
                         trued_changes.append(rollups.TruedChange(_cost_record(m), m["bill_gpu_model"],
                                                                  m["bill_sharing"], trued, wanted))
+                # A zero line's trued-up cost is 0 in a trued window, NULL elsewhere (``line_storage``): it changes
+                # when its window becomes trued or stops being so, and the rollups count it as a trued line then,
+                # as 0007 counted the row it was (billed sums do not move: 0 either way).
+                zero_changed = 0
+                for key, (row_of_bill, zero) in zero_lines.items():
+                    if key not in scope:
+                        continue
+                    for line in zero:
+                        line_key = _zero_line_key(key, line)
+                        wanted = result.lines.get(line_key)
+                        if (wanted is None) != (key not in result.windows):
+                            raise LedgerError(f"no trued-up cost for the line {line_key} of a trued-up node-window")
+                        if wanted not in (None, 0):
+                            raise LedgerError(f"the true-up gives {wanted} micro-USD to the line {line_key}, whose "
+                                              "list cost is 0: a line without cost cannot carry a trued-up cost")
+                    before = None if current[key][0] is None else 0
+                    after = 0 if key in result.windows else None
+                    if before != after:
+                        zero_changed += len(zero)
+                        trued_changes.extend(
+                            rollups.TruedChange(zero_line_record(row_of_bill, line), row_of_bill["gpu_model"],
+                                                row_of_bill["sharing"], before, after) for line in zero)
                 rollups.add_trued(connection, ROLLUPS, trued_changes, team_key=self.team_label,
                                   insert=self._insert)
                 if line_updates:
@@ -1162,7 +1319,7 @@ class Ledger:
                                c.shared_from == bindparam("b_shared"))
                         .values(trued_cost_micro_usd=bindparam("b_trued")),
                         line_updates)
-                changed_windows, changed_lines = len(window_updates), len(line_updates)
+                changed_windows, changed_lines = len(window_updates), len(line_updates) + zero_changed
                 recorded = connection.execute(
                     self._insert(trueups).on_conflict_do_nothing().returning(trueups.c.trueup_id),
                     [{"trueup_id": trueup_id, "bill_name": bill.name, "bill_format": bill.format,
@@ -1182,7 +1339,13 @@ class Ledger:
             select(trueups).order_by(trueups.c.applied_at_unix_ms, trueups.c.trueup_id)))
 
 
+_RECORD_COLUMNS = ("window_start_unix_ms", "cluster", "node_name", "window_seconds", "gpu_uuid", "subject_kind",
+                   "pod_uid", "namespace", "pod_name", "cost_share", "cost_micro_usd", "shared_from",
+                   "sharing_method", "method", "cost_basis", "memory_share", "compute_share", "gpu_fraction")
+
+
 def _cost_record(m: Mapping[str, Any]) -> CostRecord:
+    """The ``CostRecord`` of a stored line joined with its label set and bill."""
     return CostRecord(
         cluster=m["cluster"],
         node_name=m["node_name"],

@@ -73,7 +73,7 @@ def test_migrations_create_the_schema_once_even_when_run_concurrently(database_u
         context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE, "compare_type": True})
         assert compare_metadata(context, metadata) == []
         labels_type = connection.execute(text(
-            "SELECT data_type FROM information_schema.columns WHERE table_name = 'cost_lines' "
+            "SELECT data_type FROM information_schema.columns WHERE table_name = 'label_sets' "
             "AND column_name = 'labels'")).scalar_one()
     assert labels_type == "jsonb"
     ledger.close()
@@ -188,7 +188,7 @@ def test_the_sharing_migration_keeps_old_lines_direct_and_makes_room_for_shared_
             "INSERT INTO cost_lines (window_start_unix_ms, cluster, node_name, gpu_uuid, subject_kind, pod_uid, "
             "window_seconds, labels, cost_share, cost_micro_usd, instance_type, price_model, price_version) VALUES "
             "(0, 'c', 'n', 'GPU-0', 'POD', 'p', 60, '{}', 1.0, 13333, 'g6.xlarge', 'on_demand', 'v1')"))
-    assert ledger.migrate() == Ledger.head_revision()
+    assert ledger.migrate() == Ledger.head_revision() == "0009_rollups"
     (old,) = list(ledger.iter_cost_lines(end_ms=1))
     assert (old.shared_from, old.sharing_method) == (None, "")
     assert [b["sharing"] for b in ledger.bills(end_ms=1)] == ["keep"]
@@ -229,3 +229,32 @@ def test_rollups_retention_and_reports_over_the_rollups_on_postgresql(database_u
     assert result.deleted[MINUTE] > 0 and line_count(ledger, DAY0, now - 14 * DAY_MS) == 0
     assert snapshot(ledger) == before
     ledger.close()
+
+
+def test_the_compact_lines_migration_keeps_every_answer_to_the_micro_dollar(database_url):
+    """0008 on PostgreSQL: a ledger written at 0007 (the recorded rows), upgraded, answers every report grouping,
+    the FOCUS export and /allocation as it did at 0007, and the amended bill's true-up as it did then."""
+    from tests.unit.billing.test_ledger_compact import check_upgrade_keeps_every_answer
+
+    check_upgrade_keeps_every_answer(database_url)
+    ledger = Ledger(database_url)
+    with ledger.engine.connect() as connection:
+        context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE, "compare_type": True})
+        assert compare_metadata(context, metadata) == []
+    ledger.close()
+
+
+def test_the_compact_lines_migration_goes_back_with_every_line_a_row_again(database_url):
+    from alembic import command
+
+    from services.billing.ledger import _alembic_config
+    from tests.unit.billing.test_ledger_compact import FIXTURE, ledger_at_0007
+
+    ledger = ledger_at_0007(database_url)
+    ledger.migrate()
+    columns = FIXTURE["rows"]["cost_lines"]["columns"]
+    with ledger.engine.begin() as connection:
+        command.downgrade(_alembic_config(connection), "0007_sharing")
+        rows = connection.execute(text(f"SELECT {', '.join(columns)} FROM cost_lines")).all()
+    ledger.close()
+    assert sorted(map(tuple, rows)) == sorted(tuple(v) for v in FIXTURE["rows"]["cost_lines"]["values"])

@@ -30,8 +30,8 @@ def test_tables_exist_only_after_the_migration_and_match_the_model(tmp_path):
         ledger.require_schema()
     assert ledger.migrate() == Ledger.head_revision()
     assert ledger.migrate() == Ledger.head_revision()  # a second run is a no-op
-    assert set(inspect(ledger.engine).get_table_names()) == {"cost_lines", "node_bills", "price_versions", "trueups",
-                                                             "cost_rollup_hourly", "cost_rollup_daily",
+    assert set(inspect(ledger.engine).get_table_names()) == {"cost_lines", "label_sets", "node_bills", "price_versions",
+                                                             "trueups", "cost_rollup_hourly", "cost_rollup_daily",
                                                              "ledger_retention", VERSION_TABLE}
     with ledger.engine.connect() as connection:
         context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE, "compare_type": True})
@@ -283,6 +283,6 @@ def test_line_values_are_the_line_row_in_column_order():
 
     for result in sample_costs(1) + sample_costs(1, sharing="idle=even"):
         for cost in result.costs:
-            row = _line_row(cost)
+            row = _line_row(cost, 7)
             assert tuple(row) == LINE_COLUMNS
-            assert _line_values(cost) == tuple(row.values())
+            assert _line_values(cost, 7) == tuple(row.values())

@@ -5,18 +5,19 @@ minute lines and the node bills to the micro-dollar."""
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 from functools import lru_cache
 
 import pytest
 from alembic import command
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sqlalchemy import insert, select
+from sqlalchemy import inspect, select
 
 from schemas.records import ShareSubjectKind
 from services.billing import rollups
-from services.billing.ledger import (ROLLUPS, Ledger, _alembic_config, _bill_row, _line_row, cost_lines, node_bills,
-                                     price_versions)
+from services.billing.ledger import ROLLUPS, Ledger, _alembic_config, cost_lines, label_sets, node_bills
+from services.billing.line_storage import decode_zero_lines
 from services.billing.rollups import DAY, DAY_MS, HOUR, HOUR_MS, RollupKey, RollupSums
 from tests.unit.billing.conftest import WINDOW_START_MS, Row, Unit, bucket, node_window, sample_costs
 
@@ -35,18 +36,30 @@ def everything(results):
 
 
 def reference(ledger, grain, team_key="team"):
-    """The rollup rows of ``grain`` recomputed here from the stored cost lines and their bills (not by the module's
-    own key function): what the rollups must equal."""
+    """The rollup rows of ``grain`` recomputed here from what the ledger stores (not by the module's own key
+    function): the ``cost_lines`` rows with their label sets and bills, and the zero lines their bills list (no
+    cost, a trued-up cost of 0 where the bill is trued up, NULL elsewhere): what the rollups must equal."""
     step = {HOUR: HOUR_MS, DAY: DAY_MS}[grain]
     out = defaultdict(lambda: [0, 0, 0, 0])
-    c, b = cost_lines.c, node_bills.c
+    c, b, l = cost_lines.c, node_bills.c, label_sets.c
     with ledger.engine.connect() as connection:
         rows = connection.execute(
-            select(cost_lines, b.sharing.label("bill_sharing"), b.gpu_model.label("bill_gpu_model"))
-            .select_from(cost_lines.join(node_bills, (b.window_start_unix_ms == c.window_start_unix_ms)
-                                         & (b.cluster == c.cluster) & (b.node_name == c.node_name)))).all()
-    for row in rows:
-        m = row._mapping
+            select(cost_lines, l.labels, l.carried_label_keys, b.sharing.label("bill_sharing"),
+                   b.gpu_model.label("bill_gpu_model"))
+            .select_from(cost_lines.join(label_sets, l.label_set_id == c.label_set_id)
+                         .join(node_bills, (b.window_start_unix_ms == c.window_start_unix_ms)
+                               & (b.cluster == c.cluster) & (b.node_name == c.node_name)))).all()
+        bills = connection.execute(select(node_bills).where(b.zero_lines.is_not(None))).all()
+    lines = [dict(row._mapping) for row in rows]
+    for bill in bills:
+        m = bill._mapping
+        for gpu, kind, *_ in decode_zero_lines(m["zero_lines"]):
+            lines.append({"window_start_unix_ms": m["window_start_unix_ms"], "cluster": m["cluster"],
+                          "node_name": m["node_name"], "bill_gpu_model": m["gpu_model"], "bill_sharing": m["sharing"],
+                          "namespace": None, "labels": {}, "subject_kind": kind, "shared_from": "",
+                          "sharing_method": "", "carried_label_keys": "", "cost_micro_usd": 0,
+                          "trued_cost_micro_usd": None if m["trued_cost_micro_usd"] is None else 0})
+    for m in lines:
         labels = m["labels"]
         key = RollupKey(m["window_start_unix_ms"] // step * step, m["cluster"], m["node_name"], m["bill_gpu_model"],
                         m["bill_sharing"], m["namespace"] or "", team_key, labels.get(team_key, ""),
@@ -90,6 +103,8 @@ def assert_every_grain_reconciles(ledger):
     for grain_rows, step in ((hourly, HOUR_MS), (daily, DAY_MS)):
         assert by_period(grain_rows, "cost_micro_usd") == bills_by_period(ledger, step)
         assert by_period(grain_rows, "billed_micro_usd") == bills_by_period(ledger, step, "trued")
+    # Every line billing wrote, zero lines included: the count every reader reports.
+    assert sum(s.cost_lines for s in daily.values()) == ledger.totals().cost_lines
 
 
 def test_rollups_are_the_lines_of_the_written_node_windows_and_a_redelivery_adds_nothing(sqlite_ledger):
@@ -214,34 +229,64 @@ def test_every_grain_reconciles_to_the_bills_for_random_bills_batches_and_redeli
 # -- migration 0009: the rollups of a ledger written before them ------------------------------------------------
 
 
-def test_the_upgrade_backfills_rollups_equal_to_the_lines_of_a_ledger_written_at_0007(tmp_path):
-    ledger = Ledger(f"sqlite:///{tmp_path / 'old.sqlite3'}")
-    with ledger.engine.begin() as connection:
-        command.upgrade(_alembic_config(connection), "0007_sharing")
-    start = DAY0 + DAY_MS - 30 * 60_000
-    results = sample_costs(70, start_ms=start, sharing="idle=weighted,node_other=even")
-    costs, bills = everything(results)
-    with ledger.engine.begin() as connection:
-        # What Ledger.write stored at 0007: the same rows, without the columns of 0009.
-        connection.execute(insert(price_versions), list({b.price_version: b.price.describe() for b in bills}.values()))
-        connection.execute(insert(node_bills),
-                           [{k: v for k, v in _bill_row(b).items() if k != "gpu_model"} for b in bills])
-        connection.execute(insert(cost_lines), [_line_row(c) for c in costs])
-        # A line trued up before the upgrade keeps its trued value in the rollups' trued sums.
-        first = costs[0]
-        connection.execute(cost_lines.update().where(
-            cost_lines.c.window_start_unix_ms == first.window_start_unix_ms, cost_lines.c.node_name == first.node_name,
-            cost_lines.c.gpu_uuid == (first.gpu_uuid or ""), cost_lines.c.subject_kind == first.subject_kind.value,
-            cost_lines.c.pod_uid == (first.pod_uid or ""), cost_lines.c.shared_from == "")
-            .values(trued_cost_micro_usd=first.cost_micro_usd + 7))
-    assert ledger.migrate() == Ledger.head_revision()
+def test_the_upgrade_backfills_rollups_equal_to_every_line_of_a_ledger_written_at_0007(tmp_path):
+    """The recorded ledger of revision 0007 (every line a row, zero lines included, a FOCUS true-up applied),
+    upgraded through 0008 (zero lines onto their bills, labels into label sets) to 0009: the rollups sum and count
+    every line 0007 stored, the trued ones included."""
+    from tests.unit.billing.test_ledger_compact import FIXTURE, ledger_at_0007
+
+    ledger = ledger_at_0007(f"sqlite:///{tmp_path / 'old.sqlite3'}")
+    assert ledger.migrate() == Ledger.head_revision() == "0009_rollups"
     hourly, daily = stored(ledger, HOUR), stored(ledger, DAY)
     assert hourly == reference(ledger, HOUR) and daily == reference(ledger, DAY) == rollups.roll(hourly, DAY)
-    assert sum(s.billed_micro_usd - s.cost_micro_usd for s in daily.values()) == 7
-    assert sum(s.trued_lines for s in daily.values()) == 1
+    columns = FIXTURE["rows"]["cost_lines"]["columns"]
+    old = [dict(zip(columns, values)) for values in FIXTURE["rows"]["cost_lines"]["values"]]
+    zero = [r for r in old if r["cost_micro_usd"] == 0 and r["subject_kind"] != "POD"]
+    assert zero and any(r["trued_cost_micro_usd"] == 0 for r in zero)  # the fixture has zero lines, trued ones too
+    assert sum(s.cost_lines for s in daily.values()) == len(old) == ledger.totals().cost_lines
+    assert sum(s.trued_lines for s in daily.values()) == sum(r["trued_cost_micro_usd"] is not None for r in old)
+    assert sum(s.cost_micro_usd for s in daily.values()) == sum(r["cost_micro_usd"] for r in old)
+    assert sum(s.billed_micro_usd for s in daily.values()) == sum(
+        r["cost_micro_usd"] if r["trued_cost_micro_usd"] is None else r["trued_cost_micro_usd"] for r in old)
     assert {k.gpu_model for k in hourly} == {""}  # bills of before 0009 name no GPU model
     assert by_period(hourly, "cost_micro_usd") == bills_by_period(ledger, HOUR_MS)
+    assert by_period(hourly, "billed_micro_usd") == bills_by_period(ledger, HOUR_MS, "trued")
     # And it keeps them from there on: a new node-window adds to them.
-    ledger.write(*everything(sample_costs(1, start_ms=start + 70 * 60_000)))
+    ledger.write(*everything(sample_costs(1, start_ms=FIXTURE["end_ms"] + HOUR_MS)))
     assert stored(ledger, HOUR) == reference(ledger, HOUR)
+    ledger.close()
+
+
+def _without_gpu_model(rows):
+    out = defaultdict(RollupSums)
+    for key, sums in rows.items():
+        out[replace(key, gpu_model="")] += sums
+    return dict(out)
+
+
+def test_the_rollups_ledger_write_keeps_equal_the_migrations_backfill_of_the_same_ledger(tmp_path):
+    """``add_written`` (from the CostRecords, at write time) and the migration's backfill (from what is stored:
+    rows, label sets, zero lines on their bills) agree, zero lines and trued-up ones included: node-windows written
+    by ``Ledger.write`` and trued up by ``gpumeter reconcile``, then the rollups dropped (down to 0008) and
+    backfilled (up to 0009) -- the same rows (the GPU model aside: going back to 0008 drops it)."""
+    from tests.unit.billing.data import make_ledger_0007 as recorded
+
+    ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
+    ledger.migrate()
+    priced = recorded.results()
+    costs, bills = everything(priced)
+    assert ledger.write(costs, bills).lines_elided > 0
+    assert recorded._reconcile(ledger, recorded.FOCUS).startswith("0\n")
+    written = stored(ledger, HOUR), stored(ledger, DAY)
+    assert_every_grain_reconciles(ledger)
+    assert sum(s.cost_lines for s in written[1].values()) == len(costs) == ledger.totals().cost_lines
+    # Zero lines of trued-up node-windows count as trued lines (their trued-up cost reads 0).
+    assert any(s.trued_lines and not s.cost_micro_usd and k.subject_kind != "POD" for k, s in written[0].items())
+    with ledger.engine.begin() as connection:
+        command.downgrade(_alembic_config(connection), "0008_compact_lines")
+        assert not {"cost_rollup_hourly", "cost_rollup_daily"} & set(inspect(connection).get_table_names())
+        command.upgrade(_alembic_config(connection), "head")
+    backfilled = stored(ledger, HOUR), stored(ledger, DAY)
+    assert backfilled == (_without_gpu_model(written[0]), _without_gpu_model(written[1]))
+    assert backfilled[0] == reference(ledger, HOUR)
     ledger.close()

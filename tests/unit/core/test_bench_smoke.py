@@ -44,7 +44,7 @@ def test_attribution_measures_engine_and_baseline_that_agree():
 
 def test_share_comparison_notices_a_disagreement():
     data = attribution.build_input(nodes=1, ticks=61, gpus_per_node=1, pods_per_gpu=2)
-    shares = attribution.run_engine(attribution.engine_with_pods(data), data.avro_messages)
+    shares = attribution.share_rows(attribution.run_engine(attribution.engine_with_pods(data), data.avro_messages))
     rows = attribution.run_naive(attribution.naive_with_pods(data), data.json_messages)
     assert attribution.max_share_difference(shares, rows) <= 1e-9
     rows[0] = {**rows[0], "memory_share": rows[0]["memory_share"] + 0.01}
@@ -124,7 +124,10 @@ def test_ledger_bulk_per_window_and_per_row_store_every_row():
     sqlite = figures["sqlite"]
     assert sqlite["rows_per_run"] == 2 * figures["rows_per_node_window"]
     for variant in ledger.VARIANTS:
-        assert sqlite[variant]["cost_lines_stored"] == 2 * (figures["rows_per_node_window"] - 1)
+        # Every line is in the ledger: a row, or a zero line on its bill (revision 0008).
+        stored, on_bills = sqlite[variant]["cost_lines_stored"], sqlite[variant]["zero_lines_on_bills"]
+        assert stored + on_bills == 2 * (figures["rows_per_node_window"] - 1)
+        assert stored == 2 * len(ledger.stored_lines(ledger.template_window()))
         assert sqlite[variant]["rows_per_wall_s"] > 0
 
 
@@ -250,3 +253,45 @@ def test_the_stream_memory_figures_read_a_processs_resident_set_from_proc():
     (memory,) = [t for t in stream.targets_for(figures) if t.name.startswith("memory")]
     assert "attributor 300 MiB (peak 400)" in memory.measured
     assert "each guard instance at most 150 MiB peak" in memory.measured
+
+
+def test_the_month_fleet_prices_each_node_window_as_billing_does_with_churn_and_spread_labels():
+    from bench import ledger_month
+
+    fleet = ledger_month.MonthFleet(nodes=3)
+    windows = [w for batch in fleet.batches(0, 2, size=4) for w in batch]
+    assert [(w.bill.node_name, w.bill.window_start_unix_ms) for w in windows] == [
+        (ledger_month.node_name(n), fleet.start_unix_ms + m * ledger_month.WINDOW_MS) for m in range(2)
+        for n in range(3)]
+    for window in windows:
+        # Every node-window's lines add up to its bill and all carry its key.
+        assert sum(c.cost_micro_usd for c in window.costs) == window.bill.node_cost_micro_usd
+        assert {(c.node_name, c.window_start_unix_ms) for c in window.costs} == {
+            (window.bill.node_name, window.bill.window_start_unix_ms)}
+    # Nodes differ in namespaces and teams; a node's pods are new ones after its epoch turns.
+    first = ledger_month.node_record(fleet.template, 0, 0)
+    second = ledger_month.node_record(fleet.template, 1, 0)
+    assert {p.namespace for p in first.pods} != {p.namespace for p in second.pods}
+    assert [p.labels["team"] for p in first.pods] != [p.labels["team"] for p in second.pods]
+    turned = ledger_month.node_record(fleet.template, 0, 1)
+    assert not {p.pod_uid for p in first.pods} & {p.pod_uid for p in turned.pods}
+    # Node 3's pods live 5 hours, out of step with the run's start by 3 hours: 15 hours see 4 pod epochs.
+    assert [ledger_month.epoch_of(3, hour * 60) for hour in range(15)] == [0, 0, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2,
+                                                                            3, 3, 3]
+
+
+def test_the_month_storage_scales_minutes_and_hours_with_time_and_days_with_days():
+    sizes = {"cost_lines": 1_000, "node_bills": 200, "cost_rollup_hourly": 50, "cost_rollup_daily": 10,
+             "price_versions": 7}
+    rows = {"cost_lines": 10, "node_bills": 2, "cost_rollup_hourly": 5, "cost_rollup_daily": 1}
+    from bench import ledger_month
+
+    out = ledger_month.storage_per_1000_gpu_days(sizes, rows, hours_written=2, gpus=500)
+    assert out["minute"]["bytes_per_1000_gpu_days"] == 1_200 * 12 * 2
+    assert out["minute"]["rows_per_1000_gpu_days"] == 12 * 12 * 2
+    assert out["hour"]["bytes_per_1000_gpu_days"] == 50 * 12 * 2
+    assert out["day"]["bytes_per_1000_gpu_days"] == 10 * 2
+    assert out["other"] == {"tables": ["price_versions"], "bytes": 7}
+    assert out["default_retention_bytes_for_1000_gpus"] == (
+        1_200 * 24 * ledger_month.MINUTE_RETENTION_DAYS + 50 * 24 * ledger_month.HOUR_RETENTION_DAYS
+        + 10 * 2 * ledger_month.DAY_RETENTION_DAYS)

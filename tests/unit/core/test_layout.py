@@ -111,7 +111,8 @@ CONSUMER_OWNERS = {"gpumeter/kafka/driver.py", "services/attributor/app.py", "se
 SERVICE_RUNNERS = {"services/billing/main.py": ("gpumeter.stream.runner", "gpumeter.kafka.driver"),
                    "services/guard/main.py": ("gpumeter.stream.runner", "gpumeter.kafka.driver"),
                    "services/attributor/app.py": ("gpumeter.stream.runner",),
-                   "pipeline/replay.py": ("gpumeter.stream.runner", "gpumeter.stream.memory")}
+                   "pipeline/replay.py": ("gpumeter.stream.runner", "gpumeter.stream.memory"),
+                   "pipeline/record.py": ("gpumeter.stream.runner", "gpumeter.kafka.driver")}
 
 
 def test_every_consuming_service_runs_its_processor_on_the_one_runner():

@@ -1,0 +1,459 @@
+"""Ledger at fleet scale (issue 24): a 1,000-GPU cluster's node-windows through the ledger's real write path into
+PostgreSQL -- sustained ingest, bytes on disk per 1,000 GPU-days at each grain, and month-long reads.
+
+**The fleet.** ``FLEET_NODES`` nodes like a ``p5.48xlarge`` (8 × H100 80GB), each the benchmark simulator's node
+(``bench.simulator.fleet_scenario_yaml``: 2 exclusive GPUs, 2 time-sliced into 4 replicas, 2 MPS with 4, 2 MIG
+with 3g/2g/1g/1g instances; 25 pods, one replaced mid-run), attributed by the real engine from the simulator's
+ticks (``template_record``), then renamed per node (its GPUs, pods, namespaces and team labels differ from node to
+node) and per *pod epoch*: every node's pods are replaced by new ones (new uids) every ``2 + node % 7`` hours, so
+a month holds the pod churn of a real cluster. Each (node, epoch) is priced once by billing's real costing
+(``bill_node_window``, bundled catalog) and its lines are then moved to each minute's window: the shares of one
+pod epoch are the same every minute (which changes no row count and no byte count of the ledger).
+
+**Ingest**: ``ingest_hours`` of the whole fleet (one node-window per node per minute) written with
+``Ledger.write`` in batches of ``BATCH_NODE_WINDOWS`` node-windows (billing writes one batch per fetch), in time
+order; node-windows per second of the writes' wall time (the costing and cloning around them not counted). The
+server is ``gpumeter.devtools.postgres.PostgresServer`` (loopback, ``fsync=off``: the CPU of client and server,
+not a disk's commit latency).
+
+**Storage**: ``pg_total_relation_size`` (table, indexes, TOAST) of every ledger table after the ingest, per grain
+(``GRAIN_OF_TABLE``), scaled to 1,000 GPU-days: the minute and hourly grains grow with time (× 24 / hours
+written), the daily grain with days (its rows for the hours written are the day's rows: the same keys). Then what
+the default retention of a 1,000-GPU cluster holds (minute lines ``MINUTE_RETENTION_DAYS``, hourly rollups
+``HOUR_RETENTION_DAYS``, daily rollups ``DAY_RETENTION_DAYS``; node bills as long as their grain's rows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+from schemas.records import NodeWindowShares
+
+from bench.common import Target
+
+WINDOW_SECONDS = 60
+WINDOW_MS = WINDOW_SECONDS * 1000
+HOUR_MS = 3_600_000
+FLEET_NODES = 125  # × 8 GPUs = 1,000 GPUs
+GPUS_PER_NODE = 8
+BATCH_NODE_WINDOWS = 50
+NAMESPACES = ("training", "research", "serving", "batch", "inference", "eval", "platform", "data")
+TEAMS = ("assistants", "search", "ranking", "media", "foundation", "research", "ads", "vision", "speech",
+         "safety", "infra", "growth")
+TARGET_INGEST_NODE_WINDOWS_PER_S = 250.0  # issue 24: 10x what 10,000 GPUs at 1-minute windows produce
+TARGET_RETAINED_GB_FOR_1000_GPUS = 20.0
+MINUTE_RETENTION_DAYS = 14
+HOUR_RETENTION_DAYS = 90
+DAY_RETENTION_DAYS = 400
+
+
+def template_record() -> NodeWindowShares:
+    """One whole node-window of the benchmark simulator's node, attributed by the real engine from its ticks."""
+    from bench.simulator import load_fleet
+    from pipeline.recordings import scenario_records
+    from schemas.records import NodeSample
+    from services.attributor.engine import AttributionEngine, EngineConfig
+
+    scenario = load_fleet(1, duration_seconds=3 * WINDOW_SECONDS)
+    engine = AttributionEngine(EngineConfig(window_seconds=WINDOW_SECONDS, grace_seconds=10))
+    records: list[NodeWindowShares] = []
+    for position, item in enumerate(scenario_records(scenario)):
+        if isinstance(item.message, NodeSample):
+            output = engine.on_sample(item.message, item.received_at_unix_ms, position)
+            records.extend(w.record for w in output.windows if w.record is not None)
+            engine.record_emitted(output.windows)
+        else:
+            engine.on_pod_event(item.message)
+        engine.take_table_changes()
+    whole = [r for r in records if r.node_covered_seconds >= WINDOW_SECONDS]
+    if not whole:
+        raise AssertionError("the simulator's node gave no whole node-window")
+    return whole[0]
+
+
+def node_name(node: int) -> str:
+    return f"gpu-p5-{node:04d}"
+
+
+def epoch_of(node: int, minute: int) -> int:
+    """The node's pod epoch at ``minute`` of the run: its pods are replaced every ``2 + node % 7`` hours, nodes
+    out of step with each other."""
+    return (minute // 60 + node) // (2 + node % 7)
+
+
+def node_record(template: NodeWindowShares, node: int, epoch: int) -> NodeWindowShares:
+    """``template`` as node ``node`` in pod epoch ``epoch``: its own GPUs, its own pods (new uids each epoch),
+    namespaces and team labels spread over the fleet."""
+    name = node_name(node)
+    suffix = f"-{node:04d}"
+    pods = []
+    for i, pod in enumerate(template.pods):
+        labels = dict(pod.labels)
+        labels["team"] = TEAMS[(node + i) % len(TEAMS)]
+        pods.append(dataclasses.replace(
+            pod, pod_uid=f"{pod.pod_uid}{suffix}-e{epoch}", pod_name=f"{pod.pod_name or 'pod'}{suffix}-e{epoch}",
+            namespace=NAMESPACES[(node + i // 4) % len(NAMESPACES)], labels=labels,
+            workload_name=f"{pod.workload_name or 'w'}{suffix}"))
+    units = tuple(dataclasses.replace(
+        u, gpu_uuid=u.gpu_uuid + suffix,
+        parent_gpu_uuid=None if u.parent_gpu_uuid is None else u.parent_gpu_uuid + suffix) for u in template.units)
+    return dataclasses.replace(template, node_name=name, provider_id=f"aws:///us-east-1a/i-{node:017x}",
+                               pods=tuple(pods), units=units)
+
+
+class MonthFleet:
+    """The fleet's node-windows in time order, priced: ``windows(first_minute, minutes)``."""
+
+    def __init__(self, nodes: int = FLEET_NODES, start_unix_ms: int | None = None) -> None:
+        from services.billing.catalog import bundled_catalog
+
+        self.nodes = nodes
+        self.template = template_record()
+        self.start_unix_ms = (self.template.window_start_unix_ms // (24 * HOUR_MS)) * 24 * HOUR_MS \
+            if start_unix_ms is None else start_unix_ms
+        self._catalog = bundled_catalog()
+        self._priced: dict[int, tuple[int, Any]] = {}  # node -> (epoch, its NodeWindowCost at the template's start)
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * GPUS_PER_NODE
+
+    def priced(self, node: int, epoch: int) -> Any:
+        from services.billing.costing import bill_node_window
+
+        known = self._priced.get(node)
+        if known is None or known[0] != epoch:
+            record = node_record(self.template, node, epoch)
+            known = self._priced[node] = (epoch, bill_node_window(record.rows(), self._catalog))
+        return known[1]
+
+    def window(self, node: int, minute: int) -> Any:
+        """Node ``node``'s priced node-window at ``minute`` of the run (a ``NodeWindowCost``)."""
+        from services.billing.costing import NodeWindowCost
+
+        priced = self.priced(node, epoch_of(node, minute))
+        start = self.start_unix_ms + minute * WINDOW_MS
+        return NodeWindowCost(
+            costs=tuple(dataclasses.replace(c, window_start_unix_ms=start) for c in priced.costs),
+            bill=dataclasses.replace(priced.bill, window_start_unix_ms=start),
+            parts=priced.parts)
+
+    def batches(self, first_minute: int, minutes: int, size: int = BATCH_NODE_WINDOWS) -> Iterator[list[Any]]:
+        """The node-windows of ``minutes`` minutes from ``first_minute``, minute by minute, in batches of
+        ``size``."""
+        batch: list[Any] = []
+        for minute in range(first_minute, first_minute + minutes):
+            for node in range(self.nodes):
+                batch.append(self.window(node, minute))
+                if len(batch) == size:
+                    yield batch
+                    batch = []
+        if batch:
+            yield batch
+
+
+@dataclass(frozen=True)
+class Ingest:
+    node_windows: int
+    cost_lines_offered: int
+    write_wall_s: float
+
+    @property
+    def node_windows_per_s(self) -> float:
+        return self.node_windows / self.write_wall_s if self.write_wall_s > 0 else 0.0
+
+
+def ingest(ledger: Any, fleet: MonthFleet, first_minute: int, minutes: int) -> Ingest:
+    """Write ``minutes`` minutes of the fleet with ``Ledger.write``, one call per batch; only the writes timed.
+    Raises unless every node-window was inserted (the keys are all new)."""
+    windows = lines = 0
+    spent = 0.0
+    for batch in fleet.batches(first_minute, minutes):
+        costs = [c for w in batch for c in w.costs]
+        bills = [w.bill for w in batch]
+        started = time.perf_counter()
+        result = ledger.write(costs, bills)
+        spent += time.perf_counter() - started
+        inserted = getattr(result, "inserted_windows", None)
+        if inserted is not None and inserted != len(batch):
+            raise AssertionError(f"a batch of {len(batch)} new node-windows inserted {inserted}")
+        windows += len(batch)
+        lines += len(costs)
+    return Ingest(windows, lines, spent)
+
+
+# Which grain each table of the ledger holds (tables not named here are counted as "other").
+GRAIN_OF_TABLE = {
+    "cost_lines": "minute",
+    "node_bills": "minute",
+    "label_sets": "minute",
+    "cost_rollup_hourly": "hour",
+    "cost_rollup_daily": "day",
+    "price_versions": "other",
+}
+
+
+def table_bytes(connection: Any) -> dict[str, int]:
+    """Every table of the ledger's schema with its bytes on disk (table, indexes, TOAST)."""
+    from sqlalchemy import text
+
+    rows = connection.execute(text(
+        "SELECT c.relname, pg_total_relation_size(c.oid) FROM pg_class c "
+        "JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE c.relkind IN ('r', 'p') AND n.nspname = current_schema() AND NOT c.relispartition"))
+    return {name: int(size) for name, size in rows}
+
+
+def table_rows(connection: Any, names: Sequence[str]) -> dict[str, int]:
+    from sqlalchemy import text
+
+    return {name: int(connection.execute(text(f'SELECT count(*) FROM "{name}"')).scalar_one()) for name in names}
+
+
+def storage_per_1000_gpu_days(sizes: dict[str, int], rows: dict[str, int], hours_written: float,
+                              gpus: int) -> dict[str, Any]:
+    """Bytes (and rows) per 1,000 GPU-days at each grain, from what ``hours_written`` hours of ``gpus`` GPUs left
+    on disk; and the default retention's total for a 1,000-GPU cluster."""
+    per_grain: dict[str, dict[str, float]] = {}
+    for name, size in sizes.items():
+        grain = GRAIN_OF_TABLE.get(name, "other")
+        entry = per_grain.setdefault(grain, {"bytes": 0.0, "rows": 0.0, "tables": []})  # type: ignore[dict-item]
+        entry["bytes"] += size
+        entry["rows"] += rows.get(name, 0)
+        entry["tables"].append(name)  # type: ignore[union-attr]
+    scale_gpus = 1000.0 / gpus
+    out: dict[str, Any] = {}
+    for grain, entry in per_grain.items():
+        if grain == "other":  # constants and bookkeeping (price versions, the schema's revision): no growth
+            out[grain] = {"tables": sorted(entry["tables"]), "bytes": round(entry["bytes"])}  # type: ignore[arg-type]
+            continue
+        # Minute lines and hourly rollups grow with the hours written; a day's daily rollup rows are the ones the
+        # first hours made (the same keys).
+        time_scale = 24.0 / hours_written if grain in ("minute", "hour") else 1.0
+        out[grain] = {
+            "tables": sorted(entry["tables"]),  # type: ignore[arg-type]
+            "bytes_per_1000_gpu_days": round(entry["bytes"] * time_scale * scale_gpus),
+            "rows_per_1000_gpu_days": round(entry["rows"] * time_scale * scale_gpus),
+        }
+    retained = 0.0
+    for grain, days in (("minute", MINUTE_RETENTION_DAYS), ("hour", HOUR_RETENTION_DAYS),
+                        ("day", DAY_RETENTION_DAYS)):
+        if grain in out:
+            retained += out[grain]["bytes_per_1000_gpu_days"] * days
+    out["default_retention_bytes_for_1000_gpus"] = round(retained)
+    out["default_retention_days"] = {"minute": MINUTE_RETENTION_DAYS, "hour": HOUR_RETENTION_DAYS,
+                                     "day": DAY_RETENTION_DAYS}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A month to read
+
+
+ROLLUP_TABLES = {"hour": "cost_rollup_hourly", "day": "cost_rollup_daily"}
+
+
+def fill_month(connection: Any, *, first_window_ms: int, hours_written: int, days: int) -> dict[str, int]:
+    """Copy what the written hours left at each grain over ``days`` days, by SQL, as a month of the same fleet
+    would have left it: node bills at every minute of the month (the written hours' bills, moved), hourly rollups
+    at every hour, daily rollups at every day (the written hours' sums × 24 / hours: the day's). Minute lines are
+    not copied (a month of them is 100 million rows; they are kept ``MINUTE_RETENTION_DAYS`` and read only where a
+    query's grain is minutes). Requires the written hours to start at a day's start. Rows per table after."""
+    from sqlalchemy import inspect, text
+
+    if first_window_ms % (24 * HOUR_MS) or 24 % hours_written:
+        raise ValueError("the written hours must start at midnight UTC and divide a day")
+    inspector = inspect(connection)
+    tables = set(inspector.get_table_names())
+    copies = 24 // hours_written * days  # of the written hours, the original included
+
+    def columns(table: str) -> list[str]:
+        return [c["name"] for c in inspector.get_columns(table)]
+
+    def copy(table: str, time_column: str, step_ms: int, count: int, scale: int = 1,
+             measures: tuple[str, ...] = ()) -> None:
+        names = columns(table)
+        selected = ", ".join(
+            f'"{n}" + k * {step_ms}' if n == time_column else (f'"{n}" * {scale}' if n in measures else f'"{n}"')
+            for n in names)
+        quoted = ", ".join(f'"{n}"' for n in names)
+        connection.execute(text(f'INSERT INTO "{table}" ({quoted}) SELECT {selected} FROM "{table}" '
+                                f"CROSS JOIN generate_series(1, {count - 1}) AS k"))
+
+    copy("node_bills", "window_start_unix_ms", hours_written * HOUR_MS, copies)
+    if ROLLUP_TABLES["hour"] in tables:
+        copy(ROLLUP_TABLES["hour"], "period_start_unix_ms", hours_written * HOUR_MS, copies)
+    if ROLLUP_TABLES["day"] in tables:
+        measures = ("cost_micro_usd", "billed_micro_usd", "cost_lines", "trued_lines")
+        scale = 24 // hours_written
+        connection.execute(text(
+            f'UPDATE "{ROLLUP_TABLES["day"]}" SET ' + ", ".join(f'"{m}" = "{m}" * {scale}' for m in measures)))
+        copy(ROLLUP_TABLES["day"], "period_start_unix_ms", 24 * HOUR_MS, days)
+    connection.execute(text("ANALYZE"))
+    return table_rows(connection, sorted(t for t in tables if t in GRAIN_OF_TABLE))
+
+
+def timed_read(read: Any, repeats: int = 2) -> tuple[float, Any]:
+    """Best wall seconds of ``repeats`` calls of ``read()`` and its last result."""
+    best = float("inf")
+    result = None
+    for _ in range(repeats):
+        started = time.perf_counter()
+        result = read()
+        best = min(best, time.perf_counter() - started)
+    return best, result
+
+
+def month_reads(url: str, *, start_ms: int, days: int, hours_of_lines: int) -> dict[str, Any]:
+    """The month's reads on the filled ledger, as the commands run them: ``gpumeter report --by namespace`` over
+    the month (built and formatted as its table); ``GET /allocation?aggregate=namespace`` (what
+    ``AllocationApi.answer`` does) and the FOCUS export (``focus_dataset``) over the hours that have minute lines
+    (the only grain they read today), with what a month would take at the same cost per hour."""
+    from services.billing import report as report_module
+    from services.billing.allocation import allocation_sets, parse_query, response
+    from services.billing.export import focus_dataset
+    from services.billing.ledger import Grouping, Ledger
+
+    end_ms = start_ms + days * 24 * HOUR_MS
+    lines_end_ms = start_ms + hours_of_lines * HOUR_MS
+    month_per_lines = days * 24 / hours_of_lines
+    ledger = Ledger(url)
+    try:
+        report_s, report = timed_read(lambda: report_module.build_report(
+            ledger, Grouping.parse("namespace"), start_ms=start_ms, end_ms=end_ms))
+        text_out = report_module.format_report(report)
+        plan = getattr(report, "plan", None)
+
+        def allocation() -> dict[str, Any]:
+            window = f"{_rfc3339(start_ms)},{_rfc3339(lines_end_ms)}"
+            query = parse_query({"window": window, "aggregate": "namespace", "accumulate": "true"}, lines_end_ms)
+            pods, buckets = ledger.allocation_sums(query)
+            sets = allocation_sets(query, pods, buckets)
+            policies = ledger.sharing_policies(start_ms=query.start_ms, end_ms=query.end_ms)
+            bills = ledger.totals(start_ms=query.start_ms, end_ms=query.end_ms)
+            return response(query, sets, policies=policies, bills_micro_usd=bills.bill_micro_usd)
+
+        allocation_s, answer = timed_read(allocation)
+        focus_s, focus = timed_read(lambda: focus_dataset(ledger, start_ms=start_ms, end_ms=lines_end_ms),
+                                    repeats=1)
+    finally:
+        ledger.close()
+    return {
+        "days": days,
+        "report_by_namespace_s": round(report_s, 3),
+        "report_lines": len(report.lines),
+        "report_reconciles": report.reconciliation.lines_total_micro_usd == report.reconciliation.node_bills_micro_usd,
+        "report_grain": plan.describe() if plan is not None else "minute (cost lines)",
+        "report_text_bytes": len(text_out),
+        "minute_lines_hours": hours_of_lines,
+        "allocation_namespace_s_over_minute_lines": round(allocation_s, 3),
+        "allocation_namespace_s_month_at_that_rate": round(allocation_s * month_per_lines, 1),
+        "allocation_sets": len(answer["data"]),
+        "focus_export_s_over_minute_lines": round(focus_s, 3),
+        "focus_export_s_month_at_that_rate": round(focus_s * month_per_lines, 1),
+        "focus_rows_over_minute_lines": len(focus),
+    }
+
+
+def _rfc3339(unix_ms: int) -> str:
+    from datetime import datetime, timezone
+
+    return datetime.fromtimestamp(unix_ms / 1000, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The benchmark
+
+
+def measure(nodes: int = FLEET_NODES, ingest_minutes: int = 60, days: int = 30) -> dict[str, Any]:
+    """Ingest ``ingest_minutes`` of ``nodes`` nodes into a fresh PostgreSQL ledger, the storage it takes, then
+    the month filled (``fill_month``) and read (``month_reads``)."""
+    from sqlalchemy import create_engine, text
+
+    from gpumeter.devtools.postgres import PostgresServer
+    from services.billing.ledger import Ledger
+
+    if ingest_minutes % 60:
+        raise ValueError("ingest whole hours")
+    fleet = MonthFleet(nodes)
+    hours = ingest_minutes // 60
+    with PostgresServer() as server:
+        admin = create_engine(server.url, isolation_level="AUTOCOMMIT")
+        ledger = Ledger(server.url)
+        try:
+            ledger.migrate()
+            written = ingest(ledger, fleet, 0, ingest_minutes)
+        finally:
+            ledger.close()
+        try:
+            with admin.connect() as connection:
+                connection.execute(text("VACUUM ANALYZE"))
+                sizes = table_bytes(connection)
+                rows = table_rows(connection, sorted(sizes))
+                started = time.perf_counter()
+                month_rows = fill_month(connection, first_window_ms=fleet.start_unix_ms, hours_written=hours,
+                                        days=days)
+                fill_s = time.perf_counter() - started
+            reads = month_reads(server.url, start_ms=fleet.start_unix_ms, days=days, hours_of_lines=hours)
+        finally:
+            admin.dispose()
+    return {
+        "fleet": {"nodes": nodes, "gpus": fleet.gpus, "share_rows_per_node_window": fleet.template.row_count,
+                  "pods_per_node": len(fleet.template.pods)},
+        "ingest": {"minutes": ingest_minutes, "node_windows": written.node_windows,
+                   "cost_lines_offered": written.cost_lines_offered,
+                   "cost_lines_offered_per_node_window": round(written.cost_lines_offered / written.node_windows, 1),
+                   "write_wall_s": round(written.write_wall_s, 3),
+                   "node_windows_per_s": round(written.node_windows_per_s, 1),
+                   "batch_node_windows": BATCH_NODE_WINDOWS,
+                   "server": "throwaway PostgresServer: fsync=off, synchronous_commit=off, loopback TCP"},
+        "tables": {name: {"bytes": sizes[name], "rows": rows.get(name, 0)} for name in sorted(sizes)},
+        "storage": storage_per_1000_gpu_days(sizes, rows, hours, fleet.gpus),
+        "month": {"rows": month_rows, "fill_s": round(fill_s, 1), **reads},
+    }
+
+
+def run(quick: bool) -> tuple[dict[str, Any], list[Target], list[str]]:
+    """``make bench``'s month of a 1,000-GPU cluster (quick: 10 nodes, 2 days)."""
+    figures = measure(nodes=10 if quick else FLEET_NODES, ingest_minutes=60, days=2 if quick else 30)
+    ingest_rate = figures["ingest"]["node_windows_per_s"]
+    storage = figures["storage"]
+    retained_gb = storage["default_retention_bytes_for_1000_gpus"] / 1e9
+    month = figures["month"]
+    per_grain = ", ".join(f"{grain} {storage[grain]['bytes_per_1000_gpu_days'] / 1e6:,.1f} MB"
+                          for grain in ("minute", "hour", "day") if grain in storage)
+    targets = [
+        Target("ledger ingest (PostgreSQL)", f">= {TARGET_INGEST_NODE_WINDOWS_PER_S:,.0f} node-windows/s",
+               f"{ingest_rate:,.1f} node-windows/s ({figures['ingest']['cost_lines_offered_per_node_window']} "
+               f"lines offered each, batches of {BATCH_NODE_WINDOWS})",
+               ingest_rate >= TARGET_INGEST_NODE_WINDOWS_PER_S,
+               "" if ingest_rate >= TARGET_INGEST_NODE_WINDOWS_PER_S else "see docs/billing.md, storage"),
+        Target("ledger storage, default retention of 1,000 GPUs",
+               f"< {TARGET_RETAINED_GB_FOR_1000_GPUS:.0f} GB",
+               f"{retained_gb:,.1f} GB (per 1,000 GPU-days: {per_grain})",
+               retained_gb < TARGET_RETAINED_GB_FOR_1000_GPUS,
+               "" if retained_gb < TARGET_RETAINED_GB_FOR_1000_GPUS else "the minute lines; see docs/billing.md"),
+        Target("30-day report by namespace", "< 2 s",
+               f"{month['report_by_namespace_s']} s ({month['report_grain']})",
+               month["report_by_namespace_s"] < 2.0 and month["report_reconciles"],
+               "" if month["report_by_namespace_s"] < 2.0 else "see docs/billing.md"),
+        Target("30-day /allocation by namespace", "< 1 s",
+               f"{month['allocation_namespace_s_month_at_that_rate']} s for a month at the "
+               f"{month['allocation_namespace_s_over_minute_lines']} s it took over {month['minute_lines_hours']} h "
+               "of minute lines",
+               month["allocation_namespace_s_month_at_that_rate"] < 1.0,
+               "it reads minute lines (no rollup grain yet): a month is 720 times an hour's"),
+        Target("a month's FOCUS export", "< 60 s",
+               f"{month['focus_export_s_month_at_that_rate']} s for a month at the "
+               f"{month['focus_export_s_over_minute_lines']} s it took over {month['minute_lines_hours']} h "
+               f"({month['focus_rows_over_minute_lines']:,} rows)",
+               month["focus_export_s_month_at_that_rate"] < 60.0,
+               "it reads minute lines (no rollup grain yet): a month is 720 times an hour's"),
+    ]
+    notes = [f"the month: node bills and rollups of {figures['ingest']['minutes'] // 60} h written through "
+             f"Ledger.write, copied over {month['days']} days by SQL in {month['fill_s']} s; minute lines only for "
+             "the written hours"]
+    return figures, targets, notes
