@@ -9,6 +9,9 @@ What is kept how long (``RetentionSettings``; docs/billing.md, "Rollups and rete
   (default 400: a year and a month, for year-on-year); each at least the finer grain's.
 * **node bills**, price versions and true-ups: kept. A bill is one row per node-window, what true-up and
   ``reconcile`` read and what every report reconciles its lines against; it is the proof of the rollups' sums.
+  The zero lines a bill lists (``node_bills.zero_lines``, ``services.billing.line_storage``) stay with it: they
+  carry no money, and the rollups already count them. **Label sets** (``label_sets``) are never deleted: a set is
+  shared by lines of any age (content-addressed), so a line's set outlives the line.
 
 ``retain(ledger, settings, now_ms=)``: the clock is passed in. Per grain the horizon is ``now`` less the
 retention, rounded down to a UTC day boundary (so a grain keeps whole days, and an hour or day is either all there

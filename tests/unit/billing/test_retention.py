@@ -213,3 +213,40 @@ def test_the_command_applies_it_with_the_clock_given(ledger):
     assert "minute cost lines: kept from" in out.getvalue() and "node bills: kept" in out.getvalue()
     assert line_count(ledger, DAY0, now - 10 * DAY_MS) == 0 and line_count(ledger, now - 10 * DAY_MS, now) > 0
     assert "ledger" in cli.SUBCOMMANDS
+
+
+def test_retention_over_compact_lines_keeps_label_sets_and_zero_lines_and_the_reports_from_the_rollups(
+        sqlite_ledger):
+    """Revision 0008's storage under retention: the minute lines' rows go; the label sets (which outlive lines) and
+    the zero lines (listed on their bills, which are kept) stay; a report from the rollups over the dropped range
+    is the one from before, zero lines counted, and still reconciles."""
+    from services.billing.ledger import label_sets, node_bills
+    from services.billing.line_storage import decode_zero_lines
+    from tests.unit.billing.data import make_ledger_0007 as recorded
+
+    priced = recorded.results()
+    assert sqlite_ledger.write([c for r in priced for c in r.costs], [r.bill for r in priced]).lines_elided > 0
+    recorded._reconcile(sqlite_ledger, recorded.FOCUS)
+    start, end = recorded.START_MS, recorded.END_MS
+    before = snapshot(sqlite_ledger)
+    (sets_before,), = sqlite_ledger.read(select(func.count()).select_from(label_sets))
+    reports = {(by, cost): build_report(sqlite_ledger, Grouping.parse(by), start_ms=start, end_ms=end, cost=cost)
+               for by in GROUPINGS for cost in ("list", "trued")}
+    assert all(r.plan.grains() == (HOUR,) for r in reports.values())
+    lines_before = sqlite_ledger.totals(start_ms=start, end_ms=end).cost_lines
+
+    result = retain(sqlite_ledger, RetentionSettings(), now_ms=end + 30 * DAY_MS)
+
+    zero = sum(len(decode_zero_lines(text)) for text, in sqlite_ledger.read(select(node_bills.c.zero_lines)))
+    assert zero > 0 and result.deleted[MINUTE] == lines_before - zero  # the rows; the zero lines were none
+    assert line_count(sqlite_ledger, start, end) == 0
+    assert snapshot(sqlite_ledger) == before  # the rollups, and the bills with their zero lines
+    (sets_after,), = sqlite_ledger.read(select(func.count()).select_from(label_sets))
+    assert sets_after == sets_before > 1
+    for (by, cost), report in reports.items():
+        again = build_report(sqlite_ledger, Grouping.parse(by), start_ms=start, end_ms=end, cost=cost)
+        assert comparable(again) == comparable(report) and again.reconciliation.reconciled
+        assert sum(line.cost_lines for line in again.lines) == lines_before
+    # By pod the minute lines are needed: the range is moved past them, never reported as costing nothing.
+    by_pod = build_report(sqlite_ledger, Grouping("pod"), start_ms=start, end_ms=end)
+    assert by_pod.plan.segments == () and by_pod.plan.adjusted and by_pod.lines == ()
