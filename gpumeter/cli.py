@@ -22,6 +22,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "reconcile": ("services.billing.reconcile", "true the ledger up to a cloud bill (FOCUS or AWS CUR 2.0 export)"),
     "prices": ("services.billing.prices_cli", "price files: import the providers' own price lists (prices import)"),
     "export": ("services.billing.export", "the ledger as a FOCUS dataset (Parquet or CSV)"),
+    "ledger": ("services.billing.retention", "the ledger's upkeep: drop minute lines and rollups past retention"),
     "api": ("services.billing.api", "read-only HTTP API over the ledger: OpenCost-compatible /allocation"),
     "replay": ("pipeline.cli", "attribute and price a scenario or a recording offline, no broker"),
     "record": ("pipeline.record", "record the live input topics into hourly, compressed recordings for replay"),

@@ -23,6 +23,7 @@ def settings_tables() -> str:
     from gpumeter.settings import DeadLetterHealthSettings, KafkaSettings
     from services.attributor.settings import AttributorSettings
     from services.billing.api import ApiSettings
+    from services.billing.retention import RetentionSettings
     from services.billing.settings import BillingSettings
     from services.collector.settings import CollectorSettings
     from pipeline.record import RecordSettings
@@ -33,6 +34,7 @@ def settings_tables() -> str:
         ("`gpumeter attributor`", AttributorSettings, "services/attributor/settings.py"),
         ("`gpumeter billing`", BillingSettings, "services/billing/settings.py"),
         ("`gpumeter api`", ApiSettings, "services/billing/api.py"),
+        ("`gpumeter ledger retention`", RetentionSettings, "services/billing/retention.py"),
         ("`gpumeter guard`", GuardSettings, "services/guard/settings.py"),
         ("`gpumeter record`", RecordSettings, "pipeline/record.py"),
         ("Kafka (every service, `gpumeter topics`, `report`, `violations`, `run`)", KafkaSettings,

@@ -147,6 +147,7 @@ class NodeBill:
     zone: str = ""
     provider_id: str = ""
     sharing: str = KEEP_ALL.describe()  # the SharingPolicy the lines were shared by (``describe()``)
+    gpu_model: str = ""  # the node's GPU model, as its share rows named it (the ledger's rollups group by it)
 
     @property
     def key(self) -> NodeWindowKey:
@@ -445,6 +446,7 @@ def _price_checked_node_window(rows: Sequence[GpuShare], facts: NodeFacts, price
         zone=facts.zone,
         provider_id=facts.provider_id,
         sharing=sharing.describe(),
+        gpu_model=facts.gpu_model,
     )
     return NodeWindowCost(costs=tuple(records), bill=bill, parts=tuple(unit_costs))
 

@@ -99,6 +99,7 @@ from sqlalchemy.pool import StaticPool
 from gpumeter.errors import ConfigError, GpumeterError
 from gpumeter.redact import mask_secrets, mask_url
 from schemas.records import CostRecord, CostSubjectKind
+from services.billing import rollups
 from services.billing.costing import NodeBill, NodeWindowKey
 from services.billing.line_storage import (
     EMPTY_LABEL_SET_ID,
@@ -205,6 +206,7 @@ node_bills = Table(
     Column("trueup_id", String(64), nullable=True),
     Column("sharing", String(255), nullable=False, server_default="keep"),
     Column("zero_lines", Text, nullable=True),
+    Column("gpu_model", String(128), nullable=False, server_default=""),
     PrimaryKeyConstraint("window_start_unix_ms", "cluster", "node_name"),
     ForeignKeyConstraint(["price_version"], ["price_versions.price_version"]),
     Index(None, "node_name", "window_start_unix_ms"),
@@ -271,6 +273,9 @@ trueups = Table(
     Column("summary", Text, nullable=False),
     PrimaryKeyConstraint("trueup_id"),
 )
+
+# Hourly and daily rollups of the cost lines and the retention horizons (``services.billing.rollups``).
+ROLLUPS = rollups.define_tables(metadata)
 
 COST_BASES = ("list", "trued")
 
@@ -423,6 +428,7 @@ def _bill_row(bill: NodeBill) -> dict[str, Any]:
         "zone": bill.zone,
         "provider_id": bill.provider_id,
         "sharing": bill.sharing,
+        "gpu_model": bill.gpu_model,
     }
 
 
@@ -506,8 +512,10 @@ class Ledger:
     """A cost ledger at ``url`` (``sqlite:///path`` or ``postgresql+psycopg://...``). See the module docstring."""
 
     def __init__(self, url: str = DEFAULT_LEDGER_URL, *, publisher: str | None = None,
-                 read_only: bool = False) -> None:
+                 read_only: bool = False, team_label: str = rollups.DEFAULT_TEAM_LABEL) -> None:
         self.url = normalize_url(url)
+        # The pod label the rollups keep as the team (billing's ``team_label``; services.billing.rollups).
+        self.team_label = team_label
         # A reader that cannot write even by mistake: every connection is read-only in the database itself
         # (SQLite ``query_only``, PostgreSQL read-only sessions); ``migrate`` and ``write`` then fail.
         self.read_only = read_only
@@ -582,6 +590,14 @@ class Ledger:
         if self._files is not None:
             self._files.remember(mapped=self._connections > 0)
 
+    def transaction(self):
+        """A write transaction of its own (``services.billing.retention``), after the files' check."""
+        return self._begin()
+
+    def insert(self, table: Table):
+        """The dialect's ``INSERT`` of ``table`` (with ``on_conflict_do_*``)."""
+        return self._insert(table)
+
     @contextmanager
     def _connect(self) -> Iterator[Connection]:
         """``engine.connect()`` once the files passed their check for a read."""
@@ -635,7 +651,10 @@ class Ledger:
             with self._begin() as connection:
                 if self.dialect == "postgresql":
                     connection.execute(text("SELECT pg_advisory_xact_lock(:lock)"), {"lock": _MIGRATION_LOCK_ID})
-                command.upgrade(_alembic_config(connection), "head")
+                config = _alembic_config(connection)
+                # Migration 0009 backfills the rollups' team from this label.
+                config.attributes["team_label"] = self.team_label
+                command.upgrade(config, "head")
         except SQLAlchemyError as exc:
             raise LedgerError(f"migrating {self!r} failed: {exc}") from exc
         revision = self.current_revision()
@@ -736,6 +755,14 @@ class Ledger:
                                           "the bill")
                 if new_lines:
                     added_label_sets = self._insert_lines(connection, new_lines)
+                if new_keys:
+                    # Every line of the new node-windows, zero lines included (the rollups count them as every
+                    # reader does: services.billing.rollups).
+                    rollups.add_written(connection, ROLLUPS,
+                                        [cost for cost in lines.values() if NodeWindowKey(
+                                            cost.cluster, cost.node_name, cost.window_start_unix_ms) in new_keys],
+                                        {k: bills_by_key[k] for k in new_keys}, team_key=self.team_label,
+                                        insert=self._insert)
                 unpublished, others = self._unpublished(connection, {k: b for k, b in bills_by_key.items()
                                                                      if k not in new_keys})
         except SQLAlchemyError as exc:
@@ -871,6 +898,10 @@ class Ledger:
         if cluster is not None:
             conditions.append(table.c.cluster == cluster)
         return conditions
+
+    def read(self, statement) -> list:
+        """All rows of a Core ``statement`` (``LedgerError`` on a database error): for the rollups' queries."""
+        return self._read(statement)
 
     def _read(self, statement) -> list:
         try:
@@ -1200,14 +1231,17 @@ class Ledger:
         try:
             with self._begin() as connection:
                 current, zero_lines = {}, {}
-                for start, cluster, node, trued, run, zero in connection.execute(
+                for row in connection.execute(
                         select(b.window_start_unix_ms, b.cluster, b.node_name, b.trued_cost_micro_usd, b.trueup_id,
-                               b.zero_lines)
+                               b.zero_lines, b.window_seconds, b.instance_type, b.price_model, b.price_version,
+                               b.sharing, b.gpu_model)
                         .where(b.window_start_unix_ms >= bill.scope_start_ms,
                                b.window_start_unix_ms < bill.scope_end_ms)):
-                    current[NodeWindowKey(cluster, node, start)] = (trued, run)
-                    if zero:
-                        zero_lines[NodeWindowKey(cluster, node, start)] = decode_zero_lines(zero)
+                    m = row._mapping
+                    key = NodeWindowKey(m["cluster"], m["node_name"], m["window_start_unix_ms"])
+                    current[key] = (m["trued_cost_micro_usd"], m["trueup_id"])
+                    if m["zero_lines"]:
+                        zero_lines[key] = (m, decode_zero_lines(m["zero_lines"]))
                 missing = (set(result.windows) | set(scope)) - set(current)
                 if missing:
                     raise LedgerError(f"{len(missing)} node-windows of the true-up are not in the ledger, e.g. "
@@ -1226,11 +1260,20 @@ class Ledger:
                         .values(trued_cost_micro_usd=bindparam("b_trued"), trueup_id=bindparam("b_run")),
                         window_updates)
                 line_updates = []
-                for start, cluster, node, gpu, kind, pod, shared_from, trued in connection.execute(
-                        select(c.window_start_unix_ms, c.cluster, c.node_name, c.gpu_uuid, c.subject_kind, c.pod_uid,
-                               c.shared_from, c.trued_cost_micro_usd)
+                # What the rollups' trued-up sums move by: every line whose trued-up cost changes, stored or zero
+                # (services.billing.rollups).
+                trued_changes = []
+                for row in connection.execute(
+                        select(*(c[name] for name in _RECORD_COLUMNS), c.trued_cost_micro_usd, label_sets.c.labels,
+                               label_sets.c.carried_label_keys, b.instance_type, b.price_model, b.price_version,
+                               b.sharing.label("bill_sharing"), b.gpu_model.label("bill_gpu_model"))
+                        .select_from(_WITH_LABELS.join(node_bills, _BILL_OF_LINE))
                         .where(c.window_start_unix_ms >= bill.scope_start_ms,
                                c.window_start_unix_ms < bill.scope_end_ms)):
+                    m = row._mapping
+                    start, cluster, node, gpu, kind, pod, shared_from, trued = (
+                        m["window_start_unix_ms"], m["cluster"], m["node_name"], m["gpu_uuid"], m["subject_kind"],
+                        m["pod_uid"], m["shared_from"], m["trued_cost_micro_usd"])
                     if NodeWindowKey(cluster, node, start) not in scope:
                         continue
                     line_key = (start, cluster, node, gpu, kind, pod, shared_from)
@@ -1241,10 +1284,13 @@ class Ledger:
                         line_updates.append({"b_start": start, "b_cluster": cluster, "b_node": node, "b_gpu": gpu,
                                              "b_kind": kind, "b_pod": pod, "b_shared": shared_from,
                                              "b_trued": wanted})
+                        trued_changes.append(rollups.TruedChange(_cost_record(m), m["bill_gpu_model"],
+                                                                 m["bill_sharing"], trued, wanted))
                 # A zero line's trued-up cost is 0 in a trued window, NULL elsewhere (``line_storage``): it changes
-                # when its window becomes trued or stops being so.
+                # when its window becomes trued or stops being so, and the rollups count it as a trued line then,
+                # as 0007 counted the row it was (billed sums do not move: 0 either way).
                 zero_changed = 0
-                for key, zero in zero_lines.items():
+                for key, (row_of_bill, zero) in zero_lines.items():
                     if key not in scope:
                         continue
                     for line in zero:
@@ -1255,8 +1301,15 @@ class Ledger:
                         if wanted not in (None, 0):
                             raise LedgerError(f"the true-up gives {wanted} micro-USD to the line {line_key}, whose "
                                               "list cost is 0: a line without cost cannot carry a trued-up cost")
-                    if (current[key][0] is None) != (key not in result.windows):
+                    before = None if current[key][0] is None else 0
+                    after = 0 if key in result.windows else None
+                    if before != after:
                         zero_changed += len(zero)
+                        trued_changes.extend(
+                            rollups.TruedChange(zero_line_record(row_of_bill, line), row_of_bill["gpu_model"],
+                                                row_of_bill["sharing"], before, after) for line in zero)
+                rollups.add_trued(connection, ROLLUPS, trued_changes, team_key=self.team_label,
+                                  insert=self._insert)
                 if line_updates:
                     connection.execute(
                         update(cost_lines)

@@ -104,7 +104,7 @@ async def serve(settings: BillingSettings, *, stop: asyncio.Event | None = None,
     try:
         catalog = settings.price_catalog()
         # The ledger is the arbiter of who publishes a node-window's cost records: the group whose write inserted it.
-        ledger = Ledger(settings.ledger_url, publisher=settings.consumer_group)
+        ledger = Ledger(settings.ledger_url, publisher=settings.consumer_group, team_label=settings.team_label)
     except ConfigError as exc:
         log.error("%s", exc)
         return 2

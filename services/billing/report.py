@@ -61,10 +61,12 @@ from gpumeter.errors import ConfigError, GpumeterError
 from gpumeter.safetext import csv_cell, escape_control
 from schemas.records import CostSubjectKind
 from services.billing.costing import NodeWindowKey, iso_utc
+from services.billing import rollups
 from services.billing.ledger import (
     COST_BASES,
     DEFAULT_LEDGER_URL,
     LEDGER_URL_ENV,
+    ROLLUPS,
     CostGroupRow,
     Grouping,
     Ledger,
@@ -73,6 +75,7 @@ from services.billing.ledger import (
 )
 
 FORMATS = ("table", "csv", "json", "focus")
+GRAIN_CHOICES = ("auto", "minute")  # auto: the coarsest grain that answers; minute: the cost lines only
 LINE_ORDER = ("pod", "idle", "driver_reserved", "unattributed", "unavailable", "node_other")
 _KIND_TO_LINE = {kind.value: kind.value.lower() for kind in CostSubjectKind}
 _DURATION_RE = re.compile(r"^\s*(\d+)\s*([smhdw])\s*$")
@@ -229,6 +232,7 @@ class Report:
     trued_windows: int = 0  # node-windows with a trued-up cost (counted for cost="trued" only)
     shared_sources: tuple[SharedSourceRow, ...] = ()  # what the sharing policy moved from buckets to pods
     sharing_policies: tuple[tuple[str, int], ...] = ()  # (policy, node-windows billed under it)
+    plan: rollups.Plan | None = None  # which grain answered which part of the range (None: cost lines only)
 
     @property
     def total_micro_usd(self) -> int:
@@ -287,17 +291,62 @@ def report_lines(rows: Sequence[CostGroupRow], grouping: Grouping,
     )
 
 
+def plan_report(ledger: Ledger, grouping: Grouping, *, start_ms: int, end_ms: int, cluster: str | None = None,
+                grain: str = "auto") -> rollups.Plan:
+    """Which grain answers which part of [start_ms, end_ms) (``services.billing.rollups.plan``): the rollups when
+    ``grain`` is ``auto`` and they keep the grouping (namespace, node, or the label they were keyed by), the cost
+    lines otherwise; the range moved inwards past what retention dropped."""
+    if grain not in GRAIN_CHOICES:
+        raise ConfigError(f"grain {grain!r} is not one of {GRAIN_CHOICES}")
+    kept = rollups.kept_from(ledger.read, ROLLUPS)
+    use_rollups = grain == "auto" and grouping.kind in rollups.ROLLUP_GROUPINGS
+    planned = rollups.plan(start_ms, end_ms, rollups=use_rollups, kept_from=kept)
+    if use_rollups and grouping.kind == "label" and any(
+            rollups.other_team_keys(ledger.read, ROLLUPS, segment, cluster, grouping.label_key)
+            for segment in planned.segments if segment.grain != rollups.MINUTE):
+        planned = rollups.plan(start_ms, end_ms, rollups=False, kept_from=kept)  # not the rollups' team label
+    return planned
+
+
+def _segment_rows(ledger: Ledger, grouping: Grouping, segment: rollups.Segment, cluster: str | None,
+                  cost: str) -> tuple[list[tuple], list[tuple], list[tuple]]:
+    """A segment's (kind, group, micro, lines, shared) rows, its carried-label-key rows (label groupings) and its
+    shared-source rows, from the cost lines or a rollup."""
+    a, b = segment.start_ms, segment.end_ms
+    if segment.grain == rollups.MINUTE:
+        rows = [(r.subject_kind, r.group, r.cost_micro_usd, r.cost_lines, r.shared_micro_usd)
+                for r in ledger.cost_by(grouping, start_ms=a, end_ms=b, cluster=cluster, cost=cost)]
+        carried = [] if grouping.kind != "label" else [
+            (r.subject_kind, r.group, r.cost_micro_usd, r.cost_lines)
+            for r in ledger.cost_by_carried_label_keys(start_ms=a, end_ms=b, cluster=cluster)]
+        shared = [(r.shared_from, r.sharing_method, r.cost_micro_usd, r.cost_lines)
+                  for r in ledger.shared_by_source(start_ms=a, end_ms=b, cluster=cluster, cost=cost)]
+        return rows, carried, shared
+    rows = rollups.cost_by(ledger.read, ROLLUPS, segment, grouping.kind, cluster=cluster, cost=cost)
+    carried = [] if grouping.kind != "label" else rollups.cost_by_carried_label_keys(
+        ledger.read, ROLLUPS, segment, cluster=cluster)
+    return rows, carried, rollups.shared_by_source(ledger.read, ROLLUPS, segment, cluster=cluster, cost=cost)
+
+
 def build_report(ledger: Ledger, grouping: Grouping, *, start_ms: int, end_ms: int,
-                 cluster: str | None = None, cost: str = "list") -> Report:
+                 cluster: str | None = None, cost: str = "list", grain: str = "auto") -> Report:
     """Query the ledger for the report of windows starting in [start_ms, end_ms), in the ``cost`` basis (``list``
-    or ``trued``)."""
+    or ``trued``), from the coarsest grain that answers it (``plan_report``; ``grain="minute"``: the cost lines
+    only). The report's range is the plan's: the asked one unless retention dropped a part of it."""
     if end_ms <= start_ms:
         raise ConfigError("the report's end must be after its start")
-    rows = ledger.cost_by(grouping, start_ms=start_ms, end_ms=end_ms, cluster=cluster, cost=cost)
+    planned = plan_report(ledger, grouping, start_ms=start_ms, end_ms=end_ms, cluster=cluster, grain=grain)
+    parts = [_segment_rows(ledger, grouping, segment, cluster, cost) for segment in planned.segments]
+    rows = [CostGroupRow(kind, group, micro, count, shared)
+            for kind, group, micro, count, shared in rollups.merge([p[0] for p in parts], 3)]
+    start_ms, end_ms = planned.start_ms, planned.end_ms
     carriage = None
     if grouping.kind == "label":
-        carriage = label_carriage(ledger.cost_by_carried_label_keys(start_ms=start_ms, end_ms=end_ms,
-                                                                    cluster=cluster), grouping.label_key)
+        carriage = label_carriage([CostGroupRow(kind, group, micro, count)
+                                   for kind, group, micro, count in rollups.merge([p[1] for p in parts], 2)],
+                                  grouping.label_key)
+    shared_sources = tuple(sorted((SharedSourceRow(*row) for row in rollups.merge([p[2] for p in parts], 2)),
+                                  key=lambda r: (r.shared_from, r.sharing_method)))
     lines = report_lines(rows, grouping, carriage)
     totals = ledger.totals(start_ms=start_ms, end_ms=end_ms, cluster=cluster, cost=cost)
     reconciliation = Reconciliation(
@@ -308,10 +357,9 @@ def build_report(ledger: Ledger, grouping: Grouping, *, start_ms: int, end_ms: i
     pricing = ledger.node_pricing(start_ms=start_ms, end_ms=end_ms, cluster=cluster)
     trued = ledger.trued_coverage(start_ms=start_ms, end_ms=end_ms, cluster=cluster)[0] if cost == "trued" else 0
     return Report(grouping, start_ms, end_ms, cluster, lines, reconciliation, carriage, pricing=pricing, cost=cost,
-                  trued_windows=trued,
-                  shared_sources=ledger.shared_by_source(start_ms=start_ms, end_ms=end_ms, cluster=cluster,
-                                                         cost=cost),
-                  sharing_policies=ledger.sharing_policies(start_ms=start_ms, end_ms=end_ms, cluster=cluster))
+                  trued_windows=trued, shared_sources=shared_sources,
+                  sharing_policies=ledger.sharing_policies(start_ms=start_ms, end_ms=end_ms, cluster=cluster),
+                  plan=planned)
 
 
 def _share_text(part: int, total: int) -> str:
@@ -358,11 +406,25 @@ def _format_table(report: Report) -> str:
 
     rule = "-" * len(render(header))
     out = [_title(report), render(header), rule, *(render(r) for r in body), rule, render(footer),
-           *_pricing_lines(report), *_sharing_lines(report), f"reconciliation: {report.reconciliation.statement()}"]
+           *_grain_lines(report), *_pricing_lines(report), *_sharing_lines(report),
+           f"reconciliation: {report.reconciliation.statement()}"]
     if report.carriage is not None:
         out.append(f"labels: {report.carriage.statement()}")
     out.append(f"emitted windows: {_emitted_text(report)}")
     return "\n".join(out) + "\n"
+
+
+def _grain_lines(report: Report) -> list[str]:
+    """Which grain the report read, and the range retention moved it to."""
+    plan = report.plan
+    if plan is None:
+        return []
+    out = [f"read from: {plan.describe()}"]
+    if plan.adjusted:
+        out.append(f"retention: asked for windows starting {iso_utc(plan.asked_start_ms)} to "
+                   f"{iso_utc(plan.asked_end_ms)}; what was kept covers {iso_utc(plan.start_ms)} to "
+                   f"{iso_utc(plan.end_ms)} only (the finer grains before it were dropped)")
+    return out
 
 
 def _pricing_lines(report: Report) -> list[str]:
@@ -447,6 +509,9 @@ def _format_csv(report: Report) -> str:
         writer.writerow(["labels_not_carried", csv_cell(report.carriage.label_key),
                          usd_text(report.carriage.cost_not_carried_micro_usd),
                          report.carriage.cost_not_carried_micro_usd, report.carriage.lines_not_carried])
+    if report.plan is not None and (report.plan.adjusted or set(report.plan.grains()) - {rollups.MINUTE}):
+        # Only when it differs from what the csv always was (cost lines over the asked range).
+        writer.writerow(["grain", csv_cell(report.plan.describe()), "", "", ""])
     if report.cost == "trued":
         writer.writerow(["cost_basis", "trued", "", "", report.trued_windows])
     if report.emitted is not None:
@@ -484,6 +549,14 @@ def report_as_json(report: Report) -> dict[str, Any]:
                  "cost_lines": row.cost_lines} for row in report.shared_sources],
         },
         "node_other_micro_usd": report.node_other_micro_usd,
+        "grain": None if report.plan is None else {
+            "read_from": report.plan.describe(),
+            "segments": [{"grain": s.grain, "window_start": iso_utc(s.start_ms), "window_end": iso_utc(s.end_ms)}
+                         for s in report.plan.segments],
+            "asked_window_start": iso_utc(report.plan.asked_start_ms),
+            "asked_window_end": iso_utc(report.plan.asked_end_ms),
+            "moved_by_retention": report.plan.adjusted,
+        },
         "pricing": [
             {"cluster": r.cluster, "node": r.node_name, "instance_type": r.instance_type,
              "price_model": r.price_model, "split_rule": r.split_rule, "price_version": r.price_version,
@@ -542,6 +615,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cost", default="list", choices=COST_BASES,
                         help="list: the list-price ledger (default); trued: trued up to the invoice where "
                              "gpumeter reconcile applied a bill, list price elsewhere")
+    parser.add_argument("--grain", default="auto", choices=GRAIN_CHOICES,
+                        help="auto: whole days from the daily rollups, whole hours from the hourly ones, the edges "
+                             "from the cost lines, where the rollups keep the grouping (default); minute: the cost "
+                             "lines only")
     parser.add_argument("--cluster", default=None, help="only this cluster (default: all)")
     parser.add_argument("--ledger-url", default=None,
                         help=f"SQLAlchemy URL of the ledger (default: ${LEDGER_URL_ENV} or {DEFAULT_LEDGER_URL})")
@@ -585,7 +662,7 @@ def main(args: argparse.Namespace, env: Mapping[str, str], *, clock: Clock | Non
         with Ledger(args.ledger_url or env.get(LEDGER_URL_ENV) or DEFAULT_LEDGER_URL) as ledger:
             ledger.require_schema()
             report = build_report(ledger, grouping, start_ms=start_ms, end_ms=end_ms, cluster=args.cluster,
-                                  cost=getattr(args, "cost", "list"))
+                                  cost=getattr(args, "cost", "list"), grain=getattr(args, "grain", "auto"))
             focus_text = None
             if args.format == "focus":
                 from services.billing.export import focus_dataset

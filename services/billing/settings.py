@@ -40,6 +40,7 @@ from gpumeter.validation import DEFAULT_DOWNSTREAM_MAX_CLOCK_SKEW_SECONDS
 from services.billing.catalog import PriceCatalog, PriceError, parse_spot_discounts
 from services.billing.ledger import DEFAULT_LEDGER_URL, LEDGER_URL_ENV
 from services.billing.pricing import DEFAULT_SPLIT_POLICY, SplitPolicy
+from services.billing.rollups import DEFAULT_TEAM_LABEL
 from services.billing.sharing import KEEP_ALL, SHARING_ENV, SharingPolicy
 
 DEFAULT_CONSUMER_GROUP = "gpumeter-billing"
@@ -47,7 +48,6 @@ DEFAULT_CONSUMER_GROUP = "gpumeter-billing"
 prefixes never share a group (whose offsets would make each skip the other's input)."""
 DEFAULT_METRICS_PORT = 9404
 DEFAULT_SERIES_MEMORY_SECONDS = 6 * 3600.0
-DEFAULT_TEAM_LABEL = "team"
 
 _SPLIT_RULE_ENV = "GPUMETER_BILLING_SPLIT_RULE"
 _GPU_FRACTION_ENV = "GPUMETER_BILLING_GPU_FRACTION"

@@ -188,7 +188,7 @@ def test_the_sharing_migration_keeps_old_lines_direct_and_makes_room_for_shared_
             "INSERT INTO cost_lines (window_start_unix_ms, cluster, node_name, gpu_uuid, subject_kind, pod_uid, "
             "window_seconds, labels, cost_share, cost_micro_usd, instance_type, price_model, price_version) VALUES "
             "(0, 'c', 'n', 'GPU-0', 'POD', 'p', 60, '{}', 1.0, 13333, 'g6.xlarge', 'on_demand', 'v1')"))
-    assert ledger.migrate() == Ledger.head_revision() == "0008_compact_lines"
+    assert ledger.migrate() == Ledger.head_revision() == "0009_rollups"
     (old,) = list(ledger.iter_cost_lines(end_ms=1))
     assert (old.shared_from, old.sharing_method) == (None, "")
     assert [b["sharing"] for b in ledger.bills(end_ms=1)] == ["keep"]
@@ -198,6 +198,36 @@ def test_the_sharing_migration_keeps_old_lines_direct_and_makes_room_for_shared_
     shared = sample_costs(1, sharing="all=weighted", start_ms=WINDOW_START_MS)
     assert ledger.write(*everything(shared)).bills_written == len(shared)
     assert ledger.totals().cost_micro_usd == ledger.totals().bill_micro_usd
+    ledger.close()
+
+
+def test_rollups_retention_and_reports_over_the_rollups_on_postgresql(database_url):
+    """The rollups' upserts, the trued-up sums, the backfill's SQL and retention's ranged deletes on PostgreSQL:
+    every grain equals the lines, a report from the rollups equals the report from the lines, and retention drops
+    minute lines only."""
+    from services.billing.retention import RetentionSettings, retain
+    from services.billing.rollups import DAY, DAY_MS, HOUR, MINUTE
+    from tests.unit.billing.test_retention import DAY0, DAYS, comparable, history, line_count, snapshot
+    from tests.unit.billing.test_rollups import assert_every_grain_reconciles
+
+    ledger = Ledger(database_url)
+    ledger.migrate()
+    results = history()
+    half = len(results) // 2
+    ledger.write(*everything(results[:half]))
+    ledger.write(*everything(results))  # the first half again, redelivered beside the second
+    assert_every_grain_reconciles(ledger)
+    start, end = DAY0 + 7 * 60_000, DAY0 + (DAYS - 1) * DAY_MS + 14 * 3_600_000 + 31 * 60_000
+    for by in ("namespace", "label:team"):
+        rolled = build_report(ledger, Grouping.parse(by), start_ms=start, end_ms=end, cost="trued")
+        assert rolled.plan.grains() == (DAY, HOUR, MINUTE)
+        assert comparable(rolled) == comparable(build_report(ledger, Grouping.parse(by), start_ms=start,
+                                                             end_ms=end, cost="trued", grain="minute"))
+    before = snapshot(ledger)
+    now = DAY0 + DAYS * DAY_MS
+    result = retain(ledger, RetentionSettings(), now_ms=now)
+    assert result.deleted[MINUTE] > 0 and line_count(ledger, DAY0, now - 14 * DAY_MS) == 0
+    assert snapshot(ledger) == before
     ledger.close()
 
 

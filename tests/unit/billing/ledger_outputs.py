@@ -1,6 +1,11 @@
 """What readers get from a ledger, as JSON-able data: every ``gpumeter report`` grouping in both cost bases, the
 FOCUS export, ``/allocation`` answers and the lines as records. The migration test (``test_ledger_compact``)
-compares these before and after migration 0008; ``data/make_ledger_0007.py`` recorded them at revision 0007."""
+compares these before and after migrations 0008 and 0009; ``data/make_ledger_0007.py`` recorded them at revision
+0007 (with this file: it must keep running on that revision's code, where a report has no grain).
+
+From revision 0009 on a report says which grain it read (``read from: ...`` in the table, ``grain`` in the json, a
+``grain`` row in the csv when it read a rollup): ``report_text`` checks that statement against the report's plan
+exactly and leaves it out, so the rest of the text is compared byte for byte with what 0007 printed."""
 
 from __future__ import annotations
 
@@ -34,14 +39,42 @@ def _iso(ms: int) -> str:
     return iso_utc(ms)
 
 
-def ledger_outputs(ledger: Ledger, start_ms: int, end_ms: int) -> dict[str, Any]:
-    """The readers' answers over windows starting in [start_ms, end_ms)."""
+def report_text(report: Any, fmt: str) -> str:
+    """``format_report(report, fmt)`` less what it says about the grain it read, which is checked here to be
+    exactly the report's plan (``report.plan``; a report of revision 0007's code has none: its text as it is)."""
+    text = format_report(report, fmt)
+    plan = getattr(report, "plan", None)
+    if plan is None:
+        return text
+    assert not plan.adjusted  # a range moved by retention is no answer of revision 0007's
+    if fmt == "json":
+        document = json.loads(text)
+        grain = document.pop("grain")
+        assert grain["read_from"] == plan.describe() and grain["moved_by_retention"] is False
+        assert [s["grain"] for s in grain["segments"]] == [s.grain for s in plan.segments]
+        return json.dumps(document, indent=2) + "\n"
+    lines = text.splitlines(keepends=True)
+    said = [i for i, line in enumerate(lines) if line.startswith(("read from: ", "grain,"))]
+    # The table always says it; the csv only when a rollup answered (it always read the cost lines before).
+    if fmt == "table":
+        wanted = ["read from: "]
+    else:
+        wanted = ["grain,"] if plan.grains() != ("minute",) else []
+    assert [lines[i][:len(w)] for i, w in zip(said, wanted)] == wanted and len(said) == len(wanted)
+    assert all(plan.describe() in lines[i] for i in said)
+    return "".join(line for i, line in enumerate(lines) if i not in said)
+
+
+def ledger_outputs(ledger: Ledger, start_ms: int, end_ms: int, *, grain: str | None = None) -> dict[str, Any]:
+    """The readers' answers over windows starting in [start_ms, end_ms); the reports read at ``grain``
+    (``build_report``'s; None: its default, and the only choice at revision 0007)."""
     out: dict[str, Any] = {}
+    at = {} if grain is None else {"grain": grain}
     for by in GROUPINGS:
         for cost in ("list", "trued"):
-            report = build_report(ledger, Grouping.parse(by), start_ms=start_ms, end_ms=end_ms, cost=cost)
+            report = build_report(ledger, Grouping.parse(by), start_ms=start_ms, end_ms=end_ms, cost=cost, **at)
             for fmt in ("json", "table", "csv"):
-                out[f"report {by} {cost} {fmt}"] = format_report(report, fmt)
+                out[f"report {by} {cost} {fmt}"] = report_text(report, fmt)
     out["focus csv"] = focus_csv(focus_dataset(ledger, start_ms=start_ms, end_ms=end_ms))
     api = AllocationApi(ledger, None, clock=ManualClock(end_ms), max_window_seconds=93 * 86_400, max_steps=1000)
     for params in ALLOCATION_QUERIES:
@@ -57,7 +90,7 @@ def ledger_outputs(ledger: Ledger, start_ms: int, end_ms: int) -> dict[str, Any]
     return out
 
 
-def output_digests(ledger: Ledger, start_ms: int, end_ms: int) -> dict[str, str]:
+def output_digests(ledger: Ledger, start_ms: int, end_ms: int, *, grain: str | None = None) -> dict[str, str]:
     """``ledger_outputs`` as the SHA-256 of each answer's canonical JSON (what ``data/ledger_0007.json`` keeps)."""
     return {name: hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
-            for name, value in ledger_outputs(ledger, start_ms, end_ms).items()}
+            for name, value in ledger_outputs(ledger, start_ms, end_ms, grain=grain).items()}

@@ -16,7 +16,7 @@ import pytest
 from alembic import command
 from sqlalchemy import column, func, select, table, text
 
-from services.billing.ledger import Ledger, LedgerError, _alembic_config, cost_lines, label_sets, node_bills
+from services.billing.ledger import Grouping, Ledger, LedgerError, _alembic_config, cost_lines, label_sets, node_bills
 from services.billing.line_storage import decode_zero_lines, encode_zero_lines, is_zero_line, label_set_id
 from tests.unit.billing.data import make_ledger_0007 as recorded
 from tests.unit.billing.ledger_outputs import output_digests
@@ -48,13 +48,31 @@ def ledger_at_0007(url: str) -> Ledger:
     return ledger
 
 
+def assert_answers(ledger: Ledger, recorded_outputs: dict[str, str]) -> None:
+    """Every reader answers ``recorded_outputs`` (0007's) with the reports read from the minute lines, and again
+    with the reports read from the coarsest grain (``grain="auto"``: the hourly rollups answer the fixture's whole
+    hours by namespace, node and team), which equal the minute ones line for line."""
+    from services.billing.report import build_report
+    from services.billing.rollups import HOUR, MINUTE
+    from tests.unit.billing.test_retention import comparable
+
+    start, end = FIXTURE["start_ms"], FIXTURE["end_ms"]
+    assert output_digests(ledger, start, end, grain="minute") == recorded_outputs
+    assert output_digests(ledger, start, end, grain="auto") == recorded_outputs
+    for by in ("namespace", "node", "label:team", "pod"):
+        for cost in ("list", "trued"):
+            rolled = build_report(ledger, Grouping.parse(by), start_ms=start, end_ms=end, cost=cost)
+            lines = build_report(ledger, Grouping.parse(by), start_ms=start, end_ms=end, cost=cost, grain="minute")
+            assert rolled.plan.grains() == ((MINUTE,) if by == "pod" else (HOUR,))
+            assert comparable(rolled) == comparable(lines)
+
+
 def check_upgrade_keeps_every_answer(url: str) -> None:
     ledger = ledger_at_0007(url)
     try:
         assert ledger.current_revision() == FIXTURE["revision"] == "0007_sharing"
-        assert ledger.migrate() == "0008_compact_lines"
-        start, end = FIXTURE["start_ms"], FIXTURE["end_ms"]
-        assert output_digests(ledger, start, end) == FIXTURE["outputs"]
+        assert ledger.migrate() == Ledger.head_revision() == "0009_rollups"
+        assert_answers(ledger, FIXTURE["outputs"])
         with ledger.engine.connect() as connection:
             stored = connection.execute(select(func.count()).select_from(cost_lines)).scalar_one()
             zero = [z for (text_,) in connection.execute(select(node_bills.c.zero_lines))
@@ -69,7 +87,7 @@ def check_upgrade_keeps_every_answer(url: str) -> None:
         assert sets == len(distinct | {("{}", "")})
         # The amended bill, applied after the upgrade, changes what it changed at 0007, and the answers with it.
         assert recorded._reconcile(ledger, recorded.FOCUS_AMENDED) == FIXTURE["amended"]["reconcile"]
-        assert output_digests(ledger, start, end) == FIXTURE["amended"]["outputs"]
+        assert_answers(ledger, FIXTURE["amended"]["outputs"])
     finally:
         ledger.close()
 
@@ -88,10 +106,9 @@ def test_a_ledger_written_now_answers_as_the_one_written_at_0007(sqlite_ledger):
         [c for r in priced for c in r.costs if is_zero_line(c, r.bill.window_seconds, r.bill.instance_type,
                                                              r.bill.price_model, r.bill.price_version)]) > 0
     assert recorded._reconcile(sqlite_ledger, recorded.FOCUS) == FIXTURE["reconcile"]
-    start, end = FIXTURE["start_ms"], FIXTURE["end_ms"]
-    assert output_digests(sqlite_ledger, start, end) == FIXTURE["outputs"]
+    assert_answers(sqlite_ledger, FIXTURE["outputs"])
     assert recorded._reconcile(sqlite_ledger, recorded.FOCUS_AMENDED) == FIXTURE["amended"]["reconcile"]
-    assert output_digests(sqlite_ledger, start, end) == FIXTURE["amended"]["outputs"]
+    assert_answers(sqlite_ledger, FIXTURE["amended"]["outputs"])
 
 
 def test_zero_lines_are_no_rows_and_their_bill_says_which_they_were(sqlite_ledger):

@@ -30,8 +30,9 @@ def test_tables_exist_only_after_the_migration_and_match_the_model(tmp_path):
         ledger.require_schema()
     assert ledger.migrate() == Ledger.head_revision()
     assert ledger.migrate() == Ledger.head_revision()  # a second run is a no-op
-    assert set(inspect(ledger.engine).get_table_names()) == {"cost_lines", "label_sets", "node_bills", "price_versions", "trueups",
-                                                             VERSION_TABLE}
+    assert set(inspect(ledger.engine).get_table_names()) == {"cost_lines", "label_sets", "node_bills", "price_versions",
+                                                             "trueups", "cost_rollup_hourly", "cost_rollup_daily",
+                                                             "ledger_retention", VERSION_TABLE}
     with ledger.engine.connect() as connection:
         context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE, "compare_type": True})
         assert compare_metadata(context, metadata) == []

@@ -1,0 +1,473 @@
+"""Hourly and daily rollups of the ledger's cost lines, and the plan that says which grain answers a query.
+
+**What a rollup row is.** One row per (period, cluster, node, GPU model, sharing policy, namespace, team label
+value, subject kind, bucket shared, sharing method, carried label keys) and grain (``hour``: periods of 3,600,000
+ms; ``day``: 86,400,000 ms, UTC), summing the cost lines of the node-windows that *start* in the period:
+
+* ``cost_micro_usd``: their list-price micro-dollars (``cost_lines.cost_micro_usd``), exact integers;
+* ``billed_micro_usd``: their trued-up cost where ``gpumeter reconcile`` stored one, else the list cost
+  (``COALESCE(trued, list)``, the ledger's ``BILLED_COST``, what ``--cost trued`` reports);
+* ``cost_lines``: how many lines; ``trued_lines``: how many of them carry a trued-up cost.
+
+The namespace is '' where the line has none (a bucket), the team '' with ``has_team`` false where the pod has no
+``team_key`` label (a label value may itself be ''); ``team_key`` is the label key the value was read under
+(billing's ``team_label``), so a report by ``label:<key>`` uses the rollups only where every row was keyed by that
+key. ``gpu_model`` is the node-window's (``NodeBill.gpu_model``; '' for bills written before it was recorded).
+
+**Maintained as bills land** (``add_written``): ``Ledger.write`` calls it inside its transaction with the cost
+lines of exactly the node-windows its insert created, so a redelivered node-window (skipped by the insert) never
+adds twice and a failed write adds nothing. The rows are summed here first (one row per key and grain per write)
+and upserted in key order (``INSERT ... ON CONFLICT DO UPDATE SET x = x + excluded.x`` on SQLite and PostgreSQL:
+two writers of one PostgreSQL rollup row serialise on it, in the same order, so they never deadlock).
+``apply_trueup`` calls ``add_trued`` in its transaction with every line whose trued-up cost it changed: the
+difference of ``COALESCE(trued, list)`` and of the trued-line count goes to the line's rollup rows. So at every
+commit, per grain and period, the rollups equal the minute lines, which equal the node bills, to the micro-dollar.
+
+**Which grain answers** (``plan``, pure): a query over the windows starting in [start, end) reads whole days from
+the daily rollups, whole hours from the hourly ones, and the minutes at its edges from the cost lines, when it
+groups by what the rollups keep (namespace, node, the team label, or nothing); by anything else (pod, GPU, another
+label) it reads cost lines only. A grain's rows before its retention horizon (``ledger_retention``, set by
+``services.billing.retention``) are gone: the plan then moves the query's start (or end) to what is kept and says
+so, rather than report a part of the range as if it cost nothing.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Column,
+    MetaData,
+    PrimaryKeyConstraint,
+    String,
+    Table,
+    Text,
+    case,
+    func,
+    select,
+)
+from sqlalchemy.engine import Connection
+
+from schemas.records import CostRecord
+from services.billing.costing import NodeBill, NodeWindowKey
+
+DEFAULT_TEAM_LABEL = "team"
+HOUR_MS = 3_600_000
+DAY_MS = 86_400_000
+MINUTE = "minute"  # the cost lines themselves
+HOUR = "hour"
+DAY = "day"
+GRAINS = (MINUTE, HOUR, DAY)
+PERIOD_MS = {HOUR: HOUR_MS, DAY: DAY_MS}
+ROLLUP_GRAINS = (HOUR, DAY)
+# What a rollup can group by (``Grouping.kind``): the rest needs the cost lines.
+ROLLUP_GROUPINGS = ("namespace", "node", "label")
+
+DIMENSIONS = ("period_start_unix_ms", "cluster", "node_name", "gpu_model", "sharing", "namespace", "team_key",
+              "team", "has_team", "subject_kind", "shared_from", "sharing_method", "carried_label_keys")
+MEASURES = ("cost_micro_usd", "billed_micro_usd", "cost_lines", "trued_lines")
+TABLE_NAMES = {HOUR: "cost_rollup_hourly", DAY: "cost_rollup_daily"}
+RETENTION_TABLE = "ledger_retention"
+
+
+def _rollup_table(name: str, metadata: MetaData) -> Table:
+    return Table(
+        name,
+        metadata,
+        Column("period_start_unix_ms", BigInteger, nullable=False),
+        Column("cluster", String(253), nullable=False),
+        Column("node_name", String(253), nullable=False),
+        Column("gpu_model", String(128), nullable=False),
+        Column("sharing", String(255), nullable=False),
+        Column("namespace", String(253), nullable=False),
+        Column("team_key", String(317), nullable=False),
+        Column("team", Text, nullable=False),
+        Column("has_team", Boolean, nullable=False),
+        Column("subject_kind", String(16), nullable=False),
+        Column("shared_from", String(16), nullable=False),
+        Column("sharing_method", String(16), nullable=False),
+        Column("carried_label_keys", Text, nullable=False),
+        Column("cost_micro_usd", BigInteger, nullable=False),
+        Column("billed_micro_usd", BigInteger, nullable=False),
+        Column("cost_lines", BigInteger, nullable=False),
+        Column("trued_lines", BigInteger, nullable=False),
+        PrimaryKeyConstraint(*DIMENSIONS),
+    )
+
+
+@dataclass(frozen=True)
+class RollupTables:
+    """The tables of ``define_tables``: one per rollup grain, and the retention horizons."""
+
+    by_grain: Mapping[str, Table]
+    retention: Table
+
+
+def define_tables(metadata: MetaData) -> RollupTables:
+    """Add the rollup tables (created by migration 0009) to the ledger's ``metadata``."""
+    retention = Table(
+        RETENTION_TABLE,
+        metadata,
+        Column("grain", String(16), nullable=False),
+        Column("kept_from_unix_ms", BigInteger, nullable=False),
+        Column("applied_at_unix_ms", BigInteger, nullable=False),
+        PrimaryKeyConstraint("grain"),
+    )
+    return RollupTables({grain: _rollup_table(TABLE_NAMES[grain], metadata) for grain in ROLLUP_GRAINS}, retention)
+
+
+# -- pure: rows of lines -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class RollupKey:
+    """A rollup row's dimensions (``DIMENSIONS`` order)."""
+
+    period_start_unix_ms: int
+    cluster: str
+    node_name: str
+    gpu_model: str
+    sharing: str
+    namespace: str
+    team_key: str
+    team: str
+    has_team: bool
+    subject_kind: str
+    shared_from: str
+    sharing_method: str
+    carried_label_keys: str
+
+
+@dataclass(frozen=True, slots=True)
+class RollupSums:
+    """A rollup row's measures (``MEASURES`` order)."""
+
+    cost_micro_usd: int = 0
+    billed_micro_usd: int = 0
+    cost_lines: int = 0
+    trued_lines: int = 0
+
+    def __add__(self, other: "RollupSums") -> "RollupSums":
+        return RollupSums(self.cost_micro_usd + other.cost_micro_usd, self.billed_micro_usd + other.billed_micro_usd,
+                          self.cost_lines + other.cost_lines, self.trued_lines + other.trued_lines)
+
+
+def period_start(window_start_unix_ms: int, grain: str) -> int:
+    """The start of the ``grain`` period (UTC) holding a window that starts at ``window_start_unix_ms``."""
+    step = PERIOD_MS[grain]
+    return window_start_unix_ms - window_start_unix_ms % step
+
+
+def line_key(cost: CostRecord, grain: str, *, gpu_model: str, sharing: str, team_key: str) -> RollupKey:
+    """The rollup row of ``grain`` that ``cost`` (a line of a node-window with that GPU model and policy) adds to."""
+    team = cost.labels.get(team_key)
+    return RollupKey(
+        period_start(cost.window_start_unix_ms, grain), cost.cluster, cost.node_name, gpu_model, sharing,
+        cost.namespace or "", team_key, team or "", team is not None, cost.subject_kind.value,
+        cost.shared_from.value if cost.shared_from is not None else "", cost.sharing_method,
+        ",".join(cost.carried_label_keys))
+
+
+def written_rows(costs: Iterable[CostRecord], bills: Mapping[NodeWindowKey, NodeBill], *,
+                 team_key: str) -> dict[str, dict[RollupKey, RollupSums]]:
+    """Per grain, the rollup rows the cost lines ``costs`` (of the node-windows ``bills``, written now: not trued
+    up) add up to. Pure."""
+    out: dict[str, dict[RollupKey, RollupSums]] = {grain: defaultdict(RollupSums) for grain in ROLLUP_GRAINS}
+    for cost in costs:
+        bill = bills[NodeWindowKey(cost.cluster, cost.node_name, cost.window_start_unix_ms)]
+        sums = RollupSums(cost.cost_micro_usd, cost.cost_micro_usd, 1, 0)
+        for grain in ROLLUP_GRAINS:
+            key = line_key(cost, grain, gpu_model=bill.gpu_model, sharing=bill.sharing, team_key=team_key)
+            out[grain][key] += sums
+    return {grain: dict(rows) for grain, rows in out.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class TruedChange:
+    """One stored line whose trued-up cost ``apply_trueup`` changes from ``before`` to ``after`` (None: none)."""
+
+    cost: CostRecord
+    gpu_model: str
+    sharing: str
+    before: int | None
+    after: int | None
+
+
+def trued_rows(changes: Iterable[TruedChange], *, team_key: str) -> dict[str, dict[RollupKey, RollupSums]]:
+    """Per grain, what the changes add to the rollup rows: the difference of ``COALESCE(trued, list)`` and of the
+    count of trued lines (the list cost and the line count do not change). Pure."""
+    out: dict[str, dict[RollupKey, RollupSums]] = {grain: defaultdict(RollupSums) for grain in ROLLUP_GRAINS}
+    for change in changes:
+        listed = change.cost.cost_micro_usd
+        billed = (listed if change.after is None else change.after) - (
+            listed if change.before is None else change.before)
+        trued = (change.after is not None) - (change.before is not None)
+        if not billed and not trued:
+            continue
+        for grain in ROLLUP_GRAINS:
+            key = line_key(change.cost, grain, gpu_model=change.gpu_model, sharing=change.sharing,
+                           team_key=team_key)
+            out[grain][key] += RollupSums(0, billed, 0, trued)
+    return {grain: {k: v for k, v in rows.items() if v != RollupSums()} for grain, rows in out.items()}
+
+
+# -- SQL: maintaining --------------------------------------------------------------------------------------------
+
+
+def upsert(connection: Connection, tables: RollupTables, rows: Mapping[str, Mapping[RollupKey, RollupSums]],
+           insert: Callable[[Table], Any]) -> int:
+    """Add ``rows`` to the rollup tables in ``connection``'s transaction (``insert``: the dialect's ``insert``, which
+    has ``on_conflict_do_update``); returns the rows upserted."""
+    done = 0
+    for grain, grain_rows in rows.items():
+        if not grain_rows:
+            continue
+        table = tables.by_grain[grain]
+        statement = insert(table)
+        statement = statement.on_conflict_do_update(
+            index_elements=[table.c[name] for name in DIMENSIONS],
+            set_={name: table.c[name] + statement.excluded[name] for name in MEASURES})
+        connection.execute(statement, [
+            {**{name: getattr(key, name) for name in DIMENSIONS}, **{name: getattr(sums, name) for name in MEASURES}}
+            for key, sums in sorted(grain_rows.items())])
+        done += len(grain_rows)
+    return done
+
+
+def add_written(connection: Connection, tables: RollupTables, costs: Iterable[CostRecord],
+                bills: Mapping[NodeWindowKey, NodeBill], *, team_key: str, insert: Callable[[Table], Any]) -> int:
+    """``Ledger.write``'s hook: roll up the lines of the node-windows it inserted (see the module docstring)."""
+    return upsert(connection, tables, written_rows(costs, bills, team_key=team_key), insert)
+
+
+def add_trued(connection: Connection, tables: RollupTables, changes: Iterable[TruedChange], *, team_key: str,
+              insert: Callable[[Table], Any]) -> int:
+    """``Ledger.apply_trueup``'s hook: move the rollups' trued-up sums by the lines' changes."""
+    return upsert(connection, tables, trued_rows(changes, team_key=team_key), insert)
+
+
+# -- pure: which grain answers a query ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """Windows starting in [start_ms, end_ms), read from ``grain`` (``minute``: the cost lines)."""
+
+    grain: str
+    start_ms: int
+    end_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """How a query over [asked_start_ms, asked_end_ms) is answered: the range it covers ([start_ms, end_ms): the
+    asked one unless retention dropped a part of it) and the segments that cover it, oldest first."""
+
+    asked_start_ms: int
+    asked_end_ms: int
+    start_ms: int
+    end_ms: int
+    segments: tuple[Segment, ...]
+
+    @property
+    def adjusted(self) -> bool:
+        return (self.start_ms, self.end_ms) != (self.asked_start_ms, self.asked_end_ms)
+
+    def grains(self) -> tuple[str, ...]:
+        """The grains read, coarsest first."""
+        used = {s.grain for s in self.segments}
+        return tuple(g for g in reversed(GRAINS) if g in used)
+
+    def describe(self) -> str:
+        """``day 29 periods, hour 23, minute 59``: what each grain answered."""
+        if not self.segments:
+            return "nothing (empty range)"
+        parts = []
+        for grain in self.grains():
+            step = PERIOD_MS.get(grain, 60_000)
+            periods = sum((s.end_ms - s.start_ms) // step for s in self.segments if s.grain == grain)
+            name = {DAY: "daily rollups", HOUR: "hourly rollups", MINUTE: "minute cost lines"}[grain]
+            unit = {DAY: "day", HOUR: "hour", MINUTE: "minute"}[grain]
+            parts.append(f"{name} ({periods} {unit}{'s' if periods != 1 else ''})")
+        return ", ".join(parts)
+
+
+def _ceil(t: int, step: int) -> int:
+    return -(-t // step) * step
+
+
+def _floor(t: int, step: int) -> int:
+    return t // step * step
+
+
+def split(start_ms: int, end_ms: int, *, rollups: bool = True) -> tuple[Segment, ...]:
+    """[start_ms, end_ms) as the coarsest segments: whole UTC days, then whole hours, then minutes at the edges
+    (minutes only when ``rollups`` is False). Pure."""
+    if start_ms >= end_ms:
+        return ()
+    if not rollups:
+        return (Segment(MINUTE, start_ms, end_ms),)
+    hour_a, hour_b = _ceil(start_ms, HOUR_MS), _floor(end_ms, HOUR_MS)
+    if hour_a >= hour_b:
+        return (Segment(MINUTE, start_ms, end_ms),)
+    day_a, day_b = _ceil(start_ms, DAY_MS), _floor(end_ms, DAY_MS)
+    out = []
+    if start_ms < hour_a:
+        out.append(Segment(MINUTE, start_ms, hour_a))
+    if day_a < day_b:
+        if hour_a < day_a:
+            out.append(Segment(HOUR, hour_a, day_a))
+        out.append(Segment(DAY, day_a, day_b))
+        if day_b < hour_b:
+            out.append(Segment(HOUR, day_b, hour_b))
+    else:
+        out.append(Segment(HOUR, hour_a, hour_b))
+    if hour_b < end_ms:
+        out.append(Segment(MINUTE, hour_b, end_ms))
+    return tuple(out)
+
+
+def plan(start_ms: int, end_ms: int, *, rollups: bool = True, kept_from: Mapping[str, int] | None = None) -> Plan:
+    """The segments answering [start_ms, end_ms) (``split``), the range moved inwards past what retention dropped:
+    ``kept_from`` maps a grain to the oldest period start it still holds (grains not in it hold everything). Pure.
+    """
+    kept = dict(kept_from or {})
+    start, end = start_ms, end_ms
+    while True:
+        segments = split(start, end, rollups=rollups)
+        if not segments:
+            break
+        first, last = segments[0], segments[-1]
+        if first.start_ms < kept.get(first.grain, first.start_ms):
+            start = min(first.end_ms, kept[first.grain])
+            continue
+        if last.start_ms < kept.get(last.grain, last.start_ms):
+            end = last.start_ms
+            continue
+        break
+    if start >= end:
+        start, segments = end, ()
+    return Plan(start_ms, end_ms, start, end, segments)
+
+
+# -- SQL: reading --------------------------------------------------------------------------------------------
+
+
+def kept_from(read: Callable[[Any], list], tables: RollupTables) -> dict[str, int]:
+    """The retention horizons recorded so far: grain -> oldest period start still kept."""
+    table = tables.retention
+    return {grain: int(kept) for grain, kept in read(select(table.c.grain, table.c.kept_from_unix_ms))}
+
+
+def _range(table: Table, segment: Segment, cluster: str | None) -> list:
+    conditions = [table.c.period_start_unix_ms >= segment.start_ms, table.c.period_start_unix_ms < segment.end_ms]
+    if cluster is not None:
+        conditions.append(table.c.cluster == cluster)
+    return conditions
+
+
+def _micro(table: Table, cost: str):
+    return table.c.cost_micro_usd if cost == "list" else table.c.billed_micro_usd
+
+
+def group_expression(table: Table, kind: str):
+    """The rollup's value for a grouping kind (``ROLLUP_GROUPINGS``; None for the kind-only totals)."""
+    if kind == "namespace":
+        return func.nullif(table.c.namespace, "")
+    if kind == "node":
+        return table.c.node_name
+    if kind == "label":
+        return case((table.c.has_team, table.c.team), else_=None)
+    raise ValueError(f"rollups cannot group by {kind!r}")
+
+
+def other_team_keys(read: Callable[[Any], list], tables: RollupTables, segment: Segment, cluster: str | None,
+                    team_key: str) -> int:
+    """Rows of ``segment`` keyed by another team label than ``team_key`` (then they cannot answer by it)."""
+    table = tables.by_grain[segment.grain]
+    (count,), = read(select(func.count()).where(table.c.team_key != team_key, *_range(table, segment, cluster)))
+    return int(count)
+
+
+def cost_by(read: Callable[[Any], list], tables: RollupTables, segment: Segment, kind: str, *,
+            cluster: str | None, cost: str) -> list[tuple[str, str | None, int, int, int]]:
+    """(subject kind, group, micro-USD, lines, shared micro-USD) of a rollup ``segment``, as ``Ledger.cost_by``."""
+    table = tables.by_grain[segment.grain]
+    micro = _micro(table, cost)
+    shared = case((table.c.shared_from != "", micro), else_=0)
+    inner = (select(table.c.subject_kind.label("kind"), group_expression(table, kind).label("grp"),
+                    micro.label("micro"), table.c.cost_lines.label("lines"), shared.label("shared"))
+             .where(*_range(table, segment, cluster)).subquery())
+    rows = read(select(inner.c.kind, inner.c.grp, func.sum(inner.c.micro), func.sum(inner.c.lines),
+                       func.sum(inner.c.shared)).group_by(inner.c.kind, inner.c.grp))
+    return [(k, g, int(m), int(n), int(s or 0)) for k, g, m, n, s in rows]
+
+
+def cost_by_carried_label_keys(read: Callable[[Any], list], tables: RollupTables, segment: Segment, *,
+                               cluster: str | None) -> list[tuple[str, str | None, int, int]]:
+    """(subject kind, carried label keys or None, list micro-USD, lines), as ``Ledger.cost_by_carried_label_keys``."""
+    table = tables.by_grain[segment.grain]
+    keys = func.nullif(table.c.carried_label_keys, "")
+    inner = (select(table.c.subject_kind.label("kind"), keys.label("grp"), table.c.cost_micro_usd,
+                    table.c.cost_lines).where(*_range(table, segment, cluster)).subquery())
+    rows = read(select(inner.c.kind, inner.c.grp, func.sum(inner.c.cost_micro_usd), func.sum(inner.c.cost_lines))
+                .group_by(inner.c.kind, inner.c.grp))
+    return [(k, g, int(m), int(n)) for k, g, m, n in rows]
+
+
+def shared_by_source(read: Callable[[Any], list], tables: RollupTables, segment: Segment, *, cluster: str | None,
+                     cost: str) -> list[tuple[str, str, int, int]]:
+    """(bucket shared, method, micro-USD, lines) of the shared lines, as ``Ledger.shared_by_source``."""
+    table = tables.by_grain[segment.grain]
+    rows = read(select(table.c.shared_from, table.c.sharing_method, func.sum(_micro(table, cost)),
+                       func.sum(table.c.cost_lines))
+                .where(table.c.shared_from != "", *_range(table, segment, cluster))
+                .group_by(table.c.shared_from, table.c.sharing_method))
+    return [(s, m, int(micro), int(n)) for s, m, micro, n in rows]
+
+
+def rows_of(read: Callable[[Any], list], table: Table, *, start_ms: int | None = None,
+            end_ms: int | None = None) -> dict[RollupKey, RollupSums]:
+    """A rollup table's rows (tests and checks)."""
+    conditions = []
+    if start_ms is not None:
+        conditions.append(table.c.period_start_unix_ms >= start_ms)
+    if end_ms is not None:
+        conditions.append(table.c.period_start_unix_ms < end_ms)
+    out = {}
+    for row in read(select(table).where(*conditions)):
+        m = row._mapping
+        out[RollupKey(*(m[name] if name != "has_team" else bool(m[name]) for name in DIMENSIONS))] = RollupSums(
+            *(int(m[name]) for name in MEASURES))
+    return out
+
+
+def roll(rows: Mapping[RollupKey, RollupSums], grain: str) -> dict[RollupKey, RollupSums]:
+    """``rows`` summed into the periods of ``grain`` (the hourly rows of a day into its daily rows). Pure."""
+    out: dict[RollupKey, RollupSums] = defaultdict(RollupSums)
+    for key, sums in rows.items():
+        out[_with_period(key, period_start(key.period_start_unix_ms, grain))] += sums
+    return dict(out)
+
+
+def _with_period(key: RollupKey, start: int) -> RollupKey:
+    values = [getattr(key, name) for name in DIMENSIONS]
+    values[0] = start
+    return RollupKey(*values)
+
+
+def merge(parts: Sequence[Iterable[tuple]], width: int) -> list[tuple]:
+    """Rows (key columns..., summed columns...) of several segments added up by key: the last ``width`` columns
+    are sums. Pure."""
+    out: dict[tuple, list[int]] = {}
+    for rows in parts:
+        for row in rows:
+            key, values = tuple(row[:-width]), row[-width:]
+            total = out.setdefault(key, [0] * width)
+            for i, value in enumerate(values):
+                total[i] += value
+    return [(*key, *values) for key, values in out.items()]

@@ -1,0 +1,252 @@
+"""Retention (``services.billing.retention``) and reports over the rollups (``report.build_report``'s plan): minute
+lines past retention are dropped while every rollup and bill stays the same, and a report read from the rollups
+equals the report read from the minute lines to the micro-dollar."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+from functools import lru_cache
+
+import pytest
+from sqlalchemy import func, select
+
+from gpumeter import cli
+from gpumeter.clock import ManualClock
+from gpumeter.errors import ConfigError
+from services.billing import report as report_module
+from services.billing import retention
+from services.billing.ledger import ROLLUPS, Grouping, cost_lines
+from services.billing.report import build_report, format_report
+from services.billing.retention import RetentionSettings, retain
+from services.billing.rollups import DAY, DAY_MS, HOUR, HOUR_MS, MINUTE, Segment, plan, rows_of, split
+from tests.unit.billing.conftest import WINDOW_START_MS, sample_shares
+
+DAY0 = WINDOW_START_MS - WINDOW_START_MS % DAY_MS
+DAYS = 20
+# Four node-window pairs a day, at minutes that fall in every part of a plan (edges, inner hours, whole days).
+MINUTES_OF_DAY = (5, 7 * 60 + 30, 13 * 60 + 59, 23 * 60 + 58)
+GROUPINGS = ("namespace", "node", "label:team")
+
+
+@lru_cache(maxsize=1)
+def history():
+    """Node-window costs over ``DAYS`` days, the aws node's idle shared to its pods."""
+    from services.billing.catalog import PriceCatalog
+    from services.billing.costing import bill_node_window
+    from services.billing.pricing import DEFAULT_SPLIT_POLICY
+    from services.billing.sharing import SharingPolicy
+
+    catalog = PriceCatalog.load()
+    sharing = SharingPolicy.parse("idle=weighted")
+    return tuple(bill_node_window(shares, catalog, DEFAULT_SPLIT_POLICY, sharing)
+                 for day in range(DAYS) for minute in MINUTES_OF_DAY
+                 for shares in sample_shares(1, start_ms=DAY0 + day * DAY_MS + minute * 60_000))
+
+
+@pytest.fixture
+def ledger(sqlite_ledger):
+    results = history()
+    sqlite_ledger.write([c for r in results for c in r.costs], [r.bill for r in results])
+    return sqlite_ledger
+
+
+def comparable(report):
+    """Everything a report says but which grain it read."""
+    return (report.start_ms, report.end_ms, report.lines, report.reconciliation, report.carriage, report.pricing,
+            report.shared_sources, report.sharing_policies, report.trued_windows)
+
+
+def snapshot(ledger):
+    return (rows_of(ledger.read, ROLLUPS.by_grain[HOUR]), rows_of(ledger.read, ROLLUPS.by_grain[DAY]),
+            ledger.bills())
+
+
+def line_count(ledger, start_ms, end_ms):
+    (count,), = ledger.read(select(func.count()).select_from(cost_lines).where(
+        cost_lines.c.window_start_unix_ms >= start_ms, cost_lines.c.window_start_unix_ms < end_ms))
+    return int(count)
+
+
+# -- the plan (pure) ------------------------------------------------------------------------------------------
+
+
+def test_split_reads_whole_days_then_whole_hours_then_the_minutes_at_the_edges():
+    start, end = DAY0 + 7 * 60_000, DAY0 + 3 * DAY_MS + 14 * HOUR_MS + 31 * 60_000
+    assert split(start, end) == (
+        Segment(MINUTE, start, DAY0 + HOUR_MS), Segment(HOUR, DAY0 + HOUR_MS, DAY0 + DAY_MS),
+        Segment(DAY, DAY0 + DAY_MS, DAY0 + 3 * DAY_MS),
+        Segment(HOUR, DAY0 + 3 * DAY_MS, DAY0 + 3 * DAY_MS + 14 * HOUR_MS),
+        Segment(MINUTE, DAY0 + 3 * DAY_MS + 14 * HOUR_MS, end))
+    assert split(DAY0 + 60_000, DAY0 + 50 * 60_000) == (Segment(MINUTE, DAY0 + 60_000, DAY0 + 50 * 60_000),)
+    assert split(DAY0 + 23 * HOUR_MS, DAY0 + DAY_MS + 2 * HOUR_MS) == (
+        Segment(HOUR, DAY0 + 23 * HOUR_MS, DAY0 + DAY_MS + 2 * HOUR_MS),)
+    assert split(start, end, rollups=False) == (Segment(MINUTE, start, end),)
+
+
+def test_the_plan_moves_the_range_past_what_retention_dropped_never_reporting_it_as_zero():
+    start, end = DAY0 + 7 * 60_000, DAY0 + 10 * DAY_MS + 31 * 60_000
+    kept = {MINUTE: DAY0 + 6 * DAY_MS, HOUR: DAY0 + 2 * DAY_MS}
+    planned = plan(start, end, kept_from=kept)
+    # The first day's minutes and hours are gone: the range starts where the daily rollups answer.
+    assert (planned.start_ms, planned.end_ms, planned.adjusted) == (DAY0 + DAY_MS, end, True)
+    assert planned.segments[0] == Segment(DAY, DAY0 + DAY_MS, DAY0 + 10 * DAY_MS)
+    by_lines = plan(start, end, rollups=False, kept_from=kept)
+    assert (by_lines.start_ms, by_lines.segments) == (DAY0 + 6 * DAY_MS, (Segment(MINUTE, DAY0 + 6 * DAY_MS, end),))
+    gone = plan(DAY0, DAY0 + HOUR_MS, rollups=False, kept_from=kept)
+    assert gone.segments == () and gone.start_ms == gone.end_ms
+
+
+# -- reports over the rollups equal reports over the lines --------------------------------------------------------
+
+
+@pytest.mark.parametrize("by", GROUPINGS)
+@pytest.mark.parametrize("cost", ["list", "trued"])
+def test_a_month_like_report_from_the_rollups_equals_the_report_from_the_minute_lines(ledger, by, cost):
+    grouping = Grouping.parse(by)
+    start, end = DAY0 + 7 * 60_000, DAY0 + (DAYS - 1) * DAY_MS + 14 * HOUR_MS + 31 * 60_000
+    rolled = build_report(ledger, grouping, start_ms=start, end_ms=end, cost=cost)
+    lines = build_report(ledger, grouping, start_ms=start, end_ms=end, cost=cost, grain="minute")
+    assert rolled.plan.grains() == (DAY, HOUR, MINUTE) and lines.plan.grains() == (MINUTE,)
+    assert comparable(rolled) == comparable(lines)
+    assert rolled.reconciliation.reconciled and rolled.total_micro_usd > 0
+    assert rolled.shared_sources  # the idle shared to pods, from the rollups' shared_from
+    table = format_report(rolled, "table")
+    assert "read from: daily rollups (18 days), hourly rollups (37 hours), minute cost lines (84 minutes)" in table
+    document = json.loads(format_report(rolled, "json"))
+    assert [s["grain"] for s in document["grain"]["segments"]] == [MINUTE, HOUR, DAY, HOUR, MINUTE]
+
+
+def test_groupings_the_rollups_do_not_keep_read_the_lines(ledger):
+    start, end = DAY0, DAY0 + 3 * DAY_MS
+    for by in ("pod", "gpu", "label:model"):
+        report = build_report(ledger, Grouping.parse(by), start_ms=start, end_ms=end)
+        assert report.plan.grains() == (MINUTE,) and report.reconciliation.reconciled
+
+
+def test_gpumeter_report_says_which_grain_it_read(ledger):
+    from services.billing.costing import iso_utc
+
+    parser = argparse.ArgumentParser()
+    report_module.add_arguments(parser)
+    end_ms = DAY0 + 5 * DAY_MS + 10 * HOUR_MS + 30 * 60_000
+    args = parser.parse_args(["--ledger-url", ledger.url, "--window", "3d", "--end", iso_utc(end_ms),
+                              "--format", "csv"])
+    out, err = io.StringIO(), io.StringIO()
+    assert report_module.main(args, {}, clock=ManualClock(end_ms), out=out, err=err) == 0, err.getvalue()
+    rows = {row["kind"]: row for row in csv.DictReader(io.StringIO(out.getvalue()))}
+    assert rows["grain"]["group"] == "daily rollups (2 days), hourly rollups (23 hours), minute cost lines (60 minutes)"
+    assert rows["reconciliation"]["group"] == "reconciled"
+
+
+# -- retention -------------------------------------------------------------------------------------------------
+
+
+def test_retention_drops_minute_lines_past_it_while_every_rollup_and_bill_stays_the_same(ledger):
+    now = DAY0 + DAYS * DAY_MS + 10 * HOUR_MS
+    horizon = DAY0 + (DAYS - 14) * DAY_MS  # now less 14 days, down to midnight UTC
+    whole = (DAY0, DAY0 + DAYS * DAY_MS)
+    before = snapshot(ledger)
+    reports = {by: build_report(ledger, Grouping.parse(by), start_ms=whole[0], end_ms=whole[1]) for by in GROUPINGS}
+    kept_lines = line_count(ledger, horizon, whole[1])
+    dropped_lines = line_count(ledger, *whole) - kept_lines
+    assert dropped_lines > 0
+
+    result = retain(ledger, RetentionSettings(), now_ms=now)
+
+    def midnight_before(ms):
+        return ms - ms % DAY_MS
+
+    assert result.kept_from_ms == {MINUTE: horizon, HOUR: midnight_before(now - 92 * DAY_MS),
+                                   DAY: midnight_before(now - 400 * DAY_MS)}
+    assert result.deleted == {MINUTE: dropped_lines, HOUR: 0, DAY: 0}
+    assert line_count(ledger, whole[0], horizon) == 0 and line_count(ledger, horizon, whole[1]) == kept_lines
+    assert snapshot(ledger) == before
+    for by, report in reports.items():
+        # A report the rollups answer is the same as before, to the micro-dollar.
+        again = build_report(ledger, Grouping.parse(by), start_ms=whole[0], end_ms=whole[1])
+        assert comparable(again) == comparable(report) and again.reconciliation.reconciled
+    # A report whose edge minutes were dropped covers from the next hour, says so, and still reconciles.
+    edge = build_report(ledger, Grouping("namespace"), start_ms=DAY0 + 7 * 60_000, end_ms=whole[1])
+    assert (edge.start_ms, edge.plan.adjusted, edge.reconciliation.reconciled) == (DAY0 + HOUR_MS, True, True)
+    assert "retention: asked for windows starting" in format_report(edge, "table")
+    by_pod = build_report(ledger, Grouping("pod"), start_ms=whole[0], end_ms=whole[1])
+    assert by_pod.start_ms == horizon and by_pod.reconciliation.reconciled
+    # Running it again drops nothing more.
+    assert retain(ledger, RetentionSettings(), now_ms=now + 60_000).deleted == {MINUTE: 0, HOUR: 0, DAY: 0}
+    assert snapshot(ledger) == before
+
+
+def test_hourly_retention_keeps_the_daily_rollups_and_a_horizon_never_moves_back(ledger):
+    now = DAY0 + DAYS * DAY_MS + 10 * HOUR_MS
+    hourly_before, daily_before, bills = snapshot(ledger)
+    settings = RetentionSettings(minute_lines_days=3, hourly_rollups_days=15, daily_rollups_days=400,
+                                 delete_batch_hours=5)
+    result = retain(ledger, settings, now_ms=now)
+    hour_horizon = DAY0 + (DAYS - 15) * DAY_MS
+    assert result.kept_from_ms[HOUR] == hour_horizon and result.deleted[HOUR] > 0
+    hourly, daily, bills_after = snapshot(ledger)
+    assert hourly == {k: v for k, v in hourly_before.items() if k.period_start_unix_ms >= hour_horizon}
+    assert (daily, bills_after) == (daily_before, bills)
+    report = build_report(ledger, Grouping("node"), start_ms=DAY0 + 3 * HOUR_MS, end_ms=DAY0 + DAYS * DAY_MS)
+    assert report.start_ms == DAY0 + DAY_MS and report.reconciliation.reconciled
+    # Lengthening a retention afterwards cannot bring back what is gone: the horizons stay.
+    longer = retain(ledger, RetentionSettings(), now_ms=now)
+    assert longer.kept_from_ms[MINUTE] == DAY0 + (DAYS - 3) * DAY_MS and longer.kept_from_ms[HOUR] == hour_horizon
+
+
+def test_retention_settings_keep_finer_grains_no_longer_than_coarser_ones():
+    with pytest.raises(ConfigError, match="must not shrink"):
+        RetentionSettings(minute_lines_days=30, hourly_rollups_days=20)
+    assert RetentionSettings().days() == {MINUTE: 14, HOUR: 92, DAY: 400}
+
+
+def test_the_command_applies_it_with_the_clock_given(ledger):
+    out, err = io.StringIO(), io.StringIO()
+    parser = argparse.ArgumentParser()
+    retention.add_arguments(parser)
+    now = DAY0 + DAYS * DAY_MS
+    args = parser.parse_args(["retention", "--ledger-url", ledger.url, "--minute-lines-days", "10"])
+    assert retention.main(args, {}, clock=ManualClock(now), out=out, err=err) == 0, err.getvalue()
+    assert "minute cost lines: kept from" in out.getvalue() and "node bills: kept" in out.getvalue()
+    assert line_count(ledger, DAY0, now - 10 * DAY_MS) == 0 and line_count(ledger, now - 10 * DAY_MS, now) > 0
+    assert "ledger" in cli.SUBCOMMANDS
+
+
+def test_retention_over_compact_lines_keeps_label_sets_and_zero_lines_and_the_reports_from_the_rollups(
+        sqlite_ledger):
+    """Revision 0008's storage under retention: the minute lines' rows go; the label sets (which outlive lines) and
+    the zero lines (listed on their bills, which are kept) stay; a report from the rollups over the dropped range
+    is the one from before, zero lines counted, and still reconciles."""
+    from services.billing.ledger import label_sets, node_bills
+    from services.billing.line_storage import decode_zero_lines
+    from tests.unit.billing.data import make_ledger_0007 as recorded
+
+    priced = recorded.results()
+    assert sqlite_ledger.write([c for r in priced for c in r.costs], [r.bill for r in priced]).lines_elided > 0
+    recorded._reconcile(sqlite_ledger, recorded.FOCUS)
+    start, end = recorded.START_MS, recorded.END_MS
+    before = snapshot(sqlite_ledger)
+    (sets_before,), = sqlite_ledger.read(select(func.count()).select_from(label_sets))
+    reports = {(by, cost): build_report(sqlite_ledger, Grouping.parse(by), start_ms=start, end_ms=end, cost=cost)
+               for by in GROUPINGS for cost in ("list", "trued")}
+    assert all(r.plan.grains() == (HOUR,) for r in reports.values())
+    lines_before = sqlite_ledger.totals(start_ms=start, end_ms=end).cost_lines
+
+    result = retain(sqlite_ledger, RetentionSettings(), now_ms=end + 30 * DAY_MS)
+
+    zero = sum(len(decode_zero_lines(text)) for text, in sqlite_ledger.read(select(node_bills.c.zero_lines)))
+    assert zero > 0 and result.deleted[MINUTE] == lines_before - zero  # the rows; the zero lines were none
+    assert line_count(sqlite_ledger, start, end) == 0
+    assert snapshot(sqlite_ledger) == before  # the rollups, and the bills with their zero lines
+    (sets_after,), = sqlite_ledger.read(select(func.count()).select_from(label_sets))
+    assert sets_after == sets_before > 1
+    for (by, cost), report in reports.items():
+        again = build_report(sqlite_ledger, Grouping.parse(by), start_ms=start, end_ms=end, cost=cost)
+        assert comparable(again) == comparable(report) and again.reconciliation.reconciled
+        assert sum(line.cost_lines for line in again.lines) == lines_before
+    # By pod the minute lines are needed: the range is moved past them, never reported as costing nothing.
+    by_pod = build_report(sqlite_ledger, Grouping("pod"), start_ms=start, end_ms=end)
+    assert by_pod.plan.segments == () and by_pod.plan.adjusted and by_pod.lines == ()
