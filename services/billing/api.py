@@ -68,7 +68,7 @@ from services.billing.allocation import (
     parse_query,
     response,
 )
-from services.billing.ledger import DEFAULT_LEDGER_URL, LEDGER_URL_ENV, Ledger, LedgerError
+from services.billing.ledger import DEFAULT_LEDGER_URL, LEDGER_URL_ENV, Ledger, LedgerError, MinuteLinesDropped
 
 log = logging.getLogger("gpumeter.api")
 
@@ -237,6 +237,8 @@ class AllocationApi:
                 return self._send(start_response, 400, error_response(400, str(exc)), path)
             try:
                 body = self.answer(query)
+            except MinuteLinesDropped as exc:
+                return self._send(start_response, 400, error_response(400, str(exc)), path)
             except LedgerError as exc:
                 log.warning("cannot read the ledger: %s", exc)
                 return self._send(start_response, 503, error_response(503, "the ledger cannot be read now"), path)
@@ -266,6 +268,9 @@ class AllocationApi:
                           [("WWW-Authenticate", challenge)])
 
     def answer(self, query) -> dict[str, Any]:
+        """The response to ``query``; ``MinuteLinesDropped`` when it starts before the minute lines retention
+        keeps (the allocation is summed from them)."""
+        self.ledger.require_minute_lines(query.start_ms, "/allocation")
         pods, buckets = self.ledger.allocation_sums(query)
         sets = allocation_sets(query, pods, buckets)
         policies = self.ledger.sharing_policies(start_ms=query.start_ms, end_ms=query.end_ms, cluster=query.cluster)

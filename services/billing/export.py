@@ -24,7 +24,9 @@ DATASETS = ("focus",)
 
 def focus_dataset(ledger: Ledger, *, start_ms: int, end_ms: int, cluster: str | None = None,
                   billing_account_id: str | None = None) -> list[dict[str, Any]]:
-    """The FOCUS rows of the windows starting in [start_ms, end_ms) (``focus_rows``)."""
+    """The FOCUS rows of the windows starting in [start_ms, end_ms) (``focus_rows``); ``MinuteLinesDropped`` when
+    the range starts before the minute lines retention keeps (the rows are made from them)."""
+    ledger.require_minute_lines(start_ms, "the FOCUS export")
     bills = ledger.bills(start_ms=start_ms, end_ms=end_ms, cluster=cluster)
     prices = ledger.price_versions(b["price_version"] for b in bills)
     lines = [FocusLine(record, None if billed == record.cost_micro_usd else billed)

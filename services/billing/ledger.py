@@ -96,6 +96,7 @@ from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
 from sqlalchemy.pool import StaticPool
 
+from gpumeter.clock import iso_utc
 from gpumeter.errors import ConfigError, GpumeterError
 from gpumeter.redact import mask_secrets, mask_url
 from schemas.records import CostRecord, CostSubjectKind
@@ -130,6 +131,11 @@ _LABEL_ID_CACHE = 65_536  # label-set ids remembered per handle (cleared when fu
 
 class LedgerError(GpumeterError):
     """The ledger cannot be opened, migrated, written or read, or a write would break conservation."""
+
+
+class MinuteLinesDropped(GpumeterError):
+    """A read that needs minute cost lines over a range retention has dropped them from: it would report that part
+    as costing nothing. Not a ``LedgerError``: the ledger is fine, the question is not answerable."""
 
 
 class LedgerUnusable(LedgerError):
@@ -898,6 +904,20 @@ class Ledger:
         if cluster is not None:
             conditions.append(table.c.cluster == cluster)
         return conditions
+
+    def minute_lines_kept_from(self) -> int | None:
+        """The oldest window start whose minute cost lines retention still keeps; None when it dropped none."""
+        return rollups.kept_from(self.read, ROLLUPS).get(rollups.MINUTE)
+
+    def require_minute_lines(self, start_ms: int, what: str) -> None:
+        """Raise ``MinuteLinesDropped`` when ``what`` (a read of minute lines from ``start_ms``) starts before the
+        minute lines retention keeps."""
+        kept = self.minute_lines_kept_from()
+        if kept is not None and start_ms < kept:
+            raise MinuteLinesDropped(
+                f"{what} reads minute cost lines, and retention kept them from {iso_utc(kept)} only: ask for a "
+                f"range from then (gpumeter report --by namespace|node|label:<team label> reads the rollups, which "
+                "are kept longer)")
 
     def read(self, statement) -> list:
         """All rows of a Core ``statement`` (``LedgerError`` on a database error): for the rollups' queries."""

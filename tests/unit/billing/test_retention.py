@@ -250,3 +250,28 @@ def test_retention_over_compact_lines_keeps_label_sets_and_zero_lines_and_the_re
     # By pod the minute lines are needed: the range is moved past them, never reported as costing nothing.
     by_pod = build_report(sqlite_ledger, Grouping("pod"), start_ms=start, end_ms=end)
     assert by_pod.plan.segments == () and by_pod.plan.adjusted and by_pod.lines == ()
+
+
+def test_allocation_and_the_focus_export_refuse_a_range_whose_minute_lines_retention_dropped(ledger):
+    # Both are summed from minute lines: over a dropped range they would say it cost nothing.
+    from gpumeter.clock import iso_utc
+    from services.billing.api import AllocationApi
+    from services.billing.export import focus_dataset
+    from services.billing.ledger import MinuteLinesDropped
+    from tests.unit.billing.test_allocation import call
+
+    now = DAY0 + DAYS * DAY_MS + 10 * HOUR_MS
+    horizon = DAY0 + (DAYS - 14) * DAY_MS
+    end = DAY0 + DAYS * DAY_MS
+    app = AllocationApi(ledger, None, clock=ManualClock(now), max_window_seconds=93 * 86_400, max_steps=1000)
+    before = call(app, query=f"window={iso_utc(DAY0)},{iso_utc(end)}&aggregate=namespace")
+    assert before[0] == 200
+    retain(ledger, RetentionSettings(), now_ms=now)
+
+    code, body = call(app, query=f"window={iso_utc(DAY0)},{iso_utc(end)}&aggregate=namespace")
+    assert code == 400 and iso_utc(horizon) in body["message"]
+    code, body = call(app, query=f"window={iso_utc(horizon)},{iso_utc(end)}&aggregate=namespace")
+    assert code == 200 and body["data"]
+    with pytest.raises(MinuteLinesDropped, match="FOCUS export"):
+        focus_dataset(ledger, start_ms=DAY0, end_ms=end)
+    assert focus_dataset(ledger, start_ms=horizon, end_ms=end)
