@@ -276,9 +276,12 @@ def fill_month(connection: Any, *, first_window_ms: int, hours_written: int, day
     def copy(table: str, time_column: str, step_ms: int, count: int, scale: int = 1,
              measures: tuple[str, ...] = ()) -> None:
         names = columns(table)
-        selected = ", ".join(
-            f'"{n}" + k * {step_ms}' if n == time_column else (f'"{n}" * {scale}' if n in measures else f'"{n}"')
-            for n in names)
+        def value(n: str) -> str:
+            if n == time_column:
+                return f'"{n}" + CAST(k AS BIGINT) * {step_ms}'  # k * step overflows a 32-bit integer
+            return f'"{n}" * {scale}' if n in measures else f'"{n}"'
+
+        selected = ", ".join(value(n) for n in names)
         quoted = ", ".join(f'"{n}"' for n in names)
         connection.execute(text(f'INSERT INTO "{table}" ({quoted}) SELECT {selected} FROM "{table}" '
                                 f"CROSS JOIN generate_series(1, {count - 1}) AS k"))
@@ -333,8 +336,8 @@ def month_reads(url: str, *, start_ms: int, days: int, hours_of_lines: int) -> d
             pods, buckets = ledger.allocation_sums(query)
             sets = allocation_sets(query, pods, buckets)
             policies = ledger.sharing_policies(start_ms=query.start_ms, end_ms=query.end_ms)
-            bills = ledger.totals(start_ms=query.start_ms, end_ms=query.end_ms)
-            return response(query, sets, policies=policies, bills_micro_usd=bills.bill_micro_usd)
+            bills_micro_usd, _windows = ledger.bill_totals(start_ms=query.start_ms, end_ms=query.end_ms)
+            return response(query, sets, policies=policies, bills_micro_usd=bills_micro_usd)
 
         allocation_s, answer = timed_read(allocation)
         focus_s, focus = timed_read(lambda: focus_dataset(ledger, start_ms=start_ms, end_ms=lines_end_ms),

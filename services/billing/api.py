@@ -274,8 +274,9 @@ class AllocationApi:
         pods, buckets = self.ledger.allocation_sums(query)
         sets = allocation_sets(query, pods, buckets)
         policies = self.ledger.sharing_policies(start_ms=query.start_ms, end_ms=query.end_ms, cluster=query.cluster)
-        bills = self.ledger.totals(start_ms=query.start_ms, end_ms=query.end_ms, cluster=query.cluster)
-        return response(query, sets, policies=policies, bills_micro_usd=bills.bill_micro_usd)
+        bills_micro_usd, _windows = self.ledger.bill_totals(start_ms=query.start_ms, end_ms=query.end_ms,
+                                                            cluster=query.cluster)
+        return response(query, sets, policies=policies, bills_micro_usd=bills_micro_usd)
 
     def _send(self, start_response, code: int, body: Mapping[str, Any], path: str, extra_headers=(), *,
               head: bool = False):

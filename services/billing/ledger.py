@@ -978,6 +978,18 @@ class Ledger:
             by_subject_kind=by_kind,
         )
 
+    def bill_totals(self, *, start_ms: int | None = None, end_ms: int | None = None,
+                    cluster: str | None = None, cost: str = "list") -> tuple[int, int]:
+        """(micro-dollars, node-windows) of the node bills of windows starting in [start_ms, end_ms), in the
+        ``cost`` basis: one SQL aggregate over the bills, which every grain keeps. What a report's reconciliation
+        and ``/allocation`` compare their lines with; ``totals`` also reads the lines (and every bill's zero
+        lines), which over a month of a fleet is millions of rows."""
+        (bill_sum, bill_count), = self._read(
+            select(func.coalesce(func.sum(self.cost_expression(node_bills, cost)), 0), func.count())
+            .where(*self._range(node_bills, start_ms, end_ms, cluster))
+        )
+        return int(bill_sum), int(bill_count)
+
     def cost_by(self, grouping: Grouping, *, start_ms: int | None = None, end_ms: int | None = None,
                 cluster: str | None = None, cost: str = "list") -> tuple[CostGroupRow, ...]:
         """Cost lines summed per (subject kind, group value) for windows starting in [start_ms, end_ms), in the

@@ -348,11 +348,11 @@ def build_report(ledger: Ledger, grouping: Grouping, *, start_ms: int, end_ms: i
     shared_sources = tuple(sorted((SharedSourceRow(*row) for row in rollups.merge([p[2] for p in parts], 2)),
                                   key=lambda r: (r.shared_from, r.sharing_method)))
     lines = report_lines(rows, grouping, carriage)
-    totals = ledger.totals(start_ms=start_ms, end_ms=end_ms, cluster=cluster, cost=cost)
+    bills_micro_usd, node_windows = ledger.bill_totals(start_ms=start_ms, end_ms=end_ms, cluster=cluster, cost=cost)
     reconciliation = Reconciliation(
         lines_total_micro_usd=sum(line.cost_micro_usd for line in lines),
-        node_bills_micro_usd=totals.bill_micro_usd,
-        node_windows=totals.node_windows,
+        node_bills_micro_usd=bills_micro_usd,
+        node_windows=node_windows,
     )
     pricing = ledger.node_pricing(start_ms=start_ms, end_ms=end_ms, cluster=cluster)
     trued = ledger.trued_coverage(start_ms=start_ms, end_ms=end_ms, cluster=cluster)[0] if cost == "trued" else 0
