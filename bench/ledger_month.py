@@ -16,7 +16,8 @@ order; node-windows per second of the writes' wall time (the costing and cloning
 server is ``gpumeter.devtools.postgres.PostgresServer`` (loopback, ``fsync=off``: the CPU of client and server,
 not a disk's commit latency).
 
-**Storage**: ``pg_total_relation_size`` (table, indexes, TOAST) of every ledger table after the ingest, per grain
+**Storage**: ``pg_total_relation_size`` (table, indexes, TOAST) of every ledger table after the ingest and a
+``VACUUM FULL`` (the rollups' upserts leave dead row versions that later periods reuse), per grain
 (``GRAIN_OF_TABLE``), scaled to 1,000 GPU-days: the minute and hourly grains grow with time (× 24 / hours
 written), the daily grain with days (its rows for the hours written are the day's rows: the same keys). Then what
 the default retention of a 1,000-GPU cluster holds (minute lines ``MINUTE_RETENTION_DAYS``, hourly rollups
@@ -32,6 +33,12 @@ from typing import Any, Iterator, Sequence
 
 from schemas.records import NodeWindowShares
 
+from services.billing.retention import (
+    DEFAULT_DAILY_ROLLUPS_DAYS,
+    DEFAULT_HOURLY_ROLLUPS_DAYS,
+    DEFAULT_MINUTE_LINES_DAYS,
+)
+
 from bench.common import Target
 
 WINDOW_SECONDS = 60
@@ -45,9 +52,10 @@ TEAMS = ("assistants", "search", "ranking", "media", "foundation", "research", "
          "safety", "infra", "growth")
 TARGET_INGEST_NODE_WINDOWS_PER_S = 250.0  # issue 24: 10x what 10,000 GPUs at 1-minute windows produce
 TARGET_RETAINED_GB_FOR_1000_GPUS = 20.0
-MINUTE_RETENTION_DAYS = 14
-HOUR_RETENTION_DAYS = 90
-DAY_RETENTION_DAYS = 400
+# The ledger's default retention (``services.billing.retention``).
+MINUTE_RETENTION_DAYS = DEFAULT_MINUTE_LINES_DAYS
+HOUR_RETENTION_DAYS = DEFAULT_HOURLY_ROLLUPS_DAYS
+DAY_RETENTION_DAYS = DEFAULT_DAILY_ROLLUPS_DAYS
 
 
 def template_record() -> NodeWindowShares:
@@ -393,7 +401,9 @@ def measure(nodes: int = FLEET_NODES, ingest_minutes: int = 60, days: int = 30) 
             ledger.close()
         try:
             with admin.connect() as connection:
-                connection.execute(text("VACUUM ANALYZE"))
+                # FULL: a rollup row is updated by every write of its period, and the dead versions plain VACUUM
+                # leaves in the file are space the next periods reuse, not bytes a day of history keeps.
+                connection.execute(text("VACUUM FULL ANALYZE"))
                 sizes = table_bytes(connection)
                 rows = table_rows(connection, sorted(sizes))
                 started = time.perf_counter()
