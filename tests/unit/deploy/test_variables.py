@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from tests.unit.deploy import REPO_ROOT, SERVICE_ROLES, variables_read_by
+from tests.unit.deploy import REPO_ROOT, SERVICE_ROLES, env_variables, variables_read_by
 
 DOCUMENTED_IN = ("deploy", "docker-compose.yml", "docs", "README.md")
 _NAME = re.compile(r"GPUMETER_[A-Z0-9_]*[A-Z0-9_]")
@@ -27,6 +27,21 @@ READ_ELSEWHERE = {
     # Interpolated by docker compose itself into the database's and billing's environment.
     "GPUMETER_POSTGRES_PASSWORD": "docker-compose.yml",
 }
+
+
+# Commands that are not deployed services but read their settings through the one loader: module -> class.
+COMMAND_SETTINGS = {
+    "pipeline.record": "RecordSettings",  # gpumeter record
+    "services.billing.retention": "RetentionSettings",  # gpumeter ledger retention
+}
+
+
+def _read_by_commands() -> frozenset[str]:
+    names: set[str] = set()
+    for module_name, class_name in COMMAND_SETTINGS.items():
+        module = __import__(module_name, fromlist=[class_name])
+        names |= set(env_variables(getattr(module, class_name)))
+    return frozenset(names)
 
 
 def _mentions() -> dict[str, set[str]]:
@@ -45,7 +60,8 @@ def _mentions() -> dict[str, set[str]]:
 
 
 def test_every_documented_variable_is_read_by_a_loader():
-    loaded = frozenset().union(*(variables_read_by(role) for role in [*SERVICE_ROLES, "topics"]))
+    loaded = frozenset().union(*(variables_read_by(role) for role in [*SERVICE_ROLES, "topics"]),
+                               _read_by_commands())
     mentions = _mentions()
     assert len(mentions) > 40, "the scan found too few names to be looking in the right places"
     unknown = {}
