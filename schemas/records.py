@@ -752,51 +752,24 @@ class NodeWindowShares:
             raise RecordShapeError("a node-window has at least one row")
         first = rows[0]
         node = (first.cluster, first.node_name, first.window_start_unix_ms, first.window_seconds)
-        pods: dict[str, WindowPod] = {}
-        pod_index: dict[str, int] = {}
-        units: list[UnitShares] = []
-        columns: list[list[Any]] = []
-        unit_of: dict[str, int] = {}
-        for row in rows:
-            if (row.cluster, row.node_name, row.window_start_unix_ms, row.window_seconds) != node:
-                raise RecordShapeError(f"rows of {node} and {(row.cluster, row.node_name, row.window_start_unix_ms)}")
-            index = -1
-            if row.subject_kind is ShareSubjectKind.POD:
-                if row.pod_uid is None:
-                    raise RecordShapeError(f"unit {row.gpu_uuid}: a POD row without pod uid")
-                pod = WindowPod(row.pod_uid, row.namespace, row.pod_name, _frozen_map(row.labels),
-                                tuple(row.carried_label_keys), row.workload_kind, row.workload_name,
-                                row.cpu_request_millicores, row.memory_request_bytes)
-                known = pods.get(row.pod_uid)
-                if known is None:
-                    pod_index[row.pod_uid] = len(pods)
-                    pods[row.pod_uid] = pod
-                elif known != pod:
-                    raise RecordShapeError(f"pod {row.pod_uid} is described two ways in one node-window")
-                index = pod_index[row.pod_uid]
-            at = unit_of.get(row.gpu_uuid)
-            if at is None:
-                at = unit_of[row.gpu_uuid] = len(units)
-                units.append(UnitShares(row.gpu_uuid, row.parent_gpu_uuid, row.gpu_model, row.gpu_fraction,
-                                        row.sharing_mode, row.method, row.sample_count, row.covered_seconds,
-                                        (), (), (), (), (), (), row.mig_profile, row.mig_gpu_instance_id))
-                columns.append([[], [], [], [], [], []])
-            elif at != len(units) - 1:
-                raise RecordShapeError(f"the rows of unit {row.gpu_uuid} are not together")
-            column = columns[at]
-            column[0].append(row.subject_kind)
-            column[1].append(index)
-            column[2].append(row.memory_used_bytes_avg)
-            column[3].append(row.memory_share)
-            column[4].append(row.compute_share)
-            column[5].append(row.cost_share)
-        return cls(first.cluster, first.node_name, first.window_start_unix_ms, first.window_seconds,
-                   first.node_covered_seconds, first.cloud_provider, first.region, first.zone, first.provider_id,
-                   first.instance_type, first.price_model, first.cost_basis, tuple(pods.values()),
-                   tuple(UnitShares(u.gpu_uuid, u.parent_gpu_uuid, u.gpu_model, u.gpu_fraction, u.sharing_mode,
-                                    u.method, u.sample_count, u.covered_seconds, *(tuple(c) for c in column),
-                                    u.mig_profile, u.mig_gpu_instance_id)
-                         for u, column in zip(units, columns)))
+        builder = NodeWindowBuilder()
+        start = 0
+        for end in range(1, len(rows) + 1):
+            if end < len(rows):
+                row = rows[end]
+                if (row.cluster, row.node_name, row.window_start_unix_ms, row.window_seconds) != node:
+                    raise RecordShapeError(
+                        f"rows of {node} and {(row.cluster, row.node_name, row.window_start_unix_ms)}")
+                if row.gpu_uuid == rows[start].gpu_uuid:
+                    continue
+            head = rows[start]
+            builder.add_unit(head.gpu_uuid, head.parent_gpu_uuid, head.gpu_model, head.gpu_fraction,
+                             head.sharing_mode, head.method, head.sample_count, head.covered_seconds,
+                             rows[start:end], head.mig_profile, head.mig_gpu_instance_id)
+            start = end
+        return builder.build(first.cluster, first.node_name, first.window_start_unix_ms, first.window_seconds,
+                             first.node_covered_seconds, first.cloud_provider, first.region, first.zone,
+                             first.provider_id, first.instance_type, first.price_model, first.cost_basis)
 
     def to_avro(self) -> dict[str, Any]:
         return {
@@ -823,6 +796,72 @@ class NodeWindowShares:
                    d["instance_type"], d["price_model"], d["cost_basis"],
                    tuple([WindowPod.from_avro(p) for p in d["pods"]]),
                    tuple([UnitShares.from_avro(u) for u in d["units"]]))
+
+
+class NodeWindowBuilder:
+    """Builds one ``NodeWindowShares`` unit by unit: the one place a node-window's rows become its pods and units.
+
+    ``add_unit`` takes one unit's rows -- any objects with ``GpuShare``'s subject and share attributes
+    (``subject_kind``, ``pod_uid``, ``namespace``, ``pod_name``, ``labels``, ``carried_label_keys``,
+    ``workload_kind``, ``workload_name``, ``cpu_request_millicores``, ``memory_request_bytes``,
+    ``memory_used_bytes_avg``, ``memory_share``, ``compute_share``, ``cost_share``) -- and indexes its POD rows'
+    pods, each pod once per node-window. Raises ``RecordShapeError`` for a unit added twice (its rows apart), a
+    POD row without a pod uid, or a pod described two ways. A unit without rows is left out; ``build`` returns
+    None when no unit has rows."""
+
+    __slots__ = ("_pods", "_pod_index", "_units", "_unit_uuids")
+
+    def __init__(self) -> None:
+        self._pods: list[WindowPod] = []
+        self._pod_index: dict[str, int] = {}
+        self._units: list[UnitShares] = []
+        self._unit_uuids: set[str] = set()
+
+    def _index_of(self, row: Any) -> int:
+        if row.subject_kind is not ShareSubjectKind.POD:
+            return -1
+        uid = row.pod_uid
+        if uid is None:
+            raise RecordShapeError(f"unit {row.gpu_uuid}: a POD row without pod uid")
+        labels = row.labels
+        if type(labels) is not MappingProxyType:  # read-only copies are kept as they are
+            labels = _frozen_map(labels)
+        pod = WindowPod(uid, row.namespace, row.pod_name, labels, tuple(row.carried_label_keys), row.workload_kind,
+                        row.workload_name, row.cpu_request_millicores, row.memory_request_bytes)
+        at = self._pod_index.get(uid)
+        if at is None:
+            at = self._pod_index[uid] = len(self._pods)
+            self._pods.append(pod)
+        elif self._pods[at] != pod:
+            raise RecordShapeError(f"pod {uid} is described two ways in one node-window")
+        return at
+
+    def add_unit(self, gpu_uuid: str, parent_gpu_uuid: str | None, gpu_model: str, gpu_fraction: float,
+                 sharing_mode: SharingMode, method: str, sample_count: int, covered_seconds: float,
+                 rows: Sequence[Any], mig_profile: str | None = None, mig_gpu_instance_id: int | None = None) -> None:
+        """Add one unit and its rows (in row order)."""
+        if not rows:
+            return
+        if gpu_uuid in self._unit_uuids:
+            raise RecordShapeError(f"the rows of unit {gpu_uuid} are not together")
+        self._unit_uuids.add(gpu_uuid)
+        index_of = self._index_of
+        self._units.append(UnitShares(
+            gpu_uuid, parent_gpu_uuid, gpu_model, gpu_fraction, sharing_mode, method, sample_count, covered_seconds,
+            tuple([row.subject_kind for row in rows]), tuple([index_of(row) for row in rows]),
+            tuple([row.memory_used_bytes_avg for row in rows]), tuple([row.memory_share for row in rows]),
+            tuple([row.compute_share for row in rows]), tuple([row.cost_share for row in rows]),
+            mig_profile, mig_gpu_instance_id))
+
+    def build(self, cluster: str, node_name: str, window_start_unix_ms: int, window_seconds: int,
+              node_covered_seconds: float, cloud_provider: str, region: str, zone: str, provider_id: str,
+              instance_type: str, price_model: str, cost_basis: str) -> "NodeWindowShares | None":
+        """The record of the units added so far (None: none had rows)."""
+        if not self._units:
+            return None
+        return NodeWindowShares(cluster, node_name, window_start_unix_ms, window_seconds, node_covered_seconds,
+                                cloud_provider, region, zone, provider_id, instance_type, price_model, cost_basis,
+                                tuple(self._pods), tuple(self._units))
 
 
 _LINE_FIELDS = ("line_unit_index", "line_subject_kinds", "line_pod_index", "line_cost_share", "line_cost_micro_usd",

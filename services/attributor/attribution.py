@@ -30,12 +30,10 @@ from schemas.records import (
     GpuDeviceSample,
     GpuShare,
     NodeSample,
+    NodeWindowBuilder,
     NodeWindowShares,
-    RecordShapeError,
     SharingMode,
     ShareSubjectKind,
-    UnitShares,
-    WindowPod,
 )
 
 from services.attributor.modes import (
@@ -1360,62 +1358,26 @@ def node_window_record(window: NodeWindow, pods: PodLookup, policy: AttributionP
     """The record the attributor emits for one closed node window: equal to
     ``NodeWindowShares.from_rows(attribute_node_window(window, pods, policy))``, or None for a window without rows.
 
-    Built from the units' rows directly: a close makes one record, not first a ``GpuShare`` per row (38 fields,
-    ~5 µs each) and then the record from those. ``open_window`` as in ``attribute_node_window``. Raises
+    Built from the units' rows directly by the same ``NodeWindowBuilder`` as ``from_rows``: a close makes one
+    record, not first a ``GpuShare`` per row (38 fields, ~5 µs each) and then the record from those. ``open_window`` as in ``attribute_node_window``. Raises
     ``RecordShapeError`` where ``from_rows`` would: two units under one uuid, a POD row without a pod uid, a pod
     described two ways."""
     if not window.samples:
         return None
-    attributed = _attributed_units(window, pods, policy, open_window)
-    pod_records: dict[str, WindowPod] = {}
-    pod_index: dict[str, int] = {}
-    units: list[UnitShares] = []
-    unit_uuids: set[str] = set()
-    for device, unit in attributed:
+    builder = NodeWindowBuilder()
+    for device, unit in _attributed_units(window, pods, policy, open_window):
         rows = unit.rows
         if not rows:
             continue
         first = rows[0]
-        if first.gpu_uuid in unit_uuids:
-            raise RecordShapeError(f"the rows of unit {first.gpu_uuid} are not together")
-        unit_uuids.add(first.gpu_uuid)
-        indexes: list[int] = []
-        for row in rows:
-            if row.subject_kind is not ShareSubjectKind.POD:
-                indexes.append(-1)
-                continue
-            uid = row.pod_uid
-            if uid is None:
-                raise RecordShapeError(f"unit {row.gpu_uuid}: a POD row without pod uid")
-            at = pod_index.get(uid)
-            labels = row.labels
-            if type(labels) is not MappingProxyType:  # the pod index's are read-only copies already
-                labels = MappingProxyType(dict(labels))
-            pod = WindowPod(uid, row.namespace, row.pod_name, labels,
-                            tuple(row.carried_label_keys), row.workload_kind, row.workload_name,
-                            row.cpu_request_millicores, row.memory_request_bytes)
-            if at is None:
-                at = pod_index[uid] = len(pod_records)
-                pod_records[uid] = pod
-            elif pod_records[uid] != pod:
-                raise RecordShapeError(f"pod {uid} is described two ways in one node-window")
-            indexes.append(at)
         mig_profile, mig_gpu_instance_id = _mig_instance_labels(device, unit)
-        units.append(UnitShares(first.gpu_uuid, first.parent_gpu_uuid, first.gpu_model, first.gpu_fraction,
-                                first.sharing_mode, first.method, first.sample_count, first.covered_seconds,
-                                tuple([row.subject_kind for row in rows]), tuple(indexes),
-                                tuple([row.memory_used_bytes_avg for row in rows]),
-                                tuple([row.memory_share for row in rows]),
-                                tuple([row.compute_share for row in rows]),
-                                tuple([row.cost_share for row in rows]),
-                                mig_profile, mig_gpu_instance_id))
-    if not units:
-        return None
+        builder.add_unit(first.gpu_uuid, first.parent_gpu_uuid, first.gpu_model, first.gpu_fraction,
+                         first.sharing_mode, first.method, first.sample_count, first.covered_seconds, rows,
+                         mig_profile, mig_gpu_instance_id)
     facts = window.samples[-1]
-    return NodeWindowShares(window.cluster, window.node_name, window.window_start_unix_ms, window.window_seconds,
-                            _node_covered_seconds(window), facts.cloud_provider, facts.region, facts.zone,
-                            facts.provider_id, facts.instance_type, facts.price_model, policy.basis_text,
-                            tuple(pod_records.values()), tuple(units))
+    return builder.build(window.cluster, window.node_name, window.window_start_unix_ms, window.window_seconds,
+                         _node_covered_seconds(window), facts.cloud_provider, facts.region, facts.zone,
+                         facts.provider_id, facts.instance_type, facts.price_model, policy.basis_text)
 
 
 def _node_covered_seconds(window: NodeWindow) -> float:
