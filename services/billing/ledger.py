@@ -101,6 +101,7 @@ from gpumeter.errors import ConfigError, GpumeterError
 from gpumeter.redact import mask_secrets, mask_url
 from schemas.records import CostRecord, CostSubjectKind
 from services.billing import rollups
+from services.billing.bulk_rows import DO_NOTHING, BulkInsert
 from services.billing.costing import NodeBill, NodeWindowKey
 from services.billing.line_storage import (
     EMPTY_LABEL_SET_ID,
@@ -476,6 +477,9 @@ LINE_COLUMNS = ("window_start_unix_ms", "cluster", "node_name", "gpu_uuid", "sub
                 "gpu_fraction")
 
 
+_LINES_INSERT = BulkInsert(cost_lines, LINE_COLUMNS, conflict=DO_NOTHING)
+
+
 def _line_row(cost: CostRecord, label_set: int) -> dict[str, Any]:
     """The ``cost_lines`` row of ``cost`` whose labels are the label set ``label_set`` (``line_storage``)."""
     return dict(zip(LINE_COLUMNS, _line_values(cost, label_set)))
@@ -496,22 +500,6 @@ def _alembic_config(connection: Connection):
     config.set_main_option("script_location", str(MIGRATIONS_DIR))
     config.attributes["connection"] = connection
     return config
-
-
-def _driver_lines_insert(dialect: Any) -> tuple[str, tuple[tuple[int, Any], ...]]:
-    """The cost lines' ``INSERT ... ON CONFLICT DO NOTHING`` compiled for ``dialect`` with positional parameters
-    in ``LINE_COLUMNS`` order, and the bind processor of each column that has one (by position)."""
-    statement = (sqlite.insert(cost_lines).values({name: bindparam(name) for name in LINE_COLUMNS})
-                 .on_conflict_do_nothing())
-    compiled = statement.compile(dialect=dialect)
-    if tuple(compiled.positiontup or ()) != LINE_COLUMNS:
-        raise RuntimeError(f"the cost lines' insert binds {compiled.positiontup}, not {LINE_COLUMNS}")
-    processors = []
-    for index, name in enumerate(LINE_COLUMNS):
-        process = cost_lines.c[name].type._cached_bind_processor(dialect)
-        if process is not None:
-            processors.append((index, process))
-    return str(compiled), tuple(processors)
 
 
 class Ledger:
@@ -554,7 +542,6 @@ class Ledger:
         except (ArgumentError, NoSuchModuleError, ValueError) as exc:
             raise LedgerError(f"cannot open ledger {shown!r}: {mask_secrets(str(exc))}") from exc
         self.dialect = self.engine.dialect.name
-        self._lines_sql = _driver_lines_insert(self.engine.dialect) if self.dialect == "sqlite" else None
         # Label sets this handle knows are in the database (it inserted or checked them in a committed write), and
         # the ids of label sets seen: a pod's lines carry the same labels window after window.
         self._stored_label_sets: set[int] = set()
@@ -767,8 +754,7 @@ class Ledger:
                     rollups.add_written(connection, ROLLUPS,
                                         [cost for cost in lines.values() if NodeWindowKey(
                                             cost.cluster, cost.node_name, cost.window_start_unix_ms) in new_keys],
-                                        {k: bills_by_key[k] for k in new_keys}, team_key=self.team_label,
-                                        insert=self._insert)
+                                        {k: bills_by_key[k] for k in new_keys}, team_key=self.team_label)
                 unpublished, others = self._unpublished(connection, {k: b for k, b in bills_by_key.items()
                                                                      if k not in new_keys})
         except SQLAlchemyError as exc:
@@ -819,24 +805,10 @@ class Ledger:
 
     def _insert_lines(self, connection: Connection, costs: list[CostRecord]) -> set[int]:
         """Insert the cost lines of ``costs`` (no zero line among them), skipping any already there, and the label
-        sets they reference first; returns the label sets inserted. On SQLite, one driver-level ``executemany`` of
-        value tuples through the statement SQLAlchemy compiles (and the bind processors it would apply): the same
-        rows without SQLAlchemy building a parameter set per row, which cost more than SQLite's own insert
-        (``bench/billing.py``). Elsewhere the Core statement."""
+        sets they reference first; returns the label sets inserted. One bulk statement (``bulk_rows``)."""
         ids = [self._label_set(c) for c in costs]
         added = self._insert_label_sets(connection, dict(zip(ids, costs)))
-        if self._lines_sql is None:
-            connection.execute(self._insert(cost_lines).on_conflict_do_nothing(),
-                               [_line_row(c, i) for c, i in zip(costs, ids)])
-            return added
-        sql, processors = self._lines_sql
-        rows = []
-        for cost, label_set in zip(costs, ids):
-            values = list(_line_values(cost, label_set))
-            for index, process in processors:
-                values[index] = process(values[index])
-            rows.append(tuple(values))
-        connection.exec_driver_sql(sql, rows)
+        _LINES_INSERT.execute(connection, [_line_values(c, i) for c, i in zip(costs, ids)])
         return added
 
     def _unpublished(self, connection, existing: dict[NodeWindowKey, NodeBill]
@@ -1340,8 +1312,7 @@ class Ledger:
                         trued_changes.extend(
                             rollups.TruedChange(zero_line_record(row_of_bill, line), row_of_bill["gpu_model"],
                                                 row_of_bill["sharing"], before, after) for line in zero)
-                rollups.add_trued(connection, ROLLUPS, trued_changes, team_key=self.team_label,
-                                  insert=self._insert)
+                rollups.add_trued(connection, ROLLUPS, trued_changes, team_key=self.team_label)
                 if line_updates:
                     connection.execute(
                         update(cost_lines)

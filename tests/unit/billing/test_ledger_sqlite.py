@@ -10,6 +10,7 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import event, inspect, text
+from sqlalchemy.dialects import sqlite
 
 from schemas.records import CostSubjectKind
 from services.billing.costing import bill_node_window
@@ -252,20 +253,32 @@ def _all_rows(ledger):
                 for table in ("node_bills", "cost_lines", "price_versions")}
 
 
-def test_the_driver_level_line_insert_stores_what_the_core_statement_stores(tmp_path):
-    """SQLite's cost lines go through one driver-level executemany (``Ledger._insert_lines``); every column of
+class _CoreLinesInsert:
+    """The cost lines through SQLAlchemy's Core ``INSERT ... ON CONFLICT DO NOTHING`` executemany."""
+
+    def execute(self, connection, rows):
+        from services.billing.ledger import LINE_COLUMNS, cost_lines
+
+        connection.execute(sqlite.insert(cost_lines).on_conflict_do_nothing(),
+                           [dict(zip(LINE_COLUMNS, row)) for row in rows])
+
+
+def test_the_bulk_line_insert_stores_what_the_core_statement_stores(tmp_path, monkeypatch):
+    """The cost lines go through one bulk statement (``Ledger._insert_lines``, ``bulk_rows``); every column of
     every row must be what SQLAlchemy's Core statement stores for the same lines."""
+    import services.billing.ledger as ledger_module
+
     fast, core = (Ledger(f"sqlite:///{tmp_path / name}") for name in ("fast.sqlite3", "core.sqlite3"))
-    core._lines_sql = None  # the Core statement, as on PostgreSQL
-    assert fast._lines_sql is not None
     odd = dataclasses.replace  # lines as awkward as the ledger takes: unicode labels, None names, shared lines
     results = sample_costs(2) + sample_costs(2, start_ms=WINDOW_START_MS + 600_000, sharing="idle=weighted")
     costs, bills = everything(results)
     costs = [odd(c, labels={**c.labels, "tëam": "ünï \"q\"", "n": "1"}, namespace=None) if i % 3 == 0 else c
              for i, c in enumerate(costs)]
     assert any(c.shared_from is not None for c in costs)
+    bulk = ledger_module._LINES_INSERT
     try:
-        for ledger in (fast, core):
+        for ledger, lines_insert in ((fast, bulk), (core, _CoreLinesInsert())):
+            monkeypatch.setattr(ledger_module, "_LINES_INSERT", lines_insert)
             ledger.migrate()
             outcome = ledger.write(costs, bills)
             assert outcome.lines_written == len(costs)
