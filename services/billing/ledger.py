@@ -451,24 +451,27 @@ _BILL_OF_LINE = ((node_bills.c.window_start_unix_ms == cost_lines.c.window_start
 _WITH_LABELS = cost_lines.join(label_sets, label_sets.c.label_set_id == cost_lines.c.label_set_id)
 
 
+# Each kind's text, looked up: an enum member's ``.value`` is a descriptor call, once per line and column.
+KIND_TEXT: Mapping[CostSubjectKind | None, str] = MappingProxyType(
+    {None: NOT_SHARED, **{kind: kind.value for kind in CostSubjectKind}})
+
+
 def _shared_from(cost: CostRecord) -> str:
-    return cost.shared_from.value if cost.shared_from is not None else NOT_SHARED
+    return KIND_TEXT[cost.shared_from]
 
 
 def _line_key(cost: CostRecord) -> tuple:
     return (cost.window_start_unix_ms, cost.cluster, cost.node_name, cost.gpu_uuid or NO_GPU,
-            cost.subject_kind.value, cost.pod_uid or NO_POD, _shared_from(cost))
+            KIND_TEXT[cost.subject_kind], cost.pod_uid or NO_POD, KIND_TEXT[cost.shared_from])
 
 
 def _line_values(cost: CostRecord, label_set: int) -> tuple:
     """``_line_row(cost, label_set)``'s values, in its order (``LINE_COLUMNS``): the row of the driver-level
     insert."""
-    shared_from = cost.shared_from
     return (cost.window_start_unix_ms, cost.cluster, cost.node_name, cost.gpu_uuid or NO_GPU,
-            cost.subject_kind.value, cost.pod_uid or NO_POD, cost.window_seconds, cost.namespace, cost.pod_name,
-            label_set, cost.cost_share, cost.cost_micro_usd,
-            shared_from.value if shared_from is not None else NOT_SHARED, cost.sharing_method, cost.method,
-            cost.cost_basis, cost.memory_share, cost.compute_share, cost.gpu_fraction)
+            KIND_TEXT[cost.subject_kind], cost.pod_uid or NO_POD, cost.window_seconds, cost.namespace, cost.pod_name,
+            label_set, cost.cost_share, cost.cost_micro_usd, KIND_TEXT[cost.shared_from], cost.sharing_method,
+            cost.method, cost.cost_basis, cost.memory_share, cost.compute_share, cost.gpu_fraction)
 
 
 LINE_COLUMNS = ("window_start_unix_ms", "cluster", "node_name", "gpu_uuid", "subject_kind", "pod_uid",
@@ -691,40 +694,45 @@ class Ledger:
         """Record node-windows idempotently (see the module docstring). Every cost line's node-window must have
         its bill in ``bills`` and the lines of each node-window must add up to its bill, else ``LedgerError``
         and nothing is written."""
-        bills_by_key: dict[NodeWindowKey, NodeBill] = {}
+        # Node-windows are keyed by plain (start, cluster, node) tuples inside -- the order of a line's key and of
+        # the bills' primary key -- not by a NodeWindowKey per line, compared and hashed in Python ~6 times a line.
+        by_window: dict[tuple[int, str, str], tuple[NodeWindowKey, NodeBill]] = {}
         for bill in bills:
-            first = bills_by_key.setdefault(bill.key, bill)
+            key = bill.key
+            first = by_window.setdefault((key.window_start_unix_ms, key.cluster, key.node_name), (key, bill))[1]
             if first != bill:
                 raise LedgerError(f"two different bills for {bill.key} in one write")
         lines: dict[tuple, CostRecord] = {}
-        sums: dict[NodeWindowKey, int] = defaultdict(int)
-        kept: list[tuple[NodeWindowKey, CostRecord]] = []
-        zeros: dict[NodeWindowKey, list[ZeroLine]] = defaultdict(list)
+        sums: dict[tuple[int, str, str], int] = defaultdict(int)
+        kept: list[tuple[tuple[int, str, str], CostRecord]] = []
+        zeros: dict[tuple[int, str, str], list[ZeroLine]] = defaultdict(list)
         for cost in costs:
-            key = NodeWindowKey(cost.cluster, cost.node_name, cost.window_start_unix_ms)
-            bill = bills_by_key.get(key)
-            if bill is None:
+            window = (cost.window_start_unix_ms, cost.cluster, cost.node_name)
+            found = by_window.get(window)
+            if found is None:
+                key = NodeWindowKey(cost.cluster, cost.node_name, cost.window_start_unix_ms)
                 raise LedgerError(f"cost line for {key} without its node bill in the same write")
+            bill = found[1]
             line_key = _line_key(cost)
             first_line = lines.setdefault(line_key, cost)
             if first_line is cost:
-                sums[key] += cost.cost_micro_usd
+                sums[window] += cost.cost_micro_usd
                 if is_zero_line(cost, bill.window_seconds, bill.instance_type, bill.price_model,
                                 bill.price_version):
-                    zeros[key].append(_zero_line(cost))
+                    zeros[window].append(_zero_line(cost))
                 else:
-                    kept.append((key, cost))
+                    kept.append((window, cost))
             elif first_line != cost:
                 raise LedgerError(f"two different cost lines for {line_key} in one write")
-        for key, bill in bills_by_key.items():
-            if sums.get(key, 0) != bill.node_cost_micro_usd:
+        for window, (key, bill) in by_window.items():
+            if sums.get(window, 0) != bill.node_cost_micro_usd:
                 raise LedgerError(
-                    f"cost lines of {key} add up to {sums.get(key, 0)} micro-USD, the bill says "
+                    f"cost lines of {key} add up to {sums.get(window, 0)} micro-USD, the bill says "
                     f"{bill.node_cost_micro_usd}: refusing to write a ledger that does not reconcile"
                 )
-        if not bills_by_key:
+        if not by_window:
             return WriteResult(0, 0, 0, 0)
-        versions = {b.price_version: b.price.describe() for b in bills_by_key.values()}
+        versions = {b.price_version: b.price.describe() for _, b in by_window.values()}
         pk = [node_bills.c.window_start_unix_ms, node_bills.c.cluster, node_bills.c.node_name]
         added_label_sets: set[int] = set()
         try:
@@ -732,13 +740,15 @@ class Ledger:
                 connection.execute(self._insert(price_versions).on_conflict_do_nothing(), list(versions.values()))
                 inserted = connection.execute(
                     self._insert(node_bills).on_conflict_do_nothing().returning(*pk),
-                    [{**_bill_row(b), "publisher": self.publisher, "zero_lines": encode_zero_lines(zeros.get(k, ()))}
-                     for k, b in bills_by_key.items()],
+                    [{**_bill_row(b), "publisher": self.publisher, "zero_lines": encode_zero_lines(zeros.get(w, ()))}
+                     for w, (_, b) in by_window.items()],
                 ).all()
-                new_keys = {NodeWindowKey(cluster, node, start) for start, cluster, node in inserted}
-                new_lines = [cost for key, cost in kept if key in new_keys]
-                for cost in new_lines:
-                    bill = bills_by_key[NodeWindowKey(cost.cluster, cost.node_name, cost.window_start_unix_ms)]
+                new_windows = {(start, cluster, node) for start, cluster, node in inserted}
+                new_lines = []
+                for window, cost in kept:
+                    if window not in new_windows:
+                        continue
+                    bill = by_window[window][1]
                     if (cost.price_version != bill.price_version or cost.instance_type != bill.instance_type
                             or cost.price_model != bill.price_model):
                         # Raised inside the transaction: nothing of this write is committed.
@@ -746,29 +756,29 @@ class Ledger:
                                           f"{cost.price_model} {cost.price_version}, its bill as {bill.instance_type} "
                                           f"{bill.price_model} {bill.price_version}: the ledger keeps them once, on "
                                           "the bill")
+                    new_lines.append(cost)
                 if new_lines:
                     added_label_sets = self._insert_lines(connection, new_lines)
-                if new_keys:
+                if new_windows:
                     # Every line of the new node-windows, zero lines included (the rollups count them as every
                     # reader does: services.billing.rollups).
                     rollups.add_written(connection, ROLLUPS,
-                                        [cost for cost in lines.values() if NodeWindowKey(
-                                            cost.cluster, cost.node_name, cost.window_start_unix_ms) in new_keys],
-                                        {k: bills_by_key[k] for k in new_keys}, team_key=self.team_label)
-                unpublished, others = self._unpublished(connection, {k: b for k, b in bills_by_key.items()
-                                                                     if k not in new_keys})
+                                        [cost for line_key, cost in lines.items() if line_key[:3] in new_windows],
+                                        dict(by_window[w] for w in new_windows), team_key=self.team_label)
+                unpublished, others = self._unpublished(connection, dict(
+                    pair for window, pair in by_window.items() if window not in new_windows))
         except SQLAlchemyError as exc:
-            raise LedgerError(f"writing {len(bills_by_key)} node-windows to {self!r} failed: {exc}") from exc
+            raise LedgerError(f"writing {len(by_window)} node-windows to {self!r} failed: {exc}") from exc
         self._stored_label_sets |= added_label_sets
-        elided = sum(len(zeros.get(key, ())) for key in new_keys)
+        elided = sum(len(zeros.get(window, ())) for window in new_windows)
         written = len(new_lines) + elided
         return WriteResult(
-            bills_written=len(new_keys),
-            bills_skipped=len(bills_by_key) - len(new_keys),
+            bills_written=len(new_windows),
+            bills_skipped=len(by_window) - len(new_windows),
             lines_written=written,
             lines_skipped=len(lines) - written,
             unpublished=frozenset(unpublished),
-            written=frozenset(new_keys),
+            written=frozenset(by_window[w][0] for w in new_windows),
             others=frozenset(others),
             lines_elided=elided,
         )

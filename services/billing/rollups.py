@@ -52,7 +52,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import Connection
 
-from schemas.records import CostRecord
+from schemas.records import CostRecord, CostSubjectKind
 from services.billing.bulk_rows import BulkInsert
 from services.billing.costing import NodeBill, NodeWindowKey
 
@@ -173,6 +173,10 @@ def line_key(cost: CostRecord, grain: str, *, gpu_model: str, sharing: str, team
         ",".join(cost.carried_label_keys))
 
 
+# Each kind's text ('' for no kind), looked up: an enum member's ``.value`` is a descriptor call per line.
+_KIND_TEXT: Mapping[CostSubjectKind | None, str] = {None: "", **{kind: kind.value for kind in CostSubjectKind}}
+
+
 def written_rows(costs: Iterable[CostRecord], bills: Mapping[NodeWindowKey, NodeBill], *,
                  team_key: str) -> dict[str, dict[RollupKey, RollupSums]]:
     """Per grain, the rollup rows the cost lines ``costs`` (of the node-windows ``bills``, written now: not trued
@@ -191,10 +195,8 @@ def written_rows(costs: Iterable[CostRecord], bills: Mapping[NodeWindowKey, Node
             node = facts[window] = (start - start % HOUR_MS, cost.cluster, cost.node_name, bill.gpu_model,
                                     bill.sharing)
         team = cost.labels.get(team_key)
-        shared_from = cost.shared_from
-        key = (*node, cost.namespace or "", team_key, team or "", team is not None, cost.subject_kind.value,
-               shared_from.value if shared_from is not None else "", cost.sharing_method,
-               ",".join(cost.carried_label_keys))
+        key = (*node, cost.namespace or "", team_key, team or "", team is not None, _KIND_TEXT[cost.subject_kind],
+               _KIND_TEXT[cost.shared_from], cost.sharing_method, ",".join(cost.carried_label_keys))
         sums = hourly.get(key)
         if sums is None:
             hourly[key] = [cost.cost_micro_usd, 1]
@@ -264,8 +266,9 @@ def upsert(connection: Connection, tables: RollupTables, rows: Mapping[str, Mapp
     for grain, grain_rows in rows.items():
         if not grain_rows:
             continue
+        # Sorted as value tuples (the keys are distinct, so the measures are never compared).
         _upsert_of(tables.by_grain[grain]).execute(
-            connection, [(*key_values(key), *sums_values(sums)) for key, sums in sorted(grain_rows.items())])
+            connection, sorted([(*key_values(key), *sums_values(sums)) for key, sums in grain_rows.items()]))
         done += len(grain_rows)
     return done
 
