@@ -23,7 +23,15 @@ from sqlalchemy import String, case, func, literal, select
 from gpumeter.clock import iso_utc
 from gpumeter.errors import ConfigError
 from services.billing import read_rollups, rollups
-from services.billing.ledger import COST_BASES, READ_ROLLUPS, ROLLUPS, Ledger, MinuteLinesDropped, NodePricingRow, price_versions
+from services.billing.ledger import (
+    COST_BASES,
+    READ_ROLLUPS,
+    ROLLUPS,
+    Ledger,
+    MinuteLinesDropped,
+    NodePricingRow,
+    price_versions,
+)
 from services.billing.rollups import DAY, HOUR, MINUTE, Plan, Segment
 
 if TYPE_CHECKING:

@@ -165,7 +165,8 @@ def trued_bill_rows(changes: Iterable[BillTruedChange]) -> dict[str, dict[tuple,
     out: dict[str, dict[tuple, list[int]]] = {grain: {} for grain in ROLLUP_GRAINS}
     for change in changes:
         listed = int(change.bill["node_cost_micro_usd"])
-        billed = (listed if change.after is None else change.after) - (listed if change.before is None else change.before)
+        billed = ((listed if change.after is None else change.after)
+                  - (listed if change.before is None else change.before))
         trued = (change.after is not None) - (change.before is not None)
         if not billed and not trued:
             continue

@@ -52,18 +52,27 @@ def _table(name: str, dimensions, measures):
 
 
 def _fill_zero_line_counts(bills) -> None:
+    """Decode each bill's zero lines once, a day of windows at a time (a fleet's month is millions of bills)."""
     b = bills.c
     connection = op.get_bind()
-    counts = [{"b_start": start, "b_cluster": cluster, "b_node": node, "b_count": len(decode_zero_lines(text))}
-              for start, cluster, node, text in connection.execute(
-                  sa.select(b.window_start_unix_ms, b.cluster, b.node_name, b.zero_lines)
-                  .where(b.zero_lines.is_not(None)))]
+    first, last = connection.execute(sa.select(sa.func.min(b.window_start_unix_ms), sa.func.max(b.window_start_unix_ms))
+                                      .where(b.zero_lines.is_not(None))).one()
+    if first is None:
+        return
     statement = (sa.update(bills)
                  .where(b.window_start_unix_ms == sa.bindparam("b_start"), b.cluster == sa.bindparam("b_cluster"),
                         b.node_name == sa.bindparam("b_node"))
                  .values(zero_line_count=sa.bindparam("b_count")))
-    for i in range(0, len(counts), _BATCH):
-        connection.execute(statement, counts[i:i + _BATCH])
+    day = int(first) - int(first) % _DAY_MS
+    while day <= int(last):
+        counts = [{"b_start": start, "b_cluster": cluster, "b_node": node, "b_count": len(decode_zero_lines(text))}
+                  for start, cluster, node, text in connection.execute(
+                      sa.select(b.window_start_unix_ms, b.cluster, b.node_name, b.zero_lines)
+                      .where(b.zero_lines.is_not(None), b.window_start_unix_ms >= day,
+                             b.window_start_unix_ms < day + _DAY_MS)).all()]
+        for i in range(0, len(counts), _BATCH):
+            connection.execute(statement, counts[i:i + _BATCH])
+        day += _DAY_MS
 
 
 def _daily_from_hourly(names, dimensions, measures) -> None:
