@@ -119,11 +119,10 @@ def allocation_segments(query: "AllocationQuery", *, use_rollups: bool) -> tuple
     return tuple(out)
 
 
-def allocation_rollups_answer(ledger: Ledger, query: "AllocationQuery") -> bool:
-    """Whether the rollups keep what ``query`` aggregates by (for a label: the rollups' team label, in every row)."""
-    if query.aggregate not in ALLOCATION_ROLLUP_AGGREGATES:
-        return False
-    return query.aggregate != "label" or query.label_key == ledger.team_label
+def allocation_rollups_answer(query: "AllocationQuery") -> bool:
+    """Whether the rollups can keep what ``query`` aggregates by (for a label: only if every pod rollup row read
+    was keyed by that label, checked in ``plan_allocation``)."""
+    return query.aggregate in ALLOCATION_ROLLUP_AGGREGATES
 
 
 def _kept(ledger: Ledger) -> dict[str, int]:
@@ -145,7 +144,7 @@ def plan_allocation(ledger: Ledger, query: "AllocationQuery") -> tuple[Segment, 
     ``MinuteLinesDropped`` when retention dropped a part of the range at the grain that answers it."""
     kept = _kept(ledger)
     segments = ()
-    if allocation_rollups_answer(ledger, query):
+    if allocation_rollups_answer(query):
         segments = allocation_segments(query, use_rollups=True)
         if query.aggregate == "label" and any(
                 read_rollups.other_pod_team_keys(ledger.read, READ_ROLLUPS, s, query.cluster, query.label_key)
