@@ -355,10 +355,11 @@ def _json(a: _Allocation, start: int, end: int) -> dict[str, Any]:
 
 
 def response(query: AllocationQuery, sets: Sequence[Mapping[str, Mapping[str, Any]]], *,
-             policies: Sequence[tuple[str, int]], bills_micro_usd: int) -> dict[str, Any]:
+             policies: Sequence[tuple[str, int]], bills_micro_usd: int, grain: str | None = None) -> dict[str, Any]:
     """OpenCost's response envelope (``code``, ``data``) and gpumeter's notes: the query as understood, the sharing
-    policies of the window's node-windows, a warning where shareIdle asked for sharing billing did not do, and --
-    with includeIdle -- the reconciliation of the allocations to the node bills."""
+    policies of the window's node-windows, a warning where shareIdle asked for sharing billing did not do, --
+    with includeIdle -- the reconciliation of the allocations to the node bills, and ``grain``: which grain the
+    allocations were summed from (``daily rollups (29 days), minute cost lines (30 minutes)``)."""
     warnings = []
     kept_idle = sum(count for policy, count in policies
                     if not any(item.startswith("idle=") for item in policy.split(",")))
@@ -373,6 +374,8 @@ def response(query: AllocationQuery, sets: Sequence[Mapping[str, Mapping[str, An
         "sharingPolicies": [{"policy": policy, "nodeWindows": count} for policy, count in policies],
         "warnings": warnings,
     }
+    if grain is not None:
+        notes["grain"] = grain
     if query.include_idle:
         total = sum(a["totalCostMicroUsd"] for step in sets for a in step.values())
         notes["reconciliation"] = {"allocationsMicroUsd": total, "nodeBillsMicroUsd": bills_micro_usd,

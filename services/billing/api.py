@@ -60,6 +60,7 @@ from gpumeter.errors import ConfigError, GpumeterError
 from gpumeter.metrics import ServiceMetrics
 from gpumeter.redact import mask_url
 from gpumeter.settings import metrics_address_setting
+from services.billing import grain_reads
 from services.billing.allocation import (
     DEFAULT_MAX_STEPS,
     BadQuery,
@@ -268,15 +269,16 @@ class AllocationApi:
                           [("WWW-Authenticate", challenge)])
 
     def answer(self, query) -> dict[str, Any]:
-        """The response to ``query``; ``MinuteLinesDropped`` when it starts before the minute lines retention
-        keeps (the allocation is summed from them)."""
-        self.ledger.require_minute_lines(query.start_ms, "/allocation")
-        pods, buckets = self.ledger.allocation_sums(query)
+        """The response to ``query``, from the coarsest grain that answers it (``grain_reads``: the rollups over
+        whole hours and days by namespace, node, cluster or the team label; the minute lines otherwise);
+        ``MinuteLinesDropped`` when retention dropped a part of its range at the grain that would answer it."""
+        pods, buckets, segments = grain_reads.allocation_sums(self.ledger, query)
         sets = allocation_sets(query, pods, buckets)
-        policies = self.ledger.sharing_policies(start_ms=query.start_ms, end_ms=query.end_ms, cluster=query.cluster)
-        bills_micro_usd, _windows = self.ledger.bill_totals(start_ms=query.start_ms, end_ms=query.end_ms,
-                                                            cluster=query.cluster)
-        return response(query, sets, policies=policies, bills_micro_usd=bills_micro_usd)
+        bills = grain_reads.summarize_bills(self.ledger, grain_reads.bill_plan(self.ledger, query.start_ms,
+                                                                               query.end_ms),
+                                            cluster=query.cluster)
+        return response(query, sets, policies=bills.sharing_policies, bills_micro_usd=bills.bills_micro_usd,
+                        grain=grain_reads.describe_segments(segments))
 
     def _send(self, start_response, code: int, body: Mapping[str, Any], path: str, extra_headers=(), *,
               head: bool = False):

@@ -15,13 +15,14 @@
 
 ``conflict``: ``None`` (a conflict is an error), ``DO_NOTHING`` (skip a row whose key is there) or the key columns
 and ``add=(measures)``: ``ON CONFLICT (key) DO UPDATE SET m = t.m + excluded.m`` for each measure (rows must then
-have distinct keys: PostgreSQL refuses to update one row twice in one statement). Errors are SQLAlchemy's, raised to
+have distinct keys: PostgreSQL refuses to update one row twice in one statement). ``add_sums`` is that for the
+rollup tables: sums added to the rows of their keys, in key order. Errors are SQLAlchemy's, raised to
 the caller (the ledger wraps them in ``LedgerError``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from sqlalchemy import BigInteger, Boolean, Double, Integer, String, Table, Text, bindparam
 from sqlalchemy.dialects import postgresql, sqlite
@@ -141,3 +142,20 @@ class BulkInsert:
         # the first's.
         connection.exec_driver_sql(insert)
         connection.exec_driver_sql(clear)
+
+
+_SUM_UPSERTS: dict[int, BulkInsert] = {}
+
+
+def add_sums(connection: Connection, table: Table, dimensions: Sequence[str], measures: Sequence[str],
+             rows: Iterable[tuple]) -> int:
+    """Add rows of sums to ``table`` (its primary key: ``dimensions``): each row ``(*key, *measures)`` is inserted,
+    or its measures are added to the stored row of its key. Rows are written in key order (distinct keys: sorting
+    compares the keys only); returns how many."""
+    upsert = _SUM_UPSERTS.get(id(table))
+    if upsert is None or upsert.table is not table:
+        upsert = _SUM_UPSERTS[id(table)] = BulkInsert(table, (*dimensions, *measures), conflict=tuple(dimensions),
+                                                      add=tuple(measures))
+    ordered = sorted(rows)
+    upsert.execute(connection, ordered)
+    return len(ordered)

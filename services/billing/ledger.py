@@ -100,7 +100,7 @@ from gpumeter.clock import iso_utc
 from gpumeter.errors import ConfigError, GpumeterError
 from gpumeter.redact import mask_secrets, mask_url
 from schemas.records import CostRecord, CostSubjectKind
-from services.billing import rollups
+from services.billing import read_rollups, rollups
 from services.billing.bulk_rows import DO_NOTHING, BulkInsert
 from services.billing.costing import NodeBill, NodeWindowKey
 from services.billing.line_storage import (
@@ -214,6 +214,8 @@ node_bills = Table(
     Column("sharing", String(255), nullable=False, server_default="keep"),
     Column("zero_lines", Text, nullable=True),
     Column("gpu_model", String(128), nullable=False, server_default=""),
+    # How many zero lines ``zero_lines`` lists: what the bill rollups count, without decoding it.
+    Column("zero_line_count", Integer, nullable=False, server_default="0"),
     PrimaryKeyConstraint("window_start_unix_ms", "cluster", "node_name"),
     ForeignKeyConstraint(["price_version"], ["price_versions.price_version"]),
     Index(None, "node_name", "window_start_unix_ms"),
@@ -283,6 +285,8 @@ trueups = Table(
 
 # Hourly and daily rollups of the cost lines and the retention horizons (``services.billing.rollups``).
 ROLLUPS = rollups.define_tables(metadata)
+# Hourly and daily rollups of the node bills and the pods' lines (``services.billing.read_rollups``).
+READ_ROLLUPS = read_rollups.define_tables(metadata)
 
 COST_BASES = ("list", "trued")
 
@@ -738,10 +742,11 @@ class Ledger:
         try:
             with self._begin() as connection:
                 connection.execute(self._insert(price_versions).on_conflict_do_nothing(), list(versions.values()))
+                bill_rows = {w: {**_bill_row(b), "publisher": self.publisher,
+                                 "zero_lines": encode_zero_lines(zeros.get(w, ())),
+                                 "zero_line_count": len(zeros.get(w, ()))} for w, (_, b) in by_window.items()}
                 inserted = connection.execute(
-                    self._insert(node_bills).on_conflict_do_nothing().returning(*pk),
-                    [{**_bill_row(b), "publisher": self.publisher, "zero_lines": encode_zero_lines(zeros.get(w, ()))}
-                     for w, (_, b) in by_window.items()],
+                    self._insert(node_bills).on_conflict_do_nothing().returning(*pk), list(bill_rows.values()),
                 ).all()
                 new_windows = {(start, cluster, node) for start, cluster, node in inserted}
                 new_lines = []
@@ -762,9 +767,11 @@ class Ledger:
                 if new_windows:
                     # Every line of the new node-windows, zero lines included (the rollups count them as every
                     # reader does: services.billing.rollups).
-                    rollups.add_written(connection, ROLLUPS,
-                                        [cost for line_key, cost in lines.items() if line_key[:3] in new_windows],
-                                        dict(by_window[w] for w in new_windows), team_key=self.team_label)
+                    new_costs = [cost for line_key, cost in lines.items() if line_key[:3] in new_windows]
+                    new_bills = dict(by_window[w] for w in new_windows)
+                    rollups.add_written(connection, ROLLUPS, new_costs, new_bills, team_key=self.team_label)
+                    read_rollups.add_written(connection, READ_ROLLUPS, [bill_rows[w] for w in new_windows],
+                                             new_costs, new_bills, team_key=self.team_label)
                 unpublished, others = self._unpublished(connection, dict(
                     pair for window, pair in by_window.items() if window not in new_windows))
         except SQLAlchemyError as exc:
@@ -1106,11 +1113,16 @@ class Ledger:
         out.sort(key=lambda pair: _line_key(pair[0]))
         yield from out
 
-    def allocation_sums(self, query: "AllocationQuery") -> tuple[list["PodSum"], list["BucketSum"]]:
+    def allocation_sums(self, query: "AllocationQuery", *, start_ms: int | None = None,
+                        end_ms: int | None = None) -> tuple[list["PodSum"], list["BucketSum"]]:
         """What ``services.billing.allocation`` folds into OpenCost allocations: pod lines per (step, group,
         shared bucket, sharing method, method, cost basis) with their GPU-hours (cost, memory and compute share ×
         GPU fraction × billed hours, and the units' capacity-hours), and the lines no pod carries -- plus the IDLE
-        shared to pods -- per (step, node when ``idle_by_node``, kind)."""
+        shared to pods -- per (step, node when ``idle_by_node``, kind). ``start_ms``/``end_ms``: only the windows
+        starting in that part of the query's range (steps still counted from its start;
+        ``services.billing.grain_reads`` reads the rest from rollups)."""
+        first = query.start_ms if start_ms is None else start_ms
+        last = query.end_ms if end_ms is None else end_ms
         from services.billing.allocation import BucketSum, PodSum
 
         c, b = cost_lines.c, node_bills.c
@@ -1126,7 +1138,7 @@ class Ledger:
         else:
             group = label_sets.c.labels[query.label_key].as_string()
         joined = (_WITH_LABELS if query.aggregate == "label" else cost_lines).join(node_bills, _BILL_OF_LINE)
-        in_range = self._range(cost_lines, query.start_ms, query.end_ms, query.cluster)
+        in_range = self._range(cost_lines, first, last, query.cluster)
         billed_ms = b.billed_milliseconds
         # Grouping over a subquery keeps PostgreSQL from seeing two differently-bound copies of an expression.
         inner = (
@@ -1163,7 +1175,7 @@ class Ledger:
         bucket_rows = self._read(select(*keys, func.sum(inner.c.cost_micro_usd), func.count()).group_by(*keys))
         sums = {(int(st), node_name, kind_name, bool(is_shared)): [int(cost), int(lines)]
                 for st, node_name, kind_name, is_shared, cost, lines in bucket_rows}
-        for bill, zero in self._zero_lines(query.start_ms, query.end_ms, query.cluster):
+        for bill, zero in self._zero_lines(first, last, query.cluster):
             st = (bill["window_start_unix_ms"] - query.start_ms) // query.step_ms
             node_name = bill["node_name"] if query.idle_by_node else None
             for _gpu, kind_name, *_ in zero:
@@ -1244,16 +1256,17 @@ class Ledger:
         changed_windows = changed_lines = 0
         try:
             with self._begin() as connection:
-                current, zero_lines = {}, {}
+                current, zero_lines, bill_columns = {}, {}, {}
                 for row in connection.execute(
                         select(b.window_start_unix_ms, b.cluster, b.node_name, b.trued_cost_micro_usd, b.trueup_id,
                                b.zero_lines, b.window_seconds, b.instance_type, b.price_model, b.price_version,
-                               b.sharing, b.gpu_model)
+                               b.sharing, b.gpu_model, b.provider, b.region, b.zone, b.node_cost_micro_usd)
                         .where(b.window_start_unix_ms >= bill.scope_start_ms,
                                b.window_start_unix_ms < bill.scope_end_ms)):
                     m = row._mapping
                     key = NodeWindowKey(m["cluster"], m["node_name"], m["window_start_unix_ms"])
                     current[key] = (m["trued_cost_micro_usd"], m["trueup_id"])
+                    bill_columns[key] = m
                     if m["zero_lines"]:
                         zero_lines[key] = (m, decode_zero_lines(m["zero_lines"]))
                 missing = (set(result.windows) | set(scope)) - set(current)
@@ -1266,6 +1279,10 @@ class Ledger:
                     for key in sorted(scope)
                     if current[key] != (result.windows.get(key), trueup_id)
                 ]
+                # The bill rollups' trued-up sums move with every bill whose trued-up cost changes.
+                read_rollups.add_trued(connection, READ_ROLLUPS, [
+                    read_rollups.BillTruedChange(bill_columns[key], current[key][0], result.windows.get(key))
+                    for key in sorted(scope) if current[key][0] != result.windows.get(key)])
                 if window_updates:
                     connection.execute(
                         update(node_bills)

@@ -61,7 +61,7 @@ from gpumeter.errors import ConfigError, GpumeterError
 from gpumeter.safetext import csv_cell, escape_control
 from schemas.records import CostSubjectKind
 from services.billing.costing import NodeWindowKey, iso_utc
-from services.billing import rollups
+from services.billing import grain_reads, rollups
 from services.billing.ledger import (
     COST_BASES,
     DEFAULT_LEDGER_URL,
@@ -233,6 +233,7 @@ class Report:
     shared_sources: tuple[SharedSourceRow, ...] = ()  # what the sharing policy moved from buckets to pods
     sharing_policies: tuple[tuple[str, int], ...] = ()  # (policy, node-windows billed under it)
     plan: rollups.Plan | None = None  # which grain answered which part of the range (None: cost lines only)
+    bills_plan: rollups.Plan | None = None  # which grain the node bills (reconciliation, pricing) were read from
 
     @property
     def total_micro_usd(self) -> int:
@@ -348,18 +349,20 @@ def build_report(ledger: Ledger, grouping: Grouping, *, start_ms: int, end_ms: i
     shared_sources = tuple(sorted((SharedSourceRow(*row) for row in rollups.merge([p[2] for p in parts], 2)),
                                   key=lambda r: (r.shared_from, r.sharing_method)))
     lines = report_lines(rows, grouping, carriage)
-    bills_micro_usd, node_windows = ledger.bill_totals(start_ms=start_ms, end_ms=end_ms, cluster=cluster, cost=cost)
+    # The node bills of the same windows, from their own rollups over whole hours and days (whatever the
+    # grouping): an independent sum to reconcile the lines with.
+    bills_plan = grain_reads.bill_plan(ledger, start_ms, end_ms, use_rollups=grain == "auto")
+    if bills_plan.adjusted:  # never reconcile lines and bills of different ranges
+        bills_plan = planned
+    bills = grain_reads.summarize_bills(ledger, bills_plan, cluster=cluster, cost=cost, trued=cost == "trued")
     reconciliation = Reconciliation(
         lines_total_micro_usd=sum(line.cost_micro_usd for line in lines),
-        node_bills_micro_usd=bills_micro_usd,
-        node_windows=node_windows,
+        node_bills_micro_usd=bills.bills_micro_usd,
+        node_windows=bills.node_windows,
     )
-    pricing = ledger.node_pricing(start_ms=start_ms, end_ms=end_ms, cluster=cluster)
-    trued = ledger.trued_coverage(start_ms=start_ms, end_ms=end_ms, cluster=cluster)[0] if cost == "trued" else 0
-    return Report(grouping, start_ms, end_ms, cluster, lines, reconciliation, carriage, pricing=pricing, cost=cost,
-                  trued_windows=trued, shared_sources=shared_sources,
-                  sharing_policies=ledger.sharing_policies(start_ms=start_ms, end_ms=end_ms, cluster=cluster),
-                  plan=planned)
+    return Report(grouping, start_ms, end_ms, cluster, lines, reconciliation, carriage, pricing=bills.pricing,
+                  cost=cost, trued_windows=bills.trued_windows, shared_sources=shared_sources,
+                  sharing_policies=bills.sharing_policies, plan=planned, bills_plan=bills_plan)
 
 
 def _share_text(part: int, total: int) -> str:
@@ -420,6 +423,8 @@ def _grain_lines(report: Report) -> list[str]:
     if plan is None:
         return []
     out = [f"read from: {plan.describe()}"]
+    if report.bills_plan is not None:
+        out[0] += f"; node bills from {report.bills_plan.describe().replace('cost lines', 'node bills')}"
     if plan.adjusted:
         out.append(f"retention: asked for windows starting {iso_utc(plan.asked_start_ms)} to "
                    f"{iso_utc(plan.asked_end_ms)}; what was kept covers {iso_utc(plan.start_ms)} to "
@@ -556,6 +561,8 @@ def report_as_json(report: Report) -> dict[str, Any]:
             "asked_window_start": iso_utc(report.plan.asked_start_ms),
             "asked_window_end": iso_utc(report.plan.asked_end_ms),
             "moved_by_retention": report.plan.adjusted,
+            "node_bills_read_from": None if report.bills_plan is None else
+            report.bills_plan.describe().replace("cost lines", "node bills"),
         },
         "pricing": [
             {"cluster": r.cluster, "node": r.node_name, "instance_type": r.instance_type,

@@ -39,7 +39,15 @@ from gpumeter.clock import Clock, SystemClock
 from gpumeter.config import at_least, between, integer, load, non_empty, setting, settings_repr, validate
 from gpumeter.errors import ConfigError, GpumeterError
 from gpumeter.redact import mask_url
-from services.billing.ledger import DEFAULT_LEDGER_URL, LEDGER_URL_ENV, ROLLUPS, Ledger, LedgerError, cost_lines
+from services.billing.ledger import (
+    DEFAULT_LEDGER_URL,
+    LEDGER_URL_ENV,
+    READ_ROLLUPS,
+    ROLLUPS,
+    Ledger,
+    LedgerError,
+    cost_lines,
+)
 from services.billing.rollups import DAY, DAY_MS, HOUR, HOUR_MS, MINUTE
 
 DEFAULT_MINUTE_LINES_DAYS = 14
@@ -100,9 +108,12 @@ class RetentionResult:
 
 
 def _tables():
-    return {MINUTE: (cost_lines, cost_lines.c.window_start_unix_ms),
-            HOUR: (ROLLUPS.by_grain[HOUR], ROLLUPS.by_grain[HOUR].c.period_start_unix_ms),
-            DAY: (ROLLUPS.by_grain[DAY], ROLLUPS.by_grain[DAY].c.period_start_unix_ms)}
+    """Per grain, the tables (and their time column) its horizon applies to: the line, bill and pod rollups of a
+    grain go together."""
+    return {MINUTE: [(cost_lines, cost_lines.c.window_start_unix_ms)],
+            **{grain: [(table, table.c.period_start_unix_ms)
+                       for table in (ROLLUPS.by_grain[grain], READ_ROLLUPS.bills[grain], READ_ROLLUPS.pods[grain])]
+               for grain in (HOUR, DAY)}}
 
 
 def retain(ledger: Ledger, settings: RetentionSettings, *, now_ms: int) -> RetentionResult:
@@ -128,17 +139,18 @@ def _retain(ledger: Ledger, settings: RetentionSettings, now_ms: int) -> Retenti
              for grain, horizon in sorted(kept.items())])
     step = settings.delete_batch_hours * HOUR_MS
     deleted = {}
-    for grain, (data, column) in _tables().items():
-        with ledger.transaction() as connection:
-            oldest = connection.execute(select(func.min(column)).where(column < kept[grain])).scalar()
+    for grain, tables in _tables().items():
         count = 0
-        if oldest is not None:
-            start = int(oldest) - int(oldest) % HOUR_MS
-            while start < kept[grain]:
-                end = min(start + step, kept[grain])
-                with ledger.transaction() as connection:
-                    count += connection.execute(delete(data).where(column >= start, column < end)).rowcount
-                start = end
+        for data, column in tables:
+            with ledger.transaction() as connection:
+                oldest = connection.execute(select(func.min(column)).where(column < kept[grain])).scalar()
+            if oldest is not None:
+                start = int(oldest) - int(oldest) % HOUR_MS
+                while start < kept[grain]:
+                    end = min(start + step, kept[grain])
+                    with ledger.transaction() as connection:
+                        count += connection.execute(delete(data).where(column >= start, column < end)).rowcount
+                    start = end
         deleted[grain] = count
     return RetentionResult(kept, deleted)
 

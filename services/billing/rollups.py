@@ -53,7 +53,7 @@ from sqlalchemy import (
 from sqlalchemy.engine import Connection
 
 from schemas.records import CostRecord, CostSubjectKind
-from services.billing.bulk_rows import BulkInsert
+from services.billing.bulk_rows import add_sums
 from services.billing.costing import NodeBill, NodeWindowKey
 
 DEFAULT_TEAM_LABEL = "team"
@@ -249,28 +249,12 @@ def trued_rows(changes: Iterable[TruedChange], *, team_key: str) -> dict[str, di
 # -- SQL: maintaining --------------------------------------------------------------------------------------------
 
 
-_UPSERTS: dict[str, BulkInsert] = {}
-
-
-def _upsert_of(table: Table) -> BulkInsert:
-    found = _UPSERTS.get(table.name)
-    if found is None or found.table is not table:
-        found = _UPSERTS[table.name] = BulkInsert(table, DIMENSIONS + MEASURES, conflict=DIMENSIONS, add=MEASURES)
-    return found
-
-
 def upsert(connection: Connection, tables: RollupTables, rows: Mapping[str, Mapping[RollupKey, RollupSums]]) -> int:
     """Add ``rows`` to the rollup tables in ``connection``'s transaction, in key order, one statement per grain
-    (``services.billing.bulk_rows``); returns the rows upserted."""
-    done = 0
-    for grain, grain_rows in rows.items():
-        if not grain_rows:
-            continue
-        # Sorted as value tuples (the keys are distinct, so the measures are never compared).
-        _upsert_of(tables.by_grain[grain]).execute(
-            connection, sorted([(*key_values(key), *sums_values(sums)) for key, sums in grain_rows.items()]))
-        done += len(grain_rows)
-    return done
+    (``services.billing.bulk_rows.add_sums``); returns the rows upserted."""
+    return sum(add_sums(connection, tables.by_grain[grain], DIMENSIONS, MEASURES,
+                        [(*key_values(key), *sums_values(sums)) for key, sums in grain_rows.items()])
+               for grain, grain_rows in rows.items() if grain_rows)
 
 
 def key_values(key: RollupKey) -> tuple:

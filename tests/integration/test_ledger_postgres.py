@@ -188,7 +188,7 @@ def test_the_sharing_migration_keeps_old_lines_direct_and_makes_room_for_shared_
             "INSERT INTO cost_lines (window_start_unix_ms, cluster, node_name, gpu_uuid, subject_kind, pod_uid, "
             "window_seconds, labels, cost_share, cost_micro_usd, instance_type, price_model, price_version) VALUES "
             "(0, 'c', 'n', 'GPU-0', 'POD', 'p', 60, '{}', 1.0, 13333, 'g6.xlarge', 'on_demand', 'v1')"))
-    assert ledger.migrate() == Ledger.head_revision() == "0009_rollups"
+    assert ledger.migrate() == Ledger.head_revision() == "0012_bill_rollups"
     (old,) = list(ledger.iter_cost_lines(end_ms=1))
     assert (old.shared_from, old.sharing_method) == (None, "")
     assert [b["sharing"] for b in ledger.bills(end_ms=1)] == ["keep"]
@@ -258,3 +258,43 @@ def test_the_compact_lines_migration_goes_back_with_every_line_a_row_again(datab
         rows = connection.execute(text(f"SELECT {', '.join(columns)} FROM cost_lines")).all()
     ledger.close()
     assert sorted(map(tuple, rows)) == sorted(tuple(v) for v in FIXTURE["rows"]["cost_lines"]["values"])
+
+
+def test_bill_and_pod_rollups_reports_and_allocation_over_them_on_postgresql(database_url):
+    """0012 on PostgreSQL: the bill and pod rollups' upserts, a true-up's move, the backfill's SQL; a report's node
+    bills and /allocation from the rollups equal the minute answers, also after retention dropped the minute
+    lines and the node bills."""
+    from services.billing.rollups import DAY_MS, HOUR_MS
+    from tests.unit.billing import test_read_rollups as reads
+    from tests.unit.billing.test_retention import DAY0, DAYS
+
+    ledger = Ledger(database_url)
+    ledger.migrate()
+    reads.write_history(ledger)
+    reads.assert_rollups_are_the_bills_and_pod_lines(ledger)
+    reads.check_reports_over_rollups_equal_minute_data(
+        ledger, DAY0 + 7 * 60_000, DAY0 + (DAYS - 1) * DAY_MS + 14 * HOUR_MS + 31 * 60_000,
+        ("namespace", "label:team", "pod"))
+    for aggregate in ("namespace", "node", "cluster", "label:team"):
+        reads.check_allocation_over_rollups(ledger, aggregate, reads.QUERIES[:5])
+    whole = (DAY0, DAY0 + DAYS * DAY_MS)
+    before = {by: build_report(ledger, Grouping.parse(by), start_ms=whole[0], end_ms=whole[1], cost="trued")
+              for by in ("namespace", "node")}
+    reads.drop_minute_data(ledger, whole[1] + 10 * HOUR_MS)
+    for by, report in before.items():
+        again = build_report(ledger, Grouping.parse(by), start_ms=whole[0], end_ms=whole[1], cost="trued")
+        assert reads.comparable(again) == reads.comparable(report) and again.reconciliation.reconciled
+    ledger.close()
+
+
+def test_the_bill_rollups_follow_a_trueup_and_the_backfill_equals_them_on_postgresql(database_url):
+    from tests.unit.billing import test_read_rollups as reads
+    from tests.unit.billing.data import make_ledger_0007 as recorded
+
+    ledger = Ledger(database_url)
+    ledger.migrate()
+    ledger.write(*everything(recorded.results()))
+    recorded._reconcile(ledger, recorded.FOCUS)
+    reads.assert_rollups_are_the_bills_and_pod_lines(ledger)
+    reads.check_upgrade_backfills_what_write_keeps(ledger)
+    ledger.close()

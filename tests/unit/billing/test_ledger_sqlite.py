@@ -33,7 +33,9 @@ def test_tables_exist_only_after_the_migration_and_match_the_model(tmp_path):
     assert ledger.migrate() == Ledger.head_revision()  # a second run is a no-op
     assert set(inspect(ledger.engine).get_table_names()) == {"cost_lines", "label_sets", "node_bills", "price_versions",
                                                              "trueups", "cost_rollup_hourly", "cost_rollup_daily",
-                                                             "ledger_retention", VERSION_TABLE}
+                                                             "ledger_retention", "bill_rollup_hourly",
+                                                             "bill_rollup_daily", "pod_rollup_hourly",
+                                                             "pod_rollup_daily", VERSION_TABLE}
     with ledger.engine.connect() as connection:
         context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE, "compare_type": True})
         assert compare_metadata(context, metadata) == []

@@ -252,8 +252,9 @@ def test_retention_over_compact_lines_keeps_label_sets_and_zero_lines_and_the_re
     assert by_pod.plan.segments == () and by_pod.plan.adjusted and by_pod.lines == ()
 
 
-def test_allocation_and_the_focus_export_refuse_a_range_whose_minute_lines_retention_dropped(ledger):
-    # Both are summed from minute lines: over a dropped range they would say it cost nothing.
+def test_allocation_by_pod_and_the_focus_export_refuse_a_range_whose_minute_lines_retention_dropped(ledger):
+    # By pod /allocation, and the FOCUS export, are summed from minute lines: over a dropped range they would say
+    # it cost nothing. By namespace over whole days the rollups answer it, the same as before.
     from gpumeter.clock import iso_utc
     from services.billing.api import AllocationApi
     from services.billing.export import focus_dataset
@@ -264,13 +265,16 @@ def test_allocation_and_the_focus_export_refuse_a_range_whose_minute_lines_reten
     horizon = DAY0 + (DAYS - 14) * DAY_MS
     end = DAY0 + DAYS * DAY_MS
     app = AllocationApi(ledger, None, clock=ManualClock(now), max_window_seconds=93 * 86_400, max_steps=1000)
-    before = call(app, query=f"window={iso_utc(DAY0)},{iso_utc(end)}&aggregate=namespace")
-    assert before[0] == 200
+    whole = f"window={iso_utc(DAY0)},{iso_utc(end)}"
+    before = call(app, query=f"{whole}&aggregate=namespace&includeIdle=true")
+    assert before[0] == 200 and before[1]["gpumeter"]["grain"] == "daily rollups (20 days)"
+    assert call(app, query=f"{whole}&aggregate=pod")[0] == 200
     retain(ledger, RetentionSettings(), now_ms=now)
 
-    code, body = call(app, query=f"window={iso_utc(DAY0)},{iso_utc(end)}&aggregate=namespace")
+    assert call(app, query=f"{whole}&aggregate=namespace&includeIdle=true") == before
+    code, body = call(app, query=f"{whole}&aggregate=pod")
     assert code == 400 and iso_utc(horizon) in body["message"]
-    code, body = call(app, query=f"window={iso_utc(horizon)},{iso_utc(end)}&aggregate=namespace")
+    code, body = call(app, query=f"window={iso_utc(horizon)},{iso_utc(end)}&aggregate=pod")
     assert code == 200 and body["data"]
     with pytest.raises(MinuteLinesDropped, match="FOCUS export"):
         focus_dataset(ledger, start_ms=DAY0, end_ms=end)
