@@ -50,7 +50,7 @@ import lzma
 import os
 import struct
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Iterable, Iterator, Sequence, Union
 
@@ -87,10 +87,12 @@ class RecordingError(InvalidMessage):
 
 @dataclass(frozen=True, slots=True)
 class InputRecord:
-    """One input message and the time it reached the attributor (``received_at_unix_ms``)."""
+    """One input message and the time it reached the attributor (``received_at_unix_ms``); ``payload``: the bytes
+    it was recorded as (None when it was not read from a recording), not part of its identity."""
 
     received_at_unix_ms: int
     message: InputMessage
+    payload: bytes | None = field(default=None, compare=False, repr=False)
 
     @property
     def node_name(self) -> str:
@@ -401,7 +403,7 @@ def recorded_inputs(path: str | Path) -> Iterator[InputRecord | InvalidInput]:
                     frame.source, frame.received_at_unix_ms, exc, payload=frame.payload))))
                 continue
             key = (frame.received_at_unix_ms, _kind_rank(message), index, frame.position)
-            items.append((key, (frame, InputRecord(frame.received_at_unix_ms, message))))
+            items.append((key, (frame, InputRecord(frame.received_at_unix_ms, message, frame.payload))))
         # A file's frames are in the order they were read, which is not received order when several partitions
         # were: a recorder gets each fetched partition's messages in turn, so a partition read behind another
         # puts earlier frames after later ones. Replay (and the merge of a directory's files) is in received order.
