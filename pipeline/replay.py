@@ -542,8 +542,8 @@ def replay(
     try:
         if recorder is not None:
             recorder.__enter__()
+        stage("input")  # reading and decoding the input happens as the chunks are taken
         for chunk in _chunks(inputs, CHUNK_MESSAGES):
-            stage("input")
             for item in chunk:
                 produce(item)
             # Every message of the chunk's instants is on the broker and none later: each service reads all of
