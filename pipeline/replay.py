@@ -272,10 +272,13 @@ def _chunks(items: Iterable[InputRecord | InvalidInput], size: int) -> Iterator[
         yield chunk
 
 
-def _records(broker: MemoryBroker, topic: str, record_type: type) -> Iterator[Any]:
+def _records(broker: MemoryBroker, topic: str, record_type: type,
+             decoded: Mapping[tuple[type, bytes], Any]) -> Iterator[Any]:
+    """The records of ``topic``, decoded once: taken from ``decoded`` where a runner decoded the same bytes."""
     codec = codec_for(record_type)
     for message in broker.messages(topic, 0):
-        yield codec.decode(message.value)
+        record = decoded.get((record_type, message.value))
+        yield record if record is not None else codec.decode(message.value)
 
 
 def dead_letter_json(letter: DeadLetter, input_source: str | None = None) -> dict[str, Any]:
@@ -509,11 +512,11 @@ def replay(
                 (letter.source_topic, letter.source_offset))))
             if letter.service == SERVICE_NAME_BILLING and letter.reason_code == NoPrice.reason_code:
                 unpriced.append(_unpriced(letter))
-        for record in _records(broker, REPLAY_TOPICS.node_window_shares, NodeWindowShares):
+        for record in _records(broker, REPLAY_TOPICS.node_window_shares, NodeWindowShares, decoded):
             counts["windows"] += 1
             for share in record.rows():
                 outputs.write(SHARES_FILE, share_json(share))
-        for record in _records(broker, REPLAY_TOPICS.costs, CostRecord):
+        for record in _records(broker, REPLAY_TOPICS.costs, CostRecord, decoded):
             outputs.write(COSTS_FILE, cost_record_json(record))
         for bill in store.bills:
             outputs.write(BILLS_FILE, bill.as_json())
