@@ -30,7 +30,9 @@ samples, frame order) -- a file ``gpumeter record`` writes holds its frames in t
 several partitions that is not received order (each fetched partition's messages come in turn; a partition read
 behind another puts earlier frames after later ones), so a file is read whole before it is replayed. INPUT may
 also be a directory: every ``*.gmrec`` in it (sorted by name) is read and the files are merged by (received_at,
-pod events before samples, file order, frame order); one file alone is replayed with its snapshot frames. In a
+pod events before samples, file order, frame order), each file read only when the merge reaches its earliest
+frame (a first pass over the directory finds it), so replaying a month holds the hour being replayed and the
+files whose late frames overlap it, not the month; one file alone is replayed with its snapshot frames. In a
 directory, a **snapshot frame already read** -- the same received time and the same
 bytes as a pod event of an earlier file, which is where ``gpumeter record`` copied it from -- is skipped, and so
 is a pod event already read as a snapshot frame: a directory of consecutive files replays as the run it was cut
@@ -50,7 +52,7 @@ import lzma
 import os
 import struct
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Iterable, Iterator, Sequence, Union
 
@@ -87,10 +89,12 @@ class RecordingError(InvalidMessage):
 
 @dataclass(frozen=True, slots=True)
 class InputRecord:
-    """One input message and the time it reached the attributor (``received_at_unix_ms``)."""
+    """One input message and the time it reached the attributor (``received_at_unix_ms``); ``payload``: the bytes
+    it was recorded as (None when it was not read from a recording), not part of its identity."""
 
     received_at_unix_ms: int
     message: InputMessage
+    payload: bytes | None = field(default=None, compare=False, repr=False)
 
     @property
     def node_name(self) -> str:
@@ -401,7 +405,7 @@ def recorded_inputs(path: str | Path) -> Iterator[InputRecord | InvalidInput]:
                     frame.source, frame.received_at_unix_ms, exc, payload=frame.payload))))
                 continue
             key = (frame.received_at_unix_ms, _kind_rank(message), index, frame.position)
-            items.append((key, (frame, InputRecord(frame.received_at_unix_ms, message))))
+            items.append((key, (frame, InputRecord(frame.received_at_unix_ms, message, frame.payload))))
         # A file's frames are in the order they were read, which is not received order when several partitions
         # were: a recorder gets each fetched partition's messages in turn, so a partition read behind another
         # puts earlier frames after later ones. Replay (and the merge of a directory's files) is in received order.
@@ -417,7 +421,7 @@ def recorded_inputs(path: str | Path) -> Iterator[InputRecord | InvalidInput]:
     # Pod events read so far, by (received_at, digest of the bytes): a snapshot frame is a copy of one of them.
     seen: set[tuple[int, bytes]] = set()
     seen_as_snapshot: set[tuple[int, bytes]] = set()
-    for _key, (frame, item) in heapq.merge(*(stream(i, f) for i, f in enumerate(files)), key=lambda pair: pair[0]):
+    for frame, item in _merged_lazily(files, stream):
         if isinstance(item, InputRecord) and isinstance(item.message, PodEvent):
             key = _frame_key(frame)
             if key in seen and (frame.snapshot or key in seen_as_snapshot):
@@ -426,6 +430,39 @@ def recorded_inputs(path: str | Path) -> Iterator[InputRecord | InvalidInput]:
             if frame.snapshot:
                 seen_as_snapshot.add(key)
         yield item
+
+
+def _merged_lazily(files: Sequence[Path], load: Any) -> Iterator[tuple[RecordedFrame, InputRecord | InvalidInput]]:
+    """The items of every file, merged by key, each file read (``load(index, file)``: its items sorted by key)
+    only once the merge reaches its earliest frame: a month of hourly files holds the files that overlap in time,
+    not the month. A first pass finds each file's earliest received time without keeping a frame (a file may
+    hold frames from before its name's hour: read late; never from after it)."""
+    earliest = []
+    for index, file in enumerate(files):
+        first = min((frame.received_at_unix_ms for frame in iter_frames(file)), default=None)
+        if first is not None:
+            earliest.append((first, index, file))
+    earliest.sort()
+    waiting = iter(earliest)
+    following = next(waiting, None)
+    heap: list[tuple[Any, int, Any, Iterator[Any]]] = []  # (key, file index, item, the file's rest)
+    while heap or following is not None:
+        # A file whose earliest frame is no later than the merge's next one may hold a frame before it (at the
+        # same time: a pod event before a sample): read it in first.
+        while following is not None and (not heap or following[0] <= heap[0][0][0]):
+            _first, index, file = following
+            items = iter(load(index, file))
+            head = next(items, None)
+            if head is not None:
+                heapq.heappush(heap, (head[0], index, head[1], items))
+            following = next(waiting, None)
+        if not heap:
+            continue
+        _key, index, value, items = heapq.heappop(heap)
+        yield value
+        head = next(items, None)
+        if head is not None:
+            heapq.heappush(heap, (head[0], index, head[1], items))
 
 
 def is_recording(path: str | Path) -> bool:

@@ -46,6 +46,16 @@ files.
 
 How the services are driven (what their streaming drivers do, with the input's own time as the clock)
 ----------------------------------------------------------------------------------------------------
+The input is put on the broker a chunk at a time (``CHUNK_MESSAGES`` messages, to the end of the chunk's last
+instant): the attributor, billing and the guard each read everything on the broker, in that order, the outputs
+are written, and the broker forgets the chunk (``MemoryBroker.trim``) -- memory holds one chunk of input and what
+it produced, not the run (the ledger, the services' own state and the output's dead letters excepted). As no
+service stamps what it produces later than the instant it reads, after a chunk every message up to its last
+instant has been read by every service and none earlier can come, so the chunks change nothing of the output
+(``tests/unit/pipeline/test_replay_chunks.py``). Records decoded from the broker's bytes are shared for the chunk
+by the three runners and the output (``MessageRunner(decoded=...)``); a recorded frame goes on the broker as its
+recorded bytes, decoded once.
+
 Each service reads its input topics in the order a caught-up consumer would (by time; at one instant in the
 order of its inputs: pod events before samples, then node-window shares and costs). Before each message the
 service's clock is the message's time, and at each new instant its timer runs first (``on_clock``), as a perfectly
@@ -64,7 +74,7 @@ import json
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from gpumeter.clock import ManualClock, iso_utc
 from gpumeter.errors import ConfigError
@@ -112,8 +122,15 @@ COSTS_FILE = "costs.jsonl"
 BILLS_FILE = "bills.jsonl"
 DEAD_LETTERS_FILE = "dead_letters.jsonl"
 
-DEFAULT_BATCH_SIZE = 1
-"""Messages of one instant a replayed processor handles at once, by default (the output is the same for any)."""
+DEFAULT_BATCH_SIZE = 2000
+"""Messages of one instant a replayed processor handles at once, by default (the output is the same for any).
+As the Kafka driver's fetch (``max_poll_records`` 2000): billing writes every node-window of one instant in one
+``Ledger.write`` instead of one each (a third of billing's time at one a batch)."""
+
+REPLAY_STAGES = ("input", "ledger_setup", "attributor", "billing", "guard", "output")
+"""Replay's stages, in order, as ``on_stage`` names them: reading the input (decoding recorded frames or running
+the simulator and the collector's sampling code) and producing it to the broker; creating the in-memory ledger;
+each service's processor over its input; writing the output files (decoding the topics, the truth)."""
 
 INPUT_SCENARIO = "scenario"
 INPUT_RECORDING = "recording"
@@ -237,10 +254,31 @@ REPLAY_TOPICS = TopicCatalog(prefix="replay.")
 """The topics of replay's in-memory broker (one partition each: one consumer reads them all, in order)."""
 
 
-def _records(broker: MemoryBroker, topic: str, record_type: type) -> Iterator[Any]:
+CHUNK_MESSAGES = 20_000
+"""Input messages replay puts on its broker at a time (the chunk goes on to the end of its last instant): each
+service reads the chunk, the output is written and the broker forgets it, so memory holds one chunk, not the run."""
+
+
+def _chunks(items: Iterable[InputRecord | InvalidInput], size: int) -> Iterator[list[InputRecord | InvalidInput]]:
+    """``items`` (in received order) cut into lists of at least ``size`` -- the last one fewer -- never inside an
+    instant: every message of a received time is in one chunk."""
+    chunk: list[InputRecord | InvalidInput] = []
+    for item in items:
+        if len(chunk) >= size and item.received_at_unix_ms != chunk[-1].received_at_unix_ms:
+            yield chunk
+            chunk = []
+        chunk.append(item)
+    if chunk:
+        yield chunk
+
+
+def _records(broker: MemoryBroker, topic: str, record_type: type,
+             decoded: Mapping[tuple[type, bytes], Any]) -> Iterator[Any]:
+    """The records of ``topic``, decoded once: taken from ``decoded`` where a runner decoded the same bytes."""
     codec = codec_for(record_type)
     for message in broker.messages(topic, 0):
-        yield codec.decode(message.value)
+        record = decoded.get((record_type, message.value))
+        yield record if record is not None else codec.decode(message.value)
 
 
 def dead_letter_json(letter: DeadLetter, input_source: str | None = None) -> dict[str, Any]:
@@ -293,9 +331,11 @@ class _Stage:
     """One service's processor on the in-memory broker: the runner it runs on in the stream, a ``MemoryDriver``."""
 
     def __init__(self, processor: Any, inputs: Mapping[str, str], outputs: Mapping[str, str], broker: MemoryBroker,
-                 clock: ManualClock, *, store: Any = None, on_produced: Any = None, batch_size: int = 1) -> None:
+                 clock: ManualClock, *, store: Any = None, on_produced: Any = None, batch_size: int = 1,
+                 decoded: dict[tuple[type, bytes], Any] | None = None) -> None:
         self.clock = clock  # the service's own: each moves through the input's time on its own
-        self.runner = MessageRunner(processor, inputs, clock, log_dead_letters=False)  # dead_letters.jsonl has them
+        self.runner = MessageRunner(processor, inputs, clock, log_dead_letters=False,  # dead_letters.jsonl has them
+                                    decoded=decoded)
         self.driver = MemoryDriver(self.runner, broker, outputs, store, on_produced, batch_size=batch_size)
         self.last_tick_ms: int | None = None
 
@@ -337,6 +377,7 @@ def replay(
     grouping_labels: tuple[str, ...] | None = DEFAULT_GROUPING_LABELS,
     grouping_label_sources: GroupingLabelSources = GroupingLabelSources(),
     batch_size: int = DEFAULT_BATCH_SIZE,
+    on_stage: Callable[[str], None] | None = None,
 ) -> ReplaySummary:
     """Replay ``input_path`` (a scenario YAML, a recording file, or a directory of recordings) into ``out_dir``.
 
@@ -350,9 +391,13 @@ def replay(
     (None: every label); ``grouping_label_sources`` where their values come from, as its
     ``GPUMETER_GROUPING_LABEL_SOURCE`` (default: the pod's labels). ``batch_size``: the most messages of one
     instant each service's processor handles at once (``MemoryDriver``); the output does not depend on it.
+    ``on_stage`` (a profiler's hook; nothing in the output depends on it) is called with the name of each stage as
+    replay enters it (``REPLAY_STAGES``, in that order) and with ``"end"`` when it returns.
     Raises ``ScenarioError``, ``RecordingError`` (broken recording structure) or ``ConfigError`` (bad options,
     unknown input, unknown node).
     """
+    stage = on_stage if on_stage is not None else (lambda name: None)
+    stage("input")
     input_path = Path(input_path)
     out = Path(out_dir)
     config = EngineConfig(
@@ -391,132 +436,169 @@ def replay(
     broker = MemoryBroker()
     for spec in ALL_TOPICS:
         broker.create(REPLAY_TOPICS.name(spec), 1)
+    # Records decoded from the broker's bytes, shared by the three runners and the output (every sample is read by
+    # the attributor, the guard and the truth): kept for one chunk of input, as the broker's messages are.
+    decoded: dict[tuple[type, bytes], Any] = {}
     nodes: dict[str, None] = {}
-    samples = pod_events = 0
+    counts: Counter[str] = Counter()
     latest_ms: int | None = None
     # What each input message was, by its position on the broker: where a recorded frame came from.
     sources: dict[tuple[str, int], str] = {}
-    recorder = RecordingWriter(record_path) if record_path is not None else None
-    try:
+
+    def produce(item: InputRecord | InvalidInput) -> None:
+        nonlocal latest_ms
+        now = item.received_at_unix_ms
+        latest_ms = now if latest_ms is None else max(latest_ms, now)
+        if isinstance(item, InvalidInput):
+            # Bytes that do not decode reach the topic a sample would (no record type to tell otherwise).
+            at = broker.produce(REPLAY_TOPICS.node_samples, None, item.payload, timestamp_ms=now, partition=0)
+            sources[(at.topic, at.offset)] = item.source
+            return
+        message = item.message
+        nodes.setdefault(message.node_name, None)
         if recorder is not None:
-            recorder.__enter__()
-        for item in inputs:
-            now = item.received_at_unix_ms
-            latest_ms = now if latest_ms is None else max(latest_ms, now)
-            if isinstance(item, InvalidInput):
-                # Bytes that do not decode reach the topic a sample would (no record type to tell otherwise).
-                at = broker.produce(REPLAY_TOPICS.node_samples, None, item.payload, timestamp_ms=now, partition=0)
-                sources[(at.topic, at.offset)] = item.source
-                continue
-            message = item.message
-            nodes.setdefault(message.node_name, None)
-            if recorder is not None:
-                recorder.write(item)
-            if isinstance(message, PodEvent):
-                pod_events += 1
-                at = broker.produce_record(REPLAY_TOPICS.pod_events, Emit(
-                    POD_EVENTS, pod_event_key(message.node_name, message.uid), message), now)
-            else:
-                samples += 1
-                latest_ms = max(latest_ms, message.sampled_at_unix_ms)
-                at = broker.produce_record(REPLAY_TOPICS.node_samples, Emit(
-                    SAMPLES, message.node_name.encode("utf-8"), message), now)
-    finally:
-        if recorder is not None:
-            recorder.__exit__(None, None, None)
+            recorder.write(item)
+        if isinstance(message, PodEvent):
+            counts["pod_events"] += 1
+            topic, key = REPLAY_TOPICS.pod_events, pod_event_key(message.node_name, message.uid)
+        else:
+            counts["samples"] += 1
+            latest_ms = max(latest_ms, message.sampled_at_unix_ms)
+            topic, key = REPLAY_TOPICS.node_samples, message.node_name.encode("utf-8")
+        if item.payload is None:
+            broker.produce_record(topic, Emit(SAMPLES if topic == REPLAY_TOPICS.node_samples else POD_EVENTS, key,
+                                              message), now)
+        else:
+            # A recorded frame: the bytes the topic carried, and the record they decode to (decoded already).
+            broker.produce(topic, key, item.payload, timestamp_ms=now, partition=0)
+            decoded[(type(message), item.payload)] = message
 
     # The three services, each on its runner over the broker, in the order their input exists.
-    input_end_ms = latest_ms
     attributor = AttributorProcessor(config, 1)
     attribution = _Stage(attributor, attributor_inputs(REPLAY_TOPICS), attributor_outputs(REPLAY_TOPICS), broker,
-                         ManualClock(0), on_produced=attributor.acknowledge_all, batch_size=batch_size)
+                         ManualClock(0), on_produced=attributor.acknowledge_all, batch_size=batch_size,
+                         decoded=decoded)
+    stage("ledger_setup")
     ledger = Ledger("sqlite://")
     ledger.migrate()
     store = _KeptBills(LedgerStore(ledger))
     billing = _Stage(BillingProcessor(catalog=catalog, policy=split_policy, sharing=sharing,
                                       max_clock_skew_seconds=max_clock_skew_seconds),
                      billing_inputs(REPLAY_TOPICS), billing_outputs(REPLAY_TOPICS), broker, ManualClock(0),
-                     store=store, batch_size=batch_size)
+                     store=store, batch_size=batch_size, decoded=decoded)
     guard_clock = ManualClock(0)
     guard_processor = GuardProcessor(guard_config or GuardConfig(), guard_clock)
     guard = _Stage(guard_processor, guard_topics(REPLAY_TOPICS), guard_outputs(REPLAY_TOPICS), broker, guard_clock,
-                   batch_size=batch_size)
-    try:
-        attribution.run()
-        end_ms: int | None = None
-        if latest_ms is not None:
-            # End of input: the first instant at which the streaming timer would have closed every open window.
-            end_ms = latest_ms + (window_seconds + grace_seconds + idle_close_seconds) * 1000
-            attribution.finish(end_ms, caught_up=True)
-        billing.run()
-        # The guard's clock judges silence only within the input: its end is not the nodes going silent.
-        guard.run(tick_until_ms=input_end_ms)
-        if end_ms is not None:
-            guard.finish(end_ms, caught_up=False)
-    finally:
-        ledger.close()
+                   batch_size=batch_size, decoded=decoded)
 
     outputs = _Outputs(out, with_truth=truth is not None)
+    # Dead letters by service, in the order the services run over the input (dead_letters.jsonl's order).
+    letters: dict[str, list[dict[str, Any]]] = {attributor.service: [], SERVICE_NAME_BILLING: [],
+                                                guard_processor.service: []}
     dead: Counter[str] = Counter()
     unpriced: list[UnpricedWindow] = []
     seen_ticks: set[tuple[str, int, int]] = set()
-    duplicates = windows = 0
-    node_cost_micro = 0
-    try:
-        sample_letters = {(d.source_topic, d.source_offset) for d in broker.records(REPLAY_TOPICS.dead_letters,
-                                                                                      DeadLetter)
-                          if d.service == attributor.service}
-        for record in _records(broker, REPLAY_TOPICS.node_window_shares, NodeWindowShares):
-            windows += 1
+
+    def write_out() -> None:
+        """Write what the services produced since the last call, then let the broker forget it."""
+        stage("output")
+        sample_letters: set[tuple[str, int]] = set()
+        for message in broker.messages(REPLAY_TOPICS.dead_letters, 0):
+            letter = codec_for(DeadLetter).decode(message.value)
+            if letter.service == attributor.service:
+                sample_letters.add((letter.source_topic, letter.source_offset))
+            dead[letter.reason_code] += 1
+            letters.setdefault(letter.service, []).append(dead_letter_json(letter, sources.get(
+                (letter.source_topic, letter.source_offset))))
+            if letter.service == SERVICE_NAME_BILLING and letter.reason_code == NoPrice.reason_code:
+                unpriced.append(_unpriced(letter))
+        for record in _records(broker, REPLAY_TOPICS.node_window_shares, NodeWindowShares, decoded):
+            counts["windows"] += 1
             for share in record.rows():
                 outputs.write(SHARES_FILE, share_json(share))
-        for record in _records(broker, REPLAY_TOPICS.costs, CostRecord):
+        for record in _records(broker, REPLAY_TOPICS.costs, CostRecord, decoded):
             outputs.write(COSTS_FILE, cost_record_json(record))
         for bill in store.bills:
             outputs.write(BILLS_FILE, bill.as_json())
-            node_cost_micro += bill.node_cost_micro_usd
-        for message in broker.messages(REPLAY_TOPICS.dead_letters, 0):
-            letter = codec_for(DeadLetter).decode(message.value)
-            dead[letter.reason_code] += 1
-            outputs.write(DEAD_LETTERS_FILE, dead_letter_json(letter, sources.get((letter.source_topic,
-                                                                                 letter.source_offset))))
-            if letter.service == SERVICE_NAME_BILLING and letter.reason_code == NoPrice.reason_code:
-                unpriced.append(_unpriced(letter))
+            counts["node_cost_micro"] += bill.node_cost_micro_usd
+        store.bills.clear()
         for message in broker.messages(REPLAY_TOPICS.violations, 0):
             outputs.write(VIOLATIONS_FILE, violation_json(codec_for(Violation).decode(message.value),
                                                           message.timestamp_ms or 0))
         # The ticks the attributor took (not dead-lettered, not a repeat of one it had): the truth's input.
+        sample_codec = codec_for(NodeSample)
         for message in broker.messages(REPLAY_TOPICS.node_samples, 0):
             if (message.topic, message.offset) in sample_letters or message.value is None:
                 continue
-            sample = codec_for(NodeSample).decode(message.value)
+            sample = decoded.get((NodeSample, message.value)) or sample_codec.decode(message.value)
             tick = (sample.node_name, sample.collector_started_at_unix_ms, sample.sequence)
             if tick in seen_ticks:
-                duplicates += 1
+                counts["duplicates"] += 1
                 continue
             seen_ticks.add(tick)
             if truth is not None:
                 truth.add_tick(sample)
+        broker.trim()
+        decoded.clear()
+
+    recorder = RecordingWriter(record_path) if record_path is not None else None
+    try:
+        if recorder is not None:
+            recorder.__enter__()
+        stage("input")  # reading and decoding the input happens as the chunks are taken
+        for chunk in _chunks(inputs, CHUNK_MESSAGES):
+            for item in chunk:
+                produce(item)
+            # Every message of the chunk's instants is on the broker and none later: each service reads all of
+            # them, and what it produces (stamped at most the chunk's last instant) is there for the next.
+            stage("attributor")
+            attribution.run()
+            stage("billing")
+            billing.run()
+            stage("guard")
+            guard.run()
+            write_out()
+            stage("input")
+        if latest_ms is not None:
+            # End of input: the first instant at which the streaming timer would have closed every open window.
+            input_end_ms = latest_ms
+            end_ms = latest_ms + (window_seconds + grace_seconds + idle_close_seconds) * 1000
+            stage("attributor")
+            attribution.finish(end_ms, caught_up=True)
+            stage("billing")
+            billing.run()
+            stage("guard")
+            # The guard's clock judges silence only within the input: its end is not the nodes going silent.
+            guard.run(tick_until_ms=input_end_ms)
+            guard.finish(end_ms, caught_up=False)
+            write_out()
+        for service_letters in letters.values():
+            for obj in service_letters:
+                outputs.write(DEAD_LETTERS_FILE, obj)
         if truth is not None:
             for row in truth.take_closed(None):
                 outputs.write(TRUTH_FILE, row)
     finally:
+        if recorder is not None:
+            recorder.__exit__(None, None, None)
+        ledger.close()
         outputs.close()
+    stage("end")
 
     return ReplaySummary(
         input_kind=input_kind,
         nodes=tuple(nodes),
-        samples=samples,
-        pod_events=pod_events,
-        windows=windows,
+        samples=counts["samples"],
+        pod_events=counts["pod_events"],
+        windows=counts["windows"],
         share_rows=outputs.counts[SHARES_FILE],
         truth_rows=outputs.counts[TRUTH_FILE],
         cost_rows=outputs.counts[COSTS_FILE],
         bills=outputs.counts[BILLS_FILE],
-        node_cost_micro_usd=node_cost_micro,
+        node_cost_micro_usd=counts["node_cost_micro"],
         dead_letters=dict(sorted(dead.items())),
         unpriced=tuple(unpriced),
-        duplicates_ignored=duplicates,
+        duplicates_ignored=counts["duplicates"],
         recorded=recorder.count if recorder is not None else 0,
         files=dict(outputs.paths),
         violation_rows=outputs.counts[VIOLATIONS_FILE],

@@ -43,10 +43,12 @@ class Stored:
 
 
 class MemoryBroker:
-    """Topics of partitions in memory. ``create(topic, partitions)`` first; ``produce`` appends."""
+    """Topics of partitions in memory. ``create(topic, partitions)`` first; ``produce`` appends. ``trim`` forgets
+    what every reader has read (as a log's retention does): offsets go on from where they were."""
 
     def __init__(self) -> None:
         self._topics: dict[str, list[list[Stored]]] = {}
+        self._base: dict[tuple[str, int], int] = {}  # the offset of each partition's first kept message
 
     def create(self, topic: str, partitions: int = 1) -> None:
         if partitions < 1:
@@ -65,7 +67,7 @@ class MemoryBroker:
         if partition is None:
             partition = (murmur2(key) & 0x7FFFFFFF) % len(parts) if key is not None else 0
         parts[partition].append(Stored(key, value, timestamp_ms))
-        return Position(topic, partition, len(parts[partition]) - 1)
+        return Position(topic, partition, self._base.get((topic, partition), 0) + len(parts[partition]) - 1)
 
     def produce_record(self, topic: str, emit: Emit, timestamp_ms: int) -> Position:
         """Encode ``emit.record`` (its type's newest schema) and append it where Kafka would put it."""
@@ -76,11 +78,21 @@ class MemoryBroker:
         return self.produce(topic, emit.key, value, timestamp_ms=timestamp_ms, partition=partition)
 
     def messages(self, topic: str, partition: int, offset: int = 0) -> Iterator[RawMessage]:
-        for index, stored in enumerate(self._topics[topic][partition][offset:], start=offset):
+        """The kept messages of a partition from ``offset`` (from the first kept one when it was trimmed)."""
+        base = self._base.get((topic, partition), 0)
+        offset = max(offset, base)
+        for index, stored in enumerate(self._topics[topic][partition][offset - base:], start=offset):
             yield RawMessage(topic, partition, index, stored.key, stored.value, stored.timestamp_ms)
 
     def end_offsets(self, topic: str) -> tuple[int, ...]:
-        return tuple(len(p) for p in self._topics[topic])
+        return tuple(self._base.get((topic, p), 0) + len(stored) for p, stored in enumerate(self._topics[topic]))
+
+    def trim(self) -> None:
+        """Forget every message: each partition keeps its end offset, where the next produced message goes."""
+        for topic, parts in self._topics.items():
+            for partition, stored in enumerate(parts):
+                self._base[(topic, partition)] = self._base.get((topic, partition), 0) + len(stored)
+                stored.clear()
 
     def records(self, topic: str, record_type: type) -> list[Any]:
         """Every decodable record of ``topic`` (all partitions, by partition then offset)."""

@@ -16,6 +16,8 @@ order — the same for every driver, so a message is accepted or rejected alike 
 ``step_batch(messages)`` does the same for a fetched batch: steps 1-3 per message (a bad one is dead-lettered on
 its own, the rest go on), then one ``processor.handle_batch`` over every good one (``contract.handle_each`` for a
 processor without it), then step 4's rejections per message: the same ``Step`` per message as ``step``, in order.
+``decoded`` (optional, replay's): a memo ``(record type, bytes) -> record`` shared by runners of one process
+that read the same messages, so that each message's bytes are decoded once (records are immutable).
 ``assigned(partitions)`` / ``revoked(partitions)`` are the processor's ``on_assigned`` / ``on_revoked`` (nothing
 for a processor without them); drivers settle their result like a tick's.
 
@@ -33,7 +35,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Collection, Iterable, Mapping, Sequence
+from typing import Any, Collection, Iterable, Mapping, MutableMapping, Sequence
 
 from gpumeter.clock import Clock
 from gpumeter.errors import InvalidMessage
@@ -88,7 +90,8 @@ class MessageRunner:
     """Runs ``processor`` over raw messages of ``topics`` (role -> topic name). See the module docstring."""
 
     def __init__(self, processor: Processor, topics: Mapping[str, str], clock: Clock, *, metrics: Any = None,
-                 max_request_size_bytes: int = DEFAULT_MAX_REQUEST_SIZE_BYTES, log_dead_letters: bool = True) -> None:
+                 max_request_size_bytes: int = DEFAULT_MAX_REQUEST_SIZE_BYTES, log_dead_letters: bool = True,
+                 decoded: MutableMapping[tuple[type, bytes], Any] | None = None) -> None:
         self.processor = processor
         self.service = processor.service
         self.inputs = Inputs.of(processor, topics)
@@ -97,6 +100,10 @@ class MessageRunner:
         self.max_request_size_bytes = max_request_size_bytes
         self.log_dead_letters = log_dead_letters  # off where the dead letters are the output (replay's file)
         self._codecs: dict[type, RecordCodec] = {}
+        # Records already decoded from the same bytes, shared by the runners of one process that read the same
+        # messages (replay: the attributor and the guard both read every sample). Decoding is a function of the
+        # bytes and records are immutable, so a hit is what decoding again would give.
+        self.decoded = decoded
         self.consumed = 0
         self.dead_lettered = 0
         self.truncated = 0
@@ -119,6 +126,13 @@ class MessageRunner:
             record = None
         elif spec.record_type is bytes:
             record = message.value  # a raw input: the bytes as the topic carried them (the recorder's)
+        elif self.decoded is not None:
+            key = (spec.record_type, message.value)
+            record = self.decoded.get(key)
+            if record is None:
+                record = self.decoded[key] = self._codec(spec.record_type).decode(message.value)
+            if spec.check is not None:
+                spec.check(record, now_ms)
         else:
             record = self._codec(spec.record_type).decode(message.value)
             if spec.check is not None:

@@ -295,3 +295,14 @@ def test_the_month_storage_scales_minutes_and_hours_with_time_and_days_with_days
     assert out["default_retention_bytes_for_1000_gpus"] == (
         1_200 * 24 * ledger_month.MINUTE_RETENTION_DAYS + 50 * 24 * ledger_month.HOUR_RETENTION_DAYS
         + 10 * 2 * ledger_month.DAY_RETENTION_DAYS)
+
+
+def test_replay_bench_replays_a_recorded_fleet_and_times_every_stage():
+    from bench import replay as replay_bench
+    from pipeline.replay import REPLAY_STAGES
+
+    figures = replay_bench.measure_recording(2, 120)
+    assert figures["samples"] == 2 * 120 // 10 and figures["gpu_samples"] == figures["samples"] * 8
+    assert figures["frames"] > figures["samples"] and figures["bills"] > 0
+    assert set(figures["stage_cpu_s"]) == set(REPLAY_STAGES)
+    assert figures["gpu_samples_per_cpu_s"] > 0
