@@ -46,3 +46,36 @@ def test_only_partitions_wholly_before_the_horizon_are_past():
     # December is not wholly past on the 15th: its rows stay until the month is.
     assert [p.name for p in past(months, ms(2027, 1, 1))] == ["cost_rollup_daily_p202611", "cost_rollup_daily_p202612"]
     assert len(partitions.wanted(ms(2026, 12, 3), ms(2026, 12, 3) + 8 * DAY_MS)) == 3 * 8 + 1
+
+
+def test_billing_creates_the_partitions_ahead_at_start_and_every_hour_with_its_clock(monkeypatch):
+    import asyncio
+
+    from gpumeter.clock import ManualClock
+    from services.billing import main as billing_main
+    from services.billing.ledger import LedgerError
+
+    start = 1_796_000_000_000
+    clock = ManualClock(start)
+    calls = []
+
+    class Ledger:
+        def ensure_partitions(self, now_ms):
+            calls.append(now_ms)
+            if len(calls) == 2:
+                raise LedgerError("database away")  # logged; tried again at the next round
+            return 3
+
+    monkeypatch.setattr(billing_main, "PARTITIONS_EVERY_SECONDS", 0.01)
+
+    async def run():
+        stop = asyncio.Event()
+        task = asyncio.create_task(billing_main._keep_partitions_ahead(Ledger(), clock, stop))
+        while len(calls) < 3:
+            await asyncio.sleep(0.005)
+            clock.advance_ms(3_600_000)
+        stop.set()
+        await asyncio.wait_for(task, 5)
+
+    asyncio.run(run())
+    assert calls[0] == start and calls == sorted(calls) and calls[-1] > start and len(calls) >= 3
