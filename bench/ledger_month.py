@@ -213,8 +213,8 @@ def table_bytes(connection: Any) -> dict[str, int]:
     from sqlalchemy import text
 
     rows = connection.execute(text(
-        "SELECT c.relname, (SELECT coalesce(sum(pg_total_relation_size(t.relid)), 0) "
-        "FROM pg_partition_tree(c.oid) t WHERE t.isleaf) FROM pg_class c "
+        "SELECT c.relname, CASE WHEN c.relkind = 'p' THEN (SELECT coalesce(sum(pg_total_relation_size(t.relid)), 0) "
+        "FROM pg_partition_tree(c.oid) t WHERE t.isleaf) ELSE pg_total_relation_size(c.oid) END FROM pg_class c "
         "JOIN pg_namespace n ON n.oid = c.relnamespace "
         "WHERE c.relkind IN ('r', 'p') AND n.nspname = current_schema() AND NOT c.relispartition"))
     return {name: int(size) for name, size in rows}

@@ -666,6 +666,9 @@ class Ledger:
                 command.upgrade(config, "head")
         except SQLAlchemyError as exc:
             raise LedgerError(f"migrating {self!r} failed: {exc}") from exc
+        finally:
+            # The upgrade may have partitioned the tables (0010): look again before the next write.
+            self._partitions = None if self.dialect == "postgresql" else False
         revision = self.current_revision()
         assert revision is not None
         return revision

@@ -54,12 +54,21 @@ def _definitions(connection, tables: tuple[str, ...]) -> tuple[dict, dict, list]
     return primary, indexes, foreign
 
 
+# The tables this revision partitions, as they are at this revision (``partitions.SCHEMES`` may change later).
+_SCHEMES = (
+    partitions.Scheme("node_bills", "window_start_unix_ms", partitions.DAY),
+    partitions.Scheme("cost_lines", "window_start_unix_ms", partitions.DAY),
+    partitions.Scheme("cost_rollup_hourly", "period_start_unix_ms", partitions.DAY),
+    partitions.Scheme("cost_rollup_daily", "period_start_unix_ms", partitions.MONTH),
+)
+
+
 def _rebuild(*, partition: bool) -> None:
-    """Move every table of ``partitions.SCHEMES`` into a new table of the same definition, partitioned or not."""
+    """Move every table of ``_SCHEMES`` into a new table of the same definition, partitioned or not."""
     connection = op.get_bind()
     if connection.dialect.name != "postgresql":
         return
-    tables = tuple(scheme.table for scheme in partitions.SCHEMES)
+    tables = tuple(scheme.table for scheme in _SCHEMES)
     aside = {table: f"{table}_{'0009' if partition else '0010'}" for table in tables}
     primary, indexes, foreign = _definitions(connection, tables)
     for owner, name, _definition in foreign:
@@ -70,7 +79,7 @@ def _rebuild(*, partition: bool) -> None:
         connection.execute(text(f'ALTER TABLE "{aside[table]}" RENAME CONSTRAINT "{pk_name}" TO "{pk_name}_old"'))
         for index, _definition in indexes[table]:
             connection.execute(text(f'ALTER INDEX "{index}" RENAME TO "{index}_old"'))
-    for scheme in partitions.SCHEMES:
+    for scheme in _SCHEMES:
         table, old = scheme.table, aside[scheme.table]
         by = f" PARTITION BY RANGE ({scheme.column})" if partition else ""
         connection.execute(text(f'CREATE TABLE "{table}" (LIKE "{old}" INCLUDING DEFAULTS INCLUDING CONSTRAINTS)'
