@@ -21,7 +21,9 @@ not a disk's commit latency).
 (``GRAIN_OF_TABLE``), scaled to 1,000 GPU-days: the minute and hourly grains grow with time (× 24 / hours
 written), the daily grain with days (its rows for the hours written are the day's rows: the same keys). Then what
 the default retention of a 1,000-GPU cluster holds (minute lines ``MINUTE_RETENTION_DAYS``, hourly rollups
-``HOUR_RETENTION_DAYS``, daily rollups ``DAY_RETENTION_DAYS``; node bills as long as their grain's rows).
+``HOUR_RETENTION_DAYS``, daily rollups ``DAY_RETENTION_DAYS``; node bills with the minute lines, as retention
+drops them). On PostgreSQL the ledger's tables are partitioned by day (revision 0010): a table's bytes are its
+partitions'.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Any, Iterator, Sequence
 
 from schemas.records import NodeWindowShares
 
+from services.billing import partitions
 from services.billing.retention import (
     DEFAULT_DAILY_ROLLUPS_DAYS,
     DEFAULT_HOURLY_ROLLUPS_DAYS,
@@ -209,11 +212,13 @@ GRAIN_OF_TABLE = {
 
 
 def table_bytes(connection: Any) -> dict[str, int]:
-    """Every table of the ledger's schema with its bytes on disk (table, indexes, TOAST)."""
+    """Every table of the ledger's schema with its bytes on disk (table, indexes, TOAST); a partitioned table's
+    are its partitions' (revision 0010: the parent itself stores nothing)."""
     from sqlalchemy import text
 
     rows = connection.execute(text(
-        "SELECT c.relname, pg_total_relation_size(c.oid) FROM pg_class c "
+        "SELECT c.relname, CASE WHEN c.relkind = 'p' THEN (SELECT coalesce(sum(pg_total_relation_size(t.relid)), 0) "
+        "FROM pg_partition_tree(c.oid) t WHERE t.isleaf) ELSE pg_total_relation_size(c.oid) END FROM pg_class c "
         "JOIN pg_namespace n ON n.oid = c.relnamespace "
         "WHERE c.relkind IN ('r', 'p') AND n.nspname = current_schema() AND NOT c.relispartition"))
     return {name: int(size) for name, size in rows}
@@ -289,6 +294,9 @@ def fill_month(connection: Any, *, first_window_ms: int, hours_written: int, day
     inspector = inspect(connection)
     tables = set(inspector.get_table_names())
     copies = 24 // hours_written * days  # of the written hours, the original included
+    if partitions.partitioned(connection):
+        # The month's partitions (billing would have made each day's ahead of it).
+        partitions.ensure_in(connection, partitions.wanted(first_window_ms, first_window_ms + days * 24 * HOUR_MS))
 
     def columns(table: str) -> list[str]:
         return [c["name"] for c in inspector.get_columns(table)]

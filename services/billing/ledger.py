@@ -100,7 +100,7 @@ from gpumeter.clock import iso_utc
 from gpumeter.errors import ConfigError, GpumeterError
 from gpumeter.redact import mask_secrets, mask_url
 from schemas.records import CostRecord, CostSubjectKind
-from services.billing import read_rollups, rollups
+from services.billing import partitions, read_rollups, rollups
 from services.billing.bulk_rows import DO_NOTHING, BulkInsert
 from services.billing.costing import NodeBill, NodeWindowKey
 from services.billing.line_storage import (
@@ -557,6 +557,9 @@ class Ledger:
         # mapping kills the process with SIGBUS as soon as SQLite touches it.
         self._files = SqliteFiles(Path(parsed.database)) if backend == "sqlite" and not in_memory else None
         self._connections = 0
+        # PostgreSQL's time partitions this handle knows are attached (``services.billing.partitions``); None until
+        # it looked whether the tables are partitioned, False when they are not (SQLite, or before revision 0010).
+        self._partitions: set[partitions.Partition] | None | bool = None if backend == "postgresql" else False
         if self.dialect == "sqlite":
             event.listen(self.engine, "connect",
                          lambda dbapi, _record: _sqlite_pragmas(dbapi, in_memory, read_only=read_only))
@@ -657,6 +660,9 @@ class Ledger:
                 command.upgrade(config, "head")
         except SQLAlchemyError as exc:
             raise LedgerError(f"migrating {self!r} failed: {exc}") from exc
+        finally:
+            # The upgrade may have partitioned the tables (0010): look again before the next write.
+            self._partitions = None if self.dialect == "postgresql" else False
         revision = self.current_revision()
         assert revision is not None
         return revision
@@ -736,6 +742,23 @@ class Ledger:
                 )
         if not by_window:
             return WriteResult(0, 0, 0, 0)
+        starts = {window[0] for window in by_window}
+        self._ensure_partitions_for(starts)
+        try:
+            return self._write(by_window, lines, kept, zeros)
+        except LedgerError as exc:
+            if not _missing_partition(exc) or self._partitions in (None, False):
+                raise
+            # A partition this handle knew of was dropped since (retention of an old day, by another process):
+            # create it again and write once more -- the write was all or nothing.
+            self._partitions = None
+            self._ensure_partitions_for(starts)
+            return self._write(by_window, lines, kept, zeros)
+
+    def _write(self, by_window: dict[tuple[int, str, str], tuple[NodeWindowKey, NodeBill]],
+               lines: dict[tuple, CostRecord], kept: list[tuple[tuple[int, str, str], CostRecord]],
+               zeros: dict[tuple[int, str, str], list[ZeroLine]]) -> WriteResult:
+        """``write``'s transaction, for node-windows checked by it (keyed by (start, cluster, node))."""
         versions = {b.price_version: b.price.describe() for _, b in by_window.values()}
         pk = [node_bills.c.window_start_unix_ms, node_bills.c.cluster, node_bills.c.node_name]
         added_label_sets: set[int] = set()
@@ -789,6 +812,38 @@ class Ledger:
             others=frozenset(others),
             lines_elided=elided,
         )
+
+    def ensure_partitions(self, now_ms: int, *, days_ahead: int = partitions.AHEAD_DAYS) -> int:
+        """On a partitioned PostgreSQL ledger, create the partitions of the UTC days from ``now_ms``'s through
+        ``days_ahead`` days after it (``services.billing.partitions``); returns how many it created (0 on SQLite).
+        Billing calls it at start and hourly with its clock, ``gpumeter ledger retention`` with its own."""
+        start = now_ms - now_ms % partitions.DAY_MS
+        return self._ensure_partitions(partitions.wanted(start, start + (days_ahead + 1) * partitions.DAY_MS))
+
+    def _ensure_partitions_for(self, starts: Iterable[int]) -> None:
+        """Make sure the partitions holding windows starting at ``starts`` exist, before a write's transaction."""
+        if self._partitions is False:
+            return
+        needed = partitions.for_times(starts)
+        if self._partitions is None or not needed <= self._partitions:
+            self._ensure_partitions(needed)
+
+    def _ensure_partitions(self, needed: Iterable[partitions.Partition]) -> int:
+        if self._partitions is False or self.read_only:
+            return 0
+        needed = set(needed)
+        try:
+            # A transaction of its own: ATTACH's locks last until commit, and a write's transaction takes long.
+            with self._begin() as connection:
+                if self._partitions is None and not partitions.partitioned(connection):
+                    self._partitions = False
+                    return 0
+                created = partitions.ensure_in(connection, needed)
+                known = partitions.existing(connection)
+        except SQLAlchemyError as exc:
+            raise LedgerError(f"creating the partitions of {self!r} failed: {exc}") from exc
+        self._partitions = known
+        return len(created)
 
     def _label_set(self, cost: CostRecord) -> int:
         labels, carried = cost.labels, cost.carried_label_keys
@@ -904,9 +959,16 @@ class Ledger:
         kept = self.minute_lines_kept_from()
         if kept is not None and start_ms < kept:
             raise MinuteLinesDropped(
-                f"{what} reads minute cost lines, and retention kept them from {iso_utc(kept)} only: ask for a "
-                f"range from then (gpumeter report --by namespace|node|label:<team label> reads the rollups, which "
-                "are kept longer)")
+                f"{what} needs the minute cost lines and node bills, and retention kept them from {iso_utc(kept)} "
+                "only: ask for a range from then (the rollups are kept longer)")
+
+    def _require_bills(self, start_ms: int | None, end_ms: int | None, what: str) -> None:
+        """``require_minute_lines`` for a read of node bills in [start_ms, end_ms) (None: unbounded; an empty range
+        reads nothing): the bills go with the minute lines (``services.billing.retention``), and a range without
+        them would read as zero."""
+        if start_ms is not None and end_ms is not None and end_ms <= start_ms:
+            return
+        self.require_minute_lines(-(2 ** 62) if start_ms is None else start_ms, what)
 
     def read(self, statement) -> list:
         """All rows of a Core ``statement`` (``LedgerError`` on a database error): for the rollups' queries."""
@@ -931,6 +993,7 @@ class Ledger:
     def _zero_lines(self, start_ms: int | None, end_ms: int | None, cluster: str | None
                     ) -> list[tuple[Mapping[str, Any], list[ZeroLine]]]:
         """(bill columns, its zero lines) of the bills with zero lines in the range (``line_storage``)."""
+        self._require_bills(start_ms, end_ms, "reading the bills' zero lines")
         b = node_bills.c
         rows = self._read(
             select(b.window_start_unix_ms, b.cluster, b.node_name, b.window_seconds, b.instance_type,
@@ -942,6 +1005,7 @@ class Ledger:
     def totals(self, *, start_ms: int | None = None, end_ms: int | None = None,
                cluster: str | None = None, cost: str = "list") -> LedgerTotals:
         """Sums of cost lines and node bills for windows starting in [start_ms, end_ms), in the ``cost`` basis."""
+        self._require_bills(start_ms, end_ms, "reading the ledger's totals")
         line_rows = self._read(
             select(cost_lines.c.subject_kind, func.coalesce(func.sum(self.cost_expression(cost_lines, cost)), 0),
                    func.count())
@@ -973,6 +1037,7 @@ class Ledger:
         ``cost`` basis: one SQL aggregate over the bills, which every grain keeps. What a report's reconciliation
         and ``/allocation`` compare their lines with; ``totals`` also reads the lines (and every bill's zero
         lines), which over a month of a fleet is millions of rows."""
+        self._require_bills(start_ms, end_ms, "reading the node bills' totals")
         (bill_sum, bill_count), = self._read(
             select(func.coalesce(func.sum(self.cost_expression(node_bills, cost)), 0), func.count())
             .where(*self._range(node_bills, start_ms, end_ms, cluster))
@@ -1033,6 +1098,7 @@ class Ledger:
     def sharing_policies(self, *, start_ms: int | None = None, end_ms: int | None = None,
                          cluster: str | None = None) -> tuple[tuple[str, int], ...]:
         """(sharing policy, node-windows billed under it) for windows starting in [start_ms, end_ms)."""
+        self._require_bills(start_ms, end_ms, "reading the bills' sharing policies")
         c = node_bills.c
         rows = self._read(
             select(c.sharing, func.count()).where(*self._range(node_bills, start_ms, end_ms, cluster))
@@ -1064,6 +1130,7 @@ class Ledger:
     def bills(self, *, start_ms: int | None = None, end_ms: int | None = None,
               cluster: str | None = None) -> tuple[dict[str, Any], ...]:
         """The node bills for windows starting in [start_ms, end_ms), oldest first, as column dicts."""
+        self._require_bills(start_ms, end_ms, "reading the node bills")
         rows = self._read(
             select(node_bills).where(*self._range(node_bills, start_ms, end_ms, cluster))
             .order_by(node_bills.c.window_start_unix_ms, node_bills.c.cluster, node_bills.c.node_name)
@@ -1074,6 +1141,7 @@ class Ledger:
                      cluster: str | None = None) -> tuple[NodePricingRow, ...]:
         """Per node and price: which split rule priced its bills and how much of them went to node_other, for
         windows starting in [start_ms, end_ms)."""
+        self._require_bills(start_ms, end_ms, "reading the node pricing")
         rows = self._read(
             select(node_bills.c.cluster, node_bills.c.node_name, node_bills.c.instance_type,
                    node_bills.c.price_model, price_versions.c.split_rule, node_bills.c.price_version,
@@ -1198,6 +1266,7 @@ class Ledger:
     def trued_coverage(self, *, start_ms: int | None = None, end_ms: int | None = None,
                        cluster: str | None = None) -> tuple[int, int]:
         """(node-windows with a trued-up cost, node-windows) for windows starting in [start_ms, end_ms)."""
+        self._require_bills(start_ms, end_ms, "reading the true-up coverage")
         (trued, total), = self._read(
             select(func.count(node_bills.c.trued_cost_micro_usd), func.count())
             .where(*self._range(node_bills, start_ms, end_ms, cluster))
@@ -1207,6 +1276,7 @@ class Ledger:
     def trueup_windows(self, *, start_ms: int, end_ms: int) -> tuple[LedgerWindow, ...]:
         """The node-windows starting in [start_ms, end_ms) with their list-price cost lines (in key order): what
         ``services.billing.trueup.true_up`` reprices."""
+        self._require_bills(start_ms, end_ms, "the true-up (gpumeter reconcile)")
         b, c = node_bills.c, cost_lines.c
         bills = self._read(
             select(b.window_start_unix_ms, b.cluster, b.node_name, b.window_seconds, b.billed_milliseconds,
@@ -1401,6 +1471,13 @@ def _cost_record(m: Mapping[str, Any]) -> CostRecord:
         compute_share=float(m["compute_share"]),
         gpu_fraction=float(m["gpu_fraction"]),
     )
+
+
+def _missing_partition(error: LedgerError) -> bool:
+    """Whether ``error`` is PostgreSQL's refusal of a row no partition holds (SQLSTATE 23514)."""
+    cause = error.__cause__
+    original = getattr(cause, "orig", None)
+    return getattr(original, "sqlstate", None) == "23514" and "no partition" in str(original)
 
 
 def _sqlite_pragmas(dbapi_connection: Any, in_memory: bool, *, read_only: bool = False) -> None:

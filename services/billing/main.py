@@ -94,6 +94,26 @@ async def _migrate(ledger: Ledger, settings: BillingSettings, stop: asyncio.Even
     return None
 
 
+# How often billing makes sure the partitions of the days ahead exist (PostgreSQL; ``services.billing.partitions``).
+PARTITIONS_EVERY_SECONDS = 3600.0
+
+
+async def _keep_partitions_ahead(ledger: Ledger, clock: Clock, stop: asyncio.Event) -> None:
+    """Create the partitions of the days ahead with billing's clock, hourly until ``stop`` (a no-op on SQLite).
+    A failure is logged and tried again at the next hour: a write still creates the partition it needs."""
+    while not stop.is_set():
+        try:
+            created = await asyncio.to_thread(ledger.ensure_partitions, clock.now_ms())
+            if created:
+                log.info("created %d ledger partitions ahead", created)
+        except LedgerError as exc:
+            log.warning("creating the ledger's partitions ahead failed (a write creates the one it needs): %s", exc)
+        try:
+            await asyncio.wait_for(stop.wait(), PARTITIONS_EVERY_SECONDS)
+        except asyncio.TimeoutError:
+            pass
+
+
 async def serve(settings: BillingSettings, *, stop: asyncio.Event | None = None, clock: Clock | None = None,
                 handle_signals: bool = False) -> int:
     """Run the billing service until ``stop`` is set (or SIGTERM/SIGINT with ``handle_signals``, or
@@ -156,7 +176,12 @@ async def serve(settings: BillingSettings, *, stop: asyncio.Event | None = None,
             max_poll_interval_seconds=settings.max_poll_interval_seconds,
         )
         log.info("billing %s as group %s", topics.node_window_shares, settings.consumer_group)
-        await driver.run(stop)
+        partitions_ahead = asyncio.create_task(_keep_partitions_ahead(ledger, clock, stop))
+        try:
+            await driver.run(stop)
+        finally:
+            stop.set()
+            await partitions_ahead
         stats = store.stats
         log.info("stopped: %d node-windows billed, %d already in the ledger, %d republished, %d dead-lettered, "
                  "%d refused by the ledger, %d cost records, %d ledger retries, %d commits", stats.windows_billed,

@@ -1,27 +1,37 @@
-"""``gpumeter ledger retention``: drop the ledger's minute cost lines and rollups past their retention.
+"""``gpumeter ledger retention``: drop the ledger's minute cost lines, node bills and rollups past their retention.
 
 What is kept how long (``RetentionSettings``; docs/billing.md, "Rollups and retention"):
 
-* **minute cost lines** (``cost_lines``): ``minute_lines_days`` (default 14). They are what a report by pod, GPU or
-  any label but the team needs, what the FOCUS export and ``/allocation`` read, and what a true-up apportions over
-  (``gpumeter reconcile`` of a bill whose windows' lines are gone refuses: run it within this retention, or raise it).
-* **hourly rollups**: ``hourly_rollups_days`` (default 92, a quarter); **daily rollups**: ``daily_rollups_days``
-  (default 400: a year and a month, for year-on-year); each at least the finer grain's.
-* **node bills**, price versions and true-ups: kept. A bill is one row per node-window, what true-up and
-  ``reconcile`` read and what every report reconciles its lines against; it is the proof of the rollups' sums.
-  The zero lines a bill lists (``node_bills.zero_lines``, ``services.billing.line_storage``) stay with it: they
-  carry no money, and the rollups already count them. **Label sets** (``label_sets``) are never deleted: a set is
+* **minute cost lines** (``cost_lines``) **and node bills** (``node_bills``): ``minute_lines_days`` (default 14).
+  The lines are what a report by pod, GPU or any label but the team needs, what the FOCUS export and
+  ``/allocation`` read; a bill is one row per node-window, what the lines reconcile against, what true-up
+  apportions over (with its lines: ``gpumeter reconcile`` of a bill whose windows are gone refuses -- run it within
+  this retention, or raise it). The zero lines a bill lists (``node_bills.zero_lines``,
+  ``services.billing.line_storage``) go with it. Every reader of lines or bills over a range before the horizon
+  refuses with ``MinuteLinesDropped`` rather than report that part as costing nothing.
+* **hourly rollups** (of the lines, the bills and the pods: ``services.billing.rollups``, ``read_rollups``):
+  ``hourly_rollups_days`` (default 92, a quarter); **daily rollups**: ``daily_rollups_days`` (default 400: a year
+  and a month, for year-on-year); each at least the finer grain's.
+* Price versions and true-ups: kept (a few rows each). **Label sets** (``label_sets``) are never deleted: a set is
   shared by lines of any age (content-addressed), so a line's set outlives the line.
 
 ``retain(ledger, settings, now_ms=)``: the clock is passed in. Per grain the horizon is ``now`` less the
 retention, rounded down to a UTC day boundary (so a grain keeps whole days, and an hour or day is either all there
-or all gone). The horizon is recorded in ``ledger_retention`` *first*, in its own transaction -- so a report
-already avoids the range that is being deleted -- then rows older than it are deleted by ranges of window start
-(``delete_batch_hours`` of windows per transaction: a ranged ``DELETE`` on the primary key's leading column, short
-transactions that never hold the SQLite write lock for long). A horizon never moves back: lengthening a retention
-keeps what is left and cannot bring back what was dropped. Running it again deletes nothing more.
+or all gone). The horizon is recorded in ``ledger_retention`` *first*, in its own transaction -- so a reader
+already avoids (or refuses) the range that is being dropped -- then what is older goes:
 
-On PostgreSQL this is the same ranged, batched ``DELETE`` (no declarative partitions yet: see docs/billing.md).
+* **SQLite**: ranged ``DELETE`` statements by window start (``delete_batch_hours`` of windows per transaction, on
+  the primary key's leading column: short transactions that never hold the write lock for long), the lines of a
+  range before its bills (a line's foreign key names its bill).
+* **PostgreSQL** (partitioned from revision 0010, ``services.billing.partitions``): whole partitions are detached
+  and dropped -- never a ``DELETE``, nothing left for VACUUM -- one short transaction per partition, a day's lines
+  before its bills. A partition goes only when it lies wholly before the horizon: the daily partitions of lines,
+  bills and hourly rollups exactly at it (horizons are whole UTC days); the daily rollups' monthly partitions keep
+  their rows until the whole month is past (rows before the horizon that no reader asks for). It also creates the
+  partitions of the days ahead (``partitions.AHEAD_DAYS``) with its clock, as billing does.
+
+A horizon never moves back: lengthening a retention keeps what is left and cannot bring back what was dropped.
+Running it again drops nothing more.
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ from gpumeter.clock import Clock, SystemClock
 from gpumeter.config import at_least, between, integer, load, non_empty, setting, settings_repr, validate
 from gpumeter.errors import ConfigError, GpumeterError
 from gpumeter.redact import mask_url
+from services.billing import partitions
 from services.billing.ledger import (
     DEFAULT_LEDGER_URL,
     LEDGER_URL_ENV,
@@ -47,6 +58,7 @@ from services.billing.ledger import (
     Ledger,
     LedgerError,
     cost_lines,
+    node_bills,
 )
 from services.billing.rollups import DAY, DAY_MS, HOUR, HOUR_MS, MINUTE
 
@@ -101,18 +113,23 @@ def horizons(settings: RetentionSettings, now_ms: int) -> dict[str, int]:
 
 @dataclass(frozen=True, slots=True)
 class RetentionResult:
-    """Per grain: the horizon now in force and the rows this run deleted."""
+    """Per grain: the horizon now in force and the rows this run removed (``deleted``: the minute grain counts cost
+    lines; ``bills_deleted``: node bills, which go with them); ``dropped_partitions``: on PostgreSQL, the
+    partitions it detached and dropped, oldest first (empty on SQLite)."""
 
     kept_from_ms: Mapping[str, int]
     deleted: Mapping[str, int]
+    bills_deleted: int = 0
+    dropped_partitions: tuple[str, ...] = ()
 
 
 def _tables():
-    """Per grain, the tables (and their time column) its horizon applies to: the line, bill and pod rollups of a
-    grain go together."""
-    return {MINUTE: [(cost_lines, cost_lines.c.window_start_unix_ms)],
-            **{grain: [(table, table.c.period_start_unix_ms)
-                       for table in (ROLLUPS.by_grain[grain], READ_ROLLUPS.bills[grain], READ_ROLLUPS.pods[grain])]
+    """Per grain, the tables it drops, in the order they go (a day's lines before its bills), with their time
+    column: the minute lines and their node bills; per rollup grain, the line, bill and pod rollups together."""
+    return {MINUTE: ((cost_lines, cost_lines.c.window_start_unix_ms),
+                     (node_bills, node_bills.c.window_start_unix_ms)),
+            **{grain: tuple((table, table.c.period_start_unix_ms)
+                            for table in (ROLLUPS.by_grain[grain], READ_ROLLUPS.bills[grain], READ_ROLLUPS.pods[grain]))
                for grain in (HOUR, DAY)}}
 
 
@@ -137,22 +154,56 @@ def _retain(ledger: Ledger, settings: RetentionSettings, now_ms: int) -> Retenti
                                                   "applied_at_unix_ms": statement.excluded.applied_at_unix_ms}),
             [{"grain": grain, "kept_from_unix_ms": horizon, "applied_at_unix_ms": now_ms}
              for grain, horizon in sorted(kept.items())])
+        split = partitions.partitioned(connection)
+    if split:
+        ledger.ensure_partitions(now_ms)
+        return _drop_partitions(ledger, kept)
     step = settings.delete_batch_hours * HOUR_MS
     deleted = {}
+    bills = 0
     for grain, tables in _tables().items():
-        count = 0
-        for data, column in tables:
+        with ledger.transaction() as connection:
+            # A bill's window may have no line row at all (every line a zero line): look at every table.
+            found = [connection.execute(select(func.min(column)).where(column < kept[grain])).scalar()
+                     for _data, column in tables]
+        found = [int(ms) for ms in found if ms is not None]
+        oldest = min(found) if found else None
+        counts = [0] * len(tables)
+        if oldest is not None:
+            start = int(oldest) - int(oldest) % HOUR_MS
+            while start < kept[grain]:
+                end = min(start + step, kept[grain])
+                with ledger.transaction() as connection:
+                    for index, (data, time_column) in enumerate(tables):
+                        counts[index] += connection.execute(
+                            delete(data).where(time_column >= start, time_column < end)).rowcount
+                start = end
+        # The grain's rows; a minute's node bills are counted apart.
+        deleted[grain] = counts[0] if grain == MINUTE else sum(counts)
+        if grain == MINUTE:
+            bills = counts[1]
+    return RetentionResult(kept, deleted, bills_deleted=bills)
+
+
+def _drop_partitions(ledger: Ledger, kept: Mapping[str, int]) -> RetentionResult:
+    """PostgreSQL: detach and drop every partition wholly before its grain's horizon (module docstring)."""
+    grains = {grain: tuple(data.name for data, _column in tables) for grain, tables in _tables().items()}
+    deleted = {grain: 0 for grain in grains}
+    bills = 0
+    dropped = []
+    for grain, tables in grains.items():
+        with ledger.transaction() as connection:
+            doomed = list(partitions.iter_past(connection, tables, kept[grain]))
+        for part in doomed:
             with ledger.transaction() as connection:
-                oldest = connection.execute(select(func.min(column)).where(column < kept[grain])).scalar()
-            if oldest is not None:
-                start = int(oldest) - int(oldest) % HOUR_MS
-                while start < kept[grain]:
-                    end = min(start + step, kept[grain])
-                    with ledger.transaction() as connection:
-                        count += connection.execute(delete(data).where(column >= start, column < end)).rowcount
-                    start = end
-        deleted[grain] = count
-    return RetentionResult(kept, deleted)
+                rows = partitions.rows_in(connection, part)
+                partitions.drop(connection, part)
+            if part.table == node_bills.name:
+                bills += rows
+            else:
+                deleted[grain] += rows
+            dropped.append(part.name)
+    return RetentionResult(kept, deleted, bills_deleted=bills, dropped_partitions=tuple(dropped))
 
 
 # -- command line (``gpumeter ledger retention``) -----------------------------------------------------------------
@@ -161,7 +212,8 @@ def _retain(ledger: Ledger, settings: RetentionSettings, now_ms: int) -> Retenti
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``gpumeter ledger retention [--now ISO] [settings]``."""
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
-    retention = actions.add_parser("retention", help="drop minute cost lines and rollups past their retention",
+    retention = actions.add_parser("retention", help="drop minute cost lines, node bills and rollups past their "
+                                   "retention",
                                    description=__doc__.splitlines()[0])
     config.add_arguments(retention, RetentionSettings)
     retention.add_argument("--now", default=None, help="the clock's time, ISO 8601 (default: now)")
@@ -190,5 +242,8 @@ def main(args: argparse.Namespace, env: Mapping[str, str], *, clock: Clock | Non
         name = {MINUTE: "minute cost lines", HOUR: "hourly rollups", DAY: "daily rollups"}[grain]
         print(f"{name}: kept from {iso_utc(result.kept_from_ms[grain])} ({days} days), "
               f"{result.deleted[grain]} rows deleted", file=out)
-    print("node bills: kept (true-up and every report reconcile against them)", file=out)
+    print(f"node bills: kept from {iso_utc(result.kept_from_ms[MINUTE])} (with the minute lines), "
+          f"{result.bills_deleted} rows deleted", file=out)
+    if result.dropped_partitions:
+        print(f"partitions dropped: {', '.join(result.dropped_partitions)}", file=out)
     return 0

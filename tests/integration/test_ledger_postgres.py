@@ -192,8 +192,11 @@ def test_the_sharing_migration_keeps_old_lines_direct_and_makes_room_for_shared_
     (old,) = list(ledger.iter_cost_lines(end_ms=1))
     assert (old.shared_from, old.sharing_method) == (None, "")
     assert [b["sharing"] for b in ledger.bills(end_ms=1)] == ["keep"]
+    from tests.integration.test_ledger_partitions_postgres import PARTITION_FILTERS
+
     with ledger.engine.connect() as connection:
-        context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE, "compare_type": True})
+        context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE, "compare_type": True,
+                                                               **PARTITION_FILTERS})
         assert compare_metadata(context, metadata) == []
     shared = sample_costs(1, sharing="all=weighted", start_ms=WINDOW_START_MS)
     assert ledger.write(*everything(shared)).bills_written == len(shared)
@@ -202,9 +205,9 @@ def test_the_sharing_migration_keeps_old_lines_direct_and_makes_room_for_shared_
 
 
 def test_rollups_retention_and_reports_over_the_rollups_on_postgresql(database_url):
-    """The rollups' upserts, the trued-up sums, the backfill's SQL and retention's ranged deletes on PostgreSQL:
+    """The rollups' upserts, the trued-up sums, the backfill's SQL and retention's dropped partitions on PostgreSQL:
     every grain equals the lines, a report from the rollups equals the report from the lines, and retention drops
-    minute lines only."""
+    minute lines and their bills only."""
     from services.billing.retention import RetentionSettings, retain
     from services.billing.rollups import DAY, DAY_MS, HOUR, MINUTE
     from tests.unit.billing.test_retention import DAY0, DAYS, comparable, history, line_count, snapshot
@@ -223,11 +226,12 @@ def test_rollups_retention_and_reports_over_the_rollups_on_postgresql(database_u
         assert rolled.plan.grains() == (DAY, HOUR, MINUTE)
         assert comparable(rolled) == comparable(build_report(ledger, Grouping.parse(by), start_ms=start,
                                                              end_ms=end, cost="trued", grain="minute"))
-    before = snapshot(ledger)
     now = DAY0 + DAYS * DAY_MS
+    before = snapshot(ledger, now - 14 * DAY_MS)
     result = retain(ledger, RetentionSettings(), now_ms=now)
     assert result.deleted[MINUTE] > 0 and line_count(ledger, DAY0, now - 14 * DAY_MS) == 0
-    assert snapshot(ledger) == before
+    # The rollups all stay, the bills from the horizon (those before went with their lines: partitions dropped).
+    assert snapshot(ledger, now - 14 * DAY_MS) == before and result.bills_deleted > 0
     ledger.close()
 
 
@@ -236,10 +240,13 @@ def test_the_compact_lines_migration_keeps_every_answer_to_the_micro_dollar(data
     the FOCUS export and /allocation as it did at 0007, and the amended bill's true-up as it did then."""
     from tests.unit.billing.test_ledger_compact import check_upgrade_keeps_every_answer
 
+    from tests.integration.test_ledger_partitions_postgres import PARTITION_FILTERS
+
     check_upgrade_keeps_every_answer(database_url)
     ledger = Ledger(database_url)
     with ledger.engine.connect() as connection:
-        context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE, "compare_type": True})
+        context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE, "compare_type": True,
+                                                               **PARTITION_FILTERS})
         assert compare_metadata(context, metadata) == []
     ledger.close()
 

@@ -59,9 +59,22 @@ def comparable(report):
             report.shared_sources, report.sharing_policies, report.trued_windows)
 
 
-def snapshot(ledger):
-    return (rows_of(ledger.read, ROLLUPS.by_grain[HOUR]), rows_of(ledger.read, ROLLUPS.by_grain[DAY]),
-            ledger.bills())
+def rollup_rows(ledger):
+    return rows_of(ledger.read, ROLLUPS.by_grain[HOUR]), rows_of(ledger.read, ROLLUPS.by_grain[DAY])
+
+
+def snapshot(ledger, bills_from_ms=None):
+    """The rollups, and the node bills from ``bills_from_ms`` (all of them by default)."""
+    return (*rollup_rows(ledger), ledger.bills(start_ms=bills_from_ms))
+
+
+def bill_count(ledger, start_ms, end_ms):
+    """Node bills stored for windows in [start_ms, end_ms), counted in SQL (no reader's retention check)."""
+    from services.billing.ledger import node_bills
+
+    (count,), = ledger.read(select(func.count()).select_from(node_bills).where(
+        node_bills.c.window_start_unix_ms >= start_ms, node_bills.c.window_start_unix_ms < end_ms))
+    return int(count)
 
 
 def line_count(ledger, start_ms, end_ms):
@@ -145,14 +158,19 @@ def test_gpumeter_report_says_which_grain_it_read(ledger):
 
 
 def test_retention_drops_minute_lines_past_it_while_every_rollup_and_bill_stays_the_same(ledger):
+    """Minute lines and their node bills go together (the bills now have a retention: theirs); every rollup, and
+    every bill and report over the kept range, stays the same to the micro-dollar."""
     now = DAY0 + DAYS * DAY_MS + 10 * HOUR_MS
     horizon = DAY0 + (DAYS - 14) * DAY_MS  # now less 14 days, down to midnight UTC
     whole = (DAY0, DAY0 + DAYS * DAY_MS)
-    before = snapshot(ledger)
-    reports = {by: build_report(ledger, Grouping.parse(by), start_ms=whole[0], end_ms=whole[1]) for by in GROUPINGS}
+    rollups_before = rollup_rows(ledger)
+    kept_bills = ledger.bills(start_ms=horizon)
+    reports = {by: build_report(ledger, Grouping.parse(by), start_ms=horizon, end_ms=whole[1]) for by in GROUPINGS}
+    whole_by_namespace = build_report(ledger, Grouping("namespace"), start_ms=whole[0], end_ms=whole[1])
     kept_lines = line_count(ledger, horizon, whole[1])
     dropped_lines = line_count(ledger, *whole) - kept_lines
-    assert dropped_lines > 0
+    dropped_bills = bill_count(ledger, *whole) - len(kept_bills)
+    assert dropped_lines > 0 and dropped_bills > 0
 
     result = retain(ledger, RetentionSettings(), now_ms=now)
 
@@ -162,21 +180,49 @@ def test_retention_drops_minute_lines_past_it_while_every_rollup_and_bill_stays_
     assert result.kept_from_ms == {MINUTE: horizon, HOUR: midnight_before(now - 92 * DAY_MS),
                                    DAY: midnight_before(now - 400 * DAY_MS)}
     assert result.deleted == {MINUTE: dropped_lines, HOUR: 0, DAY: 0}
+    # The node bills go with their minute lines: nothing keeps a bill forever any more.
+    assert result.bills_deleted == dropped_bills and result.dropped_partitions == ()
     assert line_count(ledger, whole[0], horizon) == 0 and line_count(ledger, horizon, whole[1]) == kept_lines
-    assert snapshot(ledger) == before
+    assert bill_count(ledger, whole[0], horizon) == 0
+    assert snapshot(ledger, horizon) == (*rollups_before, kept_bills)
     for by, report in reports.items():
-        # A report the rollups answer is the same as before, to the micro-dollar.
-        again = build_report(ledger, Grouping.parse(by), start_ms=whole[0], end_ms=whole[1])
+        # A report over the kept range is the same as before, to the micro-dollar.
+        again = build_report(ledger, Grouping.parse(by), start_ms=horizon, end_ms=whole[1])
         assert comparable(again) == comparable(report) and again.reconciliation.reconciled
-    # A report whose edge minutes were dropped covers from the next hour, says so, and still reconciles.
-    edge = build_report(ledger, Grouping("namespace"), start_ms=DAY0 + 7 * 60_000, end_ms=whole[1])
-    assert (edge.start_ms, edge.plan.adjusted, edge.reconciliation.reconciled) == (DAY0 + HOUR_MS, True, True)
-    assert "retention: asked for windows starting" in format_report(edge, "table")
+    # Over the dropped range a report by namespace reads the line and bill rollups: the same, still reconciled.
+    again = build_report(ledger, Grouping("namespace"), start_ms=whole[0], end_ms=whole[1])
+    assert comparable(again) == comparable(whole_by_namespace) and again.reconciliation.reconciled
+    # At minute grain its lines and node bills are gone: the range moves to what is kept, never reported as zero.
+    minute = build_report(ledger, Grouping("namespace"), start_ms=whole[0], end_ms=whole[1], grain="minute")
+    assert minute.start_ms == horizon and minute.plan.adjusted and minute.reconciliation.reconciled
     by_pod = build_report(ledger, Grouping("pod"), start_ms=whole[0], end_ms=whole[1])
     assert by_pod.start_ms == horizon and by_pod.reconciliation.reconciled
     # Running it again drops nothing more.
-    assert retain(ledger, RetentionSettings(), now_ms=now + 60_000).deleted == {MINUTE: 0, HOUR: 0, DAY: 0}
-    assert snapshot(ledger) == before
+    again = retain(ledger, RetentionSettings(), now_ms=now + 60_000)
+    assert (again.deleted, again.bills_deleted) == ({MINUTE: 0, HOUR: 0, DAY: 0}, 0)
+    assert snapshot(ledger, horizon) == (*rollups_before, kept_bills)
+
+
+def test_every_reader_of_node_bills_refuses_a_range_whose_bills_retention_dropped(ledger):
+    """Each would otherwise answer the dropped part as zero (no bills, no node-windows, no cost)."""
+    from services.billing.ledger import MinuteLinesDropped
+
+    now = DAY0 + DAYS * DAY_MS
+    horizon = DAY0 + (DAYS - 14) * DAY_MS
+    end = DAY0 + DAYS * DAY_MS
+    ranged = {"totals": ledger.totals, "bill_totals": ledger.bill_totals, "bills": ledger.bills,
+              "node_pricing": ledger.node_pricing, "sharing_policies": ledger.sharing_policies,
+              "trued_coverage": ledger.trued_coverage, "trueup_windows": ledger.trueup_windows,
+              "billed_cost_lines": lambda **kw: list(ledger.billed_cost_lines(**kw))}
+    kept = {name: read(start_ms=horizon, end_ms=end) for name, read in ranged.items()}
+    retain(ledger, RetentionSettings(), now_ms=now)
+    for name, read in ranged.items():
+        with pytest.raises(MinuteLinesDropped, match="retention kept them from"):
+            read(start_ms=horizon - 60_000, end_ms=end)
+        assert read(start_ms=horizon, end_ms=end) == kept[name], name
+    for name in ("totals", "bill_totals", "bills", "node_pricing", "sharing_policies", "trued_coverage"):
+        with pytest.raises(MinuteLinesDropped):
+            ranged[name]()  # from the first window: the dropped ones too
 
 
 def test_hourly_retention_keeps_the_daily_rollups_and_a_horizon_never_moves_back(ledger):
@@ -186,15 +232,16 @@ def test_hourly_retention_keeps_the_daily_rollups_and_a_horizon_never_moves_back
                                  delete_batch_hours=5)
     result = retain(ledger, settings, now_ms=now)
     hour_horizon = DAY0 + (DAYS - 15) * DAY_MS
+    minute_horizon = DAY0 + (DAYS - 3) * DAY_MS
     assert result.kept_from_ms[HOUR] == hour_horizon and result.deleted[HOUR] > 0
-    hourly, daily, bills_after = snapshot(ledger)
+    hourly, daily, bills_after = snapshot(ledger, minute_horizon)
     assert hourly == {k: v for k, v in hourly_before.items() if k.period_start_unix_ms >= hour_horizon}
-    assert (daily, bills_after) == (daily_before, bills)
-    report = build_report(ledger, Grouping("node"), start_ms=DAY0 + 3 * HOUR_MS, end_ms=DAY0 + DAYS * DAY_MS)
-    assert report.start_ms == DAY0 + DAY_MS and report.reconciliation.reconciled
+    assert daily == daily_before
+    assert bills_after == tuple(b for b in bills if b["window_start_unix_ms"] >= minute_horizon)
+    assert result.bills_deleted == len(bills) - len(bills_after) > 0
     # Lengthening a retention afterwards cannot bring back what is gone: the horizons stay.
     longer = retain(ledger, RetentionSettings(), now_ms=now)
-    assert longer.kept_from_ms[MINUTE] == DAY0 + (DAYS - 3) * DAY_MS and longer.kept_from_ms[HOUR] == hour_horizon
+    assert longer.kept_from_ms[MINUTE] == minute_horizon and longer.kept_from_ms[HOUR] == hour_horizon
 
 
 def test_retention_settings_keep_finer_grains_no_longer_than_coarser_ones():
@@ -210,16 +257,17 @@ def test_the_command_applies_it_with_the_clock_given(ledger):
     now = DAY0 + DAYS * DAY_MS
     args = parser.parse_args(["retention", "--ledger-url", ledger.url, "--minute-lines-days", "10"])
     assert retention.main(args, {}, clock=ManualClock(now), out=out, err=err) == 0, err.getvalue()
-    assert "minute cost lines: kept from" in out.getvalue() and "node bills: kept" in out.getvalue()
+    assert "minute cost lines: kept from" in out.getvalue()
+    assert "node bills: kept from 2026-11-28T00:00:00Z (with the minute lines), 80 rows deleted" in out.getvalue()
     assert line_count(ledger, DAY0, now - 10 * DAY_MS) == 0 and line_count(ledger, now - 10 * DAY_MS, now) > 0
+    assert bill_count(ledger, DAY0, now - 10 * DAY_MS) == 0 and bill_count(ledger, now - 10 * DAY_MS, now) > 0
     assert "ledger" in cli.SUBCOMMANDS
 
 
 def test_retention_over_compact_lines_keeps_label_sets_and_zero_lines_and_the_reports_from_the_rollups(
         sqlite_ledger):
-    """Revision 0008's storage under retention: the minute lines' rows go; the label sets (which outlive lines) and
-    the zero lines (listed on their bills, which are kept) stay; a report from the rollups over the dropped range
-    is the one from before, zero lines counted, and still reconciles."""
+    """Revision 0008's storage under retention: the minute lines' rows go, and their bills with the zero lines they
+    list; the label sets (which outlive lines) stay; the rollups still count every line, zero lines included."""
     from services.billing.ledger import label_sets, node_bills
     from services.billing.line_storage import decode_zero_lines
     from tests.unit.billing.data import make_ledger_0007 as recorded
@@ -228,25 +276,27 @@ def test_retention_over_compact_lines_keeps_label_sets_and_zero_lines_and_the_re
     assert sqlite_ledger.write([c for r in priced for c in r.costs], [r.bill for r in priced]).lines_elided > 0
     recorded._reconcile(sqlite_ledger, recorded.FOCUS)
     start, end = recorded.START_MS, recorded.END_MS
-    before = snapshot(sqlite_ledger)
+    rollups_before = rollup_rows(sqlite_ledger)
     (sets_before,), = sqlite_ledger.read(select(func.count()).select_from(label_sets))
-    reports = {(by, cost): build_report(sqlite_ledger, Grouping.parse(by), start_ms=start, end_ms=end, cost=cost)
-               for by in GROUPINGS for cost in ("list", "trued")}
-    assert all(r.plan.grains() == (HOUR,) for r in reports.values())
     lines_before = sqlite_ledger.totals(start_ms=start, end_ms=end).cost_lines
+    zero = sum(len(decode_zero_lines(text)) for text, in sqlite_ledger.read(select(node_bills.c.zero_lines)))
+    bills_before = bill_count(sqlite_ledger, start, end)
+    by_namespace_before = build_report(sqlite_ledger, Grouping("namespace"), start_ms=start, end_ms=end)
 
     result = retain(sqlite_ledger, RetentionSettings(), now_ms=end + 30 * DAY_MS)
 
-    zero = sum(len(decode_zero_lines(text)) for text, in sqlite_ledger.read(select(node_bills.c.zero_lines)))
     assert zero > 0 and result.deleted[MINUTE] == lines_before - zero  # the rows; the zero lines were none
-    assert line_count(sqlite_ledger, start, end) == 0
-    assert snapshot(sqlite_ledger) == before  # the rollups, and the bills with their zero lines
+    assert result.bills_deleted == bills_before > 0
+    assert line_count(sqlite_ledger, start, end) == 0 and bill_count(sqlite_ledger, start, end) == 0
+    assert rollup_rows(sqlite_ledger) == rollups_before
+    assert sum(sums.cost_lines for sums in rollups_before[0].values()) == lines_before  # zero lines counted
     (sets_after,), = sqlite_ledger.read(select(func.count()).select_from(label_sets))
     assert sets_after == sets_before > 1
-    for (by, cost), report in reports.items():
-        again = build_report(sqlite_ledger, Grouping.parse(by), start_ms=start, end_ms=end, cost=cost)
-        assert comparable(again) == comparable(report) and again.reconciliation.reconciled
-        assert sum(line.cost_lines for line in again.lines) == lines_before
+    # By namespace the rollups answer, to the micro-dollar of the bills that are gone; at minute grain it refuses.
+    again = build_report(sqlite_ledger, Grouping("namespace"), start_ms=start, end_ms=end)
+    assert again.reconciliation.reconciled and comparable(again) == comparable(by_namespace_before)
+    minute = build_report(sqlite_ledger, Grouping("namespace"), start_ms=start, end_ms=end, grain="minute")
+    assert minute.plan.segments == () and minute.plan.adjusted and minute.lines == ()
     # By pod the minute lines are needed: the range is moved past them, never reported as costing nothing.
     by_pod = build_report(sqlite_ledger, Grouping("pod"), start_ms=start, end_ms=end)
     assert by_pod.plan.segments == () and by_pod.plan.adjusted and by_pod.lines == ()

@@ -12,8 +12,12 @@
   ``team_label``). Where retention had already dropped minute lines, the pod rollups cannot hold those periods: a
   ``ledger_retention`` row ``pod_rollups`` records from when they do, and ``/allocation`` refuses what is older.
 
+On PostgreSQL (partitioned since 0010) the four tables are ``PARTITION BY RANGE (period_start_unix_ms)``, the
+hourly ones by UTC day and the daily ones by UTC month (``services.billing.partitions``), and the partitions
+covering the backfill are created first; retention drops them as it drops the line rollups'.
+
 Revision ID: 0012_bill_rollups
-Revises: 0009_rollups (the lead re-chains it after 0010/0011)
+Revises: 0010_partitions
 Create Date: 2026-12-03
 """
 
@@ -23,6 +27,7 @@ import sqlalchemy as sa
 from alembic import context, op
 from sqlalchemy.dialects import postgresql
 
+from services.billing import partitions
 from services.billing.line_storage import decode_zero_lines
 from services.billing.read_rollups import (
     BILL_DIMENSIONS,
@@ -38,10 +43,17 @@ from services.billing.read_rollups import (
 from services.billing.rollups import DAY, HOUR
 
 revision = "0012_bill_rollups"
-down_revision = "0009_rollups"
+down_revision = "0010_partitions"
 branch_labels = None
 depends_on = None
 
+# The tables this revision creates partitioned on PostgreSQL, as they are at this revision.
+_SCHEMES = (
+    partitions.Scheme("bill_rollup_hourly", "period_start_unix_ms", partitions.DAY),
+    partitions.Scheme("bill_rollup_daily", "period_start_unix_ms", partitions.MONTH),
+    partitions.Scheme("pod_rollup_hourly", "period_start_unix_ms", partitions.DAY),
+    partitions.Scheme("pod_rollup_daily", "period_start_unix_ms", partitions.MONTH),
+)
 _HOUR_MS = 3_600_000
 _DAY_MS = 86_400_000
 _BATCH = 10_000
@@ -154,10 +166,20 @@ def upgrade() -> None:
         "region", "zone", "gpu_model", "sharing", "billed_milliseconds", "node_cost_micro_usd", "gpu_cost_micro_usd",
         "node_other_micro_usd", "trued_cost_micro_usd", "zero_lines", "zero_line_count")))
     _fill_zero_line_counts(bills)
+    connection = op.get_bind()
+    split = partitions.partitioned(connection)
+    by = {"postgresql_partition_by": "RANGE (period_start_unix_ms)"} if split else {}
     for names, columns, dimensions in ((BILL_TABLE_NAMES, bill_columns, BILL_DIMENSIONS),
                                        (POD_TABLE_NAMES, pod_columns, POD_DIMENSIONS)):
         for name in names.values():
-            op.create_table(name, *columns(), sa.PrimaryKeyConstraint(*dimensions, name=f"pk_{name}"))
+            op.create_table(name, *columns(), sa.PrimaryKeyConstraint(*dimensions, name=f"pk_{name}"), **by)
+    if split:
+        b = bills.c
+        low, high = connection.execute(sa.select(sa.func.min(b.window_start_unix_ms),
+                                                 sa.func.max(b.window_start_unix_ms))).one()
+        if low is not None:
+            partitions.ensure_in(connection, [part for scheme in _SCHEMES
+                                              for part in partitions.covering(scheme, int(low), int(high) + 1)])
     _backfill_bills(bills)
     _backfill_pods(bills, context.config.attributes.get("team_label") or "team")
 
