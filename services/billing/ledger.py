@@ -168,6 +168,10 @@ metadata = MetaData(
     }
 )
 
+# ``info`` key of a constraint only a SQLite ledger has (the cost lines' foreign keys: a PostgreSQL ledger's lines
+# are written with their bill by ``Ledger.write`` alone, and the keys' per-line trigger was half of inserting them).
+SQLITE_ONLY = "gpumeter_sqlite_only"
+
 LABELS_TYPE = JSON().with_variant(postgresql.JSONB(), "postgresql")
 
 price_versions = Table(
@@ -255,11 +259,13 @@ cost_lines = Table(
     Column("gpu_fraction", Double, nullable=False, server_default="0"),
     PrimaryKeyConstraint("window_start_unix_ms", "cluster", "node_name", "gpu_uuid", "subject_kind", "pod_uid",
                          "shared_from"),
+    # SQLite only: PostgreSQL's ledger does not keep them (migration 0013; ``SQLITE_ONLY``).
     ForeignKeyConstraint(
         ["window_start_unix_ms", "cluster", "node_name"],
         ["node_bills.window_start_unix_ms", "node_bills.cluster", "node_bills.node_name"],
+        info={SQLITE_ONLY: True},
     ),
-    ForeignKeyConstraint(["label_set_id"], ["label_sets.label_set_id"]),
+    ForeignKeyConstraint(["label_set_id"], ["label_sets.label_set_id"], info={SQLITE_ONLY: True}),
     Index(None, "namespace", "window_start_unix_ms"),
     # SQLite: the rows live in the primary key's B-tree, not in a rowid table beside a copy of the key.
     sqlite_with_rowid=False,

@@ -69,8 +69,11 @@ def test_migrations_create_the_schema_once_even_when_run_concurrently(database_u
     for thread in threads:
         thread.join(60)
     assert errors == [] and revisions == [Ledger.head_revision()] * 3
+    from tests.integration.test_ledger_partitions_postgres import PARTITION_FILTERS
+
     with ledger.engine.connect() as connection:
-        context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE, "compare_type": True})
+        context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE, "compare_type": True,
+                                                               **PARTITION_FILTERS})
         assert compare_metadata(context, metadata) == []
         labels_type = connection.execute(text(
             "SELECT data_type FROM information_schema.columns WHERE table_name = 'label_sets' "
@@ -188,7 +191,7 @@ def test_the_sharing_migration_keeps_old_lines_direct_and_makes_room_for_shared_
             "INSERT INTO cost_lines (window_start_unix_ms, cluster, node_name, gpu_uuid, subject_kind, pod_uid, "
             "window_seconds, labels, cost_share, cost_micro_usd, instance_type, price_model, price_version) VALUES "
             "(0, 'c', 'n', 'GPU-0', 'POD', 'p', 60, '{}', 1.0, 13333, 'g6.xlarge', 'on_demand', 'v1')"))
-    assert ledger.migrate() == Ledger.head_revision() == "0012_bill_rollups"
+    assert ledger.migrate() == Ledger.head_revision() == "0013_lines_without_foreign_keys"
     (old,) = list(ledger.iter_cost_lines(end_ms=1))
     assert (old.shared_from, old.sharing_method) == (None, "")
     assert [b["sharing"] for b in ledger.bills(end_ms=1)] == ["keep"]
@@ -305,3 +308,28 @@ def test_the_bill_rollups_follow_a_trueup_and_the_backfill_equals_them_on_postgr
     reads.assert_rollups_are_the_bills_and_pod_lines(ledger)
     reads.check_upgrade_backfills_what_write_keeps(ledger)
     ledger.close()
+
+
+def test_postgresqls_cost_lines_have_no_foreign_keys_and_sqlites_keep_them(database_url, tmp_path):
+    """Migration 0013: on PostgreSQL the lines are checked by ``Ledger.write`` alone (the keys' per-line triggers
+    were half of inserting them); a write there still refuses a line without its bill, and SQLite keeps its keys."""
+    from services.billing.ledger import LedgerError
+
+    ledger = Ledger(database_url)
+    ledger.migrate()
+    with ledger.engine.connect() as connection:
+        keys = connection.execute(text(
+            "SELECT conname FROM pg_constraint WHERE contype = 'f' AND conrelid = 'cost_lines'::regclass")).all()
+    assert keys == []
+    results = [bill_node_window(w, PriceCatalog.load()) for w in sample_shares(1)]
+    costs, bills = everything(results)
+    with pytest.raises(LedgerError, match="without its node bill"):
+        ledger.write(costs, [])
+    assert ledger.write(costs, bills).lines_written == len(costs)
+    ledger.close()
+    lite = Ledger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
+    lite.migrate()
+    with lite.engine.connect() as connection:
+        referred = {row[2] for row in connection.execute(text("PRAGMA foreign_key_list(cost_lines)"))}
+    assert referred == {"node_bills", "label_sets"}
+    lite.close()
