@@ -29,15 +29,14 @@ ATTACH PARTITION ... FOR VALUES FROM (start) TO (end)``), which clones the paren
 foreign keys onto it. Measured on PostgreSQL 15 (``pg_locks`` of the creating transaction): ``CREATE TABLE ...
 PARTITION OF node_bills`` takes ACCESS EXCLUSIVE on ``node_bills`` -- every reader (a month's report) would wait
 for it and every later reader behind it -- while ``ATTACH`` takes SHARE UPDATE EXCLUSIVE on the parent, which
-readers and writers pass, plus SHARE ROW EXCLUSIVE on the table at the other end of the ``cost_lines`` ->
-``node_bills`` foreign key (it adds the key's trigger): that waits only for writers' open transactions and holds
-them for the few milliseconds an empty table takes to attach. Billing creates the partitions ahead
+readers and writers pass (before revision 0013 dropped the ``cost_lines`` -> ``node_bills`` foreign key, also
+SHARE ROW EXCLUSIVE on the table at its other end, for a few milliseconds). Billing creates the partitions ahead
 (``AHEAD_DAYS``, at start and hourly, with its clock), and so does ``gpumeter ledger retention``; a write into a
 day nobody created yet creates it first.
 
 **Dropping** (``drop``): ``ALTER TABLE parent DETACH PARTITION p`` and ``DROP TABLE p``, in one short transaction
-per partition, ``cost_lines``' day before ``node_bills``' (the foreign key). DETACH takes ACCESS EXCLUSIVE on the
-parent (and on ``cost_lines`` too when detaching a ``node_bills`` partition, for the foreign key's check), so it
+per partition, ``cost_lines``' day before ``node_bills``' (a line never outlives its bill). DETACH takes ACCESS
+EXCLUSIVE on the parent (before 0013 also on ``cost_lines`` for a ``node_bills`` partition: the key's check), so it
 waits for running reads; ``lock_timeout`` bounds that wait (``DROP_LOCK_TIMEOUT_MS``) and the retention fails,
 to be run again, rather than queue every writer behind a long report. No row is deleted: nothing for VACUUM.
 """
@@ -90,7 +89,7 @@ SCHEMES = (
     Scheme("pod_rollup_daily", "period_start_unix_ms", MONTH, ROLLUP_FILLFACTOR),
 )
 SCHEME_BY_TABLE = {scheme.table: scheme for scheme in SCHEMES}
-# What the minute retention drops, in this order (a line's foreign key names its bill).
+# What the minute retention drops, in this order (a line never outlives its bill).
 MINUTE_TABLES = ("cost_lines", "node_bills")
 
 
@@ -212,7 +211,7 @@ def ensure_in(connection: Connection, parts: Iterable[Partition]) -> list[Partit
     parts = set(parts)
     connection.execute(text("SELECT pg_advisory_xact_lock(:lock)"), {"lock": _PARTITION_LOCK_ID})
     missing = sorted(parts - existing(connection, {part.table for part in parts}))
-    # Bills before lines: a line partition's foreign key is cloned from the parent's, which names node_bills.
+    # Bills before lines: up to 0012 a line partition's foreign key is cloned from the parent's (names node_bills).
     order = {scheme.table: index for index, scheme in enumerate(SCHEMES)}
     missing.sort(key=lambda part: (order[part.table], part.start_ms))
     for part in missing:

@@ -22,7 +22,7 @@ already avoids (or refuses) the range that is being dropped -- then what is olde
 
 * **SQLite**: ranged ``DELETE`` statements by window start (``delete_batch_hours`` of windows per transaction, on
   the primary key's leading column: short transactions that never hold the write lock for long), the lines of a
-  range before its bills (a line's foreign key names its bill).
+  range before its bills (a line never outlives its bill; on SQLite its foreign key names it).
 * **PostgreSQL** (partitioned from revision 0010, ``services.billing.partitions``): whole partitions are detached
   and dropped -- never a ``DELETE``, nothing left for VACUUM -- one short transaction per partition, a day's lines
   before its bills. A partition goes only when it lies wholly before the horizon: the daily partitions of lines,
