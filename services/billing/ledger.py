@@ -168,9 +168,10 @@ metadata = MetaData(
     }
 )
 
-# ``info`` key of a constraint only a SQLite ledger has (the cost lines' foreign keys: a PostgreSQL ledger's lines
-# are written with their bill by ``Ledger.write`` alone, and the keys' per-line trigger was half of inserting them).
-SQLITE_ONLY = "gpumeter_sqlite_only"
+# ``info`` key naming the one dialect whose ledger has a constraint or index (migration 0013): a PostgreSQL ledger's
+# lines have no foreign keys and no primary key, a (window, cluster, node) index instead -- ``Ledger.write`` alone
+# inserts a line, with its bill -- and SQLite keeps both (its lines table is WITHOUT ROWID: the key is the table).
+ONLY_ON = "gpumeter_only_on"
 
 LABELS_TYPE = JSON().with_variant(postgresql.JSONB(), "postgresql")
 
@@ -259,14 +260,15 @@ cost_lines = Table(
     Column("gpu_fraction", Double, nullable=False, server_default="0"),
     PrimaryKeyConstraint("window_start_unix_ms", "cluster", "node_name", "gpu_uuid", "subject_kind", "pod_uid",
                          "shared_from"),
-    # SQLite only: PostgreSQL's ledger does not keep them (migration 0013; ``SQLITE_ONLY``).
+    # SQLite only: PostgreSQL's ledger keeps neither these keys nor the primary key (migration 0013; ``ONLY_ON``).
     ForeignKeyConstraint(
         ["window_start_unix_ms", "cluster", "node_name"],
         ["node_bills.window_start_unix_ms", "node_bills.cluster", "node_bills.node_name"],
-        info={SQLITE_ONLY: True},
+        info={ONLY_ON: "sqlite"},
     ),
-    ForeignKeyConstraint(["label_set_id"], ["label_sets.label_set_id"], info={SQLITE_ONLY: True}),
+    ForeignKeyConstraint(["label_set_id"], ["label_sets.label_set_id"], info={ONLY_ON: "sqlite"}),
     Index(None, "namespace", "window_start_unix_ms"),
+    Index(None, "window_start_unix_ms", "cluster", "node_name", info={ONLY_ON: "postgresql"}),
     # SQLite: the rows live in the primary key's B-tree, not in a rowid table beside a copy of the key.
     sqlite_with_rowid=False,
 )
@@ -730,8 +732,10 @@ class Ledger:
                 raise LedgerError(f"cost line for {key} without its node bill in the same write")
             bill = found[1]
             line_key = _line_key(cost)
-            first_line = lines.setdefault(line_key, cost)
-            if first_line is cost:
+            first_line = lines.get(line_key)
+            if first_line is None:
+                # A line offered twice (the same record, or an equal one) is one line: counted once.
+                lines[line_key] = cost
                 sums[window] += cost.cost_micro_usd
                 if is_zero_line(cost, bill.window_seconds, bill.instance_type, bill.price_model,
                                 bill.price_version):

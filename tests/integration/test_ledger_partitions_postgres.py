@@ -16,7 +16,7 @@ from sqlalchemy import text
 from services.billing import partitions
 from services.billing.catalog import PriceCatalog
 from services.billing.costing import bill_node_window
-from services.billing.ledger import SQLITE_ONLY, VERSION_TABLE, Grouping, Ledger, _alembic_config, metadata
+from services.billing.ledger import ONLY_ON, VERSION_TABLE, Grouping, Ledger, _alembic_config, metadata
 from services.billing.report import build_report
 from services.billing.retention import RetentionSettings, retain
 from services.billing.rollups import DAY, DAY_MS, HOUR, MINUTE
@@ -65,8 +65,8 @@ def not_a_partition(name, type_, parent_names):
 def not_to_a_partition(object_, name, type_, reflected, compare_to):
     """``compare_metadata`` object filter: PostgreSQL shows the foreign key to a partitioned table once more per
     partition of it (its internal copies); the one to the parent is compared. The metadata's SQLite-only keys
-    (``SQLITE_ONLY``: the cost lines', dropped by migration 0013) are not PostgreSQL's."""
-    if type_ == "foreign_key_constraint" and not reflected and object_.info.get(SQLITE_ONLY):
+    (``ONLY_ON``: the cost lines' keys, dropped by migration 0013) are not PostgreSQL's."""
+    if not reflected and object_.info.get(ONLY_ON, "postgresql") != "postgresql":
         return False
     return not (type_ == "foreign_key_constraint" and reflected
                 and partitions.parse_name(object_.referred_table.name) is not None)

@@ -191,7 +191,7 @@ def test_the_sharing_migration_keeps_old_lines_direct_and_makes_room_for_shared_
             "INSERT INTO cost_lines (window_start_unix_ms, cluster, node_name, gpu_uuid, subject_kind, pod_uid, "
             "window_seconds, labels, cost_share, cost_micro_usd, instance_type, price_model, price_version) VALUES "
             "(0, 'c', 'n', 'GPU-0', 'POD', 'p', 60, '{}', 1.0, 13333, 'g6.xlarge', 'on_demand', 'v1')"))
-    assert ledger.migrate() == Ledger.head_revision() == "0013_lines_without_foreign_keys"
+    assert ledger.migrate() == Ledger.head_revision() == "0013_lean_lines"
     (old,) = list(ledger.iter_cost_lines(end_ms=1))
     assert (old.shared_from, old.sharing_method) == (None, "")
     assert [b["sharing"] for b in ledger.bills(end_ms=1)] == ["keep"]
@@ -310,22 +310,31 @@ def test_the_bill_rollups_follow_a_trueup_and_the_backfill_equals_them_on_postgr
     ledger.close()
 
 
-def test_postgresqls_cost_lines_have_no_foreign_keys_and_sqlites_keep_them(database_url, tmp_path):
-    """Migration 0013: on PostgreSQL the lines are checked by ``Ledger.write`` alone (the keys' per-line triggers
-    were half of inserting them); a write there still refuses a line without its bill, and SQLite keeps its keys."""
+def test_postgresqls_cost_lines_have_no_keys_and_sqlites_keep_them(database_url, tmp_path):
+    """Migration 0013: on PostgreSQL the lines are checked by ``Ledger.write`` alone (the foreign keys' per-line
+    triggers were half of inserting them; the primary key a third of a line's bytes), found by a (window, cluster,
+    node) index; a write there still refuses a line without its bill, a repeated line and a redelivered node-window
+    write nothing twice, and a true-up finds its lines. SQLite keeps its keys."""
     from services.billing.ledger import LedgerError
 
     ledger = Ledger(database_url)
     ledger.migrate()
     with ledger.engine.connect() as connection:
         keys = connection.execute(text(
-            "SELECT conname FROM pg_constraint WHERE contype = 'f' AND conrelid = 'cost_lines'::regclass")).all()
+            "SELECT contype FROM pg_constraint WHERE contype IN ('f', 'p') AND conrelid = 'cost_lines'::regclass"
+        )).all()
+        indexes = set(connection.execute(text(
+            "SELECT indexname FROM pg_indexes WHERE tablename = 'cost_lines'")).scalars())
     assert keys == []
-    results = [bill_node_window(w, PriceCatalog.load()) for w in sample_shares(1)]
+    assert "ix_cost_lines_window_start_unix_ms_cluster_node_name" in indexes
+    results = [bill_node_window(w, PriceCatalog.load()) for w in sample_shares(2)]
     costs, bills = everything(results)
     with pytest.raises(LedgerError, match="without its node bill"):
         ledger.write(costs, [])
-    assert ledger.write(costs, bills).lines_written == len(costs)
+    first = ledger.write(costs + costs[:5], bills)
+    assert first.lines_written == len(costs) and ledger.write(costs, bills).lines_written == 0
+    stored = ledger.totals()
+    assert (stored.cost_lines, stored.cost_micro_usd) == (len(costs), sum(c.cost_micro_usd for c in costs))
     ledger.close()
     lite = Ledger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
     lite.migrate()
