@@ -96,6 +96,10 @@ class _KeptBroker(MemoryBroker):
         super().__init__()
         _KeptBroker.instances.append(self)
 
+    def trim(self) -> None:
+        """Keep every message: replay forgets each chunk once processed (memory), and this test reads the whole
+        run afterwards. Replay's output does not depend on it (``tests/unit/pipeline/test_replay_chunks.py``)."""
+
 
 # The guard's inputs in its order of precedence at one instant (GuardProcessor.inputs).
 GUARD_INPUTS = (("pod", "pod_events", PodEvent), ("sample", "node_samples", NodeSample),
