@@ -187,29 +187,20 @@ def allocation_sums(ledger: Ledger, query: "AllocationQuery"
         if segment.grain == MINUTE:
             pod_rows, bucket_rows = ledger.allocation_sums(query, start_ms=segment.start_ms, end_ms=segment.end_ms)
             for p in pod_rows:
-                _add(pods, (p.step, p.group, p.shared_from, p.sharing_method, p.method, p.cost_basis),
+                rollups.add_into(pods, (p.step, p.group, p.shared_from, p.sharing_method, p.method, p.cost_basis),
                      (p.cost_micro_usd, p.lines, p.gpu_hours * hour, p.memory_gpu_hours * hour,
                       p.compute_gpu_hours * hour, p.unit_hours * hour))
             for b in bucket_rows:
-                _add(buckets, (b.step, b.node, b.kind, b.shared), (b.cost_micro_usd, b.lines))
+                rollups.add_into(buckets, (b.step, b.node, b.kind, b.shared), (b.cost_micro_usd, b.lines))
             continue
         for row in read_rollups.pod_sums(ledger.read, READ_ROLLUPS, segment, aggregate=query.aggregate,
                                          start_ms=query.start_ms, step_ms=query.step_ms, cluster=query.cluster):
-            _add(pods, row[:6], row[6:])
+            rollups.add_into(pods, row[:6], row[6:])
         for row in _bucket_rows(ledger, query, segment):
-            _add(buckets, row[:4], row[4:])
+            rollups.add_into(buckets, row[:4], row[4:])
     return ([PodSum(*key, int(v[0]), int(v[1]), v[2] / hour, v[3] / hour, v[4] / hour, v[5] / hour)
              for key, v in pods.items()],
             [BucketSum(*key, int(v[0]), int(v[1])) for key, v in buckets.items()], segments)
-
-
-def _add(out: dict, key: tuple, values) -> None:
-    sums = out.get(key)
-    if sums is None:
-        out[key] = list(values)
-    else:
-        for i, value in enumerate(values):
-            sums[i] += value
 
 
 def _bucket_rows(ledger: Ledger, query: "AllocationQuery", segment: Segment) -> list[tuple]:

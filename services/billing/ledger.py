@@ -102,6 +102,7 @@ from gpumeter.redact import mask_secrets, mask_url
 from schemas.records import CostRecord, CostSubjectKind
 from services.billing import partitions, read_rollups, rollups
 from services.billing.bulk_rows import DO_NOTHING, BulkInsert
+from services.billing.rollups import KIND_TEXT
 from services.billing.costing import NodeBill, NodeWindowKey
 from services.billing.line_storage import (
     EMPTY_LABEL_SET_ID,
@@ -463,11 +464,6 @@ _BILL_OF_LINE = ((node_bills.c.window_start_unix_ms == cost_lines.c.window_start
 _WITH_LABELS = cost_lines.join(label_sets, label_sets.c.label_set_id == cost_lines.c.label_set_id)
 
 
-# Each kind's text, looked up: an enum member's ``.value`` is a descriptor call, once per line and column.
-KIND_TEXT: Mapping[CostSubjectKind | None, str] = MappingProxyType(
-    {None: NOT_SHARED, **{kind: kind.value for kind in CostSubjectKind}})
-
-
 def _shared_from(cost: CostRecord) -> str:
     return KIND_TEXT[cost.shared_from]
 
@@ -478,8 +474,7 @@ def _line_key(cost: CostRecord) -> tuple:
 
 
 def _line_values(cost: CostRecord, label_set: int) -> tuple:
-    """``_line_row(cost, label_set)``'s values, in its order (``LINE_COLUMNS``): the row of the driver-level
-    insert."""
+    """``_line_row(cost, label_set)``'s values, in its order (``LINE_COLUMNS``): the row of the bulk insert."""
     return (cost.window_start_unix_ms, cost.cluster, cost.node_name, cost.gpu_uuid or NO_GPU,
             KIND_TEXT[cost.subject_kind], cost.pod_uid or NO_POD, cost.window_seconds, cost.namespace, cost.pod_name,
             label_set, cost.cost_share, cost.cost_micro_usd, KIND_TEXT[cost.shared_from], cost.sharing_method,

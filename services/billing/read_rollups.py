@@ -50,7 +50,7 @@ from sqlalchemy.engine import Connection
 from schemas.records import CostRecord, CostSubjectKind
 from services.billing.bulk_rows import add_sums
 from services.billing.costing import NodeBill, NodeWindowKey
-from services.billing.rollups import HOUR, DAY, ROLLUP_GRAINS, Segment, period_start
+from services.billing.rollups import DAY, HOUR, KIND_TEXT, ROLLUP_GRAINS, Segment, add_into, period_start
 
 BILL_DIMENSIONS = ("period_start_unix_ms", "cluster", "node_name", "price_version", "instance_type", "price_model",
                    "provider", "region", "zone", "gpu_model", "sharing")
@@ -131,15 +131,6 @@ def bill_key(bill: Mapping[str, Any], grain: str) -> tuple:
             bill["zone"] or "", bill["gpu_model"] or "", bill["sharing"])
 
 
-def _add(out: dict[tuple, list], key: tuple, values: Iterable) -> None:
-    sums = out.get(key)
-    if sums is None:
-        out[key] = list(values)
-    else:
-        for i, value in enumerate(values):
-            sums[i] += value
-
-
 def written_bill_rows(bills: Iterable[Mapping[str, Any]]) -> dict[str, dict[tuple, list[int]]]:
     """Per grain, what newly written bills (column dicts with ``zero_line_count``; not trued up) add. Pure."""
     out: dict[str, dict[tuple, list[int]]] = {grain: {} for grain in ROLLUP_GRAINS}
@@ -148,7 +139,7 @@ def written_bill_rows(bills: Iterable[Mapping[str, Any]]) -> dict[str, dict[tupl
         values = (1, int(bill["billed_milliseconds"]), cost, int(bill["gpu_cost_micro_usd"]),
                   int(bill["node_other_micro_usd"]), cost, 0, int(bill["zero_line_count"]))
         for grain in ROLLUP_GRAINS:
-            _add(out[grain], bill_key(bill, grain), values)
+            add_into(out[grain], bill_key(bill, grain), values)
     return out
 
 
@@ -172,7 +163,7 @@ def trued_bill_rows(changes: Iterable[BillTruedChange]) -> dict[str, dict[tuple,
         if not billed and not trued:
             continue
         for grain in ROLLUP_GRAINS:
-            _add(out[grain], bill_key(change.bill, grain), (0, 0, 0, 0, 0, billed, trued, 0))
+            add_into(out[grain], bill_key(change.bill, grain), (0, 0, 0, 0, 0, billed, trued, 0))
     return {grain: {k: v for k, v in rows.items() if any(v)} for grain, rows in out.items()}
 
 
@@ -180,7 +171,7 @@ def pod_key(cost: CostRecord, grain: str, *, team_key: str) -> tuple:
     """The pod rollup key (``POD_DIMENSIONS`` order) of a POD line."""
     team = cost.labels.get(team_key)
     return (period_start(cost.window_start_unix_ms, grain), cost.cluster, cost.node_name, cost.namespace or "",
-            team_key, team or "", team is not None, cost.shared_from.value if cost.shared_from is not None else "",
+            team_key, team or "", team is not None, KIND_TEXT[cost.shared_from],
             cost.sharing_method, cost.method, cost.cost_basis)
 
 
@@ -197,7 +188,7 @@ def written_pod_rows(costs: Iterable[CostRecord], bills: Mapping[NodeWindowKey, 
                   cost.memory_share * cost.gpu_fraction * billed_ms, cost.compute_share * cost.gpu_fraction * billed_ms,
                   cost.gpu_fraction * billed_ms)
         for grain in ROLLUP_GRAINS:
-            _add(out[grain], pod_key(cost, grain, team_key=team_key), values)
+            add_into(out[grain], pod_key(cost, grain, team_key=team_key), values)
     return out
 
 
@@ -331,5 +322,5 @@ def roll_rows(rows: Mapping[tuple, tuple], grain: str) -> dict[tuple, list]:
     """Rollup rows (key first column: the period) summed into the periods of ``grain``. Pure."""
     out: dict[tuple, list] = {}
     for key, values in rows.items():
-        _add(out, (period_start(key[0], grain), *key[1:]), values)
+        add_into(out, (period_start(key[0], grain), *key[1:]), values)
     return dict(out)

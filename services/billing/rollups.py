@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from sqlalchemy import (
@@ -173,8 +174,20 @@ def line_key(cost: CostRecord, grain: str, *, gpu_model: str, sharing: str, team
         ",".join(cost.carried_label_keys))
 
 
-# Each kind's text ('' for no kind), looked up: an enum member's ``.value`` is a descriptor call per line.
-_KIND_TEXT: Mapping[CostSubjectKind | None, str] = {None: "", **{kind: kind.value for kind in CostSubjectKind}}
+# Each kind's text ('' for no kind: a line shared from no bucket), looked up: an enum member's ``.value`` is a
+# descriptor call, once per line and column (the ledger's writer and every rollup key use this one table).
+KIND_TEXT: Mapping[CostSubjectKind | None, str] = MappingProxyType(
+    {None: "", **{kind: kind.value for kind in CostSubjectKind}})
+
+
+def add_into(out: dict[tuple, list], key: tuple, values: Iterable) -> None:
+    """Add ``values`` element-wise to ``out[key]`` (a list of sums; created from ``values`` when absent)."""
+    sums = out.get(key)
+    if sums is None:
+        out[key] = list(values)
+    else:
+        for i, value in enumerate(values):
+            sums[i] += value
 
 
 def written_rows(costs: Iterable[CostRecord], bills: Mapping[NodeWindowKey, NodeBill], *,
@@ -195,8 +208,8 @@ def written_rows(costs: Iterable[CostRecord], bills: Mapping[NodeWindowKey, Node
             node = facts[window] = (start - start % HOUR_MS, cost.cluster, cost.node_name, bill.gpu_model,
                                     bill.sharing)
         team = cost.labels.get(team_key)
-        key = (*node, cost.namespace or "", team_key, team or "", team is not None, _KIND_TEXT[cost.subject_kind],
-               _KIND_TEXT[cost.shared_from], cost.sharing_method, ",".join(cost.carried_label_keys))
+        key = (*node, cost.namespace or "", team_key, team or "", team is not None, KIND_TEXT[cost.subject_kind],
+               KIND_TEXT[cost.shared_from], cost.sharing_method, ",".join(cost.carried_label_keys))
         sums = hourly.get(key)
         if sums is None:
             hourly[key] = [cost.cost_micro_usd, 1]
