@@ -15,12 +15,18 @@ What each call returns follows the driver (see ``simulator/world.py`` for the mo
   version → ARGUMENT_VERSION_MISMATCH.
 * Utilization rates: NOT_SUPPORTED on a MIG-enabled GPU and on MIG devices. Power: NOT_SUPPORTED on MIG devices.
 * ``nvmlDeviceGetComputeRunningProcesses``: ``nvmlFriendlyObject``s with ``pid``, ``usedGpuMemory``,
-  ``gpuInstanceId``, ``computeInstanceId`` (0xFFFFFFFF off MIG). On an MPS GPU it lists only the MPS server;
-  the clients come from ``nvmlDeviceGetMPSComputeRunningProcesses`` (empty on other GPUs). A MIG device lists its
-  own processes; the MIG-enabled parent lists every instance's (as it does for root).
+  ``gpuInstanceId``, ``computeInstanceId`` (0xFFFFFFFF off MIG). On an MPS GPU it lists the MPS server and then
+  every client, as driver 580.159.04 did on an H200 (``bench/results/gpu_machine.json``);
+  ``nvmlDeviceGetMPSComputeRunningProcesses`` lists the clients alone, with the same ``usedGpuMemory`` (empty on
+  other GPUs). A MIG device lists its own processes; the MIG-enabled parent lists every instance's (as it does for
+  root).
 * ``nvmlDeviceGetProcessUtilization(h, lastSeenTimeStamp)``: one ``c_nvmlProcessUtilizationSample_t`` per
   process that ran kernels in the last sample period and whose sample is newer than ``lastSeenTimeStamp`` (µs);
-  NOT_FOUND when there is none; NOT_SUPPORTED on MPS GPUs, MIG-enabled GPUs and MIG devices.
+  NOT_FOUND when there is none; NOT_SUPPORTED on MIG-enabled GPUs and MIG devices. On an MPS GPU only the MPS
+  server has samples, its ``smUtil`` the device's utilization (as on the H200): the clients' kernels are the
+  server's to NVML. (On a time-sliced real GPU the driver gave about one sample a second, mostly for one process
+  carrying the device's whole utilization: see docs/attribution.md, "What a real GPU answered". The simulator
+  keeps one sample per process, each its own kernel time.)
 * MIG: ``nvmlDeviceGetMigMode`` → ``[current, pending]`` (NOT_SUPPORTED on GPUs without MIG);
   ``nvmlDeviceGetMaxMigDeviceCount`` → 7 when enabled, else 0; ``nvmlDeviceGetMigDeviceHandleByIndex`` →
   NOT_FOUND for an index with no instance; ``nvmlDeviceGetAttributes`` (MIG devices only) gives
@@ -414,9 +420,9 @@ class FakeNvml:
             units = list(obs.units)
         out = []
         for unit in units:
-            for p in unit.processes:
-                if p.is_mps_client:
-                    continue  # MPS clients are listed by nvmlDeviceGetMPSComputeRunningProcesses
+            # On an MPS GPU the real driver (580.159.04, H200: bench/results/gpu_machine.json) lists the MPS server
+            # first, then every client with its memory: the clients are in both lists.
+            for p in sorted(unit.processes, key=lambda p: p.is_mps_client):
                 out.append(self._process_info(p.pid, p.used_gpu_memory_bytes, p.gpu_instance_id, p.compute_instance_id))
         return out
 
@@ -432,8 +438,23 @@ class FakeNvml:
     def nvmlDeviceGetProcessUtilization(self, handle: FakeDeviceHandle, timeStamp: int) -> list:
         now = self._enter_device("nvmlDeviceGetProcessUtilization", handle)
         gpu = self._gpu(handle)
-        if handle.mig_index is not None or gpu.sharing.mode in (SHARING_MIG, SHARING_MPS):
+        if handle.mig_index is not None or gpu.sharing.mode == SHARING_MIG:
             _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        unit = self._unit(handle, now)
+        if gpu.sharing.mode == SHARING_MPS:
+            # The real driver answers on an MPS GPU with the server's samples alone, carrying the device's
+            # utilization: the clients' kernels are the server's to NVML (bench/results/gpu_machine).
+            servers = [
+                pynvml.c_nvmlProcessUtilizationSample_t(
+                    pid=p.pid, timeStamp=now * 1000, smUtil=unit.gpu_utilization_percent,
+                    memUtil=unit.memory_utilization_percent, encUtil=0, decUtil=0,
+                )
+                for p in unit.processes
+                if p.is_mps_server and unit.gpu_utilization_percent > 0 and now * 1000 > timeStamp
+            ]
+            if not servers:
+                _fail(pynvml.NVML_ERROR_NOT_FOUND)
+            return servers
         samples = [
             pynvml.c_nvmlProcessUtilizationSample_t(
                 pid=p.pid,
@@ -443,7 +464,7 @@ class FakeNvml:
                 encUtil=0,
                 decUtil=0,
             )
-            for p in self._unit(handle, now).processes
+            for p in unit.processes
             if p.sm_util_percent is not None and p.sample_timestamp_us > timeStamp
         ]
         if not samples:

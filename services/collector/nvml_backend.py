@@ -24,9 +24,12 @@ Contracts:
   recognised by ``free + used == total`` (to within 1 MiB) and corrected. Drivers without v2 (FUNCTION_NOT_FOUND,
   ARGUMENT_VERSION_MISMATCH) are read through v1 with ``reserved`` 0.
 * Processes: ``nvmlDeviceGetComputeRunningProcesses`` plus ``nvmlDeviceGetMPSComputeRunningProcesses`` (MPS
-  clients; the compute list shows only the MPS server there), merged by pid in that order. ``usedGpuMemory`` that
-  NVML cannot report (None) is -1. On a GPU with MPS clients (or configured as MPS) the compute list's pids that
-  are no client are reported in ``mps_server_pids``: the server runs its clients' kernels.
+  clients; driver 580 on an H200 lists the server and the clients in the compute list, the clients alone in the
+  MPS list, each with the same memory; older drivers are documented to show only the server in the compute list),
+  merged by pid in that order. ``usedGpuMemory`` that NVML cannot report (None) is -1. On a GPU with MPS clients
+  (or configured as MPS) the compute list's pids that are no client are reported in ``mps_server_pids``: the
+  server runs its clients' kernels. When the client list cannot be read no pid is called a server (the clients
+  would be among them).
 * One failing call never costs the other figures of its device, nor other devices: a failed memory read leaves
   the four memory figures 0 (unknown: the error says so) beside the processes it did read.
 * Per-process SM utilization: ``nvmlDeviceGetProcessUtilization(h, lastSeen)`` with a per-device
@@ -366,20 +369,24 @@ class NvmlBackend:
                 compute_pids.append(pid)
                 memory.setdefault(pid, -1 if p.usedGpuMemory is None else int(p.usedGpuMemory))
         client_pids: set[int] = set()
+        clients_read = False
         if with_mps:
             clients = call(
                 "nvmlDeviceGetMPSComputeRunningProcesses",
                 handle,
                 expected=(self._not_supported, self._nvml.NVML_ERROR_FUNCTION_NOT_FOUND),
             )
-            if clients is not _FAILED and clients:
+            clients_read = clients is not _FAILED
+            if clients_read and clients:
                 mps_clients = True
                 for p in clients:
                     pid = int(p.pid)
                     client_pids.add(pid)
                     memory.setdefault(pid, -1 if p.usedGpuMemory is None else int(p.usedGpuMemory))
         servers: tuple[int, ...] = ()
-        if mps_clients or mps_configured:
+        # Only a client list read tells a server from a client: a real driver lists the clients in the compute list
+        # too, so without that list every client would be taken for a server and its busy time lost.
+        if clients_read and (mps_clients or mps_configured):
             servers = tuple(dict.fromkeys(pid for pid in compute_pids if pid not in client_pids))
         return memory, mps_clients, servers
 

@@ -197,6 +197,34 @@ def test_the_mps_server_and_clients_are_all_reported():
     assert kinds == [False, False, False, True]
 
 
+def test_the_mps_server_is_told_from_the_clients_listed_in_both_lists():
+    # Driver 580 lists every client in the compute list too (bench/results/gpu_machine.json): the server is the
+    # compute-list pid that is no client, and each client is reported once.
+    s = scenario("mps")
+    world, clock, _, _, backend = make(s)
+    at(s, clock, 30)
+    (device,) = backend.sample()
+    assert len(device.process_pids) == len(set(device.process_pids)) == 4
+    assert [world.process(pid).is_mps_server for pid in device.mps_server_pids] == [True]
+
+
+def test_an_unreadable_mps_client_list_calls_no_process_a_server():
+    # Without the client list the clients (in the compute list too) cannot be told from the server: calling them
+    # all servers would drop their busy time, so none is called one; the failure is recorded.
+    def fails(*args, **kwargs):
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+
+    s = scenario("mps")
+    world, clock, _, _, backend = make(s, wrap=lambda f: Proxy(f, nvmlDeviceGetMPSComputeRunningProcesses=fails))
+    at(s, clock, 30)
+    (device,) = backend.sample()
+    assert device.mps_server_pids == ()
+    assert sorted(world.process(pid).is_mps_server for pid in device.process_pids) == [False, False, False, True]
+    assert [(e.nvml_function, e.error_code) for e in device.errors] == [
+        ("nvmlDeviceGetMPSComputeRunningProcesses", "UNKNOWN")
+    ]
+
+
 # ---- sharing modes -------------------------------------------------------------------------------------------
 
 

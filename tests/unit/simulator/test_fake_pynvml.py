@@ -282,16 +282,24 @@ def test_a_leaking_pod_time_slices_an_exclusive_gpu():
 # ---- MPS -----------------------------------------------------------------------------------------------------
 
 
-def test_mps_lists_the_server_as_compute_process_and_clients_separately():
+def test_mps_lists_the_server_then_the_clients_as_compute_processes_and_the_clients_alone_as_mps_clients():
+    # As driver 580.159.04 answered on an H200 under MPS (bench/results/gpu_machine.json): the compute list holds
+    # the server first and then every client, the MPS list the clients alone with the same memory, and the
+    # per-process utilization has one sample, the server's, carrying the device's utilization.
     s, world, clock, nvml = setup("mps", at_seconds=30)
     h = nvml.nvmlDeviceGetHandleByIndex(0)
     compute = nvml.nvmlDeviceGetComputeRunningProcesses(h)
-    assert len(compute) == 1 and world.process(compute[0].pid).is_mps_server
+    assert world.process(compute[0].pid).is_mps_server
     assert world.process(compute[0].pid).cgroup_path == "/system.slice/nvidia-mps.service"
+    assert not any(world.process(c.pid).is_mps_server for c in compute[1:])
     clients = nvml.nvmlDeviceGetMPSComputeRunningProcesses(h)
     assert {world.process(c.pid).pod_key for c in clients} == {p.key for p in s.pods}
-    with pytest.raises(pynvml.NVMLError_NotSupported):
-        nvml.nvmlDeviceGetProcessUtilization(h, 0)
+    assert [(c.pid, c.usedGpuMemory) for c in compute[1:]] == [(c.pid, c.usedGpuMemory) for c in clients]
+    samples = nvml.nvmlDeviceGetProcessUtilization(h, 0)
+    assert [x.pid for x in samples] == [compute[0].pid]
+    assert samples[0].smUtil == nvml.nvmlDeviceGetUtilizationRates(h).gpu > 0
+    with pytest.raises(pynvml.NVMLError_NotFound):
+        nvml.nvmlDeviceGetProcessUtilization(h, samples[0].timeStamp)
     # the pinned-memory limit caps every client at 1/replicas of the usable memory
     gpu = s.nodes[0].gpus[0]
     limit = (gpu.memory_total_bytes - gpu.driver_reserved_bytes) // gpu.sharing.replicas
