@@ -306,3 +306,53 @@ def test_replay_bench_replays_a_recorded_fleet_and_times_every_stage():
     assert figures["frames"] > figures["samples"] and figures["bills"] > 0
     assert set(figures["stage_cpu_s"]) == set(REPLAY_STAGES)
     assert figures["gpu_samples_per_cpu_s"] > 0
+
+
+def test_gpu_machine_scaleout_splits_the_same_work_among_workers():
+    from bench import gpu_machine
+
+    result = gpu_machine.scaleout(total_nodes=4, ticks=5, workers=(1, 2, 4))
+    rows = result["rows"]
+    assert [r["workers"] for r in rows] == [1, 2, 4]
+    # The same GPU-samples in every row: the workers split the nodes, none attributes another's.
+    assert {r["gpu_samples"] for r in rows} == {4 * 5 * 8}
+    assert rows[0]["speedup"] == 1.0 and all(r["wall_s"] > 0 and r["cpu_s"] > 0 for r in rows)
+
+
+def test_gpu_machine_summary_reads_context_bytes_and_sm_from_the_ticks():
+    from bench import gpu_machine
+
+    class Done:
+        pass
+
+    info = {"alloc_mib": 2, "busy_fraction": 0.5, "realloc_every_s": 0.0, "pid": 7, "lines": [{"t_s": 1}],
+            "stderr": "", "returncode": 0}
+    other = {**info, "pid": 8, "alloc_mib": 0, "busy_fraction": 0.0, "lines": []}
+    device = {"index": 0, "process_pids": [7, 8], "process_used_memory_bytes": [(2 << 20) + 500, 500],
+              "process_sm_utilization_percent": [60, 0], "memory_used_bytes": (2 << 20) + 1100,
+              "memory_reserved_bytes": 9, "errors": [], "sharing_mode": "TIME_SLICING", "mps_server_pids": []}
+    ticks = [{"backend": [device], "raw": {"process_utilization": [{"pid": 7, "smUtil": 60}]}}] * 3
+    summary = gpu_machine._summarise("time_sliced", [(Done(), info), (Done(), other)], ticks)
+    first, second = summary["processes"]
+    assert first["context_bytes_min_max"] == [500, 500] and second["context_bytes_min_max"] == [500, 500]
+    assert first["sm_percent_backend_mean"] == 60 and first["sm_percent_raw_samples"] == 3
+    assert second["sm_percent_raw_mean"] is None
+    assert summary["device0_memory_used_minus_listed_bytes"] == [100, 100, 100]
+    targets = gpu_machine.targets_from({"time_sliced": summary}, None)
+    assert [t.name for t in targets] == ["NVML per-process memory on a real GPU (no numeric target)",
+                                         "NVML per-process SM utilization, time-sliced real GPU (no numeric target)"]
+    assert "allocated + 500 B" in targets[0].measured and targets[0].met
+
+
+def test_device_results_are_shown_but_do_not_name_the_bench_machine():
+    local = {"cores_usable": 2, "cpu_model": "here", "python": "3.11"}
+    device = {"cores_usable": 16, "cpu_model": "there", "python": "3.12"}
+    target = {"name": "t", "goal": "g", "measured": "m", "met": True, "cause": ""}
+    results = {
+        "codec": {"machine": local, "started_at_unix_s": 0, "targets": [target], "figures": {}, "notes": []},
+        "gpu_machine": {"machine": device, "started_at_unix_s": 0, "targets": [{**target, "name": "device row"}],
+                        "figures": {}, "notes": []},
+    }
+    table = run.render_table(results)
+    assert table.splitlines()[0] == "Machine: 2 usable cores, here, Python 3.11."
+    assert "| device row |" in table
