@@ -22,7 +22,9 @@ It writes into DIR:
 
 Phases of the NVML check: ``time_sliced`` (four processes on GPU 0: 4 GiB busy half the time, 1 GiB idle, a
 context only busy a quarter, 2 GiB freed and re-allocated every 10 s) and ``mps`` (the MPS control daemon
-started, two clients, then stopped; skipped with the reason when the daemon does not start). Nothing here
+started, two clients, then stopped; skipped with the reason when the daemon does not start) and
+``sampling_probe`` (three busy processes; every 0.25 s the whole per-process utilization buffer, ``lastSeen`` 0,
+through both NVML calls for it; ``--only-probe`` runs it alone). Nothing here
 changes the GPU's settings (no MIG change, no reset, no clocks).
 """
 
@@ -237,6 +239,75 @@ def _mps_phase(gpu_load: Path, seconds: float, out: Any) -> dict[str, Any]:
     return summary
 
 
+PROBE_LOADS = ((256, 0.5, 0.0), (256, 0.25, 0.0), (256, 0.1, 0.0))
+
+
+def sampling_probe(gpu_load: Path, seconds: float, out: Any, interval_s: float = 0.25) -> dict[str, Any]:
+    """What NVML's per-process utilization buffer holds on a time-sliced GPU: every ``interval_s`` ask for every
+    buffered sample (``lastSeen`` 0) and for the newer API's (``nvmlDeviceGetProcessesUtilizationInfo``); each
+    distinct (pid, timestamp) sample is kept once. Reads only: accounting mode is read, never set."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+    started = _start_loads(gpu_load, PROBE_LOADS, seconds, dict(os.environ))
+    distinct: dict[tuple[int, int], int] = {}
+    distinct_info: dict[tuple[int, int], int] = {}
+    calls = 0
+    accounting = None
+    try:
+        accounting = int(pynvml.nvmlDeviceGetAccountingMode(handle))
+    except Exception as exc:  # recorded
+        accounting = f"{type(exc).__name__}: {exc}"
+    deadline = time.monotonic() + seconds + 2
+    while time.monotonic() < deadline and any(p.poll() is None for p, _ in started):
+        time.sleep(interval_s)
+        calls += 1
+        record: dict[str, Any] = {"phase": "sampling_probe", "t": time.time()}
+        try:
+            samples = pynvml.nvmlDeviceGetProcessUtilization(handle, 0)
+            record["all_samples"] = [(s.pid, s.timeStamp, s.smUtil) for s in samples]
+            for s in samples:
+                distinct[(s.pid, s.timeStamp)] = s.smUtil
+        except Exception as exc:
+            record["all_samples"] = f"{type(exc).__name__}: {exc}"
+        try:
+            info = pynvml.nvmlDeviceGetProcessesUtilizationInfo(handle, 0)
+            rows = [(u.pid, u.timeStamp, u.smUtil) for u in info]
+            record["utilization_info"] = rows
+            for pid, stamp, sm in rows:
+                distinct_info[(pid, stamp)] = sm
+        except Exception as exc:
+            record["utilization_info"] = f"{type(exc).__name__}: {exc}"
+        try:
+            record["device_gpu_percent"] = pynvml.nvmlDeviceGetUtilizationRates(handle).gpu
+        except Exception as exc:
+            record["device_gpu_percent"] = f"{type(exc).__name__}: {exc}"
+        out.write(json.dumps(record, default=str) + "\n")
+    for proc, _ in started:
+        try:
+            proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    pynvml.nvmlShutdown()
+
+    def per_pid(samples: dict[tuple[int, int], int]) -> dict[str, Any]:
+        sums: dict[int, list[int]] = {}
+        for (pid, _), sm in samples.items():
+            acc = sums.setdefault(pid, [0, 0])
+            acc[0] += sm
+            acc[1] += 1
+        stamps = sorted({stamp for _, stamp in samples})
+        gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+        return {"by_pid": {str(pid): {"samples": n, "sm_sum": total} for pid, (total, n) in sums.items()},
+                "distinct_timestamps": len(stamps),
+                "median_gap_us": sorted(gaps)[len(gaps) // 2] if gaps else None}
+
+    return {"phase": "sampling_probe", "calls": calls, "interval_s": interval_s, "accounting_mode": accounting,
+            "loads": [{"pid": info["pid"], "busy_fraction": info["busy_fraction"]} for _, info in started],
+            "process_utilization": per_pid(distinct), "processes_utilization_info": per_pid(distinct_info)}
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # attribution core across worker processes
 
@@ -282,6 +353,18 @@ def _pct(values: list[float]) -> list[int]:
     return [round(100 * v / total) for v in values] if total else [0 for _ in values]
 
 
+def _probe_text(probe: dict[str, Any] | None) -> str:
+    if not probe or "process_utilization" not in probe:
+        return ""
+    loads = probe["loads"]
+    by_pid = probe["process_utilization"]["by_pid"]
+    sums = [by_pid.get(str(load["pid"]), {}).get("sm_sum", 0) for load in loads]
+    return (f"; every buffered sample (lastSeen 0, asked every {probe['interval_s']} s) for processes busy "
+            f"{', '.join(format(load['busy_fraction'], '.0%') for load in loads)}: summed "
+            f"{'/'.join(map(str, _pct(sums)))} % (one sample per process, renewed about every "
+            f"{probe['process_utilization']['median_gap_us'] / 1e6:.1f} s)")
+
+
 def targets_from(summary: dict[str, Any], scale: dict[str, Any] | None) -> list[Any]:
     """The table rows of one lease's files: the core scale-out, and what NVML answered against known loads."""
     from bench.common import Target
@@ -324,7 +407,8 @@ def targets_from(summary: dict[str, Any], scale: dict[str, Any] | None) -> list[
             f"processes kept busy {', '.join(f'{b:.0%}' for b in busy)} of the time (kernel time "
             f"{'/'.join(map(str, _pct(busy)))} %): the backend's per-tick SM gave "
             f"{'/'.join(map(str, _pct(sm_means)))} %; raw samples per process "
-            f"{', '.join(str(p['sm_percent_raw_samples']) for p in procs)} of {sliced['ticks']} ticks",
+            f"{', '.join(str(p['sm_percent_raw_samples']) for p in procs)} of {sliced['ticks']} ticks"
+            + _probe_text(summary.get("sampling_probe")),
             True))
     mps = summary.get("mps") or {}
     if mps.get("processes"):
@@ -362,6 +446,7 @@ def main() -> int:
     ap.add_argument("--scaleout-ticks", type=int, default=150)
     ap.add_argument("--skip-nvml", action="store_true")
     ap.add_argument("--skip-scaleout", action="store_true")
+    ap.add_argument("--only-probe", action="store_true", help="only the sampling probe (no other phase)")
     ap.add_argument("--result-from", type=Path, help="write bench/results/gpu_machine.json from a lease's files")
     ap.add_argument("--machine-json", type=Path, help="with --result-from: that machine's machine_info() as JSON")
     args = ap.parse_args()
@@ -379,11 +464,13 @@ def main() -> int:
 
         summary["pynvml_version"] = getattr(pynvml, "__version__", None)
         with open(args.out / "nvml_truth.jsonl", "w") as out:
-            for name, run in (
+            phases = (
                 ("time_sliced", lambda: _phase("time_sliced", args.gpu_load, TIME_SLICED_LOADS, args.seconds,
                                                dict(os.environ), out)),
                 ("mps", lambda: _mps_phase(args.gpu_load, args.seconds, out)),
-            ):
+                ("sampling_probe", lambda: sampling_probe(args.gpu_load, args.seconds, out)),
+            )
+            for name, run in phases[2:] if args.only_probe else phases:
                 try:
                     summary[name] = run()
                 except Exception as exc:  # keep the other phase's findings
