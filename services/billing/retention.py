@@ -37,7 +37,9 @@ Running it again drops nothing more.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -216,19 +218,56 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                    "retention",
                                    description=__doc__.splitlines()[0])
     config.add_arguments(retention, RetentionSettings)
-    retention.add_argument("--now", default=None, help="the clock's time, ISO 8601 (default: now)")
+    when = retention.add_mutually_exclusive_group()
+    when.add_argument("--now", default=None, help="the clock's time, ISO 8601 (default: now)")
+    when.add_argument("--every", type=float, default=None, metavar="SECONDS",
+                      help="run again every SECONDS until stopped (SIGTERM, SIGINT), for hosts without a "
+                      "scheduler (docker compose); a failed run is reported and the next one tries again")
+
+
+def retention_settings(args: argparse.Namespace, env: Mapping[str, str]) -> RetentionSettings:
+    """The settings ``gpumeter ledger retention`` runs with: flags over environment over defaults."""
+    return load(RetentionSettings, args, env)
 
 
 def main(args: argparse.Namespace, env: Mapping[str, str], *, clock: Clock | None = None, out=None,
-         err=None) -> int:
-    """Apply the retention; 0 done, 2 on a usage or ledger error."""
-    from services.billing.report import parse_instant_ms
-
+         err=None, stop: threading.Event | None = None) -> int:
+    """Apply the retention once (0 done, 2 on a usage or ledger error), or with ``--every`` repeatedly until
+    ``stop`` is set (by SIGTERM/SIGINT unless given): 0 when stopped, 2 for unusable settings; a run that fails
+    is reported on ``err`` and the next one tries again."""
     out = out or sys.stdout
     err = err or sys.stderr
     clock = clock or SystemClock()
+    every_s = getattr(args, "every", None)
+    if every_s is None:
+        return _run_once(args, env, clock, out, err)
+    if not every_s > 0:
+        print(f"gpumeter ledger retention: --every must be > 0 seconds (got {every_s})", file=err)
+        return 2
     try:
-        settings = load(RetentionSettings, args, env)
+        retention_settings(args, env)
+    except GpumeterError as exc:
+        print(f"gpumeter ledger retention: {exc}", file=err)
+        return 2
+    if stop is None:
+        stop = threading.Event()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: stop.set())
+    while not stop.is_set():
+        try:
+            _run_once(args, env, clock, out, err)
+        except Exception as exc:  # a run's unexpected failure must not end the loop that retries it
+            print(f"gpumeter ledger retention: {type(exc).__name__}: {exc}", file=err)
+        out.flush()
+        stop.wait(every_s)
+    return 0
+
+
+def _run_once(args: argparse.Namespace, env: Mapping[str, str], clock: Clock, out, err) -> int:
+    from services.billing.report import parse_instant_ms
+
+    try:
+        settings = retention_settings(args, env)
         now_ms = parse_instant_ms(args.now) if getattr(args, "now", None) else clock.now_ms()
         with Ledger(settings.ledger_url) as ledger:
             ledger.require_schema()

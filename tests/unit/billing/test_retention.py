@@ -18,7 +18,7 @@ from gpumeter.clock import ManualClock
 from gpumeter.errors import ConfigError
 from services.billing import report as report_module
 from services.billing import retention
-from services.billing.ledger import ROLLUPS, Grouping, cost_lines
+from services.billing.ledger import ROLLUPS, Grouping, LedgerError, cost_lines
 from services.billing.report import build_report, format_report
 from services.billing.retention import RetentionSettings, retain
 from services.billing.rollups import DAY, DAY_MS, HOUR, HOUR_MS, MINUTE, Segment, plan, rows_of, split
@@ -262,6 +262,54 @@ def test_the_command_applies_it_with_the_clock_given(ledger):
     assert line_count(ledger, DAY0, now - 10 * DAY_MS) == 0 and line_count(ledger, now - 10 * DAY_MS, now) > 0
     assert bill_count(ledger, DAY0, now - 10 * DAY_MS) == 0 and bill_count(ledger, now - 10 * DAY_MS, now) > 0
     assert "ledger" in cli.SUBCOMMANDS
+
+
+def test_every_runs_it_again_on_the_clock_until_stopped_and_survives_a_failed_run(ledger):
+    """``--every`` (docker compose has no scheduler): each run reads the clock anew, a run that fails is reported and
+    the next one tries again, and setting the stop event ends the loop with 0."""
+    import threading
+
+    out, err = io.StringIO(), io.StringIO()
+    parser = argparse.ArgumentParser()
+    retention.add_arguments(parser)
+    args = parser.parse_args(["retention", "--ledger-url", ledger.url, "--minute-lines-days", "10",
+                              "--every", "0.001"])
+    stop = threading.Event()
+    clock = ManualClock(DAY0 + (DAYS - 2) * DAY_MS)
+    runs = []
+    real_retain = retention.retain
+
+    def counting_retain(led, settings, *, now_ms):
+        runs.append(now_ms)
+        if len(runs) == 1:
+            raise LedgerError("the database went away")
+        if len(runs) == 2:
+            clock.set_ms(DAY0 + DAYS * DAY_MS)  # the next run sees the clock move on
+        else:
+            stop.set()
+        return real_retain(led, settings, now_ms=now_ms)
+
+    retention.retain = counting_retain
+    try:
+        assert retention.main(args, {}, clock=clock, out=out, err=err, stop=stop) == 0
+    finally:
+        retention.retain = real_retain
+    assert runs == [DAY0 + (DAYS - 2) * DAY_MS, DAY0 + (DAYS - 2) * DAY_MS, DAY0 + DAYS * DAY_MS]
+    assert "the database went away" in err.getvalue()
+    assert out.getvalue().count("minute cost lines: kept from") == 2
+    now = DAY0 + DAYS * DAY_MS
+    assert line_count(ledger, DAY0, now - 10 * DAY_MS) == 0 and line_count(ledger, now - 10 * DAY_MS, now) > 0
+
+
+def test_every_refuses_unusable_settings_and_a_non_positive_period(ledger):
+    parser = argparse.ArgumentParser()
+    retention.add_arguments(parser)
+    for argv, message in ((["--every", "0"], "--every must be > 0"),
+                          (["--every", "5", "--minute-lines-days", "500"], "must not shrink")):
+        err = io.StringIO()
+        args = parser.parse_args(["retention", "--ledger-url", ledger.url, *argv])
+        assert retention.main(args, {}, clock=ManualClock(DAY0), out=io.StringIO(), err=err) == 2
+        assert message in err.getvalue()
 
 
 def test_retention_over_compact_lines_keeps_label_sets_and_zero_lines_and_the_reports_from_the_rollups(

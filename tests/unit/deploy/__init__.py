@@ -33,14 +33,20 @@ SERVICE_ROLES: dict[str, tuple[str, str, str]] = {
     "api": ("services.billing.api", "api_settings", "services/billing"),
 }
 
+# Roles that run to completion on a schedule (CronJobs; in compose a loop): name -> the same triple.
+TASK_ROLES: dict[str, tuple[str, str, str]] = {
+    "ledger": ("services.billing.retention", "retention_settings", "services/billing"),
+}
+
 # Read by the NVIDIA container toolkit, not by gpumeter: allowed on the collector only.
 NVIDIA_RUNTIME_VARIABLES = frozenset({"NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES"})
 
 def settings_class(role: str) -> type:
     """The frozen settings class ``role`` loads (``gpumeter.config.load``); ``topics`` has only KafkaSettings."""
-    if role not in SERVICE_ROLES:
+    roles = {**SERVICE_ROLES, **TASK_ROLES}
+    if role not in roles:
         return KafkaSettings
-    module_name, function_name, _folder = SERVICE_ROLES[role]
+    module_name, function_name, _folder = roles[role]
     module = __import__(module_name, fromlist=[function_name])
     (cls,) = {value for value in vars(module).values()
               if isinstance(value, type) and value.__module__ == module_name and value.__name__.endswith("Settings")}
@@ -78,9 +84,10 @@ def settings_for(command: Sequence[str], env: Mapping[str, str]) -> Any:
         args = parser.parse_args(list(command))
     except SystemExit as exc:
         raise AssertionError(f"gpumeter rejects the command line {list(command)!r}") from exc
-    if role not in SERVICE_ROLES:
+    roles = {**SERVICE_ROLES, **TASK_ROLES}
+    if role not in roles:
         return KafkaSettings.from_env(env)
-    module_name, function_name, _folder = SERVICE_ROLES[role]
+    module_name, function_name, _folder = roles[role]
     module = __import__(module_name, fromlist=[function_name])
     function: Callable[[Any, Mapping[str, str]], Any] = getattr(module, function_name)
     return function(args, env)

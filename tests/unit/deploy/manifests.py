@@ -25,7 +25,9 @@ from tests.unit.deploy import NVIDIA_RUNTIME_VARIABLES, role_of, settings_for, v
 
 # The oldest Kubernetes minor the manifests are kept valid for, and the newest the installed schemas know.
 KUBERNETES_VERSIONS = ("1.33", kubernetes_validate.latest_version())
-WORKLOAD_KINDS = ("DaemonSet", "Deployment", "Job")
+WORKLOAD_KINDS = ("DaemonSet", "Deployment", "Job", "CronJob")
+# Workloads whose pods run to completion: no metrics port, no Service, no selector of their own.
+RUN_TO_COMPLETION_KINDS = ("Job", "CronJob")
 READ_ONLY_VERBS = {"get", "list", "watch"}
 # The collector's grant, rule by rule: (API group, resources) -> verbs. Pods of its node: the pod events. Its own
 # Node object (get only): region, zone, instance type, capacity type, providerID. DRA: its node's ResourceSlices
@@ -67,8 +69,14 @@ def workloads(docs: list[dict]) -> list[dict]:
     return of_kind(docs, *WORKLOAD_KINDS)
 
 
+def pod_template(workload: dict) -> dict:
+    if workload["kind"] == "CronJob":
+        return workload["spec"]["jobTemplate"]["spec"]["template"]
+    return workload["spec"]["template"]
+
+
 def pod_spec(workload: dict) -> dict:
-    return workload["spec"]["template"]["spec"]
+    return pod_template(workload)["spec"]
 
 
 def containers(spec: dict) -> list[dict]:
@@ -329,7 +337,7 @@ def check_collector_pools_are_priced(docs: list[dict], scratch: Path) -> int:
 def check_restricted_pods(docs: list[dict]) -> None:
     """Every pod but the collectors' meets the "restricted" Pod Security Standard."""
     others = [w for w in workloads(docs) if not is_collector(w)]
-    assert {w["kind"] for w in others} == {"Deployment", "Job"}
+    assert {w["kind"] for w in others} == {"Deployment", "Job", "CronJob"}
     for workload in others:
         spec = pod_spec(workload)
         pod_security = spec.get("securityContext", {})
@@ -399,10 +407,10 @@ def check_metrics_services(docs: list[dict]) -> None:
     on five ports -- a guard scaled out has a Service per guard role, on the guard's one port."""
     services = of_kind(docs, "Service")
     for workload in workloads(docs):
+        if workload["kind"] in RUN_TO_COMPLETION_KINDS:
+            continue
         spec = pod_spec(workload)
         (container,) = spec["containers"]
-        if role_of(container["args"]) == "topics":
-            continue
         (port,) = [p for p in container["ports"] if p["name"] == "metrics"]
         settings = settings_for(container["args"], container_env(container, docs))
         assert settings.metrics_port == port["containerPort"], container["name"]
@@ -429,7 +437,7 @@ def check_metrics_services(docs: list[dict]) -> None:
 
 def check_workload_selectors_are_disjoint(docs: list[dict]) -> None:
     """No workload's selector matches another workload's pods (two collector DaemonSets included)."""
-    items = [w for w in workloads(docs) if w["kind"] != "Job"]
+    items = [w for w in workloads(docs) if w["kind"] not in RUN_TO_COMPLETION_KINDS]
     for workload in items:
         selector = workload["spec"]["selector"]["matchLabels"]
         assert selector.items() <= workload["spec"]["template"]["metadata"]["labels"].items()

@@ -149,8 +149,8 @@ def test_every_gpumeter_command_parses_and_builds_its_settings(compose):
     for name, service in gpumeter_services(compose).items():
         env = environment(service)
         settings = settings_for(service["command"], env)
-        if role_of(service["command"]) == "api":
-            continue  # no Kafka: it reads the ledger only (its ledger: test_the_api_reads_billings_ledger)
+        if role_of(service["command"]) in ("api", "ledger"):
+            continue  # no Kafka: they use the ledger only (test_the_api_reads_billings_ledger, ..._ledger_retention_...)
         kafka = settings if isinstance(settings, KafkaSettings) else settings.kafka
         host, _, port = kafka.bootstrap_servers.partition(":")
         assert host in compose["services"], f"{name}: bootstrap host {host!r} is not a compose service"
@@ -230,6 +230,17 @@ def test_services_start_after_kafka_the_topics_and_their_databases(compose):
             ledger_host = urllib.parse.urlsplit(settings.ledger_url).hostname
             assert ledger_host in services, f"billing's ledger host {ledger_host!r} is not a compose service"
             assert service["depends_on"][ledger_host]["condition"] == "service_healthy"
+
+
+def test_the_ledger_retention_loops_over_billings_ledger_after_billing_migrated_it(compose):
+    services = gpumeter_services(compose)
+    (retention,) = [s for s in services.values() if role_of(s["command"]) == "ledger"]
+    (billing,) = [s for s in services.values() if role_of(s["command"]) == "billing"]
+    assert retention["depends_on"]["billing"]["condition"] == "service_healthy"
+    settings = settings_for(retention["command"], environment(retention))
+    assert settings.ledger_url == settings_for(billing["command"], environment(billing)).ledger_url
+    assert settings.days() == {"minute": 14, "hour": 92, "day": 400}
+    assert retention["command"][:2] == ["ledger", "retention"] and "--every" in retention["command"]
 
 
 def test_restart_policies(compose):

@@ -407,7 +407,7 @@ def test_secrets_only_by_reference(rendering):
 def test_every_container_command_line_and_environment_goes_through_the_real_cli_and_settings(rendering):
     _name, _release, _namespace, docs = rendering
     roles = check_commands_and_settings(docs)
-    assert set(roles) == {"api", "attributor", "billing", "collector", "guard", "topics"}
+    assert set(roles) == {"api", "attributor", "billing", "collector", "guard", "ledger", "topics"}
     assert roles.count("collector") == len(of_kind(docs, "DaemonSet"))
 
 
@@ -487,8 +487,9 @@ def test_each_node_pool_gets_its_own_daemonset_with_its_selector_tolerations_and
 
 
 def no_kafka_client(container: dict, docs: list[dict]) -> bool:
-    """The API reads the ledger only: no Kafka settings, no Kafka secret, no Kafka mounts (checked here)."""
-    if role_of(container["args"]) != "api":
+    """The API and the ledger's retention use the ledger only: no Kafka settings, no Kafka secret, no Kafka mounts
+    (checked here)."""
+    if role_of(container["args"]) not in ("api", "ledger"):
         return False
     assert not [name for name in container_env(container, docs) if "KAFKA" in name], container["name"]
     assert not [m for m in container.get("volumeMounts", []) if m["mountPath"] != "/tmp"], container["name"]
@@ -912,3 +913,26 @@ def test_roles_producing_reads_the_code():
     assert roles_producing("gpumeter_collector_ticks_total") == {"collector"}
     assert roles_producing("gpumeter_dead_letters_total") == {"attributor", "billing", "guard"}
     assert roles_producing("up") == set(ROLES)
+
+
+def test_the_ledger_retention_cronjob_runs_the_values_retention_and_can_be_turned_off(render, helm):
+    docs = render("gpumeter", "gpumeter", set_values=(
+        "billing.retention.schedule=5 */2 * * *", "billing.retention.minuteLinesDays=30",
+        "billing.retention.hourlyRollupsDays=120", "billing.retention.dailyRollupsDays=730",
+        "billing.ledgerSecret.name=ledger-db"))
+    (cronjob,) = of_kind(docs, "CronJob")
+    assert cronjob["spec"]["schedule"] == "5 */2 * * *" and cronjob["spec"]["concurrencyPolicy"] == "Forbid"
+    (container,) = pod_spec(cronjob)["containers"]
+    settings = settings_for(container["args"], container_env(container, docs))
+    assert settings.days() == {"minute": 30, "hour": 120, "day": 730}
+    assert env_item(container, "GPUMETER_LEDGER_URL")["valueFrom"]["secretKeyRef"] == {"name": "ledger-db",
+                                                                                      "key": "url"}
+    billing = next(w for w in workloads(docs) if role_of(pod_spec(w)["containers"][0]["args"]) == "billing")
+    assert env_item(pod_spec(billing)["containers"][0], "GPUMETER_LEDGER_URL") == env_item(container,
+                                                                                         "GPUMETER_LEDGER_URL")
+    # Days that shrink with the grain fail the render, as `gpumeter ledger retention` would refuse them every hour.
+    result = helm("template", "gpumeter", str(CHART), "--set", "billing.retention.minuteLinesDays=100")
+    assert result.returncode != 0 and "must not shrink with the grain" in result.stderr, result.stderr
+    off = render("gpumeter", "gpumeter", set_values=("billing.retention.enabled=false",))
+    assert not of_kind(off, "CronJob")
+    assert not [d for d in off if d["metadata"]["name"].endswith("ledger-retention")]

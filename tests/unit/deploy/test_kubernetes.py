@@ -197,7 +197,8 @@ def test_no_secret_values_inline(docs):
 
 
 def test_every_container_runs_a_gpumeter_command_with_settings_from_its_environment(docs):
-    assert check_commands_and_settings(docs) == ["api", "attributor", "billing", "collector", "guard", "topics"]
+    assert check_commands_and_settings(docs) == ["api", "attributor", "billing", "collector", "guard", "ledger",
+                                                 "topics"]
 
 
 def test_metrics_services_select_each_workload_and_carry_prometheus_annotations(docs):
@@ -322,4 +323,4 @@ def test_the_scaled_guard_keeps_every_property_of_the_manifests(scaled_docs, tmp
     check_metrics_services(scaled_docs)
     assert check_secrets_by_reference(scaled_docs) == {"gpumeter-kafka", "gpumeter-ledger", "gpumeter-guard"}
     assert check_commands_and_settings(scaled_docs) == [
-        "api", "attributor", "billing", "collector", "guard", "guard", "topics"]
+        "api", "attributor", "billing", "collector", "guard", "guard", "ledger", "topics"]
