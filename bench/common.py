@@ -156,18 +156,20 @@ class Target:
 
 def write_result(name: str, *, quick: bool, figures: Mapping[str, Any], targets: Sequence[Target],
                  notes: Sequence[str] = (), started_unix_s: float, results_dir: Path = RESULTS_DIR,
-                 machine: Mapping[str, Any] | None = None, command: str | None = None) -> Path:
+                 machine: Mapping[str, Any] | None = None, command: str | None = None,
+                 duration_s: float | None = None) -> Path:
     """Write ``results_dir/<name>.json`` (atomically) and return its path.
 
     ``machine``: the machine the figures were taken on, where that is not this one (``machine_info()`` of the
-    machine that ran them, carried back in their files); ``command``: what produced them, where not bench.run."""
+    machine that ran them, carried back in their files); ``command``: what produced them, where not bench.run;
+    ``duration_s``: how long they took, where not since ``started_unix_s`` (figures written after they were taken)."""
     results_dir.mkdir(parents=True, exist_ok=True)
     document = {
         "format": RESULT_FORMAT,
         "benchmark": name,
         "quick": quick,
         "started_at_unix_s": round(started_unix_s, 3),
-        "duration_s": round(time.time() - started_unix_s, 1),
+        "duration_s": round(duration_s if duration_s is not None else time.time() - started_unix_s, 1),
         "machine": dict(machine) if machine is not None else machine_info(),
         "command": command or " ".join([Path(sys.executable).name, "-m", "bench.run", *sys.argv[1:]]),
         "figures": figures,

@@ -422,7 +422,7 @@ def targets_from(summary: dict[str, Any], scale: dict[str, Any] | None) -> list[
 
 
 def write_device_result(out_dir: Path, results_dir: Path, machine: dict[str, Any] | None = None,
-                        started_unix_s: float | None = None) -> Path:
+                        started_unix_s: float | None = None, duration_s: float | None = None) -> Path:
     """``results_dir/gpu_machine.json`` from one lease's files in ``out_dir`` (``machine``: that machine's
     ``machine_info()``, where the files do not carry it)."""
     from bench.common import write_result
@@ -434,7 +434,8 @@ def write_device_result(out_dir: Path, results_dir: Path, machine: dict[str, Any
     return write_result("gpu_machine", quick=False, figures=figures, targets=targets_from(summary, scale),
                         notes=["taken on a lent GPU machine by python -m bench.gpu_machine; bench.run never runs it"],
                         started_unix_s=started_unix_s or (out_dir / "nvml_truth_summary.json").stat().st_mtime,
-                        results_dir=results_dir, machine=machine, command="python3 -m bench.gpu_machine")
+                        results_dir=results_dir, machine=machine, command="python3 -m bench.gpu_machine",
+                        duration_s=duration_s if duration_s is not None else summary.get("duration_s"))
 
 
 def main() -> int:
@@ -476,6 +477,7 @@ def main() -> int:
                 except Exception as exc:  # keep the other phase's findings
                     summary[name] = {"error": f"{type(exc).__name__}: {exc}"}
                 print(json.dumps({name: summary[name]}, default=str)[:3000], flush=True)
+        summary["duration_s"] = round(time.time() - started, 1)
         (args.out / "nvml_truth_summary.json").write_text(json.dumps(summary, indent=1, default=str))
     if not args.skip_scaleout:
         result = scaleout(args.scaleout_nodes, args.scaleout_ticks, (1, 2, 4, 8, 16))
