@@ -1436,6 +1436,8 @@ class Ledger:
                 ).all()
         except SQLAlchemyError as exc:
             raise LedgerError(f"writing the true-up {trueup_id[:12]} to {self!r} failed: {exc}") from exc
+        except rollups.MixedTeamLabels as exc:
+            raise LedgerError(f"true-up {trueup_id[:12]}: {exc}") from exc
         return TrueUpWrite(trueup_id, changed_windows, changed_lines, bool(recorded))
 
     def trueup_runs(self) -> tuple[dict[str, Any], ...]:

@@ -53,6 +53,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import Connection
 
+from gpumeter.errors import GpumeterError
 from schemas.records import CostRecord, CostSubjectKind
 from services.billing.bulk_rows import add_sums
 from services.billing.costing import NodeBill, NodeWindowKey
@@ -230,6 +231,10 @@ def written_rows(costs: Iterable[CostRecord], bills: Mapping[NodeWindowKey, Node
             for grain, rows in ((HOUR, hourly), (DAY, daily))}
 
 
+class MixedTeamLabels(GpumeterError):
+    """A node's hour was rolled up under two team labels: a line's rollup rows cannot be told (``add_trued``)."""
+
+
 @dataclass(frozen=True, slots=True)
 class TruedChange:
     """One stored line whose trued-up cost ``apply_trueup`` changes from ``before`` to ``after`` (None: none)."""
@@ -241,10 +246,13 @@ class TruedChange:
     after: int | None
 
 
-def trued_rows(changes: Iterable[TruedChange], *, team_key: str) -> dict[str, dict[RollupKey, RollupSums]]:
+def trued_rows(changes: Iterable[TruedChange], *, team_key: str | Callable[[CostRecord], str]
+               ) -> dict[str, dict[RollupKey, RollupSums]]:
     """Per grain, what the changes add to the rollup rows: the difference of ``COALESCE(trued, list)`` and of the
-    count of trued lines (the list cost and the line count do not change). Pure."""
+    count of trued lines (the list cost and the line count do not change). ``team_key``: the label key the lines
+    were rolled up under, or a function of the line giving it. Pure."""
     out: dict[str, dict[RollupKey, RollupSums]] = {grain: defaultdict(RollupSums) for grain in ROLLUP_GRAINS}
+    key_of = team_key if callable(team_key) else (lambda _cost: team_key)
     for change in changes:
         listed = change.cost.cost_micro_usd
         billed = (listed if change.after is None else change.after) - (
@@ -252,9 +260,10 @@ def trued_rows(changes: Iterable[TruedChange], *, team_key: str) -> dict[str, di
         trued = (change.after is not None) - (change.before is not None)
         if not billed and not trued:
             continue
+        written_key = key_of(change.cost)
         for grain in ROLLUP_GRAINS:
             key = line_key(change.cost, grain, gpu_model=change.gpu_model, sharing=change.sharing,
-                           team_key=team_key)
+                           team_key=written_key)
             out[grain][key] += RollupSums(0, billed, 0, trued)
     return {grain: {k: v for k, v in rows.items() if v != RollupSums()} for grain, rows in out.items()}
 
@@ -290,8 +299,40 @@ def add_written(connection: Connection, tables: RollupTables, costs: Iterable[Co
 
 def add_trued(connection: Connection, tables: RollupTables, changes: Iterable[TruedChange], *,
               team_key: str) -> int:
-    """``Ledger.apply_trueup``'s hook: move the rollups' trued-up sums by the lines' changes."""
-    return upsert(connection, tables, trued_rows(changes, team_key=team_key))
+    """``Ledger.apply_trueup``'s hook: move the rollups' trued-up sums by the lines' changes.
+
+    Each line's rows are found under the team label its node-window was rolled up with when written (billing's
+    ``team_label`` then), read from the hourly rows of the line's hour and node -- not under the label of the
+    process applying the true-up (``team_key``, used only where the hour holds no row: a ledger rolled up before
+    revision 0009 backfilled it). ``MixedTeamLabels`` (nothing written) when a node's hour was rolled up under two
+    labels (billing's ``team_label`` changed within that hour): which rows a line is in cannot be told."""
+    changes = list(changes)
+    if not changes:
+        return 0
+    hourly = tables.by_grain[HOUR]
+    hours = {(c.cost.window_start_unix_ms - c.cost.window_start_unix_ms % HOUR_MS, c.cost.cluster,
+              c.cost.node_name) for c in changes}
+    written: dict[tuple[int, str, str], set[str]] = defaultdict(set)
+    first, last = min(h[0] for h in hours), max(h[0] for h in hours)
+    for period, cluster, node, key in connection.execute(
+            select(hourly.c.period_start_unix_ms, hourly.c.cluster, hourly.c.node_name, hourly.c.team_key)
+            .where(hourly.c.period_start_unix_ms >= first, hourly.c.period_start_unix_ms <= last)
+            .distinct()):
+        if (period, cluster, node) in hours:
+            written[(period, cluster, node)].add(key)
+    mixed = sorted(hour for hour, keys in written.items() if len(keys) > 1)
+    if mixed:
+        period, cluster, node = mixed[0]
+        raise MixedTeamLabels(f"the hour starting {period} of {cluster}/{node} was rolled up under the team labels "
+                          f"{sorted(written[mixed[0]])} (billing's team label changed within it): the true-up "
+                          f"cannot tell which rollup rows its lines are in ({len(mixed)} such node-hours)")
+
+    def key_of(cost: CostRecord) -> str:
+        keys = written.get((cost.window_start_unix_ms - cost.window_start_unix_ms % HOUR_MS, cost.cluster,
+                            cost.node_name))
+        return next(iter(keys)) if keys else team_key
+
+    return upsert(connection, tables, trued_rows(changes, team_key=key_of))
 
 
 # -- pure: which grain answers a query ------------------------------------------------------------------------

@@ -94,12 +94,12 @@ def by_period(rows, field):
     return dict(out)
 
 
-def assert_every_grain_reconciles(ledger):
+def assert_every_grain_reconciles(ledger, team_key="team"):
     """Hourly = the lines; daily = the lines = the hourly rows of each day; per hour and per day the rollups add up
     to the node bills, list and trued-or-list, to the micro-dollar."""
     hourly, daily = stored(ledger, HOUR), stored(ledger, DAY)
-    assert hourly == reference(ledger, HOUR)
-    assert daily == reference(ledger, DAY) == rollups.roll(hourly, DAY)
+    assert hourly == reference(ledger, HOUR, team_key)
+    assert daily == reference(ledger, DAY, team_key) == rollups.roll(hourly, DAY)
     for grain_rows, step in ((hourly, HOUR_MS), (daily, DAY_MS)):
         assert by_period(grain_rows, "cost_micro_usd") == bills_by_period(ledger, step)
         assert by_period(grain_rows, "billed_micro_usd") == bills_by_period(ledger, step, "trued")
@@ -165,6 +165,48 @@ def test_a_trueup_moves_the_trued_sums_of_the_rollups_with_its_lines(sqlite_ledg
     run(sqlite_ledger, FOCUS, now_ms=WINDOW_START_MS + 3 * DAY_MS)
     assert stored(sqlite_ledger, HOUR) == trued
     assert_every_grain_reconciles(sqlite_ledger)
+
+
+def test_a_trueup_moves_the_rows_its_lines_were_rolled_up_in_whatever_team_label_reconcile_runs_with(tmp_path):
+    """Billing rolled the lines up under its team label ("owner"); `gpumeter reconcile` opens the ledger with the
+    default ("team"): the trued sums still move in the rows the lines are in -- before, they went to rows keyed
+    "team" that no line was in, and the rollups no longer equalled the minute lines."""
+    from tests.unit.billing.test_reconcile import FOCUS, run, world
+
+    ledger = Ledger(f"sqlite:///{tmp_path / 'l.sqlite3'}", team_label="owner")
+    ledger.migrate()
+    results = world()
+    # Half the pods carry the billing's label too, so rows keyed "owner" hold values as well as ''.
+    costs = [replace(c, labels={**c.labels, "owner": c.labels["team"]}) if "team" in c.labels and i % 2 else c
+             for i, c in enumerate(c for r in results for c in r.costs)]
+    ledger.write(costs, [r.bill for r in results])
+    assert {k.team_key for k in stored(ledger, HOUR)} == {"owner"}
+    assert run(ledger, FOCUS)[0] == 0
+    trued = stored(ledger, HOUR)
+    assert {k.team_key for k in trued} == {"owner"} and sum(s.trued_lines for s in trued.values()) > 0
+    assert_every_grain_reconciles(ledger, "owner")
+    ledger.close()
+
+
+def test_a_trueup_refuses_a_node_hour_rolled_up_under_two_team_labels(tmp_path):
+    from tests.unit.billing.test_reconcile import FOCUS, run, world
+
+    url = f"sqlite:///{tmp_path / 'l.sqlite3'}"
+    results = world()
+    half = len(results) // 2
+    for team_label, part in (("team", results[:half]), ("owner", results[half:])):
+        with Ledger(url, team_label=team_label) as ledger:
+            ledger.migrate()
+            ledger.write(*everything(part))
+    with Ledger(url) as ledger:
+        hours = defaultdict(set)
+        for key in stored(ledger, HOUR):
+            hours[(key.period_start_unix_ms, key.cluster, key.node_name)].add(key.team_key)
+        assert any(len(keys) == 2 for keys in hours.values())  # the label changed within a node's hour
+        before = stored(ledger, HOUR)
+        code, _out, err = run(ledger, FOCUS)
+        assert code == 2 and "rolled up under the team labels ['owner', 'team']" in err
+        assert stored(ledger, HOUR) == before  # nothing written
 
 
 # -- the property: random bills, random batches, redeliveries ---------------------------------------------------
