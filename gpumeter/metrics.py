@@ -113,6 +113,15 @@ METRICS: dict[str, MetricDef] = {
         MetricDef("gpumeter_api_requests_total", "counter", "HTTP requests answered, by path and status code.",
                   ("path", "code")),
         MetricDef("gpumeter_api_request_seconds", "histogram", "Time to answer one HTTP request.", ("path",)),
+        # record (gpumeter record: the live input topics into recordings)
+        MetricDef("gpumeter_record_frames_total", "counter", "Messages written into recordings as frames (pod-state "
+                  "snapshot frames at a file's start not counted)."),
+        MetricDef("gpumeter_record_payload_bytes_total", "counter",
+                  "Bytes of the messages written as frames, before compression."),
+        MetricDef("gpumeter_record_files_finished_total", "counter",
+                  "Recording files finished (synced, renamed to their final name)."),
+        MetricDef("gpumeter_record_syncs_total", "counter",
+                  "fsyncs of the open recording, each followed by a commit of the offsets it covers."),
         # guard
         MetricDef("gpumeter_guard_violations_firing", "gauge", "Violations firing now.", ("rule", "severity")),
         MetricDef("gpumeter_guard_violation_transitions_total", "counter", "Violation state changes.",

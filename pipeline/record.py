@@ -31,6 +31,7 @@ from gpumeter import config
 from gpumeter.clock import Clock, SystemClock
 from gpumeter.config import (
     at_least,
+    between,
     describe,
     greater_than,
     integer,
@@ -47,7 +48,9 @@ from gpumeter.config import (
 from gpumeter.entrypoint import start_logging, stop_on
 from gpumeter.errors import ConfigError, GpumeterError
 from gpumeter.kafka.driver import KafkaDriver
-from gpumeter.settings import KafkaSettings
+from gpumeter.health import DEFAULT_MAX_SILENCE_SECONDS
+from gpumeter.metrics import ServiceMetrics
+from gpumeter.settings import KafkaSettings, metrics_address_setting
 from gpumeter.stream.runner import MessageRunner
 from pipeline.recorder import (
     DEFAULT_CLOSE_GRACE_SECONDS,
@@ -63,6 +66,18 @@ log = logging.getLogger("gpumeter.record")
 
 DEFAULT_CONSUMER_GROUP = "gpumeter-record"
 DEFAULT_SYNC_INTERVAL_SECONDS = 10.0
+DEFAULT_METRICS_PORT = 9406
+SERVICE_NAME = "record"
+# What /metrics shows (gpumeter.metrics.METRICS): the runner's and the driver's, and the recordings' own.
+RECORD_METRICS = (
+    "gpumeter_messages_consumed_total",
+    "gpumeter_dead_letters_total",
+    "gpumeter_dead_letters_truncated_total",
+    "gpumeter_record_frames_total",
+    "gpumeter_record_payload_bytes_total",
+    "gpumeter_record_files_finished_total",
+    "gpumeter_record_syncs_total",
+)
 
 
 @dataclass(frozen=True)
@@ -105,6 +120,10 @@ class RecordSettings:
                                        help="longest pause while the broker cannot be reached")
     max_poll_records: int = setting(2000, env="GPUMETER_RECORD_MAX_POLL_RECORDS", parse=integer, check=at_least(1),
                                     help="records per consumer poll")
+    metrics_port: int = setting(DEFAULT_METRICS_PORT, env="GPUMETER_METRICS_PORT", flag="--metrics-port",
+                                parse=integer, check=between(0, 65535),
+                                help="port of /metrics and /healthz (0: none)")
+    metrics_address: str = metrics_address_setting()
     duration_seconds: float | None = setting(None, flag="--duration", parse=number, check=greater_than(0),
                                              help="stop after this many seconds", default_text="until SIGTERM/SIGINT")
     log_level: str = setting("INFO", env="GPUMETER_LOG_LEVEL", flag="--log-level",
@@ -151,7 +170,13 @@ async def serve(settings: RecordSettings, *, stop: asyncio.Event | None = None, 
     stop = stop or asyncio.Event()
     clock = clock or SystemClock()
     stop_on(stop, handle_signals=handle_signals, duration_seconds=settings.duration_seconds)
-    directory = RecordingDirectory(settings.out_dir, compression=settings.compression)
+    metrics: ServiceMetrics | None = None
+    if settings.metrics_port:
+        # Liveness: a beat per fetch and per retry pause; the longest pause must not read as a stuck loop.
+        metrics = ServiceMetrics(SERVICE_NAME, RECORD_METRICS, clock=clock, max_silence_seconds=max(
+            DEFAULT_MAX_SILENCE_SECONDS, 2 * settings.retry_max_seconds))
+        metrics.serve(settings.metrics_port, settings.metrics_address)
+    directory = RecordingDirectory(settings.out_dir, compression=settings.compression, metrics=metrics)
     processor: RecorderProcessor | None = None
     try:
         pods, last_bucket = directory.recover()
@@ -159,7 +184,7 @@ async def serve(settings: RecordSettings, *, stop: asyncio.Event | None = None, 
                                       close_grace_seconds=settings.close_grace_seconds, pods=pods,
                                       last_bucket_unix_ms=last_bucket)
         topics = TopicCatalog(prefix=settings.kafka.topic_prefix)
-        runner = MessageRunner(processor, recorder_topics(topics), clock,
+        runner = MessageRunner(processor, recorder_topics(topics), clock, metrics=metrics,
                                max_request_size_bytes=settings.kafka.max_request_size_bytes)
 
         async def checkpoint(positions: Mapping[tuple[str, int], int]) -> Mapping[tuple[str, int], int]:
@@ -175,7 +200,7 @@ async def serve(settings: RecordSettings, *, stop: asyncio.Event | None = None, 
             checkpoint=checkpoint, checkpoint_interval_seconds=settings.sync_interval_seconds,
             tick_seconds=min(settings.sync_interval_seconds, 5.0),
             retry_initial_seconds=settings.retry_initial_seconds, retry_max_seconds=settings.retry_max_seconds,
-            max_poll_records=settings.max_poll_records)
+            max_poll_records=settings.max_poll_records, metrics=metrics)
         log.info("recording %s into %s (%s, %d s per file, %d pods known from the last file)",
                  ", ".join(driver.input_topics), settings.out_dir, settings.compression, settings.rotation_seconds,
                  len(pods))
@@ -191,6 +216,9 @@ async def serve(settings: RecordSettings, *, stop: asyncio.Event | None = None, 
         if processor is not None:
             directory.apply(processor.close().changes)
         directory.close()
+        if metrics is not None and metrics.server is not None:
+            metrics.server.shutdown()
+            metrics.server.server_close()
 
 
 __all__ = ["RecordSettings", "add_arguments", "main", "recorder_topics", "serve"]

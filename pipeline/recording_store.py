@@ -63,15 +63,19 @@ def _fsync_directory(path: Path) -> None:
 
 
 class RecordingDirectory:
-    """The ``Store`` of ``RecorderProcessor`` changes over ``directory``. See the module docstring."""
+    """The ``Store`` of ``RecorderProcessor`` changes over ``directory``. See the module docstring.
 
-    def __init__(self, directory: str | Path, *, compression: str = "gzip") -> None:
+    ``metrics``: a ``gpumeter.metrics.ServiceMetrics`` holding the ``gpumeter_record_*`` counters (frames and their
+    bytes as written, files finished, syncs), or None."""
+
+    def __init__(self, directory: str | Path, *, compression: str = "gzip", metrics: Any = None) -> None:
         self.directory = Path(directory)
         self.compression = compression
         self._writer: RecordingWriter | None = None
         self._final: Path | None = None
         self.files_closed: list[Path] = []
         self.syncs = 0
+        self._metrics = metrics
         RecordingWriter(self.directory / "probe", version=2, compression=compression)  # checks the compression
 
     # -- start --
@@ -107,17 +111,23 @@ class RecordingDirectory:
     # -- the Store --
 
     def apply(self, changes: Sequence[Any]) -> Sequence[Settled]:
+        frames = payload_bytes = 0
         for change in changes:
             if isinstance(change, WriteFrame):
                 if self._writer is None:
                     raise RuntimeError("a frame to write with no file open")
                 self._writer.write_frame(change.frame.received_at_unix_ms, change.frame.payload)
+                frames += 1
+                payload_bytes += len(change.frame.payload)
             elif isinstance(change, OpenFile):
                 self._open(change)
             elif isinstance(change, CloseFile):
                 self.close()
             else:
                 raise TypeError(f"not a recorder change: {change!r}")
+        if self._metrics is not None and frames:
+            self._metrics.get("gpumeter_record_frames_total").inc(frames)
+            self._metrics.get("gpumeter_record_payload_bytes_total").inc(payload_bytes)
         return [Settled()] * len(changes)
 
     def published(self, changes: Sequence[Any], now_ms: int) -> None:
@@ -143,6 +153,8 @@ class RecordingDirectory:
         if self._writer is not None:
             self._writer.sync()
             self.syncs += 1
+            if self._metrics is not None:
+                self._metrics.get("gpumeter_record_syncs_total").inc()
 
     def close(self) -> None:
         """Finish the open file: end, fsync, rename to its name, fsync the directory."""
@@ -154,6 +166,8 @@ class RecordingDirectory:
         os.replace(writer.path, final)
         _fsync_directory(self.directory)
         self.files_closed.append(final)
+        if self._metrics is not None:
+            self._metrics.get("gpumeter_record_files_finished_total").inc()
         log.info("recorded %s (%d frames)", final.name, writer.count)
 
     @property

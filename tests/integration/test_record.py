@@ -18,11 +18,13 @@ replays are exactly comparable -- line for line (see ``_lines`` for why not in t
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
 import subprocess
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -42,6 +44,7 @@ from pipeline.recordings import (
 from pipeline.replay import read_jsonl, replay
 from schemas.records import PodEvent
 from simulator.scenario import load_scenario
+from tests.integration.test_allocation_api import free_port
 from tests.integration.test_attributor_stream import gpumeter_command
 from tests.integration.test_billing_stream import wait_until_committed_to_end
 from tests.integration.test_stream_equals_replay import _produce_as_collected, _shifted_scenario
@@ -84,7 +87,7 @@ async def _produce(kafka_settings, catalog, records, *, next_second: bool = True
 
 def _settings(kafka_settings, out: Path, group: str, **changes) -> RecordSettings:
     values = dict(out_dir=out, kafka=kafka_settings, consumer_group=group, rotation_seconds=1,
-                  sync_interval_seconds=0.2)
+                  sync_interval_seconds=0.2, metrics_port=0)
     values.update(changes)
     return RecordSettings(**values)
 
@@ -133,16 +136,31 @@ async def test_a_recorded_scenario_replays_as_a_directory_to_the_produced_messag
     bursts = _bursts(scenario)
     assert len(bursts) >= 3
     folder = tmp_path / "rec"
-    settings = _settings(kafka_settings, folder, f"r{uuid.uuid4().hex[:8]}")
+    port = free_port()
+    settings = _settings(kafka_settings, folder, f"r{uuid.uuid4().hex[:8]}", metrics_port=port,
+                         metrics_address="127.0.0.1")
     stop = asyncio.Event()
     recorder = asyncio.create_task(serve(settings, stop=stop))
     try:
         for burst in bursts:  # live: the recorder reads each burst as it comes
             await _produce(kafka_settings, topic_catalog, burst)
         await _committed_to_end(kafka_settings, topic_catalog, settings.consumer_group)
+        # What it serves meanwhile: every message read is a frame written (committed to the end: all of them),
+        # the files rotated so far, its syncs; and it is alive.
+        metrics = await asyncio.to_thread(_get, f"http://127.0.0.1:{port}/metrics")
+        health = await asyncio.to_thread(_get, f"http://127.0.0.1:{port}/healthz")
     finally:
         stop.set()
         assert await asyncio.wait_for(recorder, 30) == 0
+    produced_count = sum(len(b) for b in bursts)
+    assert _sample(metrics, "gpumeter_record_frames_total") == produced_count
+    assert _sample(metrics, "gpumeter_record_payload_bytes_total") == sum(
+        len(encode_message(r.message)) for b in bursts for r in b)
+    assert _sample(metrics, "gpumeter_record_files_finished_total") >= len(bursts) - 1
+    assert _sample(metrics, "gpumeter_record_syncs_total") >= 1
+    assert sum(v for k, v in _samples(metrics).items()
+               if k.startswith("gpumeter_messages_consumed_total{")) == produced_count
+    assert json.loads(health)["status"] == "ok", health
 
     files = _recorded_files(folder)
     assert not list(folder.glob(f"*{PARTIAL_SUFFIX}"))
@@ -187,6 +205,25 @@ async def test_a_recorded_scenario_replays_as_a_directory_to_the_produced_messag
     run_pod_rows = {r["pod_uid"] for r in run_shares
                     if r["window_start_unix_ms"] in windows and r["subject_kind"] == "pod"}
     assert snapshot_pods & pod_rows and snapshot_pods & run_pod_rows <= pod_rows
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return response.read().decode()
+
+
+def _samples(text: str) -> dict[str, float]:
+    """``name{labels}`` (or ``name``) -> value of every sample in a Prometheus exposition."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def _sample(text: str, name: str) -> float:
+    return _samples(text)[name]
 
 
 def _lines(path: Path) -> list[bytes]:
