@@ -145,6 +145,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     config.add_arguments(parser, RecordSettings)
 
 
+def record_settings(args: argparse.Namespace, env: Mapping[str, str]) -> RecordSettings:
+    """The settings ``gpumeter record`` runs with: flags over environment over defaults."""
+    return load(RecordSettings, args, env)
+
+
 def recorder_topics(topics: TopicCatalog) -> dict[str, str]:
     """The recorder's input roles -> topic names."""
     return {SAMPLES: topics.node_samples, POD_EVENTS: topics.pod_events}
@@ -152,7 +157,7 @@ def recorder_topics(topics: TopicCatalog) -> dict[str, str]:
 
 def main(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     try:
-        settings = load(RecordSettings, args, env)
+        settings = record_settings(args, env)
     except GpumeterError as exc:
         print(f"error: {exc}", flush=True)
         return 2
@@ -221,4 +226,4 @@ async def serve(settings: RecordSettings, *, stop: asyncio.Event | None = None, 
             metrics.server.server_close()
 
 
-__all__ = ["RecordSettings", "add_arguments", "main", "recorder_topics", "serve"]
+__all__ = ["RecordSettings", "add_arguments", "main", "record_settings", "recorder_topics", "serve"]

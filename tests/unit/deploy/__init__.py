@@ -31,7 +31,12 @@ SERVICE_ROLES: dict[str, tuple[str, str, str]] = {
     "guard": ("services.guard.settings", "guard_settings", "services/guard"),
     # The ledger's read-only HTTP API: billing's code (it reads billing's ledger), a role of its own.
     "api": ("services.billing.api", "api_settings", "services/billing"),
+    # The recorder of the live input topics (optional in the chart: recorder.enabled).
+    "record": ("pipeline.record", "record_settings", "pipeline"),
 }
+
+# Long-running roles deployed only where asked (the chart's recorder.enabled), not in docker-compose.yml.
+OPTIONAL_SERVICE_ROLES = frozenset({"record"})
 
 # Roles that run to completion on a schedule (CronJobs; in compose a loop): name -> the same triple.
 TASK_ROLES: dict[str, tuple[str, str, str]] = {

@@ -25,7 +25,7 @@ from tests.unit.deploy import NVIDIA_RUNTIME_VARIABLES, role_of, settings_for, v
 
 # The oldest Kubernetes minor the manifests are kept valid for, and the newest the installed schemas know.
 KUBERNETES_VERSIONS = ("1.33", kubernetes_validate.latest_version())
-WORKLOAD_KINDS = ("DaemonSet", "Deployment", "Job", "CronJob")
+WORKLOAD_KINDS = ("DaemonSet", "Deployment", "StatefulSet", "Job", "CronJob")
 # Workloads whose pods run to completion: no metrics port, no Service, no selector of their own.
 RUN_TO_COMPLETION_KINDS = ("Job", "CronJob")
 READ_ONLY_VERBS = {"get", "list", "watch"}
@@ -337,7 +337,8 @@ def check_collector_pools_are_priced(docs: list[dict], scratch: Path) -> int:
 def check_restricted_pods(docs: list[dict]) -> None:
     """Every pod but the collectors' meets the "restricted" Pod Security Standard."""
     others = [w for w in workloads(docs) if not is_collector(w)]
-    assert {w["kind"] for w in others} == {"Deployment", "Job", "CronJob"}
+    assert {"Deployment", "Job", "CronJob"} <= {w["kind"] for w in others} <= {"Deployment", "StatefulSet", "Job",
+                                                                                "CronJob"}
     for workload in others:
         spec = pod_spec(workload)
         pod_security = spec.get("securityContext", {})
@@ -403,8 +404,8 @@ def check_commands_and_settings(docs: list[dict]) -> list[str]:
 
 def check_metrics_services(docs: list[dict]) -> None:
     """Each long-running workload serves /metrics and /healthz on the port its settings name, behind exactly one
-    Service carrying the Prometheus annotations; five roles' metrics Services (the API's also serves /allocation)
-    on five ports -- a guard scaled out has a Service per guard role, on the guard's one port."""
+    Service carrying the Prometheus annotations; a metrics Service per role (the API's also serves /allocation),
+    each role on a port of its own -- a guard scaled out has a Service per guard role, on the guard's one port."""
     services = of_kind(docs, "Service")
     for workload in workloads(docs):
         if workload["kind"] in RUN_TO_COMPLETION_KINDS:
@@ -432,7 +433,10 @@ def check_metrics_services(docs: list[dict]) -> None:
         ports.setdefault(service["metadata"]["labels"]["app.kubernetes.io/component"], set()).add(
             service["spec"]["ports"][0]["port"])
     assert all(len(found) == 1 for found in ports.values()), f"one port per role: {ports}"
-    assert len(ports) == len({port for found in ports.values() for port in found}) == 5, ports
+    long_running = {pod_template(w)["metadata"]["labels"]["app.kubernetes.io/component"]
+                    for w in workloads(docs) if w["kind"] not in RUN_TO_COMPLETION_KINDS}
+    assert set(ports) == long_running and long_running >= {"api", "attributor", "billing", "collector", "guard"}
+    assert len(ports) == len({port for found in ports.values() for port in found}), ports
 
 
 def check_workload_selectors_are_disjoint(docs: list[dict]) -> None:
@@ -458,6 +462,10 @@ def check_state_on_volumes(docs: list[dict]) -> None:
             state_path = getattr(settings, "state_path", None)
             if state_path is not None:
                 assert any(str(state_path).startswith(m.rstrip("/") + "/") for m in mounts), state_path
+            out_dir = getattr(settings, "out_dir", None)  # the recorder's recordings
+            if out_dir is not None:
+                assert any(str(out_dir).rstrip("/") == m.rstrip("/") or str(out_dir).startswith(m.rstrip("/") + "/")
+                           for m in mounts), out_dir
 
 
 GUARD_ROLE_LABEL = "gpumeter.io/guard-role"

@@ -407,7 +407,9 @@ def test_secrets_only_by_reference(rendering):
 def test_every_container_command_line_and_environment_goes_through_the_real_cli_and_settings(rendering):
     _name, _release, _namespace, docs = rendering
     roles = check_commands_and_settings(docs)
-    assert set(roles) == {"api", "attributor", "billing", "collector", "guard", "ledger", "topics"}
+    recorder = bool(values(*RENDERINGS[_name][2])["recorder"]["enabled"])
+    assert set(roles) == {"api", "attributor", "billing", "collector", "guard", "ledger", "topics"} | (
+        {"record"} if recorder else set())
     assert roles.count("collector") == len(of_kind(docs, "DaemonSet"))
 
 
@@ -746,7 +748,7 @@ def test_monitoring_is_off_by_default():
 def test_service_monitors_and_prometheus_rule_validate_against_the_crds(render):
     docs = render("acme", "metering", "ci/monitoring-values.yaml")
     custom = [d for d in docs if d["apiVersion"].startswith("monitoring.coreos.com/")]
-    assert sorted(d["kind"] for d in custom) == ["PrometheusRule"] + ["ServiceMonitor"] * len(ROLES)
+    assert sorted(d["kind"] for d in custom) == ["PrometheusRule"] + ["ServiceMonitor"] * (len(ROLES) + 1)  # recorder
     for doc in custom:
         check_custom_resource(doc)
 
@@ -783,7 +785,8 @@ def test_one_service_monitor_per_role_scrapes_exactly_that_roles_metrics_service
         assert endpoint["honorLabels"] is (role == "billing")
         scraped.append(role)
     # Scaled out, the guard has a metrics Service, and so a ServiceMonitor, per role: nodes and budgets.
-    assert sorted(scraped) == sorted(ROLES + (("guard",) if guard_mode == "scaled" else ()))
+    recorder = ("recorder",) if values(*MONITORING[guard_mode])["recorder"]["enabled"] else ()
+    assert sorted(scraped) == sorted(ROLES + recorder + (("guard",) if guard_mode == "scaled" else ()))
     guards = guard_deployments(docs)
     monitored = [s for s in services if any(m["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"]
                                             .items() for m in monitors)]
@@ -936,3 +939,25 @@ def test_the_ledger_retention_cronjob_runs_the_values_retention_and_can_be_turne
     off = render("gpumeter", "gpumeter", set_values=("billing.retention.enabled=false",))
     assert not of_kind(off, "CronJob")
     assert not [d for d in off if d["metadata"]["name"].endswith("ledger-retention")]
+
+
+def test_the_recorder_is_one_replica_recording_onto_its_own_claim_when_enabled(render):
+    assert not [d for d in render("gpumeter", "gpumeter") if "recorder" in d["metadata"]["name"]]  # off by default
+    docs = render("acme", "metering", "ci/monitoring-values.yaml")
+    chosen = values("ci/monitoring-values.yaml")["recorder"]
+    (recorder,) = of_kind(docs, "StatefulSet")
+    assert recorder["spec"]["replicas"] == 1  # it reads every partition itself: a second would record twice
+    spec = pod_spec(recorder)
+    (container,) = spec["containers"]
+    settings = settings_for(container["args"], container_env(container, docs))
+    assert (settings.compression, settings.rotation_seconds) == (chosen["compression"], chosen["rotationSeconds"])
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "recordings"]
+    assert str(settings.out_dir) == mount["mountPath"] and not mount.get("readOnly")
+    (claim,) = recorder["spec"]["volumeClaimTemplates"]
+    assert claim["metadata"]["name"] == "recordings"
+    assert claim["spec"]["resources"]["requests"]["storage"] == chosen["storage"]["size"]
+    assert claim["spec"]["storageClassName"] == chosen["storage"]["storageClassName"]
+    assert spec["automountServiceAccountToken"] is False
+    account = spec["serviceAccountName"]
+    assert not [b for b in of_kind(docs, "RoleBinding", "ClusterRoleBinding")
+                if any(subject["name"] == account for subject in b["subjects"])]
