@@ -112,6 +112,7 @@ from services.billing.line_storage import (
     decode_zero_lines,
     encode_zero_lines,
     is_zero_line,
+    zero_line_gpu_ids,
     label_set_id,
     zero_line_record,
 )
@@ -764,7 +765,7 @@ class Ledger:
             return WriteResult(0, 0, 0, 0)
         starts = {window[0] for window in by_window}
         self._ensure_partitions_for(starts)
-        self._resolve_ids(cost for window, cost in kept)
+        self._resolve_ids([cost for _window, cost in kept], {z[0] for lines in zeros.values() for z in lines})
         try:
             return self._write(by_window, lines, kept, zeros)
         except LedgerError as exc:
@@ -783,11 +784,13 @@ class Ledger:
         versions = {b.price_version: b.price.describe() for _, b in by_window.values()}
         pk = [node_bills.c.window_start_unix_ms, node_bills.c.cluster, node_bills.c.node_name]
         added_label_sets: set[int] = set()
+        # PostgreSQL from 0014: the zero lines name their units by GPU id (``line_storage``).
+        gpu_ids = self._ids.get("gpus") if self._by_ids else None
         try:
             with self._begin() as connection:
                 connection.execute(self._insert(price_versions).on_conflict_do_nothing(), list(versions.values()))
                 bill_rows = {w: {**_bill_row(b), "publisher": self.publisher,
-                                 "zero_lines": encode_zero_lines(zeros.get(w, ())),
+                                 "zero_lines": encode_zero_lines(zeros.get(w, ()), gpu_ids),
                                  "zero_line_count": len(zeros.get(w, ()))} for w, (_, b) in by_window.items()}
                 inserted = connection.execute(
                     self._insert(node_bills).on_conflict_do_nothing().returning(*pk), list(bill_rows.values()),
@@ -869,9 +872,10 @@ class Ledger:
         self._partitions = known
         return len(created)
 
-    def _resolve_ids(self, costs: Iterable[CostRecord]) -> None:
-        """On a ledger of lines by ids (PostgreSQL from 0014), make sure the id cache holds every id of ``costs``,
-        in a short transaction of its own before the write's (``line_ids``)."""
+    def _resolve_ids(self, costs: Iterable[CostRecord], gpus: Iterable[str]) -> None:
+        """On a ledger of lines by ids (PostgreSQL from 0014), make sure the id cache holds every id of ``costs``
+        and of the GPU uuids ``gpus`` (the zero lines'), in a short transaction of its own before the write's
+        (``line_ids``)."""
         if self._by_ids is False:
             return
         try:
@@ -880,7 +884,7 @@ class Ledger:
                     self._by_ids = line_ids.uses_ids(connection)
                 if not self._by_ids:
                     return
-            wanted = line_ids.missing_keys(self._ids, costs)
+            wanted = line_ids.missing_keys(self._ids, costs, gpus)
             if wanted:
                 with self._begin() as connection:
                     line_ids.resolve(connection, self._ids, wanted)
@@ -1047,7 +1051,21 @@ class Ledger:
                    b.price_model, b.price_version, b.zero_lines)
             .where(b.zero_lines.is_not(None), *self._range(node_bills, start_ms, end_ms, cluster))
         )
-        return [(row._mapping, decode_zero_lines(row.zero_lines)) for row in rows]
+        uuids = self._zero_line_gpu_uuids(self._read, [row.zero_lines for row in rows])
+        return [(row._mapping, decode_zero_lines(row.zero_lines, uuids)) for row in rows]
+
+    def _zero_line_gpu_uuids(self, read, texts: Iterable[str | None]) -> Mapping[int, str] | None:
+        """The uuids of the GPU ids that the ``zero_lines`` texts name (PostgreSQL from 0014), read with ``read``
+        (a statement -> rows) where the id cache lacks them; None when they name none."""
+        ids: set[int] = set()
+        for zero_text in texts:
+            ids |= zero_line_gpu_ids(zero_text)
+        if not ids:
+            return None
+        try:
+            return line_ids.gpu_uuids(read, LINE_IDS, self._ids, ids)
+        except LookupError as exc:
+            raise LedgerError(f"reading the zero lines of {self!r}: {exc}") from exc
 
     def totals(self, *, start_ms: int | None = None, end_ms: int | None = None,
                cluster: str | None = None, cost: str = "list") -> LedgerTotals:
@@ -1182,7 +1200,14 @@ class Ledger:
             select(node_bills).where(*self._range(node_bills, start_ms, end_ms, cluster))
             .order_by(node_bills.c.window_start_unix_ms, node_bills.c.cluster, node_bills.c.node_name)
         )
-        return tuple(dict(row._mapping) for row in rows)
+        out = tuple(dict(row._mapping) for row in rows)
+        uuids = self._zero_line_gpu_uuids(self._read, [bill["zero_lines"] for bill in out])
+        if uuids is not None:
+            # Units named by GPU id (PostgreSQL from 0014): the text SQLite stores, with their uuids.
+            for bill in out:
+                if zero_line_gpu_ids(bill["zero_lines"]):
+                    bill["zero_lines"] = encode_zero_lines(decode_zero_lines(bill["zero_lines"], uuids))
+        return out
 
     def node_pricing(self, *, start_ms: int | None = None, end_ms: int | None = None,
                      cluster: str | None = None) -> tuple[NodePricingRow, ...]:
@@ -1374,6 +1399,7 @@ class Ledger:
         try:
             with self._begin() as connection:
                 current, zero_lines, bill_columns = {}, {}, {}
+                zero_texts = []
                 for row in connection.execute(
                         select(b.window_start_unix_ms, b.cluster, b.node_name, b.trued_cost_micro_usd, b.trueup_id,
                                b.zero_lines, b.window_seconds, b.instance_type, b.price_model, b.price_version,
@@ -1385,7 +1411,11 @@ class Ledger:
                     current[key] = (m["trued_cost_micro_usd"], m["trueup_id"])
                     bill_columns[key] = m
                     if m["zero_lines"]:
-                        zero_lines[key] = (m, decode_zero_lines(m["zero_lines"]))
+                        zero_texts.append((key, m))
+                uuids = self._zero_line_gpu_uuids(lambda statement: connection.execute(statement).all(),
+                                                  [m["zero_lines"] for _key, m in zero_texts])
+                for key, m in zero_texts:
+                    zero_lines[key] = (m, decode_zero_lines(m["zero_lines"], uuids))
                 missing = (set(result.windows) | set(scope)) - set(current)
                 if missing:
                     raise LedgerError(f"{len(missing)} node-windows of the true-up are not in the ledger, e.g. "

@@ -166,7 +166,8 @@ def line_keys(cost: CostRecord) -> tuple[tuple[str, str], str, tuple[str, str, s
 
 
 class IdCache:
-    """Ids known to be stored, per dictionary (``nodes``, ``gpus``, ``pods``, ``kinds``): at most ``entries`` each.
+    """Ids known to be stored, per dictionary (``nodes``, ``gpus``, ``pods``, ``kinds``): at most ``entries`` each;
+    and the uuids of GPU ids read back (``gpu_uuids``, for the bills' zero lines), as many.
     ``make_room`` empties a kind that a batch's new keys would grow past it (its ids are read again from the
     database when next needed), so that every key of one batch is cached at once."""
 
@@ -175,6 +176,17 @@ class IdCache:
             raise ValueError("an id cache holds at least one entry per kind")
         self.entries = entries
         self._ids: dict[str, dict[Hashable, int]] = {kind: {} for kind in _KINDS}
+        self._gpu_uuids: dict[int, str] = {}
+
+    def gpu_uuids(self) -> Mapping[int, str]:
+        """The uuids of the GPU ids known now (``add_gpu_uuids``)."""
+        return self._gpu_uuids
+
+    def add_gpu_uuids(self, uuids: Mapping[int, str]) -> None:
+        """Remember GPU ids' uuids read from ``ledger_gpus`` (emptied first when they would pass ``entries``)."""
+        if len(self._gpu_uuids) + len(uuids) > self.entries:
+            self._gpu_uuids.clear()
+        self._gpu_uuids.update(uuids)
 
     def get(self, kind: str) -> Mapping[Hashable, int]:
         """The ids of ``kind`` known now."""
@@ -221,10 +233,12 @@ def _resolve_kind(connection: Connection, kind: str, keys: Sequence[tuple]) -> d
     return found
 
 
-def missing_keys(cache: IdCache, lines: Iterable[CostRecord]) -> dict[str, set]:
-    """Per kind, the dictionary keys of ``lines`` whose ids ``cache`` lacks (after making room for the batch: a
-    kind emptied for it lists every key of the batch again). Pure."""
-    nodes, gpus, pods, kinds = set(), set(), set(), set()
+def missing_keys(cache: IdCache, lines: Iterable[CostRecord], gpus: Iterable[str] = ()) -> dict[str, set]:
+    """Per kind, the dictionary keys of ``lines`` (and the GPU uuids ``gpus``: the zero lines' units, which their
+    bill names by id) whose ids ``cache`` lacks (after making room for the batch: a kind emptied for it lists every
+    key of the batch again). Pure."""
+    nodes, pods, kinds = set(), set(), set()
+    gpus = set(gpus)
     for cost in lines:
         node, gpu, pod, kind = line_keys(cost)
         nodes.add(node)
@@ -259,6 +273,22 @@ def row_values(cost: CostRecord, label_set: int, cache: IdCache) -> tuple:
     return (cost.window_start_unix_ms, label_set, cost.cost_micro_usd, cost.cost_share, cost.memory_share,
             cost.compute_share, cost.gpu_fraction, cache.get("nodes")[node], cache.get("gpus")[gpu],
             cache.get("pods")[pod], cache.get("kinds")[kind])
+
+
+def gpu_uuids(read, tables: LineIdTables, cache: IdCache, ids: set[int]) -> Mapping[int, str]:
+    """The uuids of the GPU ``ids`` (a bill's zero lines name their units by id), from ``cache`` and, for those it
+    lacks, one ``SELECT`` through ``read`` (a statement -> rows)."""
+    known = cache.gpu_uuids()
+    out = {i: known[i] for i in ids if i in known}
+    missing = [i for i in ids if i not in out]
+    if missing:
+        g = tables.gpus.c
+        found = {int(i): uuid for i, uuid in read(select(g.gpu_id, g.gpu_uuid).where(g.gpu_id.in_(missing)))}
+        if len(found) != len(missing):
+            raise LookupError(f"zero lines name GPU ids ledger_gpus lacks: {sorted(set(missing) - set(found))}")
+        cache.add_gpu_uuids(found)
+        out.update(found)
+    return out
 
 
 def uses_ids(connection: Connection) -> bool:

@@ -12,6 +12,7 @@ from alembic import command
 from sqlalchemy import text
 
 from services.billing.ledger import Ledger, _alembic_config
+from services.billing.line_storage import zero_line_gpu_ids
 from tests.integration.test_ledger_postgres import database_url, everything  # noqa: F401 (a fixture)
 from tests.unit.billing.conftest import WINDOW_START_MS, sample_costs
 from tests.unit.billing.data import make_ledger_0007 as recorded
@@ -76,12 +77,25 @@ def test_a_ledger_written_at_0013_answers_the_same_after_the_upgrade_and_after_g
     ledger.close()
 
 
-def test_a_ledger_written_at_head_answers_as_the_recorded_one(database_url):
+def test_a_ledger_written_at_head_answers_as_the_recorded_one(database_url, tmp_path):
+    """Written at head: the same answers as the recorded ledger; the bills' zero lines name their GPUs by id on
+    PostgreSQL, and ``bills()`` gives them back as SQLite stores them (uuids)."""
     ledger = Ledger(database_url)
     ledger.migrate()
     priced = recorded.results()
     result = ledger.write([c for r in priced for c in r.costs], [r.bill for r in priced])
     assert result.bills_written == len(priced)
+    with ledger.engine.connect() as connection:
+        stored = [z for (z,) in connection.execute(text("SELECT zero_lines FROM node_bills WHERE zero_lines IS "
+                                                        "NOT NULL"))]
+    lite = Ledger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
+    lite.migrate()
+    lite.write([c for r in priced for c in r.costs], [r.bill for r in priced])
+    assert stored and all(zero_line_gpu_ids(z) for z in stored)
+    assert sum(map(len, stored)) < sum(len(b["zero_lines"]) for b in lite.bills() if b["zero_lines"])
+    assert ledger.bills() == lite.bills()
+    assert list(ledger.iter_cost_lines()) == list(lite.iter_cost_lines())
+    lite.close()
     assert recorded._reconcile(ledger, recorded.FOCUS) == FIXTURE["reconcile"]
     assert_answers(ledger, FIXTURE["outputs"])
     assert recorded._reconcile(ledger, recorded.FOCUS_AMENDED) == FIXTURE["amended"]["reconcile"]

@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 
 from services.billing.line_ids import IdCache, line_keys, missing_keys, pod_key
+from services.billing.line_storage import decode_zero_lines, encode_zero_lines, zero_line_gpu_ids
 from tests.unit.billing.conftest import sample_costs
 
 
@@ -62,3 +63,23 @@ def test_the_cache_is_bounded_and_keeps_a_whole_batch():
         cache.add("pods", {"p": 5, "q": 6})
     with pytest.raises(ValueError):
         IdCache(entries=0)
+
+
+def test_zero_lines_naming_their_gpus_by_id_read_back_the_same_lines():
+    zero = [("GPU-0f7a", "IDLE", "exclusive", "memory", 1.0), ("GPU-0f7a", "UNAVAILABLE", "exclusive", "memory", 1.0),
+            ("MIG-1c", "DRIVER_RESERVED", "mig_instance", "memory", 0.5), ("", "NODE_OTHER", "exclusive", "memory",
+                                                                            1.0)]
+    ids = {"GPU-0f7a": 7, "MIG-1c": 12, "": 1}
+    by_uuid, by_id = encode_zero_lines(zero), encode_zero_lines(zero, ids)
+    assert len(by_id) < len(by_uuid) and zero_line_gpu_ids(by_id) == {1, 7, 12} and zero_line_gpu_ids(by_uuid) == set()
+    uuids = {i: uuid for uuid, i in ids.items()}
+    assert decode_zero_lines(by_id, uuids) == decode_zero_lines(by_uuid) == sorted(zero)
+    # What a reader gives back is the uuid text: the same as a ledger that never named ids.
+    assert encode_zero_lines(decode_zero_lines(by_id, uuids)) == by_uuid
+    with pytest.raises(KeyError):
+        decode_zero_lines(by_id)
+    # A uuid cache is bounded too.
+    cache = IdCache(entries=2)
+    cache.add_gpu_uuids({1: "a", 2: "b"})
+    cache.add_gpu_uuids({3: "c"})
+    assert dict(cache.gpu_uuids()) == {3: "c"}

@@ -9,6 +9,10 @@ cluster, node name) one and the namespace index (``bench/ledger_month.py`` measu
 ``cost_lines`` becomes a view with 0013's columns, names, types and values (``services.billing.line_ids``), so every
 reader reads what it read before; ``Ledger.write`` inserts into ``cost_line_rows`` and ``apply_trueup`` updates it.
 
+From 0014 a bill's zero lines (``node_bills.zero_lines``) name their units by ``ledger_gpus`` id instead of uuid
+(``services.billing.line_storage``); the bills written before keep their uuids (a reader takes either), and the
+downgrade writes the uuids back into the bills that name ids.
+
 The upgrade fills the dictionaries from the lines (ids in key order), creates ``cost_line_rows`` partitioned by day
 as ``cost_lines`` was (a partition for each of its partitions, the same bounds) or plain where it was not, copies
 every line (``INSERT ... SELECT``, set-based), drops ``cost_lines`` and creates the view. The downgrade moves the
@@ -156,10 +160,27 @@ def upgrade() -> None:
     connection.execute(text("ANALYZE cost_line_rows"))
 
 
+def _zero_lines_with_uuids(connection) -> None:
+    """Rewrite every bill's zero lines that name GPU ids with their uuids (what 0013 reads)."""
+    from services.billing.line_storage import decode_zero_lines, encode_zero_lines, zero_line_gpu_ids
+
+    uuids = {int(i): uuid for i, uuid in connection.execute(text("SELECT gpu_id, gpu_uuid FROM ledger_gpus"))}
+    changed = [
+        {"s": start, "c": cluster, "n": node, "z": encode_zero_lines(decode_zero_lines(zero, uuids))}
+        for start, cluster, node, zero in connection.execute(text(
+            "SELECT window_start_unix_ms, cluster, node_name, zero_lines FROM node_bills "
+            "WHERE zero_lines IS NOT NULL"))
+        if zero_line_gpu_ids(zero)]
+    if changed:
+        connection.execute(text("UPDATE node_bills SET zero_lines = :z WHERE window_start_unix_ms = :s "
+                                "AND cluster = :c AND node_name = :n"), changed)
+
+
 def downgrade() -> None:
     connection = op.get_bind()
     if connection.dialect.name != "postgresql":
         return
+    _zero_lines_with_uuids(connection)
     parts = _partitions(connection, "cost_line_rows")
     connection.execute(text("ALTER VIEW cost_lines RENAME TO cost_lines_0014"))
     _create_like(connection, _OLD_TABLE, "cost_lines", parts, "cost_line_rows")
