@@ -28,9 +28,9 @@ from typing import Any, Callable, Sequence
 
 from sqlalchemy import func, select
 
+from services.billing import line_ids
 from services.billing.catalog import bundled_catalog
 from services.billing.costing import NodeWindowCost, bill_node_window
-from services.billing import line_ids
 from services.billing.ledger import (
     LINE_IDS,
     Ledger,

@@ -112,8 +112,8 @@ from services.billing.line_storage import (
     decode_zero_lines,
     encode_zero_lines,
     is_zero_line,
-    zero_line_gpu_ids,
     label_set_id,
+    zero_line_gpu_ids,
     zero_line_record,
 )
 from services.billing.sqlite_files import SqliteFiles
@@ -564,7 +564,7 @@ class Ledger:
         # the ids of label sets seen: a pod's lines carry the same labels window after window.
         self._stored_label_sets: set[int] = set()
         self._label_ids: dict[tuple, int] = {}
-        # PostgreSQL from 0014: the dictionary ids of nodes, GPUs, pods and short texts known to be stored
+        # PostgreSQL from 0014: the dictionary ids of nodes, GPUs, pods and line kinds known to be stored
         # (``line_ids``); ``_by_ids`` None until this handle looked whether the ledger stores its lines by ids.
         self._ids = line_ids.IdCache()
         self._by_ids: bool | None = None if backend == "postgresql" else False
