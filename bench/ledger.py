@@ -28,9 +28,11 @@ from typing import Any, Callable, Sequence
 
 from sqlalchemy import func, select
 
+from services.billing import line_ids
 from services.billing.catalog import bundled_catalog
 from services.billing.costing import NodeWindowCost, bill_node_window
 from services.billing.ledger import (
+    LINE_IDS,
     Ledger,
     _bill_row,
     _line_row,
@@ -115,6 +117,10 @@ def write_per_row(ledger: Ledger, windows: Sequence[NodeWindowCost]) -> int:
     sent = 0
     for w in windows:
         kept = stored_lines(w)
+        # PostgreSQL: the day's partitions first (0010), as ``Ledger.write`` makes sure of them; from 0014
+        # ``cost_lines`` is a view and a line a row of dictionary ids (``line_ids``).
+        ledger._ensure_partitions_for({w.bill.window_start_unix_ms})
+        ledger._resolve_ids(kept, ())
         kept_ids = {id(c) for c in kept}
         zero = [_zero_line(c) for c in w.costs if id(c) not in kept_ids]
         with ledger.engine.begin() as connection:
@@ -128,7 +134,11 @@ def write_per_row(ledger: Ledger, windows: Sequence[NodeWindowCost]) -> int:
                     connection.execute(insert(label_sets).on_conflict_do_nothing(), {
                         "label_set_id": label_set, "labels": dict(sorted(cost.labels.items())),
                         "carried_label_keys": ",".join(cost.carried_label_keys)})
-                connection.execute(insert(cost_lines).on_conflict_do_nothing(), _line_row(cost, label_set))
+                if ledger._by_ids:
+                    connection.execute(insert(LINE_IDS.rows), dict(zip(
+                        line_ids.ROW_COLUMNS, line_ids.row_values(cost, label_set, ledger._ids))))
+                else:
+                    connection.execute(insert(cost_lines).on_conflict_do_nothing(), _line_row(cost, label_set))
                 sent += 1
     return sent
 

@@ -198,7 +198,14 @@ def ingest(ledger: Any, fleet: MonthFleet, first_minute: int, minutes: int) -> I
 
 # Which grain each table of the ledger holds (tables not named here are counted as "other").
 GRAIN_OF_TABLE = {
-    "cost_lines": "minute",
+    "cost_lines": "minute",  # up to revision 0013; from 0014 a view over cost_line_rows and the dictionaries
+    "cost_line_rows": "minute",
+    # The dictionaries of the lines' ids (0014): counted with the minute grain, as if they grew with time (the
+    # nodes and GPUs do not; the pods do, with the churn).
+    "ledger_nodes": "minute",
+    "ledger_gpus": "minute",
+    "ledger_pods": "minute",
+    "ledger_line_kinds": "minute",
     "node_bills": "minute",
     "label_sets": "minute",
     "cost_rollup_hourly": "hour",
@@ -404,6 +411,71 @@ def _rfc3339(unix_ms: int) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# A/B: the lines' layout at revision 0013 (text columns) against 0014's (dictionary ids), in one run
+
+AB_REVISIONS = ("0013_lean_lines", "head")
+AB_ROUNDS = 3
+AB_MINUTES_PER_ROUND = 4
+# The tables holding one minute of lines at each revision (what "bytes per line" counts).
+LINE_TABLES = ("cost_lines", "cost_line_rows")
+DICTIONARIES = ("ledger_nodes", "ledger_gpus", "ledger_pods", "ledger_line_kinds")
+
+
+def layout_ab(server_url: str, fleet: MonthFleet, *, rounds: int = AB_ROUNDS,
+              minutes: int = AB_MINUTES_PER_ROUND) -> dict[str, Any]:
+    """Two ledgers on one server, one migrated to each of ``AB_REVISIONS`` (``Ledger.write`` stores 0013's rows
+    where the ledger has no id tables), written the same fleet minutes in ``rounds`` alternating rounds of
+    ``minutes`` minutes each (the first round's order swapped each round); then each ``VACUUM FULL`` and its lines'
+    bytes (heap and indexes) per stored line, its dictionaries' bytes (0014; a fixed fleet's nodes and GPUs, and
+    its pods: not per line), and its node bills' bytes per bill."""
+    from alembic import command
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    from services.billing.ledger import Ledger, _alembic_config
+
+    admin = create_engine(server_url, isolation_level="AUTOCOMMIT")
+    ledgers: dict[str, Any] = {}
+    rates: dict[str, list[float]] = {revision: [] for revision in AB_REVISIONS}
+    try:
+        for revision in AB_REVISIONS:
+            name = f"ab_{revision.replace('_', '')[:12].lower()}"
+            with admin.connect() as connection:
+                connection.execute(text(f'DROP DATABASE IF EXISTS "{name}"'))
+                connection.execute(text(f'CREATE DATABASE "{name}"'))
+            ledger = Ledger(make_url(server_url).set(database=name).render_as_string(hide_password=False))
+            if revision == "head":
+                ledger.migrate()
+            else:
+                with ledger.engine.begin() as connection:
+                    command.upgrade(_alembic_config(connection), revision)
+            ledgers[revision] = ledger
+        for index in range(rounds):
+            order = AB_REVISIONS if index % 2 == 0 else AB_REVISIONS[::-1]
+            for revision in order:
+                written = ingest(ledgers[revision], fleet, index * minutes, minutes)
+                rates[revision].append(round(written.node_windows_per_s, 1))
+        out: dict[str, Any] = {}
+        for revision, ledger in ledgers.items():
+            with ledger.engine.connect() as connection:
+                connection.execution_options(isolation_level="AUTOCOMMIT").execute(text("VACUUM FULL ANALYZE"))
+                sizes = table_bytes(connection)
+                lines = int(connection.execute(text("SELECT count(*) FROM cost_lines")).scalar_one())
+                bills = int(connection.execute(text("SELECT count(*) FROM node_bills")).scalar_one())
+            line_bytes = sum(sizes.get(name, 0) for name in LINE_TABLES)
+            out[revision] = {"node_windows_per_s_by_round": rates[revision], "lines": lines,
+                             "line_bytes": line_bytes, "bytes_per_line": round(line_bytes / lines, 1),
+                             "dictionary_bytes": sum(sizes.get(name, 0) for name in DICTIONARIES),
+                             "bytes_per_bill": round(sizes["node_bills"] / bills, 1)}
+        return {"rounds": rounds, "minutes_per_round": minutes, "node_windows_per_round": minutes * fleet.nodes,
+                **out}
+    finally:
+        for ledger in ledgers.values():
+            ledger.close()
+        admin.dispose()
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # The benchmark
 
 
@@ -439,6 +511,7 @@ def measure(nodes: int = FLEET_NODES, ingest_minutes: int = 60, days: int = 30) 
                                         days=days)
                 fill_s = time.perf_counter() - started
             reads = month_reads(server.url, start_ms=fleet.start_unix_ms, days=days, hours_of_lines=hours)
+            layouts = layout_ab(server.url, fleet)
         finally:
             admin.dispose()
     return {
@@ -454,6 +527,7 @@ def measure(nodes: int = FLEET_NODES, ingest_minutes: int = 60, days: int = 30) 
         "tables": {name: {"bytes": sizes[name], "rows": rows.get(name, 0)} for name in sorted(sizes)},
         "storage": storage_per_1000_gpu_days(sizes, rows, hours, fleet.gpus),
         "month": {"rows": month_rows, "fill_s": round(fill_s, 1), **reads},
+        "lines_layout_ab": layouts,
     }
 
 

@@ -24,15 +24,15 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Sequence
 
-from sqlalchemy import BigInteger, Boolean, Double, Integer, String, Table, Text, bindparam
+from sqlalchemy import BigInteger, Boolean, Double, Integer, SmallInteger, String, Table, Text, bindparam
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
 DO_NOTHING = "nothing"
 
 # The PostgreSQL array type of each column type the ledger's bulk tables use (most specific first).
-_PG_COPY_TYPES = ((BigInteger, "int8"), (Integer, "int4"), (Double, "float8"), (Boolean, "bool"), (Text, "text"),
-                  (String, "text"))
+_PG_COPY_TYPES = ((BigInteger, "int8"), (SmallInteger, "int2"), (Integer, "int4"), (Double, "float8"),
+                  (Boolean, "bool"), (Text, "text"), (String, "text"))
 
 
 def _pg_copy_type(table: Table, name: str) -> str:

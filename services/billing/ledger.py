@@ -15,7 +15,9 @@ Tables (created only by the alembic migrations in ``services/billing/migrations`
     shared_from or ''): a ``CostRecord`` that is not a zero line. A pod's direct lines (its own use of each unit)
     have ``shared_from`` ''; its shared lines (one per bucket kind its node-window shared to pods,
     ``services.billing.sharing``) name the bucket and the method. References its node bill, which records the
-    sharing policy (``node_bills.sharing``), and its label set (``label_set_id``).
+    sharing policy (``node_bills.sharing``), and its label set (``label_set_id``). On PostgreSQL (revision 0014)
+    a view of these columns over ``cost_line_rows``, the lines as dictionary ids (``services.billing.line_ids``):
+    every reader reads it as the table it is on SQLite; ``write`` and ``apply_trueup`` write the rows.
 ``label_sets``
     One row per distinct (labels, carried label keys) of the lines, content-addressed (``line_storage``).
 ``trueups``
@@ -100,7 +102,7 @@ from gpumeter.clock import iso_utc
 from gpumeter.errors import ConfigError, GpumeterError
 from gpumeter.redact import mask_secrets, mask_url
 from schemas.records import CostRecord, CostSubjectKind
-from services.billing import partitions, read_rollups, rollups
+from services.billing import line_ids, partitions, read_rollups, rollups
 from services.billing.bulk_rows import DO_NOTHING, BulkInsert
 from services.billing.rollups import KIND_TEXT
 from services.billing.costing import NodeBill, NodeWindowKey
@@ -111,6 +113,7 @@ from services.billing.line_storage import (
     encode_zero_lines,
     is_zero_line,
     label_set_id,
+    zero_line_gpu_ids,
     zero_line_record,
 )
 from services.billing.sqlite_files import SqliteFiles
@@ -169,9 +172,10 @@ metadata = MetaData(
     }
 )
 
-# ``info`` key naming the one dialect whose ledger has a constraint or index (migration 0013): a PostgreSQL ledger's
-# lines have no foreign keys and no primary key, a (window, cluster, node) index instead -- ``Ledger.write`` alone
-# inserts a line, with its bill -- and SQLite keeps both (its lines table is WITHOUT ROWID: the key is the table).
+# ``info`` key naming the one dialect whose ledger has a table, constraint or index: SQLite's ``cost_lines`` is a
+# table with its primary and foreign keys (WITHOUT ROWID: the key is the table); PostgreSQL's is a view (migration
+# 0014) over ``cost_line_rows`` and its dictionaries (``services.billing.line_ids``: no keys -- ``Ledger.write``
+# alone inserts a line, with its bill -- and a (window, node id) index).
 ONLY_ON = "gpumeter_only_on"
 
 LABELS_TYPE = JSON().with_variant(postgresql.JSONB(), "postgresql")
@@ -261,18 +265,20 @@ cost_lines = Table(
     Column("gpu_fraction", Double, nullable=False, server_default="0"),
     PrimaryKeyConstraint("window_start_unix_ms", "cluster", "node_name", "gpu_uuid", "subject_kind", "pod_uid",
                          "shared_from"),
-    # SQLite only: PostgreSQL's ledger keeps neither these keys nor the primary key (migration 0013; ``ONLY_ON``).
     ForeignKeyConstraint(
         ["window_start_unix_ms", "cluster", "node_name"],
         ["node_bills.window_start_unix_ms", "node_bills.cluster", "node_bills.node_name"],
-        info={ONLY_ON: "sqlite"},
     ),
-    ForeignKeyConstraint(["label_set_id"], ["label_sets.label_set_id"], info={ONLY_ON: "sqlite"}),
+    ForeignKeyConstraint(["label_set_id"], ["label_sets.label_set_id"]),
     Index(None, "namespace", "window_start_unix_ms"),
-    Index(None, "window_start_unix_ms", "cluster", "node_name", info={ONLY_ON: "postgresql"}),
     # SQLite: the rows live in the primary key's B-tree, not in a rowid table beside a copy of the key.
     sqlite_with_rowid=False,
+    # A table on SQLite; on PostgreSQL a view of these columns over ``LINE_IDS.rows`` (what every reader selects).
+    info={ONLY_ON: "sqlite"},
 )
+
+# PostgreSQL's lines by dictionary ids (migration 0014, ``services.billing.line_ids``).
+LINE_IDS = line_ids.define_tables(metadata, ONLY_ON)
 
 trueups = Table(
     "trueups",
@@ -488,6 +494,8 @@ LINE_COLUMNS = ("window_start_unix_ms", "cluster", "node_name", "gpu_uuid", "sub
 
 
 _LINES_INSERT = BulkInsert(cost_lines, LINE_COLUMNS, conflict=DO_NOTHING)
+# PostgreSQL from 0014: the lines' rows of ids (no key: a line is inserted once, with its new bill).
+_LINE_ROWS_INSERT = BulkInsert(LINE_IDS.rows, line_ids.ROW_COLUMNS)
 
 
 def _line_row(cost: CostRecord, label_set: int) -> dict[str, Any]:
@@ -556,6 +564,10 @@ class Ledger:
         # the ids of label sets seen: a pod's lines carry the same labels window after window.
         self._stored_label_sets: set[int] = set()
         self._label_ids: dict[tuple, int] = {}
+        # PostgreSQL from 0014: the dictionary ids of nodes, GPUs, pods and line kinds known to be stored
+        # (``line_ids``); ``_by_ids`` None until this handle looked whether the ledger stores its lines by ids.
+        self._ids = line_ids.IdCache()
+        self._by_ids: bool | None = None if backend == "postgresql" else False
         # A SQLite file's -wal/-shm are checked before every use (sqlite_files): a -shm that cannot back its
         # mapping kills the process with SIGBUS as soon as SQLite touches it.
         self._files = SqliteFiles(Path(parsed.database)) if backend == "sqlite" and not in_memory else None
@@ -563,6 +575,7 @@ class Ledger:
         # PostgreSQL's time partitions this handle knows are attached (``services.billing.partitions``); None until
         # it looked whether the tables are partitioned, False when they are not (SQLite, or before revision 0010).
         self._partitions: set[partitions.Partition] | None | bool = None if backend == "postgresql" else False
+        self._partition_schemes: tuple[partitions.Scheme, ...] = partitions.SCHEMES
         if self.dialect == "sqlite":
             event.listen(self.engine, "connect",
                          lambda dbapi, _record: _sqlite_pragmas(dbapi, in_memory, read_only=read_only))
@@ -664,8 +677,11 @@ class Ledger:
         except SQLAlchemyError as exc:
             raise LedgerError(f"migrating {self!r} failed: {exc}") from exc
         finally:
-            # The upgrade may have partitioned the tables (0010): look again before the next write.
+            # The upgrade may have partitioned the tables (0010) or moved the lines to ids (0014): look again before
+            # the next write.
             self._partitions = None if self.dialect == "postgresql" else False
+            self._partition_schemes = partitions.SCHEMES
+            self._by_ids = None if self.dialect == "postgresql" else False
         revision = self.current_revision()
         assert revision is not None
         return revision
@@ -749,6 +765,7 @@ class Ledger:
             return WriteResult(0, 0, 0, 0)
         starts = {window[0] for window in by_window}
         self._ensure_partitions_for(starts)
+        self._resolve_ids([cost for _window, cost in kept], {z[0] for lines in zeros.values() for z in lines})
         try:
             return self._write(by_window, lines, kept, zeros)
         except LedgerError as exc:
@@ -767,11 +784,13 @@ class Ledger:
         versions = {b.price_version: b.price.describe() for _, b in by_window.values()}
         pk = [node_bills.c.window_start_unix_ms, node_bills.c.cluster, node_bills.c.node_name]
         added_label_sets: set[int] = set()
+        # PostgreSQL from 0014: the zero lines name their units by GPU id (``line_storage``).
+        gpu_ids = self._ids.get("gpus") if self._by_ids else None
         try:
             with self._begin() as connection:
                 connection.execute(self._insert(price_versions).on_conflict_do_nothing(), list(versions.values()))
                 bill_rows = {w: {**_bill_row(b), "publisher": self.publisher,
-                                 "zero_lines": encode_zero_lines(zeros.get(w, ())),
+                                 "zero_lines": encode_zero_lines(zeros.get(w, ()), gpu_ids),
                                  "zero_line_count": len(zeros.get(w, ()))} for w, (_, b) in by_window.items()}
                 inserted = connection.execute(
                     self._insert(node_bills).on_conflict_do_nothing().returning(*pk), list(bill_rows.values()),
@@ -829,7 +848,7 @@ class Ledger:
         """Make sure the partitions holding windows starting at ``starts`` exist, before a write's transaction."""
         if self._partitions is False:
             return
-        needed = partitions.for_times(starts)
+        needed = partitions.for_times(starts, self._partition_schemes)
         if self._partitions is None or not needed <= self._partitions:
             self._ensure_partitions(needed)
 
@@ -845,10 +864,33 @@ class Ledger:
                     return 0
                 created = partitions.ensure_in(connection, needed)
                 known = partitions.existing(connection)
+                tables = partitions.partitioned_tables(connection)
+                # Only the schemes of this revision's partitioned tables (0014: cost_line_rows, not cost_lines).
+                self._partition_schemes = tuple(s for s in partitions.SCHEMES if s.table in tables)
         except SQLAlchemyError as exc:
             raise LedgerError(f"creating the partitions of {self!r} failed: {exc}") from exc
         self._partitions = known
         return len(created)
+
+    def _resolve_ids(self, costs: Iterable[CostRecord], gpus: Iterable[str]) -> None:
+        """On a ledger of lines by ids (PostgreSQL from 0014), make sure the id cache holds every id of ``costs``
+        and of the GPU uuids ``gpus`` (the zero lines'), in a short transaction of its own before the write's
+        (``line_ids``)."""
+        if self._by_ids is False:
+            return
+        try:
+            if self._by_ids is None:
+                with self._connect() as connection:
+                    self._by_ids = line_ids.uses_ids(connection)
+                if not self._by_ids:
+                    return
+            wanted = line_ids.missing_keys(self._ids, costs, gpus)
+            if wanted:
+                with self._begin() as connection:
+                    line_ids.resolve(connection, self._ids, wanted)
+        except SQLAlchemyError as exc:
+            raise LedgerError(f"storing the ids of the cost lines' nodes, GPUs and pods in {self!r} failed: {exc}"
+                              ) from exc
 
     def _label_set(self, cost: CostRecord) -> int:
         labels, carried = cost.labels, cost.carried_label_keys
@@ -885,7 +927,11 @@ class Ledger:
         sets they reference first; returns the label sets inserted. One bulk statement (``bulk_rows``)."""
         ids = [self._label_set(c) for c in costs]
         added = self._insert_label_sets(connection, dict(zip(ids, costs)))
-        _LINES_INSERT.execute(connection, [_line_values(c, i) for c, i in zip(costs, ids)])
+        if self._by_ids:
+            cache = self._ids
+            _LINE_ROWS_INSERT.execute(connection, [line_ids.row_values(c, i, cache) for c, i in zip(costs, ids)])
+        else:
+            _LINES_INSERT.execute(connection, [_line_values(c, i) for c, i in zip(costs, ids)])
         return added
 
     def _unpublished(self, connection, existing: dict[NodeWindowKey, NodeBill]
@@ -1005,7 +1051,21 @@ class Ledger:
                    b.price_model, b.price_version, b.zero_lines)
             .where(b.zero_lines.is_not(None), *self._range(node_bills, start_ms, end_ms, cluster))
         )
-        return [(row._mapping, decode_zero_lines(row.zero_lines)) for row in rows]
+        uuids = self._zero_line_gpu_uuids(self._read, [row.zero_lines for row in rows])
+        return [(row._mapping, decode_zero_lines(row.zero_lines, uuids)) for row in rows]
+
+    def _zero_line_gpu_uuids(self, read, texts: Iterable[str | None]) -> Mapping[int, str] | None:
+        """The uuids of the GPU ids that the ``zero_lines`` texts name (PostgreSQL from 0014), read with ``read``
+        (a statement -> rows) where the id cache lacks them; None when they name none."""
+        ids: set[int] = set()
+        for zero_text in texts:
+            ids |= zero_line_gpu_ids(zero_text)
+        if not ids:
+            return None
+        try:
+            return line_ids.gpu_uuids(read, LINE_IDS, self._ids, ids)
+        except LookupError as exc:
+            raise LedgerError(f"reading the zero lines of {self!r}: {exc}") from exc
 
     def totals(self, *, start_ms: int | None = None, end_ms: int | None = None,
                cluster: str | None = None, cost: str = "list") -> LedgerTotals:
@@ -1140,7 +1200,14 @@ class Ledger:
             select(node_bills).where(*self._range(node_bills, start_ms, end_ms, cluster))
             .order_by(node_bills.c.window_start_unix_ms, node_bills.c.cluster, node_bills.c.node_name)
         )
-        return tuple(dict(row._mapping) for row in rows)
+        out = tuple(dict(row._mapping) for row in rows)
+        uuids = self._zero_line_gpu_uuids(self._read, [bill["zero_lines"] for bill in out])
+        if uuids is not None:
+            # Units named by GPU id (PostgreSQL from 0014): the text SQLite stores, with their uuids.
+            for bill in out:
+                if zero_line_gpu_ids(bill["zero_lines"]):
+                    bill["zero_lines"] = encode_zero_lines(decode_zero_lines(bill["zero_lines"], uuids))
+        return out
 
     def node_pricing(self, *, start_ms: int | None = None, end_ms: int | None = None,
                      cluster: str | None = None) -> tuple[NodePricingRow, ...]:
@@ -1332,6 +1399,7 @@ class Ledger:
         try:
             with self._begin() as connection:
                 current, zero_lines, bill_columns = {}, {}, {}
+                zero_texts = []
                 for row in connection.execute(
                         select(b.window_start_unix_ms, b.cluster, b.node_name, b.trued_cost_micro_usd, b.trueup_id,
                                b.zero_lines, b.window_seconds, b.instance_type, b.price_model, b.price_version,
@@ -1343,7 +1411,11 @@ class Ledger:
                     current[key] = (m["trued_cost_micro_usd"], m["trueup_id"])
                     bill_columns[key] = m
                     if m["zero_lines"]:
-                        zero_lines[key] = (m, decode_zero_lines(m["zero_lines"]))
+                        zero_texts.append((key, m))
+                uuids = self._zero_line_gpu_uuids(lambda statement: connection.execute(statement).all(),
+                                                  [m["zero_lines"] for _key, m in zero_texts])
+                for key, m in zero_texts:
+                    zero_lines[key] = (m, decode_zero_lines(m["zero_lines"], uuids))
                 missing = (set(result.windows) | set(scope)) - set(current)
                 if missing:
                     raise LedgerError(f"{len(missing)} node-windows of the true-up are not in the ledger, e.g. "
@@ -1415,7 +1487,10 @@ class Ledger:
                             rollups.TruedChange(zero_line_record(row_of_bill, line), row_of_bill["gpu_model"],
                                                 row_of_bill["sharing"], before, after) for line in zero)
                 rollups.add_trued(connection, ROLLUPS, trued_changes, team_key=self.team_label)
-                if line_updates:
+                if line_updates and self._uses_ids(connection):
+                    # PostgreSQL from 0014: ``cost_lines`` is a view; its rows are ``cost_line_rows``.
+                    connection.execute(line_ids.trueup_update(LINE_IDS), line_updates)
+                elif line_updates:
                     connection.execute(
                         update(cost_lines)
                         .where(c.window_start_unix_ms == bindparam("b_start"), c.cluster == bindparam("b_cluster"),
@@ -1439,6 +1514,11 @@ class Ledger:
         except rollups.MixedTeamLabels as exc:
             raise LedgerError(f"true-up {trueup_id[:12]}: {exc}") from exc
         return TrueUpWrite(trueup_id, changed_windows, changed_lines, bool(recorded))
+
+    def _uses_ids(self, connection: Connection) -> bool:
+        if self._by_ids is None:
+            self._by_ids = line_ids.uses_ids(connection)
+        return self._by_ids
 
     def trueup_runs(self) -> tuple[dict[str, Any], ...]:
         """Every bill applied, oldest first, as column dicts."""

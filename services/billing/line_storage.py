@@ -13,7 +13,10 @@ and GPU fraction where they are not the first entry's::
 
     [["exclusive","memory",1.0],["GPU-0f7a…","V"],["GPU-acc9…","AV"],["MIG-1c…","DV","mig_instance","memory",0.5]]
 
-NULL: none. The GPU fraction is the line's float, written as ``repr`` writes it (it reads back bit for bit). A
+NULL: none. On PostgreSQL from revision 0014 a unit is named by its ``ledger_gpus`` id, a JSON number, instead of
+its uuid (``services.billing.line_ids``: a bill's 24 zero lines named 8 uuids in ~1,150 bytes); readers give the
+uuid back (``decode_zero_lines(text, gpu_uuids)``), and a text may mix both (bills written before 0014). The GPU
+fraction is the line's float, written as ``repr`` writes it (it reads back bit for bit). A
 zero line's trued-up cost is 0 once its node-window is trued up (the true-up apportions by list cost: a line of
 list cost 0 gets 0) and NULL before, as a stored line's is.
 
@@ -64,8 +67,9 @@ _KIND_LETTERS = {"IDLE": "I", "DRIVER_RESERVED": "D", "UNATTRIBUTED": "A", "UNAV
 _LETTER_KINDS = {letter: kind for kind, letter in _KIND_LETTERS.items()}
 
 
-def encode_zero_lines(lines: Iterable[ZeroLine]) -> str | None:
-    """The ``node_bills.zero_lines`` text of one bill's zero lines (None: none); see the module docstring."""
+def encode_zero_lines(lines: Iterable[ZeroLine], gpu_ids: Mapping[str, int] | None = None) -> str | None:
+    """The ``node_bills.zero_lines`` text of one bill's zero lines (None: none); see the module docstring. With
+    ``gpu_ids`` (uuid, '' included, -> id) each unit is written as its id."""
     units: dict[tuple[str, str, str, float], list[str]] = {}
     for gpu_uuid, kind, method, basis, fraction in sorted(lines, key=lambda z: (z[0], z[1])):
         units.setdefault((gpu_uuid, method, basis, fraction), []).append(_KIND_LETTERS[kind])
@@ -75,20 +79,33 @@ def encode_zero_lines(lines: Iterable[ZeroLine]) -> str | None:
     default = max(attributes, key=attributes.count)  # the first of the most common
     entries: list[list] = [list(default)]
     for (gpu, *rest), letters in units.items():
-        entry = [gpu, "".join(letters)]
+        entry = [gpu if gpu_ids is None else gpu_ids[gpu], "".join(letters)]
         if tuple(rest) != default:
             entry.extend(rest)
         entries.append(entry)
     return json.dumps(entries, separators=(",", ":"), ensure_ascii=False)
 
 
-def decode_zero_lines(text: str | None) -> list[ZeroLine]:
-    """``encode_zero_lines``' lines back, in key order (gpu_uuid, kind)."""
+def zero_line_gpu_ids(text: str | None) -> set[int]:
+    """The GPU ids (not uuids) a ``zero_lines`` text names."""
+    if not text:
+        return set()
+    _default, *entries = json.loads(text)
+    return {entry[0] for entry in entries if isinstance(entry[0], int)}
+
+
+def decode_zero_lines(text: str | None, gpu_uuids: Mapping[int, str] | None = None) -> list[ZeroLine]:
+    """``encode_zero_lines``' lines back, in key order (gpu_uuid, kind); a unit named by its id is given its uuid
+    from ``gpu_uuids`` (``KeyError`` when it lacks it)."""
     if not text:
         return []
     default, *entries = json.loads(text)
     out = []
     for gpu, letters, *rest in entries:
+        if isinstance(gpu, int):
+            if gpu_uuids is None:
+                raise KeyError(f"zero lines name the GPU id {gpu} and no GPU ids were given")
+            gpu = gpu_uuids[gpu]
         method, basis, fraction = rest or default
         out.extend((gpu, _LETTER_KINDS[letter], method, basis, float(fraction)) for letter in letters)
     out.sort(key=lambda z: (z[0], z[1]))

@@ -7,7 +7,8 @@ one partition per ``SCHEMES`` entry's unit, UTC:
 table                  column                    unit    partition name
 =====================  ========================  ======  =========================================
 ``node_bills``         ``window_start_unix_ms``  day     ``node_bills_p20261203``
-``cost_lines``         ``window_start_unix_ms``  day     ``cost_lines_p20261203``
+``cost_lines``         ``window_start_unix_ms``  day     ``cost_lines_p20261203`` (0010 to 0013)
+``cost_line_rows``     ``window_start_unix_ms``  day     ``cost_line_rows_p20261203`` (from 0014)
 ``cost_rollup_hourly`` ``period_start_unix_ms``  day     ``cost_rollup_hourly_p20261203``
 ``cost_rollup_daily``  ``period_start_unix_ms``  month   ``cost_rollup_daily_p202612``
 ``bill_rollup_hourly`` ``period_start_unix_ms``  day     ``bill_rollup_hourly_p20261203`` (from 0012)
@@ -20,7 +21,10 @@ A partition covers [its start, its end) of the column: a UTC day, or a UTC calen
 whole UTC days (``services.billing.retention``), so a daily partition is either wholly kept or wholly past; a
 monthly one (the daily rollups') keeps its rows until the whole month is past the horizon -- rows no reader asks
 for, since every reader starts at the horizon (``rollups.plan``). There is no DEFAULT partition: a row whose
-partition is missing is refused by PostgreSQL, so every writer makes sure of it first (``Ledger.write``).
+partition is missing is refused by PostgreSQL, so every writer makes sure of it first (``Ledger.write``). From
+revision 0014 the lines are ``cost_line_rows`` (``cost_lines`` is a view over them: ``services.billing.line_ids``);
+a scheme whose table is not a partitioned table of the database (``cost_lines`` from 0014, ``cost_line_rows``
+before) is passed over.
 
 **Creating** (``ensure``): in a transaction of its own, serialised by a transaction-level advisory lock (so two
 writers needing the same day create it once; the second finds it there), each missing partition is created as a
@@ -80,17 +84,19 @@ class Scheme:
 
 SCHEMES = (
     Scheme("node_bills", "window_start_unix_ms", DAY),
-    Scheme("cost_lines", "window_start_unix_ms", DAY),
+    Scheme("cost_line_rows", "window_start_unix_ms", DAY),
     Scheme("cost_rollup_hourly", "period_start_unix_ms", DAY, ROLLUP_FILLFACTOR),
     Scheme("cost_rollup_daily", "period_start_unix_ms", MONTH, ROLLUP_FILLFACTOR),
     Scheme("bill_rollup_hourly", "period_start_unix_ms", DAY, ROLLUP_FILLFACTOR),
     Scheme("bill_rollup_daily", "period_start_unix_ms", MONTH, ROLLUP_FILLFACTOR),
     Scheme("pod_rollup_hourly", "period_start_unix_ms", DAY, ROLLUP_FILLFACTOR),
     Scheme("pod_rollup_daily", "period_start_unix_ms", MONTH, ROLLUP_FILLFACTOR),
+    # The lines' table from 0010 to 0013 (a view from 0014): what a ledger at those revisions partitions.
+    Scheme("cost_lines", "window_start_unix_ms", DAY),
 )
 SCHEME_BY_TABLE = {scheme.table: scheme for scheme in SCHEMES}
 # What the minute retention drops, in this order (a line never outlives its bill).
-MINUTE_TABLES = ("cost_lines", "node_bills")
+MINUTE_TABLES = ("cost_line_rows", "cost_lines", "node_bills")
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -195,6 +201,13 @@ def existing(connection: Connection, tables: Iterable[str] | None = None) -> set
     return {part for part in map(parse_name, rows) if part is not None}
 
 
+def partitioned_tables(connection: Connection) -> set[str]:
+    """The names of this schema's partitioned tables."""
+    return set(connection.execute(text(
+        "SELECT c.relname FROM pg_partitioned_table p JOIN pg_class c ON c.oid = p.partrelid "
+        "WHERE c.relnamespace = to_regnamespace(current_schema())::oid")).scalars())
+
+
 def create(connection: Connection, part: Partition) -> None:
     """Create ``part`` detached and attach it (module docstring: ATTACH, not ``CREATE ... PARTITION OF``)."""
     scheme = SCHEME_BY_TABLE.get(part.table)
@@ -208,8 +221,9 @@ def create(connection: Connection, part: Partition) -> None:
 def ensure_in(connection: Connection, parts: Iterable[Partition]) -> list[Partition]:
     """Create those of ``parts`` not attached yet, under the advisory lock (inside the caller's transaction, which
     should do nothing else: the locks ATTACH takes last until it ends). Returns those it created."""
-    parts = set(parts)
     connection.execute(text("SELECT pg_advisory_xact_lock(:lock)"), {"lock": _PARTITION_LOCK_ID})
+    tables = partitioned_tables(connection)
+    parts = {part for part in parts if part.table in tables}
     missing = sorted(parts - existing(connection, {part.table for part in parts}))
     # Bills before lines: up to 0012 a line partition's foreign key is cloned from the parent's (names node_bills).
     order = {scheme.table: index for index, scheme in enumerate(SCHEMES)}

@@ -131,18 +131,35 @@ def test_concurrent_writers_of_the_same_node_windows_bill_them_once(pg_ledger, d
 
 
 def test_bulk_write_uses_batched_statements(pg_ledger):
-    costs, bills = everything(sample_costs(60))
+    """A write's statements do not grow with its lines; the dictionary ids (``line_ids``) are one insert and one
+    select per kind for the keys a handle has not seen, and none once it has (its id cache)."""
+    first, second = sample_costs(60), sample_costs(60, start_ms=WINDOW_START_MS + 60 * 60_000)
+    costs, bills = everything(first)
     assert len(costs) > 3000
-    statements = []
-    listener = lambda *args: statements.append(args[2])  # noqa: E731
-    event.listen(pg_ledger.engine, "before_cursor_execute", listener)
-    try:
-        pg_ledger.write(costs, bills)
-    finally:
-        event.remove(pg_ledger.engine, "before_cursor_execute", listener)
+
+    def statements_of(costs, bills):
+        statements = []
+        listener = lambda *args: statements.append(args[2])  # noqa: E731
+        event.listen(pg_ledger.engine, "before_cursor_execute", listener)
+        try:
+            pg_ledger.write(costs, bills)
+        finally:
+            event.remove(pg_ledger.engine, "before_cursor_execute", listener)
+        return statements
+
+    statements = statements_of(costs, bills)
     inserts = [s for s in statements if s.lstrip().upper().startswith("INSERT")]
-    assert len(inserts) <= 12
+    dictionaries = [s for s in statements if "ledger_nodes" in s or "ledger_gpus" in s or "ledger_pods" in s
+                    or "ledger_line_kinds" in s]
+    assert len(dictionaries) == 8  # an insert and a select of each of the four kinds
+    assert len(inserts) <= 12 + 4
     assert pg_ledger.totals().cost_lines == len(costs)
+    # The next windows of the same nodes, GPUs and pods: their ids are cached.
+    costs, bills = everything(second)
+    statements = statements_of(costs, bills)
+    assert not [s for s in statements if "ledger_" in s and "ledger_retention" not in s]
+    assert len([s for s in statements if s.lstrip().upper().startswith("INSERT")]) <= 12
+    assert pg_ledger.totals().cost_lines == len(costs) + len(everything(first)[0])
 
 
 @pytest.mark.parametrize("by", ["namespace", "label:team", "label:model", "node", "gpu"])
@@ -191,7 +208,7 @@ def test_the_sharing_migration_keeps_old_lines_direct_and_makes_room_for_shared_
             "INSERT INTO cost_lines (window_start_unix_ms, cluster, node_name, gpu_uuid, subject_kind, pod_uid, "
             "window_seconds, labels, cost_share, cost_micro_usd, instance_type, price_model, price_version) VALUES "
             "(0, 'c', 'n', 'GPU-0', 'POD', 'p', 60, '{}', 1.0, 13333, 'g6.xlarge', 'on_demand', 'v1')"))
-    assert ledger.migrate() == Ledger.head_revision() == "0013_lean_lines"
+    assert ledger.migrate() == Ledger.head_revision() == "0014_line_ids"
     (old,) = list(ledger.iter_cost_lines(end_ms=1))
     assert (old.shared_from, old.sharing_method) == (None, "")
     assert [b["sharing"] for b in ledger.bills(end_ms=1)] == ["keep"]
@@ -321,12 +338,14 @@ def test_postgresqls_cost_lines_have_no_keys_and_sqlites_keep_them(database_url,
     ledger.migrate()
     with ledger.engine.connect() as connection:
         keys = connection.execute(text(
-            "SELECT contype FROM pg_constraint WHERE contype IN ('f', 'p') AND conrelid = 'cost_lines'::regclass"
-        )).all()
+            "SELECT contype FROM pg_constraint WHERE contype IN ('f', 'p') "
+            "AND conrelid = 'cost_line_rows'::regclass")).all()
         indexes = set(connection.execute(text(
-            "SELECT indexname FROM pg_indexes WHERE tablename = 'cost_lines'")).scalars())
-    assert keys == []
-    assert "ix_cost_lines_window_start_unix_ms_cluster_node_name" in indexes
+            "SELECT indexname FROM pg_indexes WHERE tablename = 'cost_line_rows'")).scalars())
+        # From 0014 the lines are rows of ids and ``cost_lines`` is a view over them (``line_ids``).
+        kind = connection.execute(text("SELECT relkind FROM pg_class WHERE relname = 'cost_lines'")).scalar()
+    assert keys == [] and kind == "v"
+    assert indexes == {"ix_cost_line_rows_window_start_unix_ms_node_id"}
     results = [bill_node_window(w, PriceCatalog.load()) for w in sample_shares(2)]
     costs, bills = everything(results)
     with pytest.raises(LedgerError, match="without its node bill"):
