@@ -511,6 +511,9 @@ def _charge_rows(charge: FocusCharge, lines: Sequence[FocusHourLine],
         description=f"{charge.instance_type} {charge.price_model} GPU node {charge.node_name}, hour of "
                     f"{charge.window_seconds} s windows",
         billing_account_id=billing_account_id)
+    # Every column, in ``COLUMNS`` order, the origin's values filled: a row is a copy, updated (no reordering).
+    template = dict.fromkeys(COLUMNS)
+    template.update(common)
     origin_ms = charge.billed_milliseconds
     element_count = len(lines)
     rows = []
@@ -522,7 +525,8 @@ def _charge_rows(charge: FocusCharge, lines: Sequence[FocusHourLine],
         elements = []
         for line in sorted(group, key=lambda l: (l.shared_from != "", l.gpu_uuid, l.shared_from)):
             billed_micro += line.billed_micro_usd
-            ratio = float(Fraction(line.cost_micro_usd, total)) if total else 1.0 / element_count
+            # int / int is correctly rounded: the same float as float(Fraction(cost, total)), without the Fraction.
+            ratio = line.cost_micro_usd / total if total else 1.0 / element_count
             element: dict[str, Any] = {"AllocatedRatio": ratio}
             share = line.cost_share_ms / origin_ms if origin_ms else 0.0
             if line.shared_from:
@@ -545,7 +549,7 @@ def _charge_rows(charge: FocusCharge, lines: Sequence[FocusHourLine],
             element["x_Lines"] = line.cost_lines
             elements.append(element)
         first = group[0]
-        row = dict(common)
+        row = template.copy()
         quantity = Decimal(units).scaleb(-HOURS_DECIMALS)
         row.update({
             "BilledCost": usd_decimal(billed_micro),
@@ -568,7 +572,7 @@ def _charge_rows(charge: FocusCharge, lines: Sequence[FocusHourLine],
             "x_BilledCostMicroUsd": billed_micro,
             "x_GpuHours": (Decimal(gpu_ms) / _MS_PER_HOUR).quantize(_HOURS_QUANTUM) if is_pod else None,
         })
-        rows.append({column: row.get(column) for column in COLUMNS})
+        rows.append(row)
     return rows
 
 
@@ -602,7 +606,9 @@ def _arrow_table(rows: Sequence[Mapping[str, Any]], metadata: Mapping[str, str] 
         values = [row.get(column) for row in rows]
         if column in DATETIME_COLUMNS:
             kind = pa.timestamp("ms", tz="UTC")
-            values = [None if v is None else datetime.fromisoformat(v.replace("Z", "+00:00")) for v in values]
+            # A few distinct times (a period's start and end, its month) on many rows: each parsed once.
+            parsed = {v: datetime.fromisoformat(v.replace("Z", "+00:00")) for v in set(values) if v is not None}
+            values = [None if v is None else parsed[v] for v in values]
         elif column in MONEY_COLUMNS or column in QUANTITY_COLUMNS:
             kind = pa.float64()
             values = [None if v is None else float(v) for v in values]

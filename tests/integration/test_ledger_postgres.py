@@ -310,6 +310,34 @@ def test_the_bill_rollups_follow_a_trueup_and_the_backfill_equals_them_on_postgr
     ledger.close()
 
 
+def test_the_hourly_focus_grain_on_postgresql(database_url):
+    """0015 on PostgreSQL: the hourly FOCUS rollups' upserts (the bulk path), a redelivery, a true-up's move,
+    retention dropping the minute partitions (the hourly export unchanged) and then the hourly ones, the backfill's
+    SQL -- the unit tests' checks, on a PostgreSQL ledger each."""
+    from tests.unit.billing import test_focus_hourly as hourly
+
+    def fresh():
+        engine = create_engine(database_url)
+        with engine.begin() as connection:
+            connection.execute(text("DROP SCHEMA public CASCADE; CREATE SCHEMA public"))
+        engine.dispose()
+        ledger = Ledger(database_url)
+        ledger.migrate()
+        return ledger
+
+    for check in (lambda l: hourly.test_hourly_rows_are_the_sums_of_the_minute_rows_and_add_up_to_each_node_hours_bills(
+                      l, hourly.SHARED),
+                  hourly.test_a_redelivered_node_window_adds_nothing,
+                  hourly.test_a_trueup_moves_the_hourly_billed_cost_with_its_minute_lines,
+                  hourly.test_retention_of_the_minute_lines_leaves_the_hourly_export_unchanged,
+                  hourly.check_the_backfill_equals_the_writes):
+        ledger = fresh()
+        try:
+            check(ledger)
+        finally:
+            ledger.close()
+
+
 def test_postgresqls_cost_lines_have_no_keys_and_sqlites_keep_them(database_url, tmp_path):
     """Migration 0013: on PostgreSQL the lines are checked by ``Ledger.write`` alone (the foreign keys' per-line
     triggers were half of inserting them; the primary key a third of a line's bytes), found by a (window, cluster,

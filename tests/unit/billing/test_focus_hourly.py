@@ -306,10 +306,16 @@ def test_migration_0015_backfills_what_the_writes_keep_and_its_hourly_export_equ
     """A ledger written and trued up, taken down to 0013 (the FOCUS rollups dropped) and upgraded again: the
     backfill from the minute lines, zero lines and true-ups equals what ``Ledger.write`` and ``apply_trueup`` kept,
     and the hourly export equals the minute export's sums."""
-    from tests.unit.billing.data import make_ledger_0007 as recorded
-
     ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
     ledger.migrate()
+    check_the_backfill_equals_the_writes(ledger)
+    ledger.close()
+
+
+def check_the_backfill_equals_the_writes(ledger):
+    """The migration test's body, on any migrated, empty ledger (PostgreSQL: tests/integration)."""
+    from tests.unit.billing.data import make_ledger_0007 as recorded
+
     results = recorded.results()
     written = ledger.write([c for r in results for c in r.costs], [r.bill for r in results])
     assert written.lines_elided > 0
@@ -339,7 +345,6 @@ def test_migration_0015_backfills_what_the_writes_keep_and_its_hourly_export_equ
             # Each minute row is rounded to 1e-10 h, the hourly row once.
             assert abs(row["x_GpuHours"] - sum(r["x_GpuHours"] for r in minutes[key])) <= Decimal("0.5e-10") * (
                 len(minutes[key]) + 1)
-    ledger.close()
 
 
 def test_the_upgrade_of_a_ledger_whose_minute_lines_retention_dropped_records_from_when_it_holds(sqlite_ledger):
