@@ -42,9 +42,9 @@ from typing import Any, Callable, Iterable, Mapping
 from sqlalchemy import BigInteger, Column, Double, Integer, MetaData, PrimaryKeyConstraint, String, Table, func, select
 from sqlalchemy.engine import Connection
 
-from schemas.records import CostRecord, CostSubjectKind
+from schemas.records import CostRecord
 from services.billing.bulk_rows import add_sums
-from services.billing.costing import NodeBill, NodeWindowKey
+from services.billing.costing import NodeWindowKey
 from services.billing.line_storage import label_set_id
 from services.billing.rollups import HOUR_MS, KIND_TEXT, TruedChange, add_into
 
@@ -209,10 +209,8 @@ def _upsert(connection: Connection, tables: FocusRollupTables, charges: Mapping[
 
 
 def add_written(connection: Connection, tables: FocusRollupTables, bill_rows: Iterable[Mapping[str, Any]],
-                costs: Iterable[CostRecord], bills: Mapping[NodeWindowKey, NodeBill], *,
-                label_set: Callable[[CostRecord], int] = _label_set_of) -> int:
+                costs: Iterable[CostRecord], *, label_set: Callable[[CostRecord], int] = _label_set_of) -> int:
     """``Ledger.write``'s hook: the bills its insert created (their columns) and every line of them."""
-    del bills  # the bills' columns carry what the rows need
     return _upsert(connection, tables, *written_rows(bill_rows, costs, label_set=label_set))
 
 
@@ -286,7 +284,3 @@ def rows_of(read: Callable[[Any], list], table: Table) -> dict[tuple, tuple]:
                             else (LINE_DIMENSIONS, LINE_MEASURES))
     return {tuple(row._mapping[n] for n in dimensions): tuple(row._mapping[n] for n in measures)
             for row in read(select(table))}
-
-
-def is_pod_kind(kind: str) -> bool:
-    return kind == CostSubjectKind.POD.value
