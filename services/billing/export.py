@@ -1,25 +1,60 @@
 """``gpumeter export focus --out FILE.parquet``: the ledger's windows as a FOCUS dataset (``services.billing.focus``).
 
-``focus_dataset(ledger, start_ms=, end_ms=)`` reads the node bills of the windows starting in [start_ms, end_ms),
-their price versions and their cost lines with what each was billed (``Ledger.billed_cost_lines``: the trued-up cost
-where a reconcile stored one, else the list cost), and maps them to FOCUS rows. ``--out`` ending ``.parquet`` writes
-Parquet (pyarrow), ``.csv`` the same rows as ``gpumeter report --format focus`` prints. Exit codes: 0 written, 2 on
-a usage or ledger error.
+Two grains (``--grain``):
+
+* **minute** (``focus_dataset``): reads the node bills of the windows starting in [start_ms, end_ms), their price
+  versions and their cost lines with what each was billed (``Ledger.billed_cost_lines``: the trued-up cost where a
+  reconcile stored one, else the list cost): one row per pod and kept bucket per node-window.
+* **hour** (``focus_hour_chunks``): reads the hourly FOCUS grain (``services.billing.focus_rollups``): one row per
+  pod and kept bucket per hourly origin charge (a node's bills of one UTC hour), a day of hours at a time. Needs a
+  range of whole UTC hours that the rollups hold (``choose_grain``).
+* **auto** (the default): hourly when the range is whole UTC hours and the hourly rollups cover it (retention kept
+  it and its origin charges add up to the hours' node bills), minute otherwise.
+
+The command says which grain it used. ``--out`` ending ``.parquet`` writes Parquet (pyarrow; the schema's metadata
+says ``gpumeter_grain``), ``.csv`` the same rows as ``gpumeter report --format focus`` prints. Exit codes: 0
+written, 2 on a usage or ledger error.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
-from gpumeter.clock import Clock, SystemClock
+from gpumeter.clock import Clock, SystemClock, iso_utc
 from gpumeter.errors import ConfigError, GpumeterError
-from services.billing.focus import FocusBill, FocusLine, focus_csv, focus_rows, write_focus_parquet
-from services.billing.ledger import DEFAULT_LEDGER_URL, LEDGER_URL_ENV, Ledger
+from services.billing import focus_rollups, read_rollups, rollups
+from services.billing.focus import (
+    FocusBill,
+    FocusCharge,
+    FocusHourLine,
+    FocusLine,
+    focus_hour_rows,
+    focus_rows,
+    write_focus_csv_chunks,
+    write_focus_parquet_chunks,
+)
+from services.billing.ledger import (
+    DEFAULT_LEDGER_URL,
+    FOCUS_ROLLUPS,
+    LEDGER_URL_ENV,
+    READ_ROLLUPS,
+    ROLLUPS,
+    Ledger,
+    MinuteLinesDropped,
+    label_sets,
+)
 
 DATASETS = ("focus",)
+GRAINS = ("auto", "hour", "minute")
+HOUR = "hour"
+MINUTE = "minute"
+HOUR_MS = rollups.HOUR_MS
+# Hours read and mapped at a time at the hourly grain: a day of a 1,000-GPU cluster is ~90,000 rows.
+CHUNK_HOURS = 24
 
 
 def focus_dataset(ledger: Ledger, *, start_ms: int, end_ms: int, cluster: str | None = None,
@@ -38,6 +73,100 @@ def focus_dataset(ledger: Ledger, *, start_ms: int, end_ms: int, cluster: str | 
         raise GpumeterError(f"the ledger cannot be exported as FOCUS: {exc}") from exc
 
 
+@dataclass(frozen=True, slots=True)
+class FocusGrain:
+    """The grain an export reads (``hour`` or ``minute``) and why."""
+
+    grain: str
+    reason: str
+
+    def describe(self) -> str:
+        return f"{self.grain} ({self.reason})"
+
+
+def choose_grain(ledger: Ledger, *, start_ms: int, end_ms: int, cluster: str | None = None,
+                 grain: str = "auto") -> FocusGrain:
+    """The grain that answers [start_ms, end_ms): ``minute`` as asked; ``hour`` as asked, or ``GpumeterError``
+    (``MinuteLinesDropped`` for hours the rollups no longer hold) when the range is not whole UTC hours the hourly
+    FOCUS rollups cover; ``auto``: ``hour`` where it would answer, else ``minute``."""
+    if grain not in GRAINS:
+        raise ConfigError(f"grain {grain!r} is not one of {GRAINS}")
+    if grain == MINUTE:
+        return FocusGrain(MINUTE, "minute cost lines, as asked")
+    hours = (end_ms - start_ms) // HOUR_MS
+    why_not = None
+    if start_ms % HOUR_MS or end_ms % HOUR_MS:
+        why_not = (f"the range {iso_utc(start_ms)} to {iso_utc(end_ms)} is not whole UTC hours")
+    else:
+        kept = focus_rollups.kept_from(ledger.read, ROLLUPS.retention)
+        if kept is not None and start_ms < kept:
+            if grain == HOUR:
+                raise MinuteLinesDropped(f"the hourly FOCUS rollups hold hours from {iso_utc(kept)} only: ask for a "
+                                         "range from then")
+            why_not = f"the hourly FOCUS rollups hold hours from {iso_utc(kept)} only"
+        elif end_ms > start_ms:
+            windows, micro = focus_rollups.window_totals(ledger.read, FOCUS_ROLLUPS, start_ms, end_ms, cluster)
+            bill_micro, bill_windows = read_rollups.bill_totals(
+                ledger.read, READ_ROLLUPS, rollups.Segment(rollups.HOUR, start_ms, end_ms), cluster=cluster,
+                cost="list")
+            if (windows, micro) != (bill_windows, bill_micro):
+                why_not = (f"the hourly FOCUS rollups hold {windows} node-windows ({micro} micro-USD) of the range, "
+                           f"the hourly bill rollups {bill_windows} ({bill_micro} micro-USD)")
+    if why_not is None:
+        return FocusGrain(HOUR, f"hourly FOCUS rollups, {hours} hour{'s' if hours != 1 else ''}")
+    if grain == HOUR:
+        raise ConfigError(f"--grain hour: {why_not}")
+    return FocusGrain(MINUTE, f"minute cost lines: {why_not}")
+
+
+def _charge(row: tuple, prices: Mapping[str, Mapping[str, Any]]) -> FocusCharge:
+    price = prices[row[5]]
+    return FocusCharge(*row[:12], *(int(v) for v in row[12:]), str(price["price_per_hour_usd"]),
+                       str(price.get("split_rule") or ""))
+
+
+def focus_hour_chunks(ledger: Ledger, *, start_ms: int, end_ms: int, cluster: str | None = None,
+                      billing_account_id: str | None = None, chunk_hours: int = CHUNK_HOURS
+                      ) -> Iterator[list[dict[str, Any]]]:
+    """The hourly grain's FOCUS rows (``focus.focus_hour_rows``) of the hours in [start_ms, end_ms), ``chunk_hours``
+    of hours at a time, oldest first (the caller checks the grain answers: ``choose_grain``)."""
+    width = len(focus_rollups.LINK)
+    at = start_ms
+    while at < end_ms:
+        until = min(end_ms, at + chunk_hours * HOUR_MS)
+        charge_rows = focus_rollups.charges_of(ledger.read, FOCUS_ROLLUPS, at, until, cluster)
+        line_rows = focus_rollups.lines_of(ledger.read, FOCUS_ROLLUPS, at, until, cluster)
+        prices = ledger.price_versions({row[5] for row in charge_rows})
+        labels = focus_rollups.label_sets_of(ledger.read, label_sets, {row[width + 9] for row in line_rows})
+        lines: dict[tuple, list[FocusHourLine]] = {}
+        for row in line_rows:
+            link = tuple(row[:width])
+            (kind, pod_uid, gpu_uuid, shared_from, sharing_method, method, basis, namespace, pod_name,
+             label_set) = row[width:width + 10]
+            lines.setdefault(link, []).append(FocusHourLine(
+                kind, pod_uid, gpu_uuid, shared_from, sharing_method, method, basis, namespace, pod_name,
+                labels[int(label_set)], *(int(v) for v in row[width + 10:width + 15]),
+                *(float(v) for v in row[width + 15:])))
+        try:
+            yield focus_hour_rows([_charge(row, prices) for row in charge_rows], lines,
+                                  billing_account_id=billing_account_id)
+        except ValueError as exc:
+            raise GpumeterError(f"the ledger cannot be exported as FOCUS: {exc}") from exc
+        at = until
+
+
+def focus_export(ledger: Ledger, *, start_ms: int, end_ms: int, cluster: str | None = None,
+                 billing_account_id: str | None = None, grain: str = "auto"
+                 ) -> tuple[FocusGrain, Iterator[list[dict[str, Any]]]]:
+    """The grain that answers (``choose_grain``) and the FOCUS rows at it, a chunk at a time."""
+    chosen = choose_grain(ledger, start_ms=start_ms, end_ms=end_ms, cluster=cluster, grain=grain)
+    if chosen.grain == HOUR:
+        return chosen, focus_hour_chunks(ledger, start_ms=start_ms, end_ms=end_ms, cluster=cluster,
+                                         billing_account_id=billing_account_id)
+    return chosen, iter([focus_dataset(ledger, start_ms=start_ms, end_ms=end_ms, cluster=cluster,
+                                       billing_account_id=billing_account_id)])
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dataset", choices=DATASETS, help="what to export: focus (FOCUS 1.3 cost and usage rows)")
     parser.add_argument("--out", required=True, type=Path, metavar="FILE",
@@ -45,6 +174,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window", default="24h", help="how far back from --end (90m, 24h, 7d; default 24h)")
     parser.add_argument("--end", default=None, help="end, ISO 8601 (default: now)")
     parser.add_argument("--cluster", default=None, help="only this cluster (default: all)")
+    parser.add_argument("--grain", default="auto", choices=GRAINS,
+                        help="hour: one row per pod and bucket per node-hour, from the hourly FOCUS rollups (whole "
+                             "UTC hours); minute: per node-window, from the minute cost lines; auto: hour when the "
+                             "range is whole hours the rollups hold, else minute (default)")
     parser.add_argument("--billing-account-id", default=None,
                         help="the rows' BillingAccountId (default: the cluster name)")
     parser.add_argument("--ledger-url", default=None,
@@ -66,14 +199,23 @@ def main(args: argparse.Namespace, env: Mapping[str, str], *, clock: Clock | Non
         start_ms = end_ms - parse_duration_seconds(args.window) * 1000
         with Ledger(args.ledger_url or env.get(LEDGER_URL_ENV) or DEFAULT_LEDGER_URL) as ledger:
             ledger.require_schema()
-            rows = focus_dataset(ledger, start_ms=start_ms, end_ms=end_ms, cluster=args.cluster,
-                                 billing_account_id=args.billing_account_id)
-        if suffix == ".parquet":
-            write_focus_parquet(rows, args.out)
-        else:
-            args.out.write_text(focus_csv(rows), encoding="utf-8")
+            chosen, chunks = focus_export(ledger, start_ms=start_ms, end_ms=end_ms, cluster=args.cluster,
+                                          billing_account_id=args.billing_account_id,
+                                          grain=getattr(args, "grain", "auto"))
+            # Rows come a day at a time at the hourly grain: written beside the file and moved onto it once all
+            # are written, so a failed export leaves no partial dataset under the name asked for.
+            partial = args.out.with_name(args.out.name + ".partial")
+            try:
+                if suffix == ".parquet":
+                    count = write_focus_parquet_chunks(chunks, partial, metadata={"gpumeter_grain": chosen.grain})
+                else:
+                    with partial.open("w", encoding="utf-8", newline="") as stream:
+                        count = write_focus_csv_chunks(chunks, stream)
+                partial.replace(args.out)
+            finally:
+                partial.unlink(missing_ok=True)
     except (GpumeterError, OSError) as exc:
         print(f"gpumeter export: {exc}", file=err)
         return 2
-    print(f"wrote {len(rows)} FOCUS rows to {args.out}", file=out)
+    print(f"wrote {count} FOCUS rows to {args.out}; grain: {chosen.describe()}", file=out)
     return 0

@@ -239,6 +239,64 @@ def focus_rows(bills: Iterable[FocusBill], lines: Iterable[FocusLine], *,
     return rows
 
 
+def _origin_columns(*, cluster: str, node_name: str, provider: str, region: str, zone: str, provider_id: str,
+                    instance_type: str, price_model: str, price_version: str, price_per_hour_usd: str,
+                    split_rule: str, sharing: str, basis: str, start_ms: int, end_ms: int, description: str,
+                    billing_account_id: str | None) -> dict[str, Any]:
+    """The columns every allocated charge of an origin charge shares with it (FOCUS 1.3), charged over
+    [start_ms, end_ms)."""
+    provider_name, service_name = _PROVIDERS.get(provider, (provider or "self-managed", "GPU nodes"))
+    period_start, period_end = billing_period_ms(start_ms)
+    rate = Decimal(price_per_hour_usd)
+    return {
+        "BillingAccountId": billing_account_id or cluster,
+        "BillingAccountName": billing_account_id or cluster,
+        "BillingCurrency": CURRENCY,
+        "BillingPeriodStart": iso_z(period_start),
+        "BillingPeriodEnd": iso_z(period_end),
+        "ChargeCategory": "Usage",
+        "ChargeClass": None,
+        "ChargeDescription": description,
+        "ChargeFrequency": "Usage-Based",
+        "ChargePeriodStart": iso_z(start_ms),
+        "ChargePeriodEnd": iso_z(end_ms),
+        "InvoiceIssuerName": provider_name,
+        "ProviderName": provider_name,
+        "PublisherName": provider_name,
+        "ServiceProviderName": provider_name,
+        "HostProviderName": provider_name,
+        "ServiceCategory": "Compute",
+        "ServiceName": service_name,
+        "PricingUnit": "Hours",
+        "ConsumedUnit": "Hours",
+        "ListUnitPrice": rate,
+        "ContractedUnitPrice": rate,
+        "PricingCategory": _PRICING_CATEGORY.get(price_model, "Other"),
+        "AvailabilityZone": zone or None,
+        "RegionId": region or None,
+        "RegionName": region or None,
+        "ResourceId": instance_id_of(provider_id) or provider_id or node_name,
+        "ResourceName": node_name,
+        "ResourceType": "Virtual Machine",
+        "SkuId": instance_type,
+        "SkuPriceId": price_version,
+        "SubAccountId": None,
+        "SubAccountName": None,
+        "Tags": _json({f"{TAG_PREFIX}cluster": cluster, f"{TAG_PREFIX}node": node_name}),
+        "CommitmentDiscountCategory": None,
+        "CommitmentDiscountId": None,
+        "CommitmentDiscountName": None,
+        "CommitmentDiscountStatus": None,
+        "CommitmentDiscountType": None,
+        "AllocatedMethodId": f"gpumeter/{basis}/{sharing}",
+        "x_ClusterName": cluster,
+        "x_NodeName": node_name,
+        "x_SharingPolicy": sharing,
+        "x_CostBasis": basis,
+        "x_SplitRule": split_rule,
+    }
+
+
 def _bill_rows(bill: FocusBill, lines: list[FocusLine], billing_account_id: str | None) -> list[dict[str, Any]]:
     listed = sum(line.record.cost_micro_usd for line in lines)
     if listed != bill.node_cost_micro_usd:
@@ -252,62 +310,19 @@ def _bill_rows(bill: FocusBill, lines: list[FocusLine], billing_account_id: str 
         list_costs = [Fraction(1)] * len(keys)  # nothing billed: the time still divides over the rows
     # The node's billed hours (to 1e-10 h) apportioned over the rows: their quantities add up to it exactly.
     quantities = apportion(hour_units(bill.billed_milliseconds), list_costs) if keys else ()
-    provider_name, service_name = _PROVIDERS.get(bill.provider, (bill.provider or "self-managed", "GPU nodes"))
-    period_start, period_end = billing_period_ms(bill.window_start_unix_ms)
     origin_tags = {f"{TAG_PREFIX}cluster": bill.cluster, f"{TAG_PREFIX}node": bill.node_name}
     basis = _cost_basis(lines)
-    method_id = f"gpumeter/{basis}/{bill.sharing}"
     billed_hours = Fraction(bill.billed_milliseconds, _MS_PER_HOUR)
-    rate = Decimal(bill.price_per_hour_usd)
     element_count = len(lines)
-    common = {
-        "BillingAccountId": billing_account_id or bill.cluster,
-        "BillingAccountName": billing_account_id or bill.cluster,
-        "BillingCurrency": CURRENCY,
-        "BillingPeriodStart": iso_z(period_start),
-        "BillingPeriodEnd": iso_z(period_end),
-        "ChargeCategory": "Usage",
-        "ChargeClass": None,
-        "ChargeDescription": f"{bill.instance_type} {bill.price_model} GPU node {bill.node_name}, "
-                             f"{bill.window_seconds} s window",
-        "ChargeFrequency": "Usage-Based",
-        "ChargePeriodStart": iso_z(bill.window_start_unix_ms),
-        "ChargePeriodEnd": iso_z(bill.window_start_unix_ms + bill.window_seconds * 1000),
-        "InvoiceIssuerName": provider_name,
-        "ProviderName": provider_name,
-        "PublisherName": provider_name,
-        "ServiceProviderName": provider_name,
-        "HostProviderName": provider_name,
-        "ServiceCategory": "Compute",
-        "ServiceName": service_name,
-        "PricingUnit": "Hours",
-        "ConsumedUnit": "Hours",
-        "ListUnitPrice": rate,
-        "ContractedUnitPrice": rate,
-        "PricingCategory": _PRICING_CATEGORY.get(bill.price_model, "Other"),
-        "AvailabilityZone": bill.zone or None,
-        "RegionId": bill.region or None,
-        "RegionName": bill.region or None,
-        "ResourceId": resource_id(bill),
-        "ResourceName": bill.node_name,
-        "ResourceType": "Virtual Machine",
-        "SkuId": bill.instance_type,
-        "SkuPriceId": bill.price_version,
-        "SubAccountId": None,
-        "SubAccountName": None,
-        "Tags": _json(origin_tags),
-        "CommitmentDiscountCategory": None,
-        "CommitmentDiscountId": None,
-        "CommitmentDiscountName": None,
-        "CommitmentDiscountStatus": None,
-        "CommitmentDiscountType": None,
-        "AllocatedMethodId": method_id,
-        "x_ClusterName": bill.cluster,
-        "x_NodeName": bill.node_name,
-        "x_SharingPolicy": bill.sharing,
-        "x_CostBasis": basis,
-        "x_SplitRule": bill.split_rule,
-    }
+    common = _origin_columns(
+        cluster=bill.cluster, node_name=bill.node_name, provider=bill.provider, region=bill.region, zone=bill.zone,
+        provider_id=bill.provider_id, instance_type=bill.instance_type, price_model=bill.price_model,
+        price_version=bill.price_version, price_per_hour_usd=bill.price_per_hour_usd, split_rule=bill.split_rule,
+        sharing=bill.sharing, basis=basis, start_ms=bill.window_start_unix_ms,
+        end_ms=bill.window_start_unix_ms + bill.window_seconds * 1000,
+        description=f"{bill.instance_type} {bill.price_model} GPU node {bill.node_name}, "
+                    f"{bill.window_seconds} s window",
+        billing_account_id=billing_account_id)
     rows = []
     for key, group, units in zip(keys, (groups[k] for k in keys), quantities):
         list_micro = sum(line.record.cost_micro_usd for line in group)
@@ -365,6 +380,202 @@ def _bill_rows(bill: FocusBill, lines: list[FocusLine], billing_account_id: str 
     return rows
 
 
+# -- the hourly grain ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class FocusCharge:
+    """An hourly origin charge: a node's bills of one UTC hour with the same pricing (a ``focus_charge_hourly`` row,
+    ``services.billing.focus_rollups``) and its price."""
+
+    period_start_unix_ms: int
+    cluster: str
+    node_name: str
+    provider_id: str
+    zone: str
+    price_version: str
+    sharing: str
+    window_seconds: int
+    provider: str
+    region: str
+    instance_type: str
+    price_model: str
+    node_windows: int
+    billed_milliseconds: int
+    node_cost_micro_usd: int
+    billed_micro_usd: int
+    trued_windows: int
+    price_per_hour_usd: str
+    split_rule: str
+
+    @property
+    def link(self) -> tuple:
+        return (self.period_start_unix_ms, self.cluster, self.node_name, self.provider_id, self.zone,
+                self.price_version, self.sharing, self.window_seconds)
+
+
+@dataclass(frozen=True, slots=True)
+class FocusHourLine:
+    """An allocated line of an hourly origin charge: a ``focus_line_hourly`` row (one line identity's minute lines
+    of the hour, summed) with its labels."""
+
+    subject_kind: str
+    pod_uid: str
+    gpu_uuid: str
+    shared_from: str
+    sharing_method: str
+    method: str
+    cost_basis: str
+    namespace: str
+    pod_name: str
+    labels: Mapping[str, str]
+    cost_micro_usd: int
+    billed_micro_usd: int
+    cost_lines: int
+    trued_lines: int
+    billed_ms: int
+    cost_share_ms: float
+    memory_share_ms: float
+    compute_share_ms: float
+    gpu_ms: float
+
+
+_ORIGIN_TAG_KEYS = (f"{TAG_PREFIX}cluster", f"{TAG_PREFIX}node")
+_BUCKET_ORDER = {kind.value: 1 + index for index, kind in enumerate(SHAREABLE_KINDS)}
+_HOURS_QUANTUM = Decimal(1).scaleb(-HOURS_DECIMALS)
+
+
+def _method_text(method: str, cost_basis: str) -> str:
+    if method == METHOD_MIG:
+        return "slices"
+    if method == METHOD_EXCLUSIVE:
+        return "exclusive"
+    return cost_basis or method
+
+
+def focus_hour_rows(charges: Iterable[FocusCharge], lines: Mapping[tuple, Sequence[FocusHourLine]], *,
+                    billing_account_id: str | None = None) -> list[dict[str, Any]]:
+    """The hourly grain's rows: per origin charge (``charges``, each with its lines in ``lines`` by
+    ``FocusCharge.link``), one row per pod (and label set) and one per kept bucket, as ``focus_rows`` makes per
+    node-window, ChargePeriodStart/End the hour. What each column means over the hour (docs/billing.md, "FOCUS
+    export"):
+
+    * money: the row's lines' micro-dollars summed (exact); per origin charge the rows add up to its bills;
+    * ``AllocatedRatio`` of an element: its list micro-dollars over the origin charge's (so they add up to 1 over
+      the origin charge exactly in rationals, as at the minute grain); ``UsageQuantity`` and ``x_GpuHours``: the
+      GPU-hours of the minute lines summed;
+    * ``x_CostShare``, ``x_MemoryShare``, ``x_ComputeShare``: time-weighted over the hour -- Σ share × the window's
+      billed milliseconds over the origin charge's billed milliseconds (a pod there half the hour at share 1 shows
+      0.5; over a GPU unit present all hour the subjects' shares add up to 1, as each minute's do); ``x_Lines``:
+      the minute lines summed into the element;
+    * PricingQuantity/ConsumedQuantity: the origin charge's billed hours (to 1e-10 h) apportioned over the rows by
+      list cost (largest remainder), so they add up to them exactly.
+
+    Raises ``ValueError`` for lines without their origin charge or lines that do not add up to it."""
+    charges = sorted(charges, key=lambda c: c.link)
+    known = {c.link for c in charges}
+    orphans = set(lines) - known
+    if orphans:
+        raise ValueError(f"hourly FOCUS lines without their origin charge: {sorted(orphans)[:3]}")
+    rows: list[dict[str, Any]] = []
+    for charge in charges:
+        rows.extend(_charge_rows(charge, lines.get(charge.link, ()), billing_account_id))
+    return rows
+
+
+def _charge_rows(charge: FocusCharge, lines: Sequence[FocusHourLine],
+                 billing_account_id: str | None) -> list[dict[str, Any]]:
+    total = charge.node_cost_micro_usd
+    listed = sum(line.cost_micro_usd for line in lines)
+    if listed != total:
+        raise ValueError(f"{charge.link}: lines add up to {listed} micro-USD, the origin charge says {total}")
+    groups: dict[tuple, list[FocusHourLine]] = {}
+    for line in lines:
+        if line.subject_kind == "POD" and line.pod_uid:
+            tags = {k: v for k, v in line.labels.items() if k not in _ORIGIN_TAG_KEYS}
+            key = (0, line.pod_uid, line.namespace, line.pod_name, _json(tags))
+        else:
+            key = (_BUCKET_ORDER.get(line.subject_kind, 99), line.subject_kind)
+        groups.setdefault(key, []).append(line)
+    keys = sorted(groups)
+    row_costs = [sum(line.cost_micro_usd for line in groups[key]) for key in keys]
+    weights = [Fraction(c) for c in row_costs] if any(row_costs) else [Fraction(1)] * len(keys)
+    quantities = apportion(hour_units(charge.billed_milliseconds), weights) if keys else ()
+    basis = "+".join(sorted({line.cost_basis for line in lines if line.cost_basis})) or "unknown"
+    common = _origin_columns(
+        cluster=charge.cluster, node_name=charge.node_name, provider=charge.provider, region=charge.region,
+        zone=charge.zone, provider_id=charge.provider_id, instance_type=charge.instance_type,
+        price_model=charge.price_model, price_version=charge.price_version,
+        price_per_hour_usd=charge.price_per_hour_usd, split_rule=charge.split_rule, sharing=charge.sharing,
+        basis=basis, start_ms=charge.period_start_unix_ms, end_ms=charge.period_start_unix_ms + _MS_PER_HOUR,
+        description=f"{charge.instance_type} {charge.price_model} GPU node {charge.node_name}, hour of "
+                    f"{charge.window_seconds} s windows",
+        billing_account_id=billing_account_id)
+    # Every column, in ``COLUMNS`` order, the origin's values filled: a row is a copy, updated (no reordering).
+    template = dict.fromkeys(COLUMNS)
+    template.update(common)
+    origin_ms = charge.billed_milliseconds
+    element_count = len(lines)
+    rows = []
+    for key, list_micro, units in zip(keys, row_costs, quantities):
+        group = groups[key]
+        is_pod = key[0] == 0
+        billed_micro = shared_micro = 0
+        gpu_ms = 0.0
+        elements = []
+        for line in sorted(group, key=lambda l: (l.shared_from != "", l.gpu_uuid, l.shared_from)):
+            billed_micro += line.billed_micro_usd
+            # int / int is correctly rounded: the same float as float(Fraction(cost, total)), without the Fraction.
+            ratio = line.cost_micro_usd / total if total else 1.0 / element_count
+            element: dict[str, Any] = {"AllocatedRatio": ratio}
+            share = line.cost_share_ms / origin_ms if origin_ms else 0.0
+            if line.shared_from:
+                shared_micro += line.cost_micro_usd
+                element.update(UsageUnit="Shared", x_SharedFrom=line.shared_from.lower(),
+                               x_SharingMethod=line.sharing_method, x_CostShare=share)
+            elif line.gpu_uuid:
+                if is_pod:
+                    gpu_ms += line.gpu_ms
+                element.update(UsageUnit="GPU-Hours", UsageQuantity=line.gpu_ms / _MS_PER_HOUR,
+                               x_GpuUuid=line.gpu_uuid, x_Method=_method_text(line.method, line.cost_basis),
+                               x_MeasuredBy=line.method, x_CostShare=share,
+                               x_MemoryShare=line.memory_share_ms / origin_ms if origin_ms else 0.0,
+                               x_ComputeShare=line.compute_share_ms / origin_ms if origin_ms else 0.0)
+                if not is_pod:
+                    element["x_Bucket"] = line.subject_kind.lower()
+            else:
+                element.update(UsageUnit="GPU-Hours" if line.subject_kind == "UNAVAILABLE" else "Hours",
+                               x_Bucket=line.subject_kind.lower())
+            element["x_Lines"] = line.cost_lines
+            elements.append(element)
+        first = group[0]
+        row = template.copy()
+        quantity = Decimal(units).scaleb(-HOURS_DECIMALS)
+        row.update({
+            "BilledCost": usd_decimal(billed_micro),
+            "EffectiveCost": usd_decimal(billed_micro),
+            "ListCost": usd_decimal(list_micro),
+            "ContractedCost": usd_decimal(list_micro),
+            "PricingQuantity": quantity,
+            "ConsumedQuantity": quantity,
+            "AllocatedMethodDetails": _json({"Elements": elements}),
+            "AllocatedResourceId": first.pod_uid if is_pod else None,
+            "AllocatedResourceName": f"{first.namespace}/{first.pod_name}" if is_pod else None,
+            "AllocatedTags": key[4] if is_pod else None,
+            "x_Namespace": first.namespace if is_pod else None,
+            "x_PodName": first.pod_name if is_pod else None,
+            "x_PodUid": first.pod_uid if is_pod else None,
+            "x_Subject": "pod" if is_pod else first.subject_kind.lower(),
+            "x_DirectCost": usd_decimal(list_micro - shared_micro),
+            "x_SharedCost": usd_decimal(shared_micro),
+            "x_ListCostMicroUsd": list_micro,
+            "x_BilledCostMicroUsd": billed_micro,
+            "x_GpuHours": (Decimal(gpu_ms) / _MS_PER_HOUR).quantize(_HOURS_QUANTUM) if is_pod else None,
+        })
+        rows.append(row)
+    return rows
+
+
 # -- writers ------------------------------------------------------------------------------------------------------
 
 
@@ -386,11 +597,8 @@ def focus_csv(rows: Sequence[Mapping[str, Any]]) -> str:
     return buffer.getvalue()
 
 
-def write_focus_parquet(rows: Sequence[Mapping[str, Any]], path: Path) -> None:
-    """The rows as a Parquet file (pyarrow): times ``timestamp[ms, UTC]``, money and quantities ``double`` (the
-    exact micro-dollars are in ``x_ListCostMicroUsd``/``x_BilledCostMicroUsd``), text ``string``."""
+def _arrow_table(rows: Sequence[Mapping[str, Any]], metadata: Mapping[str, str] | None = None):
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     fields = []
     arrays = []
@@ -398,7 +606,9 @@ def write_focus_parquet(rows: Sequence[Mapping[str, Any]], path: Path) -> None:
         values = [row.get(column) for row in rows]
         if column in DATETIME_COLUMNS:
             kind = pa.timestamp("ms", tz="UTC")
-            values = [None if v is None else datetime.fromisoformat(v.replace("Z", "+00:00")) for v in values]
+            # A few distinct times (a period's start and end, its month) on many rows: each parsed once.
+            parsed = {v: datetime.fromisoformat(v.replace("Z", "+00:00")) for v in set(values) if v is not None}
+            values = [None if v is None else parsed[v] for v in values]
         elif column in MONEY_COLUMNS or column in QUANTITY_COLUMNS:
             kind = pa.float64()
             values = [None if v is None else float(v) for v in values]
@@ -408,5 +618,49 @@ def write_focus_parquet(rows: Sequence[Mapping[str, Any]], path: Path) -> None:
             kind = pa.string()
         fields.append(pa.field(column, kind))
         arrays.append(pa.array(values, type=kind))
-    table = pa.Table.from_arrays(arrays, schema=pa.schema(fields, metadata={"focus_version": FOCUS_VERSION}))
-    pq.write_table(table, str(path))
+    return pa.Table.from_arrays(arrays, schema=pa.schema(
+        fields, metadata={"focus_version": FOCUS_VERSION, **(metadata or {})}))
+
+
+def write_focus_parquet(rows: Sequence[Mapping[str, Any]], path: Path) -> None:
+    """The rows as a Parquet file (pyarrow): times ``timestamp[ms, UTC]``, money and quantities ``double`` (the
+    exact micro-dollars are in ``x_ListCostMicroUsd``/``x_BilledCostMicroUsd``), text ``string``."""
+    import pyarrow.parquet as pq
+
+    pq.write_table(_arrow_table(rows), str(path))
+
+
+def write_focus_parquet_chunks(chunks: Iterable[Sequence[Mapping[str, Any]]], path: Path, *,
+                               metadata: Mapping[str, str] | None = None) -> int:
+    """``write_focus_parquet`` of rows that come a chunk at a time (one row group per chunk: a month of a fleet's
+    rows need not be in memory at once); ``metadata`` joins the schema's (``gpumeter_grain``). Returns the rows."""
+    import pyarrow.parquet as pq
+
+    writer = None
+    count = 0
+    try:
+        for chunk in chunks:
+            table = _arrow_table(chunk, metadata)
+            if writer is None:
+                writer = pq.ParquetWriter(str(path), table.schema)
+            if chunk:
+                writer.write_table(table)
+            count += len(chunk)
+        if writer is None:
+            writer = pq.ParquetWriter(str(path), _arrow_table([], metadata).schema)
+    finally:
+        if writer is not None:
+            writer.close()
+    return count
+
+
+def write_focus_csv_chunks(chunks: Iterable[Sequence[Mapping[str, Any]]], stream: Any) -> int:
+    """``focus_csv`` of rows that come a chunk at a time, written to a text ``stream``; returns the rows."""
+    writer = csv.writer(stream, lineterminator="\n")
+    writer.writerow(COLUMNS)
+    count = 0
+    for chunk in chunks:
+        for row in chunk:
+            writer.writerow([_csv_text(row.get(column)) for column in COLUMNS])
+        count += len(chunk)
+    return count

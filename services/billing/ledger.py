@@ -102,7 +102,7 @@ from gpumeter.clock import iso_utc
 from gpumeter.errors import ConfigError, GpumeterError
 from gpumeter.redact import mask_secrets, mask_url
 from schemas.records import CostRecord, CostSubjectKind
-from services.billing import line_ids, partitions, read_rollups, rollups
+from services.billing import focus_rollups, line_ids, partitions, read_rollups, rollups
 from services.billing.bulk_rows import DO_NOTHING, BulkInsert
 from services.billing.rollups import KIND_TEXT
 from services.billing.costing import NodeBill, NodeWindowKey
@@ -302,6 +302,8 @@ trueups = Table(
 ROLLUPS = rollups.define_tables(metadata)
 # Hourly and daily rollups of the node bills and the pods' lines (``services.billing.read_rollups``).
 READ_ROLLUPS = read_rollups.define_tables(metadata)
+# The hourly FOCUS grain: origin charges and per-pod, per-GPU line sums (``services.billing.focus_rollups``).
+FOCUS_ROLLUPS = focus_rollups.define_tables(metadata)
 
 COST_BASES = ("list", "trued")
 
@@ -819,6 +821,8 @@ class Ledger:
                     rollups.add_written(connection, ROLLUPS, new_costs, new_bills, team_key=self.team_label)
                     read_rollups.add_written(connection, READ_ROLLUPS, [bill_rows[w] for w in new_windows],
                                              new_costs, new_bills, team_key=self.team_label)
+                    focus_rollups.add_written(connection, FOCUS_ROLLUPS, [bill_rows[w] for w in new_windows],
+                                              new_costs, label_set=self._label_set)
                 unpublished, others = self._unpublished(connection, dict(
                     pair for window, pair in by_window.items() if window not in new_windows))
         except SQLAlchemyError as exc:
@@ -1403,7 +1407,8 @@ class Ledger:
                 for row in connection.execute(
                         select(b.window_start_unix_ms, b.cluster, b.node_name, b.trued_cost_micro_usd, b.trueup_id,
                                b.zero_lines, b.window_seconds, b.instance_type, b.price_model, b.price_version,
-                               b.sharing, b.gpu_model, b.provider, b.region, b.zone, b.node_cost_micro_usd)
+                               b.sharing, b.gpu_model, b.provider, b.region, b.zone, b.node_cost_micro_usd,
+                               b.provider_id)
                         .where(b.window_start_unix_ms >= bill.scope_start_ms,
                                b.window_start_unix_ms < bill.scope_end_ms)):
                     m = row._mapping
@@ -1427,9 +1432,10 @@ class Ledger:
                     if current[key] != (result.windows.get(key), trueup_id)
                 ]
                 # The bill rollups' trued-up sums move with every bill whose trued-up cost changes.
-                read_rollups.add_trued(connection, READ_ROLLUPS, [
+                bill_changes = [
                     read_rollups.BillTruedChange(bill_columns[key], current[key][0], result.windows.get(key))
-                    for key in sorted(scope) if current[key][0] != result.windows.get(key)])
+                    for key in sorted(scope) if current[key][0] != result.windows.get(key)]
+                read_rollups.add_trued(connection, READ_ROLLUPS, bill_changes)
                 if window_updates:
                     connection.execute(
                         update(node_bills)
@@ -1487,6 +1493,7 @@ class Ledger:
                             rollups.TruedChange(zero_line_record(row_of_bill, line), row_of_bill["gpu_model"],
                                                 row_of_bill["sharing"], before, after) for line in zero)
                 rollups.add_trued(connection, ROLLUPS, trued_changes, team_key=self.team_label)
+                focus_rollups.add_trued(connection, FOCUS_ROLLUPS, bill_changes, trued_changes, bill_columns)
                 if line_updates and self._uses_ids(connection):
                     # PostgreSQL from 0014: ``cost_lines`` is a view; its rows are ``cost_line_rows``.
                     connection.execute(line_ids.trueup_update(LINE_IDS), line_updates)

@@ -15,6 +15,8 @@ table                  column                    unit    partition name
 ``bill_rollup_daily``  ``period_start_unix_ms``  month   ``bill_rollup_daily_p202612`` (from 0012)
 ``pod_rollup_hourly``  ``period_start_unix_ms``  day     ``pod_rollup_hourly_p20261203`` (from 0012)
 ``pod_rollup_daily``   ``period_start_unix_ms``  month   ``pod_rollup_daily_p202612`` (from 0012)
+``focus_charge_hourly`` ``period_start_unix_ms`` day     ``focus_charge_hourly_p20261203`` (from 0015)
+``focus_line_hourly``  ``period_start_unix_ms``  day     ``focus_line_hourly_p20261203`` (from 0015)
 =====================  ========================  ======  =========================================
 
 A partition covers [its start, its end) of the column: a UTC day, or a UTC calendar month. Retention horizons are
@@ -93,6 +95,8 @@ SCHEMES = (
     Scheme("pod_rollup_daily", "period_start_unix_ms", MONTH, ROLLUP_FILLFACTOR),
     # The lines' table from 0010 to 0013 (a view from 0014): what a ledger at those revisions partitions.
     Scheme("cost_lines", "window_start_unix_ms", DAY),
+    Scheme("focus_charge_hourly", "period_start_unix_ms", DAY, ROLLUP_FILLFACTOR),
+    Scheme("focus_line_hourly", "period_start_unix_ms", DAY, ROLLUP_FILLFACTOR),
 )
 SCHEME_BY_TABLE = {scheme.table: scheme for scheme in SCHEMES}
 # What the minute retention drops, in this order (a line never outlives its bill).

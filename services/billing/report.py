@@ -622,10 +622,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cost", default="list", choices=COST_BASES,
                         help="list: the list-price ledger (default); trued: trued up to the invoice where "
                              "gpumeter reconcile applied a bill, list price elsewhere")
-    parser.add_argument("--grain", default="auto", choices=GRAIN_CHOICES,
+    parser.add_argument("--grain", default="auto", choices=(*GRAIN_CHOICES, "hour"),
                         help="auto: whole days from the daily rollups, whole hours from the hourly ones, the edges "
                              "from the cost lines, where the rollups keep the grouping (default); minute: the cost "
-                             "lines only")
+                             "lines only; with --format focus: the FOCUS rows' grain (hour: per node-hour, auto: "
+                             "hour when the range is whole hours the rollups hold; gpumeter export --grain)")
     parser.add_argument("--cluster", default=None, help="only this cluster (default: all)")
     parser.add_argument("--ledger-url", default=None,
                         help=f"SQLAlchemy URL of the ledger (default: ${LEDGER_URL_ENV} or {DEFAULT_LEDGER_URL})")
@@ -666,16 +667,26 @@ def main(args: argparse.Namespace, env: Mapping[str, str], *, clock: Clock | Non
         if settle_seconds < 0:
             raise ConfigError("--settle-seconds must be >= 0")
         kafka = _kafka_to_check(args, env)
+        grain = getattr(args, "grain", "auto")
+        if grain == "hour" and args.format != "focus":
+            raise ConfigError("--grain hour is the FOCUS rows' grain (--format focus); a report reads whole hours "
+                              "from the hourly rollups with --grain auto")
         with Ledger(args.ledger_url or env.get(LEDGER_URL_ENV) or DEFAULT_LEDGER_URL) as ledger:
             ledger.require_schema()
             report = build_report(ledger, grouping, start_ms=start_ms, end_ms=end_ms, cluster=args.cluster,
-                                  cost=getattr(args, "cost", "list"), grain=getattr(args, "grain", "auto"))
-            focus_text = None
+                                  cost=getattr(args, "cost", "list"), grain="auto" if grain == "hour" else grain)
+            focus_text = focus_grain = None
             if args.format == "focus":
-                from services.billing.export import focus_dataset
-                from services.billing.focus import focus_csv
+                import io
 
-                focus_text = focus_csv(focus_dataset(ledger, start_ms=start_ms, end_ms=end_ms, cluster=args.cluster))
+                from services.billing.export import focus_export
+                from services.billing.focus import write_focus_csv_chunks
+
+                focus_grain, chunks = focus_export(ledger, start_ms=start_ms, end_ms=end_ms, cluster=args.cluster,
+                                                   grain=grain)
+                buffer = io.StringIO()
+                write_focus_csv_chunks(chunks, buffer)
+                focus_text = buffer.getvalue()
             if kafka is not None:
                 from services.billing.emitted import read_emitted
 
@@ -690,7 +701,8 @@ def main(args: argparse.Namespace, env: Mapping[str, str], *, clock: Clock | Non
     out.write(focus_text if focus_text is not None else format_report(report, args.format))
     complete = report.emitted is None or report.emitted.complete
     if focus_text is not None:
-        # The FOCUS rows have no room for the checks: a failed one is said where people read it.
+        # The FOCUS rows have no room for the checks or the grain: they are said where people read them.
+        print(f"gpumeter report: FOCUS grain: {focus_grain.describe()}", file=err)
         if not report.reconciliation.reconciled:
             print(f"gpumeter report: reconciliation: {report.reconciliation.statement()}", file=err)
         if not complete:

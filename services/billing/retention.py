@@ -9,7 +9,8 @@ What is kept how long (``RetentionSettings``; docs/billing.md, "Rollups and rete
   this retention, or raise it). The zero lines a bill lists (``node_bills.zero_lines``,
   ``services.billing.line_storage``) go with it. Every reader of lines or bills over a range before the horizon
   refuses with ``MinuteLinesDropped`` rather than report that part as costing nothing.
-* **hourly rollups** (of the lines, the bills and the pods: ``services.billing.rollups``, ``read_rollups``):
+* **hourly rollups** (of the lines, the bills and the pods: ``services.billing.rollups``, ``read_rollups``; the
+  hourly FOCUS grain: ``focus_rollups``):
   ``hourly_rollups_days`` (default 92, a quarter); **daily rollups**: ``daily_rollups_days`` (default 400: a year
   and a month, for year-on-year); each at least the finer grain's.
 * Price versions and true-ups: kept (a few rows each). **Label sets** (``label_sets``) are never deleted: a set is
@@ -54,6 +55,7 @@ from gpumeter.redact import mask_url
 from services.billing import partitions
 from services.billing.ledger import (
     DEFAULT_LEDGER_URL,
+    FOCUS_ROLLUPS,
     LEDGER_URL_ENV,
     READ_ROLLUPS,
     ROLLUPS,
@@ -128,10 +130,13 @@ class RetentionResult:
 def _tables():
     """Per grain, the tables it drops, in the order they go (a day's lines before its bills), with their time
     column: the minute lines and their node bills; per rollup grain, the line, bill and pod rollups together."""
+    # The hourly FOCUS grain (``focus_rollups``) goes with the hourly rollups; it has no daily grain.
+    focus = {HOUR: (FOCUS_ROLLUPS.lines, FOCUS_ROLLUPS.charges), DAY: ()}
     return {MINUTE: ((cost_lines, cost_lines.c.window_start_unix_ms),
                      (node_bills, node_bills.c.window_start_unix_ms)),
             **{grain: tuple((table, table.c.period_start_unix_ms)
-                            for table in (ROLLUPS.by_grain[grain], READ_ROLLUPS.bills[grain], READ_ROLLUPS.pods[grain]))
+                            for table in (ROLLUPS.by_grain[grain], READ_ROLLUPS.bills[grain], READ_ROLLUPS.pods[grain],
+                                          *focus[grain]))
                for grain in (HOUR, DAY)}}
 
 

@@ -125,13 +125,13 @@ def validate(venv: Path, data: Path, tmp_path: Path, rules: Path | None = None) 
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory) -> dict[str, Path]:
     """The demo scenario billed through the real chain into a ledger, exported as FOCUS CSV and Parquet, with every
-    bucket kept and with idle and node_other shared."""
+    bucket kept and with idle and node_other shared, at the minute grain and at the hourly one (``-hour``)."""
     from schemas.records import PodEvent
     from services.attributor.engine import AttributionEngine, EngineConfig
     from pipeline.recordings import scenario_records
     from services.billing.catalog import bundled_catalog
     from services.billing.costing import bill_node_window
-    from services.billing.export import focus_dataset
+    from services.billing.export import focus_dataset, focus_hour_chunks
     from services.billing.focus import focus_csv, write_focus_parquet
     from services.billing.ledger import Ledger
     from services.billing.pricing import DEFAULT_SPLIT_POLICY
@@ -158,13 +158,18 @@ def exports(tmp_path_factory) -> dict[str, Path]:
                   for w in windows]
         ledger.write([c for p in priced for c in p.costs], [p.bill for p in priced])
         start = min(p.bill.window_start_unix_ms for p in priced)
-        rows = focus_dataset(ledger, start_ms=start, end_ms=max(p.bill.window_start_unix_ms for p in priced) + 1)
+        last = max(p.bill.window_start_unix_ms for p in priced)
+        rows = focus_dataset(ledger, start_ms=start, end_ms=last + 1)
+        hour = 3_600_000
+        hourly = [row for chunk in focus_hour_chunks(ledger, start_ms=start - start % hour,
+                                                     end_ms=last - last % hour + hour) for row in chunk]
         ledger.close()
-        assert len(rows) > 50
-        files[f"{name}.csv"] = folder / f"{name}.csv"
-        files[f"{name}.csv"].write_text(focus_csv(rows))
-        files[f"{name}.parquet"] = folder / f"{name}.parquet"
-        write_focus_parquet(rows, files[f"{name}.parquet"])
+        assert len(rows) > 50 and 0 < len(hourly) < len(rows)
+        for suffix, dataset in (("", rows), ("-hour", hourly)):
+            files[f"{name}{suffix}.csv"] = folder / f"{name}{suffix}.csv"
+            files[f"{name}{suffix}.csv"].write_text(focus_csv(dataset))
+            files[f"{name}{suffix}.parquet"] = folder / f"{name}{suffix}.parquet"
+            write_focus_parquet(dataset, files[f"{name}{suffix}.parquet"])
     return files
 
 
@@ -175,7 +180,8 @@ def test_the_shipped_rules_fail_only_on_their_focus_1_0_preview_names(validator_
     assert failed == PREVIEW_FAILURES
 
 
-@pytest.mark.parametrize("name", ["kept.csv", "kept.parquet", "shared.csv", "shared.parquet"])
+@pytest.mark.parametrize("name", ["kept.csv", "kept.parquet", "shared.csv", "shared.parquet", "kept-hour.csv",
+                                  "kept-hour.parquet", "shared-hour.csv", "shared-hour.parquet"])
 def test_the_export_passes_the_focus_validator(validator_venv, patched_rules, exports, tmp_path, name):
     failed, ran, output = validate(validator_venv, exports[name], tmp_path, patched_rules)
     assert not failed, output

@@ -155,7 +155,8 @@ def test_retention_detaches_and_drops_whole_partitions_and_deletes_no_row(databa
     gone = {f"{name}_p{day}" for name in ("cost_line_rows", "node_bills")
             for day in (time.strftime("%Y%m%d", time.gmtime((DAY0 + d * DAY_MS) / 1000)) for d in range(DAYS - 14))}
     gone |= {f"{name}_p{time.strftime('%Y%m%d', time.gmtime((DAY0 + d * DAY_MS) / 1000))}"
-             for name in ("cost_rollup_hourly", "bill_rollup_hourly", "pod_rollup_hourly") for d in range(DAYS - 16)}
+             for name in ("cost_rollup_hourly", "bill_rollup_hourly", "pod_rollup_hourly", "focus_charge_hourly",
+                          "focus_line_hourly") for d in range(DAYS - 16)}
     assert set(result.dropped_partitions) == gone and gone <= before
     assert attached(ledger) & gone == set() and not relations(ledger) & gone
     assert before - gone <= attached(ledger)

@@ -208,7 +208,7 @@ def test_the_sharing_migration_keeps_old_lines_direct_and_makes_room_for_shared_
             "INSERT INTO cost_lines (window_start_unix_ms, cluster, node_name, gpu_uuid, subject_kind, pod_uid, "
             "window_seconds, labels, cost_share, cost_micro_usd, instance_type, price_model, price_version) VALUES "
             "(0, 'c', 'n', 'GPU-0', 'POD', 'p', 60, '{}', 1.0, 13333, 'g6.xlarge', 'on_demand', 'v1')"))
-    assert ledger.migrate() == Ledger.head_revision() == "0014_line_ids"
+    assert ledger.migrate() == Ledger.head_revision() == "0015_focus_hourly"
     (old,) = list(ledger.iter_cost_lines(end_ms=1))
     assert (old.shared_from, old.sharing_method) == (None, "")
     assert [b["sharing"] for b in ledger.bills(end_ms=1)] == ["keep"]
@@ -325,6 +325,34 @@ def test_the_bill_rollups_follow_a_trueup_and_the_backfill_equals_them_on_postgr
     reads.assert_rollups_are_the_bills_and_pod_lines(ledger)
     reads.check_upgrade_backfills_what_write_keeps(ledger)
     ledger.close()
+
+
+def test_the_hourly_focus_grain_on_postgresql(database_url):
+    """0015 on PostgreSQL: the hourly FOCUS rollups' upserts (the bulk path), a redelivery, a true-up's move,
+    retention dropping the minute partitions (the hourly export unchanged) and then the hourly ones, the backfill's
+    SQL -- the unit tests' checks, on a PostgreSQL ledger each."""
+    from tests.unit.billing import test_focus_hourly as hourly
+
+    def fresh():
+        engine = create_engine(database_url)
+        with engine.begin() as connection:
+            connection.execute(text("DROP SCHEMA public CASCADE; CREATE SCHEMA public"))
+        engine.dispose()
+        ledger = Ledger(database_url)
+        ledger.migrate()
+        return ledger
+
+    for check in (lambda l: hourly.test_hourly_rows_are_the_sums_of_the_minute_rows_and_add_up_to_each_node_hours_bills(
+                      l, hourly.SHARED),
+                  hourly.test_a_redelivered_node_window_adds_nothing,
+                  hourly.test_a_trueup_moves_the_hourly_billed_cost_with_its_minute_lines,
+                  hourly.test_retention_of_the_minute_lines_leaves_the_hourly_export_unchanged,
+                  hourly.check_the_backfill_equals_the_writes):
+        ledger = fresh()
+        try:
+            check(ledger)
+        finally:
+            ledger.close()
 
 
 def test_postgresqls_cost_lines_have_no_keys_and_sqlites_keep_them(database_url, tmp_path):

@@ -1,0 +1,286 @@
+"""The hourly FOCUS grain: per UTC hour, each node's origin charge and the per-pod, per-GPU sums of its cost lines,
+from which ``services.billing.focus.focus_hour_rows`` builds one FOCUS row per (hour, origin charge, pod or kept
+bucket) without reading the minute lines.
+
+**Origin charges** (``focus_charge_hourly``): one row per (UTC hour, cluster, node, provider id, zone, price
+version, sharing policy, window length, provider, region, instance type, price model) -- every dimension an
+allocated charge shares with its origin (FOCUS 1.3) -- summing the node bills whose window *starts* in the hour:
+``node_windows``, ``billed_milliseconds``, ``node_cost_micro_usd`` (list), ``billed_micro_usd`` (``COALESCE(trued,
+list)``) and ``trued_windows``. Normally one per node-hour; a node whose price version, policy or instance changed
+within the hour has one per pricing (each its own origin charge, as each of its minute bills is).
+
+**Allocated lines** (``focus_line_hourly``): one row per (hour, the origin charge's link -- cluster, node, provider
+id, zone, price version, sharing policy, window length -- and the line's identity within a node-window: subject
+kind, pod uid, GPU uuid, bucket shared -- with what a FOCUS element says of it: sharing method, attribution method,
+cost basis, namespace, pod name, label set), summing the cost lines (zero lines included: they are elements of
+their bucket's row) of the node-windows starting in the hour:
+
+* ``cost_micro_usd`` (list), ``billed_micro_usd`` (trued-up or list), ``cost_lines``, ``trued_lines``: exact
+  integers;
+* ``billed_ms``: the billed milliseconds of the lines' bills (one per line): how long the element was there;
+* ``cost_share_ms``, ``memory_share_ms``, ``compute_share_ms``: Σ share × the bill's billed milliseconds; and
+  ``gpu_ms``: Σ cost share × GPU fraction × billed milliseconds (the GPU time a minute row's ``UsageQuantity`` and
+  ``x_GpuHours`` are, in ms). Floats (the shares are): GPU-hours to 1e-9.
+
+Labels are the line's ``label_sets`` id (content-addressed, never deleted: ``services.billing.line_storage``), so a
+row holds a pod's labels without repeating them.
+
+**Maintained as bills land**, as the other rollups (``services.billing.rollups``): ``Ledger.write`` calls
+``add_written`` in its transaction with exactly the bills its insert created and all their lines (a redelivery adds
+nothing, a failed write nothing); ``apply_trueup`` calls ``add_trued`` with every bill and line whose trued-up
+cost it changed. Upserts in key order. On PostgreSQL both tables are partitioned by UTC day
+(``services.billing.partitions``), and retention drops them with the hourly rollups (``hourly_rollups_days``).
+Migration ``0015_focus_hourly`` creates and backfills them from the minute lines there are; where retention had
+already dropped minute lines, a ``ledger_retention`` row ``focus_rollups`` records from when they hold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping
+
+from sqlalchemy import BigInteger, Column, Double, Integer, MetaData, PrimaryKeyConstraint, String, Table, func, select
+from sqlalchemy.engine import Connection
+
+from schemas.records import CostRecord
+from services.billing.bulk_rows import add_sums
+from services.billing.costing import NodeWindowKey
+from services.billing.line_storage import label_set_id
+from services.billing.rollups import HOUR_MS, KIND_TEXT, TruedChange, add_into
+
+CHARGE_TABLE = "focus_charge_hourly"
+LINE_TABLE = "focus_line_hourly"
+# The origin charge a line belongs to (in both tables, in this order).
+LINK = ("period_start_unix_ms", "cluster", "node_name", "provider_id", "zone", "price_version", "sharing",
+        "window_seconds")
+CHARGE_DIMENSIONS = (*LINK, "provider", "region", "instance_type", "price_model")
+CHARGE_MEASURES = ("node_windows", "billed_milliseconds", "node_cost_micro_usd", "billed_micro_usd",
+                   "trued_windows")
+LINE_DIMENSIONS = (*LINK, "subject_kind", "pod_uid", "gpu_uuid", "shared_from", "sharing_method", "method",
+                   "cost_basis", "namespace", "pod_name", "label_set_id")
+LINE_MEASURES = ("cost_micro_usd", "billed_micro_usd", "cost_lines", "trued_lines", "billed_ms", "cost_share_ms",
+                 "memory_share_ms", "compute_share_ms", "gpu_ms")
+# A ``ledger_retention`` row: the oldest hour these rollups hold (migration 0015 could only sum the minute lines
+# retention had kept); absent: every hour the ledger has.
+FOCUS_ROLLUPS_FROM = "focus_rollups"
+
+
+def _link_columns() -> list[Column]:
+    return [
+        Column("period_start_unix_ms", BigInteger, nullable=False),
+        Column("cluster", String(253), nullable=False),
+        Column("node_name", String(253), nullable=False),
+        Column("provider_id", String(512), nullable=False),
+        Column("zone", String(64), nullable=False),
+        Column("price_version", String(255), nullable=False),
+        Column("sharing", String(255), nullable=False),
+        Column("window_seconds", Integer, nullable=False),
+    ]
+
+
+def charge_columns() -> list[Column]:
+    """``focus_charge_hourly``'s columns (migration 0015 freezes the same list)."""
+    return [*_link_columns(),
+            Column("provider", String(64), nullable=False),
+            Column("region", String(64), nullable=False),
+            Column("instance_type", String(128), nullable=False),
+            Column("price_model", String(16), nullable=False),
+            *(Column(name, BigInteger, nullable=False) for name in CHARGE_MEASURES)]
+
+
+def line_columns() -> list[Column]:
+    """``focus_line_hourly``'s columns (migration 0015 freezes the same list)."""
+    return [*_link_columns(),
+            Column("subject_kind", String(16), nullable=False),
+            Column("pod_uid", String(128), nullable=False),
+            Column("gpu_uuid", String(128), nullable=False),
+            Column("shared_from", String(16), nullable=False),
+            Column("sharing_method", String(16), nullable=False),
+            Column("method", String(32), nullable=False),
+            Column("cost_basis", String(32), nullable=False),
+            Column("namespace", String(253), nullable=False),
+            Column("pod_name", String(253), nullable=False),
+            Column("label_set_id", BigInteger, nullable=False),
+            *(Column(name, BigInteger, nullable=False) for name in LINE_MEASURES[:5]),
+            *(Column(name, Double, nullable=False) for name in LINE_MEASURES[5:])]
+
+
+@dataclass(frozen=True)
+class FocusRollupTables:
+    charges: Table
+    lines: Table
+
+
+def define_tables(metadata: MetaData) -> FocusRollupTables:
+    """Add the two tables (created by migration 0015) to the ledger's ``metadata``."""
+    return FocusRollupTables(
+        Table(CHARGE_TABLE, metadata, *charge_columns(), PrimaryKeyConstraint(*CHARGE_DIMENSIONS)),
+        Table(LINE_TABLE, metadata, *line_columns(), PrimaryKeyConstraint(*LINE_DIMENSIONS)))
+
+
+# -- pure: rows --------------------------------------------------------------------------------------------------
+
+
+def link_of(bill: Mapping[str, Any]) -> tuple:
+    """The ``LINK`` of a bill's columns (a ``node_bills`` row or the ledger's ``_bill_row``)."""
+    start = int(bill["window_start_unix_ms"])
+    return (start - start % HOUR_MS, bill["cluster"], bill["node_name"], bill.get("provider_id") or "",
+            bill.get("zone") or "", bill["price_version"], bill["sharing"], int(bill["window_seconds"]))
+
+
+def charge_key(bill: Mapping[str, Any]) -> tuple:
+    """The ``CHARGE_DIMENSIONS`` of a bill's columns."""
+    return (*link_of(bill), bill["provider"], bill["region"], bill["instance_type"], bill["price_model"])
+
+
+def line_key(link: tuple, cost: CostRecord, label_set: int) -> tuple:
+    """The ``LINE_DIMENSIONS`` of a line of a bill whose link is ``link``."""
+    return (*link, KIND_TEXT[cost.subject_kind], cost.pod_uid or "", cost.gpu_uuid or "",
+            KIND_TEXT[cost.shared_from], cost.sharing_method, cost.method, cost.cost_basis, cost.namespace or "",
+            cost.pod_name or "", label_set)
+
+
+def _label_set_of(cost: CostRecord) -> int:
+    return label_set_id(cost.labels, cost.carried_label_keys)
+
+
+def written_rows(bill_rows: Iterable[Mapping[str, Any]], costs: Iterable[CostRecord], *,
+                 label_set: Callable[[CostRecord], int] = _label_set_of) -> tuple[dict, dict]:
+    """(charge rows, line rows) that newly written bills (their columns; not trued up) and all their lines add:
+    key -> measures. ``label_set``: a line's ``label_sets`` id (the ledger passes its cached one). Pure."""
+    charges: dict[tuple, list] = {}
+    links: dict[tuple[int, str, str], tuple[tuple, int]] = {}
+    for bill in bill_rows:
+        cost = int(bill["node_cost_micro_usd"])
+        billed_ms = int(bill["billed_milliseconds"])
+        add_into(charges, charge_key(bill), (1, billed_ms, cost, cost, 0))
+        links[(int(bill["window_start_unix_ms"]), bill["cluster"], bill["node_name"])] = (link_of(bill), billed_ms)
+    lines: dict[tuple, list] = {}
+    for cost in costs:
+        link, billed_ms = links[(cost.window_start_unix_ms, cost.cluster, cost.node_name)]
+        micro = cost.cost_micro_usd
+        share_ms = cost.cost_share * billed_ms
+        add_into(lines, line_key(link, cost, label_set(cost)),
+                 (micro, micro, 1, 0, billed_ms, share_ms, cost.memory_share * billed_ms,
+                  cost.compute_share * billed_ms, share_ms * cost.gpu_fraction))
+    return charges, lines
+
+
+def trued_rows(bill_changes: Iterable[Any], line_changes: Iterable[TruedChange],
+               bills: Mapping[NodeWindowKey, Mapping[str, Any]]) -> tuple[dict, dict]:
+    """(charge rows, line rows) that a true-up moves: the difference of ``COALESCE(trued, list)`` and of the trued
+    counts. ``bill_changes``: ``read_rollups.BillTruedChange``s (their ``bill`` columns with ``provider_id``);
+    ``line_changes``: ``rollups.TruedChange``s, whose bills' columns ``bills`` holds by node-window. Pure."""
+    charges: dict[tuple, list] = {}
+    for change in bill_changes:
+        listed = int(change.bill["node_cost_micro_usd"])
+        billed = ((listed if change.after is None else change.after)
+                  - (listed if change.before is None else change.before))
+        trued = (change.after is not None) - (change.before is not None)
+        if billed or trued:
+            add_into(charges, charge_key(change.bill), (0, 0, 0, billed, trued))
+    lines: dict[tuple, list] = {}
+    for change in line_changes:
+        cost = change.cost
+        listed = cost.cost_micro_usd
+        billed = ((listed if change.after is None else change.after)
+                  - (listed if change.before is None else change.before))
+        trued = (change.after is not None) - (change.before is not None)
+        if not billed and not trued:
+            continue
+        bill = bills[NodeWindowKey(cost.cluster, cost.node_name, cost.window_start_unix_ms)]
+        add_into(lines, line_key(link_of(bill), cost, _label_set_of(cost)), (0, billed, 0, trued, 0, 0.0, 0.0, 0.0, 0.0))
+    return ({k: v for k, v in charges.items() if any(v)}, {k: v for k, v in lines.items() if any(v)})
+
+
+# -- SQL: maintaining --------------------------------------------------------------------------------------------
+
+
+def _upsert(connection: Connection, tables: FocusRollupTables, charges: Mapping[tuple, list],
+            lines: Mapping[tuple, list]) -> int:
+    out = 0
+    if charges:
+        out += add_sums(connection, tables.charges, CHARGE_DIMENSIONS, CHARGE_MEASURES,
+                        [(*key, *values) for key, values in charges.items()])
+    if lines:
+        out += add_sums(connection, tables.lines, LINE_DIMENSIONS, LINE_MEASURES,
+                        [(*key, *values) for key, values in lines.items()])
+    return out
+
+
+def add_written(connection: Connection, tables: FocusRollupTables, bill_rows: Iterable[Mapping[str, Any]],
+                costs: Iterable[CostRecord], *, label_set: Callable[[CostRecord], int] = _label_set_of) -> int:
+    """``Ledger.write``'s hook: the bills its insert created (their columns) and every line of them."""
+    return _upsert(connection, tables, *written_rows(bill_rows, costs, label_set=label_set))
+
+
+def add_trued(connection: Connection, tables: FocusRollupTables, bill_changes: Iterable[Any],
+              line_changes: Iterable[TruedChange], bills: Mapping[NodeWindowKey, Mapping[str, Any]]) -> int:
+    """``Ledger.apply_trueup``'s hook (``trued_rows``)."""
+    return _upsert(connection, tables, *trued_rows(bill_changes, line_changes, bills))
+
+
+# -- SQL: reading ------------------------------------------------------------------------------------------------
+
+
+def kept_from(read: Callable[[Any], list], retention: Table) -> int | None:
+    """The oldest hour these rollups hold: the later of the hourly grain's retention horizon and the backfill's
+    ``focus_rollups`` row; None when both are absent (every hour)."""
+    kept = dict(read(select(retention.c.grain, retention.c.kept_from_unix_ms)
+                     .where(retention.c.grain.in_(("hour", FOCUS_ROLLUPS_FROM)))))
+    values = [int(v) for v in kept.values()]
+    return max(values) if values else None
+
+
+def _range(table: Table, start_ms: int, end_ms: int, cluster: str | None) -> list:
+    conditions = [table.c.period_start_unix_ms >= start_ms, table.c.period_start_unix_ms < end_ms]
+    if cluster is not None:
+        conditions.append(table.c.cluster == cluster)
+    return conditions
+
+
+def window_totals(read: Callable[[Any], list], tables: FocusRollupTables, start_ms: int, end_ms: int,
+                  cluster: str | None) -> tuple[int, int]:
+    """(node-windows, list micro-USD) of the origin charges of the hours in [start_ms, end_ms)."""
+    t = tables.charges
+    (windows, micro), = read(select(func.coalesce(func.sum(t.c.node_windows), 0),
+                                    func.coalesce(func.sum(t.c.node_cost_micro_usd), 0))
+                             .where(*_range(t, start_ms, end_ms, cluster)))
+    return int(windows), int(micro)
+
+
+def charges_of(read: Callable[[Any], list], tables: FocusRollupTables, start_ms: int, end_ms: int,
+               cluster: str | None) -> list[tuple]:
+    """The origin charges of the hours in [start_ms, end_ms), as tuples (``CHARGE_DIMENSIONS``, then
+    ``CHARGE_MEASURES``)."""
+    t = tables.charges
+    return [tuple(row) for row in read(select(*(t.c[n] for n in (*CHARGE_DIMENSIONS, *CHARGE_MEASURES)))
+                                       .where(*_range(t, start_ms, end_ms, cluster)))]
+
+
+def lines_of(read: Callable[[Any], list], tables: FocusRollupTables, start_ms: int, end_ms: int,
+             cluster: str | None) -> list:
+    """The allocated lines of the hours in [start_ms, end_ms), as rows (``LINE_DIMENSIONS``, then
+    ``LINE_MEASURES``), unordered."""
+    t = tables.lines
+    return read(select(*(t.c[n] for n in (*LINE_DIMENSIONS, *LINE_MEASURES))).where(*_range(t, start_ms, end_ms,
+                                                                                             cluster)))
+
+
+def label_sets_of(read: Callable[[Any], list], label_sets: Table, ids: Iterable[int]) -> dict[int, dict[str, str]]:
+    """The labels of the ``label_sets`` ids (0, the empty set, is no row: {})."""
+    wanted = sorted({int(i) for i in ids if i})
+    out: dict[int, dict[str, str]] = {0: {}}
+    for start in range(0, len(wanted), 5000):
+        for i, labels in read(select(label_sets.c.label_set_id, label_sets.c.labels)
+                              .where(label_sets.c.label_set_id.in_(wanted[start:start + 5000]))):
+            out[int(i)] = dict(labels)
+    return out
+
+
+def rows_of(read: Callable[[Any], list], table: Table) -> dict[tuple, tuple]:
+    """A table's rows, key -> measures (tests and checks)."""
+    dimensions, measures = ((CHARGE_DIMENSIONS, CHARGE_MEASURES) if table.name == CHARGE_TABLE
+                            else (LINE_DIMENSIONS, LINE_MEASURES))
+    return {tuple(row._mapping[n] for n in dimensions): tuple(row._mapping[n] for n in measures)
+            for row in read(select(table))}
