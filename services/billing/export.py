@@ -27,6 +27,7 @@ from typing import Any, Iterator, Mapping
 from gpumeter.clock import Clock, SystemClock, iso_utc
 from gpumeter.errors import ConfigError, GpumeterError
 from services.billing import focus_rollups, read_rollups, rollups
+from services.billing.time_args import parse_duration_seconds, parse_instant_ms
 from services.billing.focus import (
     FocusBill,
     FocusCharge,
@@ -186,8 +187,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace, env: Mapping[str, str], *, clock: Clock | None = None, out=None,
          err=None) -> int:
-    from services.billing.report import parse_duration_seconds, parse_instant_ms
-
     out = out or sys.stdout
     err = err or sys.stderr
     clock = clock or SystemClock()

@@ -49,10 +49,8 @@ import argparse
 import csv
 import io
 import json
-import re
 import sys
 from dataclasses import dataclass, replace
-from datetime import datetime, timezone
 from decimal import Decimal
 from typing import Any, Mapping, Sequence
 
@@ -62,6 +60,9 @@ from gpumeter.safetext import csv_cell, escape_control
 from schemas.records import CostSubjectKind
 from services.billing.costing import NodeWindowKey, iso_utc
 from services.billing import grain_reads, rollups
+from services.billing.export import focus_export
+from services.billing.focus import write_focus_csv_chunks
+from services.billing.time_args import parse_duration_seconds, parse_instant_ms  # noqa: F401 (report's names too)
 from services.billing.ledger import (
     COST_BASES,
     DEFAULT_LEDGER_URL,
@@ -78,29 +79,6 @@ FORMATS = ("table", "csv", "json", "focus")
 GRAIN_CHOICES = ("auto", "minute")  # auto: the coarsest grain that answers; minute: the cost lines only
 LINE_ORDER = ("pod", "idle", "driver_reserved", "unattributed", "unavailable", "node_other")
 _KIND_TO_LINE = {kind.value: kind.value.lower() for kind in CostSubjectKind}
-_DURATION_RE = re.compile(r"^\s*(\d+)\s*([smhdw])\s*$")
-_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-
-
-def parse_duration_seconds(text: str) -> int:
-    """``90m``, ``24h``, ``7d``, ``2w``, ``3600s`` → seconds (> 0); ``ConfigError`` otherwise."""
-    match = _DURATION_RE.match(text or "")
-    if not match or int(match.group(1)) == 0:
-        raise ConfigError(f"window {text!r} is not a duration like 90m, 24h or 7d")
-    return int(match.group(1)) * _UNIT_SECONDS[match.group(2)]
-
-
-def parse_instant_ms(text: str) -> int:
-    """An ISO 8601 instant (``2026-11-29T17:00:00Z``; no zone means UTC) → ms since the Unix epoch."""
-    try:
-        moment = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
-    except ValueError:
-        raise ConfigError(f"{text!r} is not an ISO 8601 time such as 2026-11-29T17:00:00Z") from None
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=timezone.utc)
-    return int(moment.timestamp() * 1000)
-
-
 def usd_text(micro_usd: int) -> str:
     """Exact USD with six decimals: 1234567 → ``1.234567``."""
     return str(Decimal(micro_usd).scaleb(-6).quantize(Decimal("0.000001")))
@@ -677,11 +655,6 @@ def main(args: argparse.Namespace, env: Mapping[str, str], *, clock: Clock | Non
                                   cost=getattr(args, "cost", "list"), grain="auto" if grain == "hour" else grain)
             focus_text = focus_grain = None
             if args.format == "focus":
-                import io
-
-                from services.billing.export import focus_export
-                from services.billing.focus import write_focus_csv_chunks
-
                 focus_grain, chunks = focus_export(ledger, start_ms=start_ms, end_ms=end_ms, cluster=args.cluster,
                                                    grain=grain)
                 buffer = io.StringIO()

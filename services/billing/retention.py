@@ -65,6 +65,7 @@ from services.billing.ledger import (
     node_bills,
 )
 from services.billing.rollups import DAY, DAY_MS, HOUR, HOUR_MS, MINUTE
+from services.billing.time_args import parse_instant_ms
 
 DEFAULT_MINUTE_LINES_DAYS = 14
 DEFAULT_HOURLY_ROLLUPS_DAYS = 92
@@ -271,8 +272,6 @@ def main(args: argparse.Namespace, env: Mapping[str, str], *, clock: Clock | Non
 
 
 def _run_once(args: argparse.Namespace, env: Mapping[str, str], clock: Clock, out, err) -> int:
-    from services.billing.report import parse_instant_ms
-
     try:
         settings = retention_settings(args, env)
         now_ms = parse_instant_ms(args.now) if getattr(args, "now", None) else clock.now_ms()

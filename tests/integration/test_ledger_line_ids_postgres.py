@@ -28,6 +28,12 @@ def lines_rows(ledger: Ledger) -> list[tuple]:
         return sorted(tuple(row) for row in connection.execute(text("SELECT * FROM cost_lines")))
 
 
+def zero_line_texts(ledger: Ledger) -> list[str]:
+    with ledger.engine.connect() as connection:
+        return list(connection.execute(text("SELECT zero_lines FROM node_bills WHERE zero_lines IS NOT NULL"))
+                    .scalars())
+
+
 def relkind(ledger: Ledger, name: str) -> str | None:
     with ledger.engine.connect() as connection:
         return connection.execute(text("SELECT relkind FROM pg_class WHERE relname = :n"), {"n": name}).scalar()
@@ -35,19 +41,22 @@ def relkind(ledger: Ledger, name: str) -> str | None:
 
 def test_a_ledger_written_at_0013_answers_the_same_after_the_upgrade_and_after_going_back(database_url):
     ledger = Ledger(database_url)
-    with ledger.engine.begin() as connection:
-        command.upgrade(_alembic_config(connection), "0013_lean_lines")
-    # Written at 0013 by Ledger.write (it stores 0013's rows where the ledger has no id tables).
+    ledger.migrate()
+    # A ledger at 0013: written by Ledger.write at head, then taken down to 0013 (0015 drops the hourly FOCUS
+    # grain, 0014 gives the lines back their 0013 table and the zero lines their uuids).
     priced = recorded.results()
     ledger.write([c for r in priced for c in r.costs], [r.bill for r in priced])
+    with ledger.engine.begin() as connection:
+        command.downgrade(_alembic_config(connection), "0013_lean_lines")
     assert relkind(ledger, "cost_lines") == "p" and relkind(ledger, "cost_line_rows") is None
+    assert not any(zero_line_gpu_ids(text_) for text_ in zero_line_texts(ledger))
     start, end = FIXTURE["start_ms"], FIXTURE["end_ms"]
     # Every report grouping (list and trued), the FOCUS export and /allocation, as digests of their output.
     answers = {grain: output_digests(ledger, start, end, grain=grain) for grain in ("minute", "auto")}
     rows = lines_rows(ledger)
     assert rows
 
-    assert ledger.migrate() == Ledger.head_revision() == "0014_line_ids"
+    assert ledger.migrate() == Ledger.head_revision() == "0015_focus_hourly"
     assert relkind(ledger, "cost_lines") == "v" and relkind(ledger, "cost_line_rows") == "p"
     # The view gives every column of every row as the table held it; every reader answers as at 0013.
     assert lines_rows(ledger) == rows
@@ -72,7 +81,7 @@ def test_a_ledger_written_at_0013_answers_the_same_after_the_upgrade_and_after_g
     assert relkind(ledger, "cost_lines") == "p" and relkind(ledger, "ledger_nodes") is None
     assert lines_rows(ledger) == amended
     assert_answers(ledger, FIXTURE["amended"]["outputs"])
-    assert ledger.migrate() == "0014_line_ids"
+    assert ledger.migrate() == "0015_focus_hourly"
     assert lines_rows(ledger) == amended
     ledger.close()
 

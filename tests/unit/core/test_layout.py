@@ -144,3 +144,15 @@ def test_the_processing_contract_imports_no_transport():
              f"print(sorted(k for k in sys.modules if any(k == t or k.startswith(t + '.') for t in {TRANSPORTS!r})))")
     loaded = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
     assert loaded.stdout.strip() == "[]", loaded.stdout
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_no_two_modules_of_a_service_import_each_other(service):
+    """A service's modules form no import cycle of two (lazy imports counted): ``billing/export.py`` and
+    ``billing/report.py`` did, each reaching into the other inside a function."""
+    paths = _modules(f"services/{service}")
+    names = {_module_name(p): p for p in paths}
+    imported = {name: {m for m in imports_of(path) if m in names and m != name} for name, path in names.items()}
+    cycles = sorted(f"{a} <-> {b}" for a, targets in imported.items() for b in targets
+                    if a < b and a in imported.get(b, set()))
+    assert cycles == []
