@@ -460,11 +460,13 @@ DICTIONARIES = ("ledger_nodes", "ledger_gpus", "ledger_pods", "ledger_line_kinds
 
 def layout_ab(server_url: str, fleet: MonthFleet, *, rounds: int = AB_ROUNDS,
               minutes: int = AB_MINUTES_PER_ROUND) -> dict[str, Any]:
-    """Two ledgers on one server, one migrated to each of ``AB_REVISIONS`` (``Ledger.write`` stores 0013's rows
-    where the ledger has no id tables), written the same fleet minutes in ``rounds`` alternating rounds of
-    ``minutes`` minutes each (the first round's order swapped each round); then each ``VACUUM FULL`` and its lines'
-    bytes (heap and indexes) per stored line, its dictionaries' bytes (0014; a fixed fleet's nodes and GPUs, and
-    its pods: not per line), and its node bills' bytes per bill."""
+    """Two ledgers on one server holding the same fleet minutes, written by ``Ledger.write`` at head in ``rounds``
+    alternating rounds of ``minutes`` minutes each (the first round's order swapped each round); then the first of
+    ``AB_REVISIONS`` taken down to its revision (0014's downgrade gives the lines their 0013 table back; head's
+    write also keeps the hourly FOCUS rollups, which 0013 has not, so it cannot write 0013's layout itself: the
+    rates of both are head's); then each ``VACUUM FULL`` and its lines' bytes (heap and indexes) per stored line,
+    its dictionaries' bytes (0014; a fixed fleet's nodes and GPUs, and its pods: not per line), and its node
+    bills' bytes per bill."""
     from alembic import command
     from sqlalchemy import create_engine, text
     from sqlalchemy.engine import make_url
@@ -481,17 +483,17 @@ def layout_ab(server_url: str, fleet: MonthFleet, *, rounds: int = AB_ROUNDS,
                 connection.execute(text(f'DROP DATABASE IF EXISTS "{name}"'))
                 connection.execute(text(f'CREATE DATABASE "{name}"'))
             ledger = Ledger(make_url(server_url).set(database=name).render_as_string(hide_password=False))
-            if revision == "head":
-                ledger.migrate()
-            else:
-                with ledger.engine.begin() as connection:
-                    command.upgrade(_alembic_config(connection), revision)
+            ledger.migrate()
             ledgers[revision] = ledger
         for index in range(rounds):
             order = AB_REVISIONS if index % 2 == 0 else AB_REVISIONS[::-1]
             for revision in order:
                 written = ingest(ledgers[revision], fleet, index * minutes, minutes)
                 rates[revision].append(round(written.node_windows_per_s, 1))
+        for revision, ledger in ledgers.items():
+            if revision != "head":
+                with ledger.engine.begin() as connection:
+                    command.downgrade(_alembic_config(connection), revision)
         out: dict[str, Any] = {}
         for revision, ledger in ledgers.items():
             with ledger.engine.connect() as connection:
