@@ -27,6 +27,7 @@ from typing import Any, Iterator, Mapping
 from gpumeter.clock import Clock, SystemClock, iso_utc
 from gpumeter.errors import ConfigError, GpumeterError
 from services.billing import focus_rollups, read_rollups, rollups
+from services.billing.rollups import HOUR, HOUR_MS, MINUTE
 from services.billing.time_args import parse_duration_seconds, parse_instant_ms
 from services.billing.focus import (
     FocusBill,
@@ -51,9 +52,6 @@ from services.billing.ledger import (
 
 DATASETS = ("focus",)
 GRAINS = ("auto", "hour", "minute")
-HOUR = "hour"
-MINUTE = "minute"
-HOUR_MS = rollups.HOUR_MS
 # Hours read and mapped at a time at the hourly grain: a day of a 1,000-GPU cluster is ~90,000 rows.
 CHUNK_HOURS = 24
 
@@ -108,7 +106,7 @@ def choose_grain(ledger: Ledger, *, start_ms: int, end_ms: int, cluster: str | N
         elif end_ms > start_ms:
             windows, micro = focus_rollups.window_totals(ledger.read, FOCUS_ROLLUPS, start_ms, end_ms, cluster)
             bill_micro, bill_windows = read_rollups.bill_totals(
-                ledger.read, READ_ROLLUPS, rollups.Segment(rollups.HOUR, start_ms, end_ms), cluster=cluster,
+                ledger.read, READ_ROLLUPS, rollups.Segment(HOUR, start_ms, end_ms), cluster=cluster,
                 cost="list")
             if (windows, micro) != (bill_windows, bill_micro):
                 why_not = (f"the hourly FOCUS rollups hold {windows} node-windows ({micro} micro-USD) of the range, "
