@@ -53,7 +53,7 @@ from __future__ import annotations
 import math
 import re
 from functools import lru_cache
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -513,13 +513,84 @@ def check_window_cost(cost: NodeWindowCost, now_unix_ms: int, max_clock_skew_ms:
             _check_fraction(where, name, value)
 
 
+# Pod lists and (device, pid) lists seen free of repeats, by their bytes: a node's ticks repeat them.
+_UNIQUE_LISTS: set[bytes] = set()
+_UNIQUE_LISTS_MAX = 16_384
+
+
+def _unique_list_seen(key: bytes, unique: Callable[[], bool]) -> bool:
+    if key in _UNIQUE_LISTS:
+        return True
+    if not unique():
+        return False
+    if len(_UNIQUE_LISTS) >= _UNIQUE_LISTS_MAX:
+        _UNIQUE_LISTS.clear()
+    _UNIQUE_LISTS.add(key)
+    return True
+
+
+def _clearly_valid(sample: PackedNodeSample, now_unix_ms: int, max_clock_skew_ms: int, max_age_ms: int | None) -> bool:
+    """True only when the record passes every ``check_sample`` range check, judged by a few whole-column bounds
+    (the common tick: whole GPUs, no MPS server, no uid in text); False means "look closer", never "invalid"."""
+    sampled_at = sample.sampled_at_unix_ms
+    devices = sample.device_count
+    if (sample.pod_uid_texts or sampled_at < EARLIEST_UNIX_MS or sampled_at > now_unix_ms + max_clock_skew_ms
+            or (max_age_ms is not None and sampled_at < now_unix_ms - max_age_ms)
+            or sample.sequence < 0 or sample.interval_ms < 0 or not devices or len(sample.mps_server_pids)
+            or len(set(sample.device_uuids)) != devices or sample.device_parent_uuid.max() >= 0):
+        return False
+    pod_uids = sample.pod_uids
+    if not _unique_list_seen(b"p" + pod_uids.tobytes(), lambda: len(np.unique(pod_uids)) == len(pod_uids)):
+        return False
+    totals = sample.device_memory_total_bytes.tolist()
+    rows = zip(totals, sample.device_memory_used_bytes.tolist(), sample.device_memory_free_bytes.tolist(),
+               sample.device_memory_reserved_bytes.tolist(), sample.device_gpu_utilization_percent.tolist(),
+               sample.device_memory_utilization_percent.tolist(), sample.device_power_milliwatts.tolist(),
+               sample.device_replicas.tolist(), sample.device_mig_compute_slices.tolist(),
+               sample.device_mig_total_compute_slices.tolist())
+    for total, used, free, reserved, gpu_util, memory_util, power, replicas, slices, total_slices in rows:
+        if not (0 <= used <= total and 0 <= free <= total and 0 <= reserved <= total
+                and (0 <= gpu_util <= 100 or gpu_util == MISSING_I4)
+                and (0 <= memory_util <= 100 or memory_util == MISSING_I4)
+                and (power >= 0 or power == MISSING_I8) and replicas >= 1 and slices == 0 and total_slices >= 0):
+            return False
+    if not sample.process_count:
+        return True
+    pids, pods = sample.process_pid, sample.process_pod_index
+    memory, sm = sample.process_used_memory_bytes, sample.process_sm_utilization_percent
+    # Every process's memory against the smallest total: enough where it passes (a device whose memory is unknown
+    # only raises its own limit).
+    if (pids.min() < 0 or pods.min() < -1 or pods.max() >= len(pod_uids) or memory.min() < -1
+            or memory.max() > min(totals) or sm.min() < -1 or sm.max() > 100):
+        return False
+    counts = sample.device_process_count
+
+    def unique_per_device() -> bool:
+        keys = (np.repeat(np.arange(devices, dtype=np.int64), counts) << 32) | (pids.astype(np.int64) & 0xFFFFFFFF)
+        return len(np.unique(keys)) == len(keys)
+
+    return _unique_list_seen(b"d" + counts.tobytes() + pids.tobytes(), unique_per_device)
+
+
+def check_packed_sample_names(sample: PackedNodeSample) -> None:
+    """``check_sample_names`` of a NodeSample v4 record: one set lookup when its names were seen valid before."""
+    key = (sample.cluster, sample.node_name, sample.pod_uid_strings(),
+           tuple(zip(sample.device_uuids, sample.device_parent_uuid_strings())))
+    if key not in _VALID_SAMPLE_NAMES:
+        _check_sample_names(sample.to_node_sample())
+
+
 def check_packed_sample(sample: PackedNodeSample, now_unix_ms: int, max_clock_skew_ms: int,
-                        max_age_ms: int | None = None) -> None:
+                        max_age_ms: int | None = None, *, names: bool = True) -> None:
     """``check_sample`` on a NodeSample v4 record's arrays: the same verdict, reason code and message.
 
     The checks run as whole-array conditions (no Python object per process); only when one fails is the record
     converted and ``check_sample`` run on it, so the value named is the one ``check_sample`` names, in its order.
     Names are checked the same way, once per distinct set of names (``check_sample``'s own cache)."""
+    if _clearly_valid(sample, now_unix_ms, max_clock_skew_ms, max_age_ms):
+        if names:
+            check_packed_sample_names(sample)
+        return
     devices = sample.device_count
     sampled_at = sample.sampled_at_unix_ms
     total = sample.device_memory_total_bytes
@@ -570,8 +641,9 @@ def check_packed_sample(sample: PackedNodeSample, now_unix_ms: int, max_clock_sk
             server_keys = (server_devices << 32) | (sample.mps_server_pids.astype(np.int64) & 0xFFFFFFFF)
             suspect = not np.isin(server_keys, keys).all()
     if suspect:
-        check_sample(sample.to_node_sample(), now_unix_ms, max_clock_skew_ms, max_age_ms)
+        check_sample(sample.to_node_sample(), now_unix_ms, max_clock_skew_ms, max_age_ms, names=names)
         return
-    key = (sample.cluster, sample.node_name, sample.pod_uid_strings(), tuple(zip(uuids, parents)))
-    if key not in _VALID_SAMPLE_NAMES:
-        _check_sample_names(sample.to_node_sample())
+    if names:
+        key = (sample.cluster, sample.node_name, sample.pod_uid_strings(), tuple(zip(uuids, parents)))
+        if key not in _VALID_SAMPLE_NAMES:
+            _check_sample_names(sample.to_node_sample())

@@ -396,7 +396,20 @@ class PackedNodeSample:
         )
 
     def to_node_sample(self) -> NodeSample:
-        """The ``NodeSample`` object this record says, exactly as v3 decoding would build it."""
+        """The ``NodeSample`` this record says, exactly as v3 decoding would build it (equal to it field by field).
+        Its ``devices`` are built from the columns when first read (``PackedBackedNodeSample``): a reader that
+        works on the columns (``packed``) never pays for a Python object per device and per process value."""
+        cluster, node_name, cloud_provider, region, instance_type, price_model, zone, provider_id = _shared_texts(
+            (self.cluster, self.node_name, self.cloud_provider, self.region, self.instance_type, self.price_model,
+             self.zone, self.provider_id))
+        return PackedBackedNodeSample.over(self, (
+            cluster, node_name, self.sequence, self.collector_started_at_unix_ms, self.sampled_at_unix_ms,
+            self.interval_ms, cloud_provider, region, instance_type, price_model,
+            self.pod_uid_strings(), self.node_errors, None, zone, provider_id,
+        ))
+
+    def device_samples(self) -> tuple[GpuDeviceSample, ...]:
+        """The ``GpuDeviceSample`` of every device, in column order, exactly as v3 decoding builds them."""
         columns = [getattr(self, name).tolist() for name in DEVICE_COLUMNS]
         for position in _NULLABLE_POSITIONS:
             sentinel = _missing(DEVICE_COLUMNS[position])
@@ -425,14 +438,58 @@ class PackedNodeSample:
                 total_slices[i], mem_total[i], mem_used[i], mem_free[i], mem_reserved[i], gpu_util[i], mem_util[i],
                 power[i], supported[i] != 0, tuple(errors[i]), pids[i], pods[i], memory[i], sm[i], mps[i],
             ))
-        cluster, node_name, cloud_provider, region, instance_type, price_model, zone, provider_id = _shared_texts(
-            (self.cluster, self.node_name, self.cloud_provider, self.region, self.instance_type, self.price_model,
-             self.zone, self.provider_id))
-        return NodeSample(
-            cluster, node_name, self.sequence, self.collector_started_at_unix_ms, self.sampled_at_unix_ms,
-            self.interval_ms, cloud_provider, region, instance_type, price_model,
-            self.pod_uid_strings(), self.node_errors, tuple(devices), zone, provider_id,
-        )
+        return tuple(devices)
+
+
+_NODE_SAMPLE_FIELDS = tuple(f.name for f in fields(NodeSample))
+_DEVICES_SLOT = NodeSample.__dict__["devices"]  # the dataclass's slot for ``devices``, under the property below
+
+
+def _lazy_devices(sample: "PackedBackedNodeSample") -> tuple[GpuDeviceSample, ...]:
+    try:
+        return _DEVICES_SLOT.__get__(sample, NodeSample)
+    except AttributeError:  # not built yet: the slot is empty until the first read
+        devices = sample.packed.device_samples()
+        _DEVICES_SLOT.__set__(sample, devices)
+        return devices
+
+
+class PackedBackedNodeSample(NodeSample):
+    """A ``NodeSample`` decoded from a v4 record, which it keeps (``packed``): its ``devices`` are built from the
+    record's columns on first read, so a consumer that reads the columns (the attributor's engine) makes no object
+    per device or process value. Equal to (and hashes as) the ``NodeSample`` with the same fields; immutable like
+    it. ``dataclasses.replace`` of one gives a sample with its devices built and no ``packed`` (its fields may no
+    longer be the record's)."""
+
+    __slots__ = ("packed",)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        NodeSample.__init__(self, *args, **kwargs)
+        object.__setattr__(self, "packed", None)
+
+    @classmethod
+    def over(cls, packed: PackedNodeSample, values: tuple) -> "PackedBackedNodeSample":
+        """The sample with ``values`` (NodeSample's fields in order, ``devices`` None) whose devices ``packed``
+        holds."""
+        sample = object.__new__(cls)
+        set_field = object.__setattr__
+        for name, value in zip(_NODE_SAMPLE_FIELDS, values):
+            if name != "devices":
+                set_field(sample, name, value)
+        set_field(sample, "packed", packed)
+        return sample
+
+    devices = property(_lazy_devices, lambda self, value: _DEVICES_SLOT.__set__(self, value))  # type: ignore
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, NodeSample):
+            return NotImplemented
+        return all(getattr(self, name) == getattr(other, name) for name in _NODE_SAMPLE_FIELDS)
+
+    __hash__ = NodeSample.__hash__
+
+    def __reduce__(self) -> tuple:
+        return (NodeSample, tuple(getattr(self, name) for name in _NODE_SAMPLE_FIELDS))
 
 
 def _device_figure(dev: GpuDeviceSample, column: str, texts: dict[str, int]) -> Any:

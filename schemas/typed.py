@@ -53,6 +53,11 @@ def codec_for(record_type: type[T]) -> RecordCodec[T]:
     """The shared codec of ``record_type`` over the default registry (built once)."""
     codec = _CODECS.get(record_type)
     if codec is None:
-        codec = _CODECS[record_type] = (
-            NodeSampleCodec() if record_type is NodeSample else RecordCodec(record_type))  # type: ignore[assignment]
+        if record_type is NodeSample:
+            codec = NodeSampleCodec()  # type: ignore[assignment]
+        elif issubclass(record_type, NodeSample):  # a NodeSample decoded from v4 (PackedBackedNodeSample)
+            codec = codec_for(NodeSample)  # type: ignore[assignment]
+        else:
+            codec = RecordCodec(record_type)
+        _CODECS[record_type] = codec
     return codec

@@ -25,7 +25,10 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Iterable, Mapping, NamedTuple, Sequence
 
+import numpy as np
+
 from gpumeter.errors import ConfigError
+from schemas.packed import MISSING_I4, SHARING_MODE_CODES, PackedNodeSample
 from schemas.records import (
     GpuDeviceSample,
     GpuShare,
@@ -1520,17 +1523,7 @@ class _OpenUnit:
                policy: AttributionPolicy) -> _Epoch | None:
         """The epoch of a tick at ``t`` that is not in the previous tick's stretch (None: the unit's sums cannot
         be used); records the tick's run and the stretch for the ticks after it."""
-        # The holders change only where one's life starts or ends, and the pods only when the index does: both
-        # are worked out once per stretch and per change of the index, not per tick.
-        if generation != self._assignments_generation:
-            assert self.keys is not None
-            self._assignments = pods.assignments_for(self.keys)
-            self._assignments_generation = generation
-            self._cuts = sorted({edge for info, _ in self._assignments for edge in (info.life_start_ms,
-                                                                                   info.life_end_ms)})
-        cuts = self._cuts
-        stretch = bisect_right(cuts, t)
-        alive = [(info.uid, claim) for info, claim in self._assignments if info.alive_at(t)]
+        alive, stretch = self._alive_at(t, pods, generation)
         holders = tuple(uid for uid, _ in alive)
         epoch = self.epochs.get(holders)
         if epoch is None:
@@ -1545,6 +1538,33 @@ class _OpenUnit:
                 self.usable = False
                 return None
             self.epochs[holders] = epoch
+        self._record_run(t, generation, holders, epoch, stretch)
+        return epoch
+
+    def epoch_at(self, t: int, pods: PodLookup, generation: int) -> _Epoch | None:
+        """``_enter`` for a tick whose holders already have an epoch: that epoch, its run and stretch recorded as
+        ``_enter`` records them; None (and nothing recorded) where the holders at ``t`` have none."""
+        alive, stretch = self._alive_at(t, pods, generation)
+        holders = tuple(uid for uid, _ in alive)
+        epoch = self.epochs.get(holders)
+        if epoch is not None:
+            self._record_run(t, generation, holders, epoch, stretch)
+        return epoch
+
+    def _alive_at(self, t: int, pods: PodLookup, generation: int) -> tuple[list[tuple[str, UnitAssignment]], int]:
+        """The (uid, claim) of each holder alive at ``t``, and the stretch of ``_cuts`` that ``t`` is in."""
+        # The holders change only where one's life starts or ends, and the pods only when the index does: both
+        # are worked out once per stretch and per change of the index, not per tick.
+        if generation != self._assignments_generation:
+            assert self.keys is not None
+            self._assignments = pods.assignments_for(self.keys)
+            self._assignments_generation = generation
+            self._cuts = sorted({edge for info, _ in self._assignments for edge in (info.life_start_ms,
+                                                                                   info.life_end_ms)})
+        alive = [(info.uid, claim) for info, claim in self._assignments if info.alive_at(t)]
+        return alive, bisect_right(self._cuts, t)
+
+    def _record_run(self, t: int, generation: int, holders: tuple[str, ...], epoch: _Epoch, stretch: int) -> None:
         runs = self.runs
         if not runs:
             self._runs_generation = generation
@@ -1554,9 +1574,9 @@ class _OpenUnit:
             runs[-1][1] = t
         else:
             runs.append([t, t, holders])
+        cuts = self._cuts
         self._current = (generation, cuts[stretch - 1] if stretch else -_FOREVER_MS,
                          cuts[stretch] if stretch < len(cuts) else _FOREVER_MS, holders, epoch)
-        return epoch
 
     def _sum(self, epoch: _Epoch, slots: _PodSlots) -> None:
         """Add the epoch's ticks not yet in its sums (in order: the sums are the same however they are batched),
@@ -1621,6 +1641,258 @@ class _OpenUnit:
                          covered_seconds, intervals.count(0), assignees, assignee_slots, self.sample_count)
 
 
+# Scalar sums of an epoch the packed lane keeps per unit, in this column order (``_PackedLane``).
+_LANE_SCALARS = ("weight", "mode_weight", "mem_w", "mem_res", "bytes_res", "mem_idle", "bytes_idle", "mem_unx",
+                 "bytes_unx", "comp_w", "comp_idle", "comp_unx", "busy_per_process", "busy_proxy")
+_LANE_QUALITY = ("mem_invalid", "mem_clamped", "scaled", "comp_unknown", "util_clamped", "busy_unexplained")
+_LANE_CHUNK_TICKS = 16
+_MIG_CODE = SHARING_MODE_CODES.index(SharingMode.MIG)
+
+
+class _PackedLane:
+    """The per-tick sums of a node window's whole GPUs taken straight from NodeSample v4 columns
+    (``PackedNodeSample``): no ``GpuDeviceSample``, ``UnitTick`` or per-process Python value per tick.
+
+    Contract: exactly the sums ``_OpenUnit.add`` and ``_add_ticks`` make for the same ticks, bit for bit. Each
+    sum is the same IEEE operations in the same order: the per-tick terms are computed elementwise as
+    ``_add_ticks`` computes them (numpy float64 is Python's float), and they are added to the epoch's sums tick
+    after tick (``np.cumsum`` along the ticks, and ``np.bincount``, which adds in input order, for the per-pod sums;
+    a term a branch does not add is 0.0, which leaves a non-negative sum as it is). A lane is opened only where
+    its ticks cannot take another path than the one it computes: every device a whole GPU (no MIG instance, no MIG
+    mode), no device error (memory known, nothing lost), no MPS server, a positive interval, the same devices,
+    sharing modes, pod list and pod index generation as the tick that opened it, and every tick within the
+    stretch of time over which each unit's holders stay the same (each unit's epoch is then fixed). Any other
+    tick closes the lane (its sums written to the units and epochs) and goes the object path. ``close`` must run
+    before anything reads the units."""
+
+    __slots__ = ("window", "units", "epochs", "modes", "uuids", "modes_raw", "parents_raw", "smap", "generation",
+                 "t_from", "t_until", "col_of", "nmap", "nslots", "use_pp", "sums", "present",
+                 "scalars", "quality", "replicas_max", "buffer", "times", "intervals", "covered_ms", "last")
+
+    @classmethod
+    def open(cls, window: "OpenNodeWindow", sample: NodeSample, packed: PackedNodeSample,
+             generation: int) -> "_PackedLane | None":
+        """A lane for the ticks after ``sample`` (which went the object path), or None where one cannot run."""
+        if window.policy.cost_basis is CostBasis.REQUEST or not _lane_tick_ok(packed):
+            return None
+        uuids = packed.device_uuids
+        if not uuids or len(set(uuids)) != len(uuids) or _MIG_CODE in packed.device_sharing_mode.tolist():
+            return None
+        units, epochs = [], []
+        t_from, t_until = -_FOREVER_MS, _FOREVER_MS
+        meta = window.meta
+        for uuid in uuids:
+            unit = window.units.get(uuid)
+            if (unit is None or unit.kind is not UnitKind.GPU or meta[uuid][1] is not UnitKind.GPU
+                    or not unit.usable or unit.keep_ticks):
+                return None
+            current = unit._current
+            if current is None or current[0] != generation:
+                return None
+            t_from, t_until = max(t_from, current[1]), min(t_until, current[2])
+            units.append(unit)
+            epochs.append(current[4])
+        if not t_from <= sample.sampled_at_unix_ms < t_until:
+            return None
+        slots = window.slots
+        lane = cls()
+        lane.window, lane.units, lane.epochs, lane.uuids = window, units, epochs, uuids
+        codes = SHARING_MODE_CODES
+        lane.modes = [codes[c] if c < len(codes) else SharingMode.UNKNOWN
+                      for c in packed.device_sharing_mode.tolist()]
+        lane.modes_raw = packed.device_sharing_mode.tobytes()
+        lane.parents_raw = packed.device_parent_uuid.tobytes()
+        lane.smap = slots.maps[id(sample.pod_uids)]
+        lane.generation, lane.t_from, lane.t_until = generation, t_from, t_until
+        nslots = lane.nslots = len(slots.uids)
+        lane.nmap = len(lane.smap)
+        # A process's pod index -> its column in the sums: the pod's slot, or the last column (no known pod).
+        lane.col_of = np.array(list(lane.smap) + [nslots], dtype=np.int64)
+        for unit, epoch in zip(units, epochs):
+            if epoch.summed < len(epoch.ticks):
+                unit._sum(epoch, slots)  # the ticks before the lane's, summed first: the sums keep tick order
+            epoch.fit(nslots)
+        lane.use_pp = np.array([e.use_per_process for e in epochs], dtype=bool)
+        # mem_frac, mem_bytes and comp of every unit's epoch: (3, units, slots + 1)
+        lane.sums = np.array([[e.mem_frac for e in epochs], [e.mem_bytes for e in epochs],
+                              [e.comp for e in epochs]], dtype=np.float64)
+        lane.present = np.zeros(lane.sums.shape[1:], dtype=bool)
+        lane.scalars = np.array([[e.weight, e.mode_weights.get(mode, 0.0), e.mem_w, e.mem_res, e.bytes_res,
+                                  e.mem_idle, e.bytes_idle, e.mem_unx, e.bytes_unx, e.comp_w, e.comp_idle,
+                                  e.comp_unx, e.busy_per_process, e.busy_proxy]
+                                 for e, mode in zip(epochs, lane.modes)], dtype=np.float64)
+        lane.quality = np.zeros((len(units), len(_LANE_QUALITY)), dtype=np.int64)
+        lane.replicas_max = np.array([e.replicas_max for e in epochs], dtype=np.int64)
+        lane.buffer, lane.times, lane.intervals = [], [], []
+        lane.covered_ms = 0
+        lane.last = None
+        return lane
+
+    def accepts(self, sample: NodeSample, packed: PackedNodeSample, pods: PodLookup, generation: int) -> bool:
+        """Whether ``sample`` (its pod list already slotted) is a tick this lane computes. Where the pods changed
+        or the tick left the stretch, each unit's holders at it are found again (``_OpenUnit.epoch_at``): the lane
+        goes on where every unit's are still its epoch's."""
+        if not (packed.device_uuids == self.uuids and _lane_tick_ok(packed)
+                and packed.device_sharing_mode.tobytes() == self.modes_raw
+                and packed.device_parent_uuid.tobytes() == self.parents_raw
+                and self.window.slots.maps.get(id(sample.pod_uids)) is self.smap):
+            return False
+        t = sample.sampled_at_unix_ms
+        if generation == self.generation and self.t_from <= t < self.t_until:
+            return True
+        t_from, t_until = -_FOREVER_MS, _FOREVER_MS
+        for unit, epoch in zip(self.units, self.epochs):
+            # A unit found under its epoch has its run taken to ``t``; if a later one is not, the tick goes the
+            # object path, which finds the former in their stretch and takes their run to ``t`` as well.
+            if unit.epoch_at(t, pods, generation) is not epoch:
+                return False
+            current = unit._current
+            assert current is not None
+            t_from, t_until = max(t_from, current[1]), min(t_until, current[2])
+        self.generation, self.t_from, self.t_until = generation, t_from, t_until
+        return True
+
+    def take(self, sample: NodeSample, packed: PackedNodeSample) -> None:
+        """Add one tick this lane ``accepts``."""
+        interval = packed.interval_ms
+        self.covered_ms += interval
+        window_ms = self.window.window_ms
+        self.buffer.append((packed, interval if interval <= window_ms else window_ms))
+        self.times.append(sample.sampled_at_unix_ms)
+        self.last = sample
+        if len(self.buffer) >= _LANE_CHUNK_TICKS:
+            self._compute()
+
+    def _compute(self) -> None:
+        """Add the buffered ticks to the lane's sums (``_add_ticks``'s arithmetic on whole columns)."""
+        buffer = self.buffer
+        if not buffer:
+            return
+        packs = [p for p, _ in buffer]
+        ticks, devices = len(packs), len(self.units)
+        self.intervals.extend(i for _, i in buffer)
+        w = np.array([i for _, i in buffer], dtype=np.float64)  # interval * capacity fraction 1.0
+        weight = np.empty((ticks, devices))
+        weight[:] = w[:, None]
+        concatenate, shape = np.concatenate, (ticks, devices)
+        total = concatenate([p.device_memory_total_bytes for p in packs]).reshape(shape)
+        used = concatenate([p.device_memory_used_bytes for p in packs]).reshape(shape)
+        free = concatenate([p.device_memory_free_bytes for p in packs]).reshape(shape)
+        reserved = concatenate([p.device_memory_reserved_bytes for p in packs]).reshape(shape)
+        util = concatenate([p.device_gpu_utilization_percent for p in packs]).reshape(shape)
+        supported = concatenate([p.device_process_utilization_supported for p in packs]).reshape(shape) != 0
+        counts = concatenate([p.device_process_count for p in packs]).astype(np.int64).reshape(shape)
+        np.maximum(self.replicas_max, concatenate([p.device_replicas for p in packs]).reshape(shape).max(axis=0),
+                   out=self.replicas_max)
+        pod_index = np.concatenate([p.process_pod_index for p in packs])
+        memory = np.maximum(np.concatenate([p.process_used_memory_bytes for p in packs]), 0).astype(np.float64)
+        sm = np.maximum(np.concatenate([p.process_sm_utilization_percent for p in packs]), 0).astype(np.float64)
+        device_of = np.repeat(np.arange(ticks * devices), counts.ravel())  # process -> (tick, device), flat
+        unit_of = device_of % devices
+        nmap = self.nmap
+        column = self.col_of[np.where((pod_index >= 0) & (pod_index < nmap), pod_index, nmap)]
+        # Integer sums of byte counts and percentages, exact in float64 (far below 2**53).
+        mem_sum = np.bincount(device_of, weights=memory, minlength=ticks * devices).reshape(ticks, devices)
+        sm_sum = np.bincount(device_of, weights=sm, minlength=ticks * devices).reshape(ticks, devices)
+
+        # Memory (``_add_ticks``: reserved and used clamped, the v2 "used includes reserved" fix, scaling).
+        valid = total > 0
+        clamped = (reserved < 0) | (reserved > total)
+        reserved = np.minimum(np.maximum(reserved, 0), total)
+        used = np.where((reserved != 0) & (used >= reserved) & (used + free == total), used - reserved, used)
+        capacity = total - reserved
+        clamped |= (used < 0) | (used > capacity)
+        used = np.minimum(np.maximum(used, 0), capacity).astype(np.float64)
+        weight_v = np.where(valid, weight, 0.0)
+        inv = np.where(valid, weight / np.where(valid, total, 1).astype(np.float64), 0.0)
+        reserved_f = reserved.astype(np.float64)
+        free_f = (capacity - used).astype(np.float64)
+        scaled = valid & (mem_sum > used)
+        scale = np.where(scaled, used / np.where(scaled, mem_sum, 1.0), 1.0)
+        unexplained = np.where(scaled, 0.0, used - mem_sum)
+        fi = (scale * inv).ravel()[device_of]
+        bi = (scale * weight_v).ravel()[device_of]
+
+        # Compute: the tick's busy fraction, split by SM utilization, by memory, or evenly.
+        missing = util == MISSING_I4
+        per_process_ok = self.use_pp[None, :] & supported & (sm_sum > 0)
+        known = ~missing | per_process_ok
+        busy_fraction = np.where(
+            ~missing, np.where(util < 0, 0.0, np.where(util > 100, 1.0, util / 100.0)),
+            np.where(per_process_ok, np.where(sm_sum < 100, sm_sum / 100.0, 1.0), 0.0))
+        weight_k = np.where(known, weight, 0.0)
+        busy = busy_fraction * weight_k
+        active = busy > 0.0
+        no_process = active & (counts == 0)
+        by_sm = active & (counts > 0) & per_process_ok
+        by_memory = active & (counts > 0) & ~per_process_ok
+        busy_sm = np.where(by_sm, busy, 0.0)
+        busy_memory = np.where(by_memory, busy, 0.0)
+        share = np.where(by_sm.ravel()[device_of], sm * (busy / np.where(by_sm, sm_sum, 1.0)).ravel()[device_of],
+                         np.where((by_memory & (mem_sum > 0)).ravel()[device_of],
+                                  memory * (busy / np.where(mem_sum > 0, mem_sum, 1.0)).ravel()[device_of],
+                                  np.where((by_memory & (mem_sum == 0)).ravel()[device_of],
+                                           (busy / np.where(counts > 0, counts, 1)).ravel()[device_of], 0.0)))
+
+        terms = np.stack([
+            weight, weight, weight_v, reserved_f * inv, reserved_f * weight_v, free_f * inv, free_f * weight_v,
+            unexplained * inv, unexplained * weight_v, weight_k, (1.0 - busy_fraction) * weight_k,
+            np.where(no_process, busy, 0.0), busy_sm, busy_memory,
+        ], axis=-1)
+        self.scalars = np.cumsum(concatenate([self.scalars[None], terms]), axis=0)[-1]
+        # Each per-pod sum takes its terms in process order, tick after tick: ``np.bincount`` adds its weights to
+        # their bins in input order, starting from 0.0 + the sum so far (exactly the sum so far).
+        sums = self.sums
+        cells = sums[0].size
+        flat = unit_of * sums.shape[2] + column
+        sums = np.bincount(concatenate([np.arange(sums.size), flat, flat + cells, flat + 2 * cells]),
+                           weights=concatenate([sums.ravel(), memory * fi, memory * bi, share]),
+                           minlength=sums.size).reshape(sums.shape)
+        self.sums = sums
+        self.present[unit_of, column] = True
+        self.quality += np.stack([~valid, valid & clamped, scaled, ~known,
+                                  ~missing & ((util < 0) | (util > 100)), no_process], axis=-1).sum(axis=0)
+        buffer.clear()
+
+    def close(self) -> None:
+        """Write the lane's sums and bookkeeping to its units and their epochs (the lane is spent)."""
+        self._compute()
+        if not self.times:
+            return
+        nslots = self.nslots
+        last_devices = self.last.devices
+        device_at = {d.uuid: d for d in last_devices}
+        for i, (unit, epoch, mode) in enumerate(zip(self.units, self.epochs, self.modes)):
+            epoch.mem_frac = self.sums[0, i].tolist()
+            epoch.mem_bytes = self.sums[1, i].tolist()
+            epoch.comp = self.sums[2, i].tolist()
+            (epoch.weight, mode_weight, epoch.mem_w, epoch.mem_res, epoch.bytes_res, epoch.mem_idle,
+             epoch.bytes_idle, epoch.mem_unx, epoch.bytes_unx, epoch.comp_w, epoch.comp_idle, epoch.comp_unx,
+             epoch.busy_per_process, epoch.busy_proxy) = self.scalars[i].tolist()
+            epoch.mode_weights[mode] = mode_weight
+            epoch.replicas_max = int(self.replicas_max[i])
+            epoch.present.update(c if c < nslots else -1 for c in np.flatnonzero(self.present[i]).tolist())
+            quality = unit.quality
+            for name, count in zip(_LANE_QUALITY, self.quality[i].tolist()):
+                if count:
+                    setattr(quality, name, getattr(quality, name) + count)
+            unit.sample_count += len(self.times)
+            unit.times.extend(self.times)
+            unit.intervals.extend(self.intervals)
+            unit.weights.extend([float(interval) for interval in self.intervals])
+            unit.covered_ms += self.covered_ms
+            unit.last_device = device_at[unit.uuid]
+            unit.runs[-1][1] = self.times[-1]
+        self.times = []
+
+
+def _lane_tick_ok(packed: PackedNodeSample) -> bool:
+    """A tick the lane can compute as far as its own columns tell: no device error, no MPS server, a positive
+    interval (the devices' kinds and modes are checked against the lane's)."""
+    return not packed.device_errors and not len(packed.mps_server_pids) and packed.interval_ms > 0
+
+
+
 class OpenNodeWindow:
     """One node window's attribution summed tick by tick as its ticks arrive, so that its close is O(units): the
     per-tick work (splitting ticks into units, their weights and holders, each tick's memory and compute
@@ -1637,7 +1909,8 @@ class OpenNodeWindow:
     Mutable, one owner. It holds its samples (the window's accumulator holds them anyway) and its ticks' sums,
     not the per-unit ticks."""
 
-    __slots__ = ("window_ms", "policy", "samples", "slots", "meta", "units", "in_order", "_last_order", "_pods")
+    __slots__ = ("window_ms", "policy", "samples", "slots", "meta", "units", "in_order", "_last_order", "_pods",
+                 "_lane")
 
     def __init__(self, window_seconds: int, policy: AttributionPolicy) -> None:
         self.window_ms = window_seconds * 1000
@@ -1650,6 +1923,8 @@ class OpenNodeWindow:
         self._last_order: tuple[int, int, int] | None = None
         # The pods every tick was summed against (None: none yet, or not always the same object)
         self._pods: PodLookup | None = None
+        # Whole-GPU ticks summed from their v4 columns (``_PackedLane``); None: the object path
+        self._lane: _PackedLane | None = None
 
     def add(self, sample: NodeSample, pods: PodLookup, pods_generation: int) -> None:
         """Sum one tick. ``pods``: the pods known now; ``pods_generation`` changes whenever they change
@@ -1664,14 +1939,22 @@ class OpenNodeWindow:
         if self._last_order is not None and order <= self._last_order:
             # A tick older than one already summed: the close sorts it before that one, so no sum can be reused.
             self.in_order = False
-            self.samples, self.units = [], {}
+            self.samples, self.units, self._lane = [], {}, None
             return
         self._last_order = order
         self.samples.append(sample)
+        self.slots.map_for(sample.pod_uids)
+        packed: PackedNodeSample | None = getattr(sample, "packed", None)  # a tick decoded from NodeSample v4
+        lane = self._lane
+        if lane is not None:
+            if packed is not None and lane.accepts(sample, packed, pods, pods_generation):
+                lane.take(sample, packed)
+                return
+            lane.close()
+            self._lane = None
         ticks: dict[str, list[UnitTick]] = {}
         meta = self.meta
         _split_sample(sample, ticks, meta)
-        self.slots.map_for(sample.pod_uids)
         keep_ticks = self.policy.cost_basis is CostBasis.REQUEST
         for uuid, (tick,) in ticks.items():
             unit = self.units.get(uuid)
@@ -1679,10 +1962,18 @@ class OpenNodeWindow:
                 parent_uuid, kind, model = meta[uuid]
                 unit = self.units[uuid] = _OpenUnit(uuid, parent_uuid, kind, model, keep_ticks)
             unit.add(tick, self.window_ms, self.slots, pods, pods_generation, self.policy)
+        if packed is not None:
+            self._lane = _PackedLane.open(self, sample, packed, pods_generation)
+
+    def _close_lane(self) -> None:
+        if self._lane is not None:
+            self._lane.close()
+            self._lane = None
 
     def settle(self) -> None:
         """Add every tick taken in to the sums now (the node's ticks have moved on to its next window): less for
         the close to do. The sums are the same whenever this is called."""
+        self._close_lane()
         for unit in self.units.values():
             if unit.usable:
                 unit.settle(self.slots)
@@ -1697,6 +1988,7 @@ class OpenNodeWindow:
                         ) -> list[tuple[GpuDeviceSample, UnitAttribution]]:
         """Of a window this ``holds``: each unit's last device and ``attribute_unit_detailed``, in ``split_units``
         order, from the sums where they hold and from the window's ticks where they do not."""
+        self._close_lane()
         meta = self.meta
         units = [u for u in self.units.values() if not (meta[u.uuid][1] is UnitKind.MIG_UNASSIGNED
                                                         and not u.has_capacity)]

@@ -46,8 +46,15 @@ from typing import Iterable, Mapping
 
 from gpumeter.clockskew import DEFAULT_CLOCK_SKEW_THRESHOLD_SECONDS, MAX_CLOCK_CORRECTION_MS, ClockReading, NodeClocks
 from gpumeter.errors import ClockSkew, ConfigError, InvalidMessage, OutOfRange
-from gpumeter.validation import DEFAULT_MAX_SAMPLE_AGE_SECONDS, check_sample, check_sample_names
+from gpumeter.validation import (
+    DEFAULT_MAX_SAMPLE_AGE_SECONDS,
+    check_packed_sample,
+    check_packed_sample_names,
+    check_sample,
+    check_sample_names,
+)
 from schemas.catalog import pod_event_key
+from schemas.packed import PackedNodeSample
 from schemas.pods import GroupingLabelSources
 from schemas.records import GpuShare, NodeSample, NodeWindowShares, PodEvent
 
@@ -355,7 +362,11 @@ class AttributionEngine:
         off has its tick's ``sampled_at`` corrected by its offset before anything else judges it, so it is
         billed in the windows it was really sampled in. A tick whose time is impossible (out of range, late)
         only because its node's clock just moved is refused ``CLOCK_SKEW`` rather than ``OUT_OF_RANGE``/``LATE``."""
-        check_sample_names(sample)
+        packed: PackedNodeSample | None = getattr(sample, "packed", None)  # decoded from v4: judged on its arrays
+        if packed is not None:
+            check_packed_sample_names(packed)
+        else:
+            check_sample_names(sample)
         key: NodeKey = (sample.cluster, sample.node_name)
         reading: ClockReading | None = None
         if appended_at_ms is not None:
@@ -367,8 +378,12 @@ class AttributionEngine:
                                              sampled_at_unix_ms=sample.sampled_at_unix_ms - reading.offset_ms)
         age = self.config.max_sample_age_seconds
         try:
-            check_sample(sample, now_ms, self.config.max_clock_skew_seconds * 1000,
-                         None if age is None else age * 1000, names=False)
+            if getattr(sample, "packed", None) is not None:  # not when its time was corrected: then a new sample
+                check_packed_sample(packed, now_ms, self.config.max_clock_skew_seconds * 1000,
+                                    None if age is None else age * 1000, names=False)
+            else:
+                check_sample(sample, now_ms, self.config.max_clock_skew_seconds * 1000,
+                             None if age is None else age * 1000, names=False)
         except OutOfRange as exc:
             if reading is not None and reading.moved and reading.offset_ms:
                 raise ClockSkew(f"{exc.detail}{_clock_note(reading)}") from None
