@@ -346,7 +346,9 @@ def close_burst(nodes: int, repeats: int, gpus_per_node: int = 8, pods_per_gpu: 
     the close's figure, the others the taking in. The engine as it runs (each tick summed into its window as it
     arrives, ``attribution.OpenNodeWindow``) against every tick summed at the close (what the engine did before),
     alternately, best of ``repeats``. Both close to the same rows (checked). The close's figure includes building
-    the record the attributor emits for each window (``WindowResult.record``)."""
+    the record the attributor emits for each window (``WindowResult.record``); as the engine runs, a window is
+    attributed when its node's first grace tick arrives (``OpenNodeWindow.close_early``: counted in the taking in)
+    and its close hands that record out."""
     import gc
 
     data = build_input(nodes, WINDOW_SECONDS + GRACE_SECONDS + 1, gpus_per_node, pods_per_gpu)

@@ -1367,6 +1367,10 @@ def node_window_record(window: NodeWindow, pods: PodLookup, policy: AttributionP
     described two ways."""
     if not window.samples:
         return None
+    if open_window is not None:
+        early, record = open_window.early_record(window, pods, policy)
+        if early:
+            return record
     builder = NodeWindowBuilder()
     for device, unit in _attributed_units(window, pods, policy, open_window):
         rows = unit.rows
@@ -1893,6 +1897,39 @@ def _lane_tick_ok(packed: PackedNodeSample) -> bool:
 
 
 
+class _ReadPods:
+    """The pods as a window's attribution reads them, remembering each lookup and what it found (``PodLookup``'s
+    reads attribution makes: ``assignments_for``, ``pod``, ``generation``), so that it can be told later whether
+    any of them would find something else."""
+
+    __slots__ = ("pods", "generation", "assignments", "infos")
+
+    def __init__(self, pods: PodLookup) -> None:
+        self.pods = pods
+        self.generation = pods.generation
+        self.assignments: dict[tuple[str, ...], tuple[PodInfo, ...]] = {}
+        self.infos: dict[str, PodInfo | None] = {}
+
+    def assignments_for(self, base_ids: Iterable[str]) -> tuple[tuple[PodInfo, UnitAssignment], ...]:
+        keys = tuple(base_ids)
+        found = self.pods.assignments_for(keys)
+        self.assignments[keys] = tuple(info for info, _claim in found)
+        return found
+
+    def pod(self, uid: str) -> PodInfo | None:
+        info = self.infos[uid] = self.pods.pod(uid)
+        return info
+
+    def unchanged_in(self, pods: PodLookup) -> bool:
+        """Whether every lookup made through this finds the same pods (the same ``PodInfo`` objects: a pod's
+        info is replaced, never changed, when an event changes it) in ``pods`` now."""
+        for keys, infos in self.assignments.items():
+            found = pods.assignments_for(keys)
+            if len(found) != len(infos) or any(a[0] is not b for a, b in zip(found, infos)):
+                return False
+        return all(pods.pod(uid) is info for uid, info in self.infos.items())
+
+
 class OpenNodeWindow:
     """One node window's attribution summed tick by tick as its ticks arrive, so that its close is O(units): the
     per-tick work (splitting ticks into units, their weights and holders, each tick's memory and compute
@@ -1910,7 +1947,7 @@ class OpenNodeWindow:
     not the per-unit ticks."""
 
     __slots__ = ("window_ms", "policy", "samples", "slots", "meta", "units", "in_order", "_last_order", "_pods",
-                 "_lane")
+                 "_lane", "_early")
 
     def __init__(self, window_seconds: int, policy: AttributionPolicy) -> None:
         self.window_ms = window_seconds * 1000
@@ -1925,10 +1962,13 @@ class OpenNodeWindow:
         self._pods: PodLookup | None = None
         # Whole-GPU ticks summed from their v4 columns (``_PackedLane``); None: the object path
         self._lane: _PackedLane | None = None
+        # (ticks taken in, pods, what was read of them, the record) of ``close_early``
+        self._early: tuple[int, PodLookup, _ReadPods, NodeWindowShares | None] | None = None
 
     def add(self, sample: NodeSample, pods: PodLookup, pods_generation: int) -> None:
         """Sum one tick. ``pods``: the pods known now; ``pods_generation`` changes whenever they change
         (``LivePodIndex.generation``; a caller passing immutable indexes passes a new number for each)."""
+        self._early = None
         if not self.in_order:
             return
         if not self.samples:
@@ -1977,6 +2017,31 @@ class OpenNodeWindow:
         for unit in self.units.values():
             if unit.usable:
                 unit.settle(self.slots)
+
+    def close_early(self, window: NodeWindow, pods: PodLookup) -> None:
+        """``settle``, then attribute ``window`` (the ticks taken in, in order) against ``pods`` now and keep its
+        record, with what was read of the pods, for the close (``early_record``): the node's ticks have moved on
+        to its next window, and every node's window closes in the same second, so its attribution is done in its
+        grace, not in that burst."""
+        self.settle()
+        if not (self.in_order and self.samples and self.holds(window, self.policy)):
+            return
+        read = _ReadPods(pods)
+        self._early = (len(self.samples), pods, read, node_window_record(window, read, self.policy, self))
+
+    def early_record(self, window: NodeWindow, pods: PodLookup, policy: AttributionPolicy
+                     ) -> tuple[bool, NodeWindowShares | None]:
+        """(True, the record ``close_early`` made) where it is the one ``window`` closes to now: the same ticks and
+        policy, and nothing it read of the pods changed since (every pod index change moves ``generation``; when
+        it moved, each lookup is made again and must find the very same pods); else (False, None)."""
+        early = self._early
+        if (early is None or early[0] != len(self.samples) or early[1] is not pods
+                or not self.holds(window, policy)):
+            return False, None
+        read = early[2]
+        if pods.generation is None or (pods.generation != read.generation and not read.unchanged_in(pods)):
+            return False, None
+        return True, early[3]
 
     def holds(self, window: NodeWindow, policy: AttributionPolicy) -> bool:
         """Whether this summed exactly ``window``'s ticks, in its order, under ``policy``."""

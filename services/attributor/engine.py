@@ -671,11 +671,14 @@ class AttributionEngine:
         if summed is None:
             summed = node_windows[window_start_unix_ms] = OpenNodeWindow(self.config.window_seconds,
                                                                          self.config.policy)
-            previous = node_windows.get(window_start_unix_ms - self.config.window_seconds * 1000)
+            previous_start = window_start_unix_ms - self.config.window_seconds * 1000
+            previous = node_windows.get(previous_start)
             if previous is not None:
-                # The node's ticks moved on to its next window: the previous one's sums are completed now, in its
-                # grace, rather than at its close, when every node's window closes at once.
-                previous.settle()
+                # The node's ticks moved on to its next window: the previous one is attributed now, in its grace,
+                # rather than at its close, when every node's window closes at once (its close hands the record
+                # out if nothing it read has changed by then: ``OpenNodeWindow.early_record``).
+                previous.close_early(NodeWindow(key[0], key[1], previous_start, self.config.window_seconds,
+                                                tuple(previous.samples)), self._pods)
         summed.add(sample, self._pods, self._pods.generation)
 
     def _attribute(self, key: NodeKey, closed: tuple[NodeWindow, ...]) -> tuple[WindowResult, ...]:

@@ -281,3 +281,71 @@ def test_a_live_index_that_changed_after_the_ticks_is_checked_again(monkeypatch)
     assert attribute_node_window(window, live, policy, summed) == attribute_node_window(window, live, policy)
     assert (count.from_sums, count.from_ticks) == (1, 1)
 
+
+
+def test_a_window_closed_early_hands_out_its_record_until_something_it_read_changes():
+    # ``close_early`` (the engine calls it when a node's ticks move on to its next window) attributes the window in
+    # its grace; its close hands that record out while every pod lookup it made would find the same pods, and
+    # attributes the window again otherwise -- always the record a close from scratch gives.
+    from services.attributor.attribution import node_window_record
+
+    window, _ = _time_sliced_window(60)
+    live = LivePodIndex()
+    for event in _time_sliced_pods():
+        live.apply(event)
+    policy = AttributionPolicy()
+    summed = OpenNodeWindow(WINDOW_S, policy)
+    for sample in window.samples:
+        summed.add(sample, live, live.generation)
+    summed.close_early(window, live)
+    early = node_window_record(window, live, policy, summed)
+    assert early is not None and early == node_window_record(window, live, policy)
+    assert node_window_record(window, live, policy, summed) is early
+
+    # A pod on another node: the index's generation moves, nothing this window read does.
+    generation = live.generation
+    assert live.apply(pod_event("elsewhere", node="node-z", devices=[("nvidia.com/gpu", ["GPU-9::0"])],
+                                observed_at_unix_ms=START + 61_000)).changed
+    assert live.generation != generation
+    assert node_window_record(window, live, policy, summed) is early
+
+    # A holder's label changes: the record must carry the new one.
+    assert live.apply(pod_event("pod-1", devices=[("nvidia.com/gpu", ["GPU-0::1"])], labels={"team": "vision"},
+                                event_type=PodEventType.MODIFIED, observed_at_unix_ms=START + 62_000,
+                                resource_version="2")).changed
+    again = node_window_record(window, live, policy, summed)
+    assert again is not early and again == node_window_record(window, live, policy) and again != early
+
+    # A pod whose process ran here but that the index did not know at the early close arrives before the close
+    # (it holds no device id: only the rows' lookup of it by uid finds it).
+    summed = OpenNodeWindow(WINDOW_S, policy)
+    for sample in window.samples:
+        summed.add(sample, live, live.generation)
+    live_without = LivePodIndex()
+    for event in _time_sliced_pods()[:2]:
+        live_without.apply(event)
+    summed.close_early(window, live_without)
+    before = node_window_record(window, live_without, policy, summed)
+    live_without.apply(pod_event("pod-2", observed_at_unix_ms=START - 20_000))
+    after = node_window_record(window, live_without, policy, summed)
+    assert after is not before and after == node_window_record(window, live_without, policy)
+
+
+def test_a_tick_taken_in_after_the_early_close_is_attributed_at_the_close():
+    from services.attributor.attribution import node_window_record
+
+    window, _ = _time_sliced_window(60)
+    live = LivePodIndex()
+    for event in _time_sliced_pods():
+        live.apply(event)
+    policy = AttributionPolicy()
+    summed = OpenNodeWindow(WINDOW_S, policy)
+    for sample in window.samples[:-1]:
+        summed.add(sample, live, live.generation)
+    shorter = NodeWindow(window.cluster, window.node_name, window.window_start_unix_ms, window.window_seconds,
+                         window.samples[:-1])
+    summed.close_early(shorter, live)
+    early = node_window_record(shorter, live, policy, summed)
+    summed.add(window.samples[-1], live, live.generation)  # a tick of this window, still within its grace
+    whole = node_window_record(window, live, policy, summed)
+    assert whole is not early and whole == node_window_record(window, live, policy)
