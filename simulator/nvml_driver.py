@@ -504,7 +504,10 @@ class SimulatedNvmlLibrary:
     def _nvmlDeviceGetName(self, handle: int | None, name: int | None, length: int) -> None:
         gpu_index, mig_index, _ = self._device("nvmlDeviceGetName", handle)
         gpu = self._gpu(gpu_index)
-        text = gpu.model if mig_index is None else f"{gpu.model} MIG {gpu.sharing.mig_instances[mig_index].profile.name}"
+        if mig_index is None:
+            text = gpu.model
+        else:
+            text = f"{gpu.model} MIG {gpu.sharing.mig_instances[mig_index].profile.name}"
         _write_string(name, length, text)
 
     # ---- memory, utilization, power -------------------------------------------------------------------------
@@ -684,7 +687,9 @@ class SimulatedNvmlLibrary:
         for slot, (pid, used, gi, ci) in zip(array, rows):
             slot.pid, slot.usedGpuMemory, slot.gpuInstanceId, slot.computeInstanceId = pid, used, gi, ci
 
-    def _nvmlDeviceGetComputeRunningProcesses_v3(self, handle: int | None, count: int | None, infos: int | None) -> None:
+    def _nvmlDeviceGetComputeRunningProcesses_v3(
+        self, handle: int | None, count: int | None, infos: int | None
+    ) -> None:
         gpu_index, mig_index, now = self._device("nvmlDeviceGetComputeRunningProcesses_v3", handle)
         obs = self._observation(gpu_index, now)
         units = list(obs.units) if mig_index is None else [obs.units[mig_index]]
@@ -708,7 +713,9 @@ class SimulatedNvmlLibrary:
         rows: list[tuple[int, int, int, int]] = []
         if mig_index is None and self._gpu(gpu_index).sharing.mode == SHARING_MPS:
             unit = self._unit(gpu_index, None, now)
-            rows = [(p.pid, p.used_gpu_memory_bytes, _NOT_IN_MIG, _NOT_IN_MIG) for p in unit.processes if p.is_mps_client]
+            rows = [
+                (p.pid, p.used_gpu_memory_bytes, _NOT_IN_MIG, _NOT_IN_MIG) for p in unit.processes if p.is_mps_client
+            ]
         self._write_processes(count, infos, rows)
 
     def _samples(self, symbol: str, handle: int | None, last_seen_us: int) -> list[tuple[int, int, int, int]]:
