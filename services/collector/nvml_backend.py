@@ -181,7 +181,8 @@ class _Calls:
 
 
 class NvmlBackend:
-    """Samples this node's GPUs through ``nvml`` (pynvml, over the real or the simulated library). See the module docstring."""
+    """Samples this node's GPUs through ``nvml`` (pynvml over the real or the simulated library); see the module
+    docstring."""
 
     def __init__(
         self,
