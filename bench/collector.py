@@ -7,8 +7,9 @@ call, per-process memory and SM utilisation), PID → pod through ``ProcessIdent
 the simulator wrote, ``assemble_node_sample``, ``retain_only``, and the Avro encoding of the ``NodeSample`` it
 hands to the publisher.
 
-What is *not* measured: the simulator. ``FakeNvml`` computes every answer from the simulated world, which real
-NVML does in the driver. So the NVML answers of each tick are recorded once from ``FakeNvml`` and the measured
+What is *not* measured: the simulator. The simulated library (``simulator.nvml_driver``, under nvidia-ml-py's own
+code) computes every answer from the simulated world, which real NVML does in the driver. So the NVML answers of
+each tick are recorded once from it and the measured
 collector runs over ``ReplayNvml``, which hands the recorded answers back in order (and checks that the collector
 asks the same questions). The simulator's own cost per tick is reported separately. The fake ``/proc`` is a
 folder of ordinary files (page-cached); reading the real procfs costs the kernel a little more per file.
@@ -31,7 +32,7 @@ from schemas.catalog import TopicCatalog
 from services.collector.cgroup import ProcessIdentityCache, read_process_identity
 from services.collector.nvml_backend import NvmlBackend
 from services.collector.service import CollectorService
-from simulator.fake_pynvml import FakeNvml
+from simulator.nvml_driver import simulated_pynvml
 from simulator.scenario import Scenario, load_scenario
 from simulator.world import SimWorld
 from services.collector.simulation import node_facts, sharing_config
@@ -185,7 +186,7 @@ class CollectorRig:
         self.tick_times = times
         self.world = SimWorld(scenario)
         self.sim_clock = ManualClock(scenario.start_unix_ms)
-        self.fake = FakeNvml(self.world, self.sim_clock, NODE)
+        self.fake = simulated_pynvml(self.world, self.sim_clock, NODE)
         recorder = RecordingNvml(self.fake)
         backend = NvmlBackend(recorder, self.sim_clock, sharing_by_gpu_uuid=sharing_config(self.node))
         # Tick 0 warms the backend up (nvmlInit, profile caches); ticks 1..n are what the measured runs replay.

@@ -10,7 +10,7 @@ exercised.
 
 Measured (CPU seconds of this process, best of ``REPEATS``):
 
-* **scenario side**: ``scenario_records`` fully consumed — the simulated world, ``FakeNvml`` answering the
+* **scenario side**: ``scenario_records`` fully consumed — the simulated world, ``simulated_pynvml`` (pynvml over the simulated library) answering the
   collector's real ``NvmlBackend``, the fake ``/proc`` and the collector's cgroup reader and sample assembly, for
   every node's every tick — at 10, 20 and 40 nodes; as seconds per simulated hour and per node-hour. The
   linearity ratio is (seconds per node-hour at 40 nodes) / (at 10 nodes): 1.0 is linear.
@@ -18,7 +18,7 @@ Measured (CPU seconds of this process, best of ``REPEATS``):
   attributor's engine, billing, the guard, the ground truth and the JSON-lines output — as ``gpumeter replay``
   does it.
 * **per node-tick**: the NVML calls of one node's tick (what the scenario side's cost grows with), and
-  ``NvmlBackend.read()`` over ``FakeNvml`` against the same reads over the recorded answers: the simulator's
+  ``NvmlBackend.read()`` over ``simulated_pynvml`` against the same reads over the recorded answers: the simulator's
   share of the scenario side against the collector's own.
 
 Target (issue 16): the whole replay of 40 nodes × 8 GPUs × 1 h at 10 s ticks in < 20 s.
@@ -155,13 +155,13 @@ def measure_scenario_side(nodes: int, duration_seconds: int, repeats: int) -> di
 
 def measure_node_tick(ticks: int) -> dict[str, Any]:
     """One node of the fleet through ``ticks`` ticks: NVML calls per tick, and the CPU of ``NvmlBackend.read()``
-    over ``FakeNvml`` (simulator and collector) against the same reads over the simulator's recorded answers
+    over ``simulated_pynvml`` (simulator and collector) against the same reads over the simulator's recorded answers
     (``bench.collector.ReplayNvml``: the collector's part, plus the replay's own small cost per call). The
     difference is what the simulator spends answering (a lower bound, by that replay cost)."""
     from gpumeter.clock import ManualClock
     from services.collector.nvml_backend import NvmlBackend
     from services.collector.simulation import sharing_config
-    from simulator.fake_pynvml import FakeNvml
+    from simulator.nvml_driver import simulated_pynvml
     from simulator.world import SimWorld
 
     from bench.collector import RecordingNvml, ReplayNvml
@@ -171,7 +171,7 @@ def measure_node_tick(ticks: int) -> dict[str, Any]:
         scenario = load_fleet(1, duration_seconds=(ticks + 1) * INTERVAL_S)
         node = scenario.nodes[0]
         clock = ManualClock(scenario.start_unix_ms)
-        fake = FakeNvml(SimWorld(scenario), clock, node.name)
+        fake = simulated_pynvml(SimWorld(scenario), clock, node.name)
         nvml = wrap(fake)
         backend = NvmlBackend(nvml, clock, sharing_by_gpu_uuid=sharing_config(node))
         times = scenario.tick_times_ms()[:ticks + 1]

@@ -2,8 +2,8 @@
 
 ``SimWorld(scenario)`` is a pure function of time: the state at ``t`` depends on the scenario and ``t`` only,
 never on which times were visited before, so a replay is deterministic for a seed whatever the tick pattern.
-``step(now_ms)`` moves the world's current time forward (``FakeNvml`` reads the current state); ``truth(now_ms)``
-and ``pods_at(now_ms)`` can be asked for any time.
+``step(now_ms)`` moves the world's current time forward (the simulated NVML library, ``nvml_driver``, reads the
+current state); ``truth(now_ms)`` and ``pods_at(now_ms)`` can be asked for any time.
 
 How the simulated driver behaves (see docs/scenarios.md for the scenario side):
 

@@ -1,7 +1,8 @@
 """Read every GPU and MIG device of this node through NVML, once per collector tick.
 
 ``NvmlBackend(nvml, clock, ...)`` takes the NVML module as a parameter: the real ``pynvml`` (nvidia-ml-py) in
-production, a ``simulator.fake_pynvml.FakeNvml`` in simulation. The code path is the same for both:
+production, a private copy of pynvml over ``simulator.nvml_driver``'s simulated library in simulation
+(``simulated_pynvml``). The code path is the same for both:
 it only calls pynvml functions and reads pynvml constants and exception classes through ``nvml``.
 
 Contracts:
@@ -180,7 +181,8 @@ class _Calls:
 
 
 class NvmlBackend:
-    """Samples this node's GPUs through ``nvml`` (pynvml or a FakeNvml). See the module docstring."""
+    """Samples this node's GPUs through ``nvml`` (pynvml over the real or the simulated library); see the module
+    docstring."""
 
     def __init__(
         self,

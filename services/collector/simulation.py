@@ -2,8 +2,8 @@
 
 Two shapes share the same parts:
 
-* ``SimulatedNode`` (async, ``gpumeter collector --simulate``): the real ``NvmlBackend`` over ``FakeNvml``, the
-  real cgroup reader over a fake proc root the world writes, the real PodResources client against our gRPC
+* ``SimulatedNode`` (async, ``gpumeter collector --simulate``): the real ``NvmlBackend`` over pynvml on the
+  simulated library (``simulator.nvml_driver``), the real cgroup reader over a fake proc root the world writes, the real PodResources client against our gRPC
   ``FakeKubelet``, and the real pod watch against our ``FakeApiServer``. Time runs ``time_scale`` times faster
   than the wall clock, from the scenario's start.
 * ``node_streams`` (sync, for ``gpumeter replay``): the same backend, cgroup reader, pod parser and assembly
@@ -36,7 +36,7 @@ from services.collector.pods import (
 from services.collector.podresources.client import ContainerClaimDevice
 from simulator import dra as sim_dra
 from simulator.apiserver import make_namespace_object, make_node_object, make_pod_object
-from simulator.fake_pynvml import FakeNvml
+from simulator.nvml_driver import simulated_pynvml
 from simulator.scenario import NamespaceSpec, NodeSpec, Scenario
 from simulator.world import SimPod, SimWorld
 
@@ -186,7 +186,7 @@ def node_streams(scenario: Scenario, node_name: str, proc_root: Path | None = No
     node = scenario.node(node_name)
     world = SimWorld(scenario)
     clock = ManualClock(scenario.start_unix_ms)
-    backend = NvmlBackend(FakeNvml(world, clock, node_name), clock, sharing_by_gpu_uuid=sharing_config(node))
+    backend = NvmlBackend(simulated_pynvml(world, clock, node_name), clock, sharing_by_gpu_uuid=sharing_config(node))
     owned_root = proc_root is None
     root = Path(tempfile.mkdtemp(prefix="gpumeter-proc-")) if owned_root else proc_root
     identities = ProcessIdentityCache(root)
@@ -258,7 +258,8 @@ def _on_node_clock(sample: NodeSample, events: list[PodEvent], skew_ms: int) -> 
 
 
 class SimulatedNode:
-    """The simulated peers of one collector process: fake proc root, FakeKubelet, FakeApiServer, FakeNvml."""
+    """The simulated peers of one collector process: fake proc root, FakeKubelet, FakeApiServer, the simulated
+    NVML library."""
 
     def __init__(self, scenario: Scenario, node_name: str, time_scale: float, workdir: Path) -> None:
         from simulator.apiserver import FakeApiServer
@@ -279,7 +280,7 @@ class SimulatedNode:
         self._served: dict[str, SimPod] = {}
         self._claims: dict[tuple[str, str], dict] = {}
         self._api_started = False
-        self.backend = NvmlBackend(FakeNvml(self.world, self.clock, node_name), self.clock,
+        self.backend = NvmlBackend(simulated_pynvml(self.world, self.clock, node_name), self.clock,
                                    sharing_by_gpu_uuid=sharing_config(self.node))
 
     @property

@@ -23,7 +23,7 @@ from schemas.devices import DeviceIdKind, parse_device_id, resolve_device_id, re
 from schemas.records import PodEvent
 from services.collector.nvml_backend import NvmlBackend
 from services.collector.simulation import sharing_config
-from simulator.fake_pynvml import FakeNvml
+from simulator.nvml_driver import simulated_pynvml
 from simulator.scenario import load_scenario
 from simulator.world import SimWorld
 
@@ -74,7 +74,7 @@ def test_the_nvml_backend_names_every_gpu_and_mig_device_by_its_index():
     scenario = load_scenario(REPO / "scenarios" / "mig_mixed.yaml")
     node = scenario.nodes[0]
     clock = ManualClock(scenario.start_unix_ms + 30_000)
-    backend = NvmlBackend(FakeNvml(SimWorld(scenario), clock, node.name), clock,
+    backend = NvmlBackend(simulated_pynvml(SimWorld(scenario), clock, node.name), clock,
                           sharing_by_gpu_uuid=sharing_config(node))
     assert backend.uuid_by_index == {}  # nothing read yet
     devices = backend.read().devices

@@ -486,7 +486,7 @@ def _windows(rows):
 
 def test_the_nvml_backend_reports_what_a_claim_configures_over_the_device_plugin_config():
     from services.collector.nvml_backend import NvmlBackend
-    from simulator.fake_pynvml import FakeNvml
+    from simulator.nvml_driver import simulated_pynvml
     from simulator.world import SimWorld
 
     scenario = load_scenario(SCENARIO)
@@ -494,7 +494,7 @@ def test_the_nvml_backend_reports_what_a_claim_configures_over_the_device_plugin
     clock = ManualClock(scenario.start_unix_ms + 30_000)
     world = SimWorld(scenario)
     world.step(clock.now_ms())
-    backend = NvmlBackend(FakeNvml(world, clock, node.name), clock,
+    backend = NvmlBackend(simulated_pynvml(world, clock, node.name), clock,
                           sharing_by_gpu_uuid={node.gpus[0].uuid: (SharingMode.EXCLUSIVE, 1)})
     modes = {d.uuid: (d.sharing_mode, d.replicas) for d in backend.read().devices}
     assert modes[node.gpus[0].uuid] == (SharingMode.EXCLUSIVE, 1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
+from types import ModuleType
 
 import pynvml
 import pytest
@@ -25,7 +26,7 @@ from services.collector.assemble import NodeFacts
 from services.collector.cgroup import ProcessIdentityCache
 from services.collector.nvml_backend import NvmlBackend
 from services.collector.service import CollectorService
-from simulator.fake_pynvml import FakeNvml
+from simulator.nvml_driver import simulated_pynvml
 from simulator.world import SimWorld
 from tests.unit.collector.test_nvml_backend import Proxy, scenario, sharing_config
 
@@ -40,7 +41,7 @@ class Switch:
         self.code: int | None = None
         self.spared = spared
 
-    def wrap(self, fake: FakeNvml) -> Proxy:
+    def wrap(self, fake: ModuleType) -> Proxy:
         overrides = {}
         for name in dir(fake):
             if not name.startswith("nvml") or name in self.spared:
@@ -71,7 +72,7 @@ def collector(switch: Switch):
     s = scenario("exclusive")
     node = s.nodes[0]
     clock = ManualClock(s.start_unix_ms + 30_000)
-    fake = FakeNvml(SimWorld(s), clock, node.name)
+    fake = simulated_pynvml(SimWorld(s), clock, node.name)
     backend = NvmlBackend(switch.wrap(fake), clock, sharing_by_gpu_uuid=sharing_config(node))
     publisher = Recorder()
     metrics = ServiceMetrics("collector")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections import Counter
 from pathlib import Path
 
 import pynvml
@@ -19,7 +20,7 @@ from services.collector.nvml_backend import (
     NvmlBackend,
     RawDeviceSample,
 )
-from simulator.fake_pynvml import FakeNvml
+from simulator.nvml_driver import simulated_pynvml
 from simulator.scenario import NodeSpec, Scenario, load_scenario
 from simulator.world import SimWorld
 
@@ -79,7 +80,7 @@ def make(s: Scenario, node_name: str | None = None, *, configured: bool = True, 
     world = SimWorld(s)
     clock = ManualClock(s.start_unix_ms)
     node = s.node(node_name) if node_name else s.nodes[0]
-    fake = FakeNvml(world, clock, node.name)
+    fake = simulated_pynvml(world, clock, node.name)
     nvml = wrap(fake) if wrap else fake
     backend = NvmlBackend(
         nvml, clock, sharing_by_gpu_uuid=sharing_config(node) if configured else None, metrics=metrics
@@ -101,7 +102,7 @@ def test_backend_agrees_with_the_world_on_every_tick(name):
     world = SimWorld(s)
     clock = ManualClock(s.start_unix_ms)
     backends = {
-        n.name: NvmlBackend(FakeNvml(world, clock, n.name), clock, sharing_by_gpu_uuid=sharing_config(n))
+        n.name: NvmlBackend(simulated_pynvml(world, clock, n.name), clock, sharing_by_gpu_uuid=sharing_config(n))
         for n in s.nodes
     }
     for tick in s.tick_times_ms():
@@ -243,18 +244,21 @@ def test_configured_mig_with_mig_mode_off_is_unknown():
     world = SimWorld(s)
     clock = ManualClock(s.start_unix_ms + 10_000)
     uuid = s.nodes[0].gpus[0].uuid
-    backend = NvmlBackend(FakeNvml(world, clock), clock, sharing_by_gpu_uuid={uuid: (SharingMode.MIG, 1)})
+    backend = NvmlBackend(simulated_pynvml(world, clock), clock, sharing_by_gpu_uuid={uuid: (SharingMode.MIG, 1)})
     assert backend.sample()[0].sharing_mode == SharingMode.UNKNOWN
 
 
 def test_mps_gpus_are_not_asked_for_process_utilization():
     s = scenario("mps")
-    _, clock, fake, _, backend = make(s)
+    _, clock, fake, nvml, backend = make(s, wrap=Proxy)
     for tick in s.tick_times_ms()[:3]:
         clock.set_ms(tick)
         backend.sample()
-    assert fake.call_counts["nvmlDeviceGetProcessUtilization"] == 0
-    assert fake.call_counts["nvmlDeviceGetMPSComputeRunningProcesses"] == 3
+    called = Counter(name for name, _, _ in nvml.calls)
+    assert called["nvmlDeviceGetProcessUtilization"] == 0
+    assert called["nvmlDeviceGetMPSComputeRunningProcesses"] == 3
+    # nor did pynvml reach the driver's symbol some other way
+    assert fake.nvmlLib.call_counts["nvmlDeviceGetProcessUtilization"] == 0
 
 
 # ---- per-process utilization ---------------------------------------------------------------------------------
@@ -428,7 +432,8 @@ def test_each_failing_call_is_recorded_and_documented_not_supported_is_not():
         raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
 
     keep = {"nvmlInit", "nvmlDeviceGetCount", "nvmlDeviceGetHandleByIndex", "nvmlDeviceGetUUID", "nvmlDeviceGetName"}
-    names = [n for n in dir(FakeNvml) if n.startswith("nvml") and n not in keep]
+    names = [n for n in dir(pynvml) if n.startswith("nvml") and callable(getattr(pynvml, n))
+             and not isinstance(getattr(pynvml, n), type) and n not in keep]
     s = scenario("exclusive")
     _, clock, _, _, backend = make(s, wrap=lambda f: Proxy(f, **{n: not_supported for n in names}))
     at(s, clock, 30)
@@ -526,11 +531,11 @@ def test_metrics_hook_sees_every_call_and_its_outcome():
             seen.append((function, error_code))
 
     s = scenario("faults")
-    _, clock, fake, _, backend = make(s, metrics=Hook())
+    _, clock, _, nvml, backend = make(s, metrics=Hook(), wrap=Proxy)
     at(s, clock, 30)
     backend.sample()
     assert ("nvmlInit", None) in seen and ("nvmlDeviceGetPowerUsage", "NOT_SUPPORTED") in seen
-    assert len(seen) == sum(fake.call_counts.values())
+    assert [function for function, _ in seen] == [name for name, _, _ in nvml.calls]
 
 
 def test_close_shuts_nvml_down_and_a_later_read_initialises_again():
@@ -542,7 +547,8 @@ def test_close_shuts_nvml_down_and_a_later_read_initialises_again():
     with pytest.raises(pynvml.NVMLError_Uninitialized):
         fake.nvmlDeviceGetCount()
     assert len(backend.sample()) == 4
-    assert fake.call_counts["nvmlInit"] == 2 and fake.call_counts["nvmlShutdown"] == 1
+    calls = fake.nvmlLib.call_counts
+    assert calls["nvmlInitWithFlags"] == 2 and calls["nvmlShutdown"] == 1
 
 
 def test_the_real_pynvml_module_never_raises_out_of_read():
