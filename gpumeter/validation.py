@@ -513,7 +513,9 @@ def check_window_cost(cost: NodeWindowCost, now_unix_ms: int, max_clock_skew_ms:
             _check_fraction(where, name, value)
 
 
-# Pod lists and (device, pid) lists seen free of repeats, by their bytes: a node's ticks repeat them.
+_NO_PARENTS = np.array([-1], dtype="<i2").tobytes()  # device_parent_uuid of a GPU
+_GPU_NAME_PAIRS: dict[tuple[str, ...], tuple[tuple[str, None], ...]] = {}
+# Pod lists and process lists (pids, pod slots) seen valid, by their bytes: a node's ticks repeat them.
 _UNIQUE_LISTS: set[bytes] = set()
 _UNIQUE_LISTS_MAX = 16_384
 
@@ -537,7 +539,8 @@ def _clearly_valid(sample: PackedNodeSample, now_unix_ms: int, max_clock_skew_ms
     if (sample.pod_uid_texts or sampled_at < EARLIEST_UNIX_MS or sampled_at > now_unix_ms + max_clock_skew_ms
             or (max_age_ms is not None and sampled_at < now_unix_ms - max_age_ms)
             or sample.sequence < 0 or sample.interval_ms < 0 or not devices or len(sample.mps_server_pids)
-            or len(set(sample.device_uuids)) != devices or sample.device_parent_uuid.max() >= 0):
+            or len(set(sample.device_uuids)) != devices
+            or sample.device_parent_uuid.tobytes() != _NO_PARENTS * devices):
         return False
     pod_uids = sample.pod_uids
     if not _unique_list_seen(b"p" + pod_uids.tobytes(), lambda: len(np.unique(pod_uids)) == len(pod_uids)):
@@ -556,26 +559,36 @@ def _clearly_valid(sample: PackedNodeSample, now_unix_ms: int, max_clock_skew_ms
             return False
     if not sample.process_count:
         return True
-    pids, pods = sample.process_pid, sample.process_pod_index
     memory, sm = sample.process_used_memory_bytes, sample.process_sm_utilization_percent
     # Every process's memory against the smallest total: enough where it passes (a device whose memory is unknown
     # only raises its own limit).
-    if (pids.min() < 0 or pods.min() < -1 or pods.max() >= len(pod_uids) or memory.min() < -1
-            or memory.max() > min(totals) or sm.min() < -1 or sm.max() > 100):
+    if memory.min() < -1 or memory.max() > min(totals) or sm.min() < -1 or sm.max() > 100:
         return False
-    counts = sample.device_process_count
+    pids, pods, counts = sample.process_pid, sample.process_pod_index, sample.device_process_count
 
-    def unique_per_device() -> bool:
+    def processes_valid() -> bool:  # non-negative pids, each once per device; pod slots of this tick's pods
+        if pids.min() < 0 or pods.min() < -1 or pods.max() >= len(pod_uids):
+            return False
         keys = (np.repeat(np.arange(devices, dtype=np.int64), counts) << 32) | (pids.astype(np.int64) & 0xFFFFFFFF)
         return len(np.unique(keys)) == len(keys)
 
-    return _unique_list_seen(b"d" + counts.tobytes() + pids.tobytes(), unique_per_device)
+    # A node's ticks repeat their processes: judged once per (pod count, processes per device, pids, pod slots).
+    key = b"d%d:" % len(pod_uids) + counts.tobytes() + pids.tobytes() + pods.tobytes()
+    return _unique_list_seen(key, processes_valid)
 
 
 def check_packed_sample_names(sample: PackedNodeSample) -> None:
     """``check_sample_names`` of a NodeSample v4 record: one set lookup when its names were seen valid before."""
-    key = (sample.cluster, sample.node_name, sample.pod_uid_strings(),
-           tuple(zip(sample.device_uuids, sample.device_parent_uuid_strings())))
+    uuids = sample.device_uuids
+    if sample.device_parent_uuid.tobytes() == _NO_PARENTS * len(uuids):  # whole GPUs: the pairs repeat tick to tick
+        pairs = _GPU_NAME_PAIRS.get(uuids)
+        if pairs is None:
+            if len(_GPU_NAME_PAIRS) >= _VALID_SAMPLE_NAMES_MAX:
+                _GPU_NAME_PAIRS.clear()
+            pairs = _GPU_NAME_PAIRS[uuids] = tuple((uuid, None) for uuid in uuids)
+    else:
+        pairs = tuple(zip(uuids, sample.device_parent_uuid_strings()))
+    key = (sample.cluster, sample.node_name, sample.pod_uid_strings(), pairs)
     if key not in _VALID_SAMPLE_NAMES:
         _check_sample_names(sample.to_node_sample())
 
