@@ -168,3 +168,23 @@ def test_10000_pods_churning_through_windows_leave_only_the_live_pods_series():
     assert {dict(labels)["node"] for labels in scraped(metrics, "gpumeter_node_cost_micro_usd_total")} == \
         {"n0", "n1", "n4", "n5"}
     assert series.series_count()["gpumeter_pod_gpu_cost_micro_usd_total"] == 4 * per_node
+
+
+def test_a_pod_series_removed_and_billed_again_is_exported_anew():
+    # A pod leaves its node for one window (its series go) and comes back: the series is exported again, from that
+    # window's cost (a removed counter starts over, as Prometheus's rate() expects of a new series).
+    metrics, series = billing_series()
+    windows = [["back", "stays"], ["stays"], ["back", "stays"]]
+    priced = []
+    for w, names in enumerate(windows):
+        idle = bucket(ShareSubjectKind.IDLE, 1.0 - 0.4 * len(names))
+        units = [Unit("GPU-aaaa", [pod(n, 0.4, "ml", team="t") for n in names] + [idle])]
+        priced.append(observe(series, node_window(units, window_start_ms=WINDOW_START_MS + w * 60_000)))
+        exported = {dict(labels)["pod"]: value
+                    for labels, value in scraped(metrics, "gpumeter_pod_gpu_cost_micro_usd_total").items()}
+        gauges = {dict(labels)["pod"] for labels in scraped(metrics, "gpumeter_pod_gpu_memory_share")}
+        assert set(exported) == gauges == {f"pod-{n}" for n in names}
+    last = {r.pod_name: r.cost_micro_usd for r in priced[2].costs if r.subject_kind is CostSubjectKind.POD}
+    assert exported["pod-back"] == last["pod-back"] > 0
+    assert exported["pod-stays"] == sum(r.cost_micro_usd for p in priced for r in p.costs
+                                        if r.pod_name == "pod-stays" and r.subject_kind is CostSubjectKind.POD)
