@@ -1761,7 +1761,7 @@ class _PackedLane:
         interval = packed.interval_ms
         self.covered_ms += interval
         window_ms = self.window.window_ms
-        self.buffer.append((packed, interval if interval <= window_ms else window_ms))
+        self.buffer.append((packed, interval if interval <= window_ms else window_ms, sample))
         self.times.append(sample.sampled_at_unix_ms)
         self.last = sample
         if len(self.buffer) >= _LANE_CHUNK_TICKS:
@@ -1772,10 +1772,10 @@ class _PackedLane:
         buffer = self.buffer
         if not buffer:
             return
-        packs = [p for p, _ in buffer]
+        packs = [p for p, _, _ in buffer]
         ticks, devices = len(packs), len(self.units)
-        self.intervals.extend(i for _, i in buffer)
-        w = np.array([i for _, i in buffer], dtype=np.float64)  # interval * capacity fraction 1.0
+        self.intervals.extend(i for _, i, _ in buffer)
+        w = np.array([i for _, i, _ in buffer], dtype=np.float64)  # interval * capacity fraction 1.0
         weight = np.empty((ticks, devices))
         weight[:] = w[:, None]
         concatenate, shape = np.concatenate, (ticks, devices)
@@ -1856,6 +1856,8 @@ class _PackedLane:
         self.present[unit_of, column] = True
         self.quality += np.stack([~valid, valid & clamped, scaled, ~known,
                                   ~missing & ((util < 0) | (util > 100)), no_process], axis=-1).sum(axis=0)
+        for _packed, _interval, sample in buffer:
+            sample.release_columns()  # summed: the window keeps the tick, not its arrays
         buffer.clear()
 
     def close(self) -> None:
@@ -2004,6 +2006,7 @@ class OpenNodeWindow:
             unit.add(tick, self.window_ms, self.slots, pods, pods_generation, self.policy)
         if packed is not None:
             self._lane = _PackedLane.open(self, sample, packed, pods_generation)
+            sample.release_columns()  # type: ignore[attr-defined]  # summed through its devices
 
     def _close_lane(self) -> None:
         if self._lane is not None:

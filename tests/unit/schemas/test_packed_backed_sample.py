@@ -52,3 +52,17 @@ def test_decoded_sample_is_immutable_and_replace_gives_a_plain_sample() -> None:
     assert moved == dataclasses.replace(sample, sampled_at_unix_ms=sample.sampled_at_unix_ms - 5_000)
     for copied in (pickle.loads(pickle.dumps(decoded)), copy.deepcopy(decoded)):
         assert type(copied) is NodeSample and copied == sample
+
+
+def test_a_sample_that_let_its_columns_go_still_says_the_same_and_builds_its_devices_from_its_message() -> None:
+    codec = codec_for(NodeSample)
+    for sample in _samples("mig_mixed") + _samples("faults"):
+        decoded = codec.decode(codec.encode(sample))
+        decoded.release_columns()
+        assert decoded.packed is None
+        assert decoded == sample and decoded.devices == sample.devices
+    built = NodeSample(*[getattr(sample, f.name) for f in dataclasses.fields(NodeSample)])
+    without_message = PackedBackedNodeSample.over(codec.decode_packed(codec.encode(built)), tuple(
+        None if f.name == "devices" else getattr(built, f.name) for f in dataclasses.fields(NodeSample)))
+    without_message.release_columns()  # nothing to build them from again: the columns stay
+    assert without_message.packed is not None and without_message == built
