@@ -26,6 +26,7 @@ from typing import Any, Iterable, Sequence
 
 from sqlalchemy import BigInteger, Boolean, Double, Integer, SmallInteger, String, Table, Text, bindparam
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import Connection
 
 DO_NOTHING = "nothing"
@@ -37,6 +38,13 @@ _PG_COPY_TYPES = ((BigInteger, "int8"), (SmallInteger, "int2"), (Integer, "int4"
 
 def _pg_copy_type(table: Table, name: str) -> str:
     column_type = table.c[name].type
+    if isinstance(column_type, ARRAY):
+        # A one-dimensional array of one of the types below (a Python list; ``line_packs``' columns).
+        return _pg_element_type(table, name, column_type.item_type) + "[]"
+    return _pg_element_type(table, name, column_type)
+
+
+def _pg_element_type(table: Table, name: str, column_type: Any) -> str:
     for python_type, sql in _PG_COPY_TYPES:
         if isinstance(column_type, python_type):
             return sql
