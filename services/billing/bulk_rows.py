@@ -133,6 +133,19 @@ class BulkInsert:
             rows = processed
         connection.exec_driver_sql(sql, list(rows))
 
+    def execute_copy(self, connection: Connection, payload: bytes) -> None:
+        """PostgreSQL: insert the rows of ``payload``, a whole binary ``COPY`` of ``columns`` (signature, rows,
+        trailer) that the caller encoded itself, as ``execute`` inserts rows (``line_packs.copy_payload``)."""
+        if connection.dialect.name != "postgresql":
+            raise ValueError(f"{self.table.name}: an encoded COPY is PostgreSQL's")
+        create, copy, insert, clear, _types = self._postgresql_statements()
+        connection.exec_driver_sql(create)
+        with connection.connection.driver_connection.cursor() as cursor:
+            with cursor.copy(copy) as stream:
+                stream.write(payload)
+        connection.exec_driver_sql(insert)
+        connection.exec_driver_sql(clear)
+
     def _copy_postgresql(self, connection: Connection, rows: Sequence[tuple]) -> None:
         create, copy, insert, clear, types = self._postgresql_statements()
         width = len(self.columns)

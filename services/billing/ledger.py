@@ -943,8 +943,8 @@ class Ledger:
         added = self._insert_label_sets(connection, dict(zip(ids, costs)))
         if self._packed:
             cache = self._ids
-            _LINE_PACKS_INSERT.execute(connection, line_packs.pack_rows(
-                line_ids.row_values(c, i, cache) for c, i in zip(costs, ids)))
+            _LINE_PACKS_INSERT.execute_copy(connection, line_packs.copy_payload(line_packs.pack_rows(
+                line_ids.row_values(c, i, cache) for c, i in zip(costs, ids))))
         elif self._by_ids:
             cache = self._ids
             _LINE_ROWS_INSERT.execute(connection, [line_ids.row_values(c, i, cache) for c, i in zip(costs, ids)])

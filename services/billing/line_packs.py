@@ -48,7 +48,10 @@ array is written whole (a NULL array: no line trued), in the true-up's one trans
 
 from __future__ import annotations
 
+import struct
 from typing import Iterable, Mapping, Sequence
+
+import numpy as np
 
 from sqlalchemy import BigInteger, Column, Double, Integer, MetaData, PrimaryKeyConstraint, SmallInteger, Table, text
 from sqlalchemy.dialects.postgresql import ARRAY
@@ -124,6 +127,39 @@ def pack_rows(rows: Iterable[Sequence]) -> list[tuple]:
                                  "and pod ids")
         out.append((start, node, *([r[i] for r in lines] for i in _PACKED)))
     return out
+
+
+# PostgreSQL's binary COPY: the signature, flags and header extension; each row's field count; the end.
+COPY_SIGNATURE = b"PGCOPY\n\xff\r\n\x00" + struct.pack(">ii", 0, 0)
+COPY_TRAILER = struct.pack(">h", -1)
+# Each packed column's element: (type oid, numpy dtype of (length, value) big-endian), ``PACK_COLUMNS[2:]`` order.
+_INT8, _INT4, _INT2, _FLOAT8 = ((20, np.dtype([("n", ">i4"), ("v", ">i8")])),
+                                (23, np.dtype([("n", ">i4"), ("v", ">i4")])),
+                                (21, np.dtype([("n", ">i4"), ("v", ">i2")])),
+                                (701, np.dtype([("n", ">i4"), ("v", ">f8")])))
+_ELEMENTS = (_INT8, _INT8, _FLOAT8, _FLOAT8, _FLOAT8, _FLOAT8, _INT4, _INT4, _INT2)
+_ROW_HEAD = struct.Struct(">hiqii")  # field count; window start (length 8, int8); node id (length 4, int4)
+
+
+def copy_payload(packs: Sequence[tuple]) -> bytes:
+    """``packs`` (``pack_rows``' rows, non-empty arrays without NULLs) as one binary ``COPY`` of ``PACK_COLUMNS``,
+    signature to trailer: the bytes psycopg's ``write_row`` sends for them, built a column at a time with numpy
+    (psycopg dumps a list element by element in Python: ~0.5 ms a node-window, an eighth of ingest's budget)."""
+    out = [COPY_SIGNATURE]
+    for pack in packs:
+        start, node, *columns = pack
+        out.append(_ROW_HEAD.pack(len(PACK_COLUMNS), 8, start, 4, node))
+        for values, (oid, dtype) in zip(columns, _ELEMENTS):
+            count = len(values)
+            elements = np.empty(count, dtype)
+            elements["n"] = dtype["v"].itemsize
+            elements["v"] = values
+            body = elements.tobytes()
+            # The array: its length, then one dimension, no NULL, element type, [count] from 1, the elements.
+            out.append(struct.pack(">iiiiii", 20 + len(body), 1, 0, oid, count, 1))
+            out.append(body)
+    out.append(COPY_TRAILER)
+    return b"".join(out)
 
 
 LineKey = tuple[str, str, str, str]  # (gpu uuid or '', subject kind, pod uid or '', shared from or '')

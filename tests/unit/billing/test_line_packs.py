@@ -68,3 +68,24 @@ def test_the_packs_are_copied_as_arrays_of_their_element_types():
     *_sql, types = insert._postgresql_statements()
     assert types == ("int8", "int4", "int8[]", "int8[]", "float8[]", "float8[]", "float8[]", "float8[]", "int4[]",
                      "int4[]", "int2[]")
+
+
+def test_the_encoded_copy_is_the_one_psycopg_writes_for_the_same_rows():
+    from psycopg import postgres
+    from psycopg._copy_base import _binary_signature, _binary_trailer, format_row_binary
+    from psycopg.adapt import Transformer
+    from psycopg.pq import Format
+
+    table = line_packs.define_table(MetaData(), "only_on")
+    types = BulkInsert(table, line_packs.PACK_COLUMNS)._postgresql_statements()[-1]
+    transformer = Transformer()
+    transformer.set_dumper_types([postgres.types[name.rstrip("[]")].array_oid if name.endswith("[]")
+                                  else postgres.types[name].oid for name in types], Format.BINARY)
+    packs = line_packs.pack_rows(ROWS + [(0, -(2 ** 63), -(2 ** 62), float("nan"), float("inf"), 5e-324, -1.5, 3,
+                                          2 ** 31 - 1, -(2 ** 31), -(2 ** 15))])
+    expected = bytearray(line_packs.COPY_SIGNATURE)
+    for pack in packs:
+        format_row_binary(pack, transformer, expected)
+    expected += line_packs.COPY_TRAILER
+    assert line_packs.copy_payload(packs) == bytes(expected)
+    assert (line_packs.COPY_SIGNATURE, line_packs.COPY_TRAILER) == (_binary_signature, _binary_trailer)
