@@ -200,6 +200,7 @@ def ingest(ledger: Any, fleet: MonthFleet, first_minute: int, minutes: int) -> I
 GRAIN_OF_TABLE = {
     "cost_lines": "minute",  # up to revision 0013; from 0014 a view over cost_line_rows and the dictionaries
     "cost_line_rows": "minute",
+    "cost_line_packs": "minute",  # from 0016
     # The dictionaries of the lines' ids (0014): counted with the minute grain, as if they grew with time (the
     # nodes and GPUs do not; the pods do, with the churn).
     "ledger_nodes": "minute",
@@ -564,6 +565,37 @@ def layout_ab(server_url: str, fleet: MonthFleet, *, rounds: int = AB_ROUNDS,
         admin.dispose()
 
 
+def storage_only(nodes: int = FLEET_NODES, ingest_minutes: int = 60) -> dict[str, Any]:
+    """``measure``'s ingest and storage alone (``python -m bench.ledger_month --storage``): ``ingest_minutes`` of the
+    fleet into a fresh ledger at head on a throwaway server, ``VACUUM FULL``, the bytes per grain and the default
+    retention's total (no month filled, no reads)."""
+    from sqlalchemy import create_engine, text
+
+    from gpumeter.devtools.postgres import PostgresServer
+    from services.billing.ledger import Ledger
+
+    fleet = MonthFleet(nodes)
+    with PostgresServer() as server:
+        ledger = Ledger(server.url)
+        try:
+            ledger.migrate()
+            written = ingest(ledger, fleet, 0, ingest_minutes)
+        finally:
+            ledger.close()
+        admin = create_engine(server.url, isolation_level="AUTOCOMMIT")
+        try:
+            with admin.connect() as connection:
+                connection.execute(text("VACUUM FULL ANALYZE"))
+                sizes = table_bytes(connection)
+                rows = table_rows(connection, sorted(sizes))
+        finally:
+            admin.dispose()
+    return {"ingest": {"node_windows": written.node_windows, "write_wall_s": round(written.write_wall_s, 3),
+                       "node_windows_per_s": round(written.node_windows_per_s, 1)},
+            "tables": {name: {"bytes": sizes[name], "rows": rows.get(name, 0)} for name in sorted(sizes)},
+            "storage": storage_per_1000_gpu_days(sizes, rows, ingest_minutes / 60, fleet.gpus)}
+
+
 def layouts_only(nodes: int = FLEET_NODES) -> dict[str, Any]:
     """The lines' layout A/B alone (``python -m bench.ledger_month --layouts``), on a throwaway server."""
     from gpumeter.devtools.postgres import PostgresServer
@@ -679,7 +711,8 @@ if __name__ == "__main__":
     import json
     import sys
 
-    if sys.argv[1:] != ["--layouts"]:
-        raise SystemExit("usage: python -m bench.ledger_month --layouts  (the lines' layout A/B; make bench runs the "
-                         "rest)")
-    print(json.dumps(layouts_only(), indent=2))
+    parts = {"--layouts": layouts_only, "--storage": storage_only}
+    if len(sys.argv) != 2 or sys.argv[1] not in parts:
+        raise SystemExit("usage: python -m bench.ledger_month --layouts|--storage  (the lines' layout A/B, or the "
+                         "ingest and storage alone; make bench runs the whole month)")
+    print(json.dumps(parts[sys.argv[1]](), indent=2))
