@@ -1511,7 +1511,10 @@ class Ledger:
                 if line_updates and self._uses_ids(connection) and self._packed:
                     # PostgreSQL from 0016: ``cost_lines`` is a view; a node-window's lines are one pack, whose
                     # trued-up array is rewritten (``line_packs``).
-                    line_packs.write_trued(connection, line_updates)
+                    try:
+                        line_packs.write_trued(connection, line_updates)
+                    except LookupError as exc:  # raised in the transaction: nothing of the true-up is written
+                        raise LedgerError(f"true-up {trueup_id[:12]}: {exc}") from exc
                 elif line_updates and self._by_ids:
                     # PostgreSQL at 0014 and 0015: ``cost_lines`` is a view; its rows are ``cost_line_rows``.
                     connection.execute(line_ids.trueup_update(LINE_IDS), line_updates)
