@@ -518,6 +518,7 @@ def layout_ab(server_url: str, fleet: MonthFleet, *, rounds: int = AB_ROUNDS,
                              "lines": lines, "line_bytes": line_bytes, "bytes_per_line": round(line_bytes / lines, 1),
                              "dictionary_bytes": sum(sizes.get(name, 0) for name in DICTIONARIES),
                              "bytes_per_bill": round(sizes["node_bills"] / bills, 1)}
+        out["lines_insert"] = lines_insert_ab(ledgers, fleet, first_minute=rounds * minutes)
         start_ms = fleet.start_unix_ms
         end_ms = start_ms + rounds * minutes * WINDOW_MS
 
@@ -554,7 +555,10 @@ def layout_ab(server_url: str, fleet: MonthFleet, *, rounds: int = AB_ROUNDS,
             out[revision]["reads_s"] = {name: min(times) for name, times in timings[revision].items()}
             out[revision]["reads_s_by_round"] = timings[revision]
         old, new = (out[revision] for revision in AB_REVISIONS)
+        inserts = out["lines_insert"]
         ratios = {"bytes_per_line": round(new["bytes_per_line"] / old["bytes_per_line"], 3),
+                  "lines_insert_ms": round(inserts[AB_REVISIONS[1]]["median_ms_per_node_window"]
+                                           / inserts[AB_REVISIONS[0]]["median_ms_per_node_window"], 3),
                   "node_windows_per_s": round(new["node_windows_per_s_total"] / old["node_windows_per_s_total"], 3),
                   **{f"{name}_s": round(new["reads_s"][name] / old["reads_s"][name], 3) for name in reads}}
         return {"rounds": rounds, "minutes_per_round": minutes, "node_windows_per_round": minutes * fleet.nodes,
@@ -563,6 +567,47 @@ def layout_ab(server_url: str, fleet: MonthFleet, *, rounds: int = AB_ROUNDS,
         for ledger in ledgers.values():
             ledger.close()
         admin.dispose()
+
+
+def lines_insert_ab(ledgers: dict[str, Any], fleet: MonthFleet, *, first_minute: int, minutes: int = 4,
+                    repeats: int = 2) -> dict[str, Any]:
+    """The lines' insert alone (``Ledger._insert_lines``: what the layouts differ in), A/B: ``minutes`` more
+    minutes of the fleet in batches of ``BATCH_NODE_WINDOWS`` node-windows, their stored lines (zero lines left on
+    the bill) inserted into each ledger in a transaction rolled back, alternating, ``repeats`` times; ms per
+    node-window (wall and this process's CPU), median and best. The rest of a write (bills, six rollup upserts)
+    is the same code in both and most of its time, so the whole write's rate hides the difference in this
+    machine's noise."""
+    import statistics
+
+    from services.billing.line_storage import is_zero_line
+
+    batches = []
+    for batch in fleet.batches(first_minute, minutes):
+        batches.append(([c for w in batch for c in w.costs
+                         if not is_zero_line(c, w.bill.window_seconds, w.bill.instance_type, w.bill.price_model,
+                                             w.bill.price_version)], len(batch)))
+    for ledger in ledgers.values():
+        ledger._ensure_partitions_for({fleet.start_unix_ms + first_minute * WINDOW_MS})
+        for kept, _windows in batches:
+            ledger._resolve_ids(kept, [])
+    wall: dict[str, list[float]] = {revision: [] for revision in ledgers}
+    cpu: dict[str, list[float]] = {revision: [] for revision in ledgers}
+    for index, (kept, windows) in enumerate(batches * repeats):
+        order = list(ledgers) if index % 2 == 0 else list(ledgers)[::-1]
+        for revision in order:
+            ledger = ledgers[revision]
+            with ledger.engine.connect() as connection:
+                transaction = connection.begin()
+                started, started_cpu = time.perf_counter(), time.process_time()
+                ledger._insert_lines(connection, kept)
+                connection.exec_driver_sql("SELECT 1")  # the insert's statements done
+                wall[revision].append((time.perf_counter() - started) * 1000 / windows)
+                cpu[revision].append((time.process_time() - started_cpu) * 1000 / windows)
+                transaction.rollback()
+    return {revision: {"median_ms_per_node_window": round(statistics.median(wall[revision]), 3),
+                       "best_ms_per_node_window": round(min(wall[revision]), 3),
+                       "client_cpu_median_ms_per_node_window": round(statistics.median(cpu[revision]), 3),
+                       "batches": len(wall[revision])} for revision in ledgers}
 
 
 def storage_only(nodes: int = FLEET_NODES, ingest_minutes: int = 60) -> dict[str, Any]:

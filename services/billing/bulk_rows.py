@@ -139,6 +139,15 @@ class BulkInsert:
         if connection.dialect.name != "postgresql":
             raise ValueError(f"{self.table.name}: an encoded COPY is PostgreSQL's")
         create, copy, insert, clear, _types = self._postgresql_statements()
+        if self.conflict is None:
+            # No conflict to handle (a conflict is an error either way): straight into the table, not through the
+            # staging table (which writes every row twice).
+            quote = postgresql.dialect().identifier_preparer.quote
+            names = ", ".join(quote(name) for name in self.columns)
+            with connection.connection.driver_connection.cursor() as cursor:
+                with cursor.copy(f"COPY {quote(self.table.name)} ({names}) FROM STDIN (FORMAT BINARY)") as stream:
+                    stream.write(payload)
+            return
         connection.exec_driver_sql(create)
         with connection.connection.driver_connection.cursor() as cursor:
             with cursor.copy(copy) as stream:
