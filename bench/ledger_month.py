@@ -200,6 +200,7 @@ def ingest(ledger: Any, fleet: MonthFleet, first_minute: int, minutes: int) -> I
 GRAIN_OF_TABLE = {
     "cost_lines": "minute",  # up to revision 0013; from 0014 a view over cost_line_rows and the dictionaries
     "cost_line_rows": "minute",
+    "cost_line_packs": "minute",  # from 0016
     # The dictionaries of the lines' ids (0014): counted with the minute grain, as if they grew with time (the
     # nodes and GPUs do not; the pods do, with the churn).
     "ledger_nodes": "minute",
@@ -448,29 +449,37 @@ def _rfc3339(unix_ms: int) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# A/B: the lines' layout at revision 0013 (text columns) against 0014's (dictionary ids), in one run
+# A/B: the lines' layout at revision 0015 (a row of ids per line, 0014) against 0016's (a node-window's lines one
+# row of arrays), in one run
 
-AB_REVISIONS = ("0013_lean_lines", "head")
-AB_ROUNDS = 3
+AB_REVISIONS = ("0015_focus_hourly", "head")
+AB_ROUNDS = 4
 AB_MINUTES_PER_ROUND = 4
+AB_READ_ROUNDS = 3
 # The tables holding one minute of lines at each revision (what "bytes per line" counts).
-LINE_TABLES = ("cost_lines", "cost_line_rows")
+LINE_TABLES = ("cost_lines", "cost_line_rows", "cost_line_packs")
 DICTIONARIES = ("ledger_nodes", "ledger_gpus", "ledger_pods", "ledger_line_kinds")
 
 
 def layout_ab(server_url: str, fleet: MonthFleet, *, rounds: int = AB_ROUNDS,
-              minutes: int = AB_MINUTES_PER_ROUND) -> dict[str, Any]:
-    """Two ledgers on one server holding the same fleet minutes, written by ``Ledger.write`` at head in ``rounds``
-    alternating rounds of ``minutes`` minutes each (the first round's order swapped each round); then the first of
-    ``AB_REVISIONS`` taken down to its revision (0014's downgrade gives the lines their 0013 table back; head's
-    write also keeps the hourly FOCUS rollups, which 0013 has not, so it cannot write 0013's layout itself: the
-    rates of both are head's); then each ``VACUUM FULL`` and its lines' bytes (heap and indexes) per stored line,
-    its dictionaries' bytes (0014; a fixed fleet's nodes and GPUs, and its pods: not per line), and its node
-    bills' bytes per bill."""
+              minutes: int = AB_MINUTES_PER_ROUND, read_rounds: int = AB_READ_ROUNDS) -> dict[str, Any]:
+    """Two ledgers on one server, one at each of ``AB_REVISIONS`` (the first migrated only that far: head's code
+    writes its lines as rows of ids, ``cost_line_rows``, the second as packs, ``cost_line_packs``), holding the
+    same fleet minutes, written by ``Ledger.write`` in ``rounds`` alternating rounds of ``minutes`` minutes each
+    (the first round's order swapped each round): the write rates of both layouts. Then each ``VACUUM FULL`` and
+    its lines' bytes (heap, indexes and TOAST) per stored line, its dictionaries' bytes (a fixed fleet's nodes and
+    GPUs, and its pods: not per line), and its node bills' bytes per bill. Then the reads of the lines, alternating
+    over ``read_rounds`` rounds, best of each: ``GET /allocation`` by pod over the minutes written (minute lines),
+    the FOCUS export at minute grain (``focus_dataset``) over them, and one SQL sum by namespace and pod over the
+    view; their answers must be equal."""
     from alembic import command
     from sqlalchemy import create_engine, text
     from sqlalchemy.engine import make_url
 
+    from gpumeter.clock import ManualClock
+    from services.billing.allocation import parse_query
+    from services.billing.api import AllocationApi
+    from services.billing.export import focus_dataset
     from services.billing.ledger import Ledger, _alembic_config
 
     admin = create_engine(server_url, isolation_level="AUTOCOMMIT")
@@ -483,17 +492,17 @@ def layout_ab(server_url: str, fleet: MonthFleet, *, rounds: int = AB_ROUNDS,
                 connection.execute(text(f'DROP DATABASE IF EXISTS "{name}"'))
                 connection.execute(text(f'CREATE DATABASE "{name}"'))
             ledger = Ledger(make_url(server_url).set(database=name).render_as_string(hide_password=False))
-            ledger.migrate()
+            if revision == "head":
+                ledger.migrate()
+            else:
+                with ledger.engine.begin() as connection:
+                    command.upgrade(_alembic_config(connection), revision)
             ledgers[revision] = ledger
         for index in range(rounds):
             order = AB_REVISIONS if index % 2 == 0 else AB_REVISIONS[::-1]
             for revision in order:
                 written = ingest(ledgers[revision], fleet, index * minutes, minutes)
                 rates[revision].append(round(written.node_windows_per_s, 1))
-        for revision, ledger in ledgers.items():
-            if revision != "head":
-                with ledger.engine.begin() as connection:
-                    command.downgrade(_alembic_config(connection), revision)
         out: dict[str, Any] = {}
         for revision, ledger in ledgers.items():
             with ledger.engine.connect() as connection:
@@ -502,16 +511,143 @@ def layout_ab(server_url: str, fleet: MonthFleet, *, rounds: int = AB_ROUNDS,
                 lines = int(connection.execute(text("SELECT count(*) FROM cost_lines")).scalar_one())
                 bills = int(connection.execute(text("SELECT count(*) FROM node_bills")).scalar_one())
             line_bytes = sum(sizes.get(name, 0) for name in LINE_TABLES)
-            out[revision] = {"node_windows_per_s_by_round": rates[revision], "lines": lines,
-                             "line_bytes": line_bytes, "bytes_per_line": round(line_bytes / lines, 1),
+            out[revision] = {"node_windows_per_s_by_round": rates[revision],
+                             # Every round writes as many node-windows: all rounds' rate is the harmonic mean.
+                             "node_windows_per_s_total": round(
+                                 len(rates[revision]) / sum(1 / r for r in rates[revision]), 1),
+                             "lines": lines, "line_bytes": line_bytes, "bytes_per_line": round(line_bytes / lines, 1),
                              "dictionary_bytes": sum(sizes.get(name, 0) for name in DICTIONARIES),
                              "bytes_per_bill": round(sizes["node_bills"] / bills, 1)}
+        out["lines_insert"] = lines_insert_ab(ledgers, fleet, first_minute=rounds * minutes)
+        start_ms = fleet.start_unix_ms
+        end_ms = start_ms + rounds * minutes * WINDOW_MS
+
+        def by_pod(ledger: Any) -> Any:
+            api = AllocationApi(ledger, None, clock=ManualClock(end_ms), max_window_seconds=93 * 86_400,
+                                max_steps=1000)
+            query = parse_query({"window": f"{_rfc3339(start_ms)},{_rfc3339(end_ms)}", "aggregate": "pod",
+                                 "accumulate": "true", "includeIdle": "true"}, end_ms)
+            return api.answer(query)["data"]
+
+        def sql_sum(ledger: Any) -> Any:
+            with ledger.engine.connect() as connection:
+                return sorted((tuple(row) for row in connection.execute(text(
+                    "SELECT namespace, pod_name, sum(cost_micro_usd), count(*) FROM cost_lines "
+                    "WHERE window_start_unix_ms >= :s AND window_start_unix_ms < :e GROUP BY 1, 2"),
+                    {"s": start_ms, "e": end_ms})), key=repr)
+
+        reads = {"allocation_by_pod": by_pod,
+                 "focus_minute": lambda ledger: focus_dataset(ledger, start_ms=start_ms, end_ms=end_ms),
+                 "sql_sum_by_pod": sql_sum}
+        timings: dict[str, dict[str, list[float]]] = {revision: {r: [] for r in reads} for revision in AB_REVISIONS}
+        answers: dict[str, dict[str, Any]] = {revision: {} for revision in AB_REVISIONS}
+        for index in range(read_rounds):
+            order = AB_REVISIONS if index % 2 == 0 else AB_REVISIONS[::-1]
+            for read_name, read in reads.items():
+                for revision in order:
+                    seconds, answers[revision][read_name] = timed_read(lambda: read(ledgers[revision]), repeats=1)
+                    timings[revision][read_name].append(round(seconds, 3))
+        for read_name in reads:
+            first, second = (answers[revision][read_name] for revision in AB_REVISIONS)
+            if first != second:
+                raise AssertionError(f"{read_name} answers differently over the two layouts")
+        for revision in AB_REVISIONS:
+            out[revision]["reads_s"] = {name: min(times) for name, times in timings[revision].items()}
+            out[revision]["reads_s_by_round"] = timings[revision]
+        old, new = (out[revision] for revision in AB_REVISIONS)
+        inserts = out["lines_insert"]
+        ratios = {"bytes_per_line": round(new["bytes_per_line"] / old["bytes_per_line"], 3),
+                  "lines_insert_ms": round(inserts[AB_REVISIONS[1]]["median_ms_per_node_window"]
+                                           / inserts[AB_REVISIONS[0]]["median_ms_per_node_window"], 3),
+                  "node_windows_per_s": round(new["node_windows_per_s_total"] / old["node_windows_per_s_total"], 3),
+                  **{f"{name}_s": round(new["reads_s"][name] / old["reads_s"][name], 3) for name in reads}}
         return {"rounds": rounds, "minutes_per_round": minutes, "node_windows_per_round": minutes * fleet.nodes,
-                **out}
+                "read_rounds": read_rounds, **out, "new_over_old": ratios}
     finally:
         for ledger in ledgers.values():
             ledger.close()
         admin.dispose()
+
+
+def lines_insert_ab(ledgers: dict[str, Any], fleet: MonthFleet, *, first_minute: int, minutes: int = 4,
+                    repeats: int = 2) -> dict[str, Any]:
+    """The lines' insert alone (``Ledger._insert_lines``: what the layouts differ in), A/B: ``minutes`` more
+    minutes of the fleet in batches of ``BATCH_NODE_WINDOWS`` node-windows, their stored lines (zero lines left on
+    the bill) inserted into each ledger in a transaction rolled back, alternating, ``repeats`` times; ms per
+    node-window (wall and this process's CPU), median and best. The rest of a write (bills, six rollup upserts)
+    is the same code in both and most of its time, so the whole write's rate hides the difference in this
+    machine's noise."""
+    import statistics
+
+    from services.billing.line_storage import is_zero_line
+
+    batches = []
+    for batch in fleet.batches(first_minute, minutes):
+        batches.append(([c for w in batch for c in w.costs
+                         if not is_zero_line(c, w.bill.window_seconds, w.bill.instance_type, w.bill.price_model,
+                                             w.bill.price_version)], len(batch)))
+    for ledger in ledgers.values():
+        ledger._ensure_partitions_for({fleet.start_unix_ms + first_minute * WINDOW_MS})
+        for kept, _windows in batches:
+            ledger._resolve_ids(kept, [])
+    wall: dict[str, list[float]] = {revision: [] for revision in ledgers}
+    cpu: dict[str, list[float]] = {revision: [] for revision in ledgers}
+    for index, (kept, windows) in enumerate(batches * repeats):
+        order = list(ledgers) if index % 2 == 0 else list(ledgers)[::-1]
+        for revision in order:
+            ledger = ledgers[revision]
+            with ledger.engine.connect() as connection:
+                transaction = connection.begin()
+                started, started_cpu = time.perf_counter(), time.process_time()
+                ledger._insert_lines(connection, kept)
+                connection.exec_driver_sql("SELECT 1")  # the insert's statements done
+                wall[revision].append((time.perf_counter() - started) * 1000 / windows)
+                cpu[revision].append((time.process_time() - started_cpu) * 1000 / windows)
+                transaction.rollback()
+    return {revision: {"median_ms_per_node_window": round(statistics.median(wall[revision]), 3),
+                       "best_ms_per_node_window": round(min(wall[revision]), 3),
+                       "client_cpu_median_ms_per_node_window": round(statistics.median(cpu[revision]), 3),
+                       "batches": len(wall[revision])} for revision in ledgers}
+
+
+def storage_only(nodes: int = FLEET_NODES, ingest_minutes: int = 60) -> dict[str, Any]:
+    """``measure``'s ingest and storage alone (``python -m bench.ledger_month --storage``): ``ingest_minutes`` of the
+    fleet into a fresh ledger at head on a throwaway server, ``VACUUM FULL``, the bytes per grain and the default
+    retention's total (no month filled, no reads)."""
+    from sqlalchemy import create_engine, text
+
+    from gpumeter.devtools.postgres import PostgresServer
+    from services.billing.ledger import Ledger
+
+    fleet = MonthFleet(nodes)
+    with PostgresServer() as server:
+        ledger = Ledger(server.url)
+        try:
+            ledger.migrate()
+            written = ingest(ledger, fleet, 0, ingest_minutes)
+        finally:
+            ledger.close()
+        admin = create_engine(server.url, isolation_level="AUTOCOMMIT")
+        try:
+            with admin.connect() as connection:
+                connection.execute(text("VACUUM FULL ANALYZE"))
+                sizes = table_bytes(connection)
+                rows = table_rows(connection, sorted(sizes))
+        finally:
+            admin.dispose()
+    return {"ingest": {"node_windows": written.node_windows, "write_wall_s": round(written.write_wall_s, 3),
+                       "node_windows_per_s": round(written.node_windows_per_s, 1)},
+            "tables": {name: {"bytes": sizes[name], "rows": rows.get(name, 0)} for name in sorted(sizes)},
+            "storage": storage_per_1000_gpu_days(sizes, rows, ingest_minutes / 60, fleet.gpus)}
+
+
+def layouts_only(nodes: int = FLEET_NODES) -> dict[str, Any]:
+    """The lines' layout A/B alone (``python -m bench.ledger_month --layouts``), on a throwaway server."""
+    from gpumeter.devtools.postgres import PostgresServer
+
+    fleet = MonthFleet(nodes)
+    with PostgresServer() as server:
+        return layout_ab(server.url, fleet)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -614,3 +750,14 @@ def run(quick: bool) -> tuple[dict[str, Any], list[Target], list[str]]:
              f"written through Ledger.write, copied over {month['days']} days by SQL in {month['fill_s']} s; minute "
              "lines only for the written hours"]
     return figures, targets, notes
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    parts = {"--layouts": layouts_only, "--storage": storage_only}
+    if len(sys.argv) != 2 or sys.argv[1] not in parts:
+        raise SystemExit("usage: python -m bench.ledger_month --layouts|--storage  (the lines' layout A/B, or the "
+                         "ingest and storage alone; make bench runs the whole month)")
+    print(json.dumps(parts[sys.argv[1]](), indent=2))

@@ -26,6 +26,7 @@ from typing import Any, Iterable, Sequence
 
 from sqlalchemy import BigInteger, Boolean, Double, Integer, SmallInteger, String, Table, Text, bindparam
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import Connection
 
 DO_NOTHING = "nothing"
@@ -37,6 +38,13 @@ _PG_COPY_TYPES = ((BigInteger, "int8"), (SmallInteger, "int2"), (Integer, "int4"
 
 def _pg_copy_type(table: Table, name: str) -> str:
     column_type = table.c[name].type
+    if isinstance(column_type, ARRAY):
+        # A one-dimensional array of one of the types below (a Python list; ``line_packs``' columns).
+        return _pg_element_type(table, name, column_type.item_type) + "[]"
+    return _pg_element_type(table, name, column_type)
+
+
+def _pg_element_type(table: Table, name: str, column_type: Any) -> str:
     for python_type, sql in _PG_COPY_TYPES:
         if isinstance(column_type, python_type):
             return sql
@@ -124,6 +132,28 @@ class BulkInsert:
                 processed.append(tuple(values))
             rows = processed
         connection.exec_driver_sql(sql, list(rows))
+
+    def execute_copy(self, connection: Connection, payload: bytes) -> None:
+        """PostgreSQL: insert the rows of ``payload``, a whole binary ``COPY`` of ``columns`` (signature, rows,
+        trailer) that the caller encoded itself, as ``execute`` inserts rows (``line_packs.copy_payload``)."""
+        if connection.dialect.name != "postgresql":
+            raise ValueError(f"{self.table.name}: an encoded COPY is PostgreSQL's")
+        create, copy, insert, clear, _types = self._postgresql_statements()
+        if self.conflict is None:
+            # No conflict to handle (a conflict is an error either way): straight into the table, not through the
+            # staging table (which writes every row twice).
+            quote = postgresql.dialect().identifier_preparer.quote
+            names = ", ".join(quote(name) for name in self.columns)
+            with connection.connection.driver_connection.cursor() as cursor:
+                with cursor.copy(f"COPY {quote(self.table.name)} ({names}) FROM STDIN (FORMAT BINARY)") as stream:
+                    stream.write(payload)
+            return
+        connection.exec_driver_sql(create)
+        with connection.connection.driver_connection.cursor() as cursor:
+            with cursor.copy(copy) as stream:
+                stream.write(payload)
+        connection.exec_driver_sql(insert)
+        connection.exec_driver_sql(clear)
 
     def _copy_postgresql(self, connection: Connection, rows: Sequence[tuple]) -> None:
         create, copy, insert, clear, types = self._postgresql_statements()

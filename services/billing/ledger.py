@@ -16,8 +16,10 @@ Tables (created only by the alembic migrations in ``services/billing/migrations`
     have ``shared_from`` ''; its shared lines (one per bucket kind its node-window shared to pods,
     ``services.billing.sharing``) name the bucket and the method. References its node bill, which records the
     sharing policy (``node_bills.sharing``), and its label set (``label_set_id``). On PostgreSQL (revision 0014)
-    a view of these columns over ``cost_line_rows``, the lines as dictionary ids (``services.billing.line_ids``):
-    every reader reads it as the table it is on SQLite; ``write`` and ``apply_trueup`` write the rows.
+    a view of these columns over the lines as dictionary ids (``services.billing.line_ids``): from revision 0016
+    over ``cost_line_packs``, one row of arrays per node-window (``services.billing.line_packs``; 0014 and 0015:
+    ``cost_line_rows``, a row per line); every reader reads it as the table it is on SQLite; ``write`` and
+    ``apply_trueup`` write the packs (or rows).
 ``label_sets``
     One row per distinct (labels, carried label keys) of the lines, content-addressed (``line_storage``).
 ``trueups``
@@ -102,7 +104,7 @@ from gpumeter.clock import iso_utc
 from gpumeter.errors import ConfigError, GpumeterError
 from gpumeter.redact import mask_secrets, mask_url
 from schemas.records import CostRecord, CostSubjectKind
-from services.billing import focus_rollups, line_ids, partitions, read_rollups, rollups
+from services.billing import focus_rollups, line_ids, line_packs, partitions, read_rollups, rollups
 from services.billing.bulk_rows import DO_NOTHING, BulkInsert
 from services.billing.rollups import KIND_TEXT
 from services.billing.costing import NodeBill, NodeWindowKey
@@ -175,7 +177,8 @@ metadata = MetaData(
 # ``info`` key naming the one dialect whose ledger has a table, constraint or index: SQLite's ``cost_lines`` is a
 # table with its primary and foreign keys (WITHOUT ROWID: the key is the table); PostgreSQL's is a view (migration
 # 0014) over ``cost_line_rows`` and its dictionaries (``services.billing.line_ids``: no keys -- ``Ledger.write``
-# alone inserts a line, with its bill -- and a (window, node id) index).
+# alone inserts a line, with its bill -- and a (window, node id) index); from 0016 over ``cost_line_packs``
+# (``services.billing.line_packs``: a node-window's lines one row, keyed by (window, node id)).
 ONLY_ON = "gpumeter_only_on"
 
 LABELS_TYPE = JSON().with_variant(postgresql.JSONB(), "postgresql")
@@ -279,6 +282,8 @@ cost_lines = Table(
 
 # PostgreSQL's lines by dictionary ids (migration 0014, ``services.billing.line_ids``).
 LINE_IDS = line_ids.define_tables(metadata, ONLY_ON)
+# PostgreSQL's lines packed by node-window (migration 0016, ``services.billing.line_packs``).
+LINE_PACKS = line_packs.define_table(metadata, ONLY_ON)
 
 trueups = Table(
     "trueups",
@@ -498,6 +503,8 @@ LINE_COLUMNS = ("window_start_unix_ms", "cluster", "node_name", "gpu_uuid", "sub
 _LINES_INSERT = BulkInsert(cost_lines, LINE_COLUMNS, conflict=DO_NOTHING)
 # PostgreSQL from 0014: the lines' rows of ids (no key: a line is inserted once, with its new bill).
 _LINE_ROWS_INSERT = BulkInsert(LINE_IDS.rows, line_ids.ROW_COLUMNS)
+# PostgreSQL from 0016: one pack of arrays per node-window (its primary key: a new bill's window has none yet).
+_LINE_PACKS_INSERT = BulkInsert(LINE_PACKS, line_packs.PACK_COLUMNS)
 
 
 def _line_row(cost: CostRecord, label_set: int) -> dict[str, Any]:
@@ -570,6 +577,8 @@ class Ledger:
         # (``line_ids``); ``_by_ids`` None until this handle looked whether the ledger stores its lines by ids.
         self._ids = line_ids.IdCache()
         self._by_ids: bool | None = None if backend == "postgresql" else False
+        # PostgreSQL from 0016: the lines are packed by node-window (``line_packs``); looked at with ``_by_ids``.
+        self._packed: bool | None = None if backend == "postgresql" else False
         # A SQLite file's -wal/-shm are checked before every use (sqlite_files): a -shm that cannot back its
         # mapping kills the process with SIGBUS as soon as SQLite touches it.
         self._files = SqliteFiles(Path(parsed.database)) if backend == "sqlite" and not in_memory else None
@@ -684,6 +693,7 @@ class Ledger:
             self._partitions = None if self.dialect == "postgresql" else False
             self._partition_schemes = partitions.SCHEMES
             self._by_ids = None if self.dialect == "postgresql" else False
+            self._packed = None if self.dialect == "postgresql" else False
         revision = self.current_revision()
         assert revision is not None
         return revision
@@ -885,7 +895,7 @@ class Ledger:
         try:
             if self._by_ids is None:
                 with self._connect() as connection:
-                    self._by_ids = line_ids.uses_ids(connection)
+                    self._uses_ids(connection)
                 if not self._by_ids:
                     return
             wanted = line_ids.missing_keys(self._ids, costs, gpus)
@@ -931,7 +941,11 @@ class Ledger:
         sets they reference first; returns the label sets inserted. One bulk statement (``bulk_rows``)."""
         ids = [self._label_set(c) for c in costs]
         added = self._insert_label_sets(connection, dict(zip(ids, costs)))
-        if self._by_ids:
+        if self._packed:
+            cache = self._ids
+            _LINE_PACKS_INSERT.execute_copy(connection, line_packs.copy_payload(line_packs.pack_rows(
+                line_ids.row_values(c, i, cache) for c, i in zip(costs, ids))))
+        elif self._by_ids:
             cache = self._ids
             _LINE_ROWS_INSERT.execute(connection, [line_ids.row_values(c, i, cache) for c, i in zip(costs, ids)])
         else:
@@ -1494,8 +1508,15 @@ class Ledger:
                                                 row_of_bill["sharing"], before, after) for line in zero)
                 rollups.add_trued(connection, ROLLUPS, trued_changes, team_key=self.team_label)
                 focus_rollups.add_trued(connection, FOCUS_ROLLUPS, bill_changes, trued_changes, bill_columns)
-                if line_updates and self._uses_ids(connection):
-                    # PostgreSQL from 0014: ``cost_lines`` is a view; its rows are ``cost_line_rows``.
+                if line_updates and self._uses_ids(connection) and self._packed:
+                    # PostgreSQL from 0016: ``cost_lines`` is a view; a node-window's lines are one pack, whose
+                    # trued-up array is rewritten (``line_packs``).
+                    try:
+                        line_packs.write_trued(connection, line_updates)
+                    except LookupError as exc:  # raised in the transaction: nothing of the true-up is written
+                        raise LedgerError(f"true-up {trueup_id[:12]}: {exc}") from exc
+                elif line_updates and self._by_ids:
+                    # PostgreSQL at 0014 and 0015: ``cost_lines`` is a view; its rows are ``cost_line_rows``.
                     connection.execute(line_ids.trueup_update(LINE_IDS), line_updates)
                 elif line_updates:
                     connection.execute(
@@ -1523,8 +1544,10 @@ class Ledger:
         return TrueUpWrite(trueup_id, changed_windows, changed_lines, bool(recorded))
 
     def _uses_ids(self, connection: Connection) -> bool:
+        """Whether the lines are stored by dictionary ids; also looks whether they are packed (``_packed``)."""
         if self._by_ids is None:
-            self._by_ids = line_ids.uses_ids(connection)
+            self._packed = line_packs.uses_packs(connection)
+            self._by_ids = self._packed or line_ids.uses_ids(connection)
         return self._by_ids
 
     def trueup_runs(self) -> tuple[dict[str, Any], ...]:

@@ -18,7 +18,9 @@ PostgreSQL's up to 0013), so no reader's SQL changes:
 =====================  ================================================================================
 
 A row is 102 bytes (104 aligned; 0013's was 226 with its text) and its index entry ~8 (``bench/ledger_month.py``
-measures the bytes per line, heap and index, after ``VACUUM FULL``, A/B against 0013's layout).
+measured the bytes per line, heap and index, after ``VACUUM FULL``, A/B against 0013's layout). From revision 0016
+the rows are gone: a node-window's lines are one ``cost_line_packs`` row of arrays of the same values
+(``services.billing.line_packs``); the dictionaries, ``resolve`` and ``row_values`` stay as they are.
 
 **Ids** are assigned once and never change or go (retention drops line rows, never dictionary rows: a few thousand
 pods a day). ``resolve`` gives the ids of a write's lines in a short transaction of its own, before the write's:
@@ -57,6 +59,8 @@ from schemas.records import CostRecord
 from services.billing.rollups import KIND_TEXT
 
 ROWS_TABLE = "cost_line_rows"
+# The ``only_on`` mark of ``cost_line_rows``: PostgreSQL at these revisions (0016 packs the lines by node-window).
+ROWS_REVISIONS = "postgresql 0014-0015"
 # Ids remembered per kind and handle: more than a fleet's nodes, GPUs and two weeks of pods; cleared when full.
 CACHE_ENTRIES = 262_144
 NAMESPACE_ABSENT = 1
@@ -89,7 +93,8 @@ class LineIdTables:
 
 
 def define_tables(metadata: MetaData, only_on: str) -> LineIdTables:
-    """Add revision 0014's tables to the ledger's ``metadata``, marked ``{only_on: "postgresql"}``."""
+    """Add revision 0014's tables to the ledger's ``metadata``, marked ``{only_on: "postgresql"}`` (the rows
+    ``{only_on: ROWS_REVISIONS}``: not head's)."""
     info = {only_on: "postgresql"}
     nodes = Table(
         "ledger_nodes", metadata,
@@ -142,7 +147,8 @@ def define_tables(metadata: MetaData, only_on: str) -> LineIdTables:
         Column("pod_id", Integer, nullable=False),
         Column("kind_id", SmallInteger, nullable=False),
         Index(None, "window_start_unix_ms", "node_id"),
-        info=info)
+        # Revisions 0014 and 0015 only: from 0016 the lines are ``cost_line_packs`` (``line_packs``).
+        info={only_on: ROWS_REVISIONS})
     return LineIdTables(nodes, gpus, pods, kinds, rows)
 
 

@@ -8,7 +8,8 @@ table                  column                    unit    partition name
 =====================  ========================  ======  =========================================
 ``node_bills``         ``window_start_unix_ms``  day     ``node_bills_p20261203``
 ``cost_lines``         ``window_start_unix_ms``  day     ``cost_lines_p20261203`` (0010 to 0013)
-``cost_line_rows``     ``window_start_unix_ms``  day     ``cost_line_rows_p20261203`` (from 0014)
+``cost_line_rows``     ``window_start_unix_ms``  day     ``cost_line_rows_p20261203`` (0014 and 0015)
+``cost_line_packs``    ``window_start_unix_ms``  day     ``cost_line_packs_p20261203`` (from 0016)
 ``cost_rollup_hourly`` ``period_start_unix_ms``  day     ``cost_rollup_hourly_p20261203``
 ``cost_rollup_daily``  ``period_start_unix_ms``  month   ``cost_rollup_daily_p202612``
 ``bill_rollup_hourly`` ``period_start_unix_ms``  day     ``bill_rollup_hourly_p20261203`` (from 0012)
@@ -24,9 +25,10 @@ whole UTC days (``services.billing.retention``), so a daily partition is either 
 monthly one (the daily rollups') keeps its rows until the whole month is past the horizon -- rows no reader asks
 for, since every reader starts at the horizon (``rollups.plan``). There is no DEFAULT partition: a row whose
 partition is missing is refused by PostgreSQL, so every writer makes sure of it first (``Ledger.write``). From
-revision 0014 the lines are ``cost_line_rows`` (``cost_lines`` is a view over them: ``services.billing.line_ids``);
-a scheme whose table is not a partitioned table of the database (``cost_lines`` from 0014, ``cost_line_rows``
-before) is passed over.
+revision 0014 the lines are ``cost_line_rows`` (``cost_lines`` is a view over them: ``services.billing.line_ids``),
+from 0016 ``cost_line_packs`` (one row of arrays per node-window: ``services.billing.line_packs``); a scheme whose
+table is not a partitioned table of the database (``cost_lines`` from 0014, ``cost_line_rows`` before 0014 and from
+0016, ``cost_line_packs`` before 0016) is passed over.
 
 **Creating** (``ensure``): in a transaction of its own, serialised by a transaction-level advisory lock (so two
 writers needing the same day create it once; the second finds it there), each missing partition is created as a
@@ -87,6 +89,7 @@ class Scheme:
 SCHEMES = (
     Scheme("node_bills", "window_start_unix_ms", DAY),
     Scheme("cost_line_rows", "window_start_unix_ms", DAY),
+    Scheme("cost_line_packs", "window_start_unix_ms", DAY),
     Scheme("cost_rollup_hourly", "period_start_unix_ms", DAY, ROLLUP_FILLFACTOR),
     Scheme("cost_rollup_daily", "period_start_unix_ms", MONTH, ROLLUP_FILLFACTOR),
     Scheme("bill_rollup_hourly", "period_start_unix_ms", DAY, ROLLUP_FILLFACTOR),
@@ -100,7 +103,9 @@ SCHEMES = (
 )
 SCHEME_BY_TABLE = {scheme.table: scheme for scheme in SCHEMES}
 # What the minute retention drops, in this order (a line never outlives its bill).
-MINUTE_TABLES = ("cost_line_rows", "cost_lines", "node_bills")
+MINUTE_TABLES = ("cost_line_packs", "cost_line_rows", "cost_lines", "node_bills")
+# How many lines a row of a table holds, where not one (a pack holds a node-window's: ``line_packs``).
+_LINES_PER_ROW = {"cost_line_packs": "cardinality(cost_micro_usd)"}
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -245,8 +250,10 @@ def drop(connection: Connection, part: Partition) -> None:
 
 
 def rows_in(connection: Connection, part: Partition) -> int:
-    """How many rows ``part`` holds (what dropping it removes)."""
-    return int(connection.execute(text(f'SELECT count(*) FROM "{part.name}"')).scalar())
+    """How many rows ``part`` holds (what dropping it removes); for a table of packed lines, how many lines."""
+    per_row = _LINES_PER_ROW.get(part.table)
+    count = "count(*)" if per_row is None else f"coalesce(sum({per_row}), 0)"
+    return int(connection.execute(text(f'SELECT {count} FROM "{part.name}"')).scalar())
 
 
 def iter_past(connection: Connection, tables: Iterable[str], horizon_ms: int) -> Iterator[Partition]:

@@ -196,7 +196,8 @@ def _retain(ledger: Ledger, settings: RetentionSettings, now_ms: int) -> Retenti
 def _drop_partitions(ledger: Ledger, kept: Mapping[str, int]) -> RetentionResult:
     """PostgreSQL: detach and drop every partition wholly before its grain's horizon (module docstring)."""
     grains = {grain: tuple(data.name for data, _column in tables) for grain, tables in _tables().items()}
-    # The lines' partitions are ``cost_line_rows``' from revision 0014 (``cost_lines`` is a view over them).
+    # The lines' partitions are ``cost_line_rows``' at 0014 and 0015, ``cost_line_packs``' from 0016 (``cost_lines``
+    # is a view over them); a pack's partition counts its lines.
     grains[MINUTE] = partitions.MINUTE_TABLES
     deleted = {grain: 0 for grain in grains}
     bills = 0

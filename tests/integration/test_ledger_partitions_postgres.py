@@ -25,8 +25,8 @@ from tests.unit.billing.conftest import WINDOW_START_MS, sample_shares
 
 pytestmark = pytest.mark.postgres
 
-# The partitioned tables at head (from 0014 ``cost_lines`` is a view over ``cost_line_rows``).
-TABLES = tuple(scheme.table for scheme in partitions.SCHEMES if scheme.table != "cost_lines")
+# The partitioned tables at head (from 0014 ``cost_lines`` is a view, from 0016 over ``cost_line_packs``).
+TABLES = tuple(scheme.table for scheme in partitions.SCHEMES if scheme.table not in ("cost_lines", "cost_line_rows"))
 
 
 def attached(ledger: Ledger) -> set[str]:
@@ -145,6 +145,7 @@ def test_retention_detaches_and_drops_whole_partitions_and_deletes_no_row(databa
     reports = {by: build_report(ledger, Grouping.parse(by), start_ms=minute_horizon, end_ms=end)
                for by in GROUPINGS}
     kept_lines = line_count(ledger, minute_horizon, end)
+    dropped_lines = line_count(ledger, DAY0, minute_horizon)
     before = attached(ledger)
     deleted_before = deleted_tuples(ledger)
 
@@ -152,7 +153,7 @@ def test_retention_detaches_and_drops_whole_partitions_and_deletes_no_row(databa
 
     # Dropped, never deleted: no row deleted anywhere in the ledger's tables.
     assert deleted_tuples(ledger) == deleted_before == 0
-    gone = {f"{name}_p{day}" for name in ("cost_line_rows", "node_bills")
+    gone = {f"{name}_p{day}" for name in ("cost_line_packs", "node_bills")
             for day in (time.strftime("%Y%m%d", time.gmtime((DAY0 + d * DAY_MS) / 1000)) for d in range(DAYS - 14))}
     gone |= {f"{name}_p{time.strftime('%Y%m%d', time.gmtime((DAY0 + d * DAY_MS) / 1000))}"
              for name in ("cost_rollup_hourly", "bill_rollup_hourly", "pod_rollup_hourly", "focus_charge_hourly",
@@ -161,6 +162,8 @@ def test_retention_detaches_and_drops_whole_partitions_and_deletes_no_row(databa
     assert attached(ledger) & gone == set() and not relations(ledger) & gone
     assert before - gone <= attached(ledger)
     assert result.deleted[MINUTE] > 0 and result.bills_deleted > 0 and result.deleted[HOUR] > 0
+    # The lines dropped are counted as lines (from 0016 a partition holds one row per node-window: line_packs).
+    assert result.deleted[MINUTE] == dropped_lines
     assert line_count(ledger, DAY0, minute_horizon) == 0 and line_count(ledger, minute_horizon, end) == kept_lines
     # Every rollup and bill over the kept periods is what it was, to the micro-dollar.
     hourly_after, daily_after = rollup_rows(ledger)
@@ -190,7 +193,7 @@ def test_a_write_into_a_day_without_a_partition_creates_it_first(database_url):
     # A day this handle knew of, dropped behind its back (another process's retention): written again all the same.
     later = [bill_node_window(w, catalog) for w in sample_shares(1, start_ms=WINDOW_START_MS + 3 * DAY_MS)]
     assert ledger.write(*everything(later)).bills_written == len(later)
-    later_day = partitions.partition_of(partitions.SCHEMES[1], WINDOW_START_MS + 3 * DAY_MS)
+    later_day = partitions.partition_of(partitions.SCHEME_BY_TABLE["cost_line_packs"], WINDOW_START_MS + 3 * DAY_MS)
     with Ledger(database_url) as other, other.engine.begin() as connection:
         for part in (later_day, partitions.partition_of(partitions.SCHEMES[0], later_day.start_ms)):
             partitions.drop(connection, part)
@@ -232,7 +235,7 @@ def test_two_writers_creating_the_same_days_partition_both_succeed(database_url)
     assert sum(o.bills_written for o in outcomes) == sum(len(batch) for batch in batches)
     with Ledger(database_url) as ledger:
         day = partitions.partition_of(partitions.SCHEMES[0], start)
-        assert {day.name, day.name.replace("node_bills", "cost_line_rows")} <= attached(ledger)
+        assert {day.name, day.name.replace("node_bills", "cost_line_packs")} <= attached(ledger)
         totals = ledger.totals()
         assert totals.cost_micro_usd == totals.bill_micro_usd == sum(
             r.bill.node_cost_micro_usd for batch in batches for r in batch)

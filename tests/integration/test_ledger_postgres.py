@@ -208,7 +208,7 @@ def test_the_sharing_migration_keeps_old_lines_direct_and_makes_room_for_shared_
             "INSERT INTO cost_lines (window_start_unix_ms, cluster, node_name, gpu_uuid, subject_kind, pod_uid, "
             "window_seconds, labels, cost_share, cost_micro_usd, instance_type, price_model, price_version) VALUES "
             "(0, 'c', 'n', 'GPU-0', 'POD', 'p', 60, '{}', 1.0, 13333, 'g6.xlarge', 'on_demand', 'v1')"))
-    assert ledger.migrate() == Ledger.head_revision() == "0015_focus_hourly"
+    assert ledger.migrate() == Ledger.head_revision() == "0016_line_packs"
     (old,) = list(ledger.iter_cost_lines(end_ms=1))
     assert (old.shared_from, old.sharing_method) == (None, "")
     assert [b["sharing"] for b in ledger.bills(end_ms=1)] == ["keep"]
@@ -367,13 +367,14 @@ def test_postgresqls_cost_lines_have_no_keys_and_sqlites_keep_them(database_url,
     with ledger.engine.connect() as connection:
         keys = connection.execute(text(
             "SELECT contype FROM pg_constraint WHERE contype IN ('f', 'p') "
-            "AND conrelid = 'cost_line_rows'::regclass")).all()
+            "AND conrelid = 'cost_line_packs'::regclass")).all()
         indexes = set(connection.execute(text(
-            "SELECT indexname FROM pg_indexes WHERE tablename = 'cost_line_rows'")).scalars())
-        # From 0014 the lines are rows of ids and ``cost_lines`` is a view over them (``line_ids``).
+            "SELECT indexname FROM pg_indexes WHERE tablename = 'cost_line_packs'")).scalars())
+        # From 0014 the lines are ids and ``cost_lines`` is a view over them (``line_ids``); from 0016 a
+        # node-window's lines are one row (``line_packs``), keyed by (window start, node id): no key per line.
         kind = connection.execute(text("SELECT relkind FROM pg_class WHERE relname = 'cost_lines'")).scalar()
-    assert keys == [] and kind == "v"
-    assert indexes == {"ix_cost_line_rows_window_start_unix_ms_node_id"}
+    assert [tuple(key) for key in keys] == [("p",)] and kind == "v"
+    assert indexes == {"pk_cost_line_packs"}
     results = [bill_node_window(w, PriceCatalog.load()) for w in sample_shares(2)]
     costs, bills = everything(results)
     with pytest.raises(LedgerError, match="without its node bill"):
