@@ -1,12 +1,14 @@
-"""Helm and kustomize for the deployment tests: built once from source with Go into the cache, with nothing but
-Python if need be.
+"""Helm, kustomize and promtool for the deployment tests: built once from source with Go into the cache, with
+nothing but Python if need be.
 
 Contract:
 
-* ``ensure_tools(cache_dir)`` returns the paths of ``helm`` (``HELM_VERSION``) and ``kustomize``
-  (``KUSTOMIZE_VERSION``) under ``cache_dir/gotools/``, building what is missing on the first call with
+* ``ensure_tools(cache_dir)`` returns the paths of ``helm`` (``HELM_VERSION``), ``kustomize``
+  (``KUSTOMIZE_VERSION``) and ``promtool`` (Prometheus ``PROMETHEUS_VERSION``) under ``cache_dir/gotools/``,
+  building what is missing on the first call with
   ``go install <module>/<cmd>@<version>``: static (``CGO_ENABLED=0``), helm with the ldflags of its own release
-  builds, so ``helm version`` and the Kubernetes version it assumes are those of the release.
+  builds, so ``helm version`` and the Kubernetes version it assumes are those of the release; promtool with
+  Prometheus' version variables set, so ``promtool --version`` names it.
 * The Go used: ``go`` on ``PATH`` when it is at least ``MIN_GO`` (both tools' go.mod); otherwise the pinned Go
   toolchain ``golang.org/toolchain@v0.0.1-go<GO_TOOLCHAIN_VERSION>.<os>-<arch>``, downloaded from the Go module
   proxy with the standard library and checked against its pinned go.sum hash (from the Go checksum database)
@@ -117,7 +119,24 @@ HELM = GoTool(
 # kustomize reports the module version go install embeds (runtime/debug build info).
 KUSTOMIZE = GoTool(name="kustomize", package=KUSTOMIZE_MODULE, version=KUSTOMIZE_VERSION,
                    version_command=("version",))
-TOOLS = (HELM, KUSTOMIZE)
+# promtool, Prometheus' own checker of rule files and their unit tests (``promtool check rules``, ``promtool test
+# rules``): the deployment tests run it on the chart's rendered PrometheusRule. Prometheus 3.16.0 is the Go module
+# github.com/prometheus/prometheus v0.316.0 (Prometheus 3.x releases are published to Go as v0.3xx.y).
+PROMETHEUS_MODULE = "github.com/prometheus/prometheus"
+PROMETHEUS_MODULE_VERSION = "v0.316.0"
+PROMETHEUS_VERSION = "3.16.0"
+PROMTOOL = GoTool(
+    name="promtool",
+    package=f"{PROMETHEUS_MODULE}/cmd/promtool",
+    version=PROMETHEUS_MODULE_VERSION,
+    version_command=("--version",),
+    ldflags=(
+        f"-X github.com/prometheus/common/version.Version={PROMETHEUS_VERSION}",
+        f"-X github.com/prometheus/common/version.Revision=go-module-{PROMETHEUS_MODULE_VERSION}",
+        "-X github.com/prometheus/common/version.Branch=HEAD",
+    ),
+)
+TOOLS = (HELM, KUSTOMIZE, PROMTOOL)
 
 
 def _to_stderr(message: str) -> None:

@@ -1,4 +1,5 @@
-"""The deployment tests' tools: helm and kustomize, real binaries built from source once (gpumeter.devtools.gotools).
+"""The deployment tests' tools: helm, kustomize and promtool, real binaries built from source once
+(gpumeter.devtools.gotools).
 
 ``make test`` builds them before pytest (``make deploy-tools``), so a test run only finds them. A run without that
 step builds them here, once per cache, in a subprocess (minutes; it says so): the tests never skip for want of them.
@@ -23,5 +24,6 @@ def go_tools() -> dict[str, Path]:
         result = subprocess.run([sys.executable, "-m", "gpumeter.devtools.gotools", "build",
                                  "--cache-dir", str(cache_dir)], capture_output=True, text=True)
         if result.returncode != 0:
-            pytest.fail(f"could not build helm and kustomize (`make deploy-tools`):\n{result.stderr[-4000:]}")
+            pytest.fail(f"could not build helm, kustomize and promtool (`make deploy-tools`):\n"
+                        f"{result.stderr[-4000:]}")
     return {tool.name: tool.path(cache_dir) for tool in gotools.TOOLS}
