@@ -2,10 +2,13 @@
 ``gpumeter.devtools.gotools``) parses the rendered PrometheusRule as Prometheus loads it (``check rules``) and runs a
 unit test of every alert (``test rules``): input series of a failure the alert is there for, on which it must fire
 with exactly its labels and annotations, and healthy series of the same metrics, on which it must stay silent. A
-test file that expects the wrong thing is shown to fail, so that a pass means something."""
+test file that expects the wrong thing is shown to fail, so that a pass means something. The Grafana dashboard's
+queries (its variables as Grafana fills them in) are parsed by the same code (as recording rules)."""
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -165,3 +168,42 @@ def test_a_case_expecting_the_wrong_thing_fails(render, promtool, tmp_path):
                                    "exp_alerts": fires}]}]
     result = promtool("test", "rules", _test_file(tmp_path, wrong).name, cwd=tmp_path)
     assert result.returncode != 0 and "GpumeterCollectorStalled" in result.stdout + result.stderr
+
+
+# -- the Grafana dashboard's queries, parsed by Prometheus itself ---------------------------------------------------
+
+DASHBOARD = Path(__file__).resolve().parents[3] / "deploy" / "grafana" / "gpumeter-dashboard.json"
+# What Grafana puts in place of its variables before a query reaches Prometheus: a duration for its own, the
+# selected values (a regex alternation) for the dashboard's.
+GRAFANA_DURATIONS = {"__range": "1h", "__rate_interval": "1m", "__interval": "30s", "__range_s": "3600"}
+VARIABLE_RE = re.compile(r"\$\{?(\w+)\}?")
+LABEL_VALUES_RE = re.compile(r"^label_values\((.+),\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*\)$")
+
+
+def _dashboard_queries() -> list[str]:
+    dashboard = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+    panels = []
+    for panel in dashboard["panels"]:
+        panels += [panel, *panel.get("panels", [])]
+    queries = [target["expr"] for panel in panels for target in panel.get("targets", [])]
+    for variable in dashboard["templating"]["list"]:
+        if variable["type"] == "query":
+            query = variable["query"]["query"] if isinstance(variable["query"], dict) else variable["query"]
+            found = LABEL_VALUES_RE.match(query)
+            assert found, f"variable {variable['name']}: a query Grafana's Prometheus source does not take: {query}"
+            queries.append(f"count by ({found.group(2)}) ({found.group(1)})")  # what label_values asks
+    return [VARIABLE_RE.sub(lambda m: GRAFANA_DURATIONS.get(m.group(1), "a|b"), q) for q in queries]
+
+
+def test_every_dashboard_query_parses_in_prometheus(promtool, tmp_path):
+    queries = _dashboard_queries()
+    assert len(queries) > 20
+    rules = [{"record": f"dashboard:query_{i}", "expr": q} for i, q in enumerate(queries)]
+    (tmp_path / "dashboard.yaml").write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
+    result = promtool("check", "rules", "dashboard.yaml", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"SUCCESS: {len(rules)} rules found" in result.stdout + result.stderr
+    # The check reads PromQL for real: a query with one parenthesis missing is refused.
+    broken = [{"record": "dashboard:broken", "expr": queries[0].replace(")", "", 1)}]
+    (tmp_path / "broken.yaml").write_text(yaml.safe_dump({"groups": [{"name": "d", "rules": broken}]}))
+    assert promtool("check", "rules", "broken.yaml", cwd=tmp_path).returncode != 0
