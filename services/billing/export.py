@@ -134,7 +134,8 @@ def focus_hour_chunks(ledger: Ledger, *, start_ms: int, end_ms: int, cluster: st
     while at < end_ms:
         until = min(end_ms, at + chunk_hours * HOUR_MS)
         charge_rows = focus_rollups.charges_of(ledger.read, FOCUS_ROLLUPS, at, until, cluster)
-        line_rows = focus_rollups.lines_of(ledger.read, FOCUS_ROLLUPS, at, until, cluster)
+        line_rows = focus_rollups.lines_of(ledger.read, FOCUS_ROLLUPS, at, until, cluster,
+                                           by_ids=ledger.dialect == "postgresql")
         prices = ledger.price_versions({row[5] for row in charge_rows})
         labels = focus_rollups.label_sets_of(ledger.read, label_sets, {row[width + 9] for row in line_rows})
         lines: dict[tuple, list[FocusHourLine]] = {}

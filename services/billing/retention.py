@@ -198,6 +198,9 @@ def _drop_partitions(ledger: Ledger, kept: Mapping[str, int]) -> RetentionResult
     grains = {grain: tuple(data.name for data, _column in tables) for grain, tables in _tables().items()}
     # The lines' partitions are ``cost_line_rows``' from revision 0014 (``cost_lines`` is a view over them).
     grains[MINUTE] = partitions.MINUTE_TABLES
+    # The hourly FOCUS lines' partitions are ``focus_line_hourly_rows``' from 0016 (``focus_line_hourly``: a view).
+    grains[HOUR] = tuple(FOCUS_ROLLUPS.rows.name if name == FOCUS_ROLLUPS.lines.name else name
+                         for name in grains[HOUR])
     deleted = {grain: 0 for grain in grains}
     bills = 0
     dropped = []
