@@ -71,6 +71,7 @@ from sqlalchemy.engine import Connection
 from schemas.records import CostRecord
 from services.billing.bulk_rows import add_sums
 from services.billing.costing import NodeWindowKey
+from services.billing.line_ids import NAMESPACE_ABSENT, POD_NAME_ABSENT
 from services.billing.line_storage import label_set_id
 from services.billing.rollups import HOUR_MS, KIND_TEXT, TruedChange, add_into
 
@@ -142,8 +143,6 @@ ID_LINE_COLUMNS = ("period_start_unix_ms", "charge_id", "label_set_id", "cost_mi
 CHARGE_ID_SEQUENCE = "focus_charge_hourly_charge_id_seq"
 # The dictionary columns a line's text key resolves through (``ledger_line_kinds`` also has ``window_seconds``).
 _KIND_COLUMNS = ("subject_kind", "shared_from", "sharing_method", "method", "cost_basis")
-NAMESPACE_ABSENT = 1
-POD_NAME_ABSENT = 2
 
 
 def id_line_columns() -> list[Column]:

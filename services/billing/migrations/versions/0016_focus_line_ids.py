@@ -128,7 +128,8 @@ def upgrade() -> None:
         "UPDATE focus_charge_hourly c SET charge_id = o.id FROM (SELECT period_start_unix_ms, "
         + ", ".join(_LINK) + f", provider, region, instance_type, price_model, nextval('{_SEQUENCE}') AS id FROM "
         "(SELECT * FROM focus_charge_hourly ORDER BY period_start_unix_ms, " + ", ".join(_LINK)
-        + ", provider, region, instance_type, price_model) s) o WHERE c.period_start_unix_ms = o.period_start_unix_ms AND "
+        + ", provider, region, instance_type, price_model) s) o "
+        "WHERE c.period_start_unix_ms = o.period_start_unix_ms AND "
         + " AND ".join(f"c.{name} = o.{name}" for name in (*_LINK, "provider", "region", "instance_type",
                                                             "price_model"))))
     connection.execute(text("ALTER TABLE focus_charge_hourly ALTER COLUMN charge_id SET NOT NULL"))
