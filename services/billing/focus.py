@@ -59,6 +59,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from decimal import Decimal
 from fractions import Fraction
+from operator import itemgetter
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -156,8 +157,11 @@ class FocusBill:
                    bill.get("sharing") or "keep", int(bill["node_cost_micro_usd"]))
 
 
+_MICRO = Decimal("0.000001")
+
+
 def usd_decimal(micro_usd: int) -> Decimal:
-    return Decimal(micro_usd).scaleb(-6).quantize(Decimal("0.000001"))
+    return Decimal(micro_usd).scaleb(-6).quantize(_MICRO)
 
 
 HOURS_DECIMALS = 10
@@ -198,8 +202,12 @@ def _element_method(record: CostRecord) -> str:
     return record.cost_basis or record.method
 
 
+# ``json.dumps`` with options builds an encoder per call: one, made once, encodes the same text.
+_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"))
+
+
 def _json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+    return _ENCODER.encode(value)
 
 
 def _cost_basis(lines: Sequence[FocusLine]) -> str:
@@ -490,10 +498,15 @@ def _charge_rows(charge: FocusCharge, lines: Sequence[FocusHourLine],
     if listed != total:
         raise ValueError(f"{charge.link}: lines add up to {listed} micro-USD, the origin charge says {total}")
     groups: dict[tuple, list[FocusHourLine]] = {}
+    # A label set's tags text, once per labels object (a chunk's lines of one label set share it).
+    tags_text: dict[int, str] = {}
     for line in lines:
         if line.subject_kind == "POD" and line.pod_uid:
-            tags = {k: v for k, v in line.labels.items() if k not in _ORIGIN_TAG_KEYS}
-            key = (0, line.pod_uid, line.namespace, line.pod_name, _json(tags))
+            labels = line.labels
+            text = tags_text.get(id(labels))
+            if text is None:
+                text = tags_text[id(labels)] = _json({k: v for k, v in labels.items() if k not in _ORIGIN_TAG_KEYS})
+            key = (0, line.pod_uid, line.namespace, line.pod_name, text)
         else:
             key = (_BUCKET_ORDER.get(line.subject_kind, 99), line.subject_kind)
         groups.setdefault(key, []).append(line)
@@ -597,13 +610,25 @@ def focus_csv(rows: Sequence[Mapping[str, Any]]) -> str:
     return buffer.getvalue()
 
 
+_ROW_VALUES = itemgetter(*COLUMNS)
+
+
+def _columns_of(rows: Sequence[Mapping[str, Any]]) -> list[Sequence[Any]]:
+    """The rows' values, column by column (``COLUMNS``' order; a column a row lacks is null): each row's values
+    taken in one call and transposed, not looked up cell by cell."""
+    try:
+        columns = list(zip(*map(_ROW_VALUES, rows)))
+    except KeyError:
+        columns = [[row.get(column) for row in rows] for column in COLUMNS]
+    return columns or [()] * len(COLUMNS)
+
+
 def _arrow_table(rows: Sequence[Mapping[str, Any]], metadata: Mapping[str, str] | None = None):
     import pyarrow as pa
 
     fields = []
     arrays = []
-    for column in COLUMNS:
-        values = [row.get(column) for row in rows]
+    for column, values in zip(COLUMNS, _columns_of(rows)):
         if column in DATETIME_COLUMNS:
             kind = pa.timestamp("ms", tz="UTC")
             # A few distinct times (a period's start and end, its month) on many rows: each parsed once.
@@ -660,7 +685,10 @@ def write_focus_csv_chunks(chunks: Iterable[Sequence[Mapping[str, Any]]], stream
     writer.writerow(COLUMNS)
     count = 0
     for chunk in chunks:
-        for row in chunk:
-            writer.writerow([_csv_text(row.get(column)) for column in COLUMNS])
+        try:
+            writer.writerows([["" if v is None else str(v) for v in _ROW_VALUES(row)] for row in chunk])
+        except KeyError:
+            for row in chunk:
+                writer.writerow([_csv_text(row.get(column)) for column in COLUMNS])
         count += len(chunk)
     return count

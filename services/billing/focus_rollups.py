@@ -32,6 +32,18 @@ cost it changed. Upserts in key order. On PostgreSQL both tables are partitioned
 (``services.billing.partitions``), and retention drops them with the hourly rollups (``hourly_rollups_days``).
 Migration ``0015_focus_hourly`` creates and backfills them from the minute lines there are; where retention had
 already dropped minute lines, a ``ledger_retention`` row ``focus_rollups`` records from when they hold.
+
+**PostgreSQL stores the lines by ids** (migration ``0017_focus_line_ids``): in ``focus_line_hourly_rows``, of
+numbers only (``ID_LINE_COLUMNS``: the 8-byte columns first, then the 4-byte ones, then the 2-byte kind, so no
+padding lies between them) -- its origin charge by ``focus_charge_hourly.charge_id`` (a sequence), its GPU, pod
+and line kind by the ids of revision 0014's dictionaries (``ledger_gpus``, ``ledger_pods``, ``ledger_line_kinds``,
+``services.billing.line_ids``: ``Ledger.write`` resolves them, zero lines' kinds included, before its
+transaction) -- and its one index is the primary key the upserts need. Its pod is the dictionary row of
+``focus_pod_key`` (an empty namespace or pod name is the absent one: the hourly key never told '' from NULL). The
+writers give the same text keys as on SQLite; the upsert resolves them to ids in SQL (``_upsert_lines_by_ids``);
+``focus_line_hourly`` is a view with the text layout's columns over them (what ``rows_of`` reads), and the export
+joins the ids back itself (``line_select``), so every reader gets the same ``LINE_DIMENSIONS`` rows.
+SQLite keeps the text columns (its ledger is small).
 """
 
 from __future__ import annotations
@@ -39,12 +51,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
-from sqlalchemy import BigInteger, Column, Double, Integer, MetaData, PrimaryKeyConstraint, String, Table, func, select
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    Double,
+    Integer,
+    MetaData,
+    PrimaryKeyConstraint,
+    SmallInteger,
+    String,
+    Table,
+    and_,
+    func,
+    select,
+    text,
+)
 from sqlalchemy.engine import Connection
 
 from schemas.records import CostRecord
 from services.billing.bulk_rows import add_sums
 from services.billing.costing import NodeWindowKey
+from services.billing.line_ids import NAMESPACE_ABSENT, POD_NAME_ABSENT
 from services.billing.line_storage import label_set_id
 from services.billing.rollups import HOUR_MS, KIND_TEXT, TruedChange, add_into
 
@@ -105,17 +132,55 @@ def line_columns() -> list[Column]:
             *(Column(name, Double, nullable=False) for name in LINE_MEASURES[5:])]
 
 
+# PostgreSQL from 0017: the lines by ids in ``ROWS_TABLE``, in this column order (``id_line_columns``), keyed by
+# ``ID_LINE_KEY`` (its one index); ``focus_line_hourly`` is a view of the text columns over it;
+# ``focus_charge_hourly.charge_id`` (from a sequence) names an origin charge.
+ROWS_TABLE = "focus_line_hourly_rows"
+ID_LINE_KEY = ("period_start_unix_ms", "charge_id", "label_set_id", "pod_id", "gpu_id", "kind_id")
+ID_LINE_COLUMNS = ("period_start_unix_ms", "charge_id", "label_set_id", "cost_micro_usd", "billed_micro_usd",
+                   "cost_share_ms", "memory_share_ms", "compute_share_ms", "gpu_ms", "billed_ms", "cost_lines",
+                   "trued_lines", "gpu_id", "pod_id", "kind_id")
+CHARGE_ID_SEQUENCE = "focus_charge_hourly_charge_id_seq"
+# The dictionary columns a line's text key resolves through (``ledger_line_kinds`` also has ``window_seconds``).
+_KIND_COLUMNS = ("subject_kind", "shared_from", "sharing_method", "method", "cost_basis")
+
+
+def id_line_columns() -> list[Column]:
+    """PostgreSQL's ``focus_line_hourly_rows`` columns (migration 0017 freezes the same DDL): 8-byte, then 4-byte,
+    then the 2-byte kind."""
+    return [*(Column(name, BigInteger, nullable=False) for name in ID_LINE_COLUMNS[:5]),
+            *(Column(name, Double, nullable=False) for name in ID_LINE_COLUMNS[5:9]),
+            *(Column(name, Integer, nullable=False) for name in ID_LINE_COLUMNS[9:14]),
+            Column("kind_id", SmallInteger, nullable=False)]
+
+
 @dataclass(frozen=True)
 class FocusRollupTables:
     charges: Table
+    # SQLite's table; on PostgreSQL from 0017 a view of the same columns over ``rows``.
     lines: Table
+    rows: Table
 
 
-def define_tables(metadata: MetaData) -> FocusRollupTables:
-    """Add the two tables (created by migration 0015) to the ledger's ``metadata``."""
+def define_tables(metadata: MetaData, only_on: str) -> FocusRollupTables:
+    """Add the tables (created by migrations 0015 and 0016) to the ledger's ``metadata``: ``only_on`` marks those of
+    one dialect (``rows`` and the charges' ``charge_id``: PostgreSQL's; the text ``lines``: SQLite's table)."""
     return FocusRollupTables(
-        Table(CHARGE_TABLE, metadata, *charge_columns(), PrimaryKeyConstraint(*CHARGE_DIMENSIONS)),
-        Table(LINE_TABLE, metadata, *line_columns(), PrimaryKeyConstraint(*LINE_DIMENSIONS)))
+        Table(CHARGE_TABLE, metadata, *charge_columns(),
+              Column("charge_id", BigInteger, nullable=False, info={only_on: "postgresql"}),
+              PrimaryKeyConstraint(*CHARGE_DIMENSIONS)),
+        Table(LINE_TABLE, metadata, *line_columns(), PrimaryKeyConstraint(*LINE_DIMENSIONS),
+              info={only_on: "sqlite"}),
+        Table(ROWS_TABLE, metadata, *id_line_columns(), PrimaryKeyConstraint(*ID_LINE_KEY),
+              info={only_on: "postgresql"}))
+
+
+def focus_pod_key(pod_uid: str, namespace: str, pod_name: str) -> tuple[str, str, str, int]:
+    """The ``ledger_pods`` key a hourly line's pod (its text key's uid, namespace, pod name) is stored by: an
+    empty namespace or pod name is the absent one (``line_ids.pod_key``'s bits), so every real line's pod -- a
+    Kubernetes pod has a namespace and a name, a bucket neither -- is the row its minute lines use."""
+    return (pod_uid, namespace, pod_name,
+            (NAMESPACE_ABSENT if namespace == "" else 0) | (POD_NAME_ABSENT if pod_name == "" else 0))
 
 
 # -- pure: rows --------------------------------------------------------------------------------------------------
@@ -200,12 +265,84 @@ def _upsert(connection: Connection, tables: FocusRollupTables, charges: Mapping[
             lines: Mapping[tuple, list]) -> int:
     out = 0
     if charges:
-        out += add_sums(connection, tables.charges, CHARGE_DIMENSIONS, CHARGE_MEASURES,
-                        [(*key, *values) for key, values in charges.items()])
+        if connection.dialect.name == "postgresql":
+            out += _upsert_charges_by_ids(connection, charges)
+        else:
+            out += add_sums(connection, tables.charges, CHARGE_DIMENSIONS, CHARGE_MEASURES,
+                            [(*key, *values) for key, values in charges.items()])
     if lines:
-        out += add_sums(connection, tables.lines, LINE_DIMENSIONS, LINE_MEASURES,
-                        [(*key, *values) for key, values in lines.items()])
+        if connection.dialect.name == "postgresql":
+            out += _upsert_lines_by_ids(connection, lines)
+        else:
+            out += add_sums(connection, tables.lines, LINE_DIMENSIONS, LINE_MEASURES,
+                            [(*key, *values) for key, values in lines.items()])
     return out
+
+
+_LINK_WIDTH = len(LINK)
+# ``_upsert_lines_by_ids``' arrays: name, SQL type, and where in (text key, measures) each comes from.
+_UNNEST = (("p", "bigint"), ("cluster", "text"), ("node_name", "text"), ("provider_id", "text"), ("zone", "text"),
+           ("price_version", "text"), ("sharing", "text"), ("window_seconds", "int4"), ("subject_kind", "text"),
+           ("pod_uid", "text"), ("gpu_uuid", "text"), ("shared_from", "text"), ("sharing_method", "text"),
+           ("method", "text"), ("cost_basis", "text"), ("namespace", "text"), ("pod_name", "text"),
+           ("label_set_id", "bigint"), ("absent", "int2"), ("cost_micro_usd", "bigint"),
+           ("billed_micro_usd", "bigint"), ("cost_lines", "int4"), ("trued_lines", "int4"), ("billed_ms", "int4"),
+           ("cost_share_ms", "float8"), ("memory_share_ms", "float8"), ("compute_share_ms", "float8"),
+           ("gpu_ms", "float8"))
+_ADDED = ("cost_micro_usd", "billed_micro_usd", "cost_lines", "trued_lines", "billed_ms", "cost_share_ms",
+          "memory_share_ms", "compute_share_ms", "gpu_ms")
+_UPSERT_BY_IDS = (
+    f"INSERT INTO {ROWS_TABLE} AS t ({', '.join(ID_LINE_COLUMNS)}) "
+    "SELECT k.p, (SELECT min(c.charge_id) FROM focus_charge_hourly c WHERE c.period_start_unix_ms = k.p AND "
+    + " AND ".join(f"c.{name} = k.{name}" for name in LINK[1:])
+    + "), k.label_set_id, k.cost_micro_usd, k.billed_micro_usd, k.cost_share_ms, k.memory_share_ms, "
+    "k.compute_share_ms, k.gpu_ms, k.billed_ms, k.cost_lines, k.trued_lines, g.gpu_id, d.pod_id, i.kind_id "
+    "FROM unnest(" + ", ".join(f"CAST(:{name} AS {sql}[])" for name, sql in _UNNEST) + ") AS k ("
+    + ", ".join(name for name, _sql in _UNNEST) + ") "
+    "JOIN ledger_gpus g ON g.gpu_uuid = k.gpu_uuid "
+    "JOIN ledger_pods d ON d.pod_uid = k.pod_uid AND d.namespace = k.namespace AND d.pod_name = k.pod_name "
+    "AND d.absent = k.absent "
+    "JOIN ledger_line_kinds i ON " + " AND ".join(f"i.{name} = k.{name}" for name in (*_KIND_COLUMNS,
+                                                                                        "window_seconds"))
+    + f" ORDER BY 1, 2, 3, 14, 13, 15 ON CONFLICT ({', '.join(ID_LINE_KEY)}) DO UPDATE SET "
+    + ", ".join(f"{name} = t.{name} + excluded.{name}" for name in _ADDED))
+
+
+_CHARGE_TYPES = ("bigint", *("text",) * 6, "int4", *("text",) * 4, *("bigint",) * 5)
+# A new charge's id from the sequence (drawn for every row offered, kept only by a new one: a bigint lasts).
+_UPSERT_CHARGES = (
+    f"INSERT INTO {CHARGE_TABLE} AS t ({', '.join((*CHARGE_DIMENSIONS, *CHARGE_MEASURES))}, charge_id) "
+    f"SELECT k.*, nextval('{CHARGE_ID_SEQUENCE}') FROM unnest("
+    + ", ".join(f"CAST(:c{index} AS {sql}[])" for index, sql in enumerate(_CHARGE_TYPES)) + ") AS k ("
+    + ", ".join((*CHARGE_DIMENSIONS, *CHARGE_MEASURES)) + f") ORDER BY {', '.join(CHARGE_DIMENSIONS)} "
+    f"ON CONFLICT ({', '.join(CHARGE_DIMENSIONS)}) DO UPDATE SET "
+    + ", ".join(f"{name} = t.{name} + excluded.{name}" for name in CHARGE_MEASURES))
+
+
+def _upsert_charges_by_ids(connection: Connection, charges: Mapping[tuple, list]) -> int:
+    """Add ``charges`` (key -> measures) into PostgreSQL's ``focus_charge_hourly`` (from 0017), a new one with its
+    ``charge_id`` (``bulk_rows``' staging table would copy a sequence default: it has none)."""
+    rows = [(*key, *values) for key, values in charges.items()]
+    connection.execute(text(_UPSERT_CHARGES), {f"c{index}": list(column) for index, column in enumerate(zip(*rows))})
+    return len(rows)
+
+
+def _upsert_lines_by_ids(connection: Connection, lines: Mapping[tuple, list]) -> int:
+    """Add ``lines`` (text key -> measures) into PostgreSQL's ``focus_line_hourly`` by ids, one statement: the
+    keys resolved to the origin charge's ``charge_id`` (upserted before, in the same transaction) and the
+    dictionaries' ids (``Ledger.write`` resolved them before its transaction). ``LookupError`` when a key has no
+    ids (nothing of it is then added: the caller's transaction fails)."""
+    columns: list[list] = [[] for _ in _UNNEST]
+    for key, values in lines.items():
+        row = (*key, focus_pod_key(key[9], key[15], key[16])[3], *values)
+        for column, value in zip(columns, row):
+            column.append(value)
+    params = {name: column for (name, _sql), column in zip(_UNNEST, columns)}
+    result = connection.execute(text(_UPSERT_BY_IDS), params)
+    if result.rowcount != len(lines):
+        raise LookupError(f"{len(lines) - result.rowcount} of {len(lines)} hourly FOCUS lines have no GPU, pod or "
+                          "kind id in the ledger's dictionaries")
+    return len(lines)
 
 
 def add_written(connection: Connection, tables: FocusRollupTables, bill_rows: Iterable[Mapping[str, Any]],
@@ -258,13 +395,52 @@ def charges_of(read: Callable[[Any], list], tables: FocusRollupTables, start_ms:
                                        .where(*_range(t, start_ms, end_ms, cluster)))]
 
 
+_GPUS = Table("ledger_gpus", MetaData(), Column("gpu_id", Integer), Column("gpu_uuid", String))
+_PODS = Table("ledger_pods", MetaData(), Column("pod_id", Integer), Column("pod_uid", String),
+              Column("namespace", String), Column("pod_name", String))
+_KINDS = Table("ledger_line_kinds", MetaData(), Column("kind_id", SmallInteger),
+               *(Column(name, String) for name in _KIND_COLUMNS))
+# The charges' link and id (0016, PostgreSQL): the ledger's ``focus_charge_hourly`` has no ``charge_id`` on SQLite.
+_CHARGE_IDS = Table(CHARGE_TABLE, MetaData(), *_link_columns(), Column("charge_id", BigInteger))
+
+
+def line_select(tables: FocusRollupTables, *, by_ids: bool):
+    """(a ``SELECT`` of the allocated lines as rows of ``LINE_DIMENSIONS``, then ``LINE_MEASURES``, the table whose
+    columns ``_range`` bounds): the table's columns on SQLite; on PostgreSQL (``by_ids``) the rows' ids joined to
+    the origin charge's link and the dictionaries' texts -- the view's rows, with the charges' time bound as well
+    as the lines' (``lines_of``: the view's join would read every charge)."""
+    if not by_ids:
+        t = tables.lines
+        return select(*(t.c[n] for n in (*LINE_DIMENSIONS, *LINE_MEASURES))), t
+    t, c, g, p, k = tables.rows, _CHARGE_IDS, _GPUS, _PODS, _KINDS
+    texts = {"subject_kind": k.c.subject_kind, "pod_uid": p.c.pod_uid, "gpu_uuid": g.c.gpu_uuid,
+             "shared_from": k.c.shared_from, "sharing_method": k.c.sharing_method, "method": k.c.method,
+             "cost_basis": k.c.cost_basis, "namespace": p.c.namespace, "pod_name": p.c.pod_name,
+             "label_set_id": t.c.label_set_id}
+    columns = [*(c.c[n] for n in LINK), *(texts[n].label(n) for n in LINE_DIMENSIONS[len(LINK):]),
+               *(t.c[n] for n in LINE_MEASURES)]
+    joined = (t.join(c, and_(c.c.period_start_unix_ms == t.c.period_start_unix_ms,
+                             c.c.charge_id == t.c.charge_id))
+              .join(g, g.c.gpu_id == t.c.gpu_id).join(p, p.c.pod_id == t.c.pod_id)
+              .join(k, k.c.kind_id == t.c.kind_id))
+    return select(*columns).select_from(joined), c
+
+
+def _line_range(table: Table, by_ids: bool, tables: FocusRollupTables, start_ms: int, end_ms: int,
+                cluster: str | None) -> list:
+    # By ids: the lines' and the charges' time both bound (each table's partitions pruned), the cluster the charge's.
+    conditions = _range(table, start_ms, end_ms, cluster)
+    if by_ids:
+        conditions += _range(tables.rows, start_ms, end_ms, None)
+    return conditions
+
+
 def lines_of(read: Callable[[Any], list], tables: FocusRollupTables, start_ms: int, end_ms: int,
-             cluster: str | None) -> list:
+             cluster: str | None, *, by_ids: bool = False) -> list:
     """The allocated lines of the hours in [start_ms, end_ms), as rows (``LINE_DIMENSIONS``, then
-    ``LINE_MEASURES``), unordered."""
-    t = tables.lines
-    return read(select(*(t.c[n] for n in (*LINE_DIMENSIONS, *LINE_MEASURES))).where(*_range(t, start_ms, end_ms,
-                                                                                             cluster)))
+    ``LINE_MEASURES``), unordered. ``by_ids``: the ledger is PostgreSQL's (``line_select``)."""
+    statement, table = line_select(tables, by_ids=by_ids)
+    return read(statement.where(*_line_range(table, by_ids, tables, start_ms, end_ms, cluster)))
 
 
 def label_sets_of(read: Callable[[Any], list], label_sets: Table, ids: Iterable[int]) -> dict[int, dict[str, str]]:
@@ -279,8 +455,8 @@ def label_sets_of(read: Callable[[Any], list], label_sets: Table, ids: Iterable[
 
 
 def rows_of(read: Callable[[Any], list], table: Table) -> dict[tuple, tuple]:
-    """A table's rows, key -> measures (tests and checks)."""
+    """A table's rows, key -> measures (tests and checks; on PostgreSQL ``focus_line_hourly`` is the view)."""
     dimensions, measures = ((CHARGE_DIMENSIONS, CHARGE_MEASURES) if table.name == CHARGE_TABLE
                             else (LINE_DIMENSIONS, LINE_MEASURES))
     return {tuple(row._mapping[n] for n in dimensions): tuple(row._mapping[n] for n in measures)
-            for row in read(select(table))}
+            for row in read(select(*(table.c[n] for n in (*dimensions, *measures))))}

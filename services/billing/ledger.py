@@ -308,7 +308,7 @@ ROLLUPS = rollups.define_tables(metadata)
 # Hourly and daily rollups of the node bills and the pods' lines (``services.billing.read_rollups``).
 READ_ROLLUPS = read_rollups.define_tables(metadata)
 # The hourly FOCUS grain: origin charges and per-pod, per-GPU line sums (``services.billing.focus_rollups``).
-FOCUS_ROLLUPS = focus_rollups.define_tables(metadata)
+FOCUS_ROLLUPS = focus_rollups.define_tables(metadata, ONLY_ON)
 
 COST_BASES = ("list", "trued")
 
@@ -747,6 +747,7 @@ class Ledger:
         sums: dict[tuple[int, str, str], int] = defaultdict(int)
         kept: list[tuple[tuple[int, str, str], CostRecord]] = []
         zeros: dict[tuple[int, str, str], list[ZeroLine]] = defaultdict(list)
+        zero_kinds: dict[tuple, CostRecord] = {}
         for cost in costs:
             window = (cost.window_start_unix_ms, cost.cluster, cost.node_name)
             found = by_window.get(window)
@@ -763,6 +764,9 @@ class Ledger:
                 if is_zero_line(cost, bill.window_seconds, bill.instance_type, bill.price_model,
                                 bill.price_version):
                     zeros[window].append(_zero_line(cost))
+                    # One of each kind: the hourly FOCUS lines (PostgreSQL) name a zero line's kind and pod by id.
+                    zero_kinds.setdefault((cost.subject_kind, cost.method, cost.cost_basis, cost.window_seconds,
+                                           cost.namespace, cost.pod_name), cost)
                 else:
                     kept.append((window, cost))
             elif first_line != cost:
@@ -777,7 +781,8 @@ class Ledger:
             return WriteResult(0, 0, 0, 0)
         starts = {window[0] for window in by_window}
         self._ensure_partitions_for(starts)
-        self._resolve_ids([cost for _window, cost in kept], {z[0] for lines in zeros.values() for z in lines})
+        self._resolve_ids([*(cost for _window, cost in kept), *zero_kinds.values()],
+                          {z[0] for lines in zeros.values() for z in lines})
         try:
             return self._write(by_window, lines, kept, zeros)
         except LedgerError as exc:
@@ -898,7 +903,16 @@ class Ledger:
                     self._uses_ids(connection)
                 if not self._by_ids:
                     return
+            costs = list(costs)
             wanted = line_ids.missing_keys(self._ids, costs, gpus)
+            # The hourly FOCUS lines' pods (``focus_rollups.focus_pod_key``) where an empty (not absent) namespace
+            # or pod name makes them other rows than the minute lines' (no Kubernetes pod has one).
+            known = self._ids.get("pods")
+            odd = {key for cost in costs if cost.namespace == "" or cost.pod_name == ""
+                   for key in [focus_rollups.focus_pod_key(cost.pod_uid or "", cost.namespace or "",
+                                                           cost.pod_name or "")] if key not in known}
+            if odd:
+                wanted.setdefault("pods", set()).update(odd)
             if wanted:
                 with self._begin() as connection:
                     line_ids.resolve(connection, self._ids, wanted)

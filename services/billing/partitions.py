@@ -17,7 +17,8 @@ table                  column                    unit    partition name
 ``pod_rollup_hourly``  ``period_start_unix_ms``  day     ``pod_rollup_hourly_p20261203`` (from 0012)
 ``pod_rollup_daily``   ``period_start_unix_ms``  month   ``pod_rollup_daily_p202612`` (from 0012)
 ``focus_charge_hourly`` ``period_start_unix_ms`` day     ``focus_charge_hourly_p20261203`` (from 0015)
-``focus_line_hourly``  ``period_start_unix_ms``  day     ``focus_line_hourly_p20261203`` (from 0015)
+``focus_line_hourly``  ``period_start_unix_ms``  day     ``focus_line_hourly_p20261203`` (0015; a view from 0017)
+``focus_line_hourly_rows`` ``period_start_unix_ms`` day  ``focus_line_hourly_rows_p20261203`` (from 0017)
 =====================  ========================  ======  =========================================
 
 A partition covers [its start, its end) of the column: a UTC day, or a UTC calendar month. Retention horizons are
@@ -100,6 +101,8 @@ SCHEMES = (
     Scheme("cost_lines", "window_start_unix_ms", DAY),
     Scheme("focus_charge_hourly", "period_start_unix_ms", DAY, ROLLUP_FILLFACTOR),
     Scheme("focus_line_hourly", "period_start_unix_ms", DAY, ROLLUP_FILLFACTOR),
+    # The hourly FOCUS lines by ids from 0017 (``focus_line_hourly`` is a view over them on PostgreSQL).
+    Scheme("focus_line_hourly_rows", "period_start_unix_ms", DAY, ROLLUP_FILLFACTOR),
 )
 SCHEME_BY_TABLE = {scheme.table: scheme for scheme in SCHEMES}
 # What the minute retention drops, in this order (a line never outlives its bill).

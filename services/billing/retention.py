@@ -199,6 +199,9 @@ def _drop_partitions(ledger: Ledger, kept: Mapping[str, int]) -> RetentionResult
     # The lines' partitions are ``cost_line_rows``' at 0014 and 0015, ``cost_line_packs``' from 0016 (``cost_lines``
     # is a view over them); a pack's partition counts its lines.
     grains[MINUTE] = partitions.MINUTE_TABLES
+    # The hourly FOCUS lines' partitions are ``focus_line_hourly_rows``' from 0017 (``focus_line_hourly``: a view).
+    grains[HOUR] = tuple(FOCUS_ROLLUPS.rows.name if name == FOCUS_ROLLUPS.lines.name else name
+                         for name in grains[HOUR])
     deleted = {grain: 0 for grain in grains}
     bills = 0
     dropped = []

@@ -72,8 +72,10 @@ def test_a_ledger_written_at_0013_answers_the_same_after_the_upgrade_and_after_g
     with ledger.engine.connect() as connection:
         counts = connection.execute(text(
             "SELECT (SELECT count(*) FROM ledger_nodes), (SELECT count(DISTINCT (cluster, node_name)) FROM "
-            "cost_lines), (SELECT count(*) FROM ledger_gpus), (SELECT count(DISTINCT gpu_uuid) FROM cost_lines)"
+            "cost_lines), (SELECT count(*) FROM ledger_gpus), (SELECT count(*) FROM (SELECT gpu_uuid FROM cost_lines "
+            "UNION SELECT gpu_uuid FROM focus_line_hourly) u)"
         )).one()
+    # The GPUs: the lines' and, from 0017, those the hourly FOCUS lines name (a unit only zero lines name).
     assert counts[0] == counts[1] and counts[2] == counts[3]
     # A true-up through the ids (the view is read-only): the amended bill answers as it did at 0007.
     assert recorded._reconcile(ledger, recorded.FOCUS_AMENDED) == FIXTURE["amended"]["reconcile"]

@@ -25,8 +25,10 @@ from tests.unit.billing.conftest import WINDOW_START_MS, sample_shares
 
 pytestmark = pytest.mark.postgres
 
-# The partitioned tables at head (from 0014 ``cost_lines`` is a view, from 0016 over ``cost_line_packs``).
-TABLES = tuple(scheme.table for scheme in partitions.SCHEMES if scheme.table not in ("cost_lines", "cost_line_rows"))
+# The partitioned tables at head (from 0014 ``cost_lines`` is a view, from 0016 over ``cost_line_packs``;
+# from 0017 ``focus_line_hourly`` one over ``focus_line_hourly_rows``).
+TABLES = tuple(scheme.table for scheme in partitions.SCHEMES
+               if scheme.table not in ("cost_lines", "cost_line_rows", "focus_line_hourly"))
 
 
 def attached(ledger: Ledger) -> set[str]:
@@ -157,7 +159,7 @@ def test_retention_detaches_and_drops_whole_partitions_and_deletes_no_row(databa
             for day in (time.strftime("%Y%m%d", time.gmtime((DAY0 + d * DAY_MS) / 1000)) for d in range(DAYS - 14))}
     gone |= {f"{name}_p{time.strftime('%Y%m%d', time.gmtime((DAY0 + d * DAY_MS) / 1000))}"
              for name in ("cost_rollup_hourly", "bill_rollup_hourly", "pod_rollup_hourly", "focus_charge_hourly",
-                          "focus_line_hourly") for d in range(DAYS - 16)}
+                          "focus_line_hourly_rows") for d in range(DAYS - 16)}
     assert set(result.dropped_partitions) == gone and gone <= before
     assert attached(ledger) & gone == set() and not relations(ledger) & gone
     assert before - gone <= attached(ledger)
