@@ -1197,7 +1197,6 @@ def _owners_pay(
     cost = [0.0] * (n_rows + _BUCKETS)
     if not owner_rows:
         return memory
-    leaked = 0.0
     leakers = []
     for slot in epoch.present:
         if slot < 0:
@@ -1208,7 +1207,12 @@ def _owners_pay(
         used = max(memory[row], compute[row])
         if used > 0.0:
             leakers.append((row, used))
-            leaked += used
+    # Summed in row order (pods by uid): a set's order, and the slots' numbering, depend on the order the pods and
+    # ticks came in, and the sums must not.
+    leakers.sort()
+    leaked = 0.0
+    for _row, used in leakers:
+        leaked += used
     scale = 1.0 / leaked if leaked > 1.0 else 1.0
     paid = 0.0
     for row, used in leakers:

@@ -4,6 +4,7 @@ ticks arrived, however the sums were batched -- and the engine closes its window
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -349,3 +350,30 @@ def test_a_tick_taken_in_after_the_early_close_is_attributed_at_the_close():
     summed.add(window.samples[-1], live, live.generation)  # a tick of this window, still within its grace
     whole = node_window_record(window, live, policy, summed)
     assert whole is not early and whole == node_window_record(window, live, policy)
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations(range(4))))
+def test_an_owners_rest_does_not_depend_on_the_order_pods_and_slots_came_in(order):
+    # GPU-1 is exclusive (pod-owner holds its plain id) and three pods leak onto it: the owner pays 1 less what the
+    # leakers pay (0.1, 0.2 and 0.3 of it), summed -- and a float sum depends on its order. The window summed as its
+    # ticks arrive numbers the pods as the ticks list them; the close from ticks numbers each unit's holders first
+    # (leak-c holds GPU-0, which comes first). The owner's rest must follow neither numbering (a hypothesis
+    # example found it one ulp apart when it did).
+    names = ["leak-a", "leak-b", "leak-c", "pod-owner"]
+    uids = [names[i] for i in order]
+    events = [pod_event("pod-owner", devices=[("nvidia.com/gpu", ["GPU-1"])], observed_at_unix_ms=START - 20_000),
+              pod_event("leak-c", devices=[("nvidia.com/gpu", ["GPU-0"])], observed_at_unix_ms=START - 20_000)]
+    events += [pod_event(n, observed_at_unix_ms=START - 20_000) for n in ("leak-a", "leak-b")]
+    index = apply_pod_events(PodIndex.empty(), events)
+    samples = []
+    for seq in range(6):
+        leaks = [(uids.index(n), 0, sm) for n, sm in (("leak-a", 10), ("leak-b", 20), ("leak-c", 30))]
+        samples.append(node_sample(START + seq * 1000, [
+            device("GPU-0", util=0, mode=SharingMode.EXCLUSIVE, index=0),
+            device("GPU-1", util=60, mode=SharingMode.EXCLUSIVE, procs=leaks, index=1)],
+            pod_uids=uids, sequence=seq))
+    window = NodeWindow("c1", "node-a", START, WINDOW_S, tuple(samples))
+    policy = AttributionPolicy.parse(cost_basis="compute")
+    expected = attribute_node_window_detailed(window, index, policy)
+    assert any(r.pod_uid == "pod-owner" and r.cost_share > 0 for r in expected.shares)
+    assert attribute_node_window_detailed(window, index, policy, _summed(window, index, policy)) == expected
