@@ -71,6 +71,7 @@ The recording format is defined in ``pipeline/recordings.py``.
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,11 +87,13 @@ from pipeline.recordings import (
     RECORDING_MAGIC_V1,
     RECORDING_MAGIC_V2,
     RECORDING_SUFFIX,
+    EncodedInput,
     InputRecord,
     InvalidInput,
     RecordingWriter,
     is_recording,
     recorded_inputs,
+    scenario_encoded_records,
     scenario_nodes,
     scenario_records,
 )
@@ -259,10 +262,13 @@ CHUNK_MESSAGES = 20_000
 service reads the chunk, the output is written and the broker forgets it, so memory holds one chunk, not the run."""
 
 
-def _chunks(items: Iterable[InputRecord | InvalidInput], size: int) -> Iterator[list[InputRecord | InvalidInput]]:
+_Input = InputRecord | InvalidInput | EncodedInput
+
+
+def _chunks(items: Iterable[_Input], size: int) -> Iterator[list[_Input]]:
     """``items`` (in received order) cut into lists of at least ``size`` -- the last one fewer -- never inside an
     instant: every message of a received time is in one chunk."""
-    chunk: list[InputRecord | InvalidInput] = []
+    chunk: list[_Input] = []
     for item in items:
         if len(chunk) >= size and item.received_at_unix_ms != chunk[-1].received_at_unix_ms:
             yield chunk
@@ -378,6 +384,7 @@ def replay(
     grouping_label_sources: GroupingLabelSources = GroupingLabelSources(),
     batch_size: int = DEFAULT_BATCH_SIZE,
     on_stage: Callable[[str], None] | None = None,
+    workers: int | None = None,
 ) -> ReplaySummary:
     """Replay ``input_path`` (a scenario YAML, a recording file, or a directory of recordings) into ``out_dir``.
 
@@ -393,6 +400,8 @@ def replay(
     instant each service's processor handles at once (``MemoryDriver``); the output does not depend on it.
     ``on_stage`` (a profiler's hook; nothing in the output depends on it) is called with the name of each stage as
     replay enters it (``REPLAY_STAGES``, in that order) and with ``"end"`` when it returns.
+    ``workers``: for a scenario, the processes that simulate its nodes (``scenario_encoded_records``; None:
+    ``os.cpu_count()``; 0 or 1: in this process); the output is byte-identical whatever the number.
     Raises ``ScenarioError``, ``RecordingError`` (broken recording structure) or ``ConfigError`` (bad options,
     unknown input, unknown node).
     """
@@ -413,7 +422,7 @@ def replay(
     catalog = catalog if catalog is not None else bundled_catalog()
 
     truth: TruthAccumulator | None = None
-    inputs: Iterable[InputRecord | InvalidInput]
+    inputs: Iterable[_Input]
     if not input_path.exists():
         raise ConfigError(f"replay input {input_path} does not exist")
     if _is_scenario_path(input_path):
@@ -421,7 +430,12 @@ def replay(
 
         scenario = load_scenario(input_path)
         input_kind = INPUT_SCENARIO
-        inputs = scenario_records(scenario, scenario_nodes(scenario, node))
+        names = scenario_nodes(scenario, node)
+        processes = (os.cpu_count() or 1) if workers is None else workers
+        if processes > 1 and len(names) > 1:
+            inputs = scenario_encoded_records(scenario, names, workers=processes)
+        else:
+            inputs = scenario_records(scenario, names)
         truth = TruthAccumulator(scenario, window_seconds)
     elif is_recording(input_path):
         input_kind = INPUT_RECORDING
@@ -445,7 +459,7 @@ def replay(
     # What each input message was, by its position on the broker: where a recorded frame came from.
     sources: dict[tuple[str, int], str] = {}
 
-    def produce(item: InputRecord | InvalidInput) -> None:
+    def produce(item: _Input) -> None:
         nonlocal latest_ms
         now = item.received_at_unix_ms
         latest_ms = now if latest_ms is None else max(latest_ms, now)
@@ -453,6 +467,19 @@ def replay(
             # Bytes that do not decode reach the topic a sample would (no record type to tell otherwise).
             at = broker.produce(REPLAY_TOPICS.node_samples, None, item.payload, timestamp_ms=now, partition=0)
             sources[(at.topic, at.offset)] = item.source
+            return
+        if isinstance(item, EncodedInput):
+            # Simulated and encoded by a worker process: its bytes go on the topic, decoded once by the runners.
+            nodes.setdefault(item.node_name, None)
+            if recorder is not None:
+                recorder.write_frame(now, item.payload)
+            if item.is_pod_event:
+                counts["pod_events"] += 1
+                broker.produce(REPLAY_TOPICS.pod_events, item.key, item.payload, timestamp_ms=now, partition=0)
+            else:
+                counts["samples"] += 1
+                latest_ms = max(latest_ms, item.sampled_at_unix_ms)
+                broker.produce(REPLAY_TOPICS.node_samples, item.key, item.payload, timestamp_ms=now, partition=0)
             return
         message = item.message
         nodes.setdefault(message.node_name, None)

@@ -382,6 +382,43 @@ def test_replay_is_byte_for_byte_deterministic(replays, tmp_path, catalog, name)
         assert (tmp_path / file).read_bytes() == (first / file).read_bytes(), file
 
 
+MULTI_NODE_IDS = tuple(p.stem for p in SCENARIOS if len(load_scenario(p).nodes) > 1)
+
+
+@pytest.mark.parametrize("name", MULTI_NODE_IDS)
+@pytest.mark.parametrize("workers", [0, 3])
+def test_worker_processes_give_the_same_bytes_as_one_process(replays, tmp_path, catalog, name, workers):
+    """The scenario side simulated in worker processes (the fixture's default: os.cpu_count()) or in this one
+    (0), and with more workers than nodes: the same output files and the same recorded input, byte for byte."""
+    assert len(MULTI_NODE_IDS) >= 3, "too few multi-node scenarios to exercise the merge of worker streams"
+    summary, first = replays[name]
+    recorded = tmp_path / "input.gmrec"
+    again = replay(REPO / "scenarios" / f"{name}.yaml", tmp_path / "out", window_seconds=WINDOW_SECONDS,
+                   catalog=catalog, workers=workers, record_path=recorded)
+    assert again.samples == summary.samples and again.nodes == summary.nodes
+    for file in OUTPUT_FILES:
+        assert (tmp_path / "out" / file).read_bytes() == (first / file).read_bytes(), file
+    expected = tmp_path / "expected.gmrec"
+    record_scenario(REPO / "scenarios" / f"{name}.yaml", expected)
+    assert recorded.read_bytes() == expected.read_bytes()
+
+
+def test_worker_processes_on_a_fleet_give_the_same_bytes(tmp_path, catalog):
+    """Seven nodes of the benchmark fleet (every sharing mode) dealt unevenly to 1, 2 and 3 processes."""
+    from bench.simulator import fleet_scenario_yaml
+
+    scenario = tmp_path / "fleet.yaml"
+    scenario.write_text(fleet_scenario_yaml(7, 300))
+    outputs = {}
+    for workers in (0, 2, 3):
+        out = tmp_path / f"out-{workers}"
+        summary = replay(scenario, out, window_seconds=WINDOW_SECONDS, workers=workers)
+        assert summary.samples == 7 * 30 and summary.share_rows > 0
+        outputs[workers] = {file: (out / file).read_bytes() for file in OUTPUT_FILES}
+    assert outputs[2] == outputs[0]
+    assert outputs[3] == outputs[0]
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # (e) the recorded path
 
