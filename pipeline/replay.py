@@ -71,9 +71,11 @@ The recording format is defined in ``pipeline/recordings.py``.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections import Counter
 from dataclasses import dataclass
+from json.encoder import encode_basestring
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -142,8 +144,34 @@ INPUT_RECORDING = "recording"
 # JSON lines
 
 
+_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
+"""Every output line's encoder (made once: ``json.dumps`` with options makes one per call)."""
+
+
 def _dumps(obj: Mapping[str, Any]) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
+    return _ENCODER.encode(obj)
+
+
+def _value_json(value: Any) -> str:
+    """``value`` as ``_dumps`` writes it inside an object, byte for byte (the common types without the encoder's
+    per-call set-up: ``float.__repr__``, ``int.__repr__``, ``encode_basestring``, as ``json``'s encoder does)."""
+    kind = type(value)
+    if kind is float:
+        if value != value or value in (math.inf, -math.inf):
+            raise ValueError(f"Out of range float values are not JSON compliant: {value!r}")
+        return float.__repr__(value)
+    if kind is str:
+        return encode_basestring(value)
+    if kind is int:
+        return int.__repr__(value)
+    if value is None:
+        return "null"
+    return _ENCODER.encode(value)
+
+
+def _field(key: str, value: Any) -> str:
+    """One ``"key":value`` member of a ``_dumps`` object."""
+    return f"{encode_basestring(key)}:{_value_json(value)}"
 
 
 def share_json(share: GpuShare) -> dict[str, Any]:
@@ -183,6 +211,115 @@ def share_json(share: GpuShare) -> dict[str, Any]:
         "mig_profile": share.mig_profile,
         "mig_gpu_instance_id": share.mig_gpu_instance_id,
     }
+
+
+class _KeptFields:
+    """``_field`` for objects whose values repeat from line to line (a cost line's window, node, pod, labels): the
+    members of strings, ints, None and string-keyed label maps are kept, at most ``limit`` of them (then
+    forgotten), and ``line(obj)`` is ``_dumps(obj)``, byte for byte, for an object with the keys ``keys``."""
+
+    def __init__(self, keys: Sequence[str], limit: int = 200_000) -> None:
+        self._keys = tuple(sorted(keys))
+        self._key_set = frozenset(keys)
+        self._kept: dict[tuple[str, Any], str] = {}
+        self._limit = limit
+
+    def field(self, key: str, value: Any) -> str:
+        kind = type(value)
+        if kind is str or kind is int or value is None:
+            kept_key: tuple[str, Any] = (key, value)  # never a float: 1 == 1.0 but they are written apart
+        elif kind is dict and all(type(v) is str for v in value.values()):
+            kept_key = (key, tuple(value.items()))
+        else:
+            return _field(key, value)
+        member = self._kept.get(kept_key)
+        if member is None:
+            if len(self._kept) >= self._limit:
+                self._kept.clear()
+            member = self._kept[kept_key] = _field(key, value)
+        return member
+
+    def line(self, obj: Mapping[str, Any]) -> str:
+        if obj.keys() != self._key_set:
+            return _dumps(obj)
+        field = self.field
+        return "{" + ",".join([field(key, obj[key]) for key in self._keys]) + "}"
+
+
+_SHARE_WINDOW_KEYS = ("window_start", "window_start_unix_ms", "window_seconds", "cluster", "node", "cloud_provider",
+                      "region", "instance_type", "price_model", "node_covered_seconds", "units_in_node")
+_SHARE_UNIT_KEYS = ("rows_in_unit", "gpu_uuid", "parent_gpu_uuid", "gpu_model", "gpu_fraction", "sharing_mode",
+                    "method", "sample_count", "covered_seconds", "mig_profile", "mig_gpu_instance_id")
+_SHARE_POD_KEYS = ("pod_uid", "namespace", "pod", "labels", "workload_kind", "workload_name")
+_SHARE_ROW_KEYS = ("subject_kind", "memory_used_bytes_avg", "memory_share", "compute_share", "cost_share")
+_SHARE_KEYS = tuple(sorted(_SHARE_WINDOW_KEYS + _SHARE_UNIT_KEYS + _SHARE_POD_KEYS + _SHARE_ROW_KEYS))
+_COST_KEYS = ("window_start", "window_seconds", "cluster", "node", "gpu_uuid", "subject_kind", "pod_uid", "namespace",
+              "pod", "labels", "cost_share", "cost_micro_usd", "instance_type", "price_model", "price_version",
+              "shared_from", "sharing_method", "method", "cost_basis", "memory_share", "compute_share",
+              "gpu_fraction")
+_NO_POD = {key: _field(key, {} if key == "labels" else None) for key in _SHARE_POD_KEYS}
+
+
+def share_lines(record: NodeWindowShares) -> list[str]:
+    """The ``shares.jsonl`` lines (without their newline) of one node-window: byte for byte
+    ``_dumps(share_json(row))`` for each row of ``record.rows()``, in that order, built from the record's
+    columns -- what the window, a unit and a pod have in common is encoded once, not once per row."""
+    window = {
+        "window_start": _field("window_start", iso_utc(record.window_start_unix_ms)),
+        "window_start_unix_ms": _field("window_start_unix_ms", record.window_start_unix_ms),
+        "window_seconds": _field("window_seconds", record.window_seconds),
+        "cluster": _field("cluster", record.cluster),
+        "node": _field("node", record.node_name),
+        "cloud_provider": _field("cloud_provider", record.cloud_provider),
+        "region": _field("region", record.region),
+        "instance_type": _field("instance_type", record.instance_type),
+        "price_model": _field("price_model", record.price_model),
+        "node_covered_seconds": _field("node_covered_seconds", record.node_covered_seconds),
+        "units_in_node": _field("units_in_node", len(record.units)),
+    }
+    pods = [{
+        "pod_uid": _field("pod_uid", pod.pod_uid),
+        "namespace": _field("namespace", pod.namespace),
+        "pod": _field("pod", pod.pod_name),
+        "labels": _field("labels", dict(pod.labels)),
+        "workload_kind": _field("workload_kind", pod.workload_kind),
+        "workload_name": _field("workload_name", pod.workload_name),
+    } for pod in record.pods]
+    kinds: dict[Any, str] = {}
+    lines: list[str] = []
+    for unit in record.units:
+        rows_in_unit = len(unit.subject_kinds)
+        base = {
+            **window,
+            "rows_in_unit": _field("rows_in_unit", rows_in_unit),
+            "gpu_uuid": _field("gpu_uuid", unit.gpu_uuid),
+            "parent_gpu_uuid": _field("parent_gpu_uuid", unit.parent_gpu_uuid),
+            "gpu_model": _field("gpu_model", unit.gpu_model),
+            "gpu_fraction": _field("gpu_fraction", unit.gpu_fraction),
+            "sharing_mode": _field("sharing_mode", unit.sharing_mode.value.lower()),
+            "method": _field("method", unit.method),
+            "sample_count": _field("sample_count", unit.sample_count),
+            "covered_seconds": _field("covered_seconds", unit.covered_seconds),
+            "mig_profile": _field("mig_profile", unit.mig_profile),
+            "mig_gpu_instance_id": _field("mig_gpu_instance_id", unit.mig_gpu_instance_id),
+        }
+        for i in range(rows_in_unit):
+            index = unit.subject_pod_index[i]
+            kind = unit.subject_kinds[i]
+            kind_field = kinds.get(kind)
+            if kind_field is None:
+                kind_field = kinds[kind] = _field("subject_kind", kind.value.lower())
+            fields = {
+                **base,
+                **(pods[index] if index >= 0 else _NO_POD),
+                "subject_kind": kind_field,
+                "memory_used_bytes_avg": _field("memory_used_bytes_avg", unit.memory_used_bytes_avg[i]),
+                "memory_share": _field("memory_share", unit.memory_share[i]),
+                "compute_share": _field("compute_share", unit.compute_share[i]),
+                "cost_share": _field("cost_share", unit.cost_share[i]),
+            }
+            lines.append("{" + ",".join([fields[key] for key in _SHARE_KEYS]) + "}")
+    return lines
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -247,6 +384,12 @@ class _Outputs:
     def write(self, name: str, obj: Mapping[str, Any]) -> None:
         self._files[name].write(_dumps(obj) + "\n")
         self.counts[name] += 1
+
+    def write_lines(self, name: str, lines: Sequence[str]) -> None:
+        """Lines already encoded as ``write`` would encode them (without their newline)."""
+        if lines:
+            self._files[name].write("\n".join(lines) + "\n")
+            self.counts[name] += len(lines)
 
     def close(self) -> None:
         for handle in self._files.values():
@@ -525,6 +668,7 @@ def replay(
     dead: Counter[str] = Counter()
     unpriced: list[UnpricedWindow] = []
     seen_ticks: set[tuple[str, int, int]] = set()
+    cost_fields = _KeptFields(_COST_KEYS)
 
     def write_out() -> None:
         """Write what the services produced since the last call, then let the broker forget it."""
@@ -541,10 +685,9 @@ def replay(
                 unpriced.append(_unpriced(letter))
         for record in _records(broker, REPLAY_TOPICS.node_window_shares, NodeWindowShares, decoded):
             counts["windows"] += 1
-            for share in record.rows():
-                outputs.write(SHARES_FILE, share_json(share))
-        for record in _records(broker, REPLAY_TOPICS.costs, CostRecord, decoded):
-            outputs.write(COSTS_FILE, cost_record_json(record))
+            outputs.write_lines(SHARES_FILE, share_lines(record))
+        outputs.write_lines(COSTS_FILE, [cost_fields.line(cost_record_json(record))
+                                         for record in _records(broker, REPLAY_TOPICS.costs, CostRecord, decoded)])
         for bill in store.bills:
             outputs.write(BILLS_FILE, bill.as_json())
             counts["node_cost_micro"] += bill.node_cost_micro_usd
@@ -651,4 +794,5 @@ __all__ = [
     "read_jsonl",
     "replay",
     "share_json",
+    "share_lines",
 ]

@@ -40,7 +40,7 @@ from pipeline.recordings import (
     scenario_records,
     write_recording,
 )
-from pipeline.replay import read_jsonl, replay
+from pipeline.replay import read_jsonl, replay, share_json
 from services.billing.catalog import PriceCatalog, load_price_dir, parse_override_csv
 from services.billing.costing import iso_utc
 from simulator.scenario import load_scenario
@@ -674,3 +674,48 @@ def test_mig_units_carry_their_profile_and_gpu_instance_id_from_nvml(tmp_path):
     assert all(isinstance(i, int) and i >= 0 for i in ids.values()) and len(set(ids.values())) == len(ids)
     assert all(r["mig_profile"] is None and r["mig_gpu_instance_id"] is None
                for r in rows if r["parent_gpu_uuid"] is None)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the output lines, written from the records' columns and from kept members
+
+
+def test_share_lines_are_the_rows_json_byte_for_byte(tmp_path, catalog, monkeypatch):
+    """``share_lines`` of every node-window replay writes (MIG, time-slicing, MPS, buckets, pods with labels)
+    equals ``_dumps(share_json(row))`` row by row."""
+    from pipeline import replay as replay_module
+
+    checked = []
+    real = replay_module.share_lines
+
+    def checking(record):
+        lines = real(record)
+        assert lines == [replay_module._dumps(share_json(row)) for row in record.rows()]
+        checked.append(len(lines))
+        return lines
+
+    monkeypatch.setattr(replay_module, "share_lines", checking)
+    for name in ("mig_mixed", "mps", "demo", "faults"):
+        replay(REPO / "scenarios" / f"{name}.yaml", tmp_path / name, window_seconds=WINDOW_SECONDS, catalog=catalog)
+    assert len(checked) > 20 and sum(checked) > 200
+
+
+@pytest.mark.parametrize("value", [1, 1.0, -0.0, 0.1 + 0.2, 1e300, True, None, "é \"q\" \\ \n \u2028", {"b": "1", "a": "é"},
+                                   {"n": 1.5}, [1, "x"], 2**70])
+def test_kept_fields_write_what_json_writes(value):
+    from pipeline.replay import _KeptFields, _dumps
+
+    fields = _KeptFields(("a", "b"), limit=3)
+    for _ in range(2):  # written, then taken from what was kept
+        for other in (1, 1.0, "1", None, value):
+            obj = {"b": value, "a": other}
+            assert fields.line(obj) == _dumps(obj)
+    assert fields.line({"a": 1}) == _dumps({"a": 1})  # other keys: the encoder
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_kept_fields_refuse_what_json_refuses(value):
+    from pipeline.replay import _KeptFields
+
+    with pytest.raises(ValueError):
+        _KeptFields(("a",)).line({"a": value})
