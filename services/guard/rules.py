@@ -39,6 +39,7 @@ from schemas.devices import (
     REPLICA_SEPARATOR,
     VALUE_FROM_MARK,
     VISIBLE_DEVICES_ENV,
+    CoveringCount,
     DeviceIdKind,
     DeviceRef,
     covers,
@@ -467,9 +468,10 @@ def unrequested_gpu_use(sample: NodeSample, pods: Mapping[str, PodView], config:
     for uid in sorted(per_pod):
         usage = per_pod[uid]
         pod = pods.get(uid)
-        if pod is None or is_exempt(pod, config) or pod.requests_gpu or pod.device_ids:
+        # The cheap tests first (requests_gpu walks every container's requests): all of them must pass.
+        if pod is None or pod.device_ids or usage.processes == 0:
             continue
-        if usage.processes == 0 or usage.memory_bytes < config.unrequested_min_memory_bytes:
+        if usage.memory_bytes < config.unrequested_min_memory_bytes or is_exempt(pod, config) or pod.requests_gpu:
             continue
         units = sorted(usage.units or ())
         out.append(_condition(
@@ -491,12 +493,13 @@ def unrequested_gpu_use(sample: NodeSample, pods: Mapping[str, PodView], config:
 # shared_memory_pressure
 
 
-def _replica_refs(pods: Mapping[str, PodView]) -> tuple[DeviceRef, ...]:
-    """The replica ids (``::N``) of the alive pods, one entry per id (two pods naming one replica: two entries)."""
-    return tuple(ref for pod in pods.values() if pod.alive for ref in pod.device_refs if ref.replica is not None)
+def _replica_refs(pods: Mapping[str, PodView]) -> CoveringCount:
+    """The replica ids (``::N``) of the alive pods, one count per id (two pods naming one replica: two)."""
+    return CoveringCount(ref for pod in pods.values() if pod.alive for ref in pod.device_refs
+                         if ref.replica is not None)
 
 
-def _sharing_of(device: GpuDeviceSample, replica_refs: Sequence[DeviceRef]) -> tuple[bool, int]:
+def _sharing_of(device: GpuDeviceSample, replica_refs: CoveringCount) -> tuple[bool, int]:
     """(shared?, replicas) of a unit: time-sliced or MPS by the sample, or by replica ids (``::N``) naming it.
     ``replica_refs``: ``_replica_refs`` of the node's pods (taken once per sample, not per unit)."""
     by_sample = device.sharing_mode in (SharingMode.TIME_SLICING, SharingMode.MPS) or (
@@ -504,7 +507,8 @@ def _sharing_of(device: GpuDeviceSample, replica_refs: Sequence[DeviceRef]) -> t
     )
     if by_sample and device.replicas > 1:
         return True, device.replicas  # the sample says how many: the pods' ids are not counted
-    naming = sum(1 for ref in replica_refs if ref_covers(ref, device))
+    naming = replica_refs.count(device.uuid, device.parent_uuid, device.mig_gpu_instance_id,
+                                device.mig_compute_instance_id)
     if not by_sample and not naming:
         return False, 1
     return True, max(1, naming)
