@@ -152,7 +152,8 @@ class EncodedInput:
     """One scenario input message as a worker process produced it (``scenario_encoded_records``): already encoded
     (``payload``: the single-object Avro bytes its topic carries, byte for byte ``encode_message`` of the record),
     with what replay needs to put it on its topic without decoding it: ``node_name``, whether it is a pod event
-    (else a ``NodeSample``), its topic ``key`` and, for a sample, ``sampled_at_unix_ms``."""
+    (else a ``NodeSample``), its topic ``key`` and, for a sample, ``sampled_at_unix_ms`` and ``truth``: the
+    scenario time of the tick and ``SimWorld.truth`` of the node then (the worker's world had it computed)."""
 
     received_at_unix_ms: int
     node_name: str
@@ -160,6 +161,7 @@ class EncodedInput:
     key: bytes
     payload: bytes
     sampled_at_unix_ms: int | None
+    truth: tuple[int, tuple] | None = None
 
 
 SCENARIO_WORKER_BATCH_TICKS = 32
@@ -175,7 +177,7 @@ def _encoded_node_stream(scenario: Any, index: int, name: str) -> Iterator[tuple
 
     node_key = name.encode("utf-8")
     seq = 0
-    for tick in node_streams(scenario, name):
+    for tick in node_streams(scenario, name, with_truth=True):
         now = tick.sampled_at_unix_ms
         for event in tick.pod_events:
             yield (now, 0, index, seq), EncodedInput(now, name, True, pod_event_key(name, event.uid),
@@ -183,7 +185,7 @@ def _encoded_node_stream(scenario: Any, index: int, name: str) -> Iterator[tuple
             seq += 1
         sample = tick.sample
         yield (now, 1, index, seq), EncodedInput(now, name, False, node_key, encode_message(sample),
-                                                 sample.sampled_at_unix_ms)
+                                                 sample.sampled_at_unix_ms, (now, tick.truth))
         seq += 1
 
 

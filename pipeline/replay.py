@@ -543,8 +543,9 @@ def replay(
     instant each service's processor handles at once (``MemoryDriver``); the output does not depend on it.
     ``on_stage`` (a profiler's hook; nothing in the output depends on it) is called with the name of each stage as
     replay enters it (``REPLAY_STAGES``, in that order) and with ``"end"`` when it returns.
-    ``workers``: for a scenario, the processes that simulate its nodes (``scenario_encoded_records``; None:
-    ``os.cpu_count()``; 0 or 1: in this process); the output is byte-identical whatever the number.
+    ``workers``: for a scenario, the processes that simulate its nodes and take its truth
+    (``scenario_encoded_records``; None: ``os.cpu_count()`` when it has several nodes; 0 or 1: in this process);
+    the output is byte-identical whatever the number.
     Raises ``ScenarioError``, ``RecordingError`` (broken recording structure) or ``ConfigError`` (bad options,
     unknown input, unknown node).
     """
@@ -575,7 +576,7 @@ def replay(
         input_kind = INPUT_SCENARIO
         names = scenario_nodes(scenario, node)
         processes = (os.cpu_count() or 1) if workers is None else workers
-        if processes > 1 and len(names) > 1:
+        if workers is not None and workers > 1 or processes > 1 and len(names) > 1:
             inputs = scenario_encoded_records(scenario, names, workers=processes)
         else:
             inputs = scenario_records(scenario, names)
@@ -601,6 +602,8 @@ def replay(
     latest_ms: int | None = None
     # What each input message was, by its position on the broker: where a recorded frame came from.
     sources: dict[tuple[str, int], str] = {}
+    # The simulator's truth of a worker's sample, by its position on the broker (kept for one chunk).
+    simulated_truth: dict[tuple[str, int], tuple[int, tuple]] = {}
 
     def produce(item: _Input) -> None:
         nonlocal latest_ms
@@ -622,7 +625,10 @@ def replay(
             else:
                 counts["samples"] += 1
                 latest_ms = max(latest_ms, item.sampled_at_unix_ms)
-                broker.produce(REPLAY_TOPICS.node_samples, item.key, item.payload, timestamp_ms=now, partition=0)
+                at = broker.produce(REPLAY_TOPICS.node_samples, item.key, item.payload, timestamp_ms=now,
+                                    partition=0)
+                if item.truth is not None:
+                    simulated_truth[(at.topic, at.offset)] = item.truth
             return
         message = item.message
         nodes.setdefault(message.node_name, None)
@@ -707,9 +713,10 @@ def replay(
                 continue
             seen_ticks.add(tick)
             if truth is not None:
-                truth.add_tick(sample)
+                truth.add_tick(sample, simulated_truth.get((message.topic, message.offset)))
         broker.trim()
         decoded.clear()
+        simulated_truth.clear()
 
     recorder = RecordingWriter(record_path) if record_path is not None else None
     try:

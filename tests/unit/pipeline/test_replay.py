@@ -385,11 +385,14 @@ def test_replay_is_byte_for_byte_deterministic(replays, tmp_path, catalog, name)
 MULTI_NODE_IDS = tuple(p.stem for p in SCENARIOS if len(load_scenario(p).nodes) > 1)
 
 
-@pytest.mark.parametrize("name", MULTI_NODE_IDS)
-@pytest.mark.parametrize("workers", [0, 3])
+WORKER_CASES = tuple((name, 2) for name in SCENARIO_IDS) + tuple((name, w) for name in MULTI_NODE_IDS for w in (0, 3))
+
+
+@pytest.mark.parametrize(("name", "workers"), WORKER_CASES)
 def test_worker_processes_give_the_same_bytes_as_one_process(replays, tmp_path, catalog, name, workers):
-    """The scenario side simulated in worker processes (the fixture's default: os.cpu_count()) or in this one
-    (0), and with more workers than nodes: the same output files and the same recorded input, byte for byte."""
+    """The scenario side (samples, pod events, the truth) simulated in worker processes or in this one (0), with
+    more workers than nodes, a single node in one worker: the same output files and the same recorded input,
+    byte for byte, as the fixture's (the default: worker processes for several nodes, this one for one)."""
     assert len(MULTI_NODE_IDS) >= 3, "too few multi-node scenarios to exercise the merge of worker streams"
     summary, first = replays[name]
     recorded = tmp_path / "input.gmrec"
