@@ -147,6 +147,112 @@ def scenario_records(scenario: Any, nodes: Sequence[str] | None = None) -> Itera
         yield record
 
 
+@dataclass(frozen=True, slots=True)
+class EncodedInput:
+    """One scenario input message as a worker process produced it (``scenario_encoded_records``): already encoded
+    (``payload``: the single-object Avro bytes its topic carries, byte for byte ``encode_message`` of the record),
+    with what replay needs to put it on its topic without decoding it: ``node_name``, whether it is a pod event
+    (else a ``NodeSample``), its topic ``key`` and, for a sample, ``sampled_at_unix_ms`` and ``truth``: the
+    scenario time of the tick and ``SimWorld.truth`` of the node then (the worker's world had it computed)."""
+
+    received_at_unix_ms: int
+    node_name: str
+    is_pod_event: bool
+    key: bytes
+    payload: bytes
+    sampled_at_unix_ms: int | None
+    truth: tuple[int, tuple] | None = None
+
+
+SCENARIO_WORKER_BATCH_TICKS = 32
+"""Ticks of one node a scenario worker process sends at a time (each batch a pickled list of encoded messages)."""
+_WORKER_QUEUE_BATCHES = 8  # batches a worker may be ahead of the merge: bounds the memory held in flight
+
+
+def _encoded_node_stream(scenario: Any, index: int, name: str) -> Iterator[tuple[tuple[int, int, int, int],
+                                                                                  EncodedInput]]:
+    """One node's messages as ``scenario_records``' ``stream`` orders them (same merge key), encoded."""
+    from schemas.catalog import pod_event_key
+    from services.collector.simulation import node_streams
+
+    node_key = name.encode("utf-8")
+    seq = 0
+    for tick in node_streams(scenario, name, with_truth=True):
+        now = tick.sampled_at_unix_ms
+        for event in tick.pod_events:
+            yield (now, 0, index, seq), EncodedInput(now, name, True, pod_event_key(name, event.uid),
+                                                     encode_message(event), None)
+            seq += 1
+        sample = tick.sample
+        yield (now, 1, index, seq), EncodedInput(now, name, False, node_key, encode_message(sample),
+                                                 sample.sampled_at_unix_ms, (now, tick.truth))
+        seq += 1
+
+
+def _scenario_worker(scenario: Any, indexed_names: Sequence[tuple[int, str]], queue: Any) -> None:
+    """A worker process: its nodes' streams merged in the replay's order, sent in batches; then ``None`` (done) or
+    ``("error", text)``."""
+    import traceback
+
+    try:
+        merged = heapq.merge(*(_encoded_node_stream(scenario, i, n) for i, n in indexed_names),
+                             key=lambda item: item[0])
+        batch: list[tuple[tuple[int, int, int, int], EncodedInput]] = []
+        limit = SCENARIO_WORKER_BATCH_TICKS * len(indexed_names)
+        for item in merged:
+            batch.append(item)
+            if len(batch) >= limit:
+                queue.put(batch)
+                batch = []
+        if batch:
+            queue.put(batch)
+        queue.put(None)
+    except BaseException:  # noqa: BLE001 -- the parent raises it; a worker must not die silently
+        queue.put(("error", traceback.format_exc()))
+
+
+def _from_worker(process: Any, queue: Any) -> Iterator[tuple[tuple[int, int, int, int], EncodedInput]]:
+    while True:
+        batch = queue.get()
+        if batch is None:
+            process.join()
+            return
+        if isinstance(batch, tuple):
+            raise RuntimeError(f"a scenario worker process failed:\n{batch[1]}")
+        yield from batch
+
+
+def scenario_encoded_records(scenario: Any, nodes: Sequence[str] | None = None, *,
+                             workers: int) -> Iterator[EncodedInput]:
+    """``scenario_records`` simulated in ``workers`` processes (the nodes dealt round-robin; at most one process per
+    node), each message encoded there: the same messages in the same order (the merge key is
+    ``scenario_records``'), so a replay of them is byte-identical to one of ``scenario_records``. The processes
+    are forked (the scenario is not pickled) and stopped when the iterator is closed or fails."""
+    import multiprocessing
+
+    names = tuple(nodes) if nodes is not None else tuple(n.name for n in scenario.nodes)
+    count = max(1, min(workers, len(names)))
+    context = multiprocessing.get_context("fork")
+    started: list[tuple[Any, Any]] = []
+    try:
+        for w in range(count):
+            queue = context.Queue(maxsize=_WORKER_QUEUE_BATCHES)
+            mine = [(i, n) for i, n in enumerate(names) if i % count == w]
+            process = context.Process(target=_scenario_worker, args=(scenario, mine, queue), daemon=True,
+                                      name=f"gpumeter-replay-sim-{w}")
+            process.start()
+            started.append((process, queue))
+        for _key, record in heapq.merge(*(_from_worker(p, q) for p, q in started), key=lambda item: item[0]):
+            yield record
+    finally:
+        for process, queue in started:
+            if process.is_alive():
+                process.terminate()
+            process.join()
+            queue.close()
+            queue.cancel_join_thread()
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Recordings
 

@@ -71,8 +71,11 @@ The recording format is defined in ``pipeline/recordings.py``.
 from __future__ import annotations
 
 import json
+import math
+import os
 from collections import Counter
 from dataclasses import dataclass
+from json.encoder import encode_basestring
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -86,11 +89,13 @@ from pipeline.recordings import (
     RECORDING_MAGIC_V1,
     RECORDING_MAGIC_V2,
     RECORDING_SUFFIX,
+    EncodedInput,
     InputRecord,
     InvalidInput,
     RecordingWriter,
     is_recording,
     recorded_inputs,
+    scenario_encoded_records,
     scenario_nodes,
     scenario_records,
 )
@@ -139,8 +144,34 @@ INPUT_RECORDING = "recording"
 # JSON lines
 
 
+_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
+"""Every output line's encoder (made once: ``json.dumps`` with options makes one per call)."""
+
+
 def _dumps(obj: Mapping[str, Any]) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
+    return _ENCODER.encode(obj)
+
+
+def _value_json(value: Any) -> str:
+    """``value`` as ``_dumps`` writes it inside an object, byte for byte (the common types without the encoder's
+    per-call set-up: ``float.__repr__``, ``int.__repr__``, ``encode_basestring``, as ``json``'s encoder does)."""
+    kind = type(value)
+    if kind is float:
+        if value != value or value in (math.inf, -math.inf):
+            raise ValueError(f"Out of range float values are not JSON compliant: {value!r}")
+        return float.__repr__(value)
+    if kind is str:
+        return encode_basestring(value)
+    if kind is int:
+        return int.__repr__(value)
+    if value is None:
+        return "null"
+    return _ENCODER.encode(value)
+
+
+def _field(key: str, value: Any) -> str:
+    """One ``"key":value`` member of a ``_dumps`` object."""
+    return f"{encode_basestring(key)}:{_value_json(value)}"
 
 
 def share_json(share: GpuShare) -> dict[str, Any]:
@@ -180,6 +211,115 @@ def share_json(share: GpuShare) -> dict[str, Any]:
         "mig_profile": share.mig_profile,
         "mig_gpu_instance_id": share.mig_gpu_instance_id,
     }
+
+
+class _KeptFields:
+    """``_field`` for objects whose values repeat from line to line (a cost line's window, node, pod, labels): the
+    members of strings, ints, None and string-keyed label maps are kept, at most ``limit`` of them (then
+    forgotten), and ``line(obj)`` is ``_dumps(obj)``, byte for byte, for an object with the keys ``keys``."""
+
+    def __init__(self, keys: Sequence[str], limit: int = 200_000) -> None:
+        self._keys = tuple(sorted(keys))
+        self._key_set = frozenset(keys)
+        self._kept: dict[tuple[str, Any], str] = {}
+        self._limit = limit
+
+    def field(self, key: str, value: Any) -> str:
+        kind = type(value)
+        if kind is str or kind is int or value is None:
+            kept_key: tuple[str, Any] = (key, value)  # never a float: 1 == 1.0 but they are written apart
+        elif kind is dict and all(type(v) is str for v in value.values()):
+            kept_key = (key, tuple(value.items()))
+        else:
+            return _field(key, value)
+        member = self._kept.get(kept_key)
+        if member is None:
+            if len(self._kept) >= self._limit:
+                self._kept.clear()
+            member = self._kept[kept_key] = _field(key, value)
+        return member
+
+    def line(self, obj: Mapping[str, Any]) -> str:
+        if obj.keys() != self._key_set:
+            return _dumps(obj)
+        field = self.field
+        return "{" + ",".join([field(key, obj[key]) for key in self._keys]) + "}"
+
+
+_SHARE_WINDOW_KEYS = ("window_start", "window_start_unix_ms", "window_seconds", "cluster", "node", "cloud_provider",
+                      "region", "instance_type", "price_model", "node_covered_seconds", "units_in_node")
+_SHARE_UNIT_KEYS = ("rows_in_unit", "gpu_uuid", "parent_gpu_uuid", "gpu_model", "gpu_fraction", "sharing_mode",
+                    "method", "sample_count", "covered_seconds", "mig_profile", "mig_gpu_instance_id")
+_SHARE_POD_KEYS = ("pod_uid", "namespace", "pod", "labels", "workload_kind", "workload_name")
+_SHARE_ROW_KEYS = ("subject_kind", "memory_used_bytes_avg", "memory_share", "compute_share", "cost_share")
+_SHARE_KEYS = tuple(sorted(_SHARE_WINDOW_KEYS + _SHARE_UNIT_KEYS + _SHARE_POD_KEYS + _SHARE_ROW_KEYS))
+_COST_KEYS = ("window_start", "window_seconds", "cluster", "node", "gpu_uuid", "subject_kind", "pod_uid", "namespace",
+              "pod", "labels", "cost_share", "cost_micro_usd", "instance_type", "price_model", "price_version",
+              "shared_from", "sharing_method", "method", "cost_basis", "memory_share", "compute_share",
+              "gpu_fraction")
+_NO_POD = {key: _field(key, {} if key == "labels" else None) for key in _SHARE_POD_KEYS}
+
+
+def share_lines(record: NodeWindowShares) -> list[str]:
+    """The ``shares.jsonl`` lines (without their newline) of one node-window: byte for byte
+    ``_dumps(share_json(row))`` for each row of ``record.rows()``, in that order, built from the record's
+    columns -- what the window, a unit and a pod have in common is encoded once, not once per row."""
+    window = {
+        "window_start": _field("window_start", iso_utc(record.window_start_unix_ms)),
+        "window_start_unix_ms": _field("window_start_unix_ms", record.window_start_unix_ms),
+        "window_seconds": _field("window_seconds", record.window_seconds),
+        "cluster": _field("cluster", record.cluster),
+        "node": _field("node", record.node_name),
+        "cloud_provider": _field("cloud_provider", record.cloud_provider),
+        "region": _field("region", record.region),
+        "instance_type": _field("instance_type", record.instance_type),
+        "price_model": _field("price_model", record.price_model),
+        "node_covered_seconds": _field("node_covered_seconds", record.node_covered_seconds),
+        "units_in_node": _field("units_in_node", len(record.units)),
+    }
+    pods = [{
+        "pod_uid": _field("pod_uid", pod.pod_uid),
+        "namespace": _field("namespace", pod.namespace),
+        "pod": _field("pod", pod.pod_name),
+        "labels": _field("labels", dict(pod.labels)),
+        "workload_kind": _field("workload_kind", pod.workload_kind),
+        "workload_name": _field("workload_name", pod.workload_name),
+    } for pod in record.pods]
+    kinds: dict[Any, str] = {}
+    lines: list[str] = []
+    for unit in record.units:
+        rows_in_unit = len(unit.subject_kinds)
+        base = {
+            **window,
+            "rows_in_unit": _field("rows_in_unit", rows_in_unit),
+            "gpu_uuid": _field("gpu_uuid", unit.gpu_uuid),
+            "parent_gpu_uuid": _field("parent_gpu_uuid", unit.parent_gpu_uuid),
+            "gpu_model": _field("gpu_model", unit.gpu_model),
+            "gpu_fraction": _field("gpu_fraction", unit.gpu_fraction),
+            "sharing_mode": _field("sharing_mode", unit.sharing_mode.value.lower()),
+            "method": _field("method", unit.method),
+            "sample_count": _field("sample_count", unit.sample_count),
+            "covered_seconds": _field("covered_seconds", unit.covered_seconds),
+            "mig_profile": _field("mig_profile", unit.mig_profile),
+            "mig_gpu_instance_id": _field("mig_gpu_instance_id", unit.mig_gpu_instance_id),
+        }
+        for i in range(rows_in_unit):
+            index = unit.subject_pod_index[i]
+            kind = unit.subject_kinds[i]
+            kind_field = kinds.get(kind)
+            if kind_field is None:
+                kind_field = kinds[kind] = _field("subject_kind", kind.value.lower())
+            fields = {
+                **base,
+                **(pods[index] if index >= 0 else _NO_POD),
+                "subject_kind": kind_field,
+                "memory_used_bytes_avg": _field("memory_used_bytes_avg", unit.memory_used_bytes_avg[i]),
+                "memory_share": _field("memory_share", unit.memory_share[i]),
+                "compute_share": _field("compute_share", unit.compute_share[i]),
+                "cost_share": _field("cost_share", unit.cost_share[i]),
+            }
+            lines.append("{" + ",".join([fields[key] for key in _SHARE_KEYS]) + "}")
+    return lines
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -245,6 +385,12 @@ class _Outputs:
         self._files[name].write(_dumps(obj) + "\n")
         self.counts[name] += 1
 
+    def write_lines(self, name: str, lines: Sequence[str]) -> None:
+        """Lines already encoded as ``write`` would encode them (without their newline)."""
+        if lines:
+            self._files[name].write("\n".join(lines) + "\n")
+            self.counts[name] += len(lines)
+
     def close(self) -> None:
         for handle in self._files.values():
             handle.close()
@@ -259,10 +405,13 @@ CHUNK_MESSAGES = 20_000
 service reads the chunk, the output is written and the broker forgets it, so memory holds one chunk, not the run."""
 
 
-def _chunks(items: Iterable[InputRecord | InvalidInput], size: int) -> Iterator[list[InputRecord | InvalidInput]]:
+_Input = InputRecord | InvalidInput | EncodedInput
+
+
+def _chunks(items: Iterable[_Input], size: int) -> Iterator[list[_Input]]:
     """``items`` (in received order) cut into lists of at least ``size`` -- the last one fewer -- never inside an
     instant: every message of a received time is in one chunk."""
-    chunk: list[InputRecord | InvalidInput] = []
+    chunk: list[_Input] = []
     for item in items:
         if len(chunk) >= size and item.received_at_unix_ms != chunk[-1].received_at_unix_ms:
             yield chunk
@@ -378,6 +527,7 @@ def replay(
     grouping_label_sources: GroupingLabelSources = GroupingLabelSources(),
     batch_size: int = DEFAULT_BATCH_SIZE,
     on_stage: Callable[[str], None] | None = None,
+    workers: int | None = None,
 ) -> ReplaySummary:
     """Replay ``input_path`` (a scenario YAML, a recording file, or a directory of recordings) into ``out_dir``.
 
@@ -393,6 +543,9 @@ def replay(
     instant each service's processor handles at once (``MemoryDriver``); the output does not depend on it.
     ``on_stage`` (a profiler's hook; nothing in the output depends on it) is called with the name of each stage as
     replay enters it (``REPLAY_STAGES``, in that order) and with ``"end"`` when it returns.
+    ``workers``: for a scenario, the processes that simulate its nodes and take its truth
+    (``scenario_encoded_records``; None: ``os.cpu_count()`` when it has several nodes; 0 or 1: in this process);
+    the output is byte-identical whatever the number.
     Raises ``ScenarioError``, ``RecordingError`` (broken recording structure) or ``ConfigError`` (bad options,
     unknown input, unknown node).
     """
@@ -413,7 +566,7 @@ def replay(
     catalog = catalog if catalog is not None else bundled_catalog()
 
     truth: TruthAccumulator | None = None
-    inputs: Iterable[InputRecord | InvalidInput]
+    inputs: Iterable[_Input]
     if not input_path.exists():
         raise ConfigError(f"replay input {input_path} does not exist")
     if _is_scenario_path(input_path):
@@ -421,7 +574,12 @@ def replay(
 
         scenario = load_scenario(input_path)
         input_kind = INPUT_SCENARIO
-        inputs = scenario_records(scenario, scenario_nodes(scenario, node))
+        names = scenario_nodes(scenario, node)
+        processes = (os.cpu_count() or 1) if workers is None else workers
+        if workers is not None and workers > 1 or processes > 1 and len(names) > 1:
+            inputs = scenario_encoded_records(scenario, names, workers=processes)
+        else:
+            inputs = scenario_records(scenario, names)
         truth = TruthAccumulator(scenario, window_seconds)
     elif is_recording(input_path):
         input_kind = INPUT_RECORDING
@@ -444,8 +602,10 @@ def replay(
     latest_ms: int | None = None
     # What each input message was, by its position on the broker: where a recorded frame came from.
     sources: dict[tuple[str, int], str] = {}
+    # The simulator's truth of a worker's sample, by its position on the broker (kept for one chunk).
+    simulated_truth: dict[tuple[str, int], tuple[int, tuple]] = {}
 
-    def produce(item: InputRecord | InvalidInput) -> None:
+    def produce(item: _Input) -> None:
         nonlocal latest_ms
         now = item.received_at_unix_ms
         latest_ms = now if latest_ms is None else max(latest_ms, now)
@@ -453,6 +613,22 @@ def replay(
             # Bytes that do not decode reach the topic a sample would (no record type to tell otherwise).
             at = broker.produce(REPLAY_TOPICS.node_samples, None, item.payload, timestamp_ms=now, partition=0)
             sources[(at.topic, at.offset)] = item.source
+            return
+        if isinstance(item, EncodedInput):
+            # Simulated and encoded by a worker process: its bytes go on the topic, decoded once by the runners.
+            nodes.setdefault(item.node_name, None)
+            if recorder is not None:
+                recorder.write_frame(now, item.payload)
+            if item.is_pod_event:
+                counts["pod_events"] += 1
+                broker.produce(REPLAY_TOPICS.pod_events, item.key, item.payload, timestamp_ms=now, partition=0)
+            else:
+                counts["samples"] += 1
+                latest_ms = max(latest_ms, item.sampled_at_unix_ms)
+                at = broker.produce(REPLAY_TOPICS.node_samples, item.key, item.payload, timestamp_ms=now,
+                                    partition=0)
+                if item.truth is not None:
+                    simulated_truth[(at.topic, at.offset)] = item.truth
             return
         message = item.message
         nodes.setdefault(message.node_name, None)
@@ -498,6 +674,7 @@ def replay(
     dead: Counter[str] = Counter()
     unpriced: list[UnpricedWindow] = []
     seen_ticks: set[tuple[str, int, int]] = set()
+    cost_fields = _KeptFields(_COST_KEYS)
 
     def write_out() -> None:
         """Write what the services produced since the last call, then let the broker forget it."""
@@ -514,10 +691,9 @@ def replay(
                 unpriced.append(_unpriced(letter))
         for record in _records(broker, REPLAY_TOPICS.node_window_shares, NodeWindowShares, decoded):
             counts["windows"] += 1
-            for share in record.rows():
-                outputs.write(SHARES_FILE, share_json(share))
-        for record in _records(broker, REPLAY_TOPICS.costs, CostRecord, decoded):
-            outputs.write(COSTS_FILE, cost_record_json(record))
+            outputs.write_lines(SHARES_FILE, share_lines(record))
+        outputs.write_lines(COSTS_FILE, [cost_fields.line(cost_record_json(record))
+                                         for record in _records(broker, REPLAY_TOPICS.costs, CostRecord, decoded)])
         for bill in store.bills:
             outputs.write(BILLS_FILE, bill.as_json())
             counts["node_cost_micro"] += bill.node_cost_micro_usd
@@ -537,9 +713,10 @@ def replay(
                 continue
             seen_ticks.add(tick)
             if truth is not None:
-                truth.add_tick(sample)
+                truth.add_tick(sample, simulated_truth.get((message.topic, message.offset)))
         broker.trim()
         decoded.clear()
+        simulated_truth.clear()
 
     recorder = RecordingWriter(record_path) if record_path is not None else None
     try:
@@ -624,4 +801,5 @@ __all__ = [
     "read_jsonl",
     "replay",
     "share_json",
+    "share_lines",
 ]

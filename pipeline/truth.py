@@ -63,13 +63,16 @@ class TruthAccumulator:
         self._skew_ms = {node.name: node.clock_offset_seconds * 1000 for node in scenario.nodes}
         self._unit_info: dict[str, Any] = {unit.uuid: unit for units in self._units.values() for _, unit in units}
 
-    def add_tick(self, sample: NodeSample) -> None:
+    def add_tick(self, sample: NodeSample, simulated: tuple[int, tuple] | None = None) -> None:
+        """Count one replayed tick. ``simulated``: (time, ``SimWorld.truth`` of the node then) as the simulator
+        took it at the tick (``EncodedInput.truth``), used when that time is the tick's; else asked here."""
         node = sample.node_name
         t = sample.sampled_at_unix_ms - self._skew_ms.get(node, 0)
         weight = min(max(sample.interval_ms, 0), self._window_ms)
         window_start = (t // self._window_ms) * self._window_ms
         by_unit: dict[str, list] = {}
-        for row in self._world.truth(t, node):
+        rows = simulated[1] if simulated is not None and simulated[0] == t else self._world.truth(t, node)
+        for row in rows:
             by_unit.setdefault(row.gpu_uuid, []).append(row)
         for gpu_index, unit in self._units.get(node, ()):
             cell = self._cells.setdefault((window_start, node, unit.uuid), _TruthCell())

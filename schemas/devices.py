@@ -26,7 +26,7 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Iterable, Mapping
 
 REPLICA_SEPARATOR = "::"
 VISIBLE_DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"
@@ -217,6 +217,42 @@ def covers(ref: DeviceRef, unit_uuid: str, parent_uuid: str | None, gpu_instance
                 and ref.mig_gpu_instance_id == gpu_instance_id
                 and ref.mig_compute_instance_id == compute_instance_id)
     return False
+
+
+class CoveringCount:
+    """How many of ``refs`` reach a unit: ``count(...)`` equals ``sum(covers(ref, ...) for ref in refs)``, by
+    looking the unit up among the refs' targets (counted once) rather than testing every ref per unit."""
+
+    __slots__ = ("_counts",)
+
+    def __init__(self, refs: Iterable[DeviceRef]) -> None:
+        counts: dict[tuple, int] = {}
+        for ref in refs:
+            if ref.kind is DeviceIdKind.GPU:
+                target: tuple = ("gpu", ref.gpu_uuid.lower())  # type: ignore[union-attr]
+            elif ref.kind is DeviceIdKind.MIG_UUID:
+                target = ("mig", ref.mig_uuid.lower())  # type: ignore[union-attr]
+            elif ref.kind is DeviceIdKind.MIG_PATH:
+                target = ("path", ref.gpu_uuid.lower(),  # type: ignore[union-attr]
+                          ref.mig_gpu_instance_id, ref.mig_compute_instance_id)
+            else:
+                continue  # an OTHER id reaches no unit
+            counts[target] = counts.get(target, 0) + 1
+        self._counts = counts
+
+    def count(self, unit_uuid: str, parent_uuid: str | None, gpu_instance_id: int | None,
+              compute_instance_id: int | None) -> int:
+        counts = self._counts
+        if not counts:
+            return 0
+        unit = unit_uuid.lower()
+        n = counts.get(("gpu", unit), 0) + counts.get(("mig", unit), 0)
+        if parent_uuid is not None:
+            parent = parent_uuid.lower()
+            if parent != unit:  # a GPU id equal to both counts once, as covers' ``or``
+                n += counts.get(("gpu", parent), 0)
+            n += counts.get(("path", parent, gpu_instance_id, compute_instance_id), 0)
+        return n
 
 
 def holds_whole(ref: DeviceRef, unit_uuid: str, parent_uuid: str | None, gpu_instance_id: int | None,

@@ -36,6 +36,7 @@ Contract of ``price_node_window(shares, price)`` (``cost_node_window`` returns j
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from fractions import Fraction
 from types import MappingProxyType
@@ -271,6 +272,25 @@ def dedupe_shares(shares: Iterable[GpuShare]) -> tuple[GpuShare, ...]:
 _NODE_FIELDS = ("window_seconds", "node_covered_seconds", "cloud_provider", "region", "instance_type",
                 "price_model", "units_in_node", "zone", "provider_id")
 _UNIT_FIELDS = ("parent_gpu_uuid", "gpu_model", "gpu_fraction", "rows_in_unit")
+_node_fields_of = operator.attrgetter(*_NODE_FIELDS)
+_unit_fields_of = operator.attrgetter(*_UNIT_FIELDS)
+
+
+def _fields_to_compare(head: GpuShare, getter: Any) -> tuple | None:
+    """``head``'s fields as one tuple when none is NaN: a row's tuple then equals it exactly when every field is
+    ``==`` (a tuple compares identical elements as equal, so a shared NaN would pass); None: compare field by
+    field."""
+    values = getter(head)
+    return values if all(v == v for v in values) else None  # noqa: PLR0124 -- v != v: NaN
+
+
+def _disagreement(row: GpuShare, head: GpuShare, head_fields: tuple | None, getter: Any,
+                  names: Sequence[str]) -> str | None:
+    """The first of ``names`` on which ``row`` differs from ``head`` (``!=``), or None; at once when the tuples
+    are equal."""
+    if head_fields is not None and getter(row) == head_fields:
+        return None
+    return next((name for name in names if getattr(row, name) != getattr(head, name)), None)
 
 
 def node_facts(shares: Sequence[GpuShare]) -> NodeFacts:
@@ -281,12 +301,13 @@ def node_facts(shares: Sequence[GpuShare]) -> NodeFacts:
     first = shares[0]
     key = _key(first)
     units: dict[str, list[GpuShare]] = {}
+    node_fields = _fields_to_compare(first, _node_fields_of)
     for share in shares:
         if _key(share) != key:
             raise InconsistentShares(f"rows of {key} and {_key(share)} in one node-window")
-        for name in _NODE_FIELDS:
-            if getattr(share, name) != getattr(first, name):
-                raise InconsistentShares(f"{key}: rows disagree on {name}")
+        name = _disagreement(share, first, node_fields, _node_fields_of, _NODE_FIELDS)
+        if name is not None:
+            raise InconsistentShares(f"{key}: rows disagree on {name}")
         units.setdefault(share.gpu_uuid, []).append(share)
     if first.window_seconds <= 0:
         raise OutOfRange(f"window_seconds {first.window_seconds} must be > 0")
@@ -295,10 +316,11 @@ def node_facts(shares: Sequence[GpuShare]) -> NodeFacts:
     physical: dict[str, Fraction] = {}
     for gpu_uuid, rows in units.items():
         head = rows[0]
+        unit_fields = _fields_to_compare(head, _unit_fields_of)
         for row in rows:
-            for name in _UNIT_FIELDS:
-                if getattr(row, name) != getattr(head, name):
-                    raise InconsistentShares(f"{key} unit {gpu_uuid}: rows disagree on {name}")
+            name = _disagreement(row, head, unit_fields, _unit_fields_of, _UNIT_FIELDS)
+            if name is not None:
+                raise InconsistentShares(f"{key} unit {gpu_uuid}: rows disagree on {name}")
             if not math.isfinite(row.cost_share) or not (0 <= row.cost_share <= 1 + COST_SHARE_TOLERANCE):
                 raise OutOfRange(f"{key} unit {gpu_uuid}: cost_share {row.cost_share} must be within [0, 1]")
             if (row.subject_kind is ShareSubjectKind.POD) != bool(row.pod_uid):

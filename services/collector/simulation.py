@@ -178,11 +178,16 @@ class SimulatedTick:
     sampled_at_unix_ms: int
     sample: NodeSample
     pod_events: tuple[PodEvent, ...]
+    # ``SimWorld.truth`` of the node at the tick (``node_streams(with_truth=True)``; None otherwise)
+    truth: tuple | None = None
 
 
-def node_streams(scenario: Scenario, node_name: str, proc_root: Path | None = None) -> Iterator[SimulatedTick]:
+def node_streams(scenario: Scenario, node_name: str, proc_root: Path | None = None, *,
+                 with_truth: bool = False) -> Iterator[SimulatedTick]:
     """Every tick of ``node_name`` through the collector's own sampling code, with the pod events that precede
-    it (ADDED when a pod appears, DELETED when it is gone). Deterministic for a scenario."""
+    it (ADDED when a pod appears, DELETED when it is gone). Deterministic for a scenario. ``with_truth``: each
+    tick also carries ``SimWorld.truth`` of the node at the tick's (scenario) time, taken while the world has
+    that instant's GPUs computed for the NVML calls."""
     node = scenario.node(node_name)
     world = SimWorld(scenario)
     clock = ManualClock(scenario.start_unix_ms)
@@ -239,7 +244,8 @@ def node_streams(scenario: Scenario, node_name: str, proc_root: Path | None = No
             identities.retain_only(pid for device in reading.devices for pid in device.process_pids)
             if skew_ms:
                 sample, events = _on_node_clock(sample, events, skew_ms)
-            yield SimulatedTick(now_ms, sample, tuple(events))
+            yield SimulatedTick(now_ms, sample, tuple(events),
+                                world.truth(now_ms, node_name) if with_truth else None)
     finally:
         if owned_root:
             shutil.rmtree(root, ignore_errors=True)

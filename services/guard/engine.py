@@ -86,6 +86,7 @@ from services.guard.rules import (
     shared_memory_pressure,
     stale_node,
     unrequested_gpu_use,
+    usage_by_pod_and_unit,
     visibility_leak,
     visibility_leak_spec,
 )
@@ -208,10 +209,11 @@ class GuardEngine:
         self._nodes[key] = _Node(sample.cluster, sample.node_name, now, sample.sampled_at_unix_ms, interval,
                                  sample.devices, streaks)
         pods = self._pods_of(key)
+        usage = usage_by_pod_and_unit(sample)  # the three rules' common input, taken once
         conditions = (
-            visibility_leak(sample, pods, self.config)
-            + unrequested_gpu_use(sample, pods, self.config)
-            + shared_memory_pressure(sample, pods, self.config)
+            visibility_leak(sample, pods, self.config, usage)
+            + unrequested_gpu_use(sample, pods, self.config, usage)
+            + shared_memory_pressure(sample, pods, self.config, usage)
             + gpu_error(sample, self.config, streaks)
             + clock_skew(sample.cluster, sample.node_name, offset_ms, self.config)
         )

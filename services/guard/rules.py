@@ -39,6 +39,7 @@ from schemas.devices import (
     REPLICA_SEPARATOR,
     VALUE_FROM_MARK,
     VISIBLE_DEVICES_ENV,
+    CoveringCount,
     DeviceIdKind,
     DeviceRef,
     covers,
@@ -305,8 +306,9 @@ def _process_pod_uid(sample: NodeSample, index: int) -> str | None:
     return None
 
 
-def _usage_by_pod_and_unit(sample: NodeSample) -> dict[tuple[str, str], _Usage]:
-    """(pod uid, unit uuid) → memory and process count of the processes the collector tied to that pod."""
+def usage_by_pod_and_unit(sample: NodeSample) -> dict[tuple[str, str], _Usage]:
+    """(pod uid, unit uuid) → memory and process count of the processes the collector tied to that pod (read
+    only by the rules: one sample's rules share it)."""
     usage: dict[tuple[str, str], _Usage] = {}
     for device in sample.devices:
         for i, pod_index in enumerate(device.process_pod_index):
@@ -327,17 +329,19 @@ def _usage_by_pod_and_unit(sample: NodeSample) -> dict[tuple[str, str], _Usage]:
 # visibility_leak
 
 
-def visibility_leak(sample: NodeSample, pods: Mapping[str, PodView], config: GuardConfig) -> tuple[Condition, ...]:
+def visibility_leak(sample: NodeSample, pods: Mapping[str, PodView], config: GuardConfig,
+                    usage: Mapping[tuple[str, str], _Usage] | None = None) -> tuple[Condition, ...]:
     """CRITICAL, per (pod, unit): a pod's process runs on a GPU or MIG unit none of the pod's assigned device ids
     names; and per pod (``gpu_uuid`` None): ``visibility_leak_spec`` for each alive pod of the sample's node.
 
     ``pods``: the node's pods by uid. Processes of unknown pods, of exempt pods, and of pods whose assignment is
-    not known (``PodView.assignment_known``) are not judged.
+    not known (``PodView.assignment_known``) are not judged. ``usage``: ``usage_by_pod_and_unit(sample)`` when
+    the caller has it (the rules of one sample share it), else computed here.
     """
     if not config.rule_enabled(RULE_VISIBILITY_LEAK):
         return ()
     out: list[Condition] = []
-    for (uid, unit_uuid), usage in sorted(_usage_by_pod_and_unit(sample).items()):
+    for (uid, unit_uuid), usage in sorted((usage if usage is not None else usage_by_pod_and_unit(sample)).items()):
         pod = pods.get(uid)
         if pod is None or is_exempt(pod, config) or not pod.assignment_known:
             continue
@@ -445,13 +449,16 @@ def visibility_leak_spec(pod: PodView, devices: Sequence[GpuDeviceSample],
 # unrequested_gpu_use
 
 
-def unrequested_gpu_use(sample: NodeSample, pods: Mapping[str, PodView], config: GuardConfig) -> tuple[Condition, ...]:
+def unrequested_gpu_use(sample: NodeSample, pods: Mapping[str, PodView], config: GuardConfig,
+                        usage: Mapping[tuple[str, str], _Usage] | None = None) -> tuple[Condition, ...]:
     """WARNING, per pod: a known, non-exempt pod that requests no GPU resource and holds no assigned GPU id has
-    processes on the node's GPUs using at least ``unrequested_min_memory_bytes`` of GPU memory in total."""
+    processes on the node's GPUs using at least ``unrequested_min_memory_bytes`` of GPU memory in total.
+    ``usage``: as ``visibility_leak``'s."""
     if not config.rule_enabled(RULE_UNREQUESTED_GPU_USE):
         return ()
     per_pod: dict[str, _Usage] = {}
-    for (uid, unit_uuid), usage in _usage_by_pod_and_unit(sample).items():
+    by_unit = usage if usage is not None else usage_by_pod_and_unit(sample)
+    for (uid, unit_uuid), usage in by_unit.items():
         cell = per_pod.setdefault(uid, _Usage(units={}))
         cell.memory_bytes += usage.memory_bytes
         cell.memory_unknown += usage.memory_unknown
@@ -461,9 +468,10 @@ def unrequested_gpu_use(sample: NodeSample, pods: Mapping[str, PodView], config:
     for uid in sorted(per_pod):
         usage = per_pod[uid]
         pod = pods.get(uid)
-        if pod is None or is_exempt(pod, config) or pod.requests_gpu or pod.device_ids:
+        # The cheap tests first (requests_gpu walks every container's requests): all of them must pass.
+        if pod is None or pod.device_ids or usage.processes == 0:
             continue
-        if usage.processes == 0 or usage.memory_bytes < config.unrequested_min_memory_bytes:
+        if usage.memory_bytes < config.unrequested_min_memory_bytes or is_exempt(pod, config) or pod.requests_gpu:
             continue
         units = sorted(usage.units or ())
         out.append(_condition(
@@ -485,26 +493,29 @@ def unrequested_gpu_use(sample: NodeSample, pods: Mapping[str, PodView], config:
 # shared_memory_pressure
 
 
-def _sharing_of(device: GpuDeviceSample, pods: Mapping[str, PodView]) -> tuple[bool, int]:
-    """(shared?, replicas) of a unit: time-sliced or MPS by the sample, or by replica ids (``::N``) naming it."""
-    replica_ids = {
-        (pod.uid, i)
-        for pod in pods.values()
-        if pod.alive
-        for i, ref in enumerate(pod.device_refs)
-        if ref.replica is not None and ref_covers(ref, device)
-    }
+def _replica_refs(pods: Mapping[str, PodView]) -> CoveringCount:
+    """The replica ids (``::N``) of the alive pods, one count per id (two pods naming one replica: two)."""
+    return CoveringCount(ref for pod in pods.values() if pod.alive for ref in pod.device_refs
+                         if ref.replica is not None)
+
+
+def _sharing_of(device: GpuDeviceSample, replica_refs: CoveringCount) -> tuple[bool, int]:
+    """(shared?, replicas) of a unit: time-sliced or MPS by the sample, or by replica ids (``::N``) naming it.
+    ``replica_refs``: ``_replica_refs`` of the node's pods (taken once per sample, not per unit)."""
     by_sample = device.sharing_mode in (SharingMode.TIME_SLICING, SharingMode.MPS) or (
         device.sharing_mode is SharingMode.UNKNOWN and device.replicas > 1
     )
-    if not by_sample and not replica_ids:
+    if by_sample and device.replicas > 1:
+        return True, device.replicas  # the sample says how many: the pods' ids are not counted
+    naming = replica_refs.count(device.uuid, device.parent_uuid, device.mig_gpu_instance_id,
+                                device.mig_compute_instance_id)
+    if not by_sample and not naming:
         return False, 1
-    replicas = device.replicas if device.replicas > 1 else max(1, len(replica_ids))
-    return True, replicas
+    return True, max(1, naming)
 
 
-def shared_memory_pressure(sample: NodeSample, pods: Mapping[str, PodView],
-                           config: GuardConfig) -> tuple[Condition, ...]:
+def shared_memory_pressure(sample: NodeSample, pods: Mapping[str, PodView], config: GuardConfig,
+                           usage: Mapping[tuple[str, str], _Usage] | None = None) -> tuple[Condition, ...]:
     """WARNING, on time-sliced and MPS units (no memory isolation between sharers):
 
     * per unit: used memory above ``shared_memory_used_above_percent`` of the capacity (total − driver reserve);
@@ -513,10 +524,12 @@ def shared_memory_pressure(sample: NodeSample, pods: Mapping[str, PodView],
     """
     if not config.rule_enabled(RULE_SHARED_MEMORY_PRESSURE):
         return ()
-    usage = _usage_by_pod_and_unit(sample)
+    if usage is None:
+        usage = usage_by_pod_and_unit(sample)
+    replica_refs = _replica_refs(pods)
     out: list[Condition] = []
     for device in sample.devices:
-        shared, replicas = _sharing_of(device, pods)
+        shared, replicas = _sharing_of(device, replica_refs)
         capacity = device.memory_total_bytes - device.memory_reserved_bytes
         if not shared or capacity <= 0:
             continue
@@ -913,6 +926,7 @@ __all__ = [
     "shared_memory_pressure",
     "stale_node",
     "unrequested_gpu_use",
+    "usage_by_pod_and_unit",
     "visibility_leak",
     "visibility_leak_spec",
 ]

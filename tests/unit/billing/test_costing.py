@@ -362,3 +362,35 @@ def test_records_carry_the_subject_and_jsonl_fields(catalog):
             "node_cost_micro_usd"} <= set(bill)
     assert Decimal(str(bill["price_per_hour_usd"])) == catalog.row(
         "aws", "us-east-1", "g5.xlarge", "on_demand").price_per_hour_usd
+
+
+def test_disagreeing_rows_name_the_first_field_they_disagree_on(catalog):
+    """Every node and unit field a row of a node-window can disagree on is named, the first in field order; a NaN
+    (equal to nothing, itself included) disagrees even when every row shares the one float object."""
+    from services.billing.costing import node_facts
+
+    good = node_window([Unit("GPU-0", [pod("p", 0.5), bucket(ShareSubjectKind.IDLE, 0.5)]),
+                        Unit("GPU-1", [pod("q", 1.0)])], instance_type="p4d.24xlarge")
+    assert node_facts(good).units_in_node == 2
+    node_changes = {"window_seconds": 30, "node_covered_seconds": 59.0, "cloud_provider": "gcp", "region": "x",
+                    "instance_type": "y", "price_model": "spot", "units_in_node": 3, "zone": "z", "provider_id": "i"}
+    for name, value in node_changes.items():
+        rows = list(good)
+        rows[2] = dataclasses.replace(rows[2], **{name: value})
+        with pytest.raises(InconsistentShares, match=f"rows disagree on {name}$"):
+            node_facts(rows)
+    rows = list(good)
+    rows[1] = dataclasses.replace(rows[1], zone="z", region="x")
+    with pytest.raises(InconsistentShares, match="rows disagree on region$"):
+        node_facts(rows)
+    unit_changes = {"parent_gpu_uuid": "GPU-9", "gpu_model": "other", "gpu_fraction": 0.5, "rows_in_unit": 3}
+    for name, value in unit_changes.items():
+        rows = list(good)
+        rows[1] = dataclasses.replace(rows[1], **{name: value})
+        with pytest.raises(InconsistentShares, match=f"unit GPU-0: rows disagree on {name}$"):
+            node_facts(rows)
+    nan = math.nan
+    with pytest.raises(InconsistentShares, match="rows disagree on node_covered_seconds$"):
+        node_facts([dataclasses.replace(s, node_covered_seconds=nan) for s in good])
+    with pytest.raises(InconsistentShares, match="unit GPU-0: rows disagree on gpu_fraction$"):
+        node_facts([dataclasses.replace(s, gpu_fraction=nan) for s in good])

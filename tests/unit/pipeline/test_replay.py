@@ -40,7 +40,7 @@ from pipeline.recordings import (
     scenario_records,
     write_recording,
 )
-from pipeline.replay import read_jsonl, replay
+from pipeline.replay import read_jsonl, replay, share_json
 from services.billing.catalog import PriceCatalog, load_price_dir, parse_override_csv
 from services.billing.costing import iso_utc
 from simulator.scenario import load_scenario
@@ -382,6 +382,46 @@ def test_replay_is_byte_for_byte_deterministic(replays, tmp_path, catalog, name)
         assert (tmp_path / file).read_bytes() == (first / file).read_bytes(), file
 
 
+MULTI_NODE_IDS = tuple(p.stem for p in SCENARIOS if len(load_scenario(p).nodes) > 1)
+
+
+WORKER_CASES = tuple((name, 2) for name in SCENARIO_IDS) + tuple((name, w) for name in MULTI_NODE_IDS for w in (0, 3))
+
+
+@pytest.mark.parametrize(("name", "workers"), WORKER_CASES)
+def test_worker_processes_give_the_same_bytes_as_one_process(replays, tmp_path, catalog, name, workers):
+    """The scenario side (samples, pod events, the truth) simulated in worker processes or in this one (0), with
+    more workers than nodes, a single node in one worker: the same output files and the same recorded input,
+    byte for byte, as the fixture's (the default: worker processes for several nodes, this one for one)."""
+    assert len(MULTI_NODE_IDS) >= 3, "too few multi-node scenarios to exercise the merge of worker streams"
+    summary, first = replays[name]
+    recorded = tmp_path / "input.gmrec"
+    again = replay(REPO / "scenarios" / f"{name}.yaml", tmp_path / "out", window_seconds=WINDOW_SECONDS,
+                   catalog=catalog, workers=workers, record_path=recorded)
+    assert again.samples == summary.samples and again.nodes == summary.nodes
+    for file in OUTPUT_FILES:
+        assert (tmp_path / "out" / file).read_bytes() == (first / file).read_bytes(), file
+    expected = tmp_path / "expected.gmrec"
+    record_scenario(REPO / "scenarios" / f"{name}.yaml", expected)
+    assert recorded.read_bytes() == expected.read_bytes()
+
+
+def test_worker_processes_on_a_fleet_give_the_same_bytes(tmp_path, catalog):
+    """Seven nodes of the benchmark fleet (every sharing mode) dealt unevenly to 1, 2 and 3 processes."""
+    from bench.simulator import fleet_scenario_yaml
+
+    scenario = tmp_path / "fleet.yaml"
+    scenario.write_text(fleet_scenario_yaml(7, 300))
+    outputs = {}
+    for workers in (0, 2, 3):
+        out = tmp_path / f"out-{workers}"
+        summary = replay(scenario, out, window_seconds=WINDOW_SECONDS, workers=workers)
+        assert summary.samples == 7 * 30 and summary.share_rows > 0
+        outputs[workers] = {file: (out / file).read_bytes() for file in OUTPUT_FILES}
+    assert outputs[2] == outputs[0]
+    assert outputs[3] == outputs[0]
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # (e) the recorded path
 
@@ -637,3 +677,48 @@ def test_mig_units_carry_their_profile_and_gpu_instance_id_from_nvml(tmp_path):
     assert all(isinstance(i, int) and i >= 0 for i in ids.values()) and len(set(ids.values())) == len(ids)
     assert all(r["mig_profile"] is None and r["mig_gpu_instance_id"] is None
                for r in rows if r["parent_gpu_uuid"] is None)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the output lines, written from the records' columns and from kept members
+
+
+def test_share_lines_are_the_rows_json_byte_for_byte(tmp_path, catalog, monkeypatch):
+    """``share_lines`` of every node-window replay writes (MIG, time-slicing, MPS, buckets, pods with labels)
+    equals ``_dumps(share_json(row))`` row by row."""
+    from pipeline import replay as replay_module
+
+    checked = []
+    real = replay_module.share_lines
+
+    def checking(record):
+        lines = real(record)
+        assert lines == [replay_module._dumps(share_json(row)) for row in record.rows()]
+        checked.append(len(lines))
+        return lines
+
+    monkeypatch.setattr(replay_module, "share_lines", checking)
+    for name in ("mig_mixed", "mps", "demo", "faults"):
+        replay(REPO / "scenarios" / f"{name}.yaml", tmp_path / name, window_seconds=WINDOW_SECONDS, catalog=catalog)
+    assert len(checked) > 20 and sum(checked) > 200
+
+
+@pytest.mark.parametrize("value", [1, 1.0, -0.0, 0.1 + 0.2, 1e300, True, None, "é \"q\" \\ \n \u2028", {"b": "1", "a": "é"},
+                                   {"n": 1.5}, [1, "x"], 2**70])
+def test_kept_fields_write_what_json_writes(value):
+    from pipeline.replay import _KeptFields, _dumps
+
+    fields = _KeptFields(("a", "b"), limit=3)
+    for _ in range(2):  # written, then taken from what was kept
+        for other in (1, 1.0, "1", None, value):
+            obj = {"b": value, "a": other}
+            assert fields.line(obj) == _dumps(obj)
+    assert fields.line({"a": 1}) == _dumps({"a": 1})  # other keys: the encoder
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_kept_fields_refuse_what_json_refuses(value):
+    from pipeline.replay import _KeptFields
+
+    with pytest.raises(ValueError):
+        _KeptFields(("a",)).line({"a": value})

@@ -109,3 +109,27 @@ def test_both_folds_keep_a_deleted_pods_devices_and_the_earliest_end():
     assert (info.ended_at_unix_ms, info.deleted_at_unix_ms) == (view.ended_at_unix_ms, view.deleted_at_unix_ms) \
         == (2_000, 3_000)
     assert [a.device_id for a in info.assignments] == list(view.device_ids) == [GPU]
+
+
+def test_covering_count_is_the_number_of_refs_that_cover_each_unit():
+    """``CoveringCount.count`` against ``covers`` ref by ref: GPU ids (plain, replicas, upper case) reaching a GPU
+    and its MIG instances, MIG uuids, MIG paths with and without instance ids, ids of no known form, repeats."""
+    from itertools import product
+
+    from schemas.devices import CoveringCount, covers, parse_device_id
+
+    gpu, other_gpu, mig = "GPU-aaaa-1111", "GPU-bbbb-2222", "MIG-cccc-3333"
+    ids = [gpu, gpu + "::0", gpu.upper() + "::1", other_gpu + "::2", mig, mig.upper() + "::1",
+           f"MIG-{gpu}/1/0", f"MIG-{gpu}/1/0::3", f"MIG-{gpu}/2/0", "0", "0::1", "nvidia.com/gpu=0", gpu]
+    units = [(gpu, None, None, None), (gpu.upper(), None, None, None), (other_gpu, None, None, None),
+             (mig, gpu, 1, 0), (mig.upper(), gpu.upper(), 1, 0), (mig, gpu, None, None), ("MIG-dddd", gpu, 2, 0),
+             ("MIG-eeee", other_gpu, 1, 0), (gpu, gpu, None, None), ("GPU-none", None, None, None)]
+    refs = [parse_device_id(i) for i in ids]
+    for size in range(len(refs) + 1):
+        subset = refs[:size]
+        counting = CoveringCount(subset)
+        for unit in units:
+            assert counting.count(*unit) == sum(covers(ref, *unit) for ref in subset), (size, unit)
+    assert any(counting.count(*u) > 1 for u in units) and any(counting.count(*u) == 0 for u in units)
+    assert all(CoveringCount([a, b]).count(*u) == covers(a, *u) + covers(b, *u)
+               for a, b in product(refs, repeat=2) for u in units)
