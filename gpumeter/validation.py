@@ -657,6 +657,4 @@ def check_packed_sample(sample: PackedNodeSample, now_unix_ms: int, max_clock_sk
         check_sample(sample.to_node_sample(), now_unix_ms, max_clock_skew_ms, max_age_ms, names=names)
         return
     if names:
-        key = (sample.cluster, sample.node_name, sample.pod_uid_strings(), tuple(zip(uuids, parents)))
-        if key not in _VALID_SAMPLE_NAMES:
-            _check_sample_names(sample.to_node_sample())
+        check_packed_sample_names(sample)
