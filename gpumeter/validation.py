@@ -29,8 +29,8 @@ Who calls what (the decode/validate step of each service):
 
 * attributor: ``check_sample`` (inside ``AttributionEngine.on_sample``, so ``gpumeter replay`` judges alike) and
   ``check_pod_event`` on its two input topics;
-* guard: ``check_sample``, ``check_pod_event``, ``check_window_shares`` and ``check_window_cost``, one per input
-  topic (whether a unit's shares add up to 1 is a matter of money, checked by billing);
+* guard: ``check_node_sample`` (``check_sample``, on the v4 record's arrays while the sample holds them),
+  ``check_pod_event``, ``check_window_shares`` and ``check_window_cost``, one per input topic (whether a unit's shares add up to 1 is a matter of money, checked by billing);
 * billing: ``check_window_shares`` on each node-window before pricing it (the checks of money, such as unit
   shares that must add up to 1, are the costing's: ``InconsistentShares``).
 
@@ -89,6 +89,7 @@ __all__ = [
     "SHARE_TOLERANCE",
     "check_names",
     "check_pod_event",
+    "check_node_sample",
     "check_sample",
     "check_sample_names",
 ]
@@ -591,6 +592,17 @@ def check_packed_sample_names(sample: PackedNodeSample) -> None:
     key = (sample.cluster, sample.node_name, sample.pod_uid_strings(), pairs)
     if key not in _VALID_SAMPLE_NAMES:
         _check_sample_names(sample.to_node_sample())
+
+
+def check_node_sample(sample: NodeSample, now_unix_ms: int, max_clock_skew_ms: int,
+                      max_age_ms: int | None = None) -> None:
+    """``check_sample`` of any ``NodeSample``: on its arrays (``check_packed_sample``: the same verdict, reason
+    code and message) while it holds the v4 record it was decoded from, on its objects otherwise."""
+    packed = getattr(sample, "packed", None)
+    if packed is not None:
+        check_packed_sample(packed, now_unix_ms, max_clock_skew_ms, max_age_ms)
+    else:
+        check_sample(sample, now_unix_ms, max_clock_skew_ms, max_age_ms)
 
 
 def check_packed_sample(sample: PackedNodeSample, now_unix_ms: int, max_clock_skew_ms: int,

@@ -51,6 +51,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from gpumeter.clockskew import NodeClocks
 from gpumeter.errors import InvalidMessage, OutOfRange
+from schemas.devices import CoveringCount
 from schemas.pods import PodAssignment
 from schemas.records import (
     CostRecord,
@@ -83,6 +84,7 @@ from services.guard.rules import (
     idle_allocation,
     parse_device_ids,
     period_bounds,
+    replica_refs_of,
     shared_memory_pressure,
     stale_node,
     unrequested_gpu_use,
@@ -127,6 +129,31 @@ class _Node:
     error_streaks: dict[str, int]
 
 
+@dataclass(frozen=True)
+class _NodePods:
+    """A node's pods as its sample rules read them, with what follows from them alone, kept while the node's pod
+    views stay the same objects (a changed pod is a new view): ``pods`` by uid (``_pods_of``), ``replica_refs``
+    (``rules.replica_refs_of``), and ``spec_pods``: the alive pods, in uid order, whose spec can show GPUs at all
+    (the only ones ``visibility_leak_spec`` can judge a leak)."""
+
+    views: tuple[PodView, ...]
+    pods: dict[str, PodView]
+    replica_refs: CoveringCount
+    spec_pods: tuple[PodView, ...]
+
+    def same_views(self, views: tuple[PodView, ...]) -> bool:
+        return len(views) == len(self.views) and all(a is b for a, b in zip(views, self.views))
+
+    @classmethod
+    def of(cls, key: NodeKey, views: tuple[PodView, ...], config: GuardConfig) -> "_NodePods":
+        pods = {view.uid: view for view in views}
+        honoured = config.visible_devices_envvar_honoured
+        spec = tuple(pods[uid] for uid in sorted(pods)
+                     if (pods[uid].cluster, pods[uid].node_name) == key and pods[uid].alive
+                     and pods[uid].spec_shows_gpus(honoured))
+        return cls(views, pods, replica_refs_of(pods), spec)
+
+
 def _violation(t: _Tracked, fingerprint: str, state: ViolationState, resolved_at_ms: int | None) -> Violation:
     c = t.condition
     return Violation(
@@ -164,6 +191,7 @@ class GuardEngine:
         self._nodes: dict[NodeKey, _Node] = {}
         self._pods: dict[str, PodView] = {}
         self._node_pods: dict[NodeKey, dict[str, None]] = {}
+        self._node_pod_views: dict[NodeKey, _NodePods] = {}  # a cache: checked against the views at every use
         # idle_allocation: runs per unit, pending share rows per (node, window, unit), last window per unit
         self._idle_runs: dict[tuple[str, str, str], dict[str, IdleRun]] = {}
         self._unit_rows: dict[tuple[str, str, int, str], list[GpuShare]] = {}
@@ -208,12 +236,13 @@ class GuardEngine:
         interval = sample.interval_ms if sample.interval_ms > 0 else (node.interval_ms if node is not None else 0)
         self._nodes[key] = _Node(sample.cluster, sample.node_name, now, sample.sampled_at_unix_ms, interval,
                                  sample.devices, streaks)
-        pods = self._pods_of(key)
+        node_pods = self._node_pods_of(key)
+        pods = node_pods.pods
         usage = usage_by_pod_and_unit(sample)  # the three rules' common input, taken once
         conditions = (
-            visibility_leak(sample, pods, self.config, usage)
+            visibility_leak(sample, pods, self.config, usage, spec_pods=node_pods.spec_pods)
             + unrequested_gpu_use(sample, pods, self.config, usage)
-            + shared_memory_pressure(sample, pods, self.config, usage)
+            + shared_memory_pressure(sample, pods, self.config, usage, node_pods.replica_refs)
             + gpu_error(sample, self.config, streaks)
             + clock_skew(sample.cluster, sample.node_name, offset_ms, self.config)
         )
@@ -505,6 +534,15 @@ class GuardEngine:
     def _pods_of(self, key: NodeKey) -> dict[str, PodView]:
         return {uid: self._pods[uid] for uid in self._node_pods.get(key, ()) if uid in self._pods}
 
+    def _node_pods_of(self, key: NodeKey) -> _NodePods:
+        """``_NodePods`` of the node's pods now: the cached one while every view is the same object."""
+        pods = self._pods
+        views = tuple(pods[uid] for uid in self._node_pods.get(key, ()) if uid in pods)
+        cached = self._node_pod_views.get(key)
+        if cached is None or not cached.same_views(views):
+            cached = self._node_pod_views[key] = _NodePods.of(key, views, self.config)
+        return cached
+
     def _process_unit(self, rows: Sequence[GpuShare], now: int, out: list[Violation]) -> None:
         first = rows[0]
         unit_key = (first.cluster, first.node_name, first.gpu_uuid)
@@ -580,6 +618,7 @@ class GuardEngine:
         for unit_key in [k for k in self._idle_runs if (k[0], k[1]) == key]:
             del self._idle_runs[unit_key]
             self._reconcile(_scope("idle", *unit_key), (), now, out)
+        self._node_pod_views.pop(key, None)
         for uid in list(self._node_pods.pop(key, {})):
             self._pods.pop(uid, None)
             self._reconcile(_scope("spec", cluster, uid), (), now, out)

@@ -6,7 +6,7 @@ Inputs, by role (``guard_topics`` maps them to the catalog's topics), each range
 ``handle`` (``gpumeter.validation``: ``OUT_OF_RANGE``, with ``max_clock_skew_seconds`` and
 ``max_sample_age_seconds``):
 
-* ``samples`` (``NodeSample``, ``check_sample``) → ``GuardEngine.on_sample``;
+* ``samples`` (``NodeSample``, ``check_node_sample``) → ``GuardEngine.on_sample``;
 * ``pod_events`` (``PodEvent``, ``check_pod_event``) → ``on_pod_event``; a tombstone of the compacted topic is
   skipped (the pod's DELETED event precedes it; its key carries nothing else);
 * ``window_shares`` (``NodeWindowShares``, ``check_window_shares``) → ``on_share`` row by row
@@ -43,8 +43,8 @@ from gpumeter.stream.contract import DEAD_LETTERS, NOTHING, Emit, Event, Input, 
 from gpumeter.validation import (
     DEFAULT_DOWNSTREAM_MAX_CLOCK_SKEW_SECONDS,
     DEFAULT_MAX_SAMPLE_AGE_SECONDS,
+    check_node_sample,
     check_pod_event,
-    check_sample,
     check_window_cost,
     check_window_shares,
 )
@@ -102,7 +102,7 @@ def guard_inputs(max_clock_skew_ms: int, max_sample_age_ms: int, role: str = ROL
         return (costs,)
     return (
         Input(POD_EVENTS, PodEvent, lambda event, now_ms: check_pod_event(event, now_ms, skew_ms), tombstones=True),
-        Input(SAMPLES, NodeSample, lambda sample, now_ms: check_sample(sample, now_ms, skew_ms, age_ms)),
+        Input(SAMPLES, NodeSample, lambda sample, now_ms: check_node_sample(sample, now_ms, skew_ms, age_ms)),
         Input(WINDOW_SHARES, NodeWindowShares, lambda shares, now_ms: check_window_shares(shares, now_ms, skew_ms)),
         costs,
     )

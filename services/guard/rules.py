@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 from calendar import monthrange
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from types import MappingProxyType
 from typing import Iterable, Mapping, Sequence
@@ -63,6 +63,7 @@ from services.guard.config import (
 )
 
 NO_GPU_VALUES = NO_DEVICES_VALUES
+_POD_MEMO_MAX = 256
 GPU_IS_LOST = "GPU_IS_LOST"
 FINGERPRINT_HEX_CHARS = 16
 SUBJECT_NAMESPACE = "namespace"
@@ -173,6 +174,10 @@ class PodView:
     ended_at_unix_ms: int | None
     deleted_at_unix_ms: int | None
     assignments: tuple[PodAssignment, ...] = ()
+    # Answers that depend on this view alone, asked again at every tick of its node (which units its ids reach,
+    # whether its spec can show GPUs at all): a changed pod is a new view (``apply_pod_event``, ``replace``), which
+    # starts with an empty memo.
+    _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def alive(self) -> bool:
@@ -195,11 +200,29 @@ class PodView:
 
     def covers(self, device: GpuDeviceSample) -> bool:
         """Whether one of the pod's assigned ids names ``device`` (a GPU id covers the GPU and its MIG units)."""
-        return any(ref_covers(ref, device) for ref in self.device_refs)
+        return self.replica_count_on(device) > 0
 
     def replica_count_on(self, device: GpuDeviceSample) -> int:
         """How many of the pod's ids name ``device``: its replicas of a shared GPU (0 when none)."""
-        return sum(1 for ref in self.device_refs if ref_covers(ref, device))
+        key = (device.uuid, device.parent_uuid, device.mig_gpu_instance_id, device.mig_compute_instance_id)
+        count = self._memo.get(key)
+        if count is None:
+            if len(self._memo) >= _POD_MEMO_MAX:
+                self._memo.clear()  # a pod's node has a few units; only a malformed stream gets here
+            count = self._memo[key] = sum(1 for ref in self.device_refs if ref_covers(ref, device))
+        return count
+
+    def spec_shows_gpus(self, envvar_honoured: bool) -> bool:
+        """Whether any container is privileged or sets NVIDIA_VISIBLE_DEVICES (honoured: ``envvar_honoured``) to
+        something that gives GPUs: when not, ``visibility_leak_spec`` has nothing to judge."""
+        key = ("spec", envvar_honoured)
+        shows = self._memo.get(key)
+        if shows is None:
+            shows = self._memo[key] = any(
+                c.privileged or (envvar_honoured and c.visible_devices_env is not None
+                                 and c.visible_devices_env.strip().lower() not in NO_GPU_VALUES)
+                for c in self.containers)
+        return shows
 
     def team(self, label_key: str) -> str | None:
         return self.labels.get(label_key) or None
@@ -271,6 +294,15 @@ def is_exempt(pod: PodView, config: GuardConfig) -> bool:
     """Pods of ``exempt_namespaces``, and pods labelled ``<exempt_label>: "true"`` in ``exempt_label_namespaces``
     (node agents that see every GPU by design: the device plugin, DCGM, the gpumeter collector). The label is
     honoured nowhere else: a pod's owner writes it, and a tenant cannot take itself out of the guard's sight."""
+    answer = pod._memo.get("exempt")
+    if answer is not None and answer[0] is config:
+        return answer[1]
+    exempt = _is_exempt(pod, config)
+    pod._memo["exempt"] = (config, exempt)
+    return exempt
+
+
+def _is_exempt(pod: PodView, config: GuardConfig) -> bool:
     if pod.namespace in config.exempt_namespaces:
         return True
     return (
@@ -330,13 +362,16 @@ def usage_by_pod_and_unit(sample: NodeSample) -> dict[tuple[str, str], _Usage]:
 
 
 def visibility_leak(sample: NodeSample, pods: Mapping[str, PodView], config: GuardConfig,
-                    usage: Mapping[tuple[str, str], _Usage] | None = None) -> tuple[Condition, ...]:
+                    usage: Mapping[tuple[str, str], _Usage] | None = None, *,
+                    spec_pods: Sequence[PodView] | None = None) -> tuple[Condition, ...]:
     """CRITICAL, per (pod, unit): a pod's process runs on a GPU or MIG unit none of the pod's assigned device ids
     names; and per pod (``gpu_uuid`` None): ``visibility_leak_spec`` for each alive pod of the sample's node.
 
     ``pods``: the node's pods by uid. Processes of unknown pods, of exempt pods, and of pods whose assignment is
     not known (``PodView.assignment_known``) are not judged. ``usage``: ``usage_by_pod_and_unit(sample)`` when
-    the caller has it (the rules of one sample share it), else computed here.
+    the caller has it (the rules of one sample share it), else computed here. ``spec_pods``: of ``pods``, the
+    alive ones of the sample's node whose spec can show GPUs (``PodView.spec_shows_gpus``), in uid order, when the
+    caller keeps them (they change only with the pods); None: found here.
     """
     if not config.rule_enabled(RULE_VISIBILITY_LEAK):
         return ()
@@ -363,10 +398,11 @@ def visibility_leak(sample: NodeSample, pods: Mapping[str, PodView], config: Gua
             },
             node_name=sample.node_name, gpu_uuid=unit_uuid, pod=pod, team=pod.team(config.team_label_key),
         ))
-    for uid in sorted(pods):
-        pod = pods[uid]
-        if pod.node_name == sample.node_name and pod.cluster == sample.cluster:
-            out.extend(visibility_leak_spec(pod, sample.devices, config))
+    if spec_pods is None:
+        spec_pods = [pods[uid] for uid in sorted(pods)
+                     if pods[uid].node_name == sample.node_name and pods[uid].cluster == sample.cluster]
+    for pod in spec_pods:
+        out.extend(visibility_leak_spec(pod, sample.devices, config))
     return tuple(out)
 
 
@@ -395,7 +431,9 @@ def visibility_leak_spec(pod: PodView, devices: Sequence[GpuDeviceSample],
     (``config.visible_devices_envvar_honoured`` false) only privileged containers are a spec leak: what a container
     then mounts (volume-mounts device lists, CDI, a hostPath of ``/dev/nvidia*``) is not in the pod's records, and
     only its use shows (``visibility_leak``, the process condition)."""
-    if not config.rule_enabled(RULE_VISIBILITY_LEAK) or not pod.alive or is_exempt(pod, config):
+    if not config.rule_enabled(RULE_VISIBILITY_LEAK) or not pod.alive:
+        return ()
+    if not pod.spec_shows_gpus(config.visible_devices_envvar_honoured) or is_exempt(pod, config):
         return ()
     privileged = all_count = value_from = ids_count = foreign_entries = 0
     for container in pod.containers:
@@ -493,7 +531,7 @@ def unrequested_gpu_use(sample: NodeSample, pods: Mapping[str, PodView], config:
 # shared_memory_pressure
 
 
-def _replica_refs(pods: Mapping[str, PodView]) -> CoveringCount:
+def replica_refs_of(pods: Mapping[str, PodView]) -> CoveringCount:
     """The replica ids (``::N``) of the alive pods, one count per id (two pods naming one replica: two)."""
     return CoveringCount(ref for pod in pods.values() if pod.alive for ref in pod.device_refs
                          if ref.replica is not None)
@@ -501,7 +539,7 @@ def _replica_refs(pods: Mapping[str, PodView]) -> CoveringCount:
 
 def _sharing_of(device: GpuDeviceSample, replica_refs: CoveringCount) -> tuple[bool, int]:
     """(shared?, replicas) of a unit: time-sliced or MPS by the sample, or by replica ids (``::N``) naming it.
-    ``replica_refs``: ``_replica_refs`` of the node's pods (taken once per sample, not per unit)."""
+    ``replica_refs``: ``replica_refs_of`` the node's pods (taken once per sample, not per unit)."""
     by_sample = device.sharing_mode in (SharingMode.TIME_SLICING, SharingMode.MPS) or (
         device.sharing_mode is SharingMode.UNKNOWN and device.replicas > 1
     )
@@ -515,18 +553,26 @@ def _sharing_of(device: GpuDeviceSample, replica_refs: CoveringCount) -> tuple[b
 
 
 def shared_memory_pressure(sample: NodeSample, pods: Mapping[str, PodView], config: GuardConfig,
-                           usage: Mapping[tuple[str, str], _Usage] | None = None) -> tuple[Condition, ...]:
+                           usage: Mapping[tuple[str, str], _Usage] | None = None,
+                           replica_refs: CoveringCount | None = None) -> tuple[Condition, ...]:
     """WARNING, on time-sliced and MPS units (no memory isolation between sharers):
 
     * per unit: used memory above ``shared_memory_used_above_percent`` of the capacity (total − driver reserve);
     * per (pod, unit): a known pod using more than its fair share × ``shared_memory_fair_share_factor``, the
       fair share being capacity / replicas × the replicas the pod holds on the unit (at least one).
+
+    ``usage``: as ``visibility_leak``'s; ``replica_refs``: ``CoveringCount`` of the alive pods' replica ids when
+    the caller keeps it (it changes only with the node's pods), else taken here.
     """
     if not config.rule_enabled(RULE_SHARED_MEMORY_PRESSURE):
         return ()
     if usage is None:
         usage = usage_by_pod_and_unit(sample)
-    replica_refs = _replica_refs(pods)
+    if replica_refs is None:
+        replica_refs = replica_refs_of(pods)
+    by_unit: dict[str, list[str]] = {}
+    for uid, unit in usage:
+        by_unit.setdefault(unit, []).append(uid)
     out: list[Condition] = []
     for device in sample.devices:
         shared, replicas = _sharing_of(device, replica_refs)
@@ -535,7 +581,7 @@ def shared_memory_pressure(sample: NodeSample, pods: Mapping[str, PodView], conf
             continue
         used = device.memory_used_bytes
         used_percent = 100.0 * used / capacity
-        sharers = sorted(uid for (uid, unit) in usage if unit == device.uuid)
+        sharers = sorted(by_unit.get(device.uuid, ()))
         if used_percent > config.shared_memory_used_above_percent:
             out.append(_condition(
                 RULE_SHARED_MEMORY_PRESSURE, Severity.WARNING, sample.cluster,
