@@ -66,6 +66,7 @@ from schemas.records import (
     ViolationState,
 )
 from services.guard.config import PERIODS, GuardConfig
+from services.guard.sample_plan import SamplePlans
 from services.guard.rules import (
     SUBJECT_NAMESPACE,
     SUBJECT_TEAM,
@@ -192,6 +193,7 @@ class GuardEngine:
         self._pods: dict[str, PodView] = {}
         self._node_pods: dict[NodeKey, dict[str, None]] = {}
         self._node_pod_views: dict[NodeKey, _NodePods] = {}  # a cache: checked against the views at every use
+        self._sample_plans = SamplePlans(config)  # a cache: checked against each tick's structure and pods
         # idle_allocation: runs per unit, pending share rows per (node, window, unit), last window per unit
         self._idle_runs: dict[tuple[str, str, str], dict[str, IdleRun]] = {}
         self._unit_rows: dict[tuple[str, str, int, str], list[GpuShare]] = {}
@@ -238,11 +240,17 @@ class GuardEngine:
                                  sample.devices, streaks)
         node_pods = self._node_pods_of(key)
         pods = node_pods.pods
-        usage = usage_by_pod_and_unit(sample)  # the three rules' common input, taken once
+        if self._sample_plans.quiet(key, sample, pods, node_pods.spec_pods, node_pods.replica_refs):
+            process_conditions: tuple[Condition, ...] = ()  # what the three rules would find: nothing
+        else:
+            usage = usage_by_pod_and_unit(sample)  # the three rules' common input, taken once
+            process_conditions = (
+                visibility_leak(sample, pods, self.config, usage, spec_pods=node_pods.spec_pods)
+                + unrequested_gpu_use(sample, pods, self.config, usage)
+                + shared_memory_pressure(sample, pods, self.config, usage, node_pods.replica_refs)
+            )
         conditions = (
-            visibility_leak(sample, pods, self.config, usage, spec_pods=node_pods.spec_pods)
-            + unrequested_gpu_use(sample, pods, self.config, usage)
-            + shared_memory_pressure(sample, pods, self.config, usage, node_pods.replica_refs)
+            process_conditions
             + gpu_error(sample, self.config, streaks)
             + clock_skew(sample.cluster, sample.node_name, offset_ms, self.config)
         )
@@ -619,6 +627,7 @@ class GuardEngine:
             del self._idle_runs[unit_key]
             self._reconcile(_scope("idle", *unit_key), (), now, out)
         self._node_pod_views.pop(key, None)
+        self._sample_plans.forget(key)
         for uid in list(self._node_pods.pop(key, {})):
             self._pods.pop(uid, None)
             self._reconcile(_scope("spec", cluster, uid), (), now, out)

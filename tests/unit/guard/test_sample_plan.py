@@ -1,0 +1,199 @@
+"""``SamplePlans.quiet`` says True exactly when the three per-process sample rules find nothing, on random ticks of
+random nodes -- whole, MIG, time-sliced and MPS units; pods that own units, share them by replica ids, request none,
+leak by env or privilege, are exempt or unknown -- while the plan is kept, and when memory, pods or process lists
+change between ticks (the plan must then be rebuilt). And through the engine: a guard fed the same ticks with and
+without plans publishes the same violations."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from schemas.records import SharingMode
+from services.guard.config import GuardConfig
+from services.guard.engine import GuardEngine
+from services.guard.rules import (
+    apply_pod_event,
+    replica_refs_of,
+    shared_memory_pressure,
+    unrequested_gpu_use,
+    usage_by_pod_and_unit,
+    visibility_leak,
+)
+from services.guard.sample_plan import SamplePlans
+from tests.unit.guard import GIB, NODE, T0, container, device, pod_event, proc, sample
+
+GPUS = [f"GPU-{n:08x}-0000-4000-8000-0000000000{n:02x}" for n in range(4)]
+MIGS = [f"MIG-{n:08x}-0000-4000-8000-0000000000{n:02x}" for n in range(2)]
+CONFIGS = {
+    "default": GuardConfig(),
+    "tight": GuardConfig(shared_memory_used_above_percent=60.0, shared_memory_fair_share_factor=1.0,
+                         unrequested_min_memory_bytes=GIB),
+    "no env": GuardConfig(visible_devices_envvar_honoured=False, exempt_namespaces=("kube-system",)),
+}
+
+
+def random_units(rng: random.Random) -> list[dict]:
+    """The node's units: GPU 0 split into two MIG instances, the others whole, time-sliced or MPS."""
+    units = [dict(uuid=MIGS[0], parent=GPUS[0], gi=1, ci=0, index=0),
+             dict(uuid=MIGS[1], parent=GPUS[0], gi=2, ci=0, index=0)]
+    for n in range(1, 4):
+        mode = rng.choice([SharingMode.EXCLUSIVE, SharingMode.TIME_SLICING, SharingMode.MPS, SharingMode.UNKNOWN])
+        replicas = rng.choice([1, 2, 4]) if mode is not SharingMode.EXCLUSIVE else 1
+        units.append(dict(uuid=GPUS[n], index=n, mode=mode, replicas=replicas))
+    return units
+
+
+def random_pods(rng: random.Random, count: int, units: list[dict]) -> list:
+    """Pod ``n`` is meant for unit ``n % len(units)``: mostly it holds that unit's id (a MIG uuid, its GPU's uuid,
+    the GPU's uuid or replica ids of it), sometimes another unit's, an index id, or none."""
+    events = []
+    for n in range(count):
+        uid = f"00000000-0000-4000-8000-{n:012d}"
+        unit = units[n % len(units)]
+        kind = rng.random()
+        if kind < 0.85:
+            if unit.get("parent"):
+                ids = [rng.choice([unit["uuid"], unit["parent"]])]
+            elif unit.get("replicas", 1) > 1 and rng.random() < 0.7:
+                ids = [f"{unit['uuid']}::{r}" for r in rng.sample(range(4), rng.choice([1, 2]))]
+            else:
+                ids = [unit["uuid"]]
+        elif kind < 0.9:
+            ids = [rng.choice(GPUS[1:] + MIGS)]
+        elif kind < 0.93:
+            ids = ["3"]  # an index id: the assignment is not known
+        else:
+            ids = []
+        env = rng.choice(["all", "void", GPUS[2], "1", "0:1"]) if rng.random() < 0.1 else None
+        privileged = rng.random() < 0.02
+        requests = None if ids or rng.random() < 0.7 else {"nvidia.com/gpu": 1}
+        namespace = rng.choice(["ml", "ml", "research", "kube-system"])
+        c = container(devices=[("nvidia.com/gpu", ids)] if ids else [], env=env, privileged=privileged,
+                      requests=requests)
+        events.append(pod_event(uid, f"pod-{n}", namespace=namespace, containers=[c]))
+    return events
+
+
+def random_tick(rng: random.Random, units: list[dict], pod_count: int, layout: list[list[int]], t: int):
+    """A tick whose process lists follow ``layout`` (per unit, the pod index of each process; -1 no pod, a
+    number past the pods: an index the tick's pods do not have) with fresh memory figures."""
+    devices = []
+    for unit, pods in zip(units, layout):
+        processes = [proc(1000 + i, p, rng.choice([-1, rng.randrange(0, 30 * GIB), rng.randrange(0, 2 * GIB)]))
+                     for i, p in enumerate(pods)]
+        total = 40 * GIB if unit.get("parent") else 80 * GIB
+        used = min(total, sum(max(p[2], 0) for p in processes) + rng.randrange(0, 4 * GIB))
+        devices.append(device(unit["uuid"], index=unit["index"], parent=unit.get("parent"),
+                              mode=unit.get("mode", SharingMode.EXCLUSIVE), replicas=unit.get("replicas", 1),
+                              gi=unit.get("gi"), ci=unit.get("ci"), total=total,
+                              reserved=rng.choice([GIB // 2, total, 0]), used=used, processes=processes))
+    return sample(devices, [f"00000000-0000-4000-8000-{n:012d}" for n in range(pod_count)], t=t)
+
+
+def random_layout(rng: random.Random, units: list[dict], pod_count: int) -> list[list[int]]:
+    """Mostly processes of pods whose position matches the unit's (``pod n`` runs on unit ``n % units``: some
+    own it, some do not), some of no pod or of an index past the tick's pods."""
+    def process_pod(u: int) -> int:
+        if rng.random() < 0.1:
+            return rng.choice([-1, pod_count + 1])
+        mine = [p for p in range(pod_count) if p % len(units) == u]
+        return rng.choice(mine) if mine and rng.random() < 0.9 else rng.randrange(pod_count)
+
+    return [[process_pod(u) for _ in range(rng.randrange(0, 5))] for u in range(len(units))]
+
+
+def rules_find_nothing(tick, pods, config, spec_pods, replica_refs) -> bool:
+    usage = usage_by_pod_and_unit(tick)
+    return not (visibility_leak(tick, pods, config, usage, spec_pods=spec_pods)
+                + unrequested_gpu_use(tick, pods, config, usage)
+                + shared_memory_pressure(tick, pods, config, usage, replica_refs))
+
+
+@pytest.mark.parametrize("config_name", sorted(CONFIGS))
+def test_quiet_is_true_exactly_when_the_three_rules_find_nothing(config_name):
+    config = CONFIGS[config_name]
+    rng = random.Random(f"sample-plan-{config_name}")
+    verdicts = {True: 0, False: 0}
+    rebuilt = 0
+    for node_round in range(60):
+        units = random_units(rng)
+        pod_count = rng.randrange(1, 8)
+        events = random_pods(rng, pod_count, units)
+        views = {e.uid: apply_pod_event(None, e) for e in events}
+        layout = random_layout(rng, units, pod_count)
+        plans = SamplePlans(config)
+        for tick_number in range(12):
+            change = rng.random()
+            if change < 0.15:  # a pod changes: a new view of it
+                event = rng.choice(random_pods(rng, pod_count, units))
+                views = dict(views)
+                views[event.uid] = apply_pod_event(None, event)
+            elif change < 0.3:
+                layout = random_layout(rng, units, pod_count)
+            tick = random_tick(rng, units, pod_count, layout, T0 + tick_number * 1000)
+            pods = {uid: views[uid] for uid in sorted(views)}
+            spec_pods = [pods[uid] for uid in sorted(pods)]
+            refs = replica_refs_of(pods)
+            before = plans._plans.get(NODE)
+            verdict = plans.quiet(NODE, tick, pods, spec_pods, refs)
+            rebuilt += plans._plans.get(NODE) is not before
+            assert verdict == rules_find_nothing(tick, pods, config, spec_pods, refs), (node_round, tick_number)
+            verdicts[verdict] += 1
+    # Both verdicts, and plans kept as well as rebuilt, occur often enough for the comparison to mean something.
+    assert verdicts[True] > 100 and verdicts[False] > 100, verdicts
+    assert 60 < rebuilt < 60 * 12 * 0.7, rebuilt
+
+
+def test_a_guard_with_plans_publishes_what_the_rules_alone_publish():
+    """The engine with its plans, and the same engine whose plans never call a tick quiet (every tick judged by
+    the rules): the same violations, tick after tick, as pods come, change and go."""
+    config = CONFIGS["tight"]
+    rng = random.Random("sample-plan-engine")
+    units = random_units(rng)
+    pod_count = 6
+    fast, slow = GuardEngine(config), GuardEngine(config)
+    slow._sample_plans.quiet = lambda *args: False  # type: ignore[method-assign]
+    layout = random_layout(rng, units, pod_count)
+    published = 0
+    for n, event in enumerate(random_pods(rng, pod_count, units)):
+        assert fast.on_pod_event(event, T0 + n) == slow.on_pod_event(event, T0 + n)
+    for tick_number in range(400):
+        now = T0 + 1000 + tick_number * 10_000
+        if rng.random() < 0.1:
+            event = dataclasses.replace(rng.choice(random_pods(rng, pod_count, units)), observed_at_unix_ms=now,
+                                        resource_version=str(now))
+            assert fast.on_pod_event(event, now) == slow.on_pod_event(event, now)
+        if rng.random() < 0.1:
+            layout = random_layout(rng, units, pod_count)
+        tick = random_tick(rng, units, pod_count, layout, now)
+        out = fast.on_sample(tick, now)
+        assert out == slow.on_sample(tick, now), tick_number
+        published += len(out)
+    assert published > 20
+
+
+@pytest.mark.parametrize("case", ["unit over its threshold", "pod a byte over its fair share", "pod at its share"])
+def test_quiet_at_the_edges_of_the_shared_memory_thresholds(case):
+    """A time-sliced GPU of 80 GiB in two replicas, nothing reserved, the tight config (60 %, fair share × 1):
+    a unit 90 % used with no process; a pod at 40 GiB + 1 byte over its two processes, one of unknown memory
+    (it counts for nothing, not for -1); a pod at exactly 40 GiB. The verdict is the rules' at each edge."""
+    config = CONFIGS["tight"]
+    gpu = GPUS[1]
+    owner = pod_event("00000000-0000-4000-8000-000000000001", "owner",
+                      containers=[container(devices=[("nvidia.com/gpu", [f"{gpu}::0"])])])
+    pods = {owner.uid: apply_pod_event(None, owner)}
+    processes = {
+        "unit over its threshold": [],
+        "pod a byte over its fair share": [proc(1, 0, 40 * GIB + 1), proc(2, 0, -1)],
+        "pod at its share": [proc(1, 0, 40 * GIB)],
+    }[case]
+    used = 72 * GIB if case == "unit over its threshold" else 40 * GIB + 1
+    tick = sample([device(gpu, index=1, mode=SharingMode.TIME_SLICING, replicas=2, total=80 * GIB, reserved=0,
+                          used=used, processes=processes)], [owner.uid])
+    spec_pods, refs = list(pods.values()), replica_refs_of(pods)
+    expected_quiet = case == "pod at its share"
+    assert rules_find_nothing(tick, pods, config, spec_pods, refs) is expected_quiet
+    assert SamplePlans(config).quiet(NODE, tick, pods, spec_pods, refs) is expected_quiet
