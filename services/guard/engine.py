@@ -126,8 +126,14 @@ class _Node:
     last_heard_ms: int
     last_sampled_at_ms: int
     interval_ms: int
-    devices: tuple[GpuDeviceSample, ...]
+    device_source: NodeSample | tuple[GpuDeviceSample, ...]  # the latest tick, or its devices (a restore)
     error_streaks: dict[str, int]
+
+    @property
+    def devices(self) -> tuple[GpuDeviceSample, ...]:
+        """The latest tick's units: built from a v4 tick's columns only when something reads them."""
+        source = self.device_source
+        return source if isinstance(source, tuple) else source.devices
 
 
 @dataclass(frozen=True)
@@ -237,7 +243,7 @@ class GuardEngine:
         streaks = {k: previous_streaks.get(k, 0) + 1 for k in counts}
         interval = sample.interval_ms if sample.interval_ms > 0 else (node.interval_ms if node is not None else 0)
         self._nodes[key] = _Node(sample.cluster, sample.node_name, now, sample.sampled_at_unix_ms, interval,
-                                 sample.devices, streaks)
+                                 sample, streaks)
         node_pods = self._node_pods_of(key)
         pods = node_pods.pods
         if self._sample_plans.quiet(key, sample, pods, node_pods.spec_pods, node_pods.replica_refs):
@@ -251,7 +257,7 @@ class GuardEngine:
             )
         conditions = (
             process_conditions
-            + gpu_error(sample, self.config, streaks)
+            + gpu_error(sample, self.config, streaks, counts)
             + clock_skew(sample.cluster, sample.node_name, offset_ms, self.config)
         )
         self._reconcile(_scope("sample", *key), conditions, now, out)

@@ -637,6 +637,9 @@ def gpu_error_counts(sample: NodeSample, config: GuardConfig) -> dict[str, tuple
     ``gpu_error_ignored``, whether one is GPU_IS_LOST, the distinct ``function:CODE`` texts). GPUs without
     such errors are left out."""
     out: dict[str, tuple[int, bool, tuple[str, ...]]] = {}
+    packed = getattr(sample, "packed", None)
+    if packed is not None and not packed.device_errors and not sample.node_errors:
+        return out  # a v4 tick without errors: no device object needs building to know it
 
     def add(key: str, errors: Iterable) -> None:
         kept = [e for e in errors if not config.is_error_ignored(e.nvml_function, e.error_code)]
@@ -656,16 +659,20 @@ def gpu_error_counts(sample: NodeSample, config: GuardConfig) -> dict[str, tuple
     return out
 
 
-def gpu_error(sample: NodeSample, config: GuardConfig, consecutive_samples: Mapping[str, int]) -> tuple[Condition, ...]:
+def gpu_error(sample: NodeSample, config: GuardConfig, consecutive_samples: Mapping[str, int],
+              counts: Mapping[str, tuple[int, bool, tuple[str, ...]]] | None = None) -> tuple[Condition, ...]:
     """Per physical GPU (MIG units count towards their parent): CRITICAL when NVML reports it lost
     (GPU_IS_LOST, at once); WARNING for other NVML errors not in ``gpu_error_ignored`` once they have been in
     ``gpu_error_min_consecutive_samples`` consecutive samples. Node-level NVML errors (init, device count):
     CRITICAL per node, at once. ``consecutive_samples``: key of ``gpu_error_counts`` → consecutive samples with
-    errors, this one included (kept by the engine)."""
+    errors, this one included (kept by the engine). ``counts``: ``gpu_error_counts(sample, config)`` when the
+    caller has it."""
     if not config.rule_enabled(RULE_GPU_ERROR):
         return ()
     out: list[Condition] = []
-    for key, (count, lost, texts) in sorted(gpu_error_counts(sample, config).items()):
+    if counts is None:
+        counts = gpu_error_counts(sample, config)
+    for key, (count, lost, texts) in sorted(counts.items()):
         streak = max(1, consecutive_samples.get(key, 1))
         node_level = key == NODE_ERROR_KEY
         if not (lost or node_level) and streak < config.gpu_error_min_consecutive_samples:

@@ -43,14 +43,24 @@ from services.guard.rules import (
     visibility_leak,
 )
 
-# (cell index, device position, process position): one process of a (pod, unit) cell, as
-# ``usage_by_pod_and_unit`` walks them.
-_Process = tuple[int, int, int]
+# (cell index, device position, process position on the device, process position in the tick): one process of a
+# (pod, unit) cell, as ``usage_by_pod_and_unit`` walks them.
+_Process = tuple[int, int, int, int]
+
+
+_STRUCTURE_COLUMNS = ("device_parent_uuid", "device_mig_gpu_instance_id", "device_mig_compute_instance_id",
+                      "device_index", "device_sharing_mode", "device_replicas", "device_process_count",
+                      "process_pod_index", "pod_uids", "pod_uid_text_slots")
 
 
 def structure_key(sample: NodeSample) -> tuple:
-    """What the three rules read from ``sample`` besides its memory figures (the module docstring)."""
-    return (sample.cluster, sample.node_name, sample.pod_uids, tuple(
+    """What the three rules read from ``sample`` besides its memory figures (the module docstring): from the v4
+    record's columns while the sample holds them (no device object is built), else from its devices."""
+    packed = getattr(sample, "packed", None)
+    if packed is not None:
+        return ("columns", sample.cluster, sample.node_name, packed.device_uuids, packed.device_texts,
+                packed.pod_uid_texts, *(getattr(packed, name).tobytes() for name in _STRUCTURE_COLUMNS))
+    return ("objects", sample.cluster, sample.node_name, sample.pod_uids, tuple(
         (d.uuid, d.parent_uuid, d.mig_gpu_instance_id, d.mig_compute_instance_id, d.index, d.sharing_mode,
          d.replicas, d.process_pod_index, len(d.process_used_memory_bytes))
         for d in sample.devices))
@@ -80,10 +90,12 @@ def build_plan(key: tuple, sample: NodeSample, pods: Mapping[str, PodView], conf
     loud = bool(visibility_leak(sample, pods, config, usage, spec_pods=spec_pods))
     cell_of = {cell: n for n, cell in enumerate(usage)}
     processes: list[_Process] = []
+    first = 0
     for position, device in enumerate(sample.devices):
         for i, pod_index in enumerate(device.process_pod_index):
             if 0 <= pod_index < len(sample.pod_uids):
-                processes.append((cell_of[(sample.pod_uids[pod_index], device.uuid)], position, i))
+                processes.append((cell_of[(sample.pod_uids[pod_index], device.uuid)], position, i, first + i))
+        first += len(device.process_pod_index)
     shared: list[tuple[int, int, tuple[tuple[int, int], ...]]] = []
     if config.rule_enabled(RULE_SHARED_MEMORY_PRESSURE):
         by_unit: dict[str, list[str]] = {}
@@ -131,20 +143,33 @@ class SamplePlans:
             return False
         if not plan.shared and not plan.unrequested:
             return True
-        devices = sample.devices
         memory = [0] * plan.cells
-        for cell, position, i in plan.processes:
-            used_bytes = devices[position].process_used_memory_bytes
-            used = used_bytes[i] if i < len(used_bytes) else -1
-            if used >= 0:
-                memory[cell] += used
+        packed = getattr(sample, "packed", None)
+        if packed is not None:  # the same Python ints the devices would hold, read from the columns
+            column = packed.process_used_memory_bytes.tolist()
+            for cell, _, _, flat in plan.processes:
+                used = column[flat]
+                if used >= 0:
+                    memory[cell] += used
+            totals = packed.device_memory_total_bytes.tolist()
+            reserved = packed.device_memory_reserved_bytes.tolist()
+            used_bytes = packed.device_memory_used_bytes.tolist()
+        else:
+            devices = sample.devices
+            for cell, position, i, _ in plan.processes:
+                process_memory = devices[position].process_used_memory_bytes
+                used = process_memory[i] if i < len(process_memory) else -1
+                if used >= 0:
+                    memory[cell] += used
+            totals = [d.memory_total_bytes for d in devices]
+            reserved = [d.memory_reserved_bytes for d in devices]
+            used_bytes = [d.memory_used_bytes for d in devices]
         config = self.config
         for position, replicas, sharers in plan.shared:
-            device = devices[position]
-            capacity = device.memory_total_bytes - device.memory_reserved_bytes
+            capacity = totals[position] - reserved[position]
             if capacity <= 0:
                 continue
-            if 100.0 * device.memory_used_bytes / capacity > config.shared_memory_used_above_percent:
+            if 100.0 * used_bytes[position] / capacity > config.shared_memory_used_above_percent:
                 return False
             fair_share = capacity / replicas
             for cell, held in sharers:

@@ -1,8 +1,9 @@
 """``SamplePlans.quiet`` says True exactly when the three per-process sample rules find nothing, on random ticks of
 random nodes -- whole, MIG, time-sliced and MPS units; pods that own units, share them by replica ids, request none,
 leak by env or privilege, are exempt or unknown -- while the plan is kept, and when memory, pods or process lists
-change between ticks (the plan must then be rebuilt). And through the engine: a guard fed the same ticks with and
-without plans publishes the same violations."""
+change between ticks (the plan must then be rebuilt); for ticks as objects and as decoded from NodeSample v4 (read
+on the record's columns). And through the engine: a guard fed the same ticks with and without plans publishes the
+same violations."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ import random
 
 import pytest
 
-from schemas.records import SharingMode
+from schemas.records import NodeSample, SharingMode
+from schemas.typed import codec_for
 from services.guard.config import GuardConfig
 from services.guard.engine import GuardEngine
 from services.guard.rules import (
     apply_pod_event,
+    gpu_error_counts,
     replica_refs_of,
     shared_memory_pressure,
     unrequested_gpu_use,
@@ -23,7 +26,9 @@ from services.guard.rules import (
     visibility_leak,
 )
 from services.guard.sample_plan import SamplePlans
-from tests.unit.guard import GIB, NODE, T0, container, device, pod_event, proc, sample
+from tests.unit.guard import GIB, NODE, T0, container, device, nvml_error, pod_event, proc, sample
+
+CODEC = codec_for(NodeSample)
 
 GPUS = [f"GPU-{n:08x}-0000-4000-8000-0000000000{n:02x}" for n in range(4)]
 MIGS = [f"MIG-{n:08x}-0000-4000-8000-0000000000{n:02x}" for n in range(2)]
@@ -77,9 +82,11 @@ def random_pods(rng: random.Random, count: int, units: list[dict]) -> list:
     return events
 
 
-def random_tick(rng: random.Random, units: list[dict], pod_count: int, layout: list[list[int]], t: int):
+def random_tick(rng: random.Random, units: list[dict], pod_count: int, layout: list[list[int]], t: int,
+                columns: bool = False, slots: list[int] | None = None):
     """A tick whose process lists follow ``layout`` (per unit, the pod index of each process; -1 no pod, a
-    number past the pods: an index the tick's pods do not have) with fresh memory figures."""
+    number past the pods: an index the tick's pods do not have) with fresh memory figures, now and then an NVML
+    error; ``columns``: as the v4 record decodes it (a sample on its columns)."""
     devices = []
     for unit, pods in zip(units, layout):
         processes = [proc(1000 + i, p, rng.choice([-1, rng.randrange(0, 30 * GIB), rng.randrange(0, 2 * GIB)]))
@@ -89,11 +96,23 @@ def random_tick(rng: random.Random, units: list[dict], pod_count: int, layout: l
         devices.append(device(unit["uuid"], index=unit["index"], parent=unit.get("parent"),
                               mode=unit.get("mode", SharingMode.EXCLUSIVE), replicas=unit.get("replicas", 1),
                               gi=unit.get("gi"), ci=unit.get("ci"), total=total,
-                              reserved=rng.choice([GIB // 2, total, 0]), used=used, processes=processes))
-    return sample(devices, [f"00000000-0000-4000-8000-{n:012d}" for n in range(pod_count)], t=t)
+                              reserved=rng.choice([GIB // 2, total, 0]), used=used, processes=processes,
+                              errors=[nvml_error("nvmlDeviceGetPowerUsage", "NOT_SUPPORTED")]
+                              if rng.random() < 0.03 else ()))
+    node_errors = [nvml_error("nvmlDeviceGetCount", "UNKNOWN")] if rng.random() < 0.02 else []
+    order = slots if slots is not None else list(range(pod_count))  # which pod each of the tick's slots names
+    tick = sample(devices, [f"00000000-0000-4000-8000-{n:012d}" for n in order], t=t, node_errors=node_errors)
+    if columns:
+        data = CODEC.encode(tick)
+        assert CODEC.decode(data) == tick  # (compared: its devices built; the tick handed out is a fresh one)
+        decoded = CODEC.decode(data)
+        assert decoded.packed is not None
+        return decoded
+    return tick
 
 
-def random_layout(rng: random.Random, units: list[dict], pod_count: int) -> list[list[int]]:
+def random_layout(rng: random.Random, units: list[dict], pod_count: int,
+                  counts: list[int] | None = None) -> list[list[int]]:
     """Mostly processes of pods whose position matches the unit's (``pod n`` runs on unit ``n % units``: some
     own it, some do not), some of no pod or of an index past the tick's pods."""
     def process_pod(u: int) -> int:
@@ -102,7 +121,16 @@ def random_layout(rng: random.Random, units: list[dict], pod_count: int) -> list
         mine = [p for p in range(pod_count) if p % len(units) == u]
         return rng.choice(mine) if mine and rng.random() < 0.9 else rng.randrange(pod_count)
 
-    return [[process_pod(u) for _ in range(rng.randrange(0, 5))] for u in range(len(units))]
+    return [[process_pod(u) for _ in range(rng.randrange(0, 5) if counts is None else counts[u])]
+            for u in range(len(units))]
+
+
+def devices_built(tick) -> bool:
+    try:
+        NodeSample.__dict__["devices"].__get__(tick)  # the dataclass's slot, under PackedBackedNodeSample's property
+    except AttributeError:
+        return False
+    return True
 
 
 def rules_find_nothing(tick, pods, config, spec_pods, replica_refs) -> bool:
@@ -112,18 +140,20 @@ def rules_find_nothing(tick, pods, config, spec_pods, replica_refs) -> bool:
                 + shared_memory_pressure(tick, pods, config, usage, replica_refs))
 
 
+@pytest.mark.parametrize("columns", [False, True], ids=["objects", "columns"])
 @pytest.mark.parametrize("config_name", sorted(CONFIGS))
-def test_quiet_is_true_exactly_when_the_three_rules_find_nothing(config_name):
+def test_quiet_is_true_exactly_when_the_three_rules_find_nothing(config_name, columns):
     config = CONFIGS[config_name]
     rng = random.Random(f"sample-plan-{config_name}")
     verdicts = {True: 0, False: 0}
     rebuilt = 0
-    for node_round in range(60):
+    for node_round in range(80):
         units = random_units(rng)
         pod_count = rng.randrange(1, 8)
         events = random_pods(rng, pod_count, units)
         views = {e.uid: apply_pod_event(None, e) for e in events}
         layout = random_layout(rng, units, pod_count)
+        slots = None
         plans = SamplePlans(config)
         for tick_number in range(12):
             change = rng.random()
@@ -133,18 +163,27 @@ def test_quiet_is_true_exactly_when_the_three_rules_find_nothing(config_name):
                 views[event.uid] = apply_pod_event(None, event)
             elif change < 0.3:
                 layout = random_layout(rng, units, pod_count)
-            tick = random_tick(rng, units, pod_count, layout, T0 + tick_number * 1000)
+            elif change < 0.4:  # the same process counts, other owners
+                layout = random_layout(rng, units, pod_count, [len(pods_of_unit) for pods_of_unit in layout])
+            elif change < 0.5:  # the same process lists, the pods in other slots
+                slots = rng.sample(range(pod_count), pod_count)
+            tick = random_tick(rng, units, pod_count, layout, T0 + tick_number * 1000, columns, slots)
             pods = {uid: views[uid] for uid in sorted(views)}
             spec_pods = [pods[uid] for uid in sorted(pods)]
             refs = replica_refs_of(pods)
             before = plans._plans.get(NODE)
             verdict = plans.quiet(NODE, tick, pods, spec_pods, refs)
-            rebuilt += plans._plans.get(NODE) is not before
+            kept = plans._plans.get(NODE) is before
+            rebuilt += not kept
+            if columns and kept:  # read on the columns: no device object was built for the verdict
+                assert not devices_built(tick)
             assert verdict == rules_find_nothing(tick, pods, config, spec_pods, refs), (node_round, tick_number)
+            plain = dataclasses.replace(tick) if columns else tick
+            assert gpu_error_counts(tick, config) == gpu_error_counts(plain, config)
             verdicts[verdict] += 1
     # Both verdicts, and plans kept as well as rebuilt, occur often enough for the comparison to mean something.
-    assert verdicts[True] > 100 and verdicts[False] > 100, verdicts
-    assert 60 < rebuilt < 60 * 12 * 0.7, rebuilt
+    assert verdicts[True] > 80 and verdicts[False] > 80, verdicts
+    assert 80 < rebuilt < 80 * 12 * 0.8, rebuilt
 
 
 def test_a_guard_with_plans_publishes_what_the_rules_alone_publish():
@@ -168,7 +207,7 @@ def test_a_guard_with_plans_publishes_what_the_rules_alone_publish():
             assert fast.on_pod_event(event, now) == slow.on_pod_event(event, now)
         if rng.random() < 0.1:
             layout = random_layout(rng, units, pod_count)
-        tick = random_tick(rng, units, pod_count, layout, now)
+        tick = random_tick(rng, units, pod_count, layout, now, columns=tick_number % 2 == 1)
         out = fast.on_sample(tick, now)
         assert out == slow.on_sample(tick, now), tick_number
         published += len(out)
@@ -197,3 +236,26 @@ def test_quiet_at_the_edges_of_the_shared_memory_thresholds(case):
     expected_quiet = case == "pod at its share"
     assert rules_find_nothing(tick, pods, config, spec_pods, refs) is expected_quiet
     assert SamplePlans(config).quiet(NODE, tick, pods, spec_pods, refs) is expected_quiet
+
+
+@pytest.mark.parametrize("columns", [False, True], ids=["objects", "columns"])
+def test_the_same_process_lists_naming_other_pods_are_judged_anew(columns):
+    """Two ticks with the same processes, the tick's pod slots swapped: the process of GPU 1 belongs to its owner
+    in the first (quiet) and to the owner of GPU 2 in the second (a leak): the plan of the first is not reused."""
+    config = CONFIGS["default"]
+    a = pod_event("00000000-0000-4000-8000-00000000000a", "a",
+                  containers=[container(devices=[("nvidia.com/gpu", [GPUS[1]])])])
+    b = pod_event("00000000-0000-4000-8000-00000000000b", "b",
+                  containers=[container(devices=[("nvidia.com/gpu", [GPUS[2]])])])
+    pods = {e.uid: apply_pod_event(None, e) for e in (a, b)}
+    spec_pods, refs = list(pods.values()), replica_refs_of(pods)
+    plans = SamplePlans(config)
+    verdicts = []
+    for t, slots in ((T0, [a.uid, b.uid]), (T0 + 1000, [b.uid, a.uid])):
+        tick = sample([device(GPUS[1], index=1, processes=[proc(7, 0, 4 * GIB)]),
+                       device(GPUS[2], index=2)], slots, t=t)
+        if columns:
+            tick = CODEC.decode(CODEC.encode(tick))
+        verdicts.append(plans.quiet(NODE, tick, pods, spec_pods, refs))
+        assert verdicts[-1] == rules_find_nothing(tick, pods, config, spec_pods, refs)
+    assert verdicts == [True, False]
