@@ -13,7 +13,7 @@ Contract:
   and ``error``. ``parse(expr)`` is the server's syntax tree of ``expr`` (``/api/v1/parse_query``: the parser
   every query goes through, as the JSON tree its UI's explain view reads); ``query(expr, at_s)`` an instant query's
   result; ``targets()`` the active scrape targets; ``rules()`` the loaded rules with their ``health`` and
-  ``lastError`` from their last evaluation.
+  ``lastError`` from their last evaluation; ``api_get`` as ``api`` for the endpoints that take GET only.
 * Pure functions over such a tree (no server needed): ``selectors(tree)`` every vector or range selector with its
   metric name and label matchers; ``metric_names(tree)``; ``labels_read(tree)`` every label name the expression
   matches on or groups by (``by``/``without``, ``on``/``ignoring``, ``group_left``/``group_right``);
@@ -41,7 +41,6 @@ from typing import Any, Iterator, NamedTuple, Sequence
 import yaml
 
 from gpumeter.devtools.alertmanager import free_port
-
 
 RULE_FILE = "rules.yml"  # beside prometheus.yml, which names it relative to itself
 
@@ -315,7 +314,7 @@ def output_labels(tree: dict) -> frozenset[str] | None:
         if tree.get("without"):
             return None
         grouping = frozenset(tree.get("grouping") or [])
-        if tree["op"] == "count_values" and tree.get("param", {}).get("type") == "stringLiteral":
+        if tree["op"] == "count_values" and (tree.get("param") or {}).get("type") == "stringLiteral":
             grouping |= {tree["param"]["val"]}
         return grouping
     if kind == "call":
