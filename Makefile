@@ -43,8 +43,9 @@ kafka-jars: deps
 alertmanager: deps
 	@$(PY) -m gpumeter.devtools.alertmanager ensure >/dev/null
 
-## deploy-tools: helm, kustomize and promtool for the deployment tests, built from source with Go into .cache/ once (a few
-## minutes the first time; without Go on PATH, a pinned Go toolchain is downloaded and checked first).
+## deploy-tools: helm, kustomize, promtool and the Prometheus server for the deployment and Prometheus tests, built from
+## source with Go into .cache/ once (minutes the first time: README, "Helm"; without Go on PATH, a pinned Go
+## toolchain is downloaded and checked first).
 deploy-tools: deps
 	@$(PY) -m gpumeter.devtools.gotools build >/dev/null
 

@@ -7,6 +7,13 @@
 * ``topic_catalog`` gives each test its own random topic names, created on that broker.
 * Hypothesis prints the ``@reproduce_failure`` blob of a falsifying example, so a property that fails on CI's
   random seed can be replayed here from the log alone.
+* ``go_tools`` (session): helm, kustomize, promtool and prometheus, real binaries built from source once
+  (``gpumeter.devtools.gotools``). ``make test`` builds them before pytest (``make deploy-tools``), so a test run
+  only finds them; a run without that step builds them here, once per cache, in a subprocess (minutes; it says
+  so): the tests never skip for want of them.
+* ``promql`` (session): Prometheus' own PromQL parser, a throwaway server of that build with nothing to scrape
+  (``promql.parse(expr)``: its syntax tree, ``gpumeter.devtools.prometheus``). Tests asking it are marked
+  ``network`` (it answers on loopback).
 """
 
 from __future__ import annotations
@@ -14,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -99,3 +108,43 @@ def topic_catalog(kafka_settings):
 @pytest.fixture
 def group_id() -> str:
     return f"g{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture(scope="session")
+def go_tools() -> dict[str, Path]:
+    from gpumeter.devtools import gotools
+
+    cache_dir = gotools.DEFAULT_CACHE_DIR.resolve()
+    if not all(tool.is_built(cache_dir) for tool in gotools.TOOLS):
+        # A subprocess: the build downloads (the Go module proxy), which the unit tests' TCP guard forbids here.
+        result = subprocess.run([sys.executable, "-m", "gpumeter.devtools.gotools", "build",
+                                 "--cache-dir", str(cache_dir)], capture_output=True, text=True)
+        if result.returncode != 0:
+            pytest.fail(f"could not build helm, kustomize, promtool and prometheus (`make deploy-tools`):\n"
+                        f"{result.stderr[-4000:]}")
+    return {tool.name: tool.path(cache_dir) for tool in gotools.TOOLS}
+
+
+class PromQLParser:
+    """Prometheus' parser behind a server of our build: ``parse(expr)`` is its syntax tree, asked once per text."""
+
+    def __init__(self, server) -> None:
+        self.server = server
+        self._trees: dict[str, dict] = {}
+
+    def parse(self, expr: str) -> dict:
+        if expr not in self._trees:
+            self._trees[expr] = self.server.parse(expr)
+        return self._trees[expr]
+
+
+@pytest.fixture(scope="session")
+def promql(go_tools, tmp_path_factory):
+    from gpumeter.devtools.prometheus import PrometheusServer
+
+    server = PrometheusServer(go_tools["prometheus"], base_dir=tmp_path_factory.mktemp("promql"))
+    server.start()
+    try:
+        yield PromQLParser(server)
+    finally:
+        server.stop()

@@ -1,28 +1,33 @@
-"""Helm, kustomize and promtool for the deployment tests: built once from source with Go into the cache, with
-nothing but Python if need be.
+"""Helm, kustomize, promtool and the Prometheus server for the deployment and integration tests: built once from
+source with Go into the cache, with nothing but Python if need be.
 
 Contract:
 
 * ``ensure_tools(cache_dir)`` returns the paths of ``helm`` (``HELM_VERSION``), ``kustomize``
-  (``KUSTOMIZE_VERSION``) and ``promtool`` (Prometheus ``PROMETHEUS_VERSION``) under ``cache_dir/gotools/``,
-  building what is missing on the first call with
+  (``KUSTOMIZE_VERSION``), ``promtool`` and ``prometheus`` (Prometheus ``PROMETHEUS_VERSION``) under
+  ``cache_dir/gotools/``, building what is missing on the first call with
   ``go install <module>/<cmd>@<version>``: static (``CGO_ENABLED=0``), helm with the ldflags of its own release
-  builds, so ``helm version`` and the Kubernetes version it assumes are those of the release; promtool with
-  Prometheus' version variables set, so ``promtool --version`` names it.
-* The Go used: ``go`` on ``PATH`` when it is at least ``MIN_GO`` (both tools' go.mod); otherwise the pinned Go
+  builds, so ``helm version`` and the Kubernetes version it assumes are those of the release; promtool and
+  prometheus with Prometheus' version variables set, so ``--version`` names it, in one ``go install`` (one module at
+  one version: the packages they share compile once; ``install_groups``).
+* The Go used: ``go`` on ``PATH`` when it is at least ``MIN_GO`` (the tools' go.mod); otherwise the pinned Go
   toolchain ``golang.org/toolchain@v0.0.1-go<GO_TOOLCHAIN_VERSION>.<os>-<arch>``, downloaded from the Go module
   proxy with the standard library and checked against its pinned go.sum hash (from the Go checksum database)
   before anything in it runs. A mismatch is a ``GoToolError``, never a silent use.
 * Go runs with ``GOTOOLCHAIN=local`` (no toolchain switch behind this module's back), its module and build caches
   in a scratch folder under ``cache_dir/gotools`` that is removed afterwards with the downloaded toolchain: only
-  the two binaries (about 60 and 15 MB) stay. The go command checks every module it downloads against the
-  checksum database.
+  the binaries stay (helm ~60 MB, kustomize ~15 MB, promtool 88 MB, prometheus 105 MB). The go
+  command checks every module it downloads against the checksum database.
 * Concurrent callers (``make deploy-tools`` and a test session) wait on one lock; the second finds them built.
 
 Command line: ``python -m gpumeter.devtools.gotools build`` (what ``make deploy-tools`` runs) prints the paths.
-The first build takes about 2.5 minutes on an idle 2-core machine (helm's modules, ~100 MB, are downloaded; the
-toolchain, 71 MB, only without a suitable ``go``; kustomize reuses most of helm's compiled packages); later calls
-find the binaries in milliseconds.
+The first build takes about 2.5 minutes on an idle 2-core machine for helm and kustomize (helm's modules, ~100 MB,
+are downloaded; the toolchain, 71 MB, only without a suitable ``go``; kustomize reuses most of helm's compiled
+packages); promtool's larger module graph took 13 minutes and the server 3.3 more (measured 2026-12-04 21:41-21:57
+UTC on 2 cores shared with other builds and tests, load 7-10: promtool alone 773 s, then prometheus in the same
+build cache 197 s; both through ``ensure_tools``' one ``go install``, niced beside a full unit-test run: 35 minutes
+wall, 10.0 CPU-minutes, binaries byte-identical to those two steps'); later calls find the binaries in
+milliseconds.
 """
 
 from __future__ import annotations
@@ -79,9 +84,11 @@ class GoToolError(RuntimeError):
 
 @dataclass(frozen=True)
 class GoTool:
-    """A command built with ``go install <package>@<version>``, and how to ask it its version."""
+    """A command built with ``go install <package>@<version>``, and how to ask it its version. Tools of one module
+    at one version with the same ldflags are built by one ``go install`` (``install_groups``)."""
 
     name: str
+    module: str
     package: str
     version: str
     version_command: tuple[str, ...]
@@ -104,6 +111,7 @@ class GoTool:
 
 HELM = GoTool(
     name="helm",
+    module=HELM_MODULE,
     package=f"{HELM_MODULE}/cmd/helm",
     version=HELM_VERSION,
     version_command=("version", "--template", "{{.Version}}"),
@@ -117,7 +125,7 @@ HELM = GoTool(
     ),
 )
 # kustomize reports the module version go install embeds (runtime/debug build info).
-KUSTOMIZE = GoTool(name="kustomize", package=KUSTOMIZE_MODULE, version=KUSTOMIZE_VERSION,
+KUSTOMIZE = GoTool(name="kustomize", module=KUSTOMIZE_MODULE, package=KUSTOMIZE_MODULE, version=KUSTOMIZE_VERSION,
                    version_command=("version",))
 # promtool, Prometheus' own checker of rule files and their unit tests (``promtool check rules``, ``promtool test
 # rules``): the deployment tests run it on the chart's rendered PrometheusRule. Prometheus 3.16.0 is the Go module
@@ -125,18 +133,20 @@ KUSTOMIZE = GoTool(name="kustomize", package=KUSTOMIZE_MODULE, version=KUSTOMIZE
 PROMETHEUS_MODULE = "github.com/prometheus/prometheus"
 PROMETHEUS_MODULE_VERSION = "v0.316.0"
 PROMETHEUS_VERSION = "3.16.0"
-PROMTOOL = GoTool(
-    name="promtool",
-    package=f"{PROMETHEUS_MODULE}/cmd/promtool",
-    version=PROMETHEUS_MODULE_VERSION,
-    version_command=("--version",),
-    ldflags=(
-        f"-X github.com/prometheus/common/version.Version={PROMETHEUS_VERSION}",
-        f"-X github.com/prometheus/common/version.Revision=go-module-{PROMETHEUS_MODULE_VERSION}",
-        "-X github.com/prometheus/common/version.Branch=HEAD",
-    ),
+PROMETHEUS_LDFLAGS = (
+    f"-X github.com/prometheus/common/version.Version={PROMETHEUS_VERSION}",
+    f"-X github.com/prometheus/common/version.Revision=go-module-{PROMETHEUS_MODULE_VERSION}",
+    "-X github.com/prometheus/common/version.Branch=HEAD",
 )
-TOOLS = (HELM, KUSTOMIZE, PROMTOOL)
+PROMTOOL = GoTool(name="promtool", module=PROMETHEUS_MODULE, package=f"{PROMETHEUS_MODULE}/cmd/promtool",
+                  version=PROMETHEUS_MODULE_VERSION, version_command=("--version",), ldflags=PROMETHEUS_LDFLAGS)
+# The Prometheus server itself, for the integration run that scrapes the services and asks it every dashboard
+# query (tests/integration/test_prometheus_scrape.py) and for the PromQL parser the deployment tests read queries
+# with (/api/v1/parse_query). Built in promtool's ``go install``: the packages both import compile once. Without
+# the ``builtinassets`` build tag its web UI is not embedded; its HTTP API, all the tests use, is whole.
+PROMETHEUS = GoTool(name="prometheus", module=PROMETHEUS_MODULE, package=f"{PROMETHEUS_MODULE}/cmd/prometheus",
+                    version=PROMETHEUS_MODULE_VERSION, version_command=("--version",), ldflags=PROMETHEUS_LDFLAGS)
+TOOLS = (HELM, KUSTOMIZE, PROMTOOL, PROMETHEUS)
 
 
 def _to_stderr(message: str) -> None:
@@ -161,11 +171,14 @@ def ensure_tools(cache_dir: Path = DEFAULT_CACHE_DIR, log: Callable[[str], None]
         scratch.mkdir(parents=True)
         try:
             go = _usable_go_on_path() or fetch_go_toolchain(scratch / "toolchain", log=log)
-            for tool in missing:
-                log(f"building {tool.name} {tool.version} from source with {go} (first run only, minutes)...")
-                _go_install(go, tool, scratch, tool.path(cache_dir))
-                if not tool.is_built(cache_dir):
-                    raise GoToolError(f"{tool.path(cache_dir)} was built but does not report version {tool.version}")
+            for group in install_groups(missing):
+                names = " and ".join(tool.name for tool in group)
+                log(f"building {names} {group[0].version} from source with {go} (first run only, minutes)...")
+                _go_install(go, group, scratch, cache_dir)
+                for tool in group:
+                    if not tool.is_built(cache_dir):
+                        raise GoToolError(f"{tool.path(cache_dir)} was built but does not report version "
+                                          f"{tool.version}")
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         log(f"built {', '.join(t.name + ' ' + t.version for t in missing)} into {root} in "
@@ -287,7 +300,17 @@ def fetch_go_toolchain(dest: Path, *, version: str = GO_TOOLCHAIN_VERSION, platf
     return go
 
 
-def _go_install(go: Path, tool: GoTool, scratch: Path, target: Path) -> None:
+def install_groups(tools: list[GoTool] | tuple[GoTool, ...]) -> list[tuple[GoTool, ...]]:
+    """``tools`` in groups that one ``go install`` builds: the same module, version and ldflags (``go install``
+    takes several packages only of one module at one version, and applies one -ldflags to all), in first-seen
+    order."""
+    groups: dict[tuple[str, str, tuple[str, ...]], list[GoTool]] = {}
+    for tool in tools:
+        groups.setdefault((tool.module, tool.version, tool.ldflags), []).append(tool)
+    return [tuple(group) for group in groups.values()]
+
+
+def _go_install(go: Path, tools: tuple[GoTool, ...], scratch: Path, cache_dir: Path) -> None:
     env = {
         **os.environ,
         "GOTOOLCHAIN": "local",
@@ -298,17 +321,21 @@ def _go_install(go: Path, tool: GoTool, scratch: Path, target: Path) -> None:
         "GOCACHE": str(scratch / "gocache"),
         "GOBIN": str(scratch / "bin"),
     }
-    ldflags = " ".join(("-s", "-w", *tool.ldflags))
-    command = [str(go), "install", "-trimpath", "-ldflags", ldflags, f"{tool.package}@{tool.version}"]
+    (ldflags_set,) = {tool.ldflags for tool in tools}
+    ldflags = " ".join(("-s", "-w", *ldflags_set))
+    packages = [f"{tool.package}@{tool.version}" for tool in tools]
+    command = [str(go), "install", "-trimpath", "-ldflags", ldflags, *packages]
     result = subprocess.run(command, env=env, capture_output=True, text=True)
     if result.returncode != 0:
-        raise GoToolError(f"go install {tool.package}@{tool.version} failed ({result.returncode}):\n"
+        raise GoToolError(f"go install {' '.join(packages)} failed ({result.returncode}):\n"
                           f"{result.stderr[-4000:]}")
-    built = scratch / "bin" / tool.name
-    if not built.is_file():
-        raise GoToolError(f"go install {tool.package}@{tool.version} succeeded but left no {built}")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(built, target)
+    for tool in tools:
+        built = scratch / "bin" / tool.name
+        if not built.is_file():
+            raise GoToolError(f"go install {' '.join(packages)} succeeded but left no {built}")
+        target = tool.path(cache_dir)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(built, target)
 
 
 def main(argv: list[str] | None = None) -> int:

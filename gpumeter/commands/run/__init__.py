@@ -394,6 +394,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sharing", default=None,
                         help="billing's sharing policy, e.g. idle=weighted,node_other=weighted (default keep: every "
                              "bucket its own line; see docs/billing.md)")
+    parser.add_argument("--metrics-port", type=int, default=0,
+                        help="serve each process's /metrics and /healthz on 127.0.0.1, on ports N, N+1, ... (the "
+                             "collectors, the attributor, billing, the guard, as processes.json lists them), for a "
+                             "local Prometheus; default 0: none")
 
 
 def _default_scenario() -> Path:
@@ -422,6 +426,7 @@ def run_config(args: argparse.Namespace, now_ms: int) -> RunConfig:
         progress_seconds=args.progress_seconds,
         team_label=args.team_label,
         sharing=getattr(args, "sharing", None),
+        metrics_port=getattr(args, "metrics_port", 0),
     )
 
 

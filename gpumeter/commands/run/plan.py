@@ -29,6 +29,8 @@ SKEW_MARGIN_SECONDS = 300
 # Faust keeps a dead worker's partitions for the session timeout; a short one lets a restarted attributor resume
 # quickly (the broker allows 6 s and up).
 ATTRIBUTOR_SESSION_TIMEOUT_SECONDS = 10
+# --metrics-port N gives the processes N, N+1, ...: room below 65535 for a few hundred of them.
+MAX_METRICS_PORT = 65_000
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,8 @@ class RunConfig:
     progress_seconds: float = DEFAULT_PROGRESS_SECONDS
     team_label: str = "team"
     sharing: str | None = None  # billing's --sharing (None: billing's own default, $GPUMETER_BILLING_SHARING)
+    # The first of consecutive loopback ports the processes serve /metrics on, in service_specs' order; 0: none.
+    metrics_port: int = 0
 
     def __post_init__(self) -> None:
         if self.duration_seconds is not None and self.duration_seconds <= 0:
@@ -64,6 +68,8 @@ class RunConfig:
             raise ConfigError("--partitions must be >= 1")
         if self.progress_seconds <= 0:
             raise ConfigError("--progress-seconds must be > 0")
+        if not 0 <= self.metrics_port <= MAX_METRICS_PORT:
+            raise ConfigError(f"--metrics-port must be 0 (none) or a port up to {MAX_METRICS_PORT}")
         if not self.scenario.is_file():
             raise ConfigError(f"scenario {self.scenario} does not exist")
         if self.sharing is not None:
@@ -164,21 +170,29 @@ def guard_available() -> bool:
 
 def service_specs(config: RunConfig, node_names: Sequence[str], scenario_path: Path, bootstrap_servers: str,
                   skew_seconds: int, with_guard: bool) -> tuple[ServiceSpec, ...]:
-    """Every process of the run with its command line."""
+    """Every process of the run with its command line: the collectors in ``node_names``' order, the attributor,
+    billing, the guard. With ``config.metrics_port`` each serves /metrics on 127.0.0.1, on consecutive ports in
+    that order; without, none does."""
     from schemas.catalog import TopicCatalog
     from services.attributor.settings import APP_ID_SUFFIX
 
     prefix = config.prefix
     catalog = TopicCatalog(prefix=prefix)
     kafka = ("--bootstrap-servers", bootstrap_servers, "--topic-prefix", prefix)
-    # No metrics servers (the live view reads the topics); were a port set, only this machine could reach it.
-    metrics = ("--metrics-port", "0", "--metrics-address", LOOPBACK_METRICS_ADDRESS)
+    # By default no metrics servers (the live view reads the topics); with --metrics-port (a local Prometheus, the
+    # Prometheus integration test) one port each. Either way only this machine could reach them.
+    next_port = iter(range(config.metrics_port, config.metrics_port + 65_536)) if config.metrics_port else None
+
+    def metrics() -> tuple[str, ...]:
+        port = next(next_port) if next_port is not None else 0
+        return ("--metrics-port", str(port), "--metrics-address", LOOPBACK_METRICS_ADDRESS)
+
     base = gpumeter_argv()
     specs = [
         ServiceSpec(
             name=f"collector {node}",
             argv=(*base, "collector", "--node", node, "--simulate", str(scenario_path),
-                  "--time-scale", f"{config.time_scale:g}", *metrics, *kafka),
+                  "--time-scale", f"{config.time_scale:g}", *metrics(), *kafka),
             restart=False,
             stop_group=0,
         )
@@ -195,7 +209,7 @@ def service_specs(config: RunConfig, node_names: Sequence[str], scenario_path: P
         argv=(*base, "attributor", "--window-seconds", str(config.window_seconds),
               "--grace-seconds", str(config.grace_seconds), "--max-clock-skew-seconds", str(skew_seconds),
               *skew_threshold,
-              "--session-timeout-seconds", str(ATTRIBUTOR_SESSION_TIMEOUT_SECONDS), *metrics,
+              "--session-timeout-seconds", str(ATTRIBUTOR_SESSION_TIMEOUT_SECONDS), *metrics(),
               "--partitions", str(config.partitions), *kafka),
         restart=True,
         stop_group=1,
@@ -208,7 +222,7 @@ def service_specs(config: RunConfig, node_names: Sequence[str], scenario_path: P
     specs.append(ServiceSpec(
         name="billing",
         argv=(*base, "billing", "--ledger-url", config.ledger_url, "--group", billing_group,
-              "--team-label", config.team_label, *sharing, *metrics, "--partitions", str(config.partitions),
+              "--team-label", config.team_label, *sharing, *metrics(), "--partitions", str(config.partitions),
               "--max-clock-skew-seconds", str(skew_seconds), *kafka),
         restart=True,
         stop_group=2,
@@ -220,7 +234,7 @@ def service_specs(config: RunConfig, node_names: Sequence[str], scenario_path: P
         specs.append(ServiceSpec(
             name="guard",
             argv=(*base, "guard", "--group", guard_group, "--state", str(config.workdir / "guard" / "state.json"),
-                  *metrics, "--partitions", str(config.partitions),
+                  *metrics(), "--partitions", str(config.partitions),
                   "--max-clock-skew-seconds", str(skew_seconds), *kafka),
             restart=True,
             stop_group=3,

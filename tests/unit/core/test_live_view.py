@@ -465,13 +465,19 @@ def test_service_specs_run_every_part_of_the_pipeline_on_the_runs_topics(tmp_pat
     assert [s.name.split()[0] for s in order] == ["collector"] * 3 + ["attributor", "billing", "guard"]
     without = plan.service_specs(config, nodes, tmp_path / "s.yaml", "127.0.0.1:9", skew, with_guard=False)
     assert "guard" not in {s.name for s in without}
+    # --metrics-port N: one loopback port each, consecutive, in the specs' order (a local Prometheus scrapes them).
+    served = plan.service_specs(_config(tmp_path, metrics_port=19_100), nodes, tmp_path / "s.yaml", "127.0.0.1:9",
+                                skew, with_guard=True)
+    assert [(s.name, flag(s, "--metrics-port"), flag(s, "--metrics-address")) for s in served] == [
+        (name, str(19_100 + i), "127.0.0.1") for i, name in enumerate(
+            [f"collector {n}" for n in nodes] + ["attributor", "billing", "guard"])]
 
 
 def test_run_config_refuses_unusable_settings(tmp_path):
     from gpumeter.errors import ConfigError
 
     for changes in ({"duration_seconds": 0}, {"time_scale": 0}, {"window_seconds": 0}, {"partitions": 0},
-                    {"scenario": tmp_path / "missing.yaml"}):
+                    {"scenario": tmp_path / "missing.yaml"}, {"metrics_port": -1}, {"metrics_port": 65_001}):
         with pytest.raises(ConfigError):
             _config(tmp_path, **changes)
     assert _config(tmp_path).owns_topics and not _config(tmp_path, topic_prefix="x.").owns_topics

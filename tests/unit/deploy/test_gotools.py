@@ -8,6 +8,7 @@ proxy.golang.org. The real build (helm and kustomize from source) runs in the de
 
 from __future__ import annotations
 
+import dataclasses
 import http.server
 import subprocess
 import threading
@@ -125,3 +126,20 @@ def test_every_pinned_platform_has_a_go_sum_hash():
     assert set(gotools.GO_TOOLCHAIN_SUMS) == {"linux-amd64", "linux-arm64", "darwin-amd64", "darwin-arm64"}
     assert all(h.startswith("h1:") and len(h) == 47 for h in gotools.GO_TOOLCHAIN_SUMS.values())
     assert gotools.toolchain_platform() in gotools.GO_TOOLCHAIN_SUMS
+
+
+def test_promtool_and_the_prometheus_server_are_built_by_one_go_install():
+    # One module at one version with one set of ldflags: the packages they share compile once.
+    assert gotools.install_groups(gotools.TOOLS) == [(gotools.HELM,), (gotools.KUSTOMIZE,),
+                                                    (gotools.PROMTOOL, gotools.PROMETHEUS)]
+    assert gotools.install_groups([gotools.PROMETHEUS]) == [(gotools.PROMETHEUS,)]  # what is missing, alone
+    # A tool of that module at another version cannot share the invocation (go install refuses it).
+    older = dataclasses.replace(gotools.PROMETHEUS, version="v0.315.0")
+    assert gotools.install_groups([gotools.PROMTOOL, older]) == [(gotools.PROMTOOL,), (older,)]
+
+
+def test_the_built_prometheus_server_reports_the_pinned_release(go_tools):
+    result = subprocess.run([str(go_tools["prometheus"]), "--version"], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert f"prometheus, version {gotools.PROMETHEUS_VERSION} " in result.stdout
+    assert gotools.PROMETHEUS.is_built(gotools.DEFAULT_CACHE_DIR.resolve())

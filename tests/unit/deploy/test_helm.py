@@ -4,10 +4,11 @@ holds what the kustomization's tests hold (tests/unit/deploy/manifests.py: Kuber
 RBAC, the collector's host access and security context, restricted pods, resources, secrets by reference, and every
 container's command line and environment through the real gpumeter CLI and settings); the ServiceMonitors and the
 PrometheusRule validate against prometheus-operator's CRD schemas (vendored in prometheus-operator/), and every
-metric an alert reads is in gpumeter/metrics.py. With the default values the chart renders the objects the real
+metric an alert reads is in gpumeter/metrics.py (read by Prometheus' own parser). With the default values the chart renders the objects the real
 kustomize builds from deploy/kubernetes, field by field, less the differences listed in DEFAULT_DIFFERENCES.
 
-No cluster is needed; helm and kustomize come from the session fixture ``go_tools`` (conftest.py).
+No cluster is needed; helm and kustomize come from the session fixture ``go_tools``, the PromQL parser from
+``promql`` (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ from tests.unit.deploy.manifests import (
     pod_spec,
     workloads,
 )
-from tests.unit.deploy.promql import PromQLReadError, matchers, reads, selectors
+from gpumeter.devtools.prometheus import labels_read, metric_names, selectors
 
 CHART = REPO_ROOT / "deploy" / "helm" / "gpumeter"
 KUSTOMIZE_DIR = REPO_ROOT / "deploy" / "kubernetes"
@@ -812,20 +813,10 @@ def exposed_series() -> dict[str, set[str]]:
     return series
 
 
-def test_the_promql_reader_tells_metrics_from_functions_keywords_and_labels():
-    read = reads('sum by (a, b) (rate(x_total{c="1", d=~"e|f"}[5m])) / on (g) group_left (h) y > bool 0.5 '
-                 'and max without (i) (z offset 1h)')
-    assert read.metrics == {"x_total", "y", "z"} and read.labels == {"a", "b", "c", "d", "g", "h", "i"}
-    assert matchers('up{job=~"a-(b|c)", namespace="n"}') == [("job", "=~", "a-(b|c)"), ("namespace", "=", "n")]
-    assert selectors('a{x="1", y!="2"} / on (b) c and d{e=~"f"}') == [
-        ("a", (("x", "=", "1"), ("y", "!=", "2"))), ("c", ()), ("d", (("e", "=~", "f"),))]
-    with pytest.raises(PromQLReadError):
-        reads('{__name__="x"}')
-    with pytest.raises(PromQLReadError):
-        reads("sum(rate(x[5m])")
-
-
-def test_every_alert_reads_metrics_of_the_registry_with_their_labels(render):
+# The alerts' PromQL is read by Prometheus' own parser (the ``promql`` fixture: a server of our build answering
+# /api/v1/parse_query on loopback), hence the network marker.
+@pytest.mark.network
+def test_every_alert_reads_metrics_of_the_registry_with_their_labels(render, promql):
     docs = render("acme", "metering", "ci/monitoring-values.yaml")
     series = exposed_series()
     rules = alert_rules(docs)
@@ -833,19 +824,28 @@ def test_every_alert_reads_metrics_of_the_registry_with_their_labels(render):
                                            "GpumeterAttributionLagging", "GpumeterDeadLetterRate"}
     used = set()
     for rule in rules:
-        read = reads(rule["expr"])
-        unknown = read.metrics - set(series) - PROMETHEUS_SERIES
+        tree = promql.parse(rule["expr"])
+        assert all(s.metric for s in selectors(tree)), f"{rule['alert']}: a selector without a metric name"
+        metrics = metric_names(tree)
+        unknown = metrics - set(series) - PROMETHEUS_SERIES
         assert not unknown, f"{rule['alert']} reads metrics gpumeter does not export: {unknown}"
-        known_labels = set().union(*(series.get(m, set()) for m in read.metrics)) | TARGET_LABELS
-        assert read.labels <= known_labels, f"{rule['alert']}: labels no series has: {read.labels - known_labels}"
-        used |= read.metrics
+        known_labels = set().union(*(series.get(m, set()) for m in metrics)) | TARGET_LABELS
+        labels = labels_read(tree)
+        assert labels <= known_labels, f"{rule['alert']}: labels no series has: {labels - known_labels}"
+        used |= metrics
     assert used - PROMETHEUS_SERIES, "the alerts read gpumeter's own metrics"
 
 
-def test_a_misspelt_metric_in_an_alert_is_caught(render):
+@pytest.mark.network
+def test_a_misspelt_metric_or_label_in_an_alert_is_caught(render, promql):
     docs = render("acme", "metering", "ci/monitoring-values.yaml")
-    expr = alert_rules(docs)[1]["expr"].replace("gpumeter_collector_ticks_total", "gpumeter_collector_tick_total")
-    assert "gpumeter_collector_tick_total" in reads(expr).metrics - set(exposed_series())
+    expr = alert_rules(docs)[1]["expr"]
+    assert "gpumeter_collector_ticks_total" in metric_names(promql.parse(expr))
+    misspelt = promql.parse(expr.replace("gpumeter_collector_ticks_total", "gpumeter_collector_tick_total"))
+    assert "gpumeter_collector_tick_total" in metric_names(misspelt) - set(exposed_series())
+    # A matcher on a label the series lacks is read as such, not lost.
+    wrong_label = promql.parse(expr.replace('namespace="metering"', 'namspace="metering"'))
+    assert "namspace" in labels_read(wrong_label) - TARGET_LABELS - exposed_series()["gpumeter_collector_ticks_total"]
 
 
 @cache
@@ -884,8 +884,9 @@ def roles_producing(metric: str) -> frozenset[str]:
     return frozenset(roles)
 
 
+@pytest.mark.network
 @pytest.mark.parametrize("guard_mode", sorted(MONITORING))
-def test_alerts_select_exactly_the_services_that_set_their_metrics(render, guard_mode):
+def test_alerts_select_exactly_the_services_that_set_their_metrics(render, promql, guard_mode):
     docs = render("acme", "metering", *MONITORING[guard_mode])
     services = {s["metadata"]["name"]: s["metadata"]["labels"]["app.kubernetes.io/component"]
                 for s in of_kind(docs, "Service")}
@@ -894,7 +895,7 @@ def test_alerts_select_exactly_the_services_that_set_their_metrics(render, guard
                   "single": {"acme-gpumeter-guard"}}[guard_mode]
     assert guard_jobs == {name for name, role in services.items() if role == "guard"}
     for rule in alert_rules(docs):
-        for metric, found in selectors(rule["expr"]):
+        for metric, found in selectors(promql.parse(rule["expr"])):
             where = f"{rule['alert']}: {metric}"
             assert ("namespace", "=", "metering") in found, where
             jobs = [(op, value) for label, op, value in found if label == "job"]
