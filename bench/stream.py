@@ -3,8 +3,10 @@ throughput ceiling, with the attributor and billing running as real subprocesses
 
 Set-up (all on this machine): a real Apache Kafka broker (``gpumeter.devtools.kafka_broker``), the catalog's
 topics (12 partitions each; ``node-window-shares`` and ``costs`` with ``message.timestamp.type=LogAppendTime`` so that
-every record carries the moment it landed on its topic), ``gpumeter attributor`` and ``gpumeter billing`` (SQLite
-ledger) started as subprocesses with their production defaults (60 s windows, 10 s grace, INFO logging), and a
+every record carries the moment it landed on its topic), ``gpumeter attributor``, ``gpumeter billing`` (SQLite
+ledger) and ``gpumeter guard`` (one instance of the ``nodes`` role and one of the ``budgets`` role: phases 1-4 run
+the whole stream, guard included) started as subprocesses with their production defaults (60 s windows, 10 s
+grace, INFO logging), and a
 load generator in this process: ``bench.workload.Fleet`` nodes of 8 time-sliced GPUs × 8 single-process pods,
 sending one ``NodeSample`` per node per second through gpumeter's own producer, the nodes spread evenly over
 each second as independent collectors would be, each stamped with the wall-clock time it was sent.
@@ -53,7 +55,7 @@ Phases:
    and backends) is reported beside it.
 
 **Memory**: every service's resident set (``VmRSS``) and its peak (``VmHWM``) from ``/proc``: the attributor,
-billing and the broker after the 10,000-GPU live phase (the attributor then holds the whole fleet's pods), each
+billing, the stream's two guards and the broker after the 10,000-GPU live phase (the attributor then holds the whole fleet's pods), each
 guard after its backlog, each billing instance after its backlog.
 
 A reader of the costs topic in this process follows the output (a few µs per record); CPU seconds of every
@@ -94,6 +96,7 @@ PREFIX = "bench."
 APP_ID = "bench-attributor"
 BILLING_GROUP = "bench-billing"
 GUARD_GROUP = "bench-guard"
+STREAM_GUARD_GROUP = "bench-guard-stream"  # the guards that run beside the attributor and billing (phases 1-4)
 GUARD_IDLE_S = 5.0
 TARGET_GUARD_SCALING_SPREAD = 0.15  # issue 23: CPU per 1,000 GPU-samples with 1, 2 and 4 guards within 15 %
 TARGET_ATTRIBUTOR_SCALING_SPREAD = 0.15  # issue 23: the same for 1, 2 and 4 attributor workers
@@ -727,10 +730,17 @@ async def run_stream(config: StreamConfig, workdir: Path, log: Callable[[str], N
         services.append(Service("billing", gpumeter_command() + [
             "billing", *common, "--group", BILLING_GROUP,
             "--ledger-url", f"sqlite:///{workdir / 'ledger.sqlite3'}"], workdir / "billing.log").start())
+        # The guard in the stream as it runs in a cluster: one instance of each role (per-node rules over the
+        # samples, pod events and shares; budgets over the cost records).
+        for role in ("nodes", "budgets"):
+            services.append(Service(f"guard ({role})", gpumeter_command() + [
+                "guard", *common, "--role", role, "--group", STREAM_GUARD_GROUP],
+                workdir / f"guard-stream-{role}.log").start())
         await services[0].wait_for("Worker ready", 120)
         await services[1].wait_for("assigned", 120)
         broker_pid = broker.process.pid if broker.process is not None else 0
-        cpu = CpuLedger({"kafka broker": broker_pid, "attributor": services[0].pid, "billing": services[1].pid})
+        cpu = CpuLedger({"kafka broker": broker_pid, "attributor": services[0].pid, "billing": services[1].pid,
+                         **{service.name: service.pid for service in services[2:]}})
         tail = CostTail(settings, catalog.costs)
         await tail.start()
         log("stream: encoding the generator's messages")
