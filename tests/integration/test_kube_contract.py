@@ -21,6 +21,7 @@ import pytest
 from kubernetes_asyncio import client
 
 from gpumeter.clock import ManualClock
+from schemas.devices import HAMI_RESOURCE
 from schemas.records import PodEvent
 from services.collector.podwatch import PodWatcher, make_api_client
 from services.collector.simulation import pod_object
@@ -146,6 +147,9 @@ async def test_a_scenarios_pods_give_the_same_pod_events_from_both_servers(kube_
             assert len(real) == len(ours) == changes
             for index, (a, b) in enumerate(zip(real, ours)):
                 assert a == b, f"event {index} differs:\nreal {a}\npeer {b}"
+            if scenario_name == "hami":  # HAMi's allocation annotation, as HAMi writes it, read through both
+                assert any(a.resource_name == HAMI_RESOURCE for e in real for c in e.containers
+                           for a in c.assigned_devices)
 
 
 # --- the same requests, the same answers ---------------------------------------------------------------------------
