@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import random
 import uuid
 
@@ -221,15 +222,10 @@ async def test_node_facts_from_a_real_node(kube_apiserver):
 # --- DRA ---------------------------------------------------------------------------------------------------------
 
 
-def dra_objects(namespace: str, node: str):
-    """The dra scenario's node renamed: its ResourceSlice as the driver publishes it, and its claims as the
-    scheduler allocates them for the scenario's running pods (with the pods' uids as the server gave them)."""
+def dra_node(node: str):
+    """The dra scenario and its node renamed ``node`` (nodes are cluster-wide: each test has its own)."""
     scenario = load_scenario("scenarios/dra.yaml")
-    spec = scenario.nodes[0]
-    import dataclasses
-
-    spec = dataclasses.replace(spec, name=node)
-    return scenario, spec
+    return scenario, dataclasses.replace(scenario.nodes[0], name=node)
 
 
 DEVICE_CLASS = {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
@@ -247,7 +243,7 @@ async def test_dra_slices_and_claims_pass_the_servers_validation_and_resolve_as_
     if status == 404:
         await call(kube_apiserver, "POST", "/apis/resource.k8s.io/v1/deviceclasses", DEVICE_CLASS)
     node = node_name()
-    scenario, spec = dra_objects(kube_namespace, node)
+    scenario, spec = dra_node(node)
     slices = sim_dra.resource_slices(spec)
     for obj in slices:
         body = {k: v for k, v in obj.items()}
