@@ -303,16 +303,17 @@ class FakeApiServer:
         """Replace an existing pod (matched by uid); returns the stored copy with its new resourceVersion."""
         return self._modify(self._pods, obj, "Pod", PODS)
 
-    def mark_pod_deleting(self, uid: str, grace_period_seconds: int = 0) -> dict[str, Any]:
-        """Mark a pod deleted (``metadata.deletionTimestamp`` and ``deletionGracePeriodSeconds``): the MODIFIED the
-        real server sends before it removes a pod bound to a node, even for ``gracePeriodSeconds=0``. ``delete_pod``
-        alone (what simulate mode does) leaves this step out: the collector then publishes one PodEvent fewer per
-        deleted pod, the same content."""
+    def mark_pod_deleting(self, uid: str, grace_period_seconds: int = 0, *, at_unix_ms: int | None = None
+                          ) -> dict[str, Any]:
+        """Mark a pod deleted (``metadata.deletionTimestamp``, ``at_unix_ms`` (default now) plus the grace period,
+        and ``deletionGracePeriodSeconds``): the MODIFIED the real server sends before it removes a pod bound to a
+        node, even for ``gracePeriodSeconds=0``. ``delete_pod`` is the removal alone; simulate mode does both."""
         old = self._pods.get(uid)
         if old is None:
             raise KeyError(f"no pod with uid {uid}")
         marked = copy.deepcopy(old)
-        deletion_ms = int(datetime.now(timezone.utc).timestamp() * 1000) + grace_period_seconds * 1000
+        now_ms = int(datetime.now(timezone.utc).timestamp() * 1000) if at_unix_ms is None else at_unix_ms
+        deletion_ms = now_ms + grace_period_seconds * 1000
         marked["metadata"]["deletionTimestamp"] = _rfc3339(deletion_ms)
         marked["metadata"]["deletionGracePeriodSeconds"] = grace_period_seconds
         return self.modify_pod(marked)
