@@ -207,7 +207,13 @@ GRAIN_OF_TABLE = {
     "ledger_gpus": "minute",
     "ledger_pods": "minute",
     "ledger_line_kinds": "minute",
-    "node_bills": "minute",
+    "node_bills": "minute",  # up to revision 0017; from 0018 a view over node_bill_rows and its dictionaries
+    "node_bill_rows": "minute",
+    # The bills' dictionaries (0018): counted with the minute grain, as if they grew with time (a node's bill kinds
+    # and zero sets are a few rows each).
+    "ledger_bill_kinds": "minute",
+    "ledger_bill_names": "minute",
+    "ledger_zero_sets": "minute",
     "label_sets": "minute",
     "cost_rollup_hourly": "hour",
     "cost_rollup_daily": "day",
@@ -329,7 +335,9 @@ def fill_month(connection: Any, *, first_window_ms: int, hours_written: int, day
         connection.execute(text(f'INSERT INTO "{table}" ({quoted}) SELECT {selected} FROM "{table}" '
                                 f"CROSS JOIN generate_series(1, {count - 1}) AS k"))
 
-    copy("node_bills", "window_start_unix_ms", hours_written * HOUR_MS, copies)
+    # The bills' table: ``node_bill_rows`` from 0018 (``node_bills`` is then a view over it).
+    copy("node_bill_rows" if "node_bill_rows" in tables else "node_bills", "window_start_unix_ms",
+         hours_written * HOUR_MS, copies)
     for hourly, daily, measures in ROLLUP_TABLES:
         if hourly in tables:
             copy(hourly, "period_start_unix_ms", hours_written * HOUR_MS, copies)
@@ -461,19 +469,26 @@ AB_READ_ROUNDS = 3
 # The tables holding one minute of lines at each revision (what "bytes per line" counts).
 LINE_TABLES = ("cost_lines", "cost_line_rows", "cost_line_packs")
 DICTIONARIES = ("ledger_nodes", "ledger_gpus", "ledger_pods", "ledger_line_kinds")
+# The tables holding the node bills at each revision (0018: the rows of ids and the bills' own dictionaries).
+BILL_TABLES = ("node_bills", "node_bill_rows", "ledger_bill_kinds", "ledger_bill_names", "ledger_zero_sets")
+# The bills' A/B (``--bills``): 0017's ``node_bills`` table against 0018's rows of ids.
+BILLS_AB_REVISIONS = ("0017_focus_line_ids", "head")
 
 
 def layout_ab(server_url: str, fleet: MonthFleet, *, rounds: int = AB_ROUNDS,
-              minutes: int = AB_MINUTES_PER_ROUND, read_rounds: int = AB_READ_ROUNDS) -> dict[str, Any]:
-    """Two ledgers on one server, one at each of ``AB_REVISIONS`` (the first migrated only that far: head's code
-    writes its lines as rows of ids, ``cost_line_rows``, the second as packs, ``cost_line_packs``), holding the
+              minutes: int = AB_MINUTES_PER_ROUND, read_rounds: int = AB_READ_ROUNDS,
+              revisions: tuple[str, str] = AB_REVISIONS) -> dict[str, Any]:
+    """Two ledgers on one server, one at each of ``revisions`` (``AB_REVISIONS``: the first migrated only that far:
+    head's code writes its lines as rows of ids, ``cost_line_rows``, the second as packs, ``cost_line_packs``;
+    ``BILLS_AB_REVISIONS``: the bills as 0017's table, and as 0018's rows of ids), holding the
     same fleet minutes, written by ``Ledger.write`` in ``rounds`` alternating rounds of ``minutes`` minutes each
     (the first round's order swapped each round): the write rates of both layouts. Then each ``VACUUM FULL`` and
     its lines' bytes (heap, indexes and TOAST) per stored line, its dictionaries' bytes (a fixed fleet's nodes and
-    GPUs, and its pods: not per line), and its node bills' bytes per bill. Then the reads of the lines, alternating
-    over ``read_rounds`` rounds, best of each: ``GET /allocation`` by pod over the minutes written (minute lines),
-    the FOCUS export at minute grain (``focus_dataset``) over them, and one SQL sum by namespace and pod over the
-    view; their answers must be equal."""
+    GPUs, and its pods: not per line), and its node bills' bytes per bill (``BILL_TABLES``: from 0018 the rows and
+    the bills' dictionaries). Then the reads, alternating over ``read_rounds`` rounds, best of each: ``GET
+    /allocation`` by pod over the minutes written (minute lines and bills), the FOCUS export at minute grain
+    (``focus_dataset``) over them, one SQL sum by namespace and pod over the view, and the bills
+    (``Ledger.bills``, every column); their answers must be equal."""
     from alembic import command
     from sqlalchemy import create_engine, text
     from sqlalchemy.engine import make_url
@@ -486,9 +501,9 @@ def layout_ab(server_url: str, fleet: MonthFleet, *, rounds: int = AB_ROUNDS,
 
     admin = create_engine(server_url, isolation_level="AUTOCOMMIT")
     ledgers: dict[str, Any] = {}
-    rates: dict[str, list[float]] = {revision: [] for revision in AB_REVISIONS}
+    rates: dict[str, list[float]] = {revision: [] for revision in revisions}
     try:
-        for revision in AB_REVISIONS:
+        for revision in revisions:
             name = f"ab_{revision.replace('_', '')[:12].lower()}"
             with admin.connect() as connection:
                 connection.execute(text(f'DROP DATABASE IF EXISTS "{name}"'))
@@ -501,7 +516,7 @@ def layout_ab(server_url: str, fleet: MonthFleet, *, rounds: int = AB_ROUNDS,
                     command.upgrade(_alembic_config(connection), revision)
             ledgers[revision] = ledger
         for index in range(rounds):
-            order = AB_REVISIONS if index % 2 == 0 else AB_REVISIONS[::-1]
+            order = revisions if index % 2 == 0 else revisions[::-1]
             for revision in order:
                 written = ingest(ledgers[revision], fleet, index * minutes, minutes)
                 rates[revision].append(round(written.node_windows_per_s, 1))
@@ -519,7 +534,9 @@ def layout_ab(server_url: str, fleet: MonthFleet, *, rounds: int = AB_ROUNDS,
                                  len(rates[revision]) / sum(1 / r for r in rates[revision]), 1),
                              "lines": lines, "line_bytes": line_bytes, "bytes_per_line": round(line_bytes / lines, 1),
                              "dictionary_bytes": sum(sizes.get(name, 0) for name in DICTIONARIES),
-                             "bytes_per_bill": round(sizes["node_bills"] / bills, 1)}
+                             "bill_bytes": sum(sizes.get(name, 0) for name in BILL_TABLES),
+                             "bytes_per_bill": round(sum(sizes.get(name, 0) for name in BILL_TABLES) / bills, 1),
+                             "bill_bytes_by_table": {name: sizes[name] for name in BILL_TABLES if name in sizes}}
         out["lines_insert"] = lines_insert_ab(ledgers, fleet, first_minute=rounds * minutes)
         start_ms = fleet.start_unix_ms
         end_ms = start_ms + rounds * minutes * WINDOW_MS
@@ -540,27 +557,29 @@ def layout_ab(server_url: str, fleet: MonthFleet, *, rounds: int = AB_ROUNDS,
 
         reads = {"allocation_by_pod": by_pod,
                  "focus_minute": lambda ledger: focus_dataset(ledger, start_ms=start_ms, end_ms=end_ms),
-                 "sql_sum_by_pod": sql_sum}
-        timings: dict[str, dict[str, list[float]]] = {revision: {r: [] for r in reads} for revision in AB_REVISIONS}
-        answers: dict[str, dict[str, Any]] = {revision: {} for revision in AB_REVISIONS}
+                 "sql_sum_by_pod": sql_sum,
+                 "bills": lambda ledger: ledger.bills(start_ms=start_ms, end_ms=end_ms)}
+        timings: dict[str, dict[str, list[float]]] = {revision: {r: [] for r in reads} for revision in revisions}
+        answers: dict[str, dict[str, Any]] = {revision: {} for revision in revisions}
         for index in range(read_rounds):
-            order = AB_REVISIONS if index % 2 == 0 else AB_REVISIONS[::-1]
+            order = revisions if index % 2 == 0 else revisions[::-1]
             for read_name, read in reads.items():
                 for revision in order:
                     seconds, answers[revision][read_name] = timed_read(lambda: read(ledgers[revision]), repeats=1)
                     timings[revision][read_name].append(round(seconds, 3))
         for read_name in reads:
-            first, second = (answers[revision][read_name] for revision in AB_REVISIONS)
+            first, second = (answers[revision][read_name] for revision in revisions)
             if first != second:
                 raise AssertionError(f"{read_name} answers differently over the two layouts")
-        for revision in AB_REVISIONS:
+        for revision in revisions:
             out[revision]["reads_s"] = {name: min(times) for name, times in timings[revision].items()}
             out[revision]["reads_s_by_round"] = timings[revision]
-        old, new = (out[revision] for revision in AB_REVISIONS)
+        old, new = (out[revision] for revision in revisions)
         inserts = out["lines_insert"]
         ratios = {"bytes_per_line": round(new["bytes_per_line"] / old["bytes_per_line"], 3),
-                  "lines_insert_ms": round(inserts[AB_REVISIONS[1]]["median_ms_per_node_window"]
-                                           / inserts[AB_REVISIONS[0]]["median_ms_per_node_window"], 3),
+                  "bytes_per_bill": round(new["bytes_per_bill"] / old["bytes_per_bill"], 3),
+                  "lines_insert_ms": round(inserts[revisions[1]]["median_ms_per_node_window"]
+                                           / inserts[revisions[0]]["median_ms_per_node_window"], 3),
                   "node_windows_per_s": round(new["node_windows_per_s_total"] / old["node_windows_per_s_total"], 3),
                   **{f"{name}_s": round(new["reads_s"][name] / old["reads_s"][name], 3) for name in reads}}
         return {"rounds": rounds, "minutes_per_round": minutes, "node_windows_per_round": minutes * fleet.nodes,
@@ -650,6 +669,16 @@ def layouts_only(nodes: int = FLEET_NODES) -> dict[str, Any]:
     fleet = MonthFleet(nodes)
     with PostgresServer() as server:
         return layout_ab(server.url, fleet)
+
+
+def bills_only(nodes: int = FLEET_NODES) -> dict[str, Any]:
+    """The bills' layout A/B alone (``python -m bench.ledger_month --bills``: 0017's ``node_bills`` table against
+    0018's rows of ids, ``layout_ab`` with ``BILLS_AB_REVISIONS``), on a throwaway server."""
+    from gpumeter.devtools.postgres import PostgresServer
+
+    fleet = MonthFleet(nodes)
+    with PostgresServer() as server:
+        return layout_ab(server.url, fleet, revisions=BILLS_AB_REVISIONS, read_rounds=2)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -758,8 +787,8 @@ if __name__ == "__main__":
     import json
     import sys
 
-    parts = {"--layouts": layouts_only, "--storage": storage_only}
+    parts = {"--layouts": layouts_only, "--bills": bills_only, "--storage": storage_only}
     if len(sys.argv) != 2 or sys.argv[1] not in parts:
-        raise SystemExit("usage: python -m bench.ledger_month --layouts|--storage  (the lines' layout A/B, or the "
-                         "ingest and storage alone; make bench runs the whole month)")
+        raise SystemExit("usage: python -m bench.ledger_month --layouts|--bills|--storage  (the lines' layout A/B, "
+                         "the bills' layout A/B, or the ingest and storage alone; make bench runs the whole month)")
     print(json.dumps(parts[sys.argv[1]](), indent=2))
