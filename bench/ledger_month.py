@@ -538,6 +538,7 @@ def layout_ab(server_url: str, fleet: MonthFleet, *, rounds: int = AB_ROUNDS,
                              "bytes_per_bill": round(sum(sizes.get(name, 0) for name in BILL_TABLES) / bills, 1),
                              "bill_bytes_by_table": {name: sizes[name] for name in BILL_TABLES if name in sizes}}
         out["lines_insert"] = lines_insert_ab(ledgers, fleet, first_minute=rounds * minutes)
+        out["bills_insert"] = bills_insert_ab(ledgers, fleet, first_minute=rounds * minutes)
         start_ms = fleet.start_unix_ms
         end_ms = start_ms + rounds * minutes * WINDOW_MS
 
@@ -580,6 +581,8 @@ def layout_ab(server_url: str, fleet: MonthFleet, *, rounds: int = AB_ROUNDS,
                   "bytes_per_bill": round(new["bytes_per_bill"] / old["bytes_per_bill"], 3),
                   "lines_insert_ms": round(inserts[revisions[1]]["median_ms_per_node_window"]
                                            / inserts[revisions[0]]["median_ms_per_node_window"], 3),
+                  "bills_insert_ms": round(out["bills_insert"][revisions[1]]["median_ms_per_node_window"]
+                                           / out["bills_insert"][revisions[0]]["median_ms_per_node_window"], 3),
                   "node_windows_per_s": round(new["node_windows_per_s_total"] / old["node_windows_per_s_total"], 3),
                   **{f"{name}_s": round(new["reads_s"][name] / old["reads_s"][name], 3) for name in reads}}
         return {"rounds": rounds, "minutes_per_round": minutes, "node_windows_per_round": minutes * fleet.nodes,
@@ -625,6 +628,64 @@ def lines_insert_ab(ledgers: dict[str, Any], fleet: MonthFleet, *, first_minute:
                 wall[revision].append((time.perf_counter() - started) * 1000 / windows)
                 cpu[revision].append((time.process_time() - started_cpu) * 1000 / windows)
                 transaction.rollback()
+    return {revision: {"median_ms_per_node_window": round(statistics.median(wall[revision]), 3),
+                       "best_ms_per_node_window": round(min(wall[revision]), 3),
+                       "client_cpu_median_ms_per_node_window": round(statistics.median(cpu[revision]), 3),
+                       "batches": len(wall[revision])} for revision in ledgers}
+
+
+def bills_insert_ab(ledgers: dict[str, Any], fleet: MonthFleet, *, first_minute: int, minutes: int = 4,
+                    repeats: int = 2) -> dict[str, Any]:
+    """The bills' insert alone, A/B (what 0017's ``node_bills`` table and 0018's ``node_bill_rows`` differ in):
+    ``minutes`` more minutes of the fleet in batches of ``BATCH_NODE_WINDOWS`` node-windows, their bills (zero lines
+    encoded as ``Ledger.write`` encodes them, ids resolved first as it does) inserted into each ledger in a
+    transaction rolled back, alternating, ``repeats`` times: 0017's one ``INSERT ... ON CONFLICT DO NOTHING
+    RETURNING`` of the bills' columns, 0018's ``Ledger._insert_bill_rows`` (zero sets the handle knows of skipped,
+    as in a steady write). ms per node-window (wall and this process's CPU), median and best."""
+    import statistics
+
+    from services.billing.ledger import _bill_row, _zero_line, encode_zero_lines, node_bills
+    from services.billing.line_storage import is_zero_line
+
+    batches = []
+    for batch in fleet.batches(first_minute, minutes):
+        zeros = {w.bill.key: [_zero_line(c) for c in w.costs
+                              if is_zero_line(c, w.bill.window_seconds, w.bill.instance_type, w.bill.price_model,
+                                              w.bill.price_version)] for w in batch}
+        batches.append(([w.bill for w in batch], zeros))
+    rows_of: dict[str, list[dict]] = {}
+    for revision, ledger in ledgers.items():
+        ledger._ensure_partitions_for({fleet.start_unix_ms + first_minute * WINDOW_MS})
+        rows_of[revision] = []
+        for bills, zeros in batches:
+            rows = [{**_bill_row(b), "publisher": ledger.publisher} for b in bills]
+            ledger._resolve_ids([], {z[0] for lines in zeros.values() for z in lines}, rows)
+            gpu_ids = ledger._ids.get("gpus")
+            rows_of[revision].append({(b.window_start_unix_ms, b.cluster, b.node_name): {
+                **row, "zero_lines": encode_zero_lines(zeros[b.key], gpu_ids), "zero_line_count": len(zeros[b.key])}
+                for b, row in zip(bills, rows)})
+    pk = [node_bills.c.window_start_unix_ms, node_bills.c.cluster, node_bills.c.node_name]
+    wall: dict[str, list[float]] = {revision: [] for revision in ledgers}
+    cpu: dict[str, list[float]] = {revision: [] for revision in ledgers}
+    for index in range(len(batches) * repeats):
+        order = list(ledgers) if index % 2 == 0 else list(ledgers)[::-1]
+        for revision in order:
+            ledger = ledgers[revision]
+            bill_rows = rows_of[revision][index % len(batches)]
+            with ledger.engine.connect() as connection:
+                transaction = connection.begin()
+                started, started_cpu = time.perf_counter(), time.process_time()
+                if ledger._bill_rows:
+                    inserted, _sets = ledger._insert_bill_rows(connection, bill_rows)
+                else:
+                    inserted = connection.execute(ledger._insert(node_bills).on_conflict_do_nothing().returning(*pk),
+                                                  list(bill_rows.values())).all()
+                connection.exec_driver_sql("SELECT 1")  # the insert's statements done
+                wall[revision].append((time.perf_counter() - started) * 1000 / len(bill_rows))
+                cpu[revision].append((time.process_time() - started_cpu) * 1000 / len(bill_rows))
+                transaction.rollback()
+            if len(inserted) != len(bill_rows):
+                raise AssertionError(f"{revision}: {len(inserted)} of {len(bill_rows)} new bills inserted")
     return {revision: {"median_ms_per_node_window": round(statistics.median(wall[revision]), 3),
                        "best_ms_per_node_window": round(min(wall[revision]), 3),
                        "client_cpu_median_ms_per_node_window": round(statistics.median(cpu[revision]), 3),
