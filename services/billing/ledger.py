@@ -9,7 +9,10 @@ Tables (created only by the alembic migrations in ``services/billing/migrations`
     One row per (window_start_unix_ms, cluster, node_name): the node's line item for the window and its split, its
     price version (``price_versions``; its lines have the bill's instance type, price model and price version and
     do not repeat them), and ``zero_lines``: the node-window's lines that carry no cost and no share, which are
-    not ``cost_lines`` rows (``services.billing.line_storage``).
+    not ``cost_lines`` rows (``services.billing.line_storage``). On PostgreSQL from revision 0018 a view of these
+    columns over ``node_bill_rows``, the bills as dictionary ids (``services.billing.bill_ids``): every reader reads
+    it as the table it is on SQLite; ``write``, ``mark_published``, a publisher's claim and ``apply_trueup`` write
+    the rows.
 ``cost_lines``
     One row per (window_start_unix_ms, cluster, node_name, gpu_uuid or '', subject_kind, pod_uid or '',
     shared_from or ''): a ``CostRecord`` that is not a zero line. A pod's direct lines (its own use of each unit)

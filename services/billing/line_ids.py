@@ -28,7 +28,9 @@ per dictionary one ``INSERT ... SELECT FROM unnest(...) ORDER BY key ON CONFLICT
 process has not cached, then one ``SELECT`` of their ids (a new statement: in READ COMMITTED it sees the rows a
 concurrent writer committed, which the insert waited for and skipped). Two writers of one new key both get the
 one id; an id whose write then fails is kept unused. The cache (``IdCache``, bounded: cleared when full) makes a
-write of known nodes, GPUs and pods touch no dictionary at all.
+write of known nodes, GPUs and pods touch no dictionary at all. From revision 0018 the node bills' dictionaries
+(bill kinds, and the names of publishers and true-ups: ``services.billing.bill_ids``) are resolved the same way, in
+the same transaction.
 """
 
 from __future__ import annotations
@@ -179,7 +181,8 @@ def line_keys(cost: CostRecord) -> tuple[tuple[str, str], str, tuple[str, str, s
 
 
 class IdCache:
-    """Ids known to be stored, per dictionary (``nodes``, ``gpus``, ``pods``, ``kinds``): at most ``entries`` each;
+    """Ids known to be stored, per dictionary (``nodes``, ``gpus``, ``pods``, ``kinds``; from 0018 the bills'
+    ``bill_kinds`` and ``names``, ``services.billing.bill_ids``): at most ``entries`` each;
     and the uuids of GPU ids read back (``gpu_uuids``, for the bills' zero lines), as many.
     ``make_room`` empties a kind that a batch's new keys would grow past it (its ids are read again from the
     database when next needed), so that every key of one batch is cached at once."""
