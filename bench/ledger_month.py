@@ -724,12 +724,34 @@ def storage_only(nodes: int = FLEET_NODES, ingest_minutes: int = 60) -> dict[str
 
 
 def layouts_only(nodes: int = FLEET_NODES) -> dict[str, Any]:
-    """The lines' layout A/B alone (``python -m bench.ledger_month --layouts``), on a throwaway server."""
+    """The lines' layout A/B alone (``python -m bench.ledger_month --layouts``), on a throwaway server. Since
+    revision 0017 head's writer cannot write a ledger at 0015 (``AB_REVISIONS``' first: its hourly FOCUS charges
+    have no ids): refused with that reason; its figures of 2026-12-04 are in docs/billing.md."""
     from gpumeter.devtools.postgres import PostgresServer
+
+    if head_writes(AB_REVISIONS[0]) is False:
+        raise SystemExit("--layouts: head's writer cannot write a ledger at 0015 since 0017 (the hourly FOCUS "
+                         "charges' ids); the lines' A/B of 2026-12-04 is in docs/billing.md; --bills A/Bs 0017 "
+                         "against head")
 
     fleet = MonthFleet(nodes)
     with PostgresServer() as server:
         return layout_ab(server.url, fleet)
+
+
+def head_writes(revision: str) -> bool:
+    """Whether head's ``Ledger.write`` can write a ledger at ``revision``: from 0017 on (its hourly FOCUS charges'
+    ids, ``focus_rollups``)."""
+    from alembic.script import ScriptDirectory
+    from alembic.config import Config
+
+    from services.billing.ledger import MIGRATIONS_DIR
+
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    script = ScriptDirectory.from_config(config)
+    order = [r.revision for r in script.walk_revisions()]  # head first
+    return revision == "head" or order.index(revision) <= order.index("0017_focus_line_ids")
 
 
 def bills_only(nodes: int = FLEET_NODES) -> dict[str, Any]:
@@ -778,7 +800,9 @@ def measure(nodes: int = FLEET_NODES, ingest_minutes: int = 60, days: int = 30) 
                                         days=days)
                 fill_s = time.perf_counter() - started
             reads = month_reads(server.url, start_ms=fleet.start_unix_ms, days=days, hours_of_lines=hours)
-            layouts = layout_ab(server.url, fleet)
+            # The bills' A/B (0017 against head): head's writer no longer writes a 0015 ledger (0017 gave the
+            # hourly FOCUS charges ids), so the lines' A/B (``AB_REVISIONS``) is not run here any more.
+            layouts = layout_ab(server.url, fleet, revisions=BILLS_AB_REVISIONS)
         finally:
             admin.dispose()
     return {
@@ -794,7 +818,7 @@ def measure(nodes: int = FLEET_NODES, ingest_minutes: int = 60, days: int = 30) 
         "tables": {name: {"bytes": sizes[name], "rows": rows.get(name, 0)} for name in sorted(sizes)},
         "storage": storage_per_1000_gpu_days(sizes, rows, hours, fleet.gpus),
         "month": {"rows": month_rows, "fill_s": round(fill_s, 1), **reads},
-        "lines_layout_ab": layouts,
+        "bills_layout_ab": layouts,
     }
 
 
