@@ -539,6 +539,7 @@ def layout_ab(server_url: str, fleet: MonthFleet, *, rounds: int = AB_ROUNDS,
                              "bill_bytes_by_table": {name: sizes[name] for name in BILL_TABLES if name in sizes}}
         out["lines_insert"] = lines_insert_ab(ledgers, fleet, first_minute=rounds * minutes)
         out["bills_insert"] = bills_insert_ab(ledgers, fleet, first_minute=rounds * minutes)
+        out["writes"] = writes_ab(ledgers, fleet, first_minute=rounds * minutes)
         start_ms = fleet.start_unix_ms
         end_ms = start_ms + rounds * minutes * WINDOW_MS
 
@@ -583,6 +584,8 @@ def layout_ab(server_url: str, fleet: MonthFleet, *, rounds: int = AB_ROUNDS,
                                            / inserts[revisions[0]]["median_ms_per_node_window"], 3),
                   "bills_insert_ms": round(out["bills_insert"][revisions[1]]["median_ms_per_node_window"]
                                            / out["bills_insert"][revisions[0]]["median_ms_per_node_window"], 3),
+                  "write_ms": round(out["writes"][revisions[1]]["median_ms_per_node_window"]
+                                    / out["writes"][revisions[0]]["median_ms_per_node_window"], 3),
                   "node_windows_per_s": round(new["node_windows_per_s_total"] / old["node_windows_per_s_total"], 3),
                   **{f"{name}_s": round(new["reads_s"][name] / old["reads_s"][name], 3) for name in reads}}
         return {"rounds": rounds, "minutes_per_round": minutes, "node_windows_per_round": minutes * fleet.nodes,
@@ -686,6 +689,32 @@ def bills_insert_ab(ledgers: dict[str, Any], fleet: MonthFleet, *, first_minute:
                 transaction.rollback()
             if len(inserted) != len(bill_rows):
                 raise AssertionError(f"{revision}: {len(inserted)} of {len(bill_rows)} new bills inserted")
+    return {revision: {"median_ms_per_node_window": round(statistics.median(wall[revision]), 3),
+                       "best_ms_per_node_window": round(min(wall[revision]), 3),
+                       "client_cpu_median_ms_per_node_window": round(statistics.median(cpu[revision]), 3),
+                       "batches": len(wall[revision])} for revision in ledgers}
+
+
+def writes_ab(ledgers: dict[str, Any], fleet: MonthFleet, *, first_minute: int, minutes: int = 8) -> dict[str, Any]:
+    """The whole ``Ledger.write``, A/B batch by batch: ``minutes`` more minutes of the fleet (after every other
+    write: new node-windows), each batch of ``BATCH_NODE_WINDOWS`` written to each ledger in turn (committed), the
+    first ledger swapped every batch; ms per node-window (wall and this process's CPU), median and best. Alternating
+    every batch rather than every round keeps this machine's drifting load out of the ratio."""
+    import statistics
+
+    wall: dict[str, list[float]] = {revision: [] for revision in ledgers}
+    cpu: dict[str, list[float]] = {revision: [] for revision in ledgers}
+    for index, batch in enumerate(fleet.batches(first_minute, minutes)):
+        costs = [c for w in batch for c in w.costs]
+        bills = [w.bill for w in batch]
+        order = list(ledgers) if index % 2 == 0 else list(ledgers)[::-1]
+        for revision in order:
+            started, started_cpu = time.perf_counter(), time.process_time()
+            result = ledgers[revision].write(costs, bills)
+            wall[revision].append((time.perf_counter() - started) * 1000 / len(batch))
+            cpu[revision].append((time.process_time() - started_cpu) * 1000 / len(batch))
+            if result.bills_written != len(batch):
+                raise AssertionError(f"{revision}: {result.bills_written} of {len(batch)} new bills written")
     return {revision: {"median_ms_per_node_window": round(statistics.median(wall[revision]), 3),
                        "best_ms_per_node_window": round(min(wall[revision]), 3),
                        "client_cpu_median_ms_per_node_window": round(statistics.median(cpu[revision]), 3),
