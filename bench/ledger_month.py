@@ -207,7 +207,13 @@ GRAIN_OF_TABLE = {
     "ledger_gpus": "minute",
     "ledger_pods": "minute",
     "ledger_line_kinds": "minute",
-    "node_bills": "minute",
+    "node_bills": "minute",  # up to revision 0017; from 0018 a view over node_bill_rows and its dictionaries
+    "node_bill_rows": "minute",
+    # The bills' dictionaries (0018): counted with the minute grain, as if they grew with time (a node's bill kinds
+    # and zero sets are a few rows each).
+    "ledger_bill_kinds": "minute",
+    "ledger_bill_names": "minute",
+    "ledger_zero_sets": "minute",
     "label_sets": "minute",
     "cost_rollup_hourly": "hour",
     "cost_rollup_daily": "day",
@@ -329,7 +335,9 @@ def fill_month(connection: Any, *, first_window_ms: int, hours_written: int, day
         connection.execute(text(f'INSERT INTO "{table}" ({quoted}) SELECT {selected} FROM "{table}" '
                                 f"CROSS JOIN generate_series(1, {count - 1}) AS k"))
 
-    copy("node_bills", "window_start_unix_ms", hours_written * HOUR_MS, copies)
+    # The bills' table: ``node_bill_rows`` from 0018 (``node_bills`` is then a view over it).
+    copy("node_bill_rows" if "node_bill_rows" in tables else "node_bills", "window_start_unix_ms",
+         hours_written * HOUR_MS, copies)
     for hourly, daily, measures in ROLLUP_TABLES:
         if hourly in tables:
             copy(hourly, "period_start_unix_ms", hours_written * HOUR_MS, copies)
@@ -461,19 +469,26 @@ AB_READ_ROUNDS = 3
 # The tables holding one minute of lines at each revision (what "bytes per line" counts).
 LINE_TABLES = ("cost_lines", "cost_line_rows", "cost_line_packs")
 DICTIONARIES = ("ledger_nodes", "ledger_gpus", "ledger_pods", "ledger_line_kinds")
+# The tables holding the node bills at each revision (0018: the rows of ids and the bills' own dictionaries).
+BILL_TABLES = ("node_bills", "node_bill_rows", "ledger_bill_kinds", "ledger_bill_names", "ledger_zero_sets")
+# The bills' A/B (``--bills``): 0017's ``node_bills`` table against 0018's rows of ids.
+BILLS_AB_REVISIONS = ("0017_focus_line_ids", "head")
 
 
 def layout_ab(server_url: str, fleet: MonthFleet, *, rounds: int = AB_ROUNDS,
-              minutes: int = AB_MINUTES_PER_ROUND, read_rounds: int = AB_READ_ROUNDS) -> dict[str, Any]:
-    """Two ledgers on one server, one at each of ``AB_REVISIONS`` (the first migrated only that far: head's code
-    writes its lines as rows of ids, ``cost_line_rows``, the second as packs, ``cost_line_packs``), holding the
+              minutes: int = AB_MINUTES_PER_ROUND, read_rounds: int = AB_READ_ROUNDS,
+              revisions: tuple[str, str] = AB_REVISIONS) -> dict[str, Any]:
+    """Two ledgers on one server, one at each of ``revisions`` (``AB_REVISIONS``: the first migrated only that far:
+    head's code writes its lines as rows of ids, ``cost_line_rows``, the second as packs, ``cost_line_packs``;
+    ``BILLS_AB_REVISIONS``: the bills as 0017's table, and as 0018's rows of ids), holding the
     same fleet minutes, written by ``Ledger.write`` in ``rounds`` alternating rounds of ``minutes`` minutes each
     (the first round's order swapped each round): the write rates of both layouts. Then each ``VACUUM FULL`` and
     its lines' bytes (heap, indexes and TOAST) per stored line, its dictionaries' bytes (a fixed fleet's nodes and
-    GPUs, and its pods: not per line), and its node bills' bytes per bill. Then the reads of the lines, alternating
-    over ``read_rounds`` rounds, best of each: ``GET /allocation`` by pod over the minutes written (minute lines),
-    the FOCUS export at minute grain (``focus_dataset``) over them, and one SQL sum by namespace and pod over the
-    view; their answers must be equal."""
+    GPUs, and its pods: not per line), and its node bills' bytes per bill (``BILL_TABLES``: from 0018 the rows and
+    the bills' dictionaries). Then the reads, alternating over ``read_rounds`` rounds, best of each: ``GET
+    /allocation`` by pod over the minutes written (minute lines and bills), the FOCUS export at minute grain
+    (``focus_dataset``) over them, one SQL sum by namespace and pod over the view, and the bills
+    (``Ledger.bills``, every column); their answers must be equal."""
     from alembic import command
     from sqlalchemy import create_engine, text
     from sqlalchemy.engine import make_url
@@ -486,9 +501,9 @@ def layout_ab(server_url: str, fleet: MonthFleet, *, rounds: int = AB_ROUNDS,
 
     admin = create_engine(server_url, isolation_level="AUTOCOMMIT")
     ledgers: dict[str, Any] = {}
-    rates: dict[str, list[float]] = {revision: [] for revision in AB_REVISIONS}
+    rates: dict[str, list[float]] = {revision: [] for revision in revisions}
     try:
-        for revision in AB_REVISIONS:
+        for revision in revisions:
             name = f"ab_{revision.replace('_', '')[:12].lower()}"
             with admin.connect() as connection:
                 connection.execute(text(f'DROP DATABASE IF EXISTS "{name}"'))
@@ -501,7 +516,7 @@ def layout_ab(server_url: str, fleet: MonthFleet, *, rounds: int = AB_ROUNDS,
                     command.upgrade(_alembic_config(connection), revision)
             ledgers[revision] = ledger
         for index in range(rounds):
-            order = AB_REVISIONS if index % 2 == 0 else AB_REVISIONS[::-1]
+            order = revisions if index % 2 == 0 else revisions[::-1]
             for revision in order:
                 written = ingest(ledgers[revision], fleet, index * minutes, minutes)
                 rates[revision].append(round(written.node_windows_per_s, 1))
@@ -519,8 +534,12 @@ def layout_ab(server_url: str, fleet: MonthFleet, *, rounds: int = AB_ROUNDS,
                                  len(rates[revision]) / sum(1 / r for r in rates[revision]), 1),
                              "lines": lines, "line_bytes": line_bytes, "bytes_per_line": round(line_bytes / lines, 1),
                              "dictionary_bytes": sum(sizes.get(name, 0) for name in DICTIONARIES),
-                             "bytes_per_bill": round(sizes["node_bills"] / bills, 1)}
+                             "bill_bytes": sum(sizes.get(name, 0) for name in BILL_TABLES),
+                             "bytes_per_bill": round(sum(sizes.get(name, 0) for name in BILL_TABLES) / bills, 1),
+                             "bill_bytes_by_table": {name: sizes[name] for name in BILL_TABLES if name in sizes}}
         out["lines_insert"] = lines_insert_ab(ledgers, fleet, first_minute=rounds * minutes)
+        out["bills_insert"] = bills_insert_ab(ledgers, fleet, first_minute=rounds * minutes)
+        out["writes"] = writes_ab(ledgers, fleet, first_minute=rounds * minutes)
         start_ms = fleet.start_unix_ms
         end_ms = start_ms + rounds * minutes * WINDOW_MS
 
@@ -540,27 +559,33 @@ def layout_ab(server_url: str, fleet: MonthFleet, *, rounds: int = AB_ROUNDS,
 
         reads = {"allocation_by_pod": by_pod,
                  "focus_minute": lambda ledger: focus_dataset(ledger, start_ms=start_ms, end_ms=end_ms),
-                 "sql_sum_by_pod": sql_sum}
-        timings: dict[str, dict[str, list[float]]] = {revision: {r: [] for r in reads} for revision in AB_REVISIONS}
-        answers: dict[str, dict[str, Any]] = {revision: {} for revision in AB_REVISIONS}
+                 "sql_sum_by_pod": sql_sum,
+                 "bills": lambda ledger: ledger.bills(start_ms=start_ms, end_ms=end_ms)}
+        timings: dict[str, dict[str, list[float]]] = {revision: {r: [] for r in reads} for revision in revisions}
+        answers: dict[str, dict[str, Any]] = {revision: {} for revision in revisions}
         for index in range(read_rounds):
-            order = AB_REVISIONS if index % 2 == 0 else AB_REVISIONS[::-1]
+            order = revisions if index % 2 == 0 else revisions[::-1]
             for read_name, read in reads.items():
                 for revision in order:
                     seconds, answers[revision][read_name] = timed_read(lambda: read(ledgers[revision]), repeats=1)
                     timings[revision][read_name].append(round(seconds, 3))
         for read_name in reads:
-            first, second = (answers[revision][read_name] for revision in AB_REVISIONS)
+            first, second = (answers[revision][read_name] for revision in revisions)
             if first != second:
                 raise AssertionError(f"{read_name} answers differently over the two layouts")
-        for revision in AB_REVISIONS:
+        for revision in revisions:
             out[revision]["reads_s"] = {name: min(times) for name, times in timings[revision].items()}
             out[revision]["reads_s_by_round"] = timings[revision]
-        old, new = (out[revision] for revision in AB_REVISIONS)
+        old, new = (out[revision] for revision in revisions)
         inserts = out["lines_insert"]
         ratios = {"bytes_per_line": round(new["bytes_per_line"] / old["bytes_per_line"], 3),
-                  "lines_insert_ms": round(inserts[AB_REVISIONS[1]]["median_ms_per_node_window"]
-                                           / inserts[AB_REVISIONS[0]]["median_ms_per_node_window"], 3),
+                  "bytes_per_bill": round(new["bytes_per_bill"] / old["bytes_per_bill"], 3),
+                  "lines_insert_ms": round(inserts[revisions[1]]["median_ms_per_node_window"]
+                                           / inserts[revisions[0]]["median_ms_per_node_window"], 3),
+                  "bills_insert_ms": round(out["bills_insert"][revisions[1]]["median_ms_per_node_window"]
+                                           / out["bills_insert"][revisions[0]]["median_ms_per_node_window"], 3),
+                  "write_ms": round(out["writes"][revisions[1]]["median_ms_per_node_window"]
+                                    / out["writes"][revisions[0]]["median_ms_per_node_window"], 3),
                   "node_windows_per_s": round(new["node_windows_per_s_total"] / old["node_windows_per_s_total"], 3),
                   **{f"{name}_s": round(new["reads_s"][name] / old["reads_s"][name], 3) for name in reads}}
         return {"rounds": rounds, "minutes_per_round": minutes, "node_windows_per_round": minutes * fleet.nodes,
@@ -612,6 +637,90 @@ def lines_insert_ab(ledgers: dict[str, Any], fleet: MonthFleet, *, first_minute:
                        "batches": len(wall[revision])} for revision in ledgers}
 
 
+def bills_insert_ab(ledgers: dict[str, Any], fleet: MonthFleet, *, first_minute: int, minutes: int = 4,
+                    repeats: int = 2) -> dict[str, Any]:
+    """The bills' insert alone, A/B (what 0017's ``node_bills`` table and 0018's ``node_bill_rows`` differ in):
+    ``minutes`` more minutes of the fleet in batches of ``BATCH_NODE_WINDOWS`` node-windows, their bills (zero lines
+    encoded as ``Ledger.write`` encodes them, ids resolved first as it does) inserted into each ledger in a
+    transaction rolled back, alternating, ``repeats`` times: 0017's one ``INSERT ... ON CONFLICT DO NOTHING
+    RETURNING`` of the bills' columns, 0018's ``Ledger._insert_bill_rows`` (zero sets the handle knows of skipped,
+    as in a steady write). ms per node-window (wall and this process's CPU), median and best."""
+    import statistics
+
+    from services.billing.ledger import _bill_row, _zero_line, encode_zero_lines, node_bills
+    from services.billing.line_storage import is_zero_line
+
+    batches = []
+    for batch in fleet.batches(first_minute, minutes):
+        zeros = {w.bill.key: [_zero_line(c) for c in w.costs
+                              if is_zero_line(c, w.bill.window_seconds, w.bill.instance_type, w.bill.price_model,
+                                              w.bill.price_version)] for w in batch}
+        batches.append(([w.bill for w in batch], zeros))
+    rows_of: dict[str, list[dict]] = {}
+    for revision, ledger in ledgers.items():
+        ledger._ensure_partitions_for({fleet.start_unix_ms + first_minute * WINDOW_MS})
+        rows_of[revision] = []
+        for bills, zeros in batches:
+            rows = [{**_bill_row(b), "publisher": ledger.publisher} for b in bills]
+            ledger._resolve_ids([], {z[0] for lines in zeros.values() for z in lines}, rows)
+            gpu_ids = ledger._ids.get("gpus")
+            rows_of[revision].append({(b.window_start_unix_ms, b.cluster, b.node_name): {
+                **row, "zero_lines": encode_zero_lines(zeros[b.key], gpu_ids), "zero_line_count": len(zeros[b.key])}
+                for b, row in zip(bills, rows)})
+    pk = [node_bills.c.window_start_unix_ms, node_bills.c.cluster, node_bills.c.node_name]
+    wall: dict[str, list[float]] = {revision: [] for revision in ledgers}
+    cpu: dict[str, list[float]] = {revision: [] for revision in ledgers}
+    for index in range(len(batches) * repeats):
+        order = list(ledgers) if index % 2 == 0 else list(ledgers)[::-1]
+        for revision in order:
+            ledger = ledgers[revision]
+            bill_rows = rows_of[revision][index % len(batches)]
+            with ledger.engine.connect() as connection:
+                transaction = connection.begin()
+                started, started_cpu = time.perf_counter(), time.process_time()
+                if ledger._bill_rows:
+                    inserted, _sets = ledger._insert_bill_rows(connection, bill_rows)
+                else:
+                    inserted = connection.execute(ledger._insert(node_bills).on_conflict_do_nothing().returning(*pk),
+                                                  list(bill_rows.values())).all()
+                connection.exec_driver_sql("SELECT 1")  # the insert's statements done
+                wall[revision].append((time.perf_counter() - started) * 1000 / len(bill_rows))
+                cpu[revision].append((time.process_time() - started_cpu) * 1000 / len(bill_rows))
+                transaction.rollback()
+            if len(inserted) != len(bill_rows):
+                raise AssertionError(f"{revision}: {len(inserted)} of {len(bill_rows)} new bills inserted")
+    return {revision: {"median_ms_per_node_window": round(statistics.median(wall[revision]), 3),
+                       "best_ms_per_node_window": round(min(wall[revision]), 3),
+                       "client_cpu_median_ms_per_node_window": round(statistics.median(cpu[revision]), 3),
+                       "batches": len(wall[revision])} for revision in ledgers}
+
+
+def writes_ab(ledgers: dict[str, Any], fleet: MonthFleet, *, first_minute: int, minutes: int = 8) -> dict[str, Any]:
+    """The whole ``Ledger.write``, A/B batch by batch: ``minutes`` more minutes of the fleet (after every other
+    write: new node-windows), each batch of ``BATCH_NODE_WINDOWS`` written to each ledger in turn (committed), the
+    first ledger swapped every batch; ms per node-window (wall and this process's CPU), median and best. Alternating
+    every batch rather than every round keeps this machine's drifting load out of the ratio."""
+    import statistics
+
+    wall: dict[str, list[float]] = {revision: [] for revision in ledgers}
+    cpu: dict[str, list[float]] = {revision: [] for revision in ledgers}
+    for index, batch in enumerate(fleet.batches(first_minute, minutes)):
+        costs = [c for w in batch for c in w.costs]
+        bills = [w.bill for w in batch]
+        order = list(ledgers) if index % 2 == 0 else list(ledgers)[::-1]
+        for revision in order:
+            started, started_cpu = time.perf_counter(), time.process_time()
+            result = ledgers[revision].write(costs, bills)
+            wall[revision].append((time.perf_counter() - started) * 1000 / len(batch))
+            cpu[revision].append((time.process_time() - started_cpu) * 1000 / len(batch))
+            if result.bills_written != len(batch):
+                raise AssertionError(f"{revision}: {result.bills_written} of {len(batch)} new bills written")
+    return {revision: {"median_ms_per_node_window": round(statistics.median(wall[revision]), 3),
+                       "best_ms_per_node_window": round(min(wall[revision]), 3),
+                       "client_cpu_median_ms_per_node_window": round(statistics.median(cpu[revision]), 3),
+                       "batches": len(wall[revision])} for revision in ledgers}
+
+
 def storage_only(nodes: int = FLEET_NODES, ingest_minutes: int = 60) -> dict[str, Any]:
     """``measure``'s ingest and storage alone (``python -m bench.ledger_month --storage``): ``ingest_minutes`` of the
     fleet into a fresh ledger at head on a throwaway server, ``VACUUM FULL``, the bytes per grain and the default
@@ -644,12 +753,44 @@ def storage_only(nodes: int = FLEET_NODES, ingest_minutes: int = 60) -> dict[str
 
 
 def layouts_only(nodes: int = FLEET_NODES) -> dict[str, Any]:
-    """The lines' layout A/B alone (``python -m bench.ledger_month --layouts``), on a throwaway server."""
+    """The lines' layout A/B alone (``python -m bench.ledger_month --layouts``), on a throwaway server. Since
+    revision 0017 head's writer cannot write a ledger at 0015 (``AB_REVISIONS``' first: its hourly FOCUS charges
+    have no ids): refused with that reason; its figures of 2026-12-04 are in docs/billing.md."""
     from gpumeter.devtools.postgres import PostgresServer
+
+    if head_writes(AB_REVISIONS[0]) is False:
+        raise SystemExit("--layouts: head's writer cannot write a ledger at 0015 since 0017 (the hourly FOCUS "
+                         "charges' ids); the lines' A/B of 2026-12-04 is in docs/billing.md; --bills A/Bs 0017 "
+                         "against head")
 
     fleet = MonthFleet(nodes)
     with PostgresServer() as server:
         return layout_ab(server.url, fleet)
+
+
+def head_writes(revision: str) -> bool:
+    """Whether head's ``Ledger.write`` can write a ledger at ``revision``: from 0017 on (its hourly FOCUS charges'
+    ids, ``focus_rollups``)."""
+    from alembic.script import ScriptDirectory
+    from alembic.config import Config
+
+    from services.billing.ledger import MIGRATIONS_DIR
+
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    script = ScriptDirectory.from_config(config)
+    order = [r.revision for r in script.walk_revisions()]  # head first
+    return revision == "head" or order.index(revision) <= order.index("0017_focus_line_ids")
+
+
+def bills_only(nodes: int = FLEET_NODES) -> dict[str, Any]:
+    """The bills' layout A/B alone (``python -m bench.ledger_month --bills``: 0017's ``node_bills`` table against
+    0018's rows of ids, ``layout_ab`` with ``BILLS_AB_REVISIONS``), on a throwaway server."""
+    from gpumeter.devtools.postgres import PostgresServer
+
+    fleet = MonthFleet(nodes)
+    with PostgresServer() as server:
+        return layout_ab(server.url, fleet, revisions=BILLS_AB_REVISIONS, read_rounds=2)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -688,7 +829,9 @@ def measure(nodes: int = FLEET_NODES, ingest_minutes: int = 60, days: int = 30) 
                                         days=days)
                 fill_s = time.perf_counter() - started
             reads = month_reads(server.url, start_ms=fleet.start_unix_ms, days=days, hours_of_lines=hours)
-            layouts = layout_ab(server.url, fleet)
+            # The bills' A/B (0017 against head): head's writer no longer writes a 0015 ledger (0017 gave the
+            # hourly FOCUS charges ids), so the lines' A/B (``AB_REVISIONS``) is not run here any more.
+            layouts = layout_ab(server.url, fleet, revisions=BILLS_AB_REVISIONS)
         finally:
             admin.dispose()
     return {
@@ -704,7 +847,7 @@ def measure(nodes: int = FLEET_NODES, ingest_minutes: int = 60, days: int = 30) 
         "tables": {name: {"bytes": sizes[name], "rows": rows.get(name, 0)} for name in sorted(sizes)},
         "storage": storage_per_1000_gpu_days(sizes, rows, hours, fleet.gpus),
         "month": {"rows": month_rows, "fill_s": round(fill_s, 1), **reads},
-        "lines_layout_ab": layouts,
+        "bills_layout_ab": layouts,
     }
 
 
@@ -758,8 +901,8 @@ if __name__ == "__main__":
     import json
     import sys
 
-    parts = {"--layouts": layouts_only, "--storage": storage_only}
+    parts = {"--layouts": layouts_only, "--bills": bills_only, "--storage": storage_only}
     if len(sys.argv) != 2 or sys.argv[1] not in parts:
-        raise SystemExit("usage: python -m bench.ledger_month --layouts|--storage  (the lines' layout A/B, or the "
-                         "ingest and storage alone; make bench runs the whole month)")
+        raise SystemExit("usage: python -m bench.ledger_month --layouts|--bills|--storage  (the lines' layout A/B, "
+                         "the bills' layout A/B, or the ingest and storage alone; make bench runs the whole month)")
     print(json.dumps(parts[sys.argv[1]](), indent=2))

@@ -9,7 +9,10 @@ Tables (created only by the alembic migrations in ``services/billing/migrations`
     One row per (window_start_unix_ms, cluster, node_name): the node's line item for the window and its split, its
     price version (``price_versions``; its lines have the bill's instance type, price model and price version and
     do not repeat them), and ``zero_lines``: the node-window's lines that carry no cost and no share, which are
-    not ``cost_lines`` rows (``services.billing.line_storage``).
+    not ``cost_lines`` rows (``services.billing.line_storage``). On PostgreSQL from revision 0018 a view of these
+    columns over ``node_bill_rows``, the bills as dictionary ids (``services.billing.bill_ids``): every reader reads
+    it as the table it is on SQLite; ``write``, ``mark_published``, a publisher's claim and ``apply_trueup`` write
+    the rows.
 ``cost_lines``
     One row per (window_start_unix_ms, cluster, node_name, gpu_uuid or '', subject_kind, pod_uid or '',
     shared_from or ''): a ``CostRecord`` that is not a zero line. A pod's direct lines (its own use of each unit)
@@ -104,7 +107,7 @@ from gpumeter.clock import iso_utc
 from gpumeter.errors import ConfigError, GpumeterError
 from gpumeter.redact import mask_secrets, mask_url
 from schemas.records import CostRecord, CostSubjectKind
-from services.billing import focus_rollups, line_ids, line_packs, partitions, read_rollups, rollups
+from services.billing import bill_ids, focus_rollups, line_ids, line_packs, partitions, read_rollups, rollups
 from services.billing.bulk_rows import DO_NOTHING, BulkInsert
 from services.billing.rollups import KIND_TEXT
 from services.billing.costing import NodeBill, NodeWindowKey
@@ -232,6 +235,9 @@ node_bills = Table(
     PrimaryKeyConstraint("window_start_unix_ms", "cluster", "node_name"),
     ForeignKeyConstraint(["price_version"], ["price_versions.price_version"]),
     Index(None, "node_name", "window_start_unix_ms"),
+    # A table on SQLite (and PostgreSQL up to 0017); on PostgreSQL from 0018 a view of these columns over
+    # ``BILL_IDS.rows`` and the dictionaries (``services.billing.bill_ids``): what every reader selects.
+    info={ONLY_ON: "sqlite"},
 )
 
 label_sets = Table(
@@ -284,6 +290,8 @@ cost_lines = Table(
 LINE_IDS = line_ids.define_tables(metadata, ONLY_ON)
 # PostgreSQL's lines packed by node-window (migration 0016, ``services.billing.line_packs``).
 LINE_PACKS = line_packs.define_table(metadata, ONLY_ON)
+# PostgreSQL's node bills by dictionary ids (migration 0018, ``services.billing.bill_ids``).
+BILL_IDS = bill_ids.define_tables(metadata, ONLY_ON)
 
 trueups = Table(
     "trueups",
@@ -579,6 +587,10 @@ class Ledger:
         self._by_ids: bool | None = None if backend == "postgresql" else False
         # PostgreSQL from 0016: the lines are packed by node-window (``line_packs``); looked at with ``_by_ids``.
         self._packed: bool | None = None if backend == "postgresql" else False
+        # PostgreSQL from 0018: the bills are ``node_bill_rows`` of ids (``bill_ids``); looked at with ``_by_ids``.
+        self._bill_rows: bool | None = None if backend == "postgresql" else False
+        # Zero sets (``bill_ids``) this handle knows are stored (it inserted or checked them in a committed write).
+        self._stored_zero_sets: set[int] = set()
         # A SQLite file's -wal/-shm are checked before every use (sqlite_files): a -shm that cannot back its
         # mapping kills the process with SIGBUS as soon as SQLite touches it.
         self._files = SqliteFiles(Path(parsed.database)) if backend == "sqlite" and not in_memory else None
@@ -694,6 +706,7 @@ class Ledger:
             self._partition_schemes = partitions.SCHEMES
             self._by_ids = None if self.dialect == "postgresql" else False
             self._packed = None if self.dialect == "postgresql" else False
+            self._bill_rows = None if self.dialect == "postgresql" else False
         revision = self.current_revision()
         assert revision is not None
         return revision
@@ -782,7 +795,8 @@ class Ledger:
         starts = {window[0] for window in by_window}
         self._ensure_partitions_for(starts)
         self._resolve_ids([*(cost for _window, cost in kept), *zero_kinds.values()],
-                          {z[0] for lines in zeros.values() for z in lines})
+                          {z[0] for lines in zeros.values() for z in lines},
+                          [_bill_row(bill) for _key, bill in by_window.values()])
         try:
             return self._write(by_window, lines, kept, zeros)
         except LedgerError as exc:
@@ -801,6 +815,7 @@ class Ledger:
         versions = {b.price_version: b.price.describe() for _, b in by_window.values()}
         pk = [node_bills.c.window_start_unix_ms, node_bills.c.cluster, node_bills.c.node_name]
         added_label_sets: set[int] = set()
+        added_zero_sets: set[int] = set()
         # PostgreSQL from 0014: the zero lines name their units by GPU id (``line_storage``).
         gpu_ids = self._ids.get("gpus") if self._by_ids else None
         try:
@@ -809,10 +824,13 @@ class Ledger:
                 bill_rows = {w: {**_bill_row(b), "publisher": self.publisher,
                                  "zero_lines": encode_zero_lines(zeros.get(w, ()), gpu_ids),
                                  "zero_line_count": len(zeros.get(w, ()))} for w, (_, b) in by_window.items()}
-                inserted = connection.execute(
-                    self._insert(node_bills).on_conflict_do_nothing().returning(*pk), list(bill_rows.values()),
-                ).all()
-                new_windows = {(start, cluster, node) for start, cluster, node in inserted}
+                if self._bill_rows:
+                    new_windows, added_zero_sets = self._insert_bill_rows(connection, bill_rows)
+                else:
+                    inserted = connection.execute(
+                        self._insert(node_bills).on_conflict_do_nothing().returning(*pk), list(bill_rows.values()),
+                    ).all()
+                    new_windows = {(start, cluster, node) for start, cluster, node in inserted}
                 new_lines = []
                 for window, cost in kept:
                     if window not in new_windows:
@@ -843,6 +861,9 @@ class Ledger:
         except SQLAlchemyError as exc:
             raise LedgerError(f"writing {len(by_window)} node-windows to {self!r} failed: {exc}") from exc
         self._stored_label_sets |= added_label_sets
+        if len(self._stored_zero_sets) + len(added_zero_sets) > line_ids.CACHE_ENTRIES:
+            self._stored_zero_sets.clear()
+        self._stored_zero_sets |= added_zero_sets
         elided = sum(len(zeros.get(window, ())) for window in new_windows)
         written = len(new_lines) + elided
         return WriteResult(
@@ -891,10 +912,12 @@ class Ledger:
         self._partitions = known
         return len(created)
 
-    def _resolve_ids(self, costs: Iterable[CostRecord], gpus: Iterable[str]) -> None:
+    def _resolve_ids(self, costs: Iterable[CostRecord], gpus: Iterable[str],
+                     bill_rows: Iterable[Mapping[str, Any]] = ()) -> None:
         """On a ledger of lines by ids (PostgreSQL from 0014), make sure the id cache holds every id of ``costs``
-        and of the GPU uuids ``gpus`` (the zero lines'), in a short transaction of its own before the write's
-        (``line_ids``)."""
+        and of the GPU uuids ``gpus`` (the zero lines'), and from 0018 of the bills' ``bill_rows`` (their
+        ``node_bills`` columns: node, bill kind) and this handle's publisher, in a short transaction of its own
+        before the write's (``line_ids``, ``bill_ids``)."""
         if self._by_ids is False:
             return
         try:
@@ -904,7 +927,8 @@ class Ledger:
                 if not self._by_ids:
                     return
             costs = list(costs)
-            wanted = line_ids.missing_keys(self._ids, costs, gpus)
+            more = bill_ids.wanted_keys(bill_rows, self.publisher) if self._bill_rows else None
+            wanted = line_ids.missing_keys(self._ids, costs, gpus, more)
             # The hourly FOCUS lines' pods (``focus_rollups.focus_pod_key``) where an empty (not absent) namespace
             # or pod name makes them other rows than the minute lines' (no Kubernetes pod has one).
             known = self._ids.get("pods")
@@ -989,15 +1013,28 @@ class Ledger:
                 continue
             if self.publisher is None or publisher == self.publisher:
                 ours.add(key)
-            elif publisher is None and connection.execute(
-                    update(node_bills)
-                    .where(c.window_start_unix_ms == start, c.cluster == cluster, c.node_name == node,
-                           c.publisher.is_(None), c.published_at_unix_ms.is_(None))
-                    .values(publisher=self.publisher)).rowcount == 1:
+            elif publisher is None and self._claim(connection, start, cluster, node):
                 ours.add(key)  # a bill from before publishers were recorded: claimed by this one alone
             else:
                 others.add(key)
         return ours, others
+
+    def _claim(self, connection: Connection, start: int, cluster: str, node: str) -> bool:
+        """Set this handle's publisher on the stored bill of (start, cluster, node) if it has none and is not
+        published; whether it did (exactly one concurrent claimer does)."""
+        c = node_bills.c
+        if self._bill_rows:
+            r = BILL_IDS.rows.c
+            statement = bill_ids.update_by_key(BILL_IDS, LINE_IDS.nodes, r.publisher_id.is_(None),
+                                               r.published_at_unix_ms.is_(None),
+                                               publisher_id=self._name_id(connection, self.publisher))
+            params = {"b_start": start, "b_cluster": cluster, "b_node": node}
+            return connection.execute(statement, params).rowcount == 1
+        return connection.execute(
+            update(node_bills)
+            .where(c.window_start_unix_ms == start, c.cluster == cluster, c.node_name == node,
+                   c.publisher.is_(None), c.published_at_unix_ms.is_(None))
+            .values(publisher=self.publisher)).rowcount == 1
 
     def mark_published(self, keys: Iterable[NodeWindowKey], published_at_unix_ms: int) -> int:
         """Record that the cost records of ``keys`` were acknowledged on the costs topic; returns rows updated."""
@@ -1008,6 +1045,18 @@ class Ledger:
         updated = 0
         try:
             with self._begin() as connection:
+                if self.dialect == "postgresql":
+                    self._uses_ids(connection)
+                if self._bill_rows:
+                    # PostgreSQL from 0018: ``node_bills`` is a view over ``node_bill_rows`` (``bill_ids``).
+                    r = BILL_IDS.rows.c
+                    statement = bill_ids.update_by_key(BILL_IDS, LINE_IDS.nodes, r.published_at_unix_ms.is_(None),
+                                                       published_at_unix_ms=published_at_unix_ms)
+                    for key in keys:
+                        updated += connection.execute(statement, {
+                            "b_start": key.window_start_unix_ms, "b_cluster": key.cluster,
+                            "b_node": key.node_name}).rowcount
+                    return updated
                 for key in keys:
                     updated += connection.execute(
                         update(node_bills)
@@ -1430,6 +1479,8 @@ class Ledger:
         changed_windows = changed_lines = 0
         try:
             with self._begin() as connection:
+                if self.dialect == "postgresql":
+                    self._uses_ids(connection)
                 current, zero_lines, bill_columns = {}, {}, {}
                 zero_texts = []
                 for row in connection.execute(
@@ -1464,7 +1515,14 @@ class Ledger:
                     read_rollups.BillTruedChange(bill_columns[key], current[key][0], result.windows.get(key))
                     for key in sorted(scope) if current[key][0] != result.windows.get(key)]
                 read_rollups.add_trued(connection, READ_ROLLUPS, bill_changes)
-                if window_updates:
+                if window_updates and self._bill_rows:
+                    # PostgreSQL from 0018: the bills are ``node_bill_rows``, the true-up's id a name's id.
+                    run_id = self._name_id(connection, trueup_id)
+                    connection.execute(
+                        bill_ids.update_by_key(BILL_IDS, LINE_IDS.nodes, trued_cost_micro_usd=bindparam("b_trued"),
+                                               trueup_name_id=literal(run_id)),
+                        window_updates)
+                elif window_updates:
                     connection.execute(
                         update(node_bills)
                         .where(b.window_start_unix_ms == bindparam("b_start"), b.cluster == bindparam("b_cluster"),
@@ -1558,11 +1616,47 @@ class Ledger:
         return TrueUpWrite(trueup_id, changed_windows, changed_lines, bool(recorded))
 
     def _uses_ids(self, connection: Connection) -> bool:
-        """Whether the lines are stored by dictionary ids; also looks whether they are packed (``_packed``)."""
+        """Whether the lines are stored by dictionary ids; also looks whether they are packed (``_packed``) and
+        whether the bills are rows of ids (``_bill_rows``)."""
         if self._by_ids is None:
-            self._packed = line_packs.uses_packs(connection)
+            self._bill_rows = bill_ids.uses_bill_rows(connection)
+            self._packed = self._bill_rows or line_packs.uses_packs(connection)
             self._by_ids = self._packed or line_ids.uses_ids(connection)
         return self._by_ids
+
+    def _name_id(self, connection: Connection, name: str) -> int:
+        """The ``ledger_bill_names`` id of ``name`` (PostgreSQL from 0018): cached, else inserted if new and read
+        in ``connection``'s transaction (``bill_ids``)."""
+        known = self._ids.get("names").get(name)
+        if known is None:
+            known = bill_ids.name_id(connection, BILL_IDS, name)
+        return known
+
+    def _insert_bill_rows(self, connection: Connection, bill_rows: Mapping[tuple[int, str, str], Mapping[str, Any]]
+                          ) -> tuple[set[tuple[int, str, str]], set[int]]:
+        """PostgreSQL from 0018: insert the bills (their ``node_bills`` columns by (start, cluster, node)) as
+        ``node_bill_rows``, skipping those already there, and their zero sets first (``bill_ids``); returns the
+        node-windows inserted and the zero sets stored. The ids are in the cache (``_resolve_ids``)."""
+        texts = {row["zero_lines"] for row in bill_rows.values() if row["zero_lines"] is not None}
+        try:
+            stored = bill_ids.insert_zero_sets(
+                connection, BILL_IDS, [t for t in texts if bill_ids.zero_set_id(t) not in self._stored_zero_sets])
+        except LookupError as exc:  # raised in the write's transaction: nothing of it is committed
+            raise LedgerError(f"refusing to mix up zero lines: {exc}") from exc
+        nodes, kinds = self._ids.get("nodes"), self._ids.get("bill_kinds")
+        publisher = None if self.publisher is None else self._name_id(connection, self.publisher)
+        window_of: dict[tuple[int, int], tuple[int, str, str]] = {}
+        values = []
+        for window, row in bill_rows.items():
+            node = nodes[bill_ids.node_key(row)]
+            window_of[(window[0], node)] = window
+            values.append(bill_ids.row_values(row, node_id=node, bill_kind_id=kinds[bill_ids.kind_key(row)],
+                                              publisher_id=publisher))
+        r = BILL_IDS.rows.c
+        inserted = connection.execute(
+            postgresql.insert(BILL_IDS.rows).on_conflict_do_nothing().returning(r.window_start_unix_ms, r.node_id),
+            values).all()
+        return {window_of[(start, node)] for start, node in inserted}, stored
 
     def trueup_runs(self) -> tuple[dict[str, Any], ...]:
         """Every bill applied, oldest first, as column dicts."""

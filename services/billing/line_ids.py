@@ -28,7 +28,9 @@ per dictionary one ``INSERT ... SELECT FROM unnest(...) ORDER BY key ON CONFLICT
 process has not cached, then one ``SELECT`` of their ids (a new statement: in READ COMMITTED it sees the rows a
 concurrent writer committed, which the insert waited for and skipped). Two writers of one new key both get the
 one id; an id whose write then fails is kept unused. The cache (``IdCache``, bounded: cleared when full) makes a
-write of known nodes, GPUs and pods touch no dictionary at all.
+write of known nodes, GPUs and pods touch no dictionary at all. From revision 0018 the node bills' dictionaries
+(bill kinds, and the names of publishers and true-ups: ``services.billing.bill_ids``) are resolved the same way, in
+the same transaction.
 """
 
 from __future__ import annotations
@@ -74,6 +76,13 @@ _KINDS = {
     "kinds": ("ledger_line_kinds", "kind_id",
               ("subject_kind", "shared_from", "sharing_method", "method", "cost_basis", "window_seconds"),
               ("text", "text", "text", "text", "text", "int4")),
+    # The node bills' dictionaries (revision 0018, ``services.billing.bill_ids``): what a node's bills repeat, and
+    # the publishers and true-up ids they name.
+    "bill_kinds": ("ledger_bill_kinds", "bill_kind_id",
+                   ("provider", "region", "zone", "provider_id", "instance_type", "price_model", "price_version",
+                    "sharing", "gpu_model", "window_seconds", "gpu_count"),
+                   ("text",) * 9 + ("int4", "int4")),
+    "names": ("ledger_bill_names", "name_id", ("name",), ("text",)),
 }
 
 # ``cost_line_rows``' columns a write fills, in ``row_values``' order (``trued_cost_micro_usd`` starts NULL).
@@ -172,7 +181,8 @@ def line_keys(cost: CostRecord) -> tuple[tuple[str, str], str, tuple[str, str, s
 
 
 class IdCache:
-    """Ids known to be stored, per dictionary (``nodes``, ``gpus``, ``pods``, ``kinds``): at most ``entries`` each;
+    """Ids known to be stored, per dictionary (``nodes``, ``gpus``, ``pods``, ``kinds``; from 0018 the bills'
+    ``bill_kinds`` and ``names``, ``services.billing.bill_ids``): at most ``entries`` each;
     and the uuids of GPU ids read back (``gpu_uuids``, for the bills' zero lines), as many.
     ``make_room`` empties a kind that a batch's new keys would grow past it (its ids are read again from the
     database when next needed), so that every key of one batch is cached at once."""
@@ -239,11 +249,13 @@ def _resolve_kind(connection: Connection, kind: str, keys: Sequence[tuple]) -> d
     return found
 
 
-def missing_keys(cache: IdCache, lines: Iterable[CostRecord], gpus: Iterable[str] = ()) -> dict[str, set]:
+def missing_keys(cache: IdCache, lines: Iterable[CostRecord], gpus: Iterable[str] = (),
+                 more: Mapping[str, set] | None = None) -> dict[str, set]:
     """Per kind, the dictionary keys of ``lines`` (and the GPU uuids ``gpus``: the zero lines' units, which their
-    bill names by id) whose ids ``cache`` lacks (after making room for the batch: a kind emptied for it lists every
-    key of the batch again). Pure."""
-    nodes, pods, kinds = set(), set(), set()
+    bill names by id; and ``more``'s keys per kind: the bills', ``bill_ids.wanted_keys``) whose ids ``cache`` lacks
+    (after making room for the batch: a kind emptied for it lists every key of the batch again). Pure."""
+    more = more or {}
+    nodes, pods, kinds = set(more.get("nodes", ())), set(), set()
     gpus = set(gpus)
     for cost in lines:
         node, gpu, pod, kind = line_keys(cost)
@@ -252,7 +264,8 @@ def missing_keys(cache: IdCache, lines: Iterable[CostRecord], gpus: Iterable[str
         pods.add(pod)
         kinds.add(kind)
     wanted = {}
-    for kind, keys in (("nodes", nodes), ("gpus", gpus), ("pods", pods), ("kinds", kinds)):
+    for kind, keys in (("nodes", nodes), ("gpus", gpus), ("pods", pods), ("kinds", kinds),
+                       ("bill_kinds", set(more.get("bill_kinds", ()))), ("names", set(more.get("names", ())))):
         missing = cache.make_room(kind, keys)
         if missing:
             wanted[kind] = missing

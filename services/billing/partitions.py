@@ -6,7 +6,8 @@ one partition per ``SCHEMES`` entry's unit, UTC:
 =====================  ========================  ======  =========================================
 table                  column                    unit    partition name
 =====================  ========================  ======  =========================================
-``node_bills``         ``window_start_unix_ms``  day     ``node_bills_p20261203``
+``node_bills``         ``window_start_unix_ms``  day     ``node_bills_p20261203`` (up to 0017; a view from 0018)
+``node_bill_rows``     ``window_start_unix_ms``  day     ``node_bill_rows_p20261203`` (from 0018)
 ``cost_lines``         ``window_start_unix_ms``  day     ``cost_lines_p20261203`` (0010 to 0013)
 ``cost_line_rows``     ``window_start_unix_ms``  day     ``cost_line_rows_p20261203`` (0014 and 0015)
 ``cost_line_packs``    ``window_start_unix_ms``  day     ``cost_line_packs_p20261203`` (from 0016)
@@ -29,7 +30,8 @@ partition is missing is refused by PostgreSQL, so every writer makes sure of it 
 revision 0014 the lines are ``cost_line_rows`` (``cost_lines`` is a view over them: ``services.billing.line_ids``),
 from 0016 ``cost_line_packs`` (one row of arrays per node-window: ``services.billing.line_packs``); a scheme whose
 table is not a partitioned table of the database (``cost_lines`` from 0014, ``cost_line_rows`` before 0014 and from
-0016, ``cost_line_packs`` before 0016) is passed over.
+0016, ``cost_line_packs`` before 0016) is passed over. From 0018 the node bills are ``node_bill_rows``
+(``node_bills`` is a view over them: ``services.billing.bill_ids``).
 
 **Creating** (``ensure``): in a transaction of its own, serialised by a transaction-level advisory lock (so two
 writers needing the same day create it once; the second finds it there), each missing partition is created as a
@@ -89,6 +91,8 @@ class Scheme:
 
 SCHEMES = (
     Scheme("node_bills", "window_start_unix_ms", DAY),
+    # The node bills by ids from 0018 (``node_bills`` is a view over them on PostgreSQL).
+    Scheme("node_bill_rows", "window_start_unix_ms", DAY),
     Scheme("cost_line_rows", "window_start_unix_ms", DAY),
     Scheme("cost_line_packs", "window_start_unix_ms", DAY),
     Scheme("cost_rollup_hourly", "period_start_unix_ms", DAY, ROLLUP_FILLFACTOR),
@@ -106,7 +110,7 @@ SCHEMES = (
 )
 SCHEME_BY_TABLE = {scheme.table: scheme for scheme in SCHEMES}
 # What the minute retention drops, in this order (a line never outlives its bill).
-MINUTE_TABLES = ("cost_line_packs", "cost_line_rows", "cost_lines", "node_bills")
+MINUTE_TABLES = ("cost_line_packs", "cost_line_rows", "cost_lines", "node_bills", "node_bill_rows")
 # How many lines a row of a table holds, where not one (a pack holds a node-window's: ``line_packs``).
 _LINES_PER_ROW = {"cost_line_packs": "cardinality(cost_micro_usd)"}
 
@@ -194,12 +198,14 @@ def past(partitions: Iterable[Partition], horizon_ms: int) -> list[Partition]:
 
 
 def partitioned(connection: Connection) -> bool:
-    """Whether this database's ledger tables are partitioned (PostgreSQL from revision 0010)."""
+    """Whether this database's ledger tables are partitioned (PostgreSQL from revision 0010): its node bills
+    (``node_bills``, from 0018 ``node_bill_rows``)."""
     if connection.dialect.name != "postgresql":
         return False
     return bool(connection.execute(text(
         "SELECT count(*) FROM pg_partitioned_table p JOIN pg_class c ON c.oid = p.partrelid "
-        "WHERE c.relname = 'node_bills' AND c.relnamespace = to_regnamespace(current_schema())::oid")).scalar())
+        "WHERE c.relname IN ('node_bills', 'node_bill_rows') "
+        "AND c.relnamespace = to_regnamespace(current_schema())::oid")).scalar())
 
 
 def existing(connection: Connection, tables: Iterable[str] | None = None) -> set[Partition]:

@@ -14,7 +14,9 @@ What is kept how long (``RetentionSettings``; docs/billing.md, "Rollups and rete
   ``hourly_rollups_days`` (default 92, a quarter); **daily rollups**: ``daily_rollups_days`` (default 400: a year
   and a month, for year-on-year); each at least the finer grain's.
 * Price versions and true-ups: kept (a few rows each). **Label sets** (``label_sets``) are never deleted: a set is
-  shared by lines of any age (content-addressed), so a line's set outlives the line.
+  shared by lines of any age (content-addressed), so a line's set outlives the line. Nor are the dictionaries of
+  ids (PostgreSQL: ``services.billing.line_ids`` from 0014, ``services.billing.bill_ids`` from 0018, its zero sets
+  content-addressed like the label sets): a few rows per node, GPU and pod.
 
 ``retain(ledger, settings, now_ms=)``: the clock is passed in. Per grain the horizon is ``now`` less the
 retention, rounded down to a UTC day boundary (so a grain keeps whole days, and an hour or day is either all there
@@ -54,6 +56,7 @@ from gpumeter.errors import ConfigError, GpumeterError
 from gpumeter.redact import mask_url
 from services.billing import partitions
 from services.billing.ledger import (
+    BILL_IDS,
     DEFAULT_LEDGER_URL,
     FOCUS_ROLLUPS,
     LEDGER_URL_ENV,
@@ -197,7 +200,8 @@ def _drop_partitions(ledger: Ledger, kept: Mapping[str, int]) -> RetentionResult
     """PostgreSQL: detach and drop every partition wholly before its grain's horizon (module docstring)."""
     grains = {grain: tuple(data.name for data, _column in tables) for grain, tables in _tables().items()}
     # The lines' partitions are ``cost_line_rows``' at 0014 and 0015, ``cost_line_packs``' from 0016 (``cost_lines``
-    # is a view over them); a pack's partition counts its lines.
+    # is a view over them); a pack's partition counts its lines. The bills' are ``node_bill_rows``' from 0018
+    # (``node_bills``: a view over them).
     grains[MINUTE] = partitions.MINUTE_TABLES
     # The hourly FOCUS lines' partitions are ``focus_line_hourly_rows``' from 0017 (``focus_line_hourly``: a view).
     grains[HOUR] = tuple(FOCUS_ROLLUPS.rows.name if name == FOCUS_ROLLUPS.lines.name else name
@@ -212,7 +216,7 @@ def _drop_partitions(ledger: Ledger, kept: Mapping[str, int]) -> RetentionResult
             with ledger.transaction() as connection:
                 rows = partitions.rows_in(connection, part)
                 partitions.drop(connection, part)
-            if part.table == node_bills.name:
+            if part.table in (node_bills.name, BILL_IDS.rows.name):
                 bills += rows
             else:
                 deleted[grain] += rows

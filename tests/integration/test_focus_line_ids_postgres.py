@@ -68,7 +68,7 @@ def test_the_hourly_focus_lines_move_to_ids_and_back_with_every_row_and_the_expo
         text_rows = sorted(tuple(r) for r in connection.execute(text("SELECT * FROM focus_line_hourly")))
     assert text_rows and any(r[16] == "" for r in text_rows) and any(r[16] != "" for r in text_rows)
 
-    assert ledger.migrate() == Ledger.head_revision() == "0017_focus_line_ids"
+    assert ledger.migrate() == Ledger.head_revision() == "0018_bill_ids"
     assert relkind(ledger, "focus_line_hourly") == "v" and relkind(ledger, "focus_line_hourly_rows") == "p"
     # Numbers only; the view gives every column of every row as the table held it.
     assert columns_of(ledger, "focus_line_hourly_rows") == list(focus_rollups.ID_LINE_COLUMNS)
@@ -93,7 +93,7 @@ def test_the_hourly_focus_lines_move_to_ids_and_back_with_every_row_and_the_expo
     with ledger.engine.begin() as connection:
         command.downgrade(_alembic_config(connection), "0014_line_ids")
     assert relkind(ledger, "focus_line_hourly") is None
-    assert ledger.migrate() == "0017_focus_line_ids"
+    assert ledger.migrate() == "0018_bill_ids"
     assert hourly_rows(ledger) == amended and hourly_export_csv(ledger) == amended_export
 
     # Back to 0015: the same rows in the text table, the same export.

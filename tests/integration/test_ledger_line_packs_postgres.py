@@ -68,7 +68,7 @@ def test_a_trued_ledger_written_at_0015_answers_the_same_after_the_upgrade_and_a
     rows = lines_rows(ledger)
     assert rows and any(row[12] is not None for row in rows) and any(row[12] is None for row in rows)
 
-    assert ledger.migrate() == Ledger.head_revision() == "0017_focus_line_ids"
+    assert ledger.migrate() == Ledger.head_revision() == "0018_bill_ids"
     assert relkind(ledger, "cost_lines") == "v" and relkind(ledger, "cost_line_packs") == "p"
     assert relkind(ledger, "cost_line_rows") is None
     # The view gives every column of every row as the rows held it; every reader answers as at 0015.
@@ -88,7 +88,7 @@ def test_a_trued_ledger_written_at_0015_answers_the_same_after_the_upgrade_and_a
     assert relkind(ledger, "cost_line_rows") == "p" and relkind(ledger, "cost_line_packs") is None
     assert lines_rows(ledger) == amended
     assert {grain: output_digests(ledger, start, end, grain=grain) for grain in GRAINS} == amended_answers
-    assert ledger.migrate() == "0017_focus_line_ids"
+    assert ledger.migrate() == "0018_bill_ids"
     assert lines_rows(ledger) == amended
     assert_answers(ledger, FIXTURE["amended"]["outputs"])
     ledger.close()

@@ -28,7 +28,9 @@ pytestmark = pytest.mark.postgres
 # The partitioned tables at head (from 0014 ``cost_lines`` is a view, from 0016 over ``cost_line_packs``;
 # from 0017 ``focus_line_hourly`` one over ``focus_line_hourly_rows``).
 TABLES = tuple(scheme.table for scheme in partitions.SCHEMES
-               if scheme.table not in ("cost_lines", "cost_line_rows", "focus_line_hourly"))
+               if scheme.table not in ("cost_lines", "cost_line_rows", "focus_line_hourly", "node_bills"))
+# The node bills' partitions at head: ``node_bill_rows``' (from 0018 ``node_bills`` is a view: ``bill_ids``).
+BILLS = partitions.SCHEME_BY_TABLE["node_bill_rows"]
 
 
 def attached(ledger: Ledger) -> set[str]:
@@ -155,7 +157,7 @@ def test_retention_detaches_and_drops_whole_partitions_and_deletes_no_row(databa
 
     # Dropped, never deleted: no row deleted anywhere in the ledger's tables.
     assert deleted_tuples(ledger) == deleted_before == 0
-    gone = {f"{name}_p{day}" for name in ("cost_line_packs", "node_bills")
+    gone = {f"{name}_p{day}" for name in ("cost_line_packs", "node_bill_rows")
             for day in (time.strftime("%Y%m%d", time.gmtime((DAY0 + d * DAY_MS) / 1000)) for d in range(DAYS - 14))}
     gone |= {f"{name}_p{time.strftime('%Y%m%d', time.gmtime((DAY0 + d * DAY_MS) / 1000))}"
              for name in ("cost_rollup_hourly", "bill_rollup_hourly", "pod_rollup_hourly", "focus_charge_hourly",
@@ -177,7 +179,7 @@ def test_retention_detaches_and_drops_whole_partitions_and_deletes_no_row(databa
         again = build_report(ledger, Grouping.parse(by), start_ms=minute_horizon, end_ms=end)
         assert comparable(again) == comparable(report) and again.reconciliation.reconciled
     # The days ahead exist; running it again drops nothing more.
-    assert partitions.partition_of(partitions.SCHEMES[0], now + 7 * DAY_MS).name in attached(ledger)
+    assert partitions.partition_of(BILLS, now + 7 * DAY_MS).name in attached(ledger)
     again = retain(ledger, settings, now_ms=now + 60_000)
     assert again.dropped_partitions == () and again.bills_deleted == 0
     ledger.close()
@@ -190,14 +192,14 @@ def test_a_write_into_a_day_without_a_partition_creates_it_first(database_url):
     assert attached(ledger) == set()
     first = [bill_node_window(w, catalog) for w in sample_shares(2)]
     assert ledger.write(*everything(first)).bills_written == len(first)
-    day = partitions.partition_of(partitions.SCHEMES[0], WINDOW_START_MS)
+    day = partitions.partition_of(BILLS, WINDOW_START_MS)
     assert day.name in attached(ledger)
     # A day this handle knew of, dropped behind its back (another process's retention): written again all the same.
     later = [bill_node_window(w, catalog) for w in sample_shares(1, start_ms=WINDOW_START_MS + 3 * DAY_MS)]
     assert ledger.write(*everything(later)).bills_written == len(later)
     later_day = partitions.partition_of(partitions.SCHEME_BY_TABLE["cost_line_packs"], WINDOW_START_MS + 3 * DAY_MS)
     with Ledger(database_url) as other, other.engine.begin() as connection:
-        for part in (later_day, partitions.partition_of(partitions.SCHEMES[0], later_day.start_ms)):
+        for part in (later_day, partitions.partition_of(BILLS, later_day.start_ms)):
             partitions.drop(connection, part)
     assert later_day.name not in attached(ledger)
     again = [bill_node_window(w, catalog) for w in sample_shares(1, start_ms=WINDOW_START_MS + 3 * DAY_MS)]
@@ -236,8 +238,8 @@ def test_two_writers_creating_the_same_days_partition_both_succeed(database_url)
     assert errors == []
     assert sum(o.bills_written for o in outcomes) == sum(len(batch) for batch in batches)
     with Ledger(database_url) as ledger:
-        day = partitions.partition_of(partitions.SCHEMES[0], start)
-        assert {day.name, day.name.replace("node_bills", "cost_line_packs")} <= attached(ledger)
+        day = partitions.partition_of(BILLS, start)
+        assert {day.name, day.name.replace("node_bill_rows", "cost_line_packs")} <= attached(ledger)
         totals = ledger.totals()
         assert totals.cost_micro_usd == totals.bill_micro_usd == sum(
             r.bill.node_cost_micro_usd for batch in batches for r in batch)

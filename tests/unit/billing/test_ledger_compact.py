@@ -71,7 +71,7 @@ def check_upgrade_keeps_every_answer(url: str) -> None:
     ledger = ledger_at_0007(url)
     try:
         assert ledger.current_revision() == FIXTURE["revision"] == "0007_sharing"
-        assert ledger.migrate() == Ledger.head_revision() == "0017_focus_line_ids"
+        assert ledger.migrate() == Ledger.head_revision() == "0018_bill_ids"
         assert_answers(ledger, FIXTURE["outputs"])
         with ledger.engine.connect() as connection:
             stored = connection.execute(select(func.count()).select_from(cost_lines)).scalar_one()

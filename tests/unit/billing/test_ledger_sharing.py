@@ -84,7 +84,7 @@ def test_the_upgrade_keeps_every_line_as_a_direct_one_and_every_bill_as_kept(tmp
                 "window_seconds, labels, cost_share, cost_micro_usd, instance_type, price_model, price_version) "
                 f"VALUES (60000, 'c', 'n', '{gpu}', '{kind}', '{pod}', 60, '{{}}', 1.0, {cost}, 'g6.xlarge', "
                 "'on_demand', 'v1')"))
-    assert ledger.migrate() == Ledger.head_revision() == "0017_focus_line_ids"
+    assert ledger.migrate() == Ledger.head_revision() == "0018_bill_ids"
     lines = list(ledger.iter_cost_lines())
     assert [(c.subject_kind, c.shared_from, c.sharing_method, c.method, c.gpu_fraction) for c in lines] == [
         (CostSubjectKind.NODE_OTHER, None, "", "", 0.0), (CostSubjectKind.IDLE, None, "", "", 0.0),
@@ -112,6 +112,6 @@ def test_a_ledger_without_shared_lines_downgrades(tmp_path):
     assert ledger.current_revision() == "0005_carried_label_keys"
     with pytest.raises(LedgerError):
         ledger.require_schema()
-    assert ledger.migrate() == "0017_focus_line_ids"
+    assert ledger.migrate() == "0018_bill_ids"
     assert ledger.totals().cost_micro_usd == ledger.totals().bill_micro_usd
     ledger.close()

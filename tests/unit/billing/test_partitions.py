@@ -45,11 +45,11 @@ def test_only_partitions_wholly_before_the_horizon_are_past():
         "cost_rollup_daily_p202611", "node_bills_p20261213", "node_bills_p20261214"]
     # December is not wholly past on the 15th: its rows stay until the month is.
     assert [p.name for p in past(months, ms(2027, 1, 1))] == ["cost_rollup_daily_p202611", "cost_rollup_daily_p202612"]
-    # Eight days: a partition a day of node_bills, the lines (cost_line_packs from 0016; cost_line_rows at 0014 and
-    # 0015, cost_lines up to revision 0013), the three hourly rollups and the hourly FOCUS grain's (its charges; its
-    # lines: focus_line_hourly up to 0016, focus_line_hourly_rows from 0017), one (December) of the three daily
-    # rollups.
-    assert len(partitions.wanted(ms(2026, 12, 3), ms(2026, 12, 3) + 8 * DAY_MS)) == 8 * 10 + 3
+    # Eight days: a partition a day of the bills (node_bills up to 0017, node_bill_rows from 0018), the lines
+    # (cost_line_packs from 0016; cost_line_rows at 0014 and 0015, cost_lines up to revision 0013), the three hourly
+    # rollups and the hourly FOCUS grain's (its charges; its lines: focus_line_hourly up to 0016,
+    # focus_line_hourly_rows from 0017), one (December) of the three daily rollups.
+    assert len(partitions.wanted(ms(2026, 12, 3), ms(2026, 12, 3) + 8 * DAY_MS)) == 8 * 11 + 3
 
 
 def test_billing_creates_the_partitions_ahead_at_start_and_every_hour_with_its_clock(monkeypatch):

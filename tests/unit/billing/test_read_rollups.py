@@ -305,7 +305,7 @@ def check_upgrade_backfills_what_write_keeps(ledger):
     kept = {(kind, grain): stored(ledger, kind, grain) for kind in ("bills", "pods") for grain in (HOUR, DAY)}
     with ledger.engine.begin() as connection:
         command.downgrade(_alembic_config(connection), "0009_rollups")
-    assert ledger.migrate() == Ledger.head_revision() == "0017_focus_line_ids"
+    assert ledger.migrate() == Ledger.head_revision() == "0018_bill_ids"
     for (kind, grain), rows in kept.items():
         assert_close(stored(ledger, kind, grain), rows)
     assert_rollups_are_the_bills_and_pod_lines(ledger)

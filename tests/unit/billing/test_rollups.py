@@ -278,7 +278,7 @@ def test_the_upgrade_backfills_rollups_equal_to_every_line_of_a_ledger_written_a
     from tests.unit.billing.test_ledger_compact import FIXTURE, ledger_at_0007
 
     ledger = ledger_at_0007(f"sqlite:///{tmp_path / 'old.sqlite3'}")
-    assert ledger.migrate() == Ledger.head_revision() == "0017_focus_line_ids"
+    assert ledger.migrate() == Ledger.head_revision() == "0018_bill_ids"
     hourly, daily = stored(ledger, HOUR), stored(ledger, DAY)
     assert hourly == reference(ledger, HOUR) and daily == reference(ledger, DAY) == rollups.roll(hourly, DAY)
     columns = FIXTURE["rows"]["cost_lines"]["columns"]

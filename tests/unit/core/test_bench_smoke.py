@@ -356,3 +356,14 @@ def test_device_results_are_shown_but_do_not_name_the_bench_machine():
     table = run.render_table(results)
     assert table.splitlines()[0] == "Machine: 2 usable cores, here, Python 3.11."
     assert "| device row |" in table
+
+
+def test_the_month_counts_the_bills_rows_and_dictionaries_with_the_minute_grain_and_ab_only_writable_revisions():
+    from bench import ledger_month
+
+    for table in ("node_bill_rows", "ledger_bill_kinds", "ledger_bill_names", "ledger_zero_sets", "node_bills"):
+        assert ledger_month.GRAIN_OF_TABLE[table] == "minute"
+    # Head's writer writes a ledger from 0017 on (its hourly FOCUS charges' ids), not 0015's: the bills' A/B runs.
+    assert ledger_month.head_writes("0017_focus_line_ids") and ledger_month.head_writes("head")
+    assert not ledger_month.head_writes("0015_focus_hourly")
+    assert all(ledger_month.head_writes(r) for r in ledger_month.BILLS_AB_REVISIONS)
