@@ -86,6 +86,7 @@ from services.guard.rules import (
     parse_device_ids,
     period_bounds,
     replica_refs_of,
+    same_objects,
     shared_memory_pressure,
     stale_node,
     unrequested_gpu_use,
@@ -139,7 +140,7 @@ class _Node:
 @dataclass(frozen=True)
 class _NodePods:
     """A node's pods as its sample rules read them, with what follows from them alone, kept while the node's pod
-    views stay the same objects (a changed pod is a new view): ``pods`` by uid (``_pods_of``), ``replica_refs``
+    views stay the same objects (a changed pod is a new view): ``pods`` by uid, ``replica_refs``
     (``rules.replica_refs_of``), and ``spec_pods``: the alive pods, in uid order, whose spec can show GPUs at all
     (the only ones ``visibility_leak_spec`` can judge a leak)."""
 
@@ -149,7 +150,7 @@ class _NodePods:
     spec_pods: tuple[PodView, ...]
 
     def same_views(self, views: tuple[PodView, ...]) -> bool:
-        return len(views) == len(self.views) and all(a is b for a, b in zip(views, self.views))
+        return same_objects(self.views, views)
 
     @classmethod
     def of(cls, key: NodeKey, views: tuple[PodView, ...], config: GuardConfig) -> "_NodePods":
@@ -544,9 +545,6 @@ class GuardEngine:
                     self._resolved_at[fp] = now
 
     # -- rules that need state -------------------------------------------------------------------------------------
-
-    def _pods_of(self, key: NodeKey) -> dict[str, PodView]:
-        return {uid: self._pods[uid] for uid in self._node_pods.get(key, ()) if uid in self._pods}
 
     def _node_pods_of(self, key: NodeKey) -> _NodePods:
         """``_NodePods`` of the node's pods now: the cached one while every view is the same object."""

@@ -531,6 +531,13 @@ def unrequested_gpu_use(sample: NodeSample, pods: Mapping[str, PodView], config:
 # shared_memory_pressure
 
 
+def same_objects(first: Sequence[object], second: Iterable[object]) -> bool:
+    """Whether ``second`` holds exactly ``first``'s objects, in order (identity, not equality: a pod view that
+    changed is a new object, so cached facts about the old ones are stale)."""
+    second = tuple(second)
+    return len(first) == len(second) and all(a is b for a, b in zip(first, second))
+
+
 def replica_refs_of(pods: Mapping[str, PodView]) -> CoveringCount:
     """The replica ids (``::N``) of the alive pods, one count per id (two pods naming one replica: two)."""
     return CoveringCount(ref for pod in pods.values() if pod.alive for ref in pod.device_refs

@@ -39,6 +39,7 @@ from services.guard.rules import (
     PodView,
     _sharing_of,
     is_exempt,
+    same_objects,
     usage_by_pod_and_unit,
     visibility_leak,
 )
@@ -137,7 +138,7 @@ class SamplePlans:
               replica_refs: CoveringCount) -> bool:
         key = structure_key(sample)
         plan = self._plans.get(node)
-        if plan is None or plan.key != key or not _same_views(plan.views, pods):
+        if plan is None or plan.key != key or not same_objects(plan.views, pods.values()):
             plan = self._plans[node] = build_plan(key, sample, pods, self.config, spec_pods, replica_refs)
         if plan.always_loud:
             return False
@@ -179,10 +180,6 @@ class SamplePlans:
             if sum(memory[cell] for cell in cells) >= config.unrequested_min_memory_bytes:
                 return False
         return True
-
-
-def _same_views(views: tuple[PodView, ...], pods: Mapping[str, PodView]) -> bool:
-    return len(views) == len(pods) and all(a is b for a, b in zip(views, pods.values()))
 
 
 __all__ = ["SamplePlan", "SamplePlans", "build_plan", "structure_key"]
