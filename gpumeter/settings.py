@@ -73,6 +73,19 @@ class KafkaSettings:
     max_request_size_bytes: int = setting(DEFAULT_MAX_REQUEST_SIZE_BYTES, env=_KAFKA + "MAX_REQUEST_SIZE_BYTES",
                                           parse=integer, check=at_least(64 * 1024),
                                           help="the producers' max_request_size in bytes")
+    # The streaming consumers' fetches (attributor, billing, guard): the broker answers a fetch once it holds this
+    # many bytes for it, or after the wait. With Kafka's default of 1 byte every fetch comes back with the few
+    # records that arrived since the last one, and at a fleet's steady 1 Hz the round trips -- a request written,
+    # a response read, on the client and on the broker -- cost more CPU than the records' processing
+    # (docs/performance.md, "Fetches that wait for data"). The wait bounds what it adds to a record's latency.
+    consumer_fetch_min_bytes: int = setting(256 * 1024, env=_KAFKA + "CONSUMER_FETCH_MIN_BYTES", parse=integer,
+                                            check=at_least(1),
+                                            help="bytes the broker gathers before it answers a streaming "
+                                                 "consumer's fetch")
+    consumer_fetch_max_wait_ms: int = setting(100, env=_KAFKA + "CONSUMER_FETCH_MAX_WAIT_MS", parse=integer,
+                                              check=at_least(0),
+                                              help="the longest the broker holds a streaming consumer's fetch "
+                                                   "for those bytes, ms")
 
     def __post_init__(self) -> None:
         validate(self)
@@ -108,6 +121,12 @@ class KafkaSettings:
                 cafile=self.ssl_cafile, certfile=self.ssl_certfile, keyfile=self.ssl_keyfile
             )
         return kwargs
+
+    def consumer_fetch_kwargs(self) -> dict[str, int]:
+        """aiokafka consumer arguments of the streaming consumers' fetches (``consumer_fetch_min_bytes``,
+        ``consumer_fetch_max_wait_ms``). One-off readers (a topic read to its end) keep aiokafka's defaults."""
+        return {"fetch_min_bytes": self.consumer_fetch_min_bytes,
+                "fetch_max_wait_ms": self.consumer_fetch_max_wait_ms}
 
     def describe(self) -> dict[str, Any]:
         """Printable view with secrets masked (``gpumeter.config.describe``)."""

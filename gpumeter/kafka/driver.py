@@ -166,6 +166,7 @@ class KafkaDriver(ProcessorLifecycle):
             isolation_level="read_committed",
             max_poll_records=self.max_poll_records,
             max_poll_interval_ms=int(self.max_poll_interval_seconds * 1000),
+            **self.kafka.consumer_fetch_kwargs(),
         )
         self._consumer = consumer
         try:

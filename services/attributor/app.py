@@ -78,6 +78,7 @@ from services.attributor.processor import (
     resume_position,
 )
 from services.attributor.faust_tables import GpumeterTableManager
+from services.attributor.faust_transport import FetchTunedApp
 from services.attributor.settings import AttributorSettings
 
 log = logging.getLogger(__name__)
@@ -181,8 +182,9 @@ class AttributorStream:
         self._on_failure = on_failure
         self.failure: BaseException | None = None
 
-        self.app = faust.App(
+        self.app = FetchTunedApp(
             settings.app_id,
+            consumer_fetch=settings.kafka.consumer_fetch_kwargs(),
             env={},  # settings come from AttributorSettings only, never from Faust's own environment variables
             autodiscover=False,
             broker=faust_broker_urls(settings.kafka),

@@ -8,6 +8,8 @@ import asyncio
 import dataclasses
 import threading
 
+import pytest
+
 from gpumeter.clock import ManualClock
 from gpumeter.kafka.driver import KafkaDriver
 from gpumeter.settings import KafkaSettings
@@ -182,3 +184,28 @@ async def test_a_revocation_whose_state_cannot_be_made_durable_commits_nothing()
     # new owner reads the partition again from the last commit; the partition is given up all the same.
     assert driver._consumer.commits == []
     assert driver.taken == {}
+
+
+def test_the_drivers_consumer_fetches_as_the_kafka_settings_say(monkeypatch) -> None:
+    """Billing's and the guard's consumer (the driver's) is made with ``KafkaSettings.consumer_fetch_kwargs``."""
+    import aiokafka
+
+    made: list[dict] = []
+
+    class Stop(Exception):
+        pass
+
+    class Recording:
+        def __init__(self, *args, **kwargs) -> None:
+            made.append(kwargs)
+            raise Stop
+
+    monkeypatch.setattr(aiokafka, "AIOKafkaConsumer", Recording)
+    clock = ManualClock(NOW)
+    runner = MessageRunner(Batched(), {"pods": TOPIC}, clock, log_dead_letters=False)
+    kafka = KafkaSettings(consumer_fetch_min_bytes=4096, consumer_fetch_max_wait_ms=250)
+    driver = KafkaDriver(runner, kafka=kafka, outputs={DEAD_LETTERS: "t.dead"}, producer=AcknowledgingProducer(),
+                         clock=clock, consumer_group="g")
+    with pytest.raises(Stop):
+        asyncio.run(driver.run(asyncio.Event()))
+    assert [(m["fetch_min_bytes"], m["fetch_max_wait_ms"]) for m in made] == [(4096, 250)]
