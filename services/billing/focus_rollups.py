@@ -50,6 +50,7 @@ SQLite keeps the text columns (its ledger is small).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any, Callable, Iterable, Mapping
 
 from sqlalchemy import (
@@ -321,6 +322,7 @@ def charge_ids(connection: Connection, links: Iterable[tuple]) -> dict[tuple, in
 
 # Positions in a ``LINE_DIMENSIONS`` key of what a line's dictionary ids are found by (``line_ids.line_keys``).
 _KIND_AT = (8, 11, 12, 13, 14, 7)  # subject kind, shared from, sharing method, method, cost basis, window seconds
+_KIND_OF = itemgetter(*_KIND_AT)
 _POD_UID, _GPU, _NAMESPACE, _POD_NAME, _LABEL_SET = 9, 10, 15, 16, 17
 _ROW_UPSERTS: dict[int, BulkInsert] = {}
 
@@ -332,12 +334,13 @@ def id_rows(lines: Mapping[tuple, list], charges: Mapping[tuple, int], gpus: Map
     ``LookupError`` naming how many lines have no id in them. Pure."""
     out = []
     unknown = 0
+    kind_of = _KIND_OF
     for key, v in lines.items():
         try:
             out.append((key[0], charges[key[:_LINK_WIDTH]], key[_LABEL_SET], v[0], v[1], v[5], v[6], v[7], v[8], v[4],
                         v[2], v[3], gpus[key[_GPU]], pods[focus_pod_key(key[_POD_UID], key[_NAMESPACE],
                                                                         key[_POD_NAME])],
-                        kinds[tuple(key[i] for i in _KIND_AT)]))
+                        kinds[kind_of(key)]))
         except KeyError:
             unknown += 1
     if unknown:
@@ -358,14 +361,18 @@ def _upsert_lines_by_ids(connection: Connection, tables: FocusRollupTables, line
     client CPU per node-window, 82 lines each) and the join cost the server ~1.3 ms (docs/billing.md).
     ``LookupError`` when a key has no ids (nothing of it is then added: the caller's transaction fails)."""
     links = charge_ids(connection, {key[:_LINK_WIDTH] for key in lines})
-    maps = []
-    for kind, wanted in (("gpus", {key[_GPU] for key in lines}),
-                         ("pods", {focus_pod_key(key[_POD_UID], key[_NAMESPACE], key[_POD_NAME]) for key in lines}),
-                         ("kinds", {tuple(key[i] for i in _KIND_AT) for key in lines})):
-        known = ids.get(kind) if ids is not None else {}
-        missing = [key for key in wanted if key not in known]
-        maps.append({**known, **line_ids.find_ids(connection, kind, missing)} if missing else known)
-    rows = id_rows(lines, links, *maps)
+    maps = [ids.get(kind) if ids is not None else {} for kind in ("gpus", "pods", "kinds")]
+    try:
+        rows = id_rows(lines, links, *maps)
+    except LookupError:
+        # Keys the cache lacks (a true-up's lines; a cache emptied for room): read from the dictionaries, and
+        # refused when they are not there either.
+        maps = [{**known, **line_ids.find_ids(connection, kind, {key for key in wanted if key not in known})}
+                for known, (kind, wanted) in zip(maps, (
+                    ("gpus", {key[_GPU] for key in lines}),
+                    ("pods", {focus_pod_key(key[_POD_UID], key[_NAMESPACE], key[_POD_NAME]) for key in lines}),
+                    ("kinds", {_KIND_OF(key) for key in lines})))]
+        rows = id_rows(lines, links, *maps)
     upsert = _ROW_UPSERTS.get(id(tables.rows))
     if upsert is None or upsert.table is not tables.rows:
         upsert = _ROW_UPSERTS[id(tables.rows)] = BulkInsert(tables.rows, ID_LINE_COLUMNS, conflict=ID_LINE_KEY,
