@@ -40,7 +40,8 @@ and line kind by the ids of revision 0014's dictionaries (``ledger_gpus``, ``led
 ``services.billing.line_ids``: ``Ledger.write`` resolves them, zero lines' kinds included, before its
 transaction) -- and its one index is the primary key the upserts need. Its pod is the dictionary row of
 ``focus_pod_key`` (an empty namespace or pod name is the absent one: the hourly key never told '' from NULL). The
-writers give the same text keys as on SQLite; the upsert resolves them to ids in SQL (``_upsert_lines_by_ids``);
+writers give the same text keys as on SQLite; the upsert maps them to ids in Python, from the writer's id cache
+and, for what it lacks, the dictionaries, and sends the rows of numbers by binary ``COPY`` (``_upsert_lines_by_ids``);
 ``focus_line_hourly`` is a view with the text layout's columns over them (what ``rows_of`` reads), and the export
 joins the ids back itself (``line_select``), so every reader gets the same ``LINE_DIMENSIONS`` rows.
 SQLite keeps the text columns (its ledger is small).
@@ -49,6 +50,7 @@ SQLite keeps the text columns (its ledger is small).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any, Callable, Iterable, Mapping
 
 from sqlalchemy import (
@@ -69,9 +71,10 @@ from sqlalchemy import (
 from sqlalchemy.engine import Connection
 
 from schemas.records import CostRecord
-from services.billing.bulk_rows import add_sums
+from services.billing import line_ids
+from services.billing.bulk_rows import BulkInsert, add_sums
 from services.billing.costing import NodeWindowKey
-from services.billing.line_ids import NAMESPACE_ABSENT, POD_NAME_ABSENT
+from services.billing.line_ids import NAMESPACE_ABSENT, POD_NAME_ABSENT, IdCache
 from services.billing.line_storage import label_set_id
 from services.billing.rollups import HOUR_MS, KIND_TEXT, TruedChange, add_into
 
@@ -262,7 +265,7 @@ def trued_rows(bill_changes: Iterable[Any], line_changes: Iterable[TruedChange],
 
 
 def _upsert(connection: Connection, tables: FocusRollupTables, charges: Mapping[tuple, list],
-            lines: Mapping[tuple, list]) -> int:
+            lines: Mapping[tuple, list], ids: IdCache | None = None) -> int:
     out = 0
     if charges:
         if connection.dialect.name == "postgresql":
@@ -272,7 +275,7 @@ def _upsert(connection: Connection, tables: FocusRollupTables, charges: Mapping[
                             [(*key, *values) for key, values in charges.items()])
     if lines:
         if connection.dialect.name == "postgresql":
-            out += _upsert_lines_by_ids(connection, lines)
+            out += _upsert_lines_by_ids(connection, tables, lines, ids)
         else:
             out += add_sums(connection, tables.lines, LINE_DIMENSIONS, LINE_MEASURES,
                             [(*key, *values) for key, values in lines.items()])
@@ -280,34 +283,6 @@ def _upsert(connection: Connection, tables: FocusRollupTables, charges: Mapping[
 
 
 _LINK_WIDTH = len(LINK)
-# ``_upsert_lines_by_ids``' arrays: name, SQL type, and where in (text key, measures) each comes from.
-_UNNEST = (("p", "bigint"), ("cluster", "text"), ("node_name", "text"), ("provider_id", "text"), ("zone", "text"),
-           ("price_version", "text"), ("sharing", "text"), ("window_seconds", "int4"), ("subject_kind", "text"),
-           ("pod_uid", "text"), ("gpu_uuid", "text"), ("shared_from", "text"), ("sharing_method", "text"),
-           ("method", "text"), ("cost_basis", "text"), ("namespace", "text"), ("pod_name", "text"),
-           ("label_set_id", "bigint"), ("absent", "int2"), ("cost_micro_usd", "bigint"),
-           ("billed_micro_usd", "bigint"), ("cost_lines", "int4"), ("trued_lines", "int4"), ("billed_ms", "int4"),
-           ("cost_share_ms", "float8"), ("memory_share_ms", "float8"), ("compute_share_ms", "float8"),
-           ("gpu_ms", "float8"))
-_ADDED = ("cost_micro_usd", "billed_micro_usd", "cost_lines", "trued_lines", "billed_ms", "cost_share_ms",
-          "memory_share_ms", "compute_share_ms", "gpu_ms")
-_UPSERT_BY_IDS = (
-    f"INSERT INTO {ROWS_TABLE} AS t ({', '.join(ID_LINE_COLUMNS)}) "
-    "SELECT k.p, (SELECT min(c.charge_id) FROM focus_charge_hourly c WHERE c.period_start_unix_ms = k.p AND "
-    + " AND ".join(f"c.{name} = k.{name}" for name in LINK[1:])
-    + "), k.label_set_id, k.cost_micro_usd, k.billed_micro_usd, k.cost_share_ms, k.memory_share_ms, "
-    "k.compute_share_ms, k.gpu_ms, k.billed_ms, k.cost_lines, k.trued_lines, g.gpu_id, d.pod_id, i.kind_id "
-    "FROM unnest(" + ", ".join(f"CAST(:{name} AS {sql}[])" for name, sql in _UNNEST) + ") AS k ("
-    + ", ".join(name for name, _sql in _UNNEST) + ") "
-    "JOIN ledger_gpus g ON g.gpu_uuid = k.gpu_uuid "
-    "JOIN ledger_pods d ON d.pod_uid = k.pod_uid AND d.namespace = k.namespace AND d.pod_name = k.pod_name "
-    "AND d.absent = k.absent "
-    "JOIN ledger_line_kinds i ON " + " AND ".join(f"i.{name} = k.{name}" for name in (*_KIND_COLUMNS,
-                                                                                        "window_seconds"))
-    + f" ORDER BY 1, 2, 3, 14, 13, 15 ON CONFLICT ({', '.join(ID_LINE_KEY)}) DO UPDATE SET "
-    + ", ".join(f"{name} = t.{name} + excluded.{name}" for name in _ADDED))
-
-
 _CHARGE_TYPES = ("bigint", *("text",) * 6, "int4", *("text",) * 4, *("bigint",) * 5)
 # A new charge's id from the sequence (drawn for every row offered, kept only by a new one: a bigint lasts).
 _UPSERT_CHARGES = (
@@ -317,6 +292,13 @@ _UPSERT_CHARGES = (
     + ", ".join((*CHARGE_DIMENSIONS, *CHARGE_MEASURES)) + f") ORDER BY {', '.join(CHARGE_DIMENSIONS)} "
     f"ON CONFLICT ({', '.join(CHARGE_DIMENSIONS)}) DO UPDATE SET "
     + ", ".join(f"{name} = t.{name} + excluded.{name}" for name in CHARGE_MEASURES))
+# The origin charge of each link: the least ``charge_id`` of the charges sharing the link (a node-hour priced two
+# ways under one price version has two charges; its lines name the first), as 0017's migration numbered them.
+_LINK_CHARGE_IDS = (
+    "SELECT " + ", ".join(f"k.{name}" for name in LINK) + ", (SELECT min(c.charge_id) FROM "
+    f"{CHARGE_TABLE} c WHERE " + " AND ".join(f"c.{name} = k.{name}" for name in LINK) + ") FROM unnest("
+    + ", ".join(f"CAST(:l{index} AS {sql}[])" for index, sql in enumerate(_CHARGE_TYPES[:_LINK_WIDTH]))
+    + ") AS k (" + ", ".join(LINK) + ")")
 
 
 def _upsert_charges_by_ids(connection: Connection, charges: Mapping[tuple, list]) -> int:
@@ -327,28 +309,84 @@ def _upsert_charges_by_ids(connection: Connection, charges: Mapping[tuple, list]
     return len(rows)
 
 
-def _upsert_lines_by_ids(connection: Connection, lines: Mapping[tuple, list]) -> int:
-    """Add ``lines`` (text key -> measures) into PostgreSQL's ``focus_line_hourly`` by ids, one statement: the
-    keys resolved to the origin charge's ``charge_id`` (upserted before, in the same transaction) and the
-    dictionaries' ids (``Ledger.write`` resolved them before its transaction). ``LookupError`` when a key has no
-    ids (nothing of it is then added: the caller's transaction fails)."""
-    columns: list[list] = [[] for _ in _UNNEST]
-    for key, values in lines.items():
-        row = (*key, focus_pod_key(key[9], key[15], key[16])[3], *values)
-        for column, value in zip(columns, row):
-            column.append(value)
-    params = {name: column for (name, _sql), column in zip(_UNNEST, columns)}
-    result = connection.execute(text(_UPSERT_BY_IDS), params)
-    if result.rowcount != len(lines):
-        raise LookupError(f"{len(lines) - result.rowcount} of {len(lines)} hourly FOCUS lines have no GPU, pod or "
-                          "kind id in the ledger's dictionaries")
-    return len(lines)
+def charge_ids(connection: Connection, links: Iterable[tuple]) -> dict[tuple, int]:
+    """The origin ``charge_id`` of each of ``links`` (``LINK`` tuples) in PostgreSQL's ``focus_charge_hourly``
+    (``_LINK_CHARGE_IDS``), read in ``connection``'s transaction; a link without a charge is left out."""
+    links = sorted(set(links))
+    if not links:
+        return {}
+    params = {f"l{index}": list(column) for index, column in enumerate(zip(*links))}
+    found = connection.execute(text(_LINK_CHARGE_IDS), params)
+    return {tuple(row[:_LINK_WIDTH]): int(row[_LINK_WIDTH]) for row in found if row[_LINK_WIDTH] is not None}
+
+
+# Positions in a ``LINE_DIMENSIONS`` key of what a line's dictionary ids are found by (``line_ids.line_keys``).
+_KIND_AT = (8, 11, 12, 13, 14, 7)  # subject kind, shared from, sharing method, method, cost basis, window seconds
+_KIND_OF = itemgetter(*_KIND_AT)
+_POD_UID, _GPU, _NAMESPACE, _POD_NAME, _LABEL_SET = 9, 10, 15, 16, 17
+_ROW_UPSERTS: dict[int, BulkInsert] = {}
+
+
+def id_rows(lines: Mapping[tuple, list], charges: Mapping[tuple, int], gpus: Mapping[str, int],
+            pods: Mapping[tuple, int], kinds: Mapping[tuple, int]) -> list[tuple]:
+    """``lines`` (``LINE_DIMENSIONS`` key -> ``LINE_MEASURES``) as ``focus_line_hourly_rows`` rows
+    (``ID_LINE_COLUMNS`` order), their link, GPU, pod (``focus_pod_key``) and kind looked up in the maps given.
+    ``LookupError`` naming how many lines have no id in them. Pure."""
+    out = []
+    unknown = 0
+    kind_of = _KIND_OF
+    for key, v in lines.items():
+        try:
+            out.append((key[0], charges[key[:_LINK_WIDTH]], key[_LABEL_SET], v[0], v[1], v[5], v[6], v[7], v[8], v[4],
+                        v[2], v[3], gpus[key[_GPU]], pods[focus_pod_key(key[_POD_UID], key[_NAMESPACE],
+                                                                        key[_POD_NAME])],
+                        kinds[kind_of(key)]))
+        except KeyError:
+            unknown += 1
+    if unknown:
+        raise LookupError(f"{unknown} of {len(lines)} hourly FOCUS lines have no GPU, pod or kind id in the "
+                          "ledger's dictionaries")
+    return out
+
+
+def _upsert_lines_by_ids(connection: Connection, tables: FocusRollupTables, lines: Mapping[tuple, list],
+                         ids: IdCache | None) -> int:
+    """Add ``lines`` (text key -> measures) into PostgreSQL's ``focus_line_hourly`` by ids: the keys mapped to
+    their origin charge's ``charge_id`` (upserted before, in the same transaction: one ``SELECT`` per write for
+    its links) and the dictionaries' ids -- from ``ids``, the writer's cache (``Ledger.write`` resolved every
+    key of its lines before its transaction), those it lacks read from the dictionaries -- in Python, then the
+    rows of numbers by ``bulk_rows``' binary ``COPY`` and one ``INSERT ... SELECT ... ON CONFLICT DO UPDATE`` in
+    key order. Until 2026-12-05 the text keys went as 28 array parameters into one ``INSERT ... SELECT FROM
+    unnest(...)`` joined to the dictionaries: psycopg dumped the arrays element by element in Python (~2 ms of
+    client CPU per node-window, 82 lines each) and the join cost the server ~1.3 ms (docs/billing.md).
+    ``LookupError`` when a key has no ids (nothing of it is then added: the caller's transaction fails)."""
+    links = charge_ids(connection, {key[:_LINK_WIDTH] for key in lines})
+    maps = [ids.get(kind) if ids is not None else {} for kind in ("gpus", "pods", "kinds")]
+    try:
+        rows = id_rows(lines, links, *maps)
+    except LookupError:
+        # Keys the cache lacks (a true-up's lines; a cache emptied for room): read from the dictionaries, and
+        # refused when they are not there either.
+        maps = [{**known, **line_ids.find_ids(connection, kind, {key for key in wanted if key not in known})}
+                for known, (kind, wanted) in zip(maps, (
+                    ("gpus", {key[_GPU] for key in lines}),
+                    ("pods", {focus_pod_key(key[_POD_UID], key[_NAMESPACE], key[_POD_NAME]) for key in lines}),
+                    ("kinds", {_KIND_OF(key) for key in lines})))]
+        rows = id_rows(lines, links, *maps)
+    upsert = _ROW_UPSERTS.get(id(tables.rows))
+    if upsert is None or upsert.table is not tables.rows:
+        upsert = _ROW_UPSERTS[id(tables.rows)] = BulkInsert(tables.rows, ID_LINE_COLUMNS, conflict=ID_LINE_KEY,
+                                                            add=ID_LINE_COLUMNS[3:12])
+    upsert.execute(connection, rows)
+    return len(rows)
 
 
 def add_written(connection: Connection, tables: FocusRollupTables, bill_rows: Iterable[Mapping[str, Any]],
-                costs: Iterable[CostRecord], *, label_set: Callable[[CostRecord], int] = _label_set_of) -> int:
-    """``Ledger.write``'s hook: the bills its insert created (their columns) and every line of them."""
-    return _upsert(connection, tables, *written_rows(bill_rows, costs, label_set=label_set))
+                costs: Iterable[CostRecord], *, label_set: Callable[[CostRecord], int] = _label_set_of,
+                ids: IdCache | None = None) -> int:
+    """``Ledger.write``'s hook: the bills its insert created (their columns) and every line of them. ``ids``: the
+    writer's dictionary ids (PostgreSQL), which it resolved for these lines."""
+    return _upsert(connection, tables, *written_rows(bill_rows, costs, label_set=label_set), ids=ids)
 
 
 def add_trued(connection: Connection, tables: FocusRollupTables, bill_changes: Iterable[Any],

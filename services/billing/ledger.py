@@ -855,7 +855,8 @@ class Ledger:
                     read_rollups.add_written(connection, READ_ROLLUPS, [bill_rows[w] for w in new_windows],
                                              new_costs, new_bills, team_key=self.team_label)
                     focus_rollups.add_written(connection, FOCUS_ROLLUPS, [bill_rows[w] for w in new_windows],
-                                              new_costs, label_set=self._label_set)
+                                              new_costs, label_set=self._label_set,
+                                              ids=self._ids if self._by_ids else None)
                 unpublished, others = self._unpublished(connection, dict(
                     pair for window, pair in by_window.items() if window not in new_windows))
         except SQLAlchemyError as exc:

@@ -249,6 +249,24 @@ def _resolve_kind(connection: Connection, kind: str, keys: Sequence[tuple]) -> d
     return found
 
 
+def find_ids(connection: Connection, kind: str, keys: Iterable[Hashable]) -> dict[Hashable, int]:
+    """The stored ids of ``keys`` of ``kind`` (as ``IdCache`` keys them: a one-column key by its value), read in
+    ``connection``'s transaction; nothing is inserted, and keys without a row are left out. What a writer that
+    found a key missing from its cache reads (``focus_rollups``: a true-up's lines)."""
+    table, id_column, columns, types = _KINDS[kind]
+    single = len(columns) == 1
+    rows = sorted((key,) if single else key for key in keys)
+    if not rows:
+        return {}
+    names = ", ".join(columns)
+    arrays = ", ".join(f"CAST(:k{index} AS {sql}[])" for index, sql in enumerate(types))
+    params = {f"k{index}": [key[index] for key in rows] for index in range(len(columns))}
+    match = " AND ".join(f"t.{name} = k.{name}" for name in columns)
+    return {(row[1] if single else tuple(row[1:])): int(row[0]) for row in connection.execute(text(
+        f"SELECT t.{id_column}, {', '.join(f't.{name}' for name in columns)} FROM {table} t "
+        f"JOIN unnest({arrays}) AS k ({names}) ON {match}"), params)}
+
+
 def missing_keys(cache: IdCache, lines: Iterable[CostRecord], gpus: Iterable[str] = (),
                  more: Mapping[str, set] | None = None) -> dict[str, set]:
     """Per kind, the dictionary keys of ``lines`` (and the GPU uuids ``gpus``: the zero lines' units, which their

@@ -1,20 +1,22 @@
 """PostgreSQL's hourly FOCUS lines by ids (migration 0016, ``services.billing.focus_rollups``) on a real server: a
 ledger whose hourly FOCUS grain was written at 0015's text layout gives the same rows and the same FOCUS export,
 byte for byte, after the upgrade and after going back; a true-up on the new layout keeps the grain equal to what
-the minute lines (trued up) sum to; a write's new pods, GPUs and zero lines' kinds get their ids."""
+the minute lines (trued up) sum to; a write's new pods, GPUs and zero lines' kinds get their ids; ids its cache
+lacks are read from the dictionaries, and a line whose ids are in neither is refused."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import pytest
 from alembic import command
 from sqlalchemy import text
 
-from services.billing import focus_rollups
+from services.billing import focus_rollups, line_ids
 from services.billing.export import focus_hour_chunks
 from services.billing.focus import write_focus_csv_chunks
-from services.billing.ledger import FOCUS_ROLLUPS, Ledger, _alembic_config
+from services.billing.ledger import FOCUS_ROLLUPS, Ledger, _alembic_config, _bill_row
 from services.billing.rollups import HOUR_MS
 from tests.integration.test_ledger_postgres import database_url  # noqa: F401 (a fixture)
 from tests.unit.billing.data import make_ledger_0007 as recorded
@@ -126,5 +128,35 @@ def test_a_write_at_head_gives_its_pods_gpus_and_zero_line_kinds_ids_and_exports
             "SELECT (SELECT count(*) FROM focus_line_hourly_rows), (SELECT count(*) FROM focus_line_hourly), "
             "(SELECT count(*) FROM focus_line_hourly WHERE cost_micro_usd = 0 AND pod_uid = '')")).one()
     assert counts[0] == counts[1] > 0 and counts[2] > 0
+    ledger.close()
+    sqlite.close()
+
+
+def test_ids_the_writers_cache_lacks_are_read_from_the_dictionaries_and_a_line_without_ids_is_refused(
+        database_url, tmp_path, monkeypatch):
+    ledger = Ledger(database_url)
+    ledger.migrate()
+    sqlite = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
+    sqlite.migrate()
+    priced = recorded.results()
+    sqlite.write([c for r in priced for c in r.costs], [r.bill for r in priced])
+    # The hourly FOCUS lines' upsert handed an empty cache: every GPU, pod and kind id read from the dictionaries.
+    written = focus_rollups.add_written
+    monkeypatch.setattr(focus_rollups, "add_written",
+                        lambda *args, **kwargs: written(*args, **{**kwargs, "ids": line_ids.IdCache()}))
+    ledger.write([c for r in priced for c in r.costs], [r.bill for r in priced])
+    monkeypatch.undo()
+    assert hourly_rows(ledger) == hourly_rows(sqlite)
+    assert hourly_export_csv(ledger) == hourly_export_csv(sqlite)
+
+    # A line of a GPU no dictionary holds (in neither the cache nor ledger_gpus): refused, nothing of it added.
+    before = hourly_rows(ledger)
+    first = priced[0]
+    row = {**_bill_row(first.bill), "zero_line_count": 0}
+    costs = [dataclasses.replace(first.costs[0], gpu_uuid="GPU-in-no-dictionary"), *first.costs[1:]]
+    with pytest.raises(LookupError, match="1 of .* hourly FOCUS lines have no GPU, pod or kind id"):
+        with ledger.engine.begin() as connection:
+            focus_rollups.add_written(connection, FOCUS_ROLLUPS, [row], costs, ids=ledger._ids)
+    assert hourly_rows(ledger) == before
     ledger.close()
     sqlite.close()

@@ -368,3 +368,30 @@ def test_the_upgrade_of_a_ledger_whose_minute_lines_retention_dropped_records_fr
         choose_grain(sqlite_ledger, start_ms=HOUR0, end_ms=END_MS, grain="hour")
     later = FIRST_MS + 20 * DAY_MS
     assert choose_grain(sqlite_ledger, start_ms=hour_of(later), end_ms=hour_of(later) + 3 * HOUR_MS).grain == "hour"
+
+
+def test_id_rows_map_each_text_key_to_its_charge_and_dictionary_ids_and_refuse_a_key_without_one():
+    link = (3_600_000, "c", "n1", "aws:///i-1", "us-east-1a", "v1", "exclusive", 60)
+    pod_line = (*link, "POD", "uid-1", "GPU-1", "", "", "tick", "list", "ns", "pod-a", 7)
+    bucket = (*link, "IDLE", "", "GPU-1", "", "", "tick", "list", "", "", 0)
+    measures = {pod_line: [10, 11, 1, 0, 60_000, 0.5, 0.25, 0.75, 0.125],
+                bucket: [0, 0, 2, 1, 120_000, 0.0, 0.0, 0.0, 0.0]}
+    charges = {link: 42}
+    gpus = {"GPU-1": 5}
+    pods = {("uid-1", "ns", "pod-a", 0): 8, ("", "", "", 3): 9}  # a bucket's pod: both names absent
+    kinds = {("POD", "", "", "tick", "list", 60): 2, ("IDLE", "", "", "tick", "list", 60): 3}
+    rows = focus_rollups.id_rows(measures, charges, gpus, pods, kinds)
+    assert [dict(zip(focus_rollups.ID_LINE_COLUMNS, row)) for row in rows] == [
+        {"period_start_unix_ms": 3_600_000, "charge_id": 42, "label_set_id": 7, "cost_micro_usd": 10,
+         "billed_micro_usd": 11, "cost_share_ms": 0.5, "memory_share_ms": 0.25, "compute_share_ms": 0.75,
+         "gpu_ms": 0.125, "billed_ms": 60_000, "cost_lines": 1, "trued_lines": 0, "gpu_id": 5, "pod_id": 8,
+         "kind_id": 2},
+        {"period_start_unix_ms": 3_600_000, "charge_id": 42, "label_set_id": 0, "cost_micro_usd": 0,
+         "billed_micro_usd": 0, "cost_share_ms": 0.0, "memory_share_ms": 0.0, "compute_share_ms": 0.0,
+         "gpu_ms": 0.0, "billed_ms": 120_000, "cost_lines": 2, "trued_lines": 1, "gpu_id": 5, "pod_id": 9,
+         "kind_id": 3}]
+    for missing in ({}, charges), ({}, gpus), ({}, pods), ({}, kinds):
+        maps = [charges, gpus, pods, kinds]
+        maps[[id(m) for m in maps].index(id(missing[1]))] = missing[0]
+        with pytest.raises(LookupError, match="2 of 2 hourly FOCUS lines have no"):
+            focus_rollups.id_rows(measures, *maps)
