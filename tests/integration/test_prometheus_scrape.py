@@ -15,8 +15,8 @@ What must hold, asked of Prometheus while the run goes on:
 * every process is a healthy target;
 * every panel query of deploy/grafana/gpumeter-dashboard.json (Grafana's variables filled in as "All" sends them)
   returns series, each carrying the labels the query groups by and its legend shows, with a value; every query
-  variable's ``label_values`` has values; billing's per-pod series keep the namespaces of the billed pods (the
-  chart's honorLabels for billing);
+  variable's ``label_values`` has values; billing's per-pod series keep the namespaces of the billed pods, and a
+  ``service`` label shown is gpumeter's own service name, not the Kubernetes Service's (the chart's honorLabels);
 * every alert rule has been evaluated with health ``ok``, and every selector of its expression selects series (its
   job and namespace matchers meet the target labels the ServiceMonitors give);
 * the check is not vacuous: a query grouping by a label the metric lacks fails it.
@@ -66,6 +66,8 @@ LEGEND_LABEL_RE = re.compile(r"\{\{\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*\}\}")
 LABEL_VALUES_RE = re.compile(r"^label_values\((.+),\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*\)$")
 ONE_MIB_UNCOMPRESSED = b"\x00" + random.Random(25).randbytes(1_040_000)  # no record; under message.max.bytes
 WAIT_S = 150.0
+# The `service` label values gpumeter's own series carry (each service's metrics registry names itself)
+GPUMETER_SERVICES = frozenset({"collector", "attributor", "billing", "api", "guard", "record", "recorder"})
 
 
 def free_ports(count: int) -> int:
@@ -162,6 +164,8 @@ def panel_problem(prometheus: PrometheusServer, expr: str, legend: str) -> str |
         missing = sorted(label for label in wanted if not series["metric"].get(label))
         if missing:
             return f"a series without {missing}: {series['metric']}"
+        if "service" in wanted and series["metric"]["service"] not in GPUMETER_SERVICES:
+            return f"a series whose service is not one of gpumeter's ({series['metric']['service']!r})"
         if series["value"][1] in ("NaN", ""):
             return f"no value: {series}"
     return None

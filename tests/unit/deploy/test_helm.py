@@ -782,8 +782,9 @@ def test_one_service_monitor_per_role_scrapes_exactly_that_roles_metrics_service
         assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
         assert endpoint["path"] == "/metrics" and endpoint["interval"] == chosen["interval"]
         role = service["metadata"]["labels"]["app.kubernetes.io/component"]
-        # Billing's per-pod series keep the namespace/pod labels of the pods they bill.
-        assert endpoint["honorLabels"] is (role == "billing")
+        # Every role's series keep their `service` label (not the Service's name), billing's per-pod series the
+        # namespace/pod labels of the pods they bill.
+        assert endpoint["honorLabels"] is True
         scraped.append(role)
     # Scaled out, the guard has a metrics Service, and so a ServiceMonitor, per role: nodes and budgets.
     recorder = ("recorder",) if values(*MONITORING[guard_mode])["recorder"]["enabled"] else ()
