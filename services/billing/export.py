@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
+from sqlalchemy.exc import SQLAlchemyError
+
 from gpumeter.clock import Clock, SystemClock, iso_utc
 from gpumeter.errors import ConfigError, GpumeterError
 from services.billing import focus_rollups, read_rollups, rollups
@@ -32,9 +34,10 @@ from services.billing.time_args import parse_duration_seconds, parse_instant_ms
 from services.billing.focus import (
     FocusBill,
     FocusCharge,
-    FocusHourLine,
+    FocusColumns,
     FocusLine,
-    focus_hour_rows,
+    HourLines,
+    focus_hour_columns,
     focus_rows,
     write_focus_csv_chunks,
     write_focus_parquet_chunks,
@@ -46,6 +49,7 @@ from services.billing.ledger import (
     READ_ROLLUPS,
     ROLLUPS,
     Ledger,
+    LedgerError,
     MinuteLinesDropped,
     label_sets,
 )
@@ -120,43 +124,58 @@ def choose_grain(ledger: Ledger, *, start_ms: int, end_ms: int, cluster: str | N
 
 def _charge(row: tuple, prices: Mapping[str, Mapping[str, Any]]) -> FocusCharge:
     price = prices[row[5]]
-    return FocusCharge(*row[:12], *(int(v) for v in row[12:]), str(price["price_per_hour_usd"]),
+    return FocusCharge(*row[:12], *(int(v) for v in row[12:17]), str(price["price_per_hour_usd"]),
                        str(price.get("split_rule") or ""))
 
 
 def focus_hour_chunks(ledger: Ledger, *, start_ms: int, end_ms: int, cluster: str | None = None,
                       billing_account_id: str | None = None, chunk_hours: int = CHUNK_HOURS
-                      ) -> Iterator[list[dict[str, Any]]]:
-    """The hourly grain's FOCUS rows (``focus.focus_hour_rows``) of the hours in [start_ms, end_ms), ``chunk_hours``
-    of hours at a time, oldest first (the caller checks the grain answers: ``choose_grain``)."""
-    width = len(focus_rollups.LINK)
+                      ) -> Iterator[FocusColumns]:
+    """The hourly grain's FOCUS rows (``focus.focus_hour_columns``: columns, no row dicts) of the hours in
+    [start_ms, end_ms), ``chunk_hours`` of hours at a time, oldest first (the caller checks the grain answers:
+    ``choose_grain``). On PostgreSQL the lines are read by ids (``focus_rollups.hour_lines_by_ids``: numbers
+    through the driver, the texts once per id), on SQLite as text rows (``focus_rollups.lines_of``)."""
+    by_ids = ledger.dialect == "postgresql"
     at = start_ms
     while at < end_ms:
         until = min(end_ms, at + chunk_hours * HOUR_MS)
-        charge_rows = focus_rollups.charges_of(ledger.read, FOCUS_ROLLUPS, at, until, cluster)
-        line_rows = focus_rollups.lines_of(ledger.read, FOCUS_ROLLUPS, at, until, cluster,
-                                           by_ids=ledger.dialect == "postgresql")
+        charge_rows = focus_rollups.charges_of(ledger.read, FOCUS_ROLLUPS, at, until, cluster, with_ids=by_ids)
+        if by_ids:
+            lines, kinds, pods, gpus = _read_driver(ledger, lambda connection: focus_rollups.hour_lines_by_ids(
+                connection, at, until, cluster))
+            charges = [(row[-1], row) for row in charge_rows]
+        else:
+            lines, kinds, pods, gpus = focus_rollups.hour_lines_of_texts(
+                focus_rollups.lines_of(ledger.read, FOCUS_ROLLUPS, at, until, cluster))
+            charges = [(tuple(row[:len(focus_rollups.LINK)]), row) for row in charge_rows]
         prices = ledger.price_versions({row[5] for row in charge_rows})
-        labels = focus_rollups.label_sets_of(ledger.read, label_sets, {row[width + 9] for row in line_rows})
-        lines: dict[tuple, list[FocusHourLine]] = {}
-        at_label, at_measures = width + 9, width + 10
-        for row in line_rows:
-            # The columns as the driver gives them (integers; floats: the four shares in ms), no copy per value.
-            lines.setdefault(tuple(row[:width]), []).append(FocusHourLine(
-                *row[width:at_label], labels[int(row[at_label])], *row[at_measures:at_measures + 5],
-                *map(float, row[at_measures + 5:])))
+        labels = focus_rollups.label_sets_of(ledger.read, label_sets, {line[5] for line in lines})
         try:
-            yield focus_hour_rows([_charge(row, prices) for row in charge_rows], lines,
-                                  billing_account_id=billing_account_id)
+            yield focus_hour_columns([(key, _charge(row, prices)) for key, row in charges],
+                                     HourLines(lines, kinds, pods, gpus, labels),
+                                     billing_account_id=billing_account_id)
         except ValueError as exc:
             raise GpumeterError(f"the ledger cannot be exported as FOCUS: {exc}") from exc
         at = until
 
 
+def _read_driver(ledger: Ledger, reader):
+    """``reader(connection)`` on a read connection of ``ledger``, the driver's errors as ``LedgerError`` (what
+    ``Ledger.read`` makes of them)."""
+    dbapi = ledger.engine.dialect.loaded_dbapi
+    try:
+        with ledger.engine.connect() as connection:
+            return reader(connection)
+    except (SQLAlchemyError, dbapi.Error) as exc:
+        raise LedgerError(f"reading {ledger!r} failed: {exc}") from exc
+
+
 def focus_export(ledger: Ledger, *, start_ms: int, end_ms: int, cluster: str | None = None,
                  billing_account_id: str | None = None, grain: str = "auto"
-                 ) -> tuple[FocusGrain, Iterator[list[dict[str, Any]]]]:
-    """The grain that answers (``choose_grain``) and the FOCUS rows at it, a chunk at a time."""
+                 ) -> tuple[FocusGrain, Iterator[FocusColumns | list[dict[str, Any]]]]:
+    """The grain that answers (``choose_grain``) and the FOCUS rows at it, a chunk at a time: at hourly grain
+    ``FocusColumns`` (a day each), at minute grain one list of row dicts (``focus_rows``); the writers take
+    both."""
     chosen = choose_grain(ledger, start_ms=start_ms, end_ms=end_ms, cluster=cluster, grain=grain)
     if chosen.grain == HOUR:
         return chosen, focus_hour_chunks(ledger, start_ms=start_ms, end_ms=end_ms, cluster=cluster,
