@@ -541,7 +541,7 @@ def focus_hour_columns(charges: Iterable[tuple[Any, FocusCharge]], hour_lines: H
     keyed = sorted(charges, key=lambda pair: pair[1].link)
     by_charge: dict[Any, list] = {}
     for line in hour_lines.lines:
-        charge_key = (line[0], line[1])
+        charge_key = line[:2]
         bucket = by_charge.get(charge_key)
         if bucket is None:
             by_charge[charge_key] = [line]
@@ -552,14 +552,29 @@ def focus_hour_columns(charges: Iterable[tuple[Any, FocusCharge]], hour_lines: H
         raise ValueError("hourly FOCUS lines without their origin charge: "
                          f"{sorted(key for _period, key in orphans)[:3]}")
     kinds, pods, gpus, labels = hour_lines.kinds, hour_lines.pods, hour_lines.gpus, hour_lines.labels
-    # Per distinct key, once: a kind's bucket row key; a (pod, label set)'s pod row key (its tags text made once);
-    # an element's sort key and %-format per (kind, GPU, whether the row is a pod's).
-    bucket_keys = {k: (_BUCKET_ORDER.get(v[0], 99), v[0]) for k, v in kinds.items()}
-    pod_kinds = {k for k, v in kinds.items() if v[0] == "POD"}
+    # Per distinct (kind, pod, GPU, label set), once: the line's row key (a pod's with its tags text, made once per
+    # label set; a kept bucket's), and its element's sort key, shape and %-format (``_element_format``).
+    made_of: dict[tuple, tuple] = {}
     tags_texts: dict[int, str] = {}
-    pod_keys: dict[tuple, tuple] = {}
-    formats: dict[tuple, tuple] = {}
-    gpu_texts: dict[Any, str] = {}
+
+    def made(identity: tuple) -> tuple:
+        kind_key, pod_key, gpu_key, label_id = identity
+        kind = kinds[kind_key]
+        pod = pods[pod_key]
+        if kind[0] == "POD" and pod[0]:
+            text = tags_texts.get(label_id)
+            if text is None:
+                text = tags_texts[label_id] = _json({k: v for k, v in labels[label_id].items()
+                                                     if k not in _ORIGIN_TAG_KEYS})
+            row_key = (0, *pod, text)
+        else:
+            row_key = (_BUCKET_ORDER.get(kind[0], 99), kind[0])
+        uuid = gpus[gpu_key]
+        which, form = _element_format(kind[1], kind[2], kind[0], kind[3], kind[4], bool(uuid), row_key[0] == 0)
+        out = made_of[identity] = (row_key, (kind[1] != "", uuid, kind[1]), which, form,
+                                   _json_string(uuid) if which == 1 else None, kind[4])
+        return out
+
     origin: dict[str, list] = {column: [] for column in COLUMNS if column not in _MICRO_COLUMNS
                                and column not in _UNITS_COLUMNS and column not in _ROW_COLUMNS}
     repeats: list[int] = []
@@ -573,32 +588,25 @@ def focus_hour_columns(charges: Iterable[tuple[Any, FocusCharge]], hour_lines: H
     for charge_key, charge in keyed:
         lines = by_charge.get((charge.period_start_unix_ms, charge_key), ())
         total = charge.node_cost_micro_usd
-        listed = sum(line[6] for line in lines)
+        # Each row's lines as (element sort key, line, what ``made`` says of its identity), in the lines' order.
+        groups: dict[tuple, list] = {}
+        bases = set()
+        for line in lines:
+            known = made_of.get(line[2:6]) or made(line[2:6])
+            group = groups.get(known[0])
+            if group is None:
+                groups[known[0]] = [(known[1], line, known)]
+            else:
+                group.append((known[1], line, known))
+            bases.add(known[5])
+        keys = sorted(groups)
+        row_costs = [sum([item[1][6] for item in groups[key]]) for key in keys]
+        listed = sum(row_costs)
         if listed != total:
             raise ValueError(f"{charge.link}: lines add up to {listed} micro-USD, the origin charge says {total}")
-        groups: dict[tuple, list] = {}
-        for line in lines:
-            kind_key, pod_key = line[2], line[3]
-            if kind_key in pod_kinds and pods[pod_key][0]:
-                row_key = pod_keys.get((pod_key, line[5]))
-                if row_key is None:
-                    text = tags_texts.get(line[5])
-                    if text is None:
-                        text = tags_texts[line[5]] = _json({k: v for k, v in labels[line[5]].items()
-                                                            if k not in _ORIGIN_TAG_KEYS})
-                    row_key = pod_keys[(pod_key, line[5])] = (0, *pods[pod_key], text)
-            else:
-                row_key = bucket_keys[kind_key]
-            group = groups.get(row_key)
-            if group is None:
-                groups[row_key] = [line]
-            else:
-                group.append(line)
-        keys = sorted(groups)
-        row_costs = [sum(line[6] for line in groups[key]) for key in keys]
         weights = row_costs if any(row_costs) else [1] * len(keys)
         quantities = apportion(hour_units(charge.billed_milliseconds), weights) if keys else ()
-        basis = "+".join(sorted({kinds[line[2]][4] for line in lines if kinds[line[2]][4]})) or "unknown"
+        basis = "+".join(sorted(basis for basis in bases if basis)) or "unknown"
         common = _origin_columns(
             cluster=charge.cluster, node_name=charge.node_name, provider=charge.provider, region=charge.region,
             zone=charge.zone, provider_id=charge.provider_id, instance_type=charge.instance_type,
@@ -618,39 +626,27 @@ def focus_hour_columns(charges: Iterable[tuple[Any, FocusCharge]], hour_lines: H
             billed_micro = shared_micro = 0
             gpu_ms = 0.0
             texts = []
-            sortable = []
-            for line in groups[key]:
-                kind_key, gpu_key = line[2], line[4]
-                made = formats.get((kind_key, gpu_key, is_pod))
-                if made is None:
-                    kind = kinds[kind_key]
-                    uuid = gpus[gpu_key]
-                    which, form = _element_format(kind[1], kind[2], kind[0], kind[3], kind[4], bool(uuid), is_pod)
-                    made = formats[(kind_key, gpu_key, is_pod)] = ((kind[1] != "", uuid, kind[1]), which, form)
-                sortable.append((made[0], line, made))
-            if len(sortable) > 1:
-                sortable.sort(key=_first)
-            for _order, line, (_sort, which, form) in sortable:
+            group = groups[key]
+            if len(group) > 1:
+                group.sort(key=_first)  # stable: equal keys keep the lines' order, as before
+            for _order, line, (_row, _sort, which, form, gpu_text, _basis) in group:
                 cost = line[6]
                 billed_micro += line[7]
                 # int / int is correctly rounded: the same float as float(Fraction(cost, total)).
                 ratio = cost / total if total else 1.0 / element_count
-                if which == 0:
-                    shared_micro += cost
-                    values = (ratio, line[11] / origin_ms if origin_ms else 0.0, line[8])
-                    finite = ratio + values[1]
-                elif which == 1:
+                if which == 1:
                     if is_pod:
                         gpu_ms += line[14]
-                    gpu_text = gpu_texts.get(line[4])
-                    if gpu_text is None:
-                        gpu_text = gpu_texts[line[4]] = _json_string(gpus[line[4]])
                     if origin_ms:
                         values = (ratio, line[14] / _MS_PER_HOUR, line[13] / origin_ms, line[11] / origin_ms,
                                   gpu_text, line[8], line[12] / origin_ms)
                     else:
                         values = (ratio, line[14] / _MS_PER_HOUR, 0.0, 0.0, gpu_text, line[8], 0.0)
                     finite = ratio + values[1] + values[2] + values[3] + values[6]
+                elif which == 0:
+                    shared_micro += cost
+                    values = (ratio, line[11] / origin_ms if origin_ms else 0.0, line[8])
+                    finite = ratio + values[1]
                 else:
                     values = (ratio, line[8])
                     finite = ratio
@@ -893,6 +889,12 @@ def _arrow_array(column: str, values: Sequence[Any], kind):
 
 
 def _arrow_table(rows: "Sequence[Mapping[str, Any]] | FocusColumns", metadata: Mapping[str, str] | None = None):
+    """The chunk's Arrow table: a chunk that is one already (``export.focus_hour_tables``'s, made by
+    ``FocusColumns.arrow_table`` in a worker) with the schema's metadata set as ``arrow_table`` sets it."""
+    import pyarrow as pa
+
+    if isinstance(rows, pa.Table):
+        return rows.replace_schema_metadata({"focus_version": FOCUS_VERSION, **(metadata or {})})
     return FocusColumns.of(rows).arrow_table(metadata)
 
 
@@ -909,23 +911,36 @@ def write_focus_parquet_chunks(chunks: Iterable["Sequence[Mapping[str, Any]] | F
     """``write_focus_parquet`` of rows that come a chunk at a time (one row group per chunk: a month of a fleet's
     rows need not be in memory at once), each chunk rows or ``FocusColumns``; ``metadata`` joins the schema's
     (``gpumeter_grain``). Returns the rows."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import pyarrow.parquet as pq
 
     writer = None
     count = 0
-    try:
-        for chunk in chunks:
-            table = _arrow_table(chunk, metadata)
+    # A row group is encoded and compressed in a thread (pyarrow lets go of the GIL) while the next chunk is made;
+    # one at a time, in order, so the file is the one a loop writes.
+    with ThreadPoolExecutor(1) as background:
+        written = None
+        try:
+            for chunk in chunks:
+                table = _arrow_table(chunk, metadata)
+                if writer is None:
+                    writer = pq.ParquetWriter(str(path), table.schema)
+                if written is not None:
+                    written.result()
+                    written = None
+                if table.num_rows:
+                    written = background.submit(writer.write_table, table)
+                count += table.num_rows
+            if written is not None:
+                written.result()
             if writer is None:
-                writer = pq.ParquetWriter(str(path), table.schema)
-            if table.num_rows:
-                writer.write_table(table)
-            count += table.num_rows
-        if writer is None:
-            writer = pq.ParquetWriter(str(path), _arrow_table([], metadata).schema)
-    finally:
-        if writer is not None:
-            writer.close()
+                writer = pq.ParquetWriter(str(path), _arrow_table([], metadata).schema)
+        finally:
+            if written is not None:
+                written.exception()  # wait: the writer is closed after its last row group, never during it
+            if writer is not None:
+                writer.close()
     return count
 
 
@@ -936,6 +951,8 @@ def write_focus_csv_chunks(chunks: Iterable["Sequence[Mapping[str, Any]] | Focus
     writer.writerow(COLUMNS)
     count = 0
     for chunk in chunks:
+        if not isinstance(chunk, (FocusColumns, Sequence)):
+            raise TypeError(f"a CSV is written from rows or FocusColumns (exact values), not {type(chunk).__name__}")
         columns = FocusColumns.of(chunk)
         writer.writerows(zip(*columns.text_columns()))
         count += len(columns)
