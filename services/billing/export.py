@@ -235,8 +235,8 @@ def focus_hour_tables(ledger: Ledger, *, start_ms: int, end_ms: int, cluster: st
                       billing_account_id: str | None = None, workers: int = 1,
                       chunk_hours: int = CHUNK_HOURS) -> Iterator[Any]:
     """The hourly rows of ``focus_hour_chunks`` as the Parquet writer's Arrow tables, a chunk each, oldest first
-    -- made by ``workers`` processes of their own (spawned; each opens the ledger once) where there are more
-    chunks than one, at most ``workers + 1`` chunks ahead of the caller, each handed over as an Arrow IPC file in
+    -- made by up to ``workers`` processes of their own (spawned; each opens the ledger once), at most one per two
+    chunks (fewer than two: in this process), at most ``workers + 1`` chunks ahead of the caller, each handed over as an Arrow IPC file in
     a temporary folder (``/dev/shm`` where there is one) that this process maps and deletes (the mapping lives
     as long as the table). The same tables as ``FocusColumns.arrow_table`` of each chunk: the writer writes the same file."""
     import pyarrow as pa
@@ -246,7 +246,10 @@ def focus_hour_tables(ledger: Ledger, *, start_ms: int, end_ms: int, cluster: st
     while at < end_ms:
         spans.append((at, min(end_ms, at + chunk_hours * HOUR_MS)))
         at = spans[-1][1]
-    if workers <= 1 or len(spans) <= 1:
+    # A worker takes ~2 s to start (a spawned interpreter's imports): one per two chunks at most, so that an export
+    # of a day or two stays in this process (48 hours of the bench's fleet: 5.0 s in one process, 9.0 with two).
+    workers = min(workers, len(spans) // 2)
+    if workers <= 1:
         for chunk in focus_hour_chunks(ledger, start_ms=start_ms, end_ms=end_ms, cluster=cluster,
                                        billing_account_id=billing_account_id, chunk_hours=chunk_hours):
             yield chunk.arrow_table()
@@ -254,7 +257,7 @@ def focus_hour_tables(ledger: Ledger, *, start_ms: int, end_ms: int, cluster: st
     context = multiprocessing.get_context("spawn")  # no fork of a process holding connections and threads
     shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
     with tempfile.TemporaryDirectory(prefix="gpumeter-focus-", dir=shm) as folder, ProcessPoolExecutor(
-            min(workers, len(spans)), mp_context=context, initializer=_worker_start,
+            workers, mp_context=context, initializer=_worker_start,
             initargs=(ledger.url,)) as pool:
         ahead = iter(spans)
         pending = deque(pool.submit(_span_table, *span, cluster, billing_account_id, folder)
