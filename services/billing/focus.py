@@ -812,12 +812,6 @@ def _scaled_floats(values: Sequence[int], scale: int):
     return [v / scale for v in values]
 
 
-def _csv_text(value: Any) -> str:
-    if value is None:
-        return ""
-    return str(value)
-
-
 def focus_csv(rows: "Sequence[Mapping[str, Any]] | FocusColumns") -> str:
     """The rows as CSV (RFC 4180, a header of the column names; null is an empty cell). No cell is rewritten
     against spreadsheet formulas: FOCUS consumers read the values as they are (every text here is a name

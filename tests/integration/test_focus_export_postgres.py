@@ -10,7 +10,7 @@ import io
 import pytest
 
 from services.billing import focus_rollups
-from services.billing.export import focus_export, focus_hour_chunks, focus_hour_tables
+from services.billing.export import _charge, focus_export, focus_hour_chunks, focus_hour_tables
 from services.billing.focus import HourLines, focus_hour_columns, write_focus_csv_chunks, write_focus_parquet_chunks
 from services.billing.ledger import FOCUS_ROLLUPS, Ledger, label_sets
 from services.billing.rollups import HOUR_MS
@@ -33,8 +33,6 @@ def view_chunks(ledger: Ledger, cluster: str | None = None):
         lines, kinds, pods, gpus = focus_rollups.hour_lines_of_texts(rows)
         labels = focus_rollups.label_sets_of(ledger.read, label_sets, {line[5] for line in lines})
         prices = ledger.price_versions({row[5] for row in charges})
-        from services.billing.export import _charge
-
         yield focus_hour_columns([(tuple(row[:len(focus_rollups.LINK)]), _charge(row, prices)) for row in charges],
                                  HourLines(lines, kinds, pods, gpus, labels))
 

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import random
 from dataclasses import dataclass
 from decimal import Decimal
 from fractions import Fraction
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import pytest
 
@@ -38,7 +37,7 @@ from services.billing.focus import (
     write_focus_csv_chunks,
     write_focus_parquet_chunks,
 )
-from services.billing.focus_rollups import LINK, hour_lines_of_texts
+from services.billing.focus_rollups import hour_lines_of_texts
 from services.billing.money import apportion
 
 HOUR_MS = 3_600_000
