@@ -426,28 +426,31 @@ def month_reads(url: str, *, start_ms: int, days: int, hours_of_lines: int) -> d
 def focus_month(ledger: Any, *, start_ms: int, end_ms: int) -> dict[str, Any]:
     """The month's FOCUS export as ``gpumeter export focus --window 30d --out FILE.parquet`` makes it (grain auto:
     the whole hours of the month from the hourly FOCUS rollups, a day of rows at a time into one Parquet file):
-    its wall seconds, the rows building alone (the same chunks, not written), its rows and bytes, and the grain."""
+    its wall seconds, the rows building alone (the same chunks, not written), its rows and bytes, the grain and the
+    worker processes (``gpumeter export focus``'s default ``--workers``)."""
     import os
     import tempfile
     from pathlib import Path
 
-    from services.billing.export import focus_export
+    from services.billing.export import default_workers, focus_export
     from services.billing.focus import write_focus_parquet_chunks
 
+    # The command's worker processes (one per core, at most 4: ``--workers``'s default).
+    workers = default_workers()
     started = time.perf_counter()
-    grain, chunks = focus_export(ledger, start_ms=start_ms, end_ms=end_ms)
+    grain, chunks = focus_export(ledger, start_ms=start_ms, end_ms=end_ms, workers=workers)
     rows = sum(len(chunk) for chunk in chunks)
     build_s = time.perf_counter() - started
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "month.parquet"
         started = time.perf_counter()
-        grain, chunks = focus_export(ledger, start_ms=start_ms, end_ms=end_ms)
+        grain, chunks = focus_export(ledger, start_ms=start_ms, end_ms=end_ms, workers=workers)
         written = write_focus_parquet_chunks(chunks, path, metadata={"gpumeter_grain": grain.grain})
         export_s = time.perf_counter() - started
         size = os.path.getsize(path)
     if written != rows:
         raise AssertionError(f"the export wrote {written} rows, the rows built were {rows}")
-    return {"focus_month_grain": grain.describe(), "focus_month_rows": rows,
+    return {"focus_month_grain": grain.describe(), "focus_month_rows": rows, "focus_month_workers": workers,
             "focus_month_rows_s": round(build_s, 1), "focus_month_export_parquet_s": round(export_s, 1),
             "focus_month_parquet_bytes": size}
 

@@ -19,10 +19,18 @@ written, 2 on a usage or ledger error.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
+import os
 import sys
+import tempfile
+from collections import deque
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Any, Iterator, Mapping
+
+from sqlalchemy.exc import SQLAlchemyError
 
 from gpumeter.clock import Clock, SystemClock, iso_utc
 from gpumeter.errors import ConfigError, GpumeterError
@@ -32,9 +40,10 @@ from services.billing.time_args import parse_duration_seconds, parse_instant_ms
 from services.billing.focus import (
     FocusBill,
     FocusCharge,
-    FocusHourLine,
+    FocusColumns,
     FocusLine,
-    focus_hour_rows,
+    HourLines,
+    focus_hour_columns,
     focus_rows,
     write_focus_csv_chunks,
     write_focus_parquet_chunks,
@@ -46,6 +55,7 @@ from services.billing.ledger import (
     READ_ROLLUPS,
     ROLLUPS,
     Ledger,
+    LedgerError,
     MinuteLinesDropped,
     label_sets,
 )
@@ -54,6 +64,8 @@ DATASETS = ("focus",)
 GRAINS = ("auto", "hour", "minute")
 # Hours read and mapped at a time at the hourly grain: a day of a 1,000-GPU cluster is ~90,000 rows.
 CHUNK_HOURS = 24
+# Worker processes an hourly Parquet export uses at most (``default_workers``).
+MAX_WORKERS = 4
 
 
 def focus_dataset(ledger: Ledger, *, start_ms: int, end_ms: int, cluster: str | None = None,
@@ -120,45 +132,158 @@ def choose_grain(ledger: Ledger, *, start_ms: int, end_ms: int, cluster: str | N
 
 def _charge(row: tuple, prices: Mapping[str, Mapping[str, Any]]) -> FocusCharge:
     price = prices[row[5]]
-    return FocusCharge(*row[:12], *(int(v) for v in row[12:]), str(price["price_per_hour_usd"]),
+    return FocusCharge(*row[:12], *(int(v) for v in row[12:17]), str(price["price_per_hour_usd"]),
                        str(price.get("split_rule") or ""))
+
+
+def _read_hours(ledger: Ledger, start_ms: int, end_ms: int, cluster: str | None) -> tuple[list, HourLines]:
+    """What the hours [start_ms, end_ms) export from: their origin charges, each (its key in the lines, the charge),
+    and their lines (``HourLines``). On PostgreSQL the lines are read by ids (``focus_rollups.hour_lines_by_ids``:
+    numbers through the driver, the texts once per id), on SQLite as text rows (``focus_rollups.lines_of``)."""
+    by_ids = ledger.dialect == "postgresql"
+    charge_rows = focus_rollups.charges_of(ledger.read, FOCUS_ROLLUPS, start_ms, end_ms, cluster, with_ids=by_ids)
+    if by_ids:
+        lines, kinds, pods, gpus = _read_driver(ledger, lambda connection: focus_rollups.hour_lines_by_ids(
+            connection, start_ms, end_ms, cluster))
+        charges = [(row[-1], row) for row in charge_rows]
+    else:
+        lines, kinds, pods, gpus = focus_rollups.hour_lines_of_texts(
+            focus_rollups.lines_of(ledger.read, FOCUS_ROLLUPS, start_ms, end_ms, cluster))
+        charges = [(tuple(row[:len(focus_rollups.LINK)]), row) for row in charge_rows]
+    prices = ledger.price_versions({row[5] for row in charge_rows})
+    labels = focus_rollups.label_sets_of(ledger.read, label_sets, {line[5] for line in lines})
+    return [(key, _charge(row, prices)) for key, row in charges], HourLines(lines, kinds, pods, gpus, labels)
 
 
 def focus_hour_chunks(ledger: Ledger, *, start_ms: int, end_ms: int, cluster: str | None = None,
                       billing_account_id: str | None = None, chunk_hours: int = CHUNK_HOURS
-                      ) -> Iterator[list[dict[str, Any]]]:
-    """The hourly grain's FOCUS rows (``focus.focus_hour_rows``) of the hours in [start_ms, end_ms), ``chunk_hours``
-    of hours at a time, oldest first (the caller checks the grain answers: ``choose_grain``)."""
-    width = len(focus_rollups.LINK)
+                      ) -> Iterator[FocusColumns]:
+    """The hourly grain's FOCUS rows (``focus.focus_hour_columns``: columns, no row dicts) of the hours in
+    [start_ms, end_ms), ``chunk_hours`` of hours at a time, oldest first (the caller checks the grain answers:
+    ``choose_grain``), read by ``_read_hours``. On PostgreSQL the next chunk is read in a thread while this one
+    is made and written (the server's time overlaps this process's; SQLite's one connection is not shared)."""
+    spans = []
     at = start_ms
     while at < end_ms:
-        until = min(end_ms, at + chunk_hours * HOUR_MS)
-        charge_rows = focus_rollups.charges_of(ledger.read, FOCUS_ROLLUPS, at, until, cluster)
-        line_rows = focus_rollups.lines_of(ledger.read, FOCUS_ROLLUPS, at, until, cluster,
-                                           by_ids=ledger.dialect == "postgresql")
-        prices = ledger.price_versions({row[5] for row in charge_rows})
-        labels = focus_rollups.label_sets_of(ledger.read, label_sets, {row[width + 9] for row in line_rows})
-        lines: dict[tuple, list[FocusHourLine]] = {}
-        at_label, at_measures = width + 9, width + 10
-        for row in line_rows:
-            # The columns as the driver gives them (integers; floats: the four shares in ms), no copy per value.
-            lines.setdefault(tuple(row[:width]), []).append(FocusHourLine(
-                *row[width:at_label], labels[int(row[at_label])], *row[at_measures:at_measures + 5],
-                *map(float, row[at_measures + 5:])))
-        try:
-            yield focus_hour_rows([_charge(row, prices) for row in charge_rows], lines,
-                                  billing_account_id=billing_account_id)
-        except ValueError as exc:
-            raise GpumeterError(f"the ledger cannot be exported as FOCUS: {exc}") from exc
-        at = until
+        spans.append((at, min(end_ms, at + chunk_hours * HOUR_MS)))
+        at = spans[-1][1]
+    ahead = ThreadPoolExecutor(1) if ledger.dialect == "postgresql" and len(spans) > 1 else None
+    try:
+        pending = ahead.submit(_read_hours, ledger, *spans[0], cluster) if ahead and spans else None
+        for index, (at, until) in enumerate(spans):
+            if pending is not None:
+                charges, hour_lines = pending.result()
+                pending = (ahead.submit(_read_hours, ledger, *spans[index + 1], cluster)
+                           if index + 1 < len(spans) else None)
+            else:
+                charges, hour_lines = _read_hours(ledger, at, until, cluster)
+            try:
+                chunk = focus_hour_columns(charges, hour_lines, billing_account_id=billing_account_id)
+            except ValueError as exc:
+                raise GpumeterError(f"the ledger cannot be exported as FOCUS: {exc}") from exc
+            del charges, hour_lines
+            yield chunk
+    finally:
+        if ahead is not None:
+            ahead.shutdown(wait=True, cancel_futures=True)
+
+
+def _read_driver(ledger: Ledger, reader):
+    """``reader(connection)`` on a read connection of ``ledger``, the driver's errors as ``LedgerError`` (what
+    ``Ledger.read`` makes of them)."""
+    dbapi = ledger.engine.dialect.loaded_dbapi
+    try:
+        with ledger.engine.connect() as connection:
+            return reader(connection)
+    except (SQLAlchemyError, dbapi.Error) as exc:
+        raise LedgerError(f"reading {ledger!r} failed: {exc}") from exc
+
+
+def default_workers() -> int:
+    """Worker processes of an hourly Parquet export from PostgreSQL: one per core, at most ``MAX_WORKERS`` (a day's
+    rows do not depend on another's)."""
+    return max(1, min(MAX_WORKERS, os.cpu_count() or 1))
+
+
+# A worker process's ledger, opened once per process (``_worker_start``).
+_WORKER_LEDGER: Ledger | None = None
+
+
+def _worker_start(url: str) -> None:
+    global _WORKER_LEDGER
+    _WORKER_LEDGER = Ledger(url)
+
+
+def _span_table(start_ms: int, end_ms: int, cluster: str | None, billing_account_id: str | None,
+                folder: str) -> str:
+    """In a worker: the hourly rows of [start_ms, end_ms) (one chunk, ``focus_hour_chunks``) as the Parquet
+    writer's Arrow table (``FocusColumns.arrow_table``), written to an Arrow IPC file in ``folder`` whose path it
+    returns (the caller maps it: no copy through a pipe)."""
+    import pyarrow as pa
+
+    assert _WORKER_LEDGER is not None
+    (chunk,) = focus_hour_chunks(_WORKER_LEDGER, start_ms=start_ms, end_ms=end_ms, cluster=cluster,
+                                 billing_account_id=billing_account_id, chunk_hours=(end_ms - start_ms) // HOUR_MS)
+    table = chunk.arrow_table()
+    path = os.path.join(folder, f"{start_ms}.arrow")
+    with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    return path
+
+
+def focus_hour_tables(ledger: Ledger, *, start_ms: int, end_ms: int, cluster: str | None = None,
+                      billing_account_id: str | None = None, workers: int = 1,
+                      chunk_hours: int = CHUNK_HOURS) -> Iterator[Any]:
+    """The hourly rows of ``focus_hour_chunks`` as the Parquet writer's Arrow tables, a chunk each, oldest first
+    -- made by up to ``workers`` processes of their own (spawned; each opens the ledger once), at most one per two
+    chunks (fewer than two: in this process), at most ``workers + 1`` chunks ahead of the caller, each handed over as an Arrow IPC file in
+    a temporary folder (``/dev/shm`` where there is one) that this process maps and deletes (the mapping lives
+    as long as the table). The same tables as ``FocusColumns.arrow_table`` of each chunk: the writer writes the same file."""
+    import pyarrow as pa
+
+    spans = []
+    at = start_ms
+    while at < end_ms:
+        spans.append((at, min(end_ms, at + chunk_hours * HOUR_MS)))
+        at = spans[-1][1]
+    # A worker takes ~2 s to start (a spawned interpreter's imports): one per two chunks at most, so that an export
+    # of a day or two stays in this process (48 hours of the bench's fleet: 5.0 s in one process, 9.0 with two).
+    workers = min(workers, len(spans) // 2)
+    if workers <= 1:
+        for chunk in focus_hour_chunks(ledger, start_ms=start_ms, end_ms=end_ms, cluster=cluster,
+                                       billing_account_id=billing_account_id, chunk_hours=chunk_hours):
+            yield chunk.arrow_table()
+        return
+    context = multiprocessing.get_context("spawn")  # no fork of a process holding connections and threads
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    with tempfile.TemporaryDirectory(prefix="gpumeter-focus-", dir=shm) as folder, ProcessPoolExecutor(
+            workers, mp_context=context, initializer=_worker_start,
+            initargs=(ledger.url,)) as pool:
+        ahead = iter(spans)
+        pending = deque(pool.submit(_span_table, *span, cluster, billing_account_id, folder)
+                        for span in islice(ahead, workers + 1))
+        while pending:
+            path = pending.popleft().result()
+            for span in islice(ahead, 1):
+                pending.append(pool.submit(_span_table, *span, cluster, billing_account_id, folder))
+            # The table's buffers keep the mapping (not the file) alive for as long as the caller holds them.
+            table = pa.ipc.open_file(pa.memory_map(path)).read_all()
+            os.unlink(path)
+            yield table
 
 
 def focus_export(ledger: Ledger, *, start_ms: int, end_ms: int, cluster: str | None = None,
-                 billing_account_id: str | None = None, grain: str = "auto"
-                 ) -> tuple[FocusGrain, Iterator[list[dict[str, Any]]]]:
-    """The grain that answers (``choose_grain``) and the FOCUS rows at it, a chunk at a time."""
+                 billing_account_id: str | None = None, grain: str = "auto", workers: int = 1
+                 ) -> tuple[FocusGrain, Iterator[Any]]:
+    """The grain that answers (``choose_grain``) and the FOCUS rows at it, a chunk at a time: at hourly grain
+    ``FocusColumns`` (a day each), at minute grain one list of row dicts (``focus_rows``); the writers take
+    both. ``workers`` > 1 (a Parquet export: ``write_focus_parquet_chunks`` only) on PostgreSQL at hourly grain:
+    the chunks are Arrow tables made by that many worker processes (``focus_hour_tables``)."""
     chosen = choose_grain(ledger, start_ms=start_ms, end_ms=end_ms, cluster=cluster, grain=grain)
     if chosen.grain == HOUR:
+        if workers > 1 and ledger.dialect == "postgresql":
+            return chosen, focus_hour_tables(ledger, start_ms=start_ms, end_ms=end_ms, cluster=cluster,
+                                             billing_account_id=billing_account_id, workers=workers)
         return chosen, focus_hour_chunks(ledger, start_ms=start_ms, end_ms=end_ms, cluster=cluster,
                                          billing_account_id=billing_account_id)
     return chosen, iter([focus_dataset(ledger, start_ms=start_ms, end_ms=end_ms, cluster=cluster,
@@ -176,6 +301,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="hour: one row per pod and bucket per node-hour, from the hourly FOCUS rollups (whole "
                              "UTC hours); minute: per node-window, from the minute cost lines; auto: hour when the "
                              "range is whole hours the rollups hold, else minute (default)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="processes that make an hourly Parquet export from PostgreSQL, a day each (default: one "
+                             f"per core, at most {MAX_WORKERS})")
     parser.add_argument("--billing-account-id", default=None,
                         help="the rows' BillingAccountId (default: the cluster name)")
     parser.add_argument("--ledger-url", default=None,
@@ -195,9 +323,11 @@ def main(args: argparse.Namespace, env: Mapping[str, str], *, clock: Clock | Non
         start_ms = end_ms - parse_duration_seconds(args.window) * 1000
         with Ledger(args.ledger_url or env.get(LEDGER_URL_ENV) or DEFAULT_LEDGER_URL) as ledger:
             ledger.require_schema()
+            workers = getattr(args, "workers", None) or default_workers()
             chosen, chunks = focus_export(ledger, start_ms=start_ms, end_ms=end_ms, cluster=args.cluster,
                                           billing_account_id=args.billing_account_id,
-                                          grain=getattr(args, "grain", "auto"))
+                                          grain=getattr(args, "grain", "auto"),
+                                          workers=workers if suffix == ".parquet" else 1)
             # Rows come a day at a time at the hourly grain: written beside the file and moved onto it once all
             # are written, so a failed export leaves no partial dataset under the name asked for.
             partial = args.out.with_name(args.out.name + ".partial")

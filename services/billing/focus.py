@@ -423,34 +423,37 @@ class FocusCharge:
 
 
 @dataclass(frozen=True, slots=True)
-class FocusHourLine:
-    """An allocated line of an hourly origin charge: a ``focus_line_hourly`` row (one line identity's minute lines
-    of the hour, summed) with its labels."""
+class HourLines:
+    """The allocated lines (``focus_line_hourly`` rows: one line identity's minute lines of an hour, summed) of
+    some hours, as ``focus_hour_columns`` reads them: each of ``lines`` a row of ``HOUR_LINE_FIELDS`` -- its hour,
+    its origin charge's key (with the hour, a charge's identity), the keys of its kind, pod and GPU in the dictionaries below, its label set id, then the sums
+    (``focus_rollups.LINE_MEASURES``) -- so the rows a database returns are the lines as they are, no object per
+    line. ``kinds``: kind key -> (subject_kind, shared_from, sharing_method, method, cost_basis); ``pods``: pod key
+    -> (pod_uid, namespace, pod_name); ``gpus``: GPU key -> gpu_uuid (``""``: none); ``labels``: label set id ->
+    labels. A key is whatever the reader has (PostgreSQL's dictionary ids; SQLite's texts)."""
 
-    subject_kind: str
-    pod_uid: str
-    gpu_uuid: str
-    shared_from: str
-    sharing_method: str
-    method: str
-    cost_basis: str
-    namespace: str
-    pod_name: str
-    labels: Mapping[str, str]
-    cost_micro_usd: int
-    billed_micro_usd: int
-    cost_lines: int
-    trued_lines: int
-    billed_ms: int
-    cost_share_ms: float
-    memory_share_ms: float
-    compute_share_ms: float
-    gpu_ms: float
+    lines: Sequence[Sequence[Any]]
+    kinds: Mapping[Any, tuple[str, str, str, str, str]]
+    pods: Mapping[Any, tuple[str, str, str]]
+    gpus: Mapping[Any, str]
+    labels: Mapping[int, Mapping[str, str]]
 
+
+HOUR_LINE_FIELDS = ("period_start_unix_ms", "charge", "kind", "pod", "gpu", "label_set_id", "cost_micro_usd", "billed_micro_usd",
+                    "cost_lines", "trued_lines", "billed_ms", "cost_share_ms", "memory_share_ms", "compute_share_ms",
+                    "gpu_ms")
 
 _ORIGIN_TAG_KEYS = (f"{TAG_PREFIX}cluster", f"{TAG_PREFIX}node")
 _BUCKET_ORDER = {kind.value: 1 + index for index, kind in enumerate(SHAREABLE_KINDS)}
 _HOURS_QUANTUM = Decimal(1).scaleb(-HOURS_DECIMALS)
+# The per-row columns ``focus_hour_columns`` fills; every other column is its origin charge's.
+_MICRO_COLUMNS = {"BilledCost": "billed", "EffectiveCost": "billed", "ListCost": "listed",
+                  "ContractedCost": "listed", "x_DirectCost": "direct", "x_SharedCost": "shared"}
+_UNITS_COLUMNS = {"PricingQuantity": "units", "ConsumedQuantity": "units"}
+_ROW_COLUMNS = {"AllocatedMethodDetails": "details", "AllocatedResourceId": "uid", "AllocatedResourceName": "name",
+                "AllocatedTags": "tags", "x_Namespace": "namespace", "x_PodName": "pod_name", "x_PodUid": "uid",
+                "x_Subject": "subject", "x_ListCostMicroUsd": "listed", "x_BilledCostMicroUsd": "billed",
+                "x_GpuHours": "gpu_hours"}
 
 
 def _method_text(method: str, cost_basis: str) -> str:
@@ -461,12 +464,64 @@ def _method_text(method: str, cost_basis: str) -> str:
     return cost_basis or method
 
 
-def focus_hour_rows(charges: Iterable[FocusCharge], lines: Mapping[tuple, Sequence[FocusHourLine]], *,
-                    billing_account_id: str | None = None) -> list[dict[str, Any]]:
-    """The hourly grain's rows: per origin charge (``charges``, each with its lines in ``lines`` by
-    ``FocusCharge.link``), one row per pod (and label set) and one per kept bucket, as ``focus_rows`` makes per
-    node-window, ChargePeriodStart/End the hour. What each column means over the hour (docs/billing.md, "FOCUS
-    export"):
+try:  # the C encoder ``json`` itself uses for a string (ASCII-escaped, quoted)
+    from _json import encode_basestring_ascii as _json_string
+except ImportError:  # pragma: no cover - CPython has the C module
+    from json.encoder import py_encode_basestring_ascii as _json_string
+
+
+def _format_part(text: str) -> str:
+    return text.replace("%", "%%")
+
+
+def _element_format(shared_from: str, sharing_method: str, subject_kind: str, method: str, cost_basis: str,
+                    has_gpu: bool, is_pod: bool) -> tuple[int, str]:
+    """(which values, the %-format) of one element's JSON text, keys sorted as ``_json`` sorts them: 0 a shared
+    line (ratio, cost share, lines), 1 a GPU line (ratio, usage, compute share, cost share, GPU uuid text, lines,
+    memory share), 2 a bucket without a GPU (ratio, lines). Floats go in by ``%r`` (``json``'s own float text for a
+    finite float); the fixed texts are ``json``'s."""
+    if shared_from:
+        return 0, ('{"AllocatedRatio":%r,"UsageUnit":"Shared","x_CostShare":%r,"x_Lines":%s,"x_SharedFrom":'
+                   + _format_part(_json_string(shared_from.lower())) + ',"x_SharingMethod":'
+                   + _format_part(_json_string(sharing_method)) + '}')
+    if has_gpu:
+        bucket = "" if is_pod else ',"x_Bucket":' + _format_part(_json_string(subject_kind.lower()))
+        return 1, ('{"AllocatedRatio":%r,"UsageQuantity":%r,"UsageUnit":"GPU-Hours"' + bucket
+                   + ',"x_ComputeShare":%r,"x_CostShare":%r,"x_GpuUuid":%s,"x_Lines":%s,"x_MeasuredBy":'
+                   + _format_part(_json_string(method)) + ',"x_MemoryShare":%r,"x_Method":'
+                   + _format_part(_json_string(_method_text(method, cost_basis))) + '}')
+    unit = "GPU-Hours" if subject_kind == "UNAVAILABLE" else "Hours"
+    return 2, ('{"AllocatedRatio":%r,"UsageUnit":"' + unit + '","x_Bucket":'
+               + _format_part(_json_string(subject_kind.lower())) + ',"x_Lines":%s}')
+
+
+def _element_dict(which: int, values: tuple, kind: tuple, gpu_uuid: str, is_pod: bool) -> dict[str, Any]:
+    """The element as a dict (what ``_element_format``'s text is the JSON of): for values JSON writes otherwise
+    (NaN, infinities), encoded by ``_json`` itself."""
+    subject_kind, shared_from, sharing_method, method, cost_basis = kind
+    if which == 0:
+        ratio, share, lines = values
+        return {"AllocatedRatio": ratio, "UsageUnit": "Shared", "x_SharedFrom": shared_from.lower(),
+                "x_SharingMethod": sharing_method, "x_CostShare": share, "x_Lines": lines}
+    if which == 1:
+        ratio, usage, compute, share, _uuid_text, lines, memory = values
+        element = {"AllocatedRatio": ratio, "UsageUnit": "GPU-Hours", "UsageQuantity": usage, "x_GpuUuid": gpu_uuid,
+                   "x_Method": _method_text(method, cost_basis), "x_MeasuredBy": method, "x_CostShare": share,
+                   "x_MemoryShare": memory, "x_ComputeShare": compute, "x_Lines": lines}
+        if not is_pod:
+            element["x_Bucket"] = subject_kind.lower()
+        return element
+    ratio, lines = values
+    return {"AllocatedRatio": ratio, "UsageUnit": "GPU-Hours" if subject_kind == "UNAVAILABLE" else "Hours",
+            "x_Bucket": subject_kind.lower(), "x_Lines": lines}
+
+
+def focus_hour_columns(charges: Iterable[tuple[Any, FocusCharge]], hour_lines: HourLines, *,
+                       billing_account_id: str | None = None) -> "FocusColumns":
+    """The hourly grain's rows, as columns: per origin charge (``charges``: (its key in the lines' second field,
+    the charge)), one row per pod (and label set) and one per kept bucket, ChargePeriodStart/End the hour; the rows of
+    a charge ordered pods by (uid, namespace, name, tags) then the kept buckets, the charges by ``link``. What each
+    column means over the hour (docs/billing.md, "FOCUS export"):
 
     * money: the row's lines' micro-dollars summed (exact); per origin charge the rows add up to its bills;
     * ``AllocatedRatio`` of an element: its list micro-dollars over the origin charge's (so they add up to 1 over
@@ -479,134 +534,290 @@ def focus_hour_rows(charges: Iterable[FocusCharge], lines: Mapping[tuple, Sequen
     * PricingQuantity/ConsumedQuantity: the origin charge's billed hours (to 1e-10 h) apportioned over the rows by
       list cost (largest remainder), so they add up to them exactly.
 
-    Raises ``ValueError`` for lines without their origin charge or lines that do not add up to it."""
-    charges = sorted(charges, key=lambda c: c.link)
-    known = {c.link for c in charges}
-    orphans = set(lines) - known
-    if orphans:
-        raise ValueError(f"hourly FOCUS lines without their origin charge: {sorted(orphans)[:3]}")
-    rows: list[dict[str, Any]] = []
-    for charge in charges:
-        rows.extend(_charge_rows(charge, lines.get(charge.link, ()), billing_account_id))
-    return rows
-
-
-def _charge_rows(charge: FocusCharge, lines: Sequence[FocusHourLine],
-                 billing_account_id: str | None) -> list[dict[str, Any]]:
-    total = charge.node_cost_micro_usd
-    listed = sum(line.cost_micro_usd for line in lines)
-    if listed != total:
-        raise ValueError(f"{charge.link}: lines add up to {listed} micro-USD, the origin charge says {total}")
-    groups: dict[tuple, list[FocusHourLine]] = {}
-    # A label set's tags text, once per labels object (a chunk's lines of one label set share it).
-    tags_text: dict[int, str] = {}
-    for line in lines:
-        if line.subject_kind == "POD" and line.pod_uid:
-            labels = line.labels
-            text = tags_text.get(id(labels))
-            if text is None:
-                text = tags_text[id(labels)] = _json({k: v for k, v in labels.items() if k not in _ORIGIN_TAG_KEYS})
-            key = (0, line.pod_uid, line.namespace, line.pod_name, text)
+    The origin charge's ~45 columns are made once per charge (``FocusColumns.origin``), JSON texts once per
+    distinct value (a label set's tags, a kind's and a GPU's texts), and no row is a dict: the rows are the
+    columns' (``FocusColumns.rows``). Raises ``ValueError`` for lines without their origin charge or lines that do
+    not add up to it."""
+    keyed = sorted(charges, key=lambda pair: pair[1].link)
+    by_charge: dict[Any, list] = {}
+    for line in hour_lines.lines:
+        charge_key = line[:2]
+        bucket = by_charge.get(charge_key)
+        if bucket is None:
+            by_charge[charge_key] = [line]
         else:
-            key = (_BUCKET_ORDER.get(line.subject_kind, 99), line.subject_kind)
-        groups.setdefault(key, []).append(line)
-    keys = sorted(groups)
-    row_costs = [sum(line.cost_micro_usd for line in groups[key]) for key in keys]
-    weights = [Fraction(c) for c in row_costs] if any(row_costs) else [Fraction(1)] * len(keys)
-    quantities = apportion(hour_units(charge.billed_milliseconds), weights) if keys else ()
-    basis = "+".join(sorted({line.cost_basis for line in lines if line.cost_basis})) or "unknown"
-    common = _origin_columns(
-        cluster=charge.cluster, node_name=charge.node_name, provider=charge.provider, region=charge.region,
-        zone=charge.zone, provider_id=charge.provider_id, instance_type=charge.instance_type,
-        price_model=charge.price_model, price_version=charge.price_version,
-        price_per_hour_usd=charge.price_per_hour_usd, split_rule=charge.split_rule, sharing=charge.sharing,
-        basis=basis, start_ms=charge.period_start_unix_ms, end_ms=charge.period_start_unix_ms + _MS_PER_HOUR,
-        description=f"{charge.instance_type} {charge.price_model} GPU node {charge.node_name}, hour of "
-                    f"{charge.window_seconds} s windows",
-        billing_account_id=billing_account_id)
-    # Every column, in ``COLUMNS`` order, the origin's values filled: a row is a copy, updated (no reordering).
-    template = dict.fromkeys(COLUMNS)
-    template.update(common)
-    origin_ms = charge.billed_milliseconds
-    element_count = len(lines)
-    rows = []
-    for key, list_micro, units in zip(keys, row_costs, quantities):
-        group = groups[key]
-        is_pod = key[0] == 0
-        billed_micro = shared_micro = 0
-        gpu_ms = 0.0
-        elements = []
-        for line in sorted(group, key=lambda l: (l.shared_from != "", l.gpu_uuid, l.shared_from)):
-            billed_micro += line.billed_micro_usd
-            # int / int is correctly rounded: the same float as float(Fraction(cost, total)), without the Fraction.
-            ratio = line.cost_micro_usd / total if total else 1.0 / element_count
-            element: dict[str, Any] = {"AllocatedRatio": ratio}
-            share = line.cost_share_ms / origin_ms if origin_ms else 0.0
-            if line.shared_from:
-                shared_micro += line.cost_micro_usd
-                element.update(UsageUnit="Shared", x_SharedFrom=line.shared_from.lower(),
-                               x_SharingMethod=line.sharing_method, x_CostShare=share)
-            elif line.gpu_uuid:
-                if is_pod:
-                    gpu_ms += line.gpu_ms
-                element.update(UsageUnit="GPU-Hours", UsageQuantity=line.gpu_ms / _MS_PER_HOUR,
-                               x_GpuUuid=line.gpu_uuid, x_Method=_method_text(line.method, line.cost_basis),
-                               x_MeasuredBy=line.method, x_CostShare=share,
-                               x_MemoryShare=line.memory_share_ms / origin_ms if origin_ms else 0.0,
-                               x_ComputeShare=line.compute_share_ms / origin_ms if origin_ms else 0.0)
-                if not is_pod:
-                    element["x_Bucket"] = line.subject_kind.lower()
+            bucket.append(line)
+    orphans = set(by_charge) - {(charge.period_start_unix_ms, key) for key, charge in keyed}
+    if orphans:
+        raise ValueError("hourly FOCUS lines without their origin charge: "
+                         f"{sorted(key for _period, key in orphans)[:3]}")
+    kinds, pods, gpus, labels = hour_lines.kinds, hour_lines.pods, hour_lines.gpus, hour_lines.labels
+    # Per distinct (kind, pod, GPU, label set), once: the line's row key (a pod's with its tags text, made once per
+    # label set; a kept bucket's), and its element's sort key, shape and %-format (``_element_format``).
+    made_of: dict[tuple, tuple] = {}
+    tags_texts: dict[int, str] = {}
+
+    def made(identity: tuple) -> tuple:
+        kind_key, pod_key, gpu_key, label_id = identity
+        kind = kinds[kind_key]
+        pod = pods[pod_key]
+        if kind[0] == "POD" and pod[0]:
+            text = tags_texts.get(label_id)
+            if text is None:
+                text = tags_texts[label_id] = _json({k: v for k, v in labels[label_id].items()
+                                                     if k not in _ORIGIN_TAG_KEYS})
+            row_key = (0, *pod, text)
+        else:
+            row_key = (_BUCKET_ORDER.get(kind[0], 99), kind[0])
+        uuid = gpus[gpu_key]
+        which, form = _element_format(kind[1], kind[2], kind[0], kind[3], kind[4], bool(uuid), row_key[0] == 0)
+        out = made_of[identity] = (row_key, (kind[1] != "", uuid, kind[1]), which, form,
+                                   _json_string(uuid) if which == 1 else None, kind[4])
+        return out
+
+    origin: dict[str, list] = {column: [] for column in COLUMNS if column not in _MICRO_COLUMNS
+                               and column not in _UNITS_COLUMNS and column not in _ROW_COLUMNS}
+    repeats: list[int] = []
+    out: dict[str, list] = {name: [] for name in ("billed", "listed", "direct", "shared", "units", "details", "uid",
+                                                  "name", "tags", "namespace", "pod_name", "subject", "gpu_hours")}
+    billed_out, listed_out, direct_out, shared_out = out["billed"], out["listed"], out["direct"], out["shared"]
+    units_out, details_out, uid_out, name_out = out["units"], out["details"], out["uid"], out["name"]
+    tags_out, namespace_out, pod_name_out = out["tags"], out["namespace"], out["pod_name"]
+    subject_out, gpu_hours_out = out["subject"], out["gpu_hours"]
+    gpu_hours_of: dict[float, Decimal] = {}
+    for charge_key, charge in keyed:
+        lines = by_charge.get((charge.period_start_unix_ms, charge_key), ())
+        total = charge.node_cost_micro_usd
+        # Each row's lines as (element sort key, line, what ``made`` says of its identity), in the lines' order.
+        groups: dict[tuple, list] = {}
+        bases = set()
+        for line in lines:
+            known = made_of.get(line[2:6]) or made(line[2:6])
+            group = groups.get(known[0])
+            if group is None:
+                groups[known[0]] = [(known[1], line, known)]
             else:
-                element.update(UsageUnit="GPU-Hours" if line.subject_kind == "UNAVAILABLE" else "Hours",
-                               x_Bucket=line.subject_kind.lower())
-            element["x_Lines"] = line.cost_lines
-            elements.append(element)
-        first = group[0]
-        row = template.copy()
-        quantity = Decimal(units).scaleb(-HOURS_DECIMALS)
-        row.update({
-            "BilledCost": usd_decimal(billed_micro),
-            "EffectiveCost": usd_decimal(billed_micro),
-            "ListCost": usd_decimal(list_micro),
-            "ContractedCost": usd_decimal(list_micro),
-            "PricingQuantity": quantity,
-            "ConsumedQuantity": quantity,
-            "AllocatedMethodDetails": _json({"Elements": elements}),
-            "AllocatedResourceId": first.pod_uid if is_pod else None,
-            "AllocatedResourceName": f"{first.namespace}/{first.pod_name}" if is_pod else None,
-            "AllocatedTags": key[4] if is_pod else None,
-            "x_Namespace": first.namespace if is_pod else None,
-            "x_PodName": first.pod_name if is_pod else None,
-            "x_PodUid": first.pod_uid if is_pod else None,
-            "x_Subject": "pod" if is_pod else first.subject_kind.lower(),
-            "x_DirectCost": usd_decimal(list_micro - shared_micro),
-            "x_SharedCost": usd_decimal(shared_micro),
-            "x_ListCostMicroUsd": list_micro,
-            "x_BilledCostMicroUsd": billed_micro,
-            "x_GpuHours": (Decimal(gpu_ms) / _MS_PER_HOUR).quantize(_HOURS_QUANTUM) if is_pod else None,
-        })
-        rows.append(row)
-    return rows
+                group.append((known[1], line, known))
+            bases.add(known[5])
+        keys = sorted(groups)
+        row_costs = [sum([item[1][6] for item in groups[key]]) for key in keys]
+        listed = sum(row_costs)
+        if listed != total:
+            raise ValueError(f"{charge.link}: lines add up to {listed} micro-USD, the origin charge says {total}")
+        weights = row_costs if any(row_costs) else [1] * len(keys)
+        quantities = apportion(hour_units(charge.billed_milliseconds), weights) if keys else ()
+        basis = "+".join(sorted(basis for basis in bases if basis)) or "unknown"
+        common = _origin_columns(
+            cluster=charge.cluster, node_name=charge.node_name, provider=charge.provider, region=charge.region,
+            zone=charge.zone, provider_id=charge.provider_id, instance_type=charge.instance_type,
+            price_model=charge.price_model, price_version=charge.price_version,
+            price_per_hour_usd=charge.price_per_hour_usd, split_rule=charge.split_rule, sharing=charge.sharing,
+            basis=basis, start_ms=charge.period_start_unix_ms, end_ms=charge.period_start_unix_ms + _MS_PER_HOUR,
+            description=f"{charge.instance_type} {charge.price_model} GPU node {charge.node_name}, hour of "
+                        f"{charge.window_seconds} s windows",
+            billing_account_id=billing_account_id)
+        for column, values in origin.items():
+            values.append(common.get(column))
+        repeats.append(len(keys))
+        origin_ms = charge.billed_milliseconds
+        element_count = len(lines)
+        for key, list_micro, units in zip(keys, row_costs, quantities):
+            is_pod = key[0] == 0
+            billed_micro = shared_micro = 0
+            gpu_ms = 0.0
+            texts = []
+            group = groups[key]
+            if len(group) > 1:
+                group.sort(key=_first)  # stable: equal keys keep the lines' order, as before
+            for _order, line, (_row, _sort, which, form, gpu_text, _basis) in group:
+                cost = line[6]
+                billed_micro += line[7]
+                # int / int is correctly rounded: the same float as float(Fraction(cost, total)).
+                ratio = cost / total if total else 1.0 / element_count
+                if which == 1:
+                    if is_pod:
+                        gpu_ms += line[14]
+                    if origin_ms:
+                        values = (ratio, line[14] / _MS_PER_HOUR, line[13] / origin_ms, line[11] / origin_ms,
+                                  gpu_text, line[8], line[12] / origin_ms)
+                    else:
+                        values = (ratio, line[14] / _MS_PER_HOUR, 0.0, 0.0, gpu_text, line[8], 0.0)
+                    finite = ratio + values[1] + values[2] + values[3] + values[6]
+                elif which == 0:
+                    shared_micro += cost
+                    values = (ratio, line[11] / origin_ms if origin_ms else 0.0, line[8])
+                    finite = ratio + values[1]
+                else:
+                    values = (ratio, line[8])
+                    finite = ratio
+                if finite - finite == 0.0:  # every float finite: JSON's float text is repr's
+                    texts.append(form % values)
+                else:
+                    texts.append(_json(_element_dict(which, values, kinds[line[2]], gpus[line[4]], is_pod)))
+            billed_out.append(billed_micro)
+            listed_out.append(list_micro)
+            direct_out.append(list_micro - shared_micro)
+            shared_out.append(shared_micro)
+            units_out.append(units)
+            details_out.append('{"Elements":[' + ",".join(texts) + "]}")
+            if is_pod:
+                uid_out.append(key[1])
+                name_out.append(f"{key[2]}/{key[3]}")
+                tags_out.append(key[4])
+                namespace_out.append(key[2])
+                pod_name_out.append(key[3])
+                subject_out.append("pod")
+                hours = gpu_hours_of.get(gpu_ms)
+                if hours is None:
+                    hours = gpu_hours_of[gpu_ms] = (Decimal(gpu_ms) / _MS_PER_HOUR).quantize(_HOURS_QUANTUM)
+                gpu_hours_out.append(hours)
+            else:
+                uid_out.append(None)
+                name_out.append(None)
+                tags_out.append(None)
+                namespace_out.append(None)
+                pod_name_out.append(None)
+                subject_out.append(key[1].lower())
+                gpu_hours_out.append(None)
+    return FocusColumns(origin, repeats,
+                        {column: out[name] for column, name in _ROW_COLUMNS.items()},
+                        {column: out[name] for column, name in _MICRO_COLUMNS.items()},
+                        {column: out[name] for column, name in _UNITS_COLUMNS.items()})
 
 
-# -- writers ------------------------------------------------------------------------------------------------------
+def _first(item: tuple) -> Any:
+    return item[0]
 
 
-def _csv_text(value: Any) -> str:
-    if value is None:
-        return ""
-    return str(value)
+# -- columns, and the writers ---------------------------------------------------------------------------------------
 
 
-def focus_csv(rows: Sequence[Mapping[str, Any]]) -> str:
+class FocusColumns:
+    """Rows of the dataset held column by column: what the hourly grain builds (``focus_hour_columns``) and what the
+    writers take (``FocusColumns.of``: rows as ``focus_rows`` makes them, too).
+
+    * ``origin``: column -> its value per origin charge, for the columns every row of a charge shares (FOCUS 1.3);
+      ``repeats``: how many rows each charge has, in order;
+    * ``per_row``: column -> its value per row, as a row holds it (text, int, ``Decimal``, None);
+    * ``micro``: the money columns, per row in micro-dollars (a row's ``Decimal`` is ``usd_decimal`` of it; the
+      Parquet double ``micro / 10**6``, correctly rounded as ``float(Decimal)`` is: the same double);
+    * ``units``: the quantities, per row in 1e-10 hours (``Decimal(units).scaleb(-10)``; ``units / 10**10``).
+
+    Every column of ``COLUMNS`` is in exactly one of them. ``rows()`` (and iterating) gives the rows as dicts in
+    ``COLUMNS`` order with the values ``focus_rows`` gives (what the tests and row readers use); the writers never
+    make them."""
+
+    __slots__ = ("origin", "repeats", "per_row", "micro", "units", "_count")
+
+    def __init__(self, origin: Mapping[str, Sequence[Any]], repeats: Sequence[int],
+                 per_row: Mapping[str, Sequence[Any]], micro: Mapping[str, Sequence[int]] | None = None,
+                 units: Mapping[str, Sequence[int]] | None = None) -> None:
+        self.origin, self.repeats, self.per_row = dict(origin), list(repeats), dict(per_row)
+        self.micro, self.units = dict(micro or {}), dict(units or {})
+        missing = set(COLUMNS).difference(self.origin, self.per_row, self.micro, self.units)
+        if missing:
+            raise ValueError(f"FOCUS columns without values: {sorted(missing)}")
+        self._count = sum(self.repeats) if self.origin else len(next(iter(self.per_row.values()), ()))
+
+    @classmethod
+    def of(cls, chunk: "FocusColumns | Sequence[Mapping[str, Any]]") -> "FocusColumns":
+        """``chunk`` as columns: itself, or rows (``focus_rows``'; a column a row lacks is null) transposed."""
+        if isinstance(chunk, FocusColumns):
+            return chunk
+        return cls({}, (), dict(zip(COLUMNS, _columns_of(chunk))))
+
+    def __len__(self) -> int:
+        return self._count
+
+    def _charge_of_row(self) -> list[int]:
+        return [index for index, count in enumerate(self.repeats) for _ in range(count)]
+
+    def rows(self) -> list[dict[str, Any]]:
+        """The rows as ``focus_rows`` gives them (column -> value: ``Decimal`` money and quantities, text times)."""
+        charge = self._charge_of_row()
+        out = []
+        for i in range(self._count):
+            row = {}
+            for column in COLUMNS:
+                if column in self.per_row:
+                    row[column] = self.per_row[column][i]
+                elif column in self.micro:
+                    row[column] = usd_decimal(self.micro[column][i])
+                elif column in self.units:
+                    row[column] = Decimal(self.units[column][i]).scaleb(-HOURS_DECIMALS)
+                else:
+                    row[column] = self.origin[column][charge[i]]
+            out.append(row)
+        return out
+
+    def __iter__(self):
+        return iter(self.rows())
+
+    def text_columns(self) -> list[list[str]]:
+        """Each column's CSV cells (``COLUMNS`` order): ``str`` of the row's value, empty for null; an origin
+        charge's made once and repeated."""
+        charge = self._charge_of_row() if self.origin else []
+        out = []
+        for column in COLUMNS:
+            if column in self.per_row:
+                out.append(["" if v is None else str(v) for v in self.per_row[column]])
+            elif column in self.micro:
+                out.append([str(usd_decimal(v)) for v in self.micro[column]])
+            elif column in self.units:
+                out.append([str(Decimal(v).scaleb(-HOURS_DECIMALS)) for v in self.units[column]])
+            else:
+                texts = ["" if v is None else str(v) for v in self.origin[column]]
+                out.append([texts[c] for c in charge])
+        return out
+
+    def arrow_table(self, metadata: Mapping[str, str] | None = None):
+        """The columns as a pyarrow table: times ``timestamp[ms, UTC]``, money and quantities ``double``, the
+        micro-dollar columns ``int64``, text ``string``; an origin charge's values converted once and taken for
+        its rows."""
+        import numpy as np
+        import pyarrow as pa
+
+        taken = None
+        if self.origin:
+            taken = pa.array(np.repeat(np.arange(len(self.repeats), dtype=np.int64),
+                                       np.asarray(self.repeats, dtype=np.int64)), type=pa.int64())
+        fields, arrays = [], []
+        for column in COLUMNS:
+            kind = _arrow_type(column)
+            if column in self.per_row:
+                array = _arrow_array(column, self.per_row[column], kind)
+            elif column in self.micro:
+                array = pa.array(_scaled_floats(self.micro[column], 10**6), type=kind)
+            elif column in self.units:
+                array = pa.array(_scaled_floats(self.units[column], 10**HOURS_DECIMALS), type=kind)
+            else:
+                array = _arrow_array(column, self.origin[column], kind).take(taken)
+            fields.append(pa.field(column, kind))
+            arrays.append(array)
+        return pa.Table.from_arrays(arrays, schema=pa.schema(
+            fields, metadata={"focus_version": FOCUS_VERSION, **(metadata or {})}))
+
+
+def _scaled_floats(values: Sequence[int], scale: int):
+    """``value / scale`` of each integer as the correctly rounded double (what ``float`` of its ``Decimal`` is):
+    numpy's division where every value converts to a double exactly (|v| <= 2**53), Python's int / int otherwise."""
+    import numpy as np
+
+    try:
+        ints = np.asarray(values, dtype=np.int64)
+    except OverflowError:
+        ints = None
+    if ints is not None and (not len(ints) or (int(ints.min()) >= -2**53 and int(ints.max()) <= 2**53)):
+        return ints.astype(np.float64) / float(scale)
+    return [v / scale for v in values]
+
+
+def focus_csv(rows: "Sequence[Mapping[str, Any]] | FocusColumns") -> str:
     """The rows as CSV (RFC 4180, a header of the column names; null is an empty cell). No cell is rewritten
     against spreadsheet formulas: FOCUS consumers read the values as they are (every text here is a name
     Kubernetes validated, a JSON object or gpumeter's own)."""
     buffer = io.StringIO()
-    writer = csv.writer(buffer, lineterminator="\n")
-    writer.writerow(COLUMNS)
-    for row in rows:
-        writer.writerow([_csv_text(row.get(column)) for column in COLUMNS])
+    write_focus_csv_chunks([rows], buffer)
     return buffer.getvalue()
 
 
@@ -623,31 +834,65 @@ def _columns_of(rows: Sequence[Mapping[str, Any]]) -> list[Sequence[Any]]:
     return columns or [()] * len(COLUMNS)
 
 
-def _arrow_table(rows: Sequence[Mapping[str, Any]], metadata: Mapping[str, str] | None = None):
+def _arrow_type(column: str):
     import pyarrow as pa
 
-    fields = []
-    arrays = []
-    for column, values in zip(COLUMNS, _columns_of(rows)):
-        if column in DATETIME_COLUMNS:
-            kind = pa.timestamp("ms", tz="UTC")
-            # A few distinct times (a period's start and end, its month) on many rows: each parsed once.
-            parsed = {v: datetime.fromisoformat(v.replace("Z", "+00:00")) for v in set(values) if v is not None}
-            values = [None if v is None else parsed[v] for v in values]
-        elif column in MONEY_COLUMNS or column in QUANTITY_COLUMNS:
-            kind = pa.float64()
-            values = [None if v is None else float(v) for v in values]
-        elif column in INTEGER_COLUMNS:
-            kind = pa.int64()
-        else:
-            kind = pa.string()
-        fields.append(pa.field(column, kind))
-        arrays.append(pa.array(values, type=kind))
-    return pa.Table.from_arrays(arrays, schema=pa.schema(
-        fields, metadata={"focus_version": FOCUS_VERSION, **(metadata or {})}))
+    if column in DATETIME_COLUMNS:
+        return pa.timestamp("ms", tz="UTC")
+    if column in MONEY_COLUMNS or column in QUANTITY_COLUMNS:
+        return pa.float64()
+    if column in INTEGER_COLUMNS:
+        return pa.int64()
+    return pa.string()
 
 
-def write_focus_parquet(rows: Sequence[Mapping[str, Any]], path: Path) -> None:
+def _text_array(values: Sequence[Any]):
+    """Texts without a null, all ASCII (JSON's texts are), as an Arrow string array made from one buffer and their
+    offsets; None where they are not (``pa.array`` converts those). The same array ``pa.array`` makes, without its
+    growing a buffer string by string (with pyarrow's allocator 0.5-0.8 s for a day's 75 MB of
+    ``AllocatedMethodDetails``, against ~0.1 s)."""
+    import numpy as np
+    import pyarrow as pa
+
+    if not values or not all(type(value) is str for value in values):
+        return None
+    data = "".join(values).encode("utf-8")
+    lengths = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
+    if len(data) != int(lengths.sum()) or len(data) >= 2**31:
+        return None  # a non-ASCII text (its UTF-8 bytes are more than its characters), or past int32 offsets
+    offsets = np.zeros(len(values) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    return pa.StringArray.from_buffers(len(values), pa.py_buffer(offsets), pa.py_buffer(data))
+
+
+def _arrow_array(column: str, values: Sequence[Any], kind):
+    """One column's values as a row holds them (ISO text times, ``Decimal`` money, ints, text) as an Arrow array."""
+    import pyarrow as pa
+
+    if column == "AllocatedMethodDetails":
+        array = _text_array(values)
+        if array is not None:
+            return array
+    if column in DATETIME_COLUMNS:
+        # A few distinct times (a period's start and end, its month) on many rows: each parsed once.
+        parsed = {v: datetime.fromisoformat(v.replace("Z", "+00:00")) for v in set(values) if v is not None}
+        values = [None if v is None else parsed[v] for v in values]
+    elif column in MONEY_COLUMNS or column in QUANTITY_COLUMNS:
+        values = [None if v is None else float(v) for v in values]
+    return pa.array(values, type=kind)
+
+
+def _arrow_table(rows: "Sequence[Mapping[str, Any]] | FocusColumns", metadata: Mapping[str, str] | None = None):
+    """The chunk's Arrow table: a chunk that is one already (``export.focus_hour_tables``'s, made by
+    ``FocusColumns.arrow_table`` in a worker) with the schema's metadata set as ``arrow_table`` sets it."""
+    import pyarrow as pa
+
+    if isinstance(rows, pa.Table):
+        return rows.replace_schema_metadata({"focus_version": FOCUS_VERSION, **(metadata or {})})
+    return FocusColumns.of(rows).arrow_table(metadata)
+
+
+def write_focus_parquet(rows: "Sequence[Mapping[str, Any]] | FocusColumns", path: Path) -> None:
     """The rows as a Parquet file (pyarrow): times ``timestamp[ms, UTC]``, money and quantities ``double`` (the
     exact micro-dollars are in ``x_ListCostMicroUsd``/``x_BilledCostMicroUsd``), text ``string``."""
     import pyarrow.parquet as pq
@@ -655,40 +900,54 @@ def write_focus_parquet(rows: Sequence[Mapping[str, Any]], path: Path) -> None:
     pq.write_table(_arrow_table(rows), str(path))
 
 
-def write_focus_parquet_chunks(chunks: Iterable[Sequence[Mapping[str, Any]]], path: Path, *,
+def write_focus_parquet_chunks(chunks: Iterable["Sequence[Mapping[str, Any]] | FocusColumns"], path: Path, *,
                                metadata: Mapping[str, str] | None = None) -> int:
     """``write_focus_parquet`` of rows that come a chunk at a time (one row group per chunk: a month of a fleet's
-    rows need not be in memory at once); ``metadata`` joins the schema's (``gpumeter_grain``). Returns the rows."""
+    rows need not be in memory at once), each chunk rows or ``FocusColumns``; ``metadata`` joins the schema's
+    (``gpumeter_grain``). Returns the rows."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import pyarrow.parquet as pq
 
     writer = None
     count = 0
-    try:
-        for chunk in chunks:
-            table = _arrow_table(chunk, metadata)
+    # A row group is encoded and compressed in a thread (pyarrow lets go of the GIL) while the next chunk is made;
+    # one at a time, in order, so the file is the one a loop writes.
+    with ThreadPoolExecutor(1) as background:
+        written = None
+        try:
+            for chunk in chunks:
+                table = _arrow_table(chunk, metadata)
+                if writer is None:
+                    writer = pq.ParquetWriter(str(path), table.schema)
+                if written is not None:
+                    written.result()
+                    written = None
+                if table.num_rows:
+                    written = background.submit(writer.write_table, table)
+                count += table.num_rows
+            if written is not None:
+                written.result()
             if writer is None:
-                writer = pq.ParquetWriter(str(path), table.schema)
-            if chunk:
-                writer.write_table(table)
-            count += len(chunk)
-        if writer is None:
-            writer = pq.ParquetWriter(str(path), _arrow_table([], metadata).schema)
-    finally:
-        if writer is not None:
-            writer.close()
+                writer = pq.ParquetWriter(str(path), _arrow_table([], metadata).schema)
+        finally:
+            if written is not None:
+                written.exception()  # wait: the writer is closed after its last row group, never during it
+            if writer is not None:
+                writer.close()
     return count
 
 
-def write_focus_csv_chunks(chunks: Iterable[Sequence[Mapping[str, Any]]], stream: Any) -> int:
-    """``focus_csv`` of rows that come a chunk at a time, written to a text ``stream``; returns the rows."""
+def write_focus_csv_chunks(chunks: Iterable["Sequence[Mapping[str, Any]] | FocusColumns"], stream: Any) -> int:
+    """``focus_csv`` of rows that come a chunk at a time (rows or ``FocusColumns``), written to a text ``stream``;
+    returns the rows."""
     writer = csv.writer(stream, lineterminator="\n")
     writer.writerow(COLUMNS)
     count = 0
     for chunk in chunks:
-        try:
-            writer.writerows([["" if v is None else str(v) for v in _ROW_VALUES(row)] for row in chunk])
-        except KeyError:
-            for row in chunk:
-                writer.writerow([_csv_text(row.get(column)) for column in COLUMNS])
-        count += len(chunk)
+        if not isinstance(chunk, (FocusColumns, Sequence)):
+            raise TypeError(f"a CSV is written from rows or FocusColumns (exact values), not {type(chunk).__name__}")
+        columns = FocusColumns.of(chunk)
+        writer.writerows(zip(*columns.text_columns()))
+        count += len(columns)
     return count

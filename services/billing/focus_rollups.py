@@ -1,5 +1,5 @@
 """The hourly FOCUS grain: per UTC hour, each node's origin charge and the per-pod, per-GPU sums of its cost lines,
-from which ``services.billing.focus.focus_hour_rows`` builds one FOCUS row per (hour, origin charge, pod or kept
+from which ``services.billing.focus.focus_hour_columns`` builds one FOCUS row per (hour, origin charge, pod or kept
 bucket) without reading the minute lines.
 
 **Origin charges** (``focus_charge_hourly``): one row per (UTC hour, cluster, node, provider id, zone, price
@@ -425,12 +425,13 @@ def window_totals(read: Callable[[Any], list], tables: FocusRollupTables, start_
 
 
 def charges_of(read: Callable[[Any], list], tables: FocusRollupTables, start_ms: int, end_ms: int,
-               cluster: str | None) -> list[tuple]:
+               cluster: str | None, *, with_ids: bool = False) -> list[tuple]:
     """The origin charges of the hours in [start_ms, end_ms), as tuples (``CHARGE_DIMENSIONS``, then
-    ``CHARGE_MEASURES``)."""
+    ``CHARGE_MEASURES``, then -- ``with_ids``, PostgreSQL's ledger from 0017 -- the ``charge_id``)."""
     t = tables.charges
-    return [tuple(row) for row in read(select(*(t.c[n] for n in (*CHARGE_DIMENSIONS, *CHARGE_MEASURES)))
-                                       .where(*_range(t, start_ms, end_ms, cluster)))]
+    names = (*CHARGE_DIMENSIONS, *CHARGE_MEASURES)
+    columns = [*(t.c[n] for n in names), *([t.c.charge_id] if with_ids else [])]
+    return [tuple(row) for row in read(select(*columns).where(*_range(t, start_ms, end_ms, cluster)))]
 
 
 _GPUS = Table("ledger_gpus", MetaData(), Column("gpu_id", Integer), Column("gpu_uuid", String))
@@ -490,6 +491,61 @@ def label_sets_of(read: Callable[[Any], list], label_sets: Table, ids: Iterable[
                               .where(label_sets.c.label_set_id.in_(wanted[start:start + 5000]))):
             out[int(i)] = dict(labels)
     return out
+
+
+# What the FOCUS export reads of a line: its hour, its origin charge's key, its kind's, pod's and GPU's keys (the charge id and
+# the dictionaries' ids on PostgreSQL, texts on SQLite), its label set id, then ``LINE_MEASURES``
+# (``focus.HOUR_LINE_FIELDS``).
+_ID_LINES = (
+    "SELECT t.period_start_unix_ms, t.charge_id, t.kind_id, t.pod_id, t.gpu_id, t.label_set_id, "
+    + ", ".join(f"t.{name}" for name in LINE_MEASURES)
+    + f" FROM {ROWS_TABLE} t JOIN {CHARGE_TABLE} c ON c.period_start_unix_ms = t.period_start_unix_ms "
+    "AND c.charge_id = t.charge_id WHERE t.period_start_unix_ms >= %(start)s AND t.period_start_unix_ms < %(end)s "
+    "AND c.period_start_unix_ms >= %(start)s AND c.period_start_unix_ms < %(end)s")
+_ID_DICTIONARIES = (
+    ("kinds", f"SELECT kind_id, {', '.join(_KIND_COLUMNS)} FROM ledger_line_kinds WHERE kind_id = ANY(%(ids)s)", 2),
+    ("pods", "SELECT pod_id, pod_uid, namespace, pod_name FROM ledger_pods WHERE pod_id = ANY(%(ids)s)", 3),
+    ("gpus", "SELECT gpu_id, gpu_uuid FROM ledger_gpus WHERE gpu_id = ANY(%(ids)s)", 4),
+)
+
+
+def hour_lines_by_ids(connection: Connection, start_ms: int, end_ms: int,
+                      cluster: str | None) -> tuple[list[tuple], dict, dict, dict]:
+    """PostgreSQL's (from 0017) allocated lines of the hours in [start_ms, end_ms) as the FOCUS export reads them:
+    (lines, kinds, pods, gpus) -- each line a tuple of ``focus.HOUR_LINE_FIELDS`` with the ids as keys (those of
+    the origin charges ``charges_of(with_ids=True)`` reads: the lines and the charges both bound by time, the
+    cluster the charge's; a charge is its hour and id), and the dictionaries' rows of the ids the lines name: kind id -> (``_KIND_COLUMNS``),
+    pod id -> (pod_uid, namespace, pod_name), GPU id -> gpu_uuid. The same lines as ``lines_of(by_ids=True)``
+    without joining the texts on every row: read through the driver's binary cursor as plain tuples (numbers
+    only), the texts once per id."""
+    sql = _ID_LINES + (" AND c.cluster = %(cluster)s" if cluster is not None else "")
+    raw = connection.connection.driver_connection
+    with raw.cursor(binary=True) as cursor:
+        cursor.execute(sql, {"start": start_ms, "end": end_ms, "cluster": cluster})
+        lines = cursor.fetchall()
+        dictionaries = {}
+        for name, query, at in _ID_DICTIONARIES:
+            cursor.execute(query, {"ids": sorted({line[at] for line in lines})})
+            width = len(cursor.description)
+            dictionaries[name] = ({row[0]: row[1] for row in cursor.fetchall()} if width == 2
+                                  else {row[0]: tuple(row[1:]) for row in cursor.fetchall()})
+    return lines, dictionaries["kinds"], dictionaries["pods"], dictionaries["gpus"]
+
+
+def hour_lines_of_texts(rows: Iterable[Any]) -> tuple[list[tuple], dict, dict, dict]:
+    """``lines_of``' rows (the text layout: SQLite's table) as ``hour_lines_by_ids`` gives PostgreSQL's: the charge
+    key its ``LINK``, the kind, pod and GPU keys their texts (each dictionary maps a text key to itself)."""
+    width = len(LINK)
+    lines, kinds, pods, gpus = [], {}, {}, {}
+    for row in rows:
+        kind = (row[width], row[width + 3], row[width + 4], row[width + 5], row[width + 6])
+        pod = (row[width + 1], row[width + 7], row[width + 8])
+        gpu = row[width + 2]
+        kinds.setdefault(kind, kind)
+        pods.setdefault(pod, pod)
+        gpus.setdefault(gpu, gpu)
+        lines.append((row[0], tuple(row[:width]), kind, pod, gpu, row[width + 9], *row[width + 10:]))
+    return lines, kinds, pods, gpus
 
 
 def rows_of(read: Callable[[Any], list], table: Table) -> dict[tuple, tuple]:
