@@ -155,6 +155,16 @@ def _read_hours(ledger: Ledger, start_ms: int, end_ms: int, cluster: str | None)
     return [(key, _charge(row, prices)) for key, row in charges], HourLines(lines, kinds, pods, gpus, labels)
 
 
+def _chunk_spans(start_ms: int, end_ms: int, chunk_hours: int) -> list[tuple[int, int]]:
+    """[start_ms, end_ms) cut into consecutive spans of ``chunk_hours`` hours (the last one shorter), oldest first."""
+    spans = []
+    at = start_ms
+    while at < end_ms:
+        spans.append((at, min(end_ms, at + chunk_hours * HOUR_MS)))
+        at = spans[-1][1]
+    return spans
+
+
 def focus_hour_chunks(ledger: Ledger, *, start_ms: int, end_ms: int, cluster: str | None = None,
                       billing_account_id: str | None = None, chunk_hours: int = CHUNK_HOURS
                       ) -> Iterator[FocusColumns]:
@@ -162,11 +172,7 @@ def focus_hour_chunks(ledger: Ledger, *, start_ms: int, end_ms: int, cluster: st
     [start_ms, end_ms), ``chunk_hours`` of hours at a time, oldest first (the caller checks the grain answers:
     ``choose_grain``), read by ``_read_hours``. On PostgreSQL the next chunk is read in a thread while this one
     is made and written (the server's time overlaps this process's; SQLite's one connection is not shared)."""
-    spans = []
-    at = start_ms
-    while at < end_ms:
-        spans.append((at, min(end_ms, at + chunk_hours * HOUR_MS)))
-        at = spans[-1][1]
+    spans = _chunk_spans(start_ms, end_ms, chunk_hours)
     ahead = ThreadPoolExecutor(1) if ledger.dialect == "postgresql" and len(spans) > 1 else None
     try:
         pending = ahead.submit(_read_hours, ledger, *spans[0], cluster) if ahead and spans else None
@@ -241,11 +247,7 @@ def focus_hour_tables(ledger: Ledger, *, start_ms: int, end_ms: int, cluster: st
     as long as the table). The same tables as ``FocusColumns.arrow_table`` of each chunk: the writer writes the same file."""
     import pyarrow as pa
 
-    spans = []
-    at = start_ms
-    while at < end_ms:
-        spans.append((at, min(end_ms, at + chunk_hours * HOUR_MS)))
-        at = spans[-1][1]
+    spans = _chunk_spans(start_ms, end_ms, chunk_hours)
     # A worker takes ~2 s to start (a spawned interpreter's imports): one per two chunks at most, so that an export
     # of a day or two stays in this process (48 hours of the bench's fleet: 5.0 s in one process, 9.0 with two).
     workers = min(workers, len(spans) // 2)

@@ -191,21 +191,11 @@ def add_into(out: dict[tuple, list], key: tuple, values: Iterable) -> None:
             sums[i] += value
 
 
-def written_rows(costs: Iterable[CostRecord], bills: Mapping[NodeWindowKey, NodeBill], *,
-                 team_key: str) -> dict[str, dict[RollupKey, RollupSums]]:
-    """Per grain, the rollup rows the cost lines ``costs`` (of the node-windows ``bills``, written now: not trued
-    up) add up to: ``line_key``'s rows, summed over the lines. Pure."""
-    return {grain: {RollupKey(*row[:_KEY_WIDTH]): RollupSums(*row[_KEY_WIDTH:]) for row in rows}
-            for grain, rows in written_tuples(costs, bills, team_key=team_key).items()}
-
-
-_KEY_WIDTH = len(DIMENSIONS)
-
-
 def written_tuples(costs: Iterable[CostRecord], bills: Mapping[NodeWindowKey, NodeBill], *,
                    team_key: str) -> dict[str, list[tuple]]:
-    """``written_rows`` as the rows the upsert sends: per grain, ``(*DIMENSIONS, *MEASURES)`` tuples, one per key.
-    Pure.
+    """Per grain, the rollup rows the cost lines ``costs`` (of the node-windows ``bills``, written now: not trued
+    up) add up to, as the upsert sends them: ``(*DIMENSIONS, *MEASURES)`` tuples, one per ``line_key`` row, summed
+    over the lines. Pure.
 
     Summed per hour in plain tuples first and the days from the hours: a write's lines are ~30 times its rollup
     rows, and a ``RollupKey`` per line and grain was most of the ledger's Python time per write (and one per row,
@@ -287,8 +277,14 @@ def trued_rows(changes: Iterable[TruedChange], *, team_key: str | Callable[[Cost
 def upsert(connection: Connection, tables: RollupTables, rows: Mapping[str, Mapping[RollupKey, RollupSums]]) -> int:
     """Add ``rows`` to the rollup tables in ``connection``'s transaction, in key order, one statement per grain
     (``services.billing.bulk_rows.add_sums``); returns the rows upserted."""
-    return sum(add_sums(connection, tables.by_grain[grain], DIMENSIONS, MEASURES,
-                        [(*key_values(key), *sums_values(sums)) for key, sums in grain_rows.items()])
+    return _upsert_tuples(connection, tables, {
+        grain: [(*key_values(key), *sums_values(sums)) for key, sums in grain_rows.items()]
+        for grain, grain_rows in rows.items()})
+
+
+def _upsert_tuples(connection: Connection, tables: RollupTables, rows: Mapping[str, Sequence[tuple]]) -> int:
+    """``upsert`` of rows already ``(*DIMENSIONS, *MEASURES)`` tuples, per grain."""
+    return sum(add_sums(connection, tables.by_grain[grain], DIMENSIONS, MEASURES, grain_rows)
                for grain, grain_rows in rows.items() if grain_rows)
 
 
@@ -307,8 +303,7 @@ def sums_values(sums: RollupSums) -> tuple:
 def add_written(connection: Connection, tables: RollupTables, costs: Iterable[CostRecord],
                 bills: Mapping[NodeWindowKey, NodeBill], *, team_key: str) -> int:
     """``Ledger.write``'s hook: roll up the lines of the node-windows it inserted (see the module docstring)."""
-    return sum(add_sums(connection, tables.by_grain[grain], DIMENSIONS, MEASURES, rows)
-               for grain, rows in written_tuples(costs, bills, team_key=team_key).items() if rows)
+    return _upsert_tuples(connection, tables, written_tuples(costs, bills, team_key=team_key))
 
 
 def add_trued(connection: Connection, tables: RollupTables, changes: Iterable[TruedChange], *,
