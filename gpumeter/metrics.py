@@ -139,6 +139,61 @@ class _QuietHandler(WSGIRequestHandler):
         pass  # a scrape every few seconds is not news
 
 
+# What ``MetricWrapperBase.__init__`` gives a parent and never a child: the rest of a parent's attributes are what a
+# child made by ``labels()`` has before ``_metric_init`` (prometheus_client 0.26; ``child_factory`` checks it).
+_PARENT_ONLY_ATTRIBUTES = frozenset({"_lock", "_metrics"})
+
+
+def child_factory(metric):
+    """A function ``label values -> child`` of the labelled ``metric`` (a prometheus_client ``Counter`` or
+    ``Gauge``), equal to ``metric.labels(*values)`` (the same child object for the same values, values that are not
+    ``str`` converted by ``str`` as ``labels`` does, the same series in the exposition, removed by
+    ``metric.remove``) but several times cheaper for values not seen before:
+    ``labels()`` builds each new child through the constructor, which validates every label name of the parent again
+    (a regular expression per name, ~25 us of a billing node-window's ~230 new series each), where this copies the
+    parent's validated attributes and runs the child's own ``_metric_init``. ``values``: a tuple of the metric's
+    label count (``ValueError`` otherwise, as ``labels`` raises).
+
+    Falls back to ``labels()`` where the parent's attributes are not the ones this relies on (another
+    prometheus_client version): never a wrong child, at worst the slow one."""
+    parent_state = {k: v for k, v in vars(metric).items() if k not in _PARENT_ONLY_ATTRIBUTES}
+    label_count = len(getattr(metric, "_labelnames", ()))
+    usable = (type(metric) in (Counter, Gauge) and label_count > 0 and parent_state.get("_labelvalues") == ()
+              and isinstance(getattr(metric, "_metrics", None), dict) and hasattr(metric, "_lock")
+              and hasattr(metric, "_metric_init"))
+    if not usable:
+        return lambda values: metric.labels(*values)
+    children = metric._metrics
+    lock = metric._lock
+    cls = type(metric)
+    new = object.__new__
+    parent_items = tuple(parent_state.items())
+
+    def child(values: tuple[str, ...]):
+        found = children.get(values)
+        if found is not None:
+            return found
+        if len(values) != label_count:
+            raise ValueError(f"{metric}: {len(values)} label values for {label_count} label names")
+        if not all(type(v) is str for v in values):
+            values = tuple(str(v) for v in values)  # what labels() makes of them
+            found = children.get(values)
+            if found is not None:
+                return found
+        made = new(cls)
+        # Attribute by attribute, not ``__dict__.update``: the instance keeps CPython's compact attribute storage
+        # (a materialized ``__dict__`` makes every later ``inc``/``set`` on the child slower).
+        for name, value in parent_items:
+            setattr(made, name, value)
+        made._kwargs = dict(parent_state["_kwargs"])
+        made._labelvalues = values
+        made._metric_init()
+        with lock:
+            return children.setdefault(values, made)
+
+    return child
+
+
 class ServiceMetrics:
     """The metrics of one service on their own registry, and its liveness heartbeat. ``get(name)`` returns the
     prometheus object; ``beat()`` marks the service's loop as going round and ``progress()`` where it is on its input
