@@ -139,8 +139,8 @@ class _Node:
 
 @dataclass(frozen=True)
 class _NodePods:
-    """A node's pods as its sample rules read them, with what follows from them alone, kept while the node's pod
-    views stay the same objects (a changed pod is a new view): ``pods`` by uid, ``replica_refs``
+    """A node's pods as its sample rules read them, with what follows from them alone, kept until one of the node's
+    pods changes (``GuardEngine._pods_changed``): ``pods`` by uid, ``replica_refs``
     (``rules.replica_refs_of``), and ``spec_pods``: the alive pods, in uid order, whose spec can show GPUs at all
     (the only ones ``visibility_leak_spec`` can judge a leak)."""
 
@@ -148,9 +148,6 @@ class _NodePods:
     pods: dict[str, PodView]
     replica_refs: CoveringCount
     spec_pods: tuple[PodView, ...]
-
-    def same_views(self, views: tuple[PodView, ...]) -> bool:
-        return same_objects(self.views, views)
 
     @classmethod
     def of(cls, key: NodeKey, views: tuple[PodView, ...], config: GuardConfig) -> "_NodePods":
@@ -199,7 +196,10 @@ class GuardEngine:
         self._nodes: dict[NodeKey, _Node] = {}
         self._pods: dict[str, PodView] = {}
         self._node_pods: dict[NodeKey, dict[str, None]] = {}
-        self._node_pod_views: dict[NodeKey, _NodePods] = {}  # a cache: checked against the views at every use
+        # A cache: a node's entry goes whenever one of its pods changes, arrives, leaves or is pruned
+        # (``_pods_changed``), not checked pod by pod at every tick.
+        self._node_pod_views: dict[NodeKey, _NodePods] = {}
+        self._scope_strings: dict[tuple[str, str, str], str] = {}  # (kind, cluster, node) -> _scope of it
         self._sample_plans = SamplePlans(config)  # a cache: checked against each tick's structure and pods
         # idle_allocation: runs per unit, pending share rows per (node, window, unit), last window per unit
         self._idle_runs: dict[tuple[str, str, str], dict[str, IdleRun]] = {}
@@ -261,8 +261,8 @@ class GuardEngine:
             + gpu_error(sample, self.config, streaks, counts)
             + clock_skew(sample.cluster, sample.node_name, offset_ms, self.config)
         )
-        self._reconcile(_scope("sample", *key), conditions, now, out)
-        self._reconcile(_scope("stale", *key), (), now, out)
+        self._reconcile(self._node_scope("sample", key), conditions, now, out)
+        self._reconcile(self._node_scope("stale", key), (), now, out)
         self._expire(now, out)
         return tuple(out)
 
@@ -276,6 +276,8 @@ class GuardEngine:
         if view is not previous:
             if previous is not None and (previous.cluster, previous.node_name) != (view.cluster, view.node_name):
                 self._node_pods.get((previous.cluster, previous.node_name), {}).pop(view.uid, None)
+                self._pods_changed((previous.cluster, previous.node_name))
+            self._pods_changed((view.cluster, view.node_name))
             self._pods[view.uid] = view
             self._node_pods.setdefault((view.cluster, view.node_name), {})[view.uid] = None
             node = self._nodes.get((view.cluster, view.node_name))
@@ -381,7 +383,7 @@ class GuardEngine:
                 if now - node.last_heard_ms > self.config.stale_node_forget_seconds * 1000:
                     self._forget_node(key, now, out)
                     continue
-                self._reconcile(_scope("stale", *key),
+                self._reconcile(self._node_scope("stale", key),
                                 stale_node(node.cluster, node.node_name, node.last_heard_ms, node.interval_ms, now,
                                            self.config), now, out)
         for cluster, kind, name in list(self._budget_subjects):
@@ -547,13 +549,27 @@ class GuardEngine:
     # -- rules that need state -------------------------------------------------------------------------------------
 
     def _node_pods_of(self, key: NodeKey) -> _NodePods:
-        """``_NodePods`` of the node's pods now: the cached one while every view is the same object."""
-        pods = self._pods
-        views = tuple(pods[uid] for uid in self._node_pods.get(key, ()) if uid in pods)
+        """``_NodePods`` of the node's pods now: the cached one until one of them changes (``_pods_changed``)."""
         cached = self._node_pod_views.get(key)
-        if cached is None or not cached.same_views(views):
+        if cached is None:
+            pods = self._pods
+            views = tuple(pods[uid] for uid in self._node_pods.get(key, ()) if uid in pods)
             cached = self._node_pod_views[key] = _NodePods.of(key, views, self.config)
         return cached
+
+    def _pods_changed(self, key: NodeKey) -> None:
+        """A pod of node ``key`` changed, arrived, left or was pruned: its ``_NodePods`` is made again at its next
+        use. Every change to ``_pods`` or ``_node_pods`` outside a restore (which starts with no cache) calls
+        this, or drops the node whole (``_forget_node``)."""
+        self._node_pod_views.pop(key, None)
+
+    def _node_scope(self, kind: str, key: NodeKey) -> str:
+        """``_scope(kind, *key)``, made once per node (every tick reconciles two of them)."""
+        name = (kind, key[0], key[1])
+        scope = self._scope_strings.get(name)
+        if scope is None:
+            scope = self._scope_strings[name] = _scope(kind, *key)
+        return scope
 
     def _process_unit(self, rows: Sequence[GpuShare], now: int, out: list[Violation]) -> None:
         first = rows[0]
@@ -631,6 +647,8 @@ class GuardEngine:
             del self._idle_runs[unit_key]
             self._reconcile(_scope("idle", *unit_key), (), now, out)
         self._node_pod_views.pop(key, None)
+        self._scope_strings.pop(("sample", *key), None)
+        self._scope_strings.pop(("stale", *key), None)
         self._sample_plans.forget(key)
         for uid in list(self._node_pods.pop(key, {})):
             self._pods.pop(uid, None)
@@ -646,6 +664,7 @@ class GuardEngine:
             if pod.deleted_at_unix_ms is not None and now - pod.deleted_at_unix_ms >= linger_ms:
                 del self._pods[uid]
                 self._node_pods.get((pod.cluster, pod.node_name), {}).pop(uid, None)
+                self._pods_changed((pod.cluster, pod.node_name))
                 self._reconcile(_scope("spec", pod.cluster, uid), (), now, out)
         horizon_ms = self.config.cost_dedup_horizon_seconds * 1000
         for key in [k for k in self._spend if period_bounds(k[3], k[4])[1] < now - horizon_ms]:

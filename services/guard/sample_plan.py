@@ -130,16 +130,26 @@ class SamplePlans:
     def __init__(self, config: GuardConfig) -> None:
         self.config = config
         self._plans: dict[Hashable, SamplePlan] = {}
+        # node -> the pods mapping its plan was built from: while the caller passes that very object again (the
+        # engine's cached ``_NodePods.pods``, never changed once made), its views are the plan's
+        self._built_from: dict[Hashable, Mapping[str, PodView]] = {}
 
     def forget(self, node: Hashable) -> None:
         self._plans.pop(node, None)
+        self._built_from.pop(node, None)
 
     def quiet(self, node: Hashable, sample: NodeSample, pods: Mapping[str, PodView], spec_pods: Sequence[PodView],
               replica_refs: CoveringCount) -> bool:
+        """Whether ``sample`` of ``node`` is certain to give the three process rules nothing (the module
+        docstring), judged from the node's plan, made again when the tick's structure or the pods changed.
+        ``pods`` is read, never kept as a promise: passing the same mapping object again says its views are the
+        same (a caller that changes a mapping in place passes a new one)."""
         key = structure_key(sample)
         plan = self._plans.get(node)
-        if plan is None or plan.key != key or not same_objects(plan.views, pods.values()):
+        if (plan is None or plan.key != key
+                or (self._built_from.get(node) is not pods and not same_objects(plan.views, pods.values()))):
             plan = self._plans[node] = build_plan(key, sample, pods, self.config, spec_pods, replica_refs)
+        self._built_from[node] = pods
         if plan.always_loud:
             return False
         if not plan.shared and not plan.unrequested:

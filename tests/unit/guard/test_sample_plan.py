@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from schemas.records import NodeSample, SharingMode
+from schemas.records import NodeSample, PodEventType, SharingMode
 from schemas.typed import codec_for
 from services.guard.config import GuardConfig
 from services.guard.engine import GuardEngine
@@ -26,7 +26,7 @@ from services.guard.rules import (
     visibility_leak,
 )
 from services.guard.sample_plan import SamplePlans
-from tests.unit.guard import GIB, NODE, T0, container, device, nvml_error, pod_event, proc, sample
+from tests.unit.guard import CLUSTER, GIB, NODE, T0, container, device, nvml_error, pod_event, proc, sample
 
 CODEC = codec_for(NodeSample)
 
@@ -259,3 +259,61 @@ def test_the_same_process_lists_naming_other_pods_are_judged_anew(columns):
         verdicts.append(plans.quiet(NODE, tick, pods, spec_pods, refs))
         assert verdicts[-1] == rules_find_nothing(tick, pods, config, spec_pods, refs)
     assert verdicts == [True, False]
+
+
+def test_the_engines_pods_per_node_follow_every_pod_change():
+    """The engine keeps each node's pods (``_NodePods``) until one of them changes, instead of checking every pod
+    at every tick: against an engine that makes them afresh at every use, the same violations, call after call,
+    while pods arrive, change, move between two nodes, are deleted and are pruned after their linger; and after
+    every call each node's kept pods are exactly its pods now."""
+    config = dataclasses.replace(CONFIGS["tight"], pod_linger_seconds=30)
+
+    class Afresh(GuardEngine):
+        def _node_pods_of(self, key):
+            self._node_pod_views.pop(key, None)
+            return super()._node_pods_of(key)
+
+    rng = random.Random("pods-per-node")
+    units = random_units(rng)
+    pod_count = 6
+    nodes = (NODE, "gpu-node-2")
+    kept, afresh = GuardEngine(config), Afresh(config)
+    layouts = {node: random_layout(rng, units, pod_count) for node in nodes}
+    published = moved = deleted = pruned = 0
+
+    def same(call, *args):
+        out = getattr(kept, call)(*args)
+        assert out == getattr(afresh, call)(*args), (call, args)
+        for node in nodes:
+            key = (CLUSTER, node)
+            fresh = tuple(kept._pods[uid] for uid in kept._node_pods.get(key, ()) if uid in kept._pods)
+            assert kept._node_pods_of(key).views == fresh and all(
+                a is b for a, b in zip(kept._node_pods_of(key).views, fresh)), (call, node)
+        return out
+
+    for n, event in enumerate(random_pods(rng, pod_count, units)):
+        same("on_pod_event", event, T0 + n)
+    for step in range(600):
+        now = T0 + 1000 + step * 5_000
+        change = rng.random()
+        if change < 0.25:
+            event = dataclasses.replace(rng.choice(random_pods(rng, pod_count, units)), observed_at_unix_ms=now,
+                                        resource_version=str(now), node_name=rng.choice(nodes))
+            if rng.random() < 0.3:
+                event = dataclasses.replace(event, event_type=PodEventType.DELETED)
+                deleted += 1
+            previous = kept._pods.get(event.uid)
+            moved += previous is not None and previous.node_name != event.node_name
+            same("on_pod_event", event, now)
+        elif change < 0.35:
+            before = len(kept._pods)
+            same("on_clock", now)
+            pruned += before - len(kept._pods)
+        node = rng.choice(nodes)
+        if rng.random() < 0.1:
+            layouts[node] = random_layout(rng, units, pod_count)
+        tick = dataclasses.replace(random_tick(rng, units, pod_count, layouts[node], now, columns=False),
+                                   node_name=node)
+        published += len(same("on_sample", tick, now))
+    # Every kind of change happened, and the rules spoke often enough for the comparison to mean something.
+    assert moved > 5 and deleted > 5 and pruned > 5 and published > 20, (moved, deleted, pruned, published)
