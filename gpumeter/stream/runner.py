@@ -97,6 +97,7 @@ class MessageRunner:
         self.inputs = Inputs.of(processor, topics)
         self.clock = clock
         self.metrics = metrics
+        self._consumed_counters: dict[str, Any] = {}  # topic -> its messages-consumed counter
         self.max_request_size_bytes = max_request_size_bytes
         self.log_dead_letters = log_dead_letters  # off where the dead letters are the output (replay's file)
         self._codecs: dict[type, RecordCodec] = {}
@@ -182,7 +183,11 @@ class MessageRunner:
     def _count(self, message: RawMessage) -> None:
         self.consumed += 1
         if self.metrics is not None:
-            self.metrics.get("gpumeter_messages_consumed_total").labels(self.service, message.topic).inc()
+            counter = self._consumed_counters.get(message.topic)
+            if counter is None:  # one child per topic, looked up once (labels() converts and locks every call)
+                counter = self._consumed_counters[message.topic] = self.metrics.get(
+                    "gpumeter_messages_consumed_total").labels(self.service, message.topic)
+            counter.inc()
             self.metrics.beat()
 
     def _rejected(self, message: RawMessage, position: Position, error: InvalidMessage) -> Step:

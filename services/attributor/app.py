@@ -59,7 +59,7 @@ from gpumeter.clock import Clock
 from gpumeter.errors import ConfigError, GpumeterError, InvalidMessage
 from gpumeter.stream.deadletter import RawMessage
 from gpumeter.logflood import guard_root_handlers
-from gpumeter.metrics import ServiceMetrics
+from gpumeter.metrics import ServiceMetrics, child_factory
 from gpumeter.settings import KafkaSettings
 from gpumeter.stream.contract import DEAD_LETTERS, Emit, Result
 from gpumeter.stream.runner import MessageRunner
@@ -177,6 +177,8 @@ class AttributorStream:
         # partition -> window records sent and not yet acknowledged to the processor, each with its delivery future
         self._in_flight: dict[int, list[tuple[tuple[NodeWindowShares, ...], list[asyncio.Future]]]] = {}
         self._second_collector_reported: dict[tuple[str, str], int] = {}  # (cluster, node) -> ticks counted
+        # Each node's clock-skew gauge, set every second for every node (``gpumeter.metrics.child_factory``)
+        self._skew_child = child_factory(self.metrics.get("gpumeter_attributor_node_clock_skew_seconds"))
         self._ready = False
         self._rebuild_lock = asyncio.Lock()
         self._on_failure = on_failure
@@ -446,9 +448,9 @@ class AttributorStream:
     def _report_clocks(self) -> None:
         """Each node's clock offset (``gpumeter_attributor_node_clock_skew_seconds``) and the ticks of second
         collectors merged since the last report."""
-        skew = self.metrics.get("gpumeter_attributor_node_clock_skew_seconds")
+        skew = self._skew_child
         for (_, node), offset_ms in sorted(self.processor.clock_offsets().items()):
-            skew.labels(node).set(offset_ms / 1000)
+            skew((node,)).set(offset_ms / 1000)
         counter = self.metrics.get("gpumeter_attributor_second_collector_ticks_total")
         for key, count in sorted(self.processor.second_collector_counts().items()):
             reported = self._second_collector_reported.get(key, 0)
