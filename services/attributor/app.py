@@ -177,6 +177,10 @@ class AttributorStream:
         # partition -> window records sent and not yet acknowledged to the processor, each with its delivery future
         self._in_flight: dict[int, list[tuple[tuple[NodeWindowShares, ...], list[asyncio.Future]]]] = {}
         self._second_collector_reported: dict[tuple[str, str], int] = {}  # (cluster, node) -> ticks counted
+        # Samples partitions not known to be caught up (assigned and not read to their end yet, or seen behind by
+        # the timer): the batch that reads one to its end runs its clock at once (``_clock_partition``) rather
+        # than leave its due windows to the next timer tick, up to a second later.
+        self._behind: set[int] = set()
         # Each node's clock-skew gauge, set every second for every node (``gpumeter.metrics.child_factory``)
         self._skew_child = child_factory(self.metrics.get("gpumeter_attributor_node_clock_skew_seconds"))
         self._ready = False
@@ -292,6 +296,8 @@ class AttributorStream:
                 changes = changes + self._settle(raw.partition).changes
             self._write_tables(raw.partition, changes)
             processed[raw.partition] = raw.offset
+        if topic == self.samples_topic_name:
+            await self._clock_caught_up(last)
 
     async def _step(self, raw: RawMessage) -> None:
         """``runner.step(raw)`` applied inside ``raw``'s event: its records sent, then the windows Kafka acknowledged
@@ -438,12 +444,38 @@ class AttributorStream:
         now_ms = self.clock.now_ms()
         try:
             for partition in self.processor.partitions():
-                result = self.processor.on_clock_partition(partition, now_ms, self._caught_up(partition))
-                await self._send(partition, result.emits)
-                self._defer(partition, result.changes)
+                caught_up = self._caught_up(partition)
+                if caught_up:
+                    self._behind.discard(partition)
+                else:
+                    self._behind.add(partition)
+                await self._clock_partition(partition, now_ms, caught_up)
         except Exception as exc:
             self._fail("clock timer", exc)
             raise
+
+    async def _clock_partition(self, partition: int, now_ms: int, caught_up: bool) -> None:
+        """The processor's clock step for ``partition`` (``on_clock_partition``): its records sent, its table
+        writes deferred to the partition's next event (none is current here)."""
+        result = self.processor.on_clock_partition(partition, now_ms, caught_up)
+        await self._send(partition, result.emits)
+        self._defer(partition, result.changes)
+
+    async def _clock_caught_up(self, partitions: Iterable[int]) -> None:
+        """Of ``partitions`` (those a samples batch just read), each that was behind and is now read to its end:
+        its clock step now. A backlog's windows the clock has closed (a restart's, a worker's catching up) go out
+        as soon as it is read, not at the next timer tick; a partition caught up all along costs nothing here."""
+        if not self._behind or not self._ready or self.app.rebalancing:
+            return
+        now_ms = self.clock.now_ms()
+        for partition in sorted(self._behind.intersection(partitions)):
+            if self.processor.has_partition(partition) and self._caught_up(partition):
+                self._behind.discard(partition)
+                try:
+                    await self._clock_partition(partition, now_ms, True)
+                except Exception as exc:
+                    self._fail("clock after catching up", exc)
+                    raise
 
     def _report_clocks(self) -> None:
         """Each node's clock offset (``gpumeter_attributor_node_clock_skew_seconds``) and the ticks of second
@@ -572,6 +604,7 @@ class AttributorStream:
     async def _on_partitions_assigned(self, sender: Any, assigned: Any, **_: Any) -> None:
         self._ready = False
         self._assigned = {tp.partition for tp in assigned if tp.topic == self.samples_topic_name}
+        self._behind = set(self._assigned)  # until each is seen read to its end
 
     async def _on_rebalance_complete(self, sender: Any, **_: Any) -> None:
         # Tables are recovered; streams have not resumed yet. Partitions kept across the rebalance keep their

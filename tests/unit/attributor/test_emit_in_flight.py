@@ -147,3 +147,45 @@ async def test_table_writes_of_a_rebuild_are_made_by_the_partitions_next_event(t
     # The rebuild (before the event) found the entry unreadable; the event deleted it, and stored the pod.
     assert list(h.stream.open_samples) == []
     assert list(h.stream.pods) == [pod_event_key("n1", pods_of("n1")[0].uid).decode()]
+
+
+async def test_a_backlog_read_to_its_end_closes_its_due_windows_at_once(tmp_path):
+    """A partition assigned and behind (a restart's backlog): while it is read its windows wait (its own ticks'
+    time closes them, not the clock); the batch that reads it to its end runs its clock at once, so windows the
+    clock has closed go out then, not at the next timer tick. A partition caught up all along does not run the
+    clock per batch."""
+    from faust.types import TP
+
+    h = Harness(tmp_path)
+    stream = h.stream
+    caught_up = {PARTITION: False}
+    stream._caught_up = lambda partition: caught_up[partition]
+    await stream._on_partitions_assigned(None, [TP(h.catalog.node_samples, PARTITION)])
+    stream._ready = True  # the rebalance hook ran (nothing to rebuild in this harness)
+    assert stream._behind == {PARTITION}
+    for event in pods_of("n1"):
+        await h.pod(event)
+    for k in range(WINDOW_S - 1):  # all but the last tick of the window, read while behind
+        await h.sample(two_pod_tick(BASE + k * 1000, "n1", k))
+    assert h.sent() == []  # NOW is an hour past the window: only the clock closes it, and not while behind
+    caught_up[PARTITION] = True
+    await h.sample(two_pod_tick(BASE + (WINDOW_S - 1) * 1000, "n1", WINDOW_S - 1))  # the backlog's last
+    assert [(record.node_name, record.window_start_unix_ms) for _, record in h.sent()] == [("n1", BASE)]
+    assert stream._behind == set()
+
+    # Caught up all along: a batch leaves the due windows to the timer. Ticks of a later window at the clock's
+    # time, then the clock past that window's end + grace + idle allowance: another node's tick (a batch) leaves
+    # n1's window open; the timer closes it.
+    start = NOW - NOW % WINDOW_MS
+    for k in range(WINDOW_S):
+        stream.clock.set_ms(start + k * 1000)
+        await h.sample(two_pod_tick(start + k * 1000, "n1", k))
+    assert len(h.sent()) == 1
+    stream.clock.set_ms(start + WINDOW_MS + stream.settings.grace_seconds * 1000
+                        + stream.settings.idle_close_seconds * 1000 + 1000)
+    for event in pods_of("n2"):
+        await h.pod(event)
+    await h.sample(two_pod_tick(stream.clock.now_ms() - 500, "n2", 0))
+    assert len(h.sent()) == 1
+    await stream._clock_timer()
+    assert ("n1", start) in [(record.node_name, record.window_start_unix_ms) for _, record in h.sent()][1:]
