@@ -3,10 +3,12 @@ throughput ceiling, with the attributor and billing running as real subprocesses
 
 Set-up (all on this machine): a real Apache Kafka broker (``gpumeter.devtools.kafka_broker``), the catalog's
 topics (12 partitions each; ``node-window-shares`` and ``costs`` with ``message.timestamp.type=LogAppendTime`` so that
-every record carries the moment it landed on its topic), ``gpumeter attributor``, ``gpumeter billing`` (SQLite
-ledger) and ``gpumeter guard`` (one instance of the ``nodes`` role and one of the ``budgets`` role: phases 1-4 run
+every record carries the moment it landed on its topic), ``gpumeter attributor``, ``gpumeter billing`` and
+``gpumeter guard`` (one instance of the ``nodes`` role and one of the ``budgets`` role: phases 1-4 run
 the whole stream, guard included) started as subprocesses with their production defaults (60 s windows, 10 s
-grace, INFO logging), and a
+grace, INFO logging). Billing: one instance on its single-file SQLite ledger (its default); with
+``stream_ledger="postgresql"`` (a throwaway ``PostgresServer``, fsync off: what docs/billing.md advises beyond a
+few dozen GPUs) ``stream_billing_instances`` instances in one consumer group. And a
 load generator in this process: ``bench.workload.Fleet`` nodes of 8 time-sliced GPUs × 8 single-process pods,
 sending one ``NodeSample`` per node per second through gpumeter's own producer, the nodes spread evenly over
 each second as independent collectors would be, each stamped with the wall-clock time it was sent.
@@ -66,6 +68,7 @@ where the machine's cores went, which is what limits the figures on a small mach
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import re
 import shutil
@@ -672,6 +675,11 @@ class StreamConfig:
     guard_ticks: int = 60
     billing_instances: tuple[int, ...] = (1, 2, 4)
     billing_node_windows: int = 2500
+    # Billing in the stream (phases 1-4): its ledger ("sqlite": the single-file default, one instance only;
+    # "postgresql": a throwaway server, as docs/billing.md advises beyond a few dozen GPUs) and its instances in one
+    # consumer group. The default keeps the figures comparable run to run; docs/performance.md has both measured.
+    stream_ledger: str = "sqlite"
+    stream_billing_instances: int = 1
     drain_timeout_s: float = 120.0
     pods_timeout_s: float = 600.0
 
@@ -689,6 +697,7 @@ class Bench:
     cpu: CpuLedger
     services: list[Service]
     log: Callable[[str], None]
+    billers: list[Service] = field(default_factory=list)  # the stream's billing instances (also in ``services``)
 
 
 async def run_stream(config: StreamConfig, workdir: Path, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -706,15 +715,23 @@ async def run_stream(config: StreamConfig, workdir: Path, log: Callable[[str], N
         "workload": {"nodes": config.nodes, "gpus": fleet.gpu_count, "pods": config.nodes * 8 * config.pods_per_gpu,
                      "processes_per_gpu": config.pods_per_gpu, "window_seconds": WINDOW_SECONDS,
                      "grace_seconds": GRACE_SECONDS, "idle_close_seconds": IDLE_CLOSE_SECONDS,
-                     "partitions": TopicCatalog().partitions(NODE_SAMPLES), "ledger": "SQLite (billing's default)",
+                     "partitions": TopicCatalog().partitions(NODE_SAMPLES),
+                     "ledger": ("PostgreSQL (a throwaway PostgresServer, fsync off)" if config.stream_ledger
+                                == "postgresql" else "SQLite (billing's default)"),
+                     "billing_instances": config.stream_billing_instances,
                      "share_rows_per_node_window": shares_per_node_window(fleet),
                      "cost_records_per_node_window": rows_per_node_window(fleet)},
     }
+    if config.stream_ledger not in ("postgresql", "sqlite") or config.stream_billing_instances < 1 or (
+            config.stream_ledger == "sqlite" and config.stream_billing_instances != 1):
+        raise ValueError(f"stream billing: {config.stream_billing_instances} instance(s) on {config.stream_ledger!r} "
+                         "(SQLite holds one billing instance; PostgreSQL any number)")
     broker = KafkaBroker(workdir / "kafka", heap_mb=1024)
     log("stream: starting the Kafka broker")
     broker.start()
     services: list[Service] = []
     tail: CostTail | None = None
+    ledger_server = None
     try:
         settings = KafkaSettings(bootstrap_servers=broker.bootstrap_servers, topic_prefix=PREFIX,
                                  client_id="gpumeter-bench")
@@ -727,9 +744,23 @@ async def run_stream(config: StreamConfig, workdir: Path, log: Callable[[str], N
             "--window-seconds", str(WINDOW_SECONDS), "--grace-seconds", str(GRACE_SECONDS),
             "--idle-close-seconds", str(IDLE_CLOSE_SECONDS)]
         services.append(Service("attributor", attributor_command, workdir / "attributor-1.log").start())
-        services.append(Service("billing", gpumeter_command() + [
-            "billing", *common, "--group", BILLING_GROUP,
-            "--ledger-url", f"sqlite:///{workdir / 'ledger.sqlite3'}"], workdir / "billing.log").start())
+        readers: dict[str, Callable[[], float]] = {}
+        if config.stream_ledger == "postgresql":
+            from gpumeter.devtools.postgres import PostgresServer
+
+            ledger_server = PostgresServer()
+            ledger_server.__enter__()
+            postmaster = int((ledger_server.data_dir / "postmaster.pid").read_text().split()[0])
+            readers["postgresql (ledger)"] = lambda: process_tree_cpu_s(postmaster)
+            ledger_url = ledger_server.url
+        else:
+            ledger_url = f"sqlite:///{workdir / 'ledger.sqlite3'}"
+        billers = [Service("billing" if config.stream_billing_instances == 1 else f"billing-{n + 1}",
+                           gpumeter_command() + ["billing", *common, "--group", BILLING_GROUP,
+                                                 "--ledger-url", ledger_url],
+                           workdir / ("billing.log" if n == 0 else f"billing-{n + 1}.log")).start()
+                   for n in range(config.stream_billing_instances)]
+        services.extend(billers)
         # The guard in the stream as it runs in a cluster: one instance of each role (per-node rules over the
         # samples, pod events and shares; budgets over the cost records).
         for role in ("nodes", "budgets"):
@@ -737,10 +768,19 @@ async def run_stream(config: StreamConfig, workdir: Path, log: Callable[[str], N
                 "guard", *common, "--role", role, "--group", STREAM_GUARD_GROUP],
                 workdir / f"guard-stream-{role}.log").start())
         await services[0].wait_for("Worker ready", 120)
-        await services[1].wait_for("assigned", 120)
+        shares_topic = catalog.node_window_shares
+        shares_partitions = catalog.partitions(NODE_WINDOW_SHARES)
+
+        async def billing_settled() -> bool:
+            owned = [_billed_partitions(x.log(), shares_topic) for x in billers]
+            return (all(o is not None for o in owned)
+                    and sorted(q for o in owned for q in o) == list(range(shares_partitions)))
+
+        await wait_until(billing_settled, 120, "the stream's billing instances settling their partitions",
+                         services=billers)
         broker_pid = broker.process.pid if broker.process is not None else 0
-        cpu = CpuLedger({"kafka broker": broker_pid, "attributor": services[0].pid, "billing": services[1].pid,
-                         **{service.name: service.pid for service in services[2:]}})
+        cpu = CpuLedger({"kafka broker": broker_pid, **{service.name: service.pid for service in services}})
+        cpu.readers.update(readers)
         tail = CostTail(settings, catalog.costs)
         await tail.start()
         log("stream: encoding the generator's messages")
@@ -748,7 +788,7 @@ async def run_stream(config: StreamConfig, workdir: Path, log: Callable[[str], N
         await producer.start()
         try:
             generator = Generator(producer, catalog, fleet, partitions)
-            bench = Bench(config, fleet, settings, catalog, generator, tail, cpu, services, log)
+            bench = Bench(config, fleet, settings, catalog, generator, tail, cpu, services, log, billers)
             ceiling_nodes = min(config.ceiling_nodes, config.nodes)
             figures["pods"] = {"ceiling_nodes": await pods_phase(bench, 0, ceiling_nodes, "pods (ceiling nodes)")}
             figures["ceiling"] = await ceiling_phase(bench, attributor_command, workdir, backlog_start)
@@ -812,6 +852,8 @@ async def run_stream(config: StreamConfig, workdir: Path, log: Callable[[str], N
             await tail.stop()
         for service in services:
             service.stop()
+        if ledger_server is not None:
+            ledger_server.__exit__(None, None, None)
         broker.stop()
 
 
@@ -910,7 +952,7 @@ async def scaling_phase(b: Bench, attributor_command: list[str], workdir: Path, 
     all_ready_at = time.time()
     keys = [(b.fleet.node(i).name, backlog_start) for i in range(first_node, first_node + nodes)]
     elapsed = await _last_cost_at_s(b, keys, f"billing the {label} backlog",
-                                    [*attributors, b.services[1]]) - first_ready_at
+                                    [*attributors, *b.billers]) - first_ready_at
     b.cpu.mark(f"{label} done")
     gpu_samples = sent * b.fleet.gpus_per_node
     figures = {
@@ -926,7 +968,7 @@ async def scaling_phase(b: Bench, attributor_command: list[str], workdir: Path, 
     attributor_cpu_s = sum(v for who, v in figures["cpu_s"].items() if who.startswith("attributor "))
     figures["attributor_cpu_s"] = round(attributor_cpu_s, 2)
     figures["attributor_cpu_s_per_1000_gpu_samples"] = round(attributor_cpu_s / gpu_samples * 1000, 4)
-    figures["steady"] = await steady_load(b, label, workers, nodes, [*attributors, b.services[1]])
+    figures["steady"] = await steady_load(b, label, workers, nodes, [*attributors, *b.billers])
     b.log(f"stream: {label}: steady load: {figures['steady']['attributor_cpu_s_per_1000_gpu_samples']} attributor "
           f"CPU-s per 1,000 GPU-samples")
     b.log(f"stream: {label}: {figures['gpu_samples_per_s_end_to_end']:,.0f} GPU-samples/s end to end")
@@ -1295,6 +1337,11 @@ def _log_summary(text: str) -> dict[str, int]:
 
 def run(quick: bool) -> tuple[dict[str, Any], list[Target], list[str]]:
     config = StreamConfig(nodes=200, ceiling_nodes=50, billing_node_windows=300) if quick else StreamConfig()
+    # Billing's deployment in the stream, for a run that asks (docs/performance.md, "Running").
+    config = dataclasses.replace(
+        config, stream_ledger=os.environ.get("GPUMETER_BENCH_STREAM_LEDGER", config.stream_ledger),
+        stream_billing_instances=int(os.environ.get("GPUMETER_BENCH_STREAM_BILLING_INSTANCES",
+                                                    config.stream_billing_instances)))
     workdir = Path(tempfile.mkdtemp(prefix="gpumeter-bench-stream-"))
     try:
         figures = asyncio.run(run_stream(config, workdir, log=lambda m: print(m, file=sys.stderr, flush=True)))
