@@ -26,6 +26,9 @@ READ_ELSEWHERE = {
     "GPUMETER_CACHE_DIR": "gpumeter/devtools/gotools.py",
     # Interpolated by docker compose itself into the database's and billing's environment.
     "GPUMETER_POSTGRES_PASSWORD": "docker-compose.yml",
+    # The benchmark's own choice of billing's deployment in the stream (no service reads it).
+    "GPUMETER_BENCH_STREAM_LEDGER": "bench/stream.py",
+    "GPUMETER_BENCH_STREAM_BILLING_INSTANCES": "bench/stream.py",
 }
 
 
