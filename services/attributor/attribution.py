@@ -1624,6 +1624,10 @@ class _OpenUnit:
                 and generation == self._assignments_generation):
             # The pods have not changed since every run's holders were found among these same assignments: the
             # close would find the same holders.
+            if type(pods) is _ReadPods:
+                # What ``pods.assignments_for(keys)`` would find and record now: these very assignments, found
+                # under this generation of the same index (the index moves its generation on every change).
+                pods.assignments[keys] = tuple(info for info, _claim in self._assignments)
             assignees = _alive_assignees(self._assignments, self.times)
         else:
             assignees = _assignees(pods, keys, self.times)
@@ -1675,7 +1679,7 @@ class _PackedLane:
 
     __slots__ = ("window", "units", "epochs", "modes", "uuids", "modes_raw", "parents_raw", "smap", "generation",
                  "t_from", "t_until", "col_of", "nmap", "nslots", "use_pp", "sums", "present",
-                 "scalars", "quality", "replicas_max", "buffer", "times", "intervals", "covered_ms", "last")
+                 "scalars", "quality", "replicas_max", "buffer", "times", "intervals", "covered_ms", "last", "held")
 
     @classmethod
     def open(cls, window: "OpenNodeWindow", sample: NodeSample, packed: PackedNodeSample,
@@ -1733,7 +1737,7 @@ class _PackedLane:
         lane.replicas_max = np.array([e.replicas_max for e in epochs], dtype=np.int64)
         lane.buffer, lane.times, lane.intervals = [], [], []
         lane.covered_ms = 0
-        lane.last = None
+        lane.last = lane.held = None
         return lane
 
     def accepts(self, sample: NodeSample, packed: PackedNodeSample, pods: PodLookup, generation: int) -> bool:
@@ -1860,8 +1864,15 @@ class _PackedLane:
         self.present[unit_of, column] = True
         self.quality += np.stack([~valid, valid & clamped, scaled, ~known,
                                   ~missing & ((util < 0) | (util > 100)), no_process], axis=-1).sum(axis=0)
+        last, held = self.last, self.held
         for _packed, _interval, sample in buffer:
-            sample.release_columns()  # summed: the window keeps the tick, not its arrays
+            if sample is not last:
+                sample.release_columns()  # summed: the window keeps the tick, not its arrays
+        # The newest tick keeps its arrays until the next chunk or the close, which reads its devices (each
+        # unit's last device) from them instead of decoding its message again.
+        if held is not None and held is not last:
+            held.release_columns()
+        self.held = last
         buffer.clear()
 
     def close(self) -> None:
@@ -1871,6 +1882,8 @@ class _PackedLane:
             return
         nslots = self.nslots
         last_devices = self.last.devices
+        self.last.release_columns()
+        self.held = None
         device_at = {d.uuid: d for d in last_devices}
         for i, (unit, epoch, mode) in enumerate(zip(self.units, self.epochs, self.modes)):
             epoch.mem_frac = self.sums[0, i].tolist()
@@ -2066,7 +2079,8 @@ class OpenNodeWindow:
                                                         and not u.has_capacity)]
         units.sort(key=lambda u: (meta[u.uuid][0] or u.uuid, meta[u.uuid][0] is not None, u.uuid))
         split: dict[str, UnitWindow] | None = None
-        same_pods = pods is self._pods
+        # ``close_early`` reads the pods through a ``_ReadPods`` over the very index the ticks were summed against
+        same_pods = pods is self._pods or (type(pods) is _ReadPods and pods.pods is self._pods)
         attributed = []
         for unit in units:
             kind = meta[unit.uuid][1]  # a GPU whose MIG mode flipped in the window is one GPU unit (_split_sample)
