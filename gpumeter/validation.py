@@ -628,8 +628,10 @@ def _clearly_valid(sample: PackedNodeSample, now_unix_ms: int, max_clock_skew_ms
     return _unique_list_seen(key, processes_valid)
 
 
-def check_packed_sample_names(sample: PackedNodeSample) -> None:
-    """``check_sample_names`` of a NodeSample v4 record: one set lookup when its names were seen valid before."""
+def check_packed_sample_names(sample: PackedNodeSample, pod_uids: tuple[str, ...] | None = None) -> None:
+    """``check_sample_names`` of a NodeSample v4 record: one set lookup when its names were seen valid before.
+    ``pod_uids``: ``sample.pod_uid_strings()`` when the caller has it already (the ``NodeSample`` decoded from the
+    record carries it), else None."""
     uuids = sample.device_uuids
     if sample.device_parent_uuid.tobytes() == _NO_PARENTS * len(uuids):  # whole GPUs: the pairs repeat tick to tick
         pairs = _GPU_NAME_PAIRS.get(uuids)
@@ -639,7 +641,7 @@ def check_packed_sample_names(sample: PackedNodeSample) -> None:
             pairs = _GPU_NAME_PAIRS[uuids] = tuple((uuid, None) for uuid in uuids)
     else:
         pairs = tuple(zip(uuids, sample.device_parent_uuid_strings()))
-    key = (sample.cluster, sample.node_name, sample.pod_uid_strings(), pairs)
+    key = (sample.cluster, sample.node_name, sample.pod_uid_strings() if pod_uids is None else pod_uids, pairs)
     if key not in _VALID_SAMPLE_NAMES:
         _check_sample_names(sample.to_node_sample())
 

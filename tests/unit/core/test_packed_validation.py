@@ -142,3 +142,32 @@ def test_the_tick_to_tick_cases_are_bad_and_good_as_named():
     verdicts = {name: _verdict(check_sample, _gpus(**changes)) for name, changes in TICK_TO_TICK_CASES}
     good = {"a good tick again", "utilization unknown", "power unknown"}
     assert {name for name, verdict in verdicts.items() if verdict is None} == good
+
+
+NAME_ENGINE_CASES = [
+    ("a pod uid with a newline", {"pod_uids": ("pod-a\nINFO all clear",)}),
+    ("a pod uid with HTML", {"pod_uids": ("<b>pod</b>",)}),
+    ("a node name with ANSI", {"node_name": "gpu-node-a\x1b[2J"}),
+    ("a GPU uuid with HTML", {"devices": (_dev(uuid="<i>GPU-0</i>"),)}),
+]
+
+
+@pytest.mark.parametrize("changes", [c for _, c in NAME_ENGINE_CASES], ids=[n for n, _ in NAME_ENGINE_CASES])
+def test_the_engine_refuses_a_decoded_tick_s_bad_names_as_check_sample_does(changes):
+    """The engine checks a v4 tick's names on its record (``check_packed_sample_names``, handed the pod uids the
+    decoded sample carries): the same ``InvalidName`` as ``check_sample`` on the objects, after good ticks of the
+    same node."""
+    from schemas.records import NodeSample as _NodeSample
+    from schemas.typed import codec_for
+    from services.attributor.engine import AttributionEngine, EngineConfig
+
+    codec = codec_for(_NodeSample)
+    engine = AttributionEngine(EngineConfig())
+    good = _sample(_Clock())
+    engine.on_sample(codec.decode(codec.encode(good)), NOW_MS)
+    bad = dataclasses.replace(good, sequence=8, **changes)
+    expected = _verdict(check_sample, bad)
+    assert expected is not None and expected[1] == "INVALID_NAME"
+    decoded = codec.decode(codec.encode(bad))
+    assert decoded.packed is not None
+    assert _verdict(lambda s, now, *_: engine.on_sample(s, now), decoded) == expected
