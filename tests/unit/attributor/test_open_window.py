@@ -91,7 +91,7 @@ def _decoded_v4(window: NodeWindow) -> NodeWindow:
     return dataclasses.replace(window, samples=tuple(samples))
 
 
-@pytest.mark.parametrize("lane_chunk_ticks", [1, 3, 16])
+@pytest.mark.parametrize("lane_chunk_ticks", [1, 3, 16, 32])
 @PROPERTY_SETTINGS
 @given(scenario=scenarios(), policy=policies)
 def test_ticks_summed_from_their_v4_columns_equal_attributed_at_close(lane_chunk_ticks, scenario, policy):
