@@ -494,13 +494,13 @@ class PackedBackedNodeSample(NodeSample):
     def over(cls, packed: PackedNodeSample, values: tuple, message: bytes | None = None) -> "PackedBackedNodeSample":
         """The sample with ``values`` (NodeSample's fields in order, ``devices`` None) whose devices ``packed``
         holds (decoded from ``message``, when given)."""
+        # Once per decoded message: each field set through its slot (``object.__setattr__`` costs about twice that)
         sample = object.__new__(cls)
-        set_field = object.__setattr__
-        for name, value in zip(_NODE_SAMPLE_FIELDS, values):
-            if name != "devices":
-                set_field(sample, name, value)
-        set_field(sample, "packed", packed)
-        set_field(sample, "_message", message)
+        for set_field, value in zip(_OVER_SETTERS, values):
+            if set_field is not None:  # devices: built on first read
+                set_field(sample, value)
+        _set_packed(sample, packed)
+        _set_message(sample, message)
         return sample
 
     def release_columns(self) -> None:
@@ -522,6 +522,11 @@ class PackedBackedNodeSample(NodeSample):
     def __reduce__(self) -> tuple:
         return (NodeSample, tuple(getattr(self, name) for name in _NODE_SAMPLE_FIELDS))
 
+
+
+_OVER_SETTERS = tuple(None if name == "devices" else NodeSample.__dict__[name].__set__ for name in _NODE_SAMPLE_FIELDS)
+_set_packed = PackedBackedNodeSample.__dict__["packed"].__set__
+_set_message = PackedBackedNodeSample.__dict__["_message"].__set__
 
 def _device_figure(dev: GpuDeviceSample, column: str, texts: dict[str, int]) -> Any:
     if column in _TEXT_ATTRIBUTES:
