@@ -523,10 +523,10 @@ class PackedBackedNodeSample(NodeSample):
         return (NodeSample, tuple(getattr(self, name) for name in _NODE_SAMPLE_FIELDS))
 
 
-
 _OVER_SETTERS = tuple(None if name == "devices" else NodeSample.__dict__[name].__set__ for name in _NODE_SAMPLE_FIELDS)
 _set_packed = PackedBackedNodeSample.__dict__["packed"].__set__
 _set_message = PackedBackedNodeSample.__dict__["_message"].__set__
+
 
 def _device_figure(dev: GpuDeviceSample, column: str, texts: dict[str, int]) -> Any:
     if column in _TEXT_ATTRIBUTES:
