@@ -532,9 +532,49 @@ def _unique_list_seen(key: bytes, unique: Callable[[], bool]) -> bool:
     return True
 
 
+# Device columns a node repeats tick to tick (total and reserved memory, replicas, MIG slices), seen to pass their
+# checks, by their bytes -> (the smallest total, whether every device's total is that one). Bounded like _UNIQUE_LISTS.
+_STATIC_DEVICE_COLUMNS: dict[bytes, tuple[int, bool]] = {}
+# Process memory columns seen, by their bytes -> (smallest, largest): a process's allocation moves rarely.
+_PROCESS_MEMORY_BOUNDS: dict[bytes, tuple[int, int]] = {}
+_min_of, _max_of = np.minimum.reduce, np.maximum.reduce  # ndarray.min/max less their Python wrapper
+
+
+def _static_devices(sample: PackedNodeSample) -> tuple[int, bool] | None:
+    """(smallest total, whether all totals are equal) when every device has 0 <= reserved <= total, replicas >= 1,
+    no MIG compute slices and a non-negative slice total; None otherwise. Judged once per distinct set of columns
+    (every column's length is the device count times its fixed item size, so two sets cannot share a key)."""
+    total, reserved = sample.device_memory_total_bytes, sample.device_memory_reserved_bytes
+    key = (total.tobytes() + reserved.tobytes() + sample.device_replicas.tobytes()
+           + sample.device_mig_compute_slices.tobytes() + sample.device_mig_total_compute_slices.tobytes())
+    found = _STATIC_DEVICE_COLUMNS.get(key)
+    if found is not None:
+        return found
+    totals = total.tolist()
+    for t, r, replicas, slices, total_slices in zip(
+            totals, reserved.tolist(), sample.device_replicas.tolist(), sample.device_mig_compute_slices.tolist(),
+            sample.device_mig_total_compute_slices.tolist()):
+        if not (0 <= r <= t and replicas >= 1 and slices == 0 and total_slices >= 0):
+            return None
+    smallest = min(totals)
+    if len(_STATIC_DEVICE_COLUMNS) >= _UNIQUE_LISTS_MAX:
+        _STATIC_DEVICE_COLUMNS.clear()
+    found = _STATIC_DEVICE_COLUMNS[key] = (smallest, smallest == max(totals))
+    return found
+
+
+def _percents_valid(values: list[int]) -> bool:
+    """Every value in [0, 100] or the missing sentinel."""
+    return (min(values) >= 0 and max(values) <= 100) or all(0 <= v <= 100 or v == MISSING_I4 for v in values)
+
+
 def _clearly_valid(sample: PackedNodeSample, now_unix_ms: int, max_clock_skew_ms: int, max_age_ms: int | None) -> bool:
     """True only when the record passes every ``check_sample`` range check, judged by a few whole-column bounds
-    (the common tick: whole GPUs, no MPS server, no uid in text); False means "look closer", never "invalid"."""
+    (the common tick: whole GPUs, no MPS server, no uid in text); False means "look closer", never "invalid".
+
+    What a node repeats from tick to tick (its pod list, its processes, its devices' totals) is judged once per
+    distinct value (the caches above); what moves every tick (used and free memory, utilization, power, SM
+    utilization) is judged each tick by its smallest and largest value."""
     sampled_at = sample.sampled_at_unix_ms
     devices = sample.device_count
     if (sample.pod_uid_texts or sampled_at < EARLIEST_UNIX_MS or sampled_at > now_unix_ms + max_clock_skew_ms
@@ -546,24 +586,34 @@ def _clearly_valid(sample: PackedNodeSample, now_unix_ms: int, max_clock_skew_ms
     pod_uids = sample.pod_uids
     if not _unique_list_seen(b"p" + pod_uids.tobytes(), lambda: len(np.unique(pod_uids)) == len(pod_uids)):
         return False
-    totals = sample.device_memory_total_bytes.tolist()
-    rows = zip(totals, sample.device_memory_used_bytes.tolist(), sample.device_memory_free_bytes.tolist(),
-               sample.device_memory_reserved_bytes.tolist(), sample.device_gpu_utilization_percent.tolist(),
-               sample.device_memory_utilization_percent.tolist(), sample.device_power_milliwatts.tolist(),
-               sample.device_replicas.tolist(), sample.device_mig_compute_slices.tolist(),
-               sample.device_mig_total_compute_slices.tolist())
-    for total, used, free, reserved, gpu_util, memory_util, power, replicas, slices, total_slices in rows:
-        if not (0 <= used <= total and 0 <= free <= total and 0 <= reserved <= total
-                and (0 <= gpu_util <= 100 or gpu_util == MISSING_I4)
-                and (0 <= memory_util <= 100 or memory_util == MISSING_I4)
-                and (power >= 0 or power == MISSING_I8) and replicas >= 1 and slices == 0 and total_slices >= 0):
+    static = _static_devices(sample)
+    if static is None:
+        return False
+    smallest_total, uniform = static
+    used, free = sample.device_memory_used_bytes.tolist(), sample.device_memory_free_bytes.tolist()
+    if uniform:  # every device's total is smallest_total: each column against it by its extremes
+        if min(used) < 0 or max(used) > smallest_total or min(free) < 0 or max(free) > smallest_total:
             return False
+    elif not all(0 <= u <= t and 0 <= f <= t
+                 for t, u, f in zip(sample.device_memory_total_bytes.tolist(), used, free)):
+        return False
+    power = sample.device_power_milliwatts.tolist()
+    if (not _percents_valid(sample.device_gpu_utilization_percent.tolist())
+            or not _percents_valid(sample.device_memory_utilization_percent.tolist())
+            or (min(power) < 0 and not all(p >= 0 or p == MISSING_I8 for p in power))):
+        return False
     if not sample.process_count:
         return True
     memory, sm = sample.process_used_memory_bytes, sample.process_sm_utilization_percent
+    memory_raw = memory.tobytes()
+    bounds = _PROCESS_MEMORY_BOUNDS.get(memory_raw)
+    if bounds is None:
+        if len(_PROCESS_MEMORY_BOUNDS) >= _UNIQUE_LISTS_MAX:
+            _PROCESS_MEMORY_BOUNDS.clear()
+        bounds = _PROCESS_MEMORY_BOUNDS[memory_raw] = (int(_min_of(memory)), int(_max_of(memory)))
     # Every process's memory against the smallest total: enough where it passes (a device whose memory is unknown
     # only raises its own limit).
-    if memory.min() < -1 or memory.max() > min(totals) or sm.min() < -1 or sm.max() > 100:
+    if bounds[0] < -1 or bounds[1] > smallest_total or _min_of(sm) < -1 or _max_of(sm) > 100:
         return False
     pids, pods, counts = sample.process_pid, sample.process_pod_index, sample.device_process_count
 
@@ -578,8 +628,10 @@ def _clearly_valid(sample: PackedNodeSample, now_unix_ms: int, max_clock_skew_ms
     return _unique_list_seen(key, processes_valid)
 
 
-def check_packed_sample_names(sample: PackedNodeSample) -> None:
-    """``check_sample_names`` of a NodeSample v4 record: one set lookup when its names were seen valid before."""
+def check_packed_sample_names(sample: PackedNodeSample, pod_uids: tuple[str, ...] | None = None) -> None:
+    """``check_sample_names`` of a NodeSample v4 record: one set lookup when its names were seen valid before.
+    ``pod_uids``: ``sample.pod_uid_strings()`` when the caller has it already (the ``NodeSample`` decoded from the
+    record carries it), else None."""
     uuids = sample.device_uuids
     if sample.device_parent_uuid.tobytes() == _NO_PARENTS * len(uuids):  # whole GPUs: the pairs repeat tick to tick
         pairs = _GPU_NAME_PAIRS.get(uuids)
@@ -589,7 +641,7 @@ def check_packed_sample_names(sample: PackedNodeSample) -> None:
             pairs = _GPU_NAME_PAIRS[uuids] = tuple((uuid, None) for uuid in uuids)
     else:
         pairs = tuple(zip(uuids, sample.device_parent_uuid_strings()))
-    key = (sample.cluster, sample.node_name, sample.pod_uid_strings(), pairs)
+    key = (sample.cluster, sample.node_name, sample.pod_uid_strings() if pod_uids is None else pod_uids, pairs)
     if key not in _VALID_SAMPLE_NAMES:
         _check_sample_names(sample.to_node_sample())
 

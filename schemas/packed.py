@@ -344,7 +344,7 @@ class PackedNodeSample:
         if device_errors and any(not 0 <= e["device"] < devices for e in device_errors):
             raise CorruptMessage("NodeSample v4 device_errors names a device that is not in the tick")
         node_errors = d["node_errors"]
-        return cls(
+        values = (
             d["cluster"], d["node_name"], d["sequence"], d["collector_started_at_unix_ms"], d["sampled_at_unix_ms"],
             d["interval_ms"], d["cloud_provider"], d["region"], d["instance_type"], d["price_model"], d["zone"],
             d["provider_id"],
@@ -356,6 +356,14 @@ class PackedNodeSample:
             *[arrays[name] for name in PROCESS_COLUMNS],
             mps,
         )
+        if cls is not PackedNodeSample:
+            return cls(*values)
+        # Every message of the hot topic: its 44 fields set through their slots (the frozen dataclass's __init__
+        # goes through object.__setattr__ once per field, about twice the cost).
+        record = _new_object(PackedNodeSample)
+        for set_field, value in zip(_PACKED_SETTERS, values):
+            set_field(record, value)
+        return record
 
     # -- NodeSample objects ----------------------------------------------------------------------------------------
 
@@ -443,6 +451,10 @@ class PackedNodeSample:
         return tuple(devices)
 
 
+_new_object = object.__new__
+_PACKED_SETTERS = tuple(PackedNodeSample.__dict__[f.name].__set__ for f in fields(PackedNodeSample))
+"""PackedNodeSample's slot setters in field order (``from_avro``; it has no ``__post_init__``)."""
+
 _NODE_SAMPLE_FIELDS = tuple(f.name for f in fields(NodeSample))
 _DEVICES_SLOT = NodeSample.__dict__["devices"]  # the dataclass's slot for ``devices``, under the property below
 
@@ -482,13 +494,13 @@ class PackedBackedNodeSample(NodeSample):
     def over(cls, packed: PackedNodeSample, values: tuple, message: bytes | None = None) -> "PackedBackedNodeSample":
         """The sample with ``values`` (NodeSample's fields in order, ``devices`` None) whose devices ``packed``
         holds (decoded from ``message``, when given)."""
+        # Once per decoded message: each field set through its slot (``object.__setattr__`` costs about twice that)
         sample = object.__new__(cls)
-        set_field = object.__setattr__
-        for name, value in zip(_NODE_SAMPLE_FIELDS, values):
-            if name != "devices":
-                set_field(sample, name, value)
-        set_field(sample, "packed", packed)
-        set_field(sample, "_message", message)
+        for set_field, value in zip(_OVER_SETTERS, values):
+            if set_field is not None:  # devices: built on first read
+                set_field(sample, value)
+        _set_packed(sample, packed)
+        _set_message(sample, message)
         return sample
 
     def release_columns(self) -> None:
@@ -509,6 +521,11 @@ class PackedBackedNodeSample(NodeSample):
 
     def __reduce__(self) -> tuple:
         return (NodeSample, tuple(getattr(self, name) for name in _NODE_SAMPLE_FIELDS))
+
+
+_OVER_SETTERS = tuple(None if name == "devices" else NodeSample.__dict__[name].__set__ for name in _NODE_SAMPLE_FIELDS)
+_set_packed = PackedBackedNodeSample.__dict__["packed"].__set__
+_set_message = PackedBackedNodeSample.__dict__["_message"].__set__
 
 
 def _device_figure(dev: GpuDeviceSample, column: str, texts: dict[str, int]) -> Any:

@@ -364,7 +364,7 @@ class AttributionEngine:
         only because its node's clock just moved is refused ``CLOCK_SKEW`` rather than ``OUT_OF_RANGE``/``LATE``."""
         packed: PackedNodeSample | None = getattr(sample, "packed", None)  # decoded from v4: judged on its arrays
         if packed is not None:
-            check_packed_sample_names(packed)
+            check_packed_sample_names(packed, sample.pod_uids)  # the record's pod_uid_strings(), decoded once
         else:
             check_sample_names(sample)
         key: NodeKey = (sample.cluster, sample.node_name)

@@ -160,6 +160,10 @@ def _claim_decision(kind: UnitKind, mode: SharingMode, claim: str, assignments: 
     return ModeDecision(mode, None, "; ".join(notes), conflict, sample_mode, replicas, owners, claim)
 
 
+_DECISIONS: dict[tuple, ModeDecision] = {}
+_DECISIONS_MAX = 16_384
+
+
 def decide_mode(
     kind: UnitKind,
     sample_mode: SharingMode,
@@ -172,7 +176,27 @@ def decide_mode(
 
     ``sample_mode`` and ``replicas`` come from the unit's samples (``majority_sample_mode`` and the largest
     ``replicas`` seen); ``assignments`` are the pods holding ids that name the unit, alive during the window.
+
+    Pure, and asked again with the same evidence for every unit of every window (its first tick, its close): the
+    decision (immutable) is remembered per evidence, for the evidence's exact types (a plain ``str`` mode equals its
+    ``SharingMode`` but is not read alike); the memory is emptied when it holds ``_DECISIONS_MAX`` of them.
     """
+    key = (kind, type(kind), sample_mode, type(sample_mode), replicas, type(replicas), tuple(assignments),
+           sample_mode_changed)
+    try:
+        decision = _DECISIONS.get(key)
+    except TypeError:  # evidence that cannot be a key (an assignment of unhashable fields): decided every time
+        return _decide_mode(kind, sample_mode, replicas, assignments, sample_mode_changed)
+    if decision is None:
+        decision = _decide_mode(kind, sample_mode, replicas, assignments, sample_mode_changed)
+        if len(_DECISIONS) >= _DECISIONS_MAX:
+            _DECISIONS.clear()
+        _DECISIONS[key] = decision
+    return decision
+
+
+def _decide_mode(kind: UnitKind, sample_mode: SharingMode, replicas: int, assignments: Sequence[UnitAssignment],
+                 sample_mode_changed: bool) -> ModeDecision:
     replicas = max(int(replicas), 1)
     notes: list[str] = []
     if sample_mode_changed:

@@ -60,6 +60,7 @@ DEFAULT_GROUPING_LABELS = ("team", "model")
 guard's team label (``team``) read. Others need ``GPUMETER_GROUPING_LABELS``."""
 _EMPTY: Mapping = MappingProxyType({})
 _FOREVER = 2**62
+_HOLDERS_MAX = 65_536  # LivePodIndex.assignments_for answers kept at most (one per unit of the partition)
 
 
 @dataclass(frozen=True, slots=True)
@@ -425,7 +426,7 @@ class LivePodIndex(PodLookup):
     """
 
     __slots__ = ("linger_ms", "fields", "clock_unix_ms", "generation", "_pods", "_by_device", "_expiries",
-                 "_snapshot")
+                 "_snapshot", "_holders", "_holders_generation")
 
     def __init__(self, linger_ms: int = DEFAULT_LINGER_MS, fields: PodFields = ALL_FIELDS) -> None:
         if linger_ms < 0:
@@ -440,6 +441,25 @@ class LivePodIndex(PodLookup):
         # time lowered by a later event) that are skipped when they come up.
         self._expiries: list[tuple[int, str]] = []
         self._snapshot: PodIndex | None = None
+        # ``assignments_for``'s answers under ``_holders_generation`` (a unit is looked up again by each window
+        # that takes its ticks in, and at each close): emptied when the generation moves
+        self._holders: dict[tuple[str, ...], tuple[tuple[PodInfo, UnitAssignment], ...]] = {}
+        self._holders_generation = 0
+
+    def assignments_for(self, base_ids: Iterable[str]) -> tuple[tuple[PodInfo, UnitAssignment], ...]:
+        """``PodLookup.assignments_for``, remembered until the generation moves (every change of a pod or of a
+        device's holders moves it, and nothing else changes the answer): the same tuple, of the same objects."""
+        key = tuple(base_ids)
+        holders = self._holders
+        if self._holders_generation != self.generation:
+            holders.clear()
+            self._holders_generation = self.generation
+        found = holders.get(key)
+        if found is None:
+            if len(holders) >= _HOLDERS_MAX:
+                holders.clear()
+            found = holders[key] = PodLookup.assignments_for(self, key)
+        return found
 
     def apply(self, event: PodEvent) -> PodChange:
         """Apply ``event`` as ``apply_pod_event`` would (stale and duplicate events change nothing)."""

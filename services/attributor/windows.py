@@ -170,38 +170,49 @@ class WindowAccumulator:
     def add(self, sample: NodeSample, metadata: Any = None) -> AddResult:
         """Add one tick. Returns the new state, the windows this tick's watermark closed (oldest first) and the
         tick itself in ``rejected`` when its window was already closed."""
+        # Once per tick of every node: the window arithmetic is inlined (``window_start_of``, ``closed_before_for``)
         key: NodeKey = (sample.cluster, sample.node_name)
         state = self._nodes.get(key)
-        clock_closed = self.closed_before_for(self._clock_watermark_unix_ms)
+        window_ms = self.window_seconds * 1000
+        clock_watermark = self._clock_watermark_unix_ms
+        clock_closed = self.closed_before_for(clock_watermark)
         if state is None:
             state = _NodeState(_NEVER, clock_closed, _EMPTY, ())
         tick: TickKey = (sample.collector_started_at_unix_ms, sample.sequence)
-        start = self.window_start_of(sample.sampled_at_unix_ms)
-        closed_before = max(state.closed_before_unix_ms, clock_closed)
+        sampled_at = sample.sampled_at_unix_ms
+        start = sampled_at // window_ms * window_ms
+        state_closed = state.closed_before_unix_ms
+        closed_before = state_closed if state_closed >= clock_closed else clock_closed
 
         if start < closed_before:
             if any(tick in keys for keys in state.recent_closed_keys):
                 return AddResult(self._replace(self._nodes, duplicates=1), (), ())
-            watermark = max(state.watermark_unix_ms, self._clock_watermark_unix_ms)
+            watermark = max(state.watermark_unix_ms, clock_watermark)
             late = LateSample(sample, start, closed_before, watermark, metadata,
                               None if state.watermark_unix_ms <= _NEVER else state.watermark_unix_ms,
-                              None if self._clock_watermark_unix_ms <= _NEVER else self._clock_watermark_unix_ms)
+                              None if clock_watermark <= _NEVER else clock_watermark)
             return AddResult(self, (), (late,))
 
-        window = state.open_windows.get(start)
+        open_windows = state.open_windows
+        window = open_windows.get(start)
         if window is not None and tick in window.keys:
             return AddResult(self._replace(self._nodes, duplicates=1), (), ())
         if window is None:
             window = _OpenWindow((sample,), frozenset((tick,)))
         else:
             window = _OpenWindow(window.samples + (sample,), window.keys | {tick})
-        open_windows = dict(state.open_windows)
+        open_windows = dict(open_windows)
         open_windows[start] = window
-        open_windows = MappingProxyType(open_windows)
-        watermark = max(state.watermark_unix_ms, sample.sampled_at_unix_ms)
-        new_state, closed = self._close_node(
-            key, _NodeState(watermark, state.closed_before_unix_ms, open_windows, state.recent_closed_keys)
-        )
+        watermark = state.watermark_unix_ms
+        if sampled_at > watermark:
+            watermark = sampled_at
+        new_state = _NodeState(watermark, state_closed, MappingProxyType(open_windows), state.recent_closed_keys)
+        # ``_close_node``'s test, first: the tick closes nothing unless it moves the node's closed-before
+        # boundary (every open window starts at or after it: an earlier tick is late, above).
+        effective = watermark if watermark >= clock_watermark else clock_watermark
+        closed: tuple[NodeWindow, ...] = ()
+        if effective > _NEVER and (effective - self.grace_seconds * 1000) // window_ms * window_ms > state_closed:
+            new_state, closed = self._close_node(key, new_state)
         nodes = dict(self._nodes)
         nodes[key] = new_state
         return AddResult(self._replace(nodes), closed, ())
@@ -272,14 +283,16 @@ class WindowAccumulator:
         return NodeWindow(key[0], key[1], start, self.window_seconds, samples)
 
     def _replace(self, nodes: Mapping[NodeKey, _NodeState], duplicates: int = 0) -> "WindowAccumulator":
-        return WindowAccumulator(
-            self.window_seconds,
-            self.grace_seconds,
-            self.closed_key_retention,
-            self.duplicates_ignored + duplicates,
-            nodes if isinstance(nodes, MappingProxyType) else MappingProxyType(nodes),
-            self._clock_watermark_unix_ms,
-        )
+        # This accumulator's settings, already validated: built without ``__post_init__`` (once per tick).
+        replaced = object.__new__(WindowAccumulator)
+        set_field = object.__setattr__
+        set_field(replaced, "window_seconds", self.window_seconds)
+        set_field(replaced, "grace_seconds", self.grace_seconds)
+        set_field(replaced, "closed_key_retention", self.closed_key_retention)
+        set_field(replaced, "duplicates_ignored", self.duplicates_ignored + duplicates)
+        set_field(replaced, "_nodes", nodes if isinstance(nodes, MappingProxyType) else MappingProxyType(nodes))
+        set_field(replaced, "_clock_watermark_unix_ms", self._clock_watermark_unix_ms)
+        return replaced
 
 
 def _window_order(window: NodeWindow) -> tuple[int, str, str]:

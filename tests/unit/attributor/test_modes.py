@@ -95,6 +95,33 @@ def test_several_plain_holders_are_a_conflict_attributed_by_usage():
     assert d.mode is SharingMode.TIME_SLICING and d.conflict and d.dedicated_owner is None
 
 
+def test_a_decision_is_made_once_per_evidence_and_never_handed_to_other_evidence():
+    from services.attributor import modes
+
+    holders = [A("a", "nvidia.com/gpu", "GPU-0::0"), A("b", "nvidia.com/gpu", "GPU-0::1")]
+    first = decide_mode(UnitKind.GPU, SharingMode.MPS, 4, holders)
+    # The same evidence (equal assignments, new objects): the same decision object, not decided again.
+    again = decide_mode(UnitKind.GPU, SharingMode.MPS, 4, [A("a", "nvidia.com/gpu", "GPU-0::0"),
+                                                           A("b", "nvidia.com/gpu", "GPU-0::1")])
+    assert again is first
+    # Evidence that differs in any part gets its own decision, as if nothing were remembered.
+    variants = [
+        (UnitKind.GPU, SharingMode.TIME_SLICING, 4, holders, False),
+        (UnitKind.GPU, SharingMode.MPS, 4, holders, True),
+        (UnitKind.GPU, SharingMode.MPS, 4, holders[:1], False),
+        (UnitKind.MIG_INSTANCE, SharingMode.MPS, 4, holders, False),
+        (UnitKind.GPU, SharingMode.MPS, 5, holders, False),
+        # A plain str equals its SharingMode but is not read alike (``is SharingMode.MIG``).
+        (UnitKind.GPU, SharingMode.MIG, 1, [], False),
+        (UnitKind.GPU, "MIG", 1, [], False),
+    ]
+    remembered = [decide_mode(k, m, r, a, sample_mode_changed=c) for k, m, r, a, c in variants]
+    modes._DECISIONS.clear()
+    fresh = [decide_mode(k, m, r, a, sample_mode_changed=c) for k, m, r, a, c in variants]
+    assert remembered == fresh
+    assert remembered[-2] != remembered[-1]  # the str and the enum are decided apart
+
+
 def test_without_pods_the_sample_decides_and_says_so():
     assert decide_mode(UnitKind.GPU, SharingMode.MPS, 4, []).mode is SharingMode.MPS
     d = decide_mode(UnitKind.GPU, SharingMode.UNKNOWN, 3, [])

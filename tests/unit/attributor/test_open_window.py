@@ -91,7 +91,7 @@ def _decoded_v4(window: NodeWindow) -> NodeWindow:
     return dataclasses.replace(window, samples=tuple(samples))
 
 
-@pytest.mark.parametrize("lane_chunk_ticks", [1, 3, 16])
+@pytest.mark.parametrize("lane_chunk_ticks", [1, 3, 16, 32])
 @PROPERTY_SETTINGS
 @given(scenario=scenarios(), policy=policies)
 def test_ticks_summed_from_their_v4_columns_equal_attributed_at_close(lane_chunk_ticks, scenario, policy):
@@ -330,6 +330,32 @@ def test_a_window_closed_early_hands_out_its_record_until_something_it_read_chan
     live_without.apply(pod_event("pod-2", observed_at_unix_ms=START - 20_000))
     after = node_window_record(window, live_without, policy, summed)
     assert after is not before and after == node_window_record(window, live_without, policy)
+
+
+def test_a_holder_that_arrives_after_the_early_close_is_in_the_close_s_record(monkeypatch):
+    # The early close reads each unit's holders from what its ticks were summed against (the index has not moved
+    # since): that read is remembered like any other, so a pod that comes to hold the unit before the close --
+    # with no process here, so no row of the early record looked it up by uid -- makes the close attribute again.
+    from services.attributor.attribution import node_window_record
+
+    window, _ = _time_sliced_window(60)
+    live = LivePodIndex()
+    for event in _time_sliced_pods():
+        live.apply(event)
+    policy = AttributionPolicy()
+    summed = OpenNodeWindow(WINDOW_S, policy)
+    for sample in window.samples:
+        summed.add(sample, live, live.generation)
+    count = _Counting(monkeypatch)
+    summed.close_early(window, live)
+    assert (count.from_sums, count.from_ticks) == (1, 0)
+    early = node_window_record(window, live, policy, summed)
+    assert early is not None and early == node_window_record(window, live, policy)
+    assert live.apply(pod_event("pod-3", devices=[("nvidia.com/gpu", ["GPU-0::3"])],
+                                observed_at_unix_ms=START - 20_000)).changed
+    again = node_window_record(window, live, policy, summed)
+    assert again is not early and again == node_window_record(window, live, policy) and again != early
+    assert "pod-3" in {pod.pod_uid for pod in again.pods}
 
 
 def test_a_tick_taken_in_after_the_early_close_is_attributed_at_the_close():

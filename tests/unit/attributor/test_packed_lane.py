@@ -190,3 +190,48 @@ def test_lane_units_carry_the_same_decisions_and_data_quality(seed: int) -> None
     assert len(attributed[0]) == 4
     assert attributed[0] == attributed[1]
     assert any(unit.quality != type(unit.quality)() for _, unit in attributed[0])
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 16, 32])
+def test_the_lane_s_close_reads_its_last_devices_without_decoding_again(chunk: int,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each tick the lane takes lets its arrays go, except the newest, which the close reads its units' last devices
+    from (rather than decoding its message again); after the close no tick holds its arrays."""
+    from bench.workload import Fleet
+    from schemas.packed import NodeSampleCodec
+    from services.attributor.attribution import OpenNodeWindow
+    from services.attributor.pod_index import LivePodIndex
+    from services.attributor.windows import NodeWindow
+
+    monkeypatch.setattr(attribution, "_LANE_CHUNK_TICKS", chunk)
+    fleet = Fleet(1, 4, 3)
+    pods = LivePodIndex()
+    for event in fleet.pod_events(0):
+        pods.apply(event)
+    codec = codec_for(NodeSample)
+    samples = [fleet.node_sample(0, tick) for tick in range(60)]
+    start = samples[0].sampled_at_unix_ms // 60_000 * 60_000
+    samples = [s for s in samples if s.sampled_at_unix_ms < start + 60_000]
+    ticks = [codec.decode(codec.encode(s)) for s in samples]
+    policy = AttributionPolicy()
+    window = OpenNodeWindow(60, policy)
+    for sample in ticks:
+        window.add(sample, pods, pods.generation)
+    assert window._lane is not None and len(ticks) > chunk + 2
+    # A tick taken by the lane lets its arrays go at once (its figures wait in the chunk's columns), but for the
+    # newest, whose devices the close reads.
+    assert [t for t in ticks if t.packed is not None] == [ticks[-1]]
+
+    def no_decode(self, data):
+        raise AssertionError("a tick decoded again")
+
+    monkeypatch.setattr(NodeSampleCodec, "decode_packed", no_decode)
+    node_window = NodeWindow(ticks[0].cluster, ticks[0].node_name, start, 60, tuple(window.samples))
+    attributed = window.attribute_units(node_window, pods)
+    assert all(t.packed is None for t in ticks)
+    assert {d.uuid: d for d, _ in attributed} == {d.uuid: d for d in ticks[-1].devices}
+    plain = OpenNodeWindow(60, policy)
+    for sample in samples:  # the same ticks as objects: the object path
+        plain.add(sample, pods, pods.generation)
+    assert attributed == plain.attribute_units(NodeWindow(ticks[0].cluster, ticks[0].node_name, start, 60,
+                                                          tuple(plain.samples)), pods)

@@ -170,3 +170,47 @@ def test_same_input_gives_same_windows():
 def test_bad_configuration(kwargs):
     with pytest.raises(ConfigError):
         WindowAccumulator(**kwargs)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_each_tick_closes_exactly_the_windows_its_watermark_passes(seed):
+    """Against a plain model, tick by tick (jitter, ticks out of order, late ones, redeliveries, a clock that moves
+    now and then): every add closes the open windows whose end + grace the node's watermark (or the clock's) has
+    reached, oldest first, and only those; a tick of a closed window is late."""
+    import random
+
+    rng = random.Random(seed)
+    grace_s = rng.choice([0, 5, 10, 30])
+    acc = WindowAccumulator(WINDOW_S, grace_s, closed_key_retention=0)
+    grace_ms = grace_s * 1000
+    open_starts: dict[int, set] = {}
+    watermark = clock = -(2**62)
+    closed_before = -(2**62)
+    t = BASE
+    for sequence in range(400):
+        t += rng.choice([1000, 1000, 1000, 2500, 7000, 40_000])
+        at = t - rng.choice([0, 0, 0, 0, 3000, 15_000, 75_000])  # now and then an older tick
+        if rng.random() < 0.05:
+            clock = max(clock, t - rng.choice([0, 30_000, 90_000]))
+            acc, advanced = acc.advance(clock)
+            boundary = max(closed_before, (clock - grace_ms) // WINDOW_MS * WINDOW_MS)
+            due = sorted(s for s in open_starts if s < boundary)
+            assert [w.window_start_unix_ms for w in advanced] == due
+            for s in due:
+                del open_starts[s]
+            closed_before = boundary
+        acc, closed, rejected = acc.add(tick(at, sequence=sequence))
+        start = at // WINDOW_MS * WINDOW_MS
+        if start < closed_before:
+            assert rejected and not closed
+            continue
+        assert not rejected
+        open_starts.setdefault(start, set()).add(sequence)
+        watermark = max(watermark, at)
+        boundary = max(closed_before, (max(watermark, clock) - grace_ms) // WINDOW_MS * WINDOW_MS)
+        due = sorted(s for s in open_starts if s < boundary)
+        assert [(w.window_start_unix_ms, len(w.samples)) for w in closed] == [(s, len(open_starts[s])) for s in due]
+        for s in due:
+            del open_starts[s]
+        closed_before = boundary
+        assert acc.closed_before_for(max(watermark, clock)) <= closed_before

@@ -16,6 +16,7 @@ from schemas.packed import PackedNodeSample
 from schemas.records import NodeSample, NvmlError
 from simulator.scenario import load_scenario
 from tests.unit.core.test_bad_input import DAY_MS, NAME_CASES, NOW_MS, POSSIBLE_SAMPLES, SAMPLE_CASES, SAMPLES, _dev
+from tests.unit.attributor import GIB, device
 from tests.unit.core.test_bad_input import _sample
 
 REPO = Path(__file__).resolve().parents[3]
@@ -86,3 +87,87 @@ def test_a_good_tick_is_judged_on_its_arrays(monkeypatch):
 
     monkeypatch.setattr(PackedNodeSample, "to_node_sample", no_objects)
     check_packed_sample(packed, NOW_MS, SKEW_MS, MAX_AGE_MS)
+
+
+_UIDS = ("0f6e4b2a-1c3d-4e5f-8a9b-0c1d2e3f4a5b", "1f6e4b2a-1c3d-4e5f-8a9b-0c1d2e3f4a5b")
+
+
+def _gpus(**changes_of_third) -> NodeSample:
+    """Four whole GPUs of two sizes (80 GiB, then 24 GiB from the third) with canonical pod uids: a tick judged on
+    its arrays; ``changes_of_third`` change the third (24 GiB) GPU."""
+    devices = []
+    for i in range(4):
+        total = 80 * GIB if i < 2 else 24 * GIB
+        dev = device(f"GPU-{i}", total=total, used=10 * GIB, util=40, index=i,
+                     procs=[(0, 3 * GIB, 20), (1, 2 * GIB, 10)])
+        devices.append(dataclasses.replace(dev, process_pids=(100 + i, 200 + i)))
+    if changes_of_third:
+        devices[2] = dataclasses.replace(devices[2], **changes_of_third)
+    return dataclasses.replace(_sample(_Clock(), devices), pod_uids=_UIDS)
+
+
+TICK_TO_TICK_CASES = [
+    ("a good tick again", {}),
+    ("used above the 24 GiB GPU's total (below the 80 GiB one's)", {"memory_used_bytes": 30 * GIB}),
+    ("free above the 24 GiB GPU's total", {"memory_free_bytes": 30 * GIB}),
+    ("negative free memory", {"memory_free_bytes": -1}),
+    ("utilization unknown", {"gpu_utilization_percent": None}),
+    ("memory utilization over 100 %", {"memory_utilization_percent": 101}),
+    ("power unknown", {"power_milliwatts": None}),
+    ("negative power", {"power_milliwatts": -5}),
+    ("a process over the 24 GiB GPU (its memory seen before under 80 GiB)",
+     {"process_used_memory_bytes": (30 * GIB, 2 * GIB)}),
+    ("SM utilization under -1", {"process_sm_utilization_percent": (-2, 10)}),
+    ("reserved above total", {"memory_reserved_bytes": 25 * GIB}),
+    ("no replica", {"replicas": 0}),
+]
+
+
+@pytest.mark.parametrize("changes", [c for _, c in TICK_TO_TICK_CASES], ids=[n for n, _ in TICK_TO_TICK_CASES])
+def test_what_moves_tick_to_tick_is_judged_every_tick(changes):
+    """What the array checks remember of a node's earlier ticks (its devices' totals, its processes' memory)
+    never lets a later tick's new values through: each tick after good ones is judged as ``check_sample`` judges
+    it, on its arrays where it is good."""
+    good = PackedNodeSample.from_node_sample(_gpus())
+    over_80 = _gpus(process_used_memory_bytes=(30 * GIB, 2 * GIB))
+    over_80 = dataclasses.replace(over_80, devices=tuple(
+        dataclasses.replace(d, memory_total_bytes=80 * GIB, memory_free_bytes=70 * GIB) for d in over_80.devices))
+    for seen in (good, PackedNodeSample.from_node_sample(over_80)):
+        assert _verdict(check_packed_sample, seen) is None  # remembered
+    sample = _gpus(**changes)
+    assert _verdict(check_packed_sample, PackedNodeSample.from_node_sample(sample)) == _verdict(check_sample, sample)
+
+
+def test_the_tick_to_tick_cases_are_bad_and_good_as_named():
+    verdicts = {name: _verdict(check_sample, _gpus(**changes)) for name, changes in TICK_TO_TICK_CASES}
+    good = {"a good tick again", "utilization unknown", "power unknown"}
+    assert {name for name, verdict in verdicts.items() if verdict is None} == good
+
+
+NAME_ENGINE_CASES = [
+    ("a pod uid with a newline", {"pod_uids": ("pod-a\nINFO all clear",)}),
+    ("a pod uid with HTML", {"pod_uids": ("<b>pod</b>",)}),
+    ("a node name with ANSI", {"node_name": "gpu-node-a\x1b[2J"}),
+    ("a GPU uuid with HTML", {"devices": (_dev(uuid="<i>GPU-0</i>"),)}),
+]
+
+
+@pytest.mark.parametrize("changes", [c for _, c in NAME_ENGINE_CASES], ids=[n for n, _ in NAME_ENGINE_CASES])
+def test_the_engine_refuses_a_decoded_tick_s_bad_names_as_check_sample_does(changes):
+    """The engine checks a v4 tick's names on its record (``check_packed_sample_names``, handed the pod uids the
+    decoded sample carries): the same ``InvalidName`` as ``check_sample`` on the objects, after good ticks of the
+    same node."""
+    from schemas.records import NodeSample as _NodeSample
+    from schemas.typed import codec_for
+    from services.attributor.engine import AttributionEngine, EngineConfig
+
+    codec = codec_for(_NodeSample)
+    engine = AttributionEngine(EngineConfig())
+    good = _sample(_Clock())
+    engine.on_sample(codec.decode(codec.encode(good)), NOW_MS)
+    bad = dataclasses.replace(good, sequence=8, **changes)
+    expected = _verdict(check_sample, bad)
+    assert expected is not None and expected[1] == "INVALID_NAME"
+    decoded = codec.decode(codec.encode(bad))
+    assert decoded.packed is not None
+    assert _verdict(lambda s, now, *_: engine.on_sample(s, now), decoded) == expected
