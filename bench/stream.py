@@ -106,6 +106,33 @@ TARGET_ATTRIBUTOR_SCALING_SPREAD = 0.15  # issue 23: the same for 1, 2 and 4 att
 CLOSE_BURST_CAUSE = ("the close burst: every node-window closes in the same second, and one attributor and one "
                      "billing process each work through all of them, on cores the generator and the broker share; "
                      "see docs/performance.md")
+
+
+def ceiling_cause(ceiling: dict[str, Any]) -> str:
+    """Why the ceiling is what it is, from its CPU seconds: the attributor drains the backlog, then billing costs
+    the backlog's node-windows, which all close once it is read, one after the other."""
+    cpu = ceiling.get("cpu_s", {})
+    billing = sum(v for who, v in cpu.items() if who.startswith("billing"))
+    return (f"the attributor's drain ({cpu.get('attributor', 0):g} CPU-s, its restart's included), then billing's "
+            f"{ceiling.get('backlog_nodes', '?')} node-windows ({billing:g} CPU-s), which close together once the "
+            f"backlog is read, one stage after the other ({ceiling.get('cores_busy', '?')} cores busy); "
+            "see docs/performance.md")
+
+
+def close_burst_cause(phase: dict[str, Any]) -> str:
+    """Why a live phase's p99 is what it is, from its own figures: the attributor's part (close -> share record),
+    and billing's, with the cores the other services took while sending."""
+    full = phase.get("full_window", {})
+    shares = full.get("close_to_share_record", {}).get("p99_s")
+    sending = phase.get("cpu_while_sending", {})
+    wall = sending.get("wall_s") or 0
+    if shares is None or not wall:
+        return CLOSE_BURST_CAUSE
+    others = sum(v for who, v in sending.get("cpu_s", {}).items() if not who.startswith("billing")) / wall
+    return (f"the close burst: every node-window closes within a second; the attributor hands out their shares "
+            f"within {shares:g} s (p99), then one billing process costs all {full.get('node_windows_expected', '?')} "
+            f"of them one after another on what the others leave of the cores ({others:.2f} of them busy while "
+            "sending); see docs/performance.md")
 TARGET_BILLING_SCALING_SPREAD = 0.15  # issue 23: the same for 1, 2 and 4 billing instances
 BILLING_SCALE_GROUP = "bench-billing-scale"
 BILLING_IDLE_S = 5.0
@@ -1395,7 +1422,7 @@ def targets_for(figures: dict[str, Any]) -> list[Target]:
             cause = (f"overloaded: the attributor took in {fmt_int(taken)} of {fmt_int(offered)} GPU-samples/s "
                      "offered, its input lag grew; see docs/performance.md")
         elif not met:
-            cause = CLOSE_BURST_CAUSE
+            cause = close_burst_cause(target)
         targets.append(Target("stream latency", f"p99 < {TARGET_P99_S:g} s at {TARGET_GPUS:,} GPUs @ 1 Hz", text, met,
                               cause))
     ceiling = figures.get("ceiling", {}).get("gpu_samples_per_s_end_to_end")
@@ -1404,7 +1431,7 @@ def targets_for(figures: dict[str, Any]) -> list[Target]:
         targets.append(Target("stream throughput ceiling", f">= {TARGET_CEILING_GPU_SAMPLES_PER_S:,} GPU-samples/s "
                               "(twice 10,000 GPUs @ 1 Hz)",
                               f"{fmt_int(ceiling)} GPU-samples/s end to end (backlog drain)", met,
-                              "" if met else "the attributor is the bottleneck; see docs/performance.md"))
+                              "" if met else ceiling_cause(figures["ceiling"])))
     scaling = figures.get("scaling", {})
     if len(scaling) > 1:
         one = scaling["1"]["gpu_samples_per_s_end_to_end"]
