@@ -256,24 +256,34 @@ def test_the_engine_closes_from_its_sums_exactly_what_it_closes_from_its_ticks(s
     assert summed_results and summed_results == run(False)
 
 
-def test_a_live_index_that_changed_after_the_ticks_is_checked_again(monkeypatch):
-    # The engine's own index (``LivePodIndex``): while its generation stays, the holders found as the ticks arrived
-    # are the close's; once an event changes it, the close checks them again.
+def _summed(window, live, policy, samples=None) -> OpenNodeWindow:
+    """An ``OpenNodeWindow`` that took in ``samples`` (the window's, by default) against ``live`` as they came."""
+    summed = OpenNodeWindow(WINDOW_S, policy)
+    for sample in window.samples if samples is None else samples:
+        summed.add(sample, live, live.generation)
+    return summed
+
+
+def _live_time_sliced():
+    """The time-sliced window, the live index that knows its pods (each event a change), the default policy, and
+    the window summed against that index."""
     window, _ = _time_sliced_window(60)
     live = LivePodIndex()
     for event in _time_sliced_pods():
         assert live.apply(event).changed
     policy = AttributionPolicy()
-    summed = OpenNodeWindow(WINDOW_S, policy)
-    for sample in window.samples:
-        summed.add(sample, live, live.generation)
+    return window, live, policy, _summed(window, live, policy)
+
+
+def test_a_live_index_that_changed_after_the_ticks_is_checked_again(monkeypatch):
+    # The engine's own index (``LivePodIndex``): while its generation stays, the holders found as the ticks arrived
+    # are the close's; once an event changes it, the close checks them again.
+    window, live, policy, summed = _live_time_sliced()
     count = _Counting(monkeypatch)
     assert attribute_node_window(window, live, policy, summed) == attribute_node_window(window, live, policy)
     assert (count.from_sums, count.from_ticks) == (1, 0)
 
-    summed = OpenNodeWindow(WINDOW_S, policy)
-    for sample in window.samples:
-        summed.add(sample, live, live.generation)
+    summed = _summed(window, live, policy)
     generation = live.generation
     assert live.apply(pod_event("pod-1", devices=[("nvidia.com/gpu", ["GPU-0::1"])],
                                 event_type=PodEventType.DELETED, phase="Succeeded",
@@ -290,14 +300,7 @@ def test_a_window_closed_early_hands_out_its_record_until_something_it_read_chan
     # attributes the window again otherwise -- always the record a close from scratch gives.
     from services.attributor.attribution import node_window_record
 
-    window, _ = _time_sliced_window(60)
-    live = LivePodIndex()
-    for event in _time_sliced_pods():
-        live.apply(event)
-    policy = AttributionPolicy()
-    summed = OpenNodeWindow(WINDOW_S, policy)
-    for sample in window.samples:
-        summed.add(sample, live, live.generation)
+    window, live, policy, summed = _live_time_sliced()
     summed.close_early(window, live)
     early = node_window_record(window, live, policy, summed)
     assert early is not None and early == node_window_record(window, live, policy)
@@ -319,9 +322,7 @@ def test_a_window_closed_early_hands_out_its_record_until_something_it_read_chan
 
     # A pod whose process ran here but that the index did not know at the early close arrives before the close
     # (it holds no device id: only the rows' lookup of it by uid finds it).
-    summed = OpenNodeWindow(WINDOW_S, policy)
-    for sample in window.samples:
-        summed.add(sample, live, live.generation)
+    summed = _summed(window, live, policy)
     live_without = LivePodIndex()
     for event in _time_sliced_pods()[:2]:
         live_without.apply(event)
@@ -338,14 +339,7 @@ def test_a_holder_that_arrives_after_the_early_close_is_in_the_close_s_record(mo
     # with no process here, so no row of the early record looked it up by uid -- makes the close attribute again.
     from services.attributor.attribution import node_window_record
 
-    window, _ = _time_sliced_window(60)
-    live = LivePodIndex()
-    for event in _time_sliced_pods():
-        live.apply(event)
-    policy = AttributionPolicy()
-    summed = OpenNodeWindow(WINDOW_S, policy)
-    for sample in window.samples:
-        summed.add(sample, live, live.generation)
+    window, live, policy, summed = _live_time_sliced()
     count = _Counting(monkeypatch)
     summed.close_early(window, live)
     assert (count.from_sums, count.from_ticks) == (1, 0)
@@ -361,14 +355,8 @@ def test_a_holder_that_arrives_after_the_early_close_is_in_the_close_s_record(mo
 def test_a_tick_taken_in_after_the_early_close_is_attributed_at_the_close():
     from services.attributor.attribution import node_window_record
 
-    window, _ = _time_sliced_window(60)
-    live = LivePodIndex()
-    for event in _time_sliced_pods():
-        live.apply(event)
-    policy = AttributionPolicy()
-    summed = OpenNodeWindow(WINDOW_S, policy)
-    for sample in window.samples[:-1]:
-        summed.add(sample, live, live.generation)
+    window, live, policy, _ = _live_time_sliced()
+    summed = _summed(window, live, policy, window.samples[:-1])
     shorter = NodeWindow(window.cluster, window.node_name, window.window_start_unix_ms, window.window_seconds,
                          window.samples[:-1])
     summed.close_early(shorter, live)
