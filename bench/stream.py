@@ -871,6 +871,16 @@ async def run_stream(config: StreamConfig, workdir: Path, log: Callable[[str], N
                              and node in phase["_nodes"]]
                 w["close_to_share_record"] = latency_summary(latencies)
             del phase["_nodes"]
+        ceiling = figures.get("ceiling")
+        if ceiling is not None:
+            # The first record of each of the backlog's node-windows (the billing phase re-produces the topic's
+            # first records later): how long after the attributor was ready the shares came out, which splits the
+            # ceiling's time into the attributor's part and billing's.
+            ready_ms = ceiling.pop("_ready_unix_ms")
+            firsts = [shares[k][1] for k in ceiling.pop("_keys") if k in shares]
+            if firsts:
+                ceiling["ready_to_first_share_record_s"] = round((min(firsts) - ready_ms) / 1000, 2)
+                ceiling["ready_to_last_share_record_s"] = round((max(firsts) - ready_ms) / 1000, 2)
         figures["service_logs"] = {p.name: _log_summary(p.read_text(errors="replace"))
                                    for p in sorted(workdir.glob("*.log"))}
         return figures
@@ -926,6 +936,7 @@ async def ceiling_phase(b: Bench, attributor_command: list[str], workdir: Path, 
     b.cpu.mark("backlog")
     await attributor.wait_for("Worker ready", 600)
     ready_at = time.time()
+    b.cpu.mark("backlog ready")
     keys = [(b.fleet.node(i).name, backlog_start) for i in range(nodes)]
     elapsed = await _last_cost_at_s(b, keys, "billing the backlog", b.services) - ready_at
     b.cpu.mark("backlog done")
@@ -939,6 +950,9 @@ async def ceiling_phase(b: Bench, attributor_command: list[str], workdir: Path, 
         "ready_to_last_cost_record_s": round(elapsed, 2),
         "gpu_samples_per_s_end_to_end": round(gpu_samples / elapsed, 1),
         **b.cpu.between("backlog", "backlog done"),
+        "from_ready": b.cpu.between("backlog ready", "backlog done"),
+        "_ready_unix_ms": int(ready_at * 1000),
+        "_keys": keys,
     }
     b.log(f"stream: restart with {pods:,} pods took {figures['attributor_restart_to_ready_s']} s; ceiling "
           f"{figures['gpu_samples_per_s_end_to_end']:,.0f} GPU-samples/s end to end")
