@@ -7,8 +7,9 @@ tables, the timer, rebalances, delivery. ``build_app(settings, clock)`` returns 
 
 Topology (a node's samples and its pods' events share a partition number, so each partition is self-contained):
 
-* ``node-samples`` and ``pod-events`` agents take their input in batches (``Stream.take_events``: up to
-  ``AGENT_BATCH_MAX`` messages, or what came within ``AGENT_BATCH_WITHIN_SECONDS``) and hand each batch to the
+* ``node-samples`` and ``pod-events`` agents take their input in batches (``faust_batches.take_batches``: up to
+  ``AGENT_BATCH_MAX`` messages, or what came within ``AGENT_BATCH_WITHIN_SECONDS`` of a batch's first; an idle
+  agent is not woken) and hand each batch to the
   runner at once (``runner.step_batch``: one ``handle_batch``; a bad message is dead-lettered alone). Each
   message's result is then applied inside its own event (Faust writes a table's changelog to the current
   event's partition): its emits are produced (each closed window as one ``NodeWindowShares`` keyed by node name on the
@@ -77,6 +78,7 @@ from services.attributor.processor import (
     output_topics,
     resume_position,
 )
+from services.attributor.faust_batches import take_batches
 from services.attributor.faust_tables import GpumeterTableManager
 from services.attributor.faust_transport import FetchTunedApp
 from services.attributor.settings import AttributorSettings
@@ -96,14 +98,15 @@ def changelog_topic(app_id: str, table: str) -> str:
 CLOCK_INTERVAL_SECONDS = 1.0
 
 AGENT_BATCH_MAX = 1000
-"""The most messages an agent hands the runner at once (``Stream.take_events``)."""
+"""The most messages an agent hands the runner at once (``take_batches``)."""
 AGENT_BATCH_WITHIN_SECONDS = 0.05
-"""How long an agent waits for a batch to fill before it handles what it has: the most a message waits."""
+"""How long after a batch's first message an agent waits for it to fill before it handles what it has: the most
+a message waits in the agent's buffer."""
 
 
 def _set_current_event(event: Any) -> None:
     """Make ``event`` Faust's current event (what a table write's changelog partition is taken from), as its
-    stream does for each event it yields; ``take_events`` yields a batch with the last one current."""
+    stream does for each event it yields; ``take_batches`` yields a batch with the last one current."""
     import weakref
 
     from faust.streams import _current_event
@@ -240,10 +243,10 @@ class AttributorStream:
 
     async def _consume(self, stream: Any, name: str,
                        process: Callable[..., Awaitable[None]]) -> None:
-        """Feed ``process`` what the stream took in, a batch at a time (``Stream.take_events``: at most
-        ``AGENT_BATCH_MAX`` events, or what came within ``AGENT_BATCH_WITHIN_SECONDS``). Faust acknowledges a
-        batch's events once ``process`` returned, so its commits never pass a batch in hand."""
-        async for events in stream.take_events(AGENT_BATCH_MAX, within=AGENT_BATCH_WITHIN_SECONDS):
+        """Feed ``process`` what the stream took in, a batch at a time (``take_batches``: at most
+        ``AGENT_BATCH_MAX`` events, or what came within ``AGENT_BATCH_WITHIN_SECONDS`` of the batch's first). A
+        batch's events are acknowledged once ``process`` returned, so Faust's commits never pass a batch in hand."""
+        async for events in take_batches(stream, AGENT_BATCH_MAX, AGENT_BATCH_WITHIN_SECONDS):
             try:
                 await process([raw_message(event.message) for event in events],
                               lambda index, events=events: _set_current_event(events[index]))
