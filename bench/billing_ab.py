@@ -1,5 +1,6 @@
 """Billing's CPU per node-window in two checkouts, as alternating subprocesses (A, B, B, A, ...), each the best of
-3 runs of ``bench.billing``'s two workloads (repeating nodes, new nodes) on a fresh SQLite ledger.
+3 runs of ``bench.billing``'s two workloads (repeating nodes, new nodes) on a fresh SQLite ledger, with the garbage
+collector set as billing's main sets it.
 
 ``python -m bench.billing_ab TREE_A TREE_B [ROUNDS]`` (e.g. a worktree of main and this checkout). Each process
 imports one tree only, so neither tree's modules, caches or allocations sit beside the other's: in this checkout
@@ -13,8 +14,13 @@ import json
 import subprocess
 import sys
 
+# Each child sets the garbage collector as billing's main does (``gpumeter.entrypoint.tune_garbage_collector``): at
+# CPython's default young threshold the bench spent ~2-3 ms per node-window in full collections the service does not
+# make (docs/performance.md).
 CHILD = r'''
 import json, tempfile
+from gpumeter.entrypoint import tune_garbage_collector
+tune_garbage_collector()
 from bench.billing import workload, run_once
 out = {}
 for name, work in (("repeating", workload("repeating", 50, 6)), ("new", workload("new", 300, 1))):

@@ -16,6 +16,8 @@ What the driver adds to the runner is transport, and nothing of any service's lo
 * **Produce** through an ``Outbox`` (``gpumeter.kafka.outbox``): nothing waits per record; a record that is not
   acknowledged is re-sent with backoff. ``Emit.partition_by_node`` sends a record to its node's partition
   (``schemas.catalog.partition_for_node``), ``latest_wins`` keeps an older state from overwriting a newer one.
+  Consecutive records of one output and key (billing's cost records of a node-window) go to the producer as one
+  batch (``Outbox.send_many``): the same records, partition and order as one send each, for less CPU.
 * **Checkpoint** after every batch (or every ``checkpoint_interval_seconds``): flush the outbox (every record
   acknowledged), tell the store which changes' records are out (``Store.published``), then commit the positions
   read -- or hand them to ``checkpoint`` (the guard writes its state file with them first) and commit what it
@@ -53,6 +55,22 @@ log = logging.getLogger(__name__)
 
 TopicPartition = tuple[str, int]
 Checkpoint = Callable[[Mapping[TopicPartition, int]], Awaitable[Mapping[TopicPartition, int] | None]]
+
+
+def _same_key_runs(emits: Sequence[Emit]) -> list[list[Emit]]:
+    """``emits`` cut, in order, into runs that one producer batch can carry: consecutive records of one output, one
+    key (not None) and one ``partition_by_node``, none ``latest_wins`` (a compacted state is sent alone, as the
+    outbox re-sends it); every other record a run of its own."""
+    runs: list[list[Emit]] = []
+    for emit in emits:
+        last = runs[-1][-1] if runs else None
+        if (last is not None and not emit.latest_wins and not last.latest_wins and emit.key is not None
+                and emit.key == last.key and emit.output == last.output
+                and emit.partition_by_node == last.partition_by_node):
+            runs[-1].append(emit)
+        else:
+            runs.append([emit])
+    return runs
 
 
 class KafkaDriver(ProcessorLifecycle):
@@ -277,8 +295,11 @@ class KafkaDriver(ProcessorLifecycle):
         if changes and self.store is not None:
             settled = await self._apply(changes)
         settlement = self.runner.settle(steps, settled)
-        for emit in settlement.emits:
-            await self._produce(emit)
+        for run in _same_key_runs(settlement.emits):
+            if len(run) == 1:
+                await self._produce(run[0])
+            else:
+                await self._produce_many(run)
         self._published.extend(settlement.published)
         if self.on_emitted is not None and settlement.emits:
             self.on_emitted(settlement.emits)
@@ -302,6 +323,16 @@ class KafkaDriver(ProcessorLifecycle):
         if emit.partition_by_node is not None:
             partition = partition_for_node(emit.partition_by_node, await self._partitions_of(topic))
         await self._outbox.send(topic, emit.key, emit.record, latest_wins=emit.latest_wins, partition=partition)
+
+    async def _produce_many(self, run: Sequence[Emit]) -> None:
+        """``_produce`` of each of ``run`` (one output, key and partitioning; none ``latest_wins``), handed over
+        together (``Outbox.send_many``: a node-window's ~97 cost records in one producer batch)."""
+        first = run[0]
+        topic = self.outputs[first.output]
+        partition = None
+        if first.partition_by_node is not None:
+            partition = partition_for_node(first.partition_by_node, await self._partitions_of(topic))
+        await self._outbox.send_many(topic, first.key, [emit.record for emit in run], partition=partition)
 
     async def _partitions_of(self, topic: str) -> int:
         count = self._partition_counts.get(topic)

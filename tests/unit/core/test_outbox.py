@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from gpumeter.kafka.outbox import Outbox, Outgoing, newest_per_key, next_backoff_seconds, pause_unless_stopping
-from gpumeter.kafka.producer import DeliveryError
+from gpumeter.kafka.producer import DeliveryError, PartlyEnqueued
 
 ACK = "ack"
 FAIL = "fail"  # the future fails (the broker did not acknowledge)
@@ -44,6 +44,37 @@ class FakeProducer:
         else:
             self.pending.append(future)
         return future
+
+
+class BatchingProducer(FakeProducer):
+    """A ``FakeProducer`` with ``send_batch``: each call is one batch whose future (shared by its records) settles
+    by the next scripted outcome; ``PARTLY`` enqueues the first record alone and then refuses the rest."""
+
+    def __init__(self, *outcomes: str) -> None:
+        super().__init__(*outcomes)
+        self.batches: list[tuple[str, bytes, list, int | None]] = []
+
+    async def send_batch(self, topic, records, *, key, partition=None):
+        outcome = self.outcomes.pop(0) if self.outcomes else ACK
+        self.batches.append((topic, key, list(records), partition))
+        if outcome == REFUSE:
+            raise DeliveryError("cannot enqueue: buffer full")
+        future = asyncio.get_running_loop().create_future()
+        if outcome == PARTLY:
+            future.set_result(None)
+            self.acknowledged.append((topic, key, records[0]))
+            raise PartlyEnqueued("cannot enqueue: buffer full", [future])
+        if outcome == ACK:
+            future.set_result(None)
+            self.acknowledged += [(topic, key, record) for record in records]
+        elif outcome == FAIL:
+            future.set_exception(DeliveryError("NOT_ENOUGH_REPLICAS"))
+        else:
+            self.pending.append(future)
+        return [future] * len(records)
+
+
+PARTLY = "partly"
 
 
 class Pauses:
@@ -249,3 +280,63 @@ async def test_a_stop_during_the_pause_cuts_it_short_and_cancels_the_sleep():
         await pause
     await asyncio.sleep(0)
     assert cancelled == [True]
+
+
+async def test_send_many_hands_the_records_over_as_one_batch_and_keeps_each_one():
+    producer = BatchingProducer(ACK, PENDING)  # r0's send, then the batch
+    outbox = outbox_with(producer)
+    first = await outbox.send("t", b"k0", "r0")
+    kept = await outbox.send_many("t", b"k", ["r1", "r2", "r3"], partition=4)
+    assert producer.batches == [("t", b"k", ["r1", "r2", "r3"], 4)]
+    assert len(outbox) == 4
+    assert [o.record for o in kept] == ["r1", "r2", "r3"] and {o.key for o in kept} == {b"k"}
+    assert [o.sequence for o in kept] == [first.sequence + 1, first.sequence + 2, first.sequence + 3]
+    assert len({id(o.future) for o in kept}) == 1  # the batch's future
+    assert outbox.oldest_pending == kept[0].sequence  # r0 was acknowledged, the batch is not yet
+    producer.pending[0].set_result(None)
+    assert await outbox.flush() is True
+    assert len(outbox) == 0
+
+
+async def test_a_failed_batch_is_sent_again_whole_and_nothing_else():
+    # The batch fails: at the flush every one of its records is sent again, in order; the record acknowledged
+    # before it is not.
+    producer = BatchingProducer(ACK, FAIL)  # r0's send, then the batch
+    pauses = Pauses()
+    outbox = outbox_with(producer, pauses)
+    await outbox.send("t", b"a", "r0")
+    kept = await outbox.send_many("t", b"k", ["r1", "r2", "r3"])
+    assert all(o.failed() for o in kept)
+    assert await outbox.flush() is True
+    assert [r for _, _, r in producer.sent] == ["r0", "r1", "r2", "r3"]  # the re-sends go one by one
+    assert [r for _, _, r in producer.acknowledged] == ["r0", "r1", "r2", "r3"]
+    assert pauses.seconds == [0.5]
+
+
+async def test_a_batch_the_producer_refuses_is_kept_whole_and_sent_at_the_flush():
+    producer = BatchingProducer(REFUSE)
+    outbox = outbox_with(producer)
+    kept = await outbox.send_many("t", b"k", ["r1", "r2"])  # does not raise
+    assert all(o.future is None and isinstance(o.error, DeliveryError) and o.failed() for o in kept)
+    assert await outbox.flush() is True
+    assert [r for _, _, r in producer.acknowledged] == ["r1", "r2"]
+
+
+async def test_a_batch_enqueued_in_part_keeps_what_went_and_sends_the_rest_again():
+    producer = BatchingProducer(PARTLY)
+    outbox = outbox_with(producer)
+    kept = await outbox.send_many("t", b"k", ["r1", "r2", "r3"])
+    assert not kept[0].failed() and kept[0].error is None
+    assert all(o.failed() and isinstance(o.error, PartlyEnqueued) for o in kept[1:])
+    assert await outbox.flush() is True
+    assert [r for _, _, r in producer.sent] == ["r2", "r3"]  # r1 was on its way: never sent twice
+    assert [r for _, _, r in producer.acknowledged] == ["r1", "r2", "r3"]
+
+
+async def test_send_many_sends_one_by_one_through_a_producer_without_batches():
+    producer = FakeProducer(ACK, FAIL)
+    outbox = outbox_with(producer)
+    kept = await outbox.send_many("t", b"k", ["r1", "r2"])
+    assert [o.record for o in kept] == ["r1", "r2"] and not kept[0].failed() and kept[1].failed()
+    assert await outbox.flush() is True
+    assert [r for _, _, r in producer.sent] == ["r1", "r2", "r2"]

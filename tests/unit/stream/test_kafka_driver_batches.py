@@ -209,3 +209,55 @@ def test_the_drivers_consumer_fetches_as_the_kafka_settings_say(monkeypatch) -> 
     with pytest.raises(Stop):
         asyncio.run(driver.run(asyncio.Event()))
     assert [(m["fetch_min_bytes"], m["fetch_max_wait_ms"]) for m in made] == [(4096, 250)]
+
+
+class Owing(Store):
+    """Each change owes three records of its key on ``out``, then one on ``whole`` (billing's cost lines and
+    bill), and the change ``"state"`` one ``latest_wins`` record more of the same key."""
+
+    def apply(self, changes):
+        super().apply(changes)
+        out = []
+        for change in changes:
+            key = change.encode()
+            emits = tuple(Emit("out", key, f"{change}-{i}") for i in range(3)) + (Emit("whole", key, change),)
+            if change == "c":
+                emits += (Emit("out", key, "c-state", latest_wins=True), Emit("out", key, "c-state2",
+                                                                                  latest_wins=True))
+            out.append(Settled(owed=emits))
+        return out
+
+
+class BatchingProducer(AcknowledgingProducer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[tuple[str, bytes, list, int | None]] = []
+
+    async def send_batch(self, topic, records, *, key, partition=None):
+        self.batches.append((topic, key, list(records), partition))
+        self.sent += [(topic, record) for record in records]
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(None)
+        return [future] * len(records)
+
+
+async def test_consecutive_records_of_one_key_and_output_go_to_the_producer_as_one_batch():
+    store = Owing()
+    processor = Batched()
+    clock = ManualClock(NOW)
+    runner = MessageRunner(processor, {"pods": TOPIC}, clock, log_dead_letters=False)
+    producer = BatchingProducer()
+    driver = KafkaDriver(runner, kafka=KafkaSettings(), outputs={DEAD_LETTERS: "t.dead", "out": "t.out",
+                                                                 "whole": "t.whole"},
+                         producer=producer, clock=clock, consumer_group="g", store=store)
+    driver._consumer = FakeConsumer()
+    await driver._assigned({(TOPIC, 0)})
+    assert await driver.handle_messages(_messages(0, [_pod("a"), _pod("b"), _pod("c")])) == 3
+    await driver.checkpoint()
+    # Every record once, in the order owed; the runs of three in one batch each; the bill and the compacted
+    # states (latest_wins: never batched) one send each.
+    assert [record for _, record in producer.sent] == [
+        "a-0", "a-1", "a-2", "a", "b-0", "b-1", "b-2", "b", "c-0", "c-1", "c-2", "c", "c-state", "c-state2"]
+    assert producer.batches == [("t.out", key.encode(), [f"{key}-{i}" for i in range(3)], None)
+                                for key in "abc"]
+    assert driver._consumer.commits == [{(TOPIC, 0): 3}]
