@@ -22,6 +22,8 @@ Phases:
    the attributor is restarted: it restores its tables (the restart time is reported) and works through the
    backlog; the window closes on its clock once it has caught up. Ceiling = GPU-samples in the backlog /
    (attributor ready → last cost record's append time): the rate at which the pipeline turned input into costs.
+   The split of that time is reported beside it: when the shares came out (ready → the first and the last of the
+   backlog's share records) and each process's CPU from the attributor's ready on (``from_ready``).
 3. **Pods of the other nodes**: the rest of the fleet's pods.
 3b. **Attributor scale-out** (``scaling_workers``, 1, 2 and 4): for each ``N``, a whole window of ticks of
    ``ceiling_nodes`` nodes not used before is produced while no attributor runs, then ``N`` workers of one app id
@@ -109,14 +111,21 @@ CLOSE_BURST_CAUSE = ("the close burst: every node-window closes in the same seco
 
 
 def ceiling_cause(ceiling: dict[str, Any]) -> str:
-    """Why the ceiling is what it is, from its CPU seconds: the attributor drains the backlog, then billing costs
-    the backlog's node-windows, which all close once it is read, one after the other."""
-    cpu = ceiling.get("cpu_s", {})
+    """Why the ceiling is what it is, from its own figures: the attributor drains the backlog (its windows go out
+    as each partition is read to its end), billing costs the node-windows as their shares come, and what billing
+    still had to do after the last share."""
+    cpu = ceiling.get("from_ready", {}).get("cpu_s") or ceiling.get("cpu_s", {})
     billing = sum(v for who, v in cpu.items() if who.startswith("billing"))
-    return (f"the attributor's drain ({cpu.get('attributor', 0):g} CPU-s, its restart's included), then billing's "
-            f"{ceiling.get('backlog_nodes', '?')} node-windows ({billing:g} CPU-s), which close together once the "
-            f"backlog is read, one stage after the other ({ceiling.get('cores_busy', '?')} cores busy); "
-            "see docs/performance.md")
+    first, last = ceiling.get("ready_to_first_share_record_s"), ceiling.get("ready_to_last_share_record_s")
+    total = ceiling.get("ready_to_last_cost_record_s")
+    if first is None or last is None or total is None:
+        return (f"the attributor's drain ({cpu.get('attributor', 0):g} CPU-s), then billing's "
+                f"{ceiling.get('backlog_nodes', '?')} node-windows ({billing:g} CPU-s); see docs/performance.md")
+    return (f"the attributor's drain: its {ceiling.get('backlog_messages', '?'):,} messages took "
+            f"{cpu.get('attributor', 0):g} CPU-s, the shares came out {first:g}-{last:g} s after it was ready; "
+            f"billing's {ceiling.get('backlog_nodes', '?')} node-windows ({billing:g} CPU-s) ended {total - last:.2f} s "
+            f"after the last share, on what the attributor, the guard and the broker left of the cores "
+            f"({ceiling.get('from_ready', {}).get('cores_busy', '?')} busy); see docs/performance.md")
 
 
 def close_burst_cause(phase: dict[str, Any]) -> str:

@@ -234,6 +234,24 @@ def test_the_stream_billing_phase_reads_an_instances_partitions_from_its_log_and
     assert scale.met and "spread 10%" in scale.measured
 
 
+def test_the_stream_ceiling_says_when_its_shares_came_out_and_what_billing_did_after_the_last():
+    figures = {"workload": {"gpus": 800}, "ceiling": {
+        "backlog_nodes": 250, "backlog_messages": 15_000, "gpu_samples_per_s_end_to_end": 17_000.0,
+        "ready_to_last_cost_record_s": 7.02, "ready_to_first_share_record_s": 2.83,
+        "ready_to_last_share_record_s": 5.33, "cpu_s": {"attributor": 9.36, "billing": 2.79},
+        "from_ready": {"cpu_s": {"attributor": 4.71, "billing": 2.75, "guard (nodes)": 1.0}, "cores_busy": 1.47}}}
+    (ceiling,) = [t for t in stream.targets_for(figures) if t.name == "stream throughput ceiling"]
+    assert not ceiling.met
+    # The drain's own CPU (from ready on, not the restart's), when the shares came out, billing's tail after them.
+    assert "15,000 messages took 4.71 CPU-s" in ceiling.cause
+    assert "2.83-5.33 s after it was ready" in ceiling.cause
+    assert "250 node-windows (2.75 CPU-s) ended 1.69 s after the last share" in ceiling.cause
+    assert "(1.47 busy)" in ceiling.cause
+    figures["ceiling"]["gpu_samples_per_s_end_to_end"] = 20_000.0
+    (ceiling,) = [t for t in stream.targets_for(figures) if t.name == "stream throughput ceiling"]
+    assert ceiling.met and not ceiling.cause
+
+
 def test_the_stream_memory_figures_read_a_processs_resident_set_from_proc():
     import os
 
