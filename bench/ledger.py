@@ -12,6 +12,9 @@ Variants, each on a freshly migrated database (``Ledger.migrate()``), alternated
   of 90 rows per node-window);
 * **per_row** — the baseline: one ``INSERT ... ON CONFLICT DO NOTHING`` statement per row through the same
   SQLAlchemy engine and tables, the rows of a node-window in one transaction (the same atomicity as the ledger).
+  On PostgreSQL its database is migrated to ``PER_ROW_REVISION`` only: from 0014 on the lines, and from 0018 the
+  bills, are stored as dictionary ids and per-node-window packs, which have no row-at-a-time form (``node_bills``
+  and ``cost_lines`` became views); 0013's plain tables are what one statement per row wrote.
 
 Rows/s counts cost lines plus node bills per wall second (the database server's work is part of it; on SQLite it
 runs in this process). PostgreSQL is ``gpumeter.devtools.postgres.PostgresServer``: a throwaway server on loopback
@@ -28,11 +31,9 @@ from typing import Any, Callable, Sequence
 
 from sqlalchemy import func, select
 
-from services.billing import line_ids
 from services.billing.catalog import bundled_catalog
 from services.billing.costing import NodeWindowCost, bill_node_window
 from services.billing.ledger import (
-    LINE_IDS,
     Ledger,
     _bill_row,
     _line_row,
@@ -48,6 +49,7 @@ from bench.attribution import build_input, engine_with_pods, run_engine, share_r
 from bench.common import Target, alternate
 
 BULK_WINDOWS = 50
+PER_ROW_REVISION = "0013_lean_lines"  # PostgreSQL: the last revision whose lines and bills are plain rows
 WINDOW_MS = 60_000
 
 
@@ -117,10 +119,8 @@ def write_per_row(ledger: Ledger, windows: Sequence[NodeWindowCost]) -> int:
     sent = 0
     for w in windows:
         kept = stored_lines(w)
-        # PostgreSQL: the day's partitions first (0010), as ``Ledger.write`` makes sure of them; from 0014
-        # ``cost_lines`` is a view and a line a row of dictionary ids (``line_ids``).
+        # PostgreSQL: the day's partitions first (0010), as ``Ledger.write`` makes sure of them.
         ledger._ensure_partitions_for({w.bill.window_start_unix_ms})
-        ledger._resolve_ids(kept, ())
         kept_ids = {id(c) for c in kept}
         zero = [_zero_line(c) for c in w.costs if id(c) not in kept_ids]
         with ledger.engine.begin() as connection:
@@ -134,13 +134,21 @@ def write_per_row(ledger: Ledger, windows: Sequence[NodeWindowCost]) -> int:
                     connection.execute(insert(label_sets).on_conflict_do_nothing(), {
                         "label_set_id": label_set, "labels": dict(sorted(cost.labels.items())),
                         "carried_label_keys": ",".join(cost.carried_label_keys)})
-                if ledger._by_ids:
-                    connection.execute(insert(LINE_IDS.rows), dict(zip(
-                        line_ids.ROW_COLUMNS, line_ids.row_values(cost, label_set, ledger._ids))))
-                else:
-                    connection.execute(insert(cost_lines).on_conflict_do_nothing(), _line_row(cost, label_set))
+                connection.execute(insert(cost_lines).on_conflict_do_nothing(), _line_row(cost, label_set))
                 sent += 1
     return sent
+
+
+def migrate_to(ledger: Ledger, revision: str) -> None:
+    """``ledger.migrate()`` stopped at ``revision`` (alembic ``upgrade <revision>``)."""
+    from alembic import command
+
+    from services.billing.ledger import _alembic_config
+
+    with ledger.engine.begin() as connection:
+        config = _alembic_config(connection)
+        config.attributes["team_label"] = ledger.team_label
+        command.upgrade(config, revision)
 
 
 VARIANTS = {"bulk": write_bulk, "per_window": write_per_window, "per_row": write_per_row}
@@ -152,8 +160,11 @@ def measure_backend(url_of: Callable[[str], str], windows_per_run: int, repeats:
     factory = WindowFactory(template)
     ledgers = {name: Ledger(url_of(name)) for name in VARIANTS}
     try:
-        for ledger in ledgers.values():
-            ledger.migrate()
+        for name, ledger in ledgers.items():
+            if name == "per_row" and ledger.dialect == "postgresql":
+                migrate_to(ledger, PER_ROW_REVISION)
+            else:
+                ledger.migrate()
         expected = rows_in([template]) * windows_per_run
 
         def check(name: str, written: Any) -> None:
