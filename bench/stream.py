@@ -128,6 +128,22 @@ def ceiling_cause(ceiling: dict[str, Any]) -> str:
             f"({ceiling.get('from_ready', {}).get('cores_busy', '?')} busy); see docs/performance.md")
 
 
+def attributor_scaling_cause(scaling: dict[str, Any]) -> str:
+    """Why the attributor's scale-out spread is what it is, from the steady phases: what each added worker cost
+    in cores beside the same load, against what the whole load cost one worker."""
+    steady = {w: s["steady"] for w, s in scaling.items() if "steady" in s and s["steady"].get("wall_s")}
+    one = steady.get("1")
+    if one is None or len(steady) < 2:
+        return "an added worker's own cost beside the same load; see docs/performance.md"
+    one_cores = one["attributor_cpu_s"] / one["wall_s"]
+    added = {w: (st["attributor_cpu_s"] / st["wall_s"] - one_cores) / (int(w) - 1)
+             for w, st in steady.items() if w != "1"}
+    return ("each added worker costs "
+            + ", ".join(f"{100 * v:.1f} % of a core ({w} workers)" for w, v in added.items())
+            + f" of its own beside the same load, which takes {100 * one_cores:.1f} % of a core with one worker "
+            "at this light rate (a Faust worker idle: ~1.2 %); see docs/performance.md")
+
+
 def close_burst_cause(phase: dict[str, Any]) -> str:
     """Why a live phase's p99 is what it is, from its own figures: the attributor's part (close -> share record),
     and billing's, with the cores the other services took while sending."""
@@ -1479,7 +1495,7 @@ def targets_for(figures: dict[str, Any]) -> list[Target]:
                 "; ".join(f"{w}: {v} CPU-s" for w, v in per.items()) + f" (spread {spread:.0%}); draining a "
                 "backlog from a cold start, start-up included: "
                 + "; ".join(f"{w}: {v}" for w, v in drain.items()), met,
-                "" if met else "work an added worker repeats; see docs/performance.md"))
+                "" if met else attributor_scaling_cause(scaling)))
     guard = figures.get("guard", {})
     if guard:
         per = {k: g["guard_cpu_s_per_1000_gpu_samples"] for k, g in guard.items()}

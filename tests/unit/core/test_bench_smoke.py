@@ -252,6 +252,24 @@ def test_the_stream_ceiling_says_when_its_shares_came_out_and_what_billing_did_a
     assert ceiling.met and not ceiling.cause
 
 
+def test_the_stream_attributor_scale_out_says_what_an_added_worker_costs_beside_the_same_load():
+    def phase(cpu_s: float, gpu_samples: int = 144_000) -> dict:
+        return {"gpu_samples_per_s_end_to_end": 20_000.0, "attributor_cpu_s_per_1000_gpu_samples": 0.2,
+                "steady": {"attributor_cpu_s": cpu_s, "wall_s": 72.0, "gpu_samples": gpu_samples,
+                           "attributor_cpu_s_per_1000_gpu_samples": round(cpu_s / gpu_samples * 1000, 4)}}
+
+    figures = {"workload": {"gpus": 800}, "scaling": {"1": phase(9.0), "2": phase(9.72), "4": phase(13.32)}}
+    (scale,) = [t for t in stream.targets_for(figures) if t.name == "attributor scale-out (CPU)"]
+    assert not scale.met and "spread 48%" in scale.measured
+    # 0.72 CPU-s over 72 s for one added worker; 4.32 over 72 s for three.
+    assert "1.0 % of a core (2 workers), 2.0 % of a core (4 workers)" in scale.cause
+    assert "12.5 % of a core with one worker" in scale.cause
+    figures["scaling"]["4"] = phase(9.9)
+    figures["scaling"]["2"] = phase(9.45)
+    (scale,) = [t for t in stream.targets_for(figures) if t.name == "attributor scale-out (CPU)"]
+    assert scale.met and not scale.cause
+
+
 def test_the_stream_memory_figures_read_a_processs_resident_set_from_proc():
     import os
 
