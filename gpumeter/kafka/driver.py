@@ -317,22 +317,22 @@ class KafkaDriver(ProcessorLifecycle):
                 await self._pause(delay)
                 delay = next_backoff_seconds(delay, self.retry_max_seconds)
 
-    async def _produce(self, emit: Emit) -> None:
+    async def _destination(self, emit: Emit) -> tuple[str, int | None]:
+        """The topic of ``emit``'s output and its partition (None: by key; its node's with ``partition_by_node``)."""
         topic = self.outputs[emit.output]
-        partition = None
-        if emit.partition_by_node is not None:
-            partition = partition_for_node(emit.partition_by_node, await self._partitions_of(topic))
+        if emit.partition_by_node is None:
+            return topic, None
+        return topic, partition_for_node(emit.partition_by_node, await self._partitions_of(topic))
+
+    async def _produce(self, emit: Emit) -> None:
+        topic, partition = await self._destination(emit)
         await self._outbox.send(topic, emit.key, emit.record, latest_wins=emit.latest_wins, partition=partition)
 
     async def _produce_many(self, run: Sequence[Emit]) -> None:
         """``_produce`` of each of ``run`` (one output, key and partitioning; none ``latest_wins``), handed over
         together (``Outbox.send_many``: a node-window's ~97 cost records in one producer batch)."""
-        first = run[0]
-        topic = self.outputs[first.output]
-        partition = None
-        if first.partition_by_node is not None:
-            partition = partition_for_node(first.partition_by_node, await self._partitions_of(topic))
-        await self._outbox.send_many(topic, first.key, [emit.record for emit in run], partition=partition)
+        topic, partition = await self._destination(run[0])
+        await self._outbox.send_many(topic, run[0].key, [emit.record for emit in run], partition=partition)
 
     async def _partitions_of(self, topic: str) -> int:
         count = self._partition_counts.get(topic)

@@ -105,6 +105,10 @@ class RecordProducer:
             future = await self._producer.send(topic, value=value, key=key, partition=partition)
         except (KafkaError, OSError) as exc:
             raise DeliveryError(f"cannot enqueue to {topic}: {exc!r}") from exc
+        return self._track(future)
+
+    def _track(self, future: asyncio.Future) -> asyncio.Future:
+        """``future``, kept for ``flush`` until it is done."""
         self._pending.add(future)
         future.add_done_callback(self._pending.discard)
         return future
@@ -155,10 +159,7 @@ class RecordProducer:
 
     async def _enqueue_batch(self, batch: Any, topic: str, partition: int) -> asyncio.Future:
         batch.close()
-        future = await self._producer.send_batch(batch, topic, partition=partition)
-        self._pending.add(future)
-        future.add_done_callback(self._pending.discard)
-        return future
+        return self._track(await self._producer.send_batch(batch, topic, partition=partition))
 
     async def flush(self) -> None:
         """Wait until every record sent so far is acknowledged; raise DeliveryError if any failed."""
