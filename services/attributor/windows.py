@@ -211,7 +211,7 @@ class WindowAccumulator:
         # boundary (every open window starts at or after it: an earlier tick is late, above).
         effective = watermark if watermark >= clock_watermark else clock_watermark
         closed: tuple[NodeWindow, ...] = ()
-        if effective > _NEVER and (effective - self.grace_seconds * 1000) // window_ms * window_ms > state_closed:
+        if self.closed_before_for(effective) > state_closed:
             new_state, closed = self._close_node(key, new_state)
         nodes = dict(self._nodes)
         nodes[key] = new_state
