@@ -108,6 +108,11 @@ TARGET_ATTRIBUTOR_SCALING_SPREAD = 0.15  # issue 23: the same for 1, 2 and 4 att
 CLOSE_BURST_CAUSE = ("the close burst: every node-window closes in the same second, and one attributor and one "
                      "billing process each work through all of them, on cores the generator and the broker share; "
                      "see docs/performance.md")
+TARGET_BILLING_SCALING_SPREAD = 0.15  # issue 23: the same for 1, 2 and 4 billing instances
+BILLING_SCALE_GROUP = "bench-billing-scale"
+BILLING_IDLE_S = 5.0
+CHANGELOG_TABLES = ("open_samples", "pods")  # services.attributor.app's tables
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def ceiling_cause(ceiling: dict[str, Any]) -> str:
@@ -158,11 +163,6 @@ def close_burst_cause(phase: dict[str, Any]) -> str:
             f"within {shares:g} s (p99), then one billing process costs all {full.get('node_windows_expected', '?')} "
             f"of them one after another on what the others leave of the cores ({others:.2f} of them busy while "
             "sending); see docs/performance.md")
-TARGET_BILLING_SCALING_SPREAD = 0.15  # issue 23: the same for 1, 2 and 4 billing instances
-BILLING_SCALE_GROUP = "bench-billing-scale"
-BILLING_IDLE_S = 5.0
-CHANGELOG_TABLES = ("open_samples", "pods")  # services.attributor.app's tables
-_CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 # ---------------------------------------------------------------------------------------------------------------
