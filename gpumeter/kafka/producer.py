@@ -60,7 +60,7 @@ _RECORD_OVERHEAD_BYTES = 128
 class RecordProducer:
     """Produces typed records (schemas.records) as single-object Avro."""
 
-    def __init__(self, settings: KafkaSettings, *, linger_ms: int = 20, max_batch_bytes: int = 512 * 1024,
+    def __init__(self, settings: KafkaSettings, *, linger_ms: int = 20, max_batch_bytes: int | None = None,
                  request_timeout_ms: int = 30_000, **extra: Any) -> None:
         self._settings = settings
         self._producer = AIOKafkaProducer(
@@ -69,7 +69,7 @@ class RecordProducer:
             acks="all",
             compression_type=settings.compression_type,
             linger_ms=linger_ms,
-            max_batch_size=max_batch_bytes,
+            max_batch_size=settings.producer_batch_max_bytes if max_batch_bytes is None else max_batch_bytes,
             request_timeout_ms=request_timeout_ms,
             max_request_size=settings.max_request_size_bytes,
             **extra,
