@@ -90,12 +90,16 @@ class KafkaSettings:
     # many bytes for it, or after the wait. With Kafka's default of 1 byte every fetch comes back with the few
     # records that arrived since the last one, and at a fleet's steady 1 Hz the round trips -- a request written,
     # a response read, on the client and on the broker -- cost more CPU than the records' processing
-    # (docs/performance.md, "Fetches that wait for data"). The wait bounds what it adds to a record's latency.
+    # (docs/performance.md, "Fetches that wait for data"). The wait bounds what it adds to a record's latency at
+    # rates too low to fill a fetch (a fleet's rates fill one well within it); below it, an idle consumer's fetch
+    # loop is most of what a waiting service costs: 500 ms (Kafka's own default) took an idle attributor worker
+    # from 1.17 to 0.5 % of a core, and 4 attributor workers' CPU per GPU-sample from 1.46x to 1.11x one worker's
+    # (docs/performance.md, 2026-12-05 fourth session).
     consumer_fetch_min_bytes: int = setting(256 * 1024, env=_KAFKA + "CONSUMER_FETCH_MIN_BYTES", parse=integer,
                                             check=at_least(1),
                                             help="bytes the broker gathers before it answers a streaming "
                                                  "consumer's fetch")
-    consumer_fetch_max_wait_ms: int = setting(100, env=_KAFKA + "CONSUMER_FETCH_MAX_WAIT_MS", parse=integer,
+    consumer_fetch_max_wait_ms: int = setting(500, env=_KAFKA + "CONSUMER_FETCH_MAX_WAIT_MS", parse=integer,
                                               check=at_least(0),
                                               help="the longest the broker holds a streaming consumer's fetch "
                                                    "for those bytes, ms")

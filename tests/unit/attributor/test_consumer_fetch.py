@@ -28,10 +28,10 @@ def _worker_consumer(tmp_path, kafka: KafkaSettings):
 
 def test_settings_default_to_fetches_that_wait_for_data() -> None:
     kafka = KafkaSettings()
-    assert kafka.consumer_fetch_kwargs() == {"fetch_min_bytes": 262_144, "fetch_max_wait_ms": 100}
+    assert kafka.consumer_fetch_kwargs() == {"fetch_min_bytes": 262_144, "fetch_max_wait_ms": 500}
     loaded = KafkaSettings.from_env({"GPUMETER_KAFKA_CONSUMER_FETCH_MIN_BYTES": "1",
-                                     "GPUMETER_KAFKA_CONSUMER_FETCH_MAX_WAIT_MS": "500"})
-    assert loaded.consumer_fetch_kwargs() == {"fetch_min_bytes": 1, "fetch_max_wait_ms": 500}
+                                     "GPUMETER_KAFKA_CONSUMER_FETCH_MAX_WAIT_MS": "250"})
+    assert loaded.consumer_fetch_kwargs() == {"fetch_min_bytes": 1, "fetch_max_wait_ms": 250}
     with pytest.raises(ConfigError):
         KafkaSettings.from_env({"GPUMETER_KAFKA_CONSUMER_FETCH_MIN_BYTES": "0"})
     with pytest.raises(ConfigError):
@@ -44,7 +44,7 @@ def test_the_attributors_worker_consumer_fetches_as_configured(tmp_path) -> None
                                                             consumer_fetch_max_wait_ms=77))
         assert (consumer._fetch_min_bytes, consumer._fetch_max_wait_ms) == (123_456, 77)
         default = _worker_consumer(tmp_path / "d", KafkaSettings())
-        assert (default._fetch_min_bytes, default._fetch_max_wait_ms) == (262_144, 100)
+        assert (default._fetch_min_bytes, default._fetch_max_wait_ms) == (262_144, 500)
         # The rest is Faust's own: its group, manual commits
         assert consumer._group_id == "gpumeter-attributor" and consumer._enable_auto_commit is False
         for made in (consumer, default):
