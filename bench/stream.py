@@ -146,7 +146,7 @@ def attributor_scaling_cause(scaling: dict[str, Any]) -> str:
     return ("each added worker costs "
             + ", ".join(f"{100 * v:.1f} % of a core ({w} workers)" for w, v in added.items())
             + f" of its own beside the same load, which takes {100 * one_cores:.1f} % of a core with one worker "
-            "at this light rate (a Faust worker idle: ~1.2 %); see docs/performance.md")
+            "at this light rate (a Faust worker idle: ~0.5 % with the 500 ms fetch wait); see docs/performance.md")
 
 
 def close_burst_cause(phase: dict[str, Any]) -> str:
