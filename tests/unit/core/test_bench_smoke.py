@@ -234,6 +234,33 @@ def test_the_stream_billing_phase_reads_an_instances_partitions_from_its_log_and
     assert scale.met and "spread 10%" in scale.measured
 
 
+def test_the_stream_latency_calls_the_attributor_overloaded_only_when_it_took_in_less_than_arrived():
+    def figures(arrived: float, taken: float) -> dict:
+        return {"workload": {"gpus": 10_000}, "live": {"target": {
+            "gpus": 10_000, "offered_gpu_samples_per_s": 10_000, "drain_timeout_s": 120.0,
+            "input_lag": {"input_gpu_samples_per_s": arrived, "attributor_committed_gpu_samples_per_s": taken},
+            "full_window": {"node_windows_costed": 1250, "node_windows_expected": 1250,
+                            "close_to_last_cost_record": {"p50_s": 16.5, "p99_s": 18.7},
+                            "close_to_share_record": {"p99_s": 4.76}},
+            "cpu_while_sending": {"wall_s": 100.0, "cpu_s": {"attributor": 50.0, "billing": 15.0}}}}}
+
+    def latency(f: dict):
+        (t,) = [t for t in stream.targets_for(f) if t.name == "stream latency"]
+        return t
+
+    # The generator published 9,597 of the 10,000 it offers and the attributor took all of it in: not overloaded.
+    kept_up = latency(figures(9_597.3, 9_575.1))
+    assert not kept_up.met and "overloaded" not in kept_up.cause
+    assert kept_up.cause.startswith("the close burst") and "within 4.76 s (p99)" in kept_up.cause
+    assert "the generator, on the same cores, published 9,597 of the 10,000" in kept_up.cause
+    # Less taken in than arrived: overloaded, against what arrived.
+    behind = latency(figures(9_900.0, 8_000.0))
+    assert behind.cause.startswith("overloaded: the attributor took in 8,000 of the 9,900 GPU-samples/s")
+    # A generator that kept its rate is not mentioned.
+    full_rate = latency(figures(10_000.0, 9_990.0))
+    assert full_rate.cause.startswith("the close burst") and "generator" not in full_rate.cause
+
+
 def test_the_stream_ceiling_says_when_its_shares_came_out_and_what_billing_did_after_the_last():
     figures = {"workload": {"gpus": 800}, "ceiling": {
         "backlog_nodes": 250, "backlog_messages": 15_000, "gpu_samples_per_s_end_to_end": 17_000.0,
