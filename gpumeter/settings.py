@@ -78,14 +78,14 @@ class KafkaSettings:
     # A producer batch holds one partition's records while the request before it is in flight; aiokafka keeps one
     # request in flight per broker, and a send that finds its partition's batch full waits for that request to
     # come back. At Faust's own default (16 KiB) one node-window's shares record (~12 KB at 8 GPUs x 8 pods) fills
-    # a batch, so the attributor's sends went out one broker round trip each (docs/performance.md, "The
-    # attributor's sends, one round trip each"). Every producer takes this size: the services' RecordProducer and the
-    # attributor's Faust app.
+    # a batch, so the attributor's sends went out one broker round trip each (docs/performance.md, 2026-12-05 fifth
+    # session). Every producer takes ``producer_batch_bytes``: the services' RecordProducer and the attributor's
+    # Faust app.
     producer_batch_max_bytes: int = setting(DEFAULT_PRODUCER_BATCH_MAX_BYTES,
                                             env=_KAFKA + "PRODUCER_BATCH_MAX_BYTES", parse=integer,
                                             check=at_least(16 * 1024),
                                             help="the most bytes of one partition's records a producer gathers "
-                                                 "into one batch (at most the max request size)")
+                                                 "into one batch (above the max request size, that size)")
     # The streaming consumers' fetches (attributor, billing, guard): the broker answers a fetch once it holds this
     # many bytes for it, or after the wait. With Kafka's default of 1 byte every fetch comes back with the few
     # records that arrived since the last one, and at a fleet's steady 1 Hz the round trips -- a request written,
@@ -106,12 +106,14 @@ class KafkaSettings:
 
     def __post_init__(self) -> None:
         validate(self)
-        if self.producer_batch_max_bytes > self.max_request_size_bytes:
-            raise ConfigError(f"GPUMETER_KAFKA_PRODUCER_BATCH_MAX_BYTES ({self.producer_batch_max_bytes}) is above "
-                              f"GPUMETER_KAFKA_MAX_REQUEST_SIZE_BYTES ({self.max_request_size_bytes}): a batch is "
-                              "sent in one request")
         if self.security_protocol.startswith("SASL") and not (self.sasl_mechanism and self.sasl_username):
             raise ConfigError("SASL needs GPUMETER_KAFKA_SASL_MECHANISM and GPUMETER_KAFKA_SASL_USERNAME")
+
+    @property
+    def producer_batch_bytes(self) -> int:
+        """The producers' batch size: ``producer_batch_max_bytes``, at most ``max_request_size_bytes`` (a batch goes
+        out in one request; a deployment that lowered the request size for its brokers keeps a working default)."""
+        return min(self.producer_batch_max_bytes, self.max_request_size_bytes)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "KafkaSettings":

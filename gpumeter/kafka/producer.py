@@ -69,7 +69,7 @@ class RecordProducer:
             acks="all",
             compression_type=settings.compression_type,
             linger_ms=linger_ms,
-            max_batch_size=settings.producer_batch_max_bytes if max_batch_bytes is None else max_batch_bytes,
+            max_batch_size=settings.producer_batch_bytes if max_batch_bytes is None else max_batch_bytes,
             request_timeout_ms=request_timeout_ms,
             max_request_size=settings.max_request_size_bytes,
             **extra,

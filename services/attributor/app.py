@@ -208,7 +208,7 @@ class AttributorStream:
             producer_acks=-1,
             producer_compression_type=settings.kafka.compression_type,
             producer_max_request_size=settings.kafka.max_request_size_bytes,
-            producer_max_batch_size=settings.kafka.producer_batch_max_bytes,
+            producer_max_batch_size=settings.kafka.producer_batch_bytes,
             topic_partitions=self.partitions,
             topic_replication_factor=settings.topic_replication_factor,
             table_standby_replicas=settings.table_standby_replicas,

@@ -25,25 +25,28 @@ def _attributor_producer(tmp_path, kafka: KafkaSettings):
 
 
 def test_the_batch_size_is_a_setting_bounded_by_the_request_size() -> None:
-    assert KafkaSettings().producer_batch_max_bytes == DEFAULT_PRODUCER_BATCH_MAX_BYTES == 524_288
+    assert KafkaSettings().producer_batch_bytes == DEFAULT_PRODUCER_BATCH_MAX_BYTES == 524_288
     loaded = KafkaSettings.from_env({"GPUMETER_KAFKA_PRODUCER_BATCH_MAX_BYTES": "65536"})
     assert loaded.producer_batch_max_bytes == 65_536
     with pytest.raises(ConfigError):
         KafkaSettings.from_env({"GPUMETER_KAFKA_PRODUCER_BATCH_MAX_BYTES": "1024"})  # below 16 KiB
-    with pytest.raises(ConfigError, match="MAX_REQUEST_SIZE_BYTES"):
-        KafkaSettings(max_request_size_bytes=262_144, producer_batch_max_bytes=524_288)
+    # A batch goes out in one request: a request size lowered below the batch size bounds the batches too.
+    assert KafkaSettings(max_request_size_bytes=262_144).producer_batch_bytes == 262_144
+    assert KafkaSettings(producer_batch_max_bytes=65_536).producer_batch_bytes == 65_536
 
 
 def test_the_attributors_faust_producer_batches_as_configured(tmp_path) -> None:
     async def main() -> None:
         default = _attributor_producer(tmp_path / "d", KafkaSettings())
         configured = _attributor_producer(tmp_path / "c", KafkaSettings(producer_batch_max_bytes=300_000))
+        bounded = _attributor_producer(tmp_path / "b", KafkaSettings(max_request_size_bytes=200_000))
         try:
             # Not Faust's 16 KiB: a shares record of a node-window (~12 KB) would fill a batch on its own.
             assert default._message_accumulator._batch_size == DEFAULT_PRODUCER_BATCH_MAX_BYTES
             assert configured._message_accumulator._batch_size == 300_000
+            assert bounded._message_accumulator._batch_size == 200_000
         finally:
-            for made in (default, configured):
+            for made in (default, configured, bounded):
                 await made.stop()
 
     asyncio.run(main())
