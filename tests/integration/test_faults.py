@@ -162,9 +162,8 @@ async def wait_for(predicate, timeout_s: float, what: str, logs=lambda: "") -> N
 # or more, and two such ticks measure the same lag: by ``gpumeter.clockskew``'s rules that is a node clock running a
 # minute behind, rightly corrected, and the windows then move to the broker's time (the rebalance test, run under
 # load: 4 of 31 runs timed out; the two inspected had processed every tick and held the last windows open at
-# wall-clock starts, the nodes' clock offsets ~-56 s). These tests are
-# about rebalances and outages, not clocks (``test_attributor_clock_skew`` is): their workers take every node's clock
-# as it reads.
+# wall-clock starts, the nodes' clock offsets ~-56 s). These tests are about rebalances and outages, not clocks
+# (``test_attributor_clock_skew`` is): their workers take every node's clock as it reads.
 TAKE_CLOCKS_AS_THEY_READ = ("--clock-skew-threshold-seconds", "3600")
 
 

@@ -1,7 +1,7 @@
-"""Every producer gathers a partition's records into batches of ``KafkaSettings.producer_batch_max_bytes``: the
-attributor's Faust app (whose own default, 16 KiB, holds one node-window's shares record, so that each send waited
-out the broker's answer to the one before) and the services' ``RecordProducer``. No broker: aiokafka producers
-connect only when started."""
+"""Every producer gathers a partition's records into batches of ``KafkaSettings.producer_batch_bytes`` (the setting,
+at most the max request size): the attributor's Faust app (whose own default, 16 KiB, holds one node-window's
+shares record, so that each send waited out the broker's answer to the one before) and the services'
+``RecordProducer``. No broker: aiokafka producers connect only when started."""
 
 from __future__ import annotations
 
