@@ -59,6 +59,7 @@ from schemas.records import (
     GpuDeviceSample,
     GpuShare,
     NodeSample,
+    NodeWindowCost,
     PodContainer,
     PodEvent,
     Severity,
@@ -100,6 +101,13 @@ MAX_WINDOW_START_UNIX_MS = 253_402_300_799_999  # 9999-12-31T23:59:59.999Z: date
 _SEVERITY_RANK = {Severity.CRITICAL: 0, Severity.WARNING: 1, Severity.INFO: 2}
 
 NodeKey = tuple[str, str]
+_BUDGET_SCOPES_MAX = 65_536  # a cache: cleared whole when full
+
+
+def _check_cost_window(node_name: str, window_start_unix_ms: int) -> None:
+    if not 0 <= window_start_unix_ms <= MAX_WINDOW_START_UNIX_MS:
+        raise OutOfRange(f"cost line of node {node_name}: window start {window_start_unix_ms} ms is outside "
+                         "1970..9999")
 
 
 def _scope(*parts: str) -> str:
@@ -200,6 +208,7 @@ class GuardEngine:
         # (``_pods_changed``), not checked pod by pod at every tick.
         self._node_pod_views: dict[NodeKey, _NodePods] = {}
         self._scope_strings: dict[tuple[str, str, str], str] = {}  # (kind, cluster, node) -> _scope of it
+        self._budget_scopes: dict[tuple[str, str, str, str], str] = {}  # (cluster, kind, name, period) -> _scope
         self._sample_plans = SamplePlans(config)  # a cache: checked against each tick's structure and pods
         # idle_allocation: runs per unit, pending share rows per (node, window, unit), last window per unit
         self._idle_runs: dict[tuple[str, str, str], dict[str, IdleRun]] = {}
@@ -323,51 +332,70 @@ class GuardEngine:
         window (budgets re-evaluated for those subjects) and to the pod's idle run on the unit when the window is
         part of it. A redelivered line replaces the first; one older than the dedup horizon is ignored. Raises
         ``OutOfRange`` for a window start no calendar can place (before 1970 or after 9999)."""
-        if not 0 <= cost.window_start_unix_ms <= MAX_WINDOW_START_UNIX_MS:
-            raise OutOfRange(f"cost line of node {cost.node_name}: window start {cost.window_start_unix_ms} ms is "
-                             f"outside 1970..9999")
+        _check_cost_window(cost.node_name, cost.window_start_unix_ms)
         now = self._tick(now_ms)
         out: list[Violation] = []
-        if cost.subject_kind is not CostSubjectKind.POD or cost.pod_uid is None or cost.gpu_uuid is None:
+        if cost.subject_kind is CostSubjectKind.POD and cost.pod_uid is not None and cost.gpu_uuid is not None:
+            self._cost_line(cost.cluster, cost.node_name, cost.window_start_unix_ms, cost.gpu_uuid, cost.pod_uid,
+                            cost.namespace, cost.labels, cost.cost_micro_usd, now, out)
+        self._expire(now, out)
+        return tuple(out)
+
+    def on_window_cost(self, cost: NodeWindowCost, now_ms: int) -> tuple[Violation, ...]:
+        """``on_cost`` of every line of one bill in line order (the lines of ``cost.cost_records()``), read from
+        the bill's columns: the same state and the same violations in the same order, without a ``CostRecord``
+        per line. Raises ``OutOfRange`` as ``on_cost`` does, before any line is taken."""
+        _check_cost_window(cost.node_name, cost.window_start_unix_ms)
+        now = self._tick(now_ms)
+        out: list[Violation] = []
+        cluster, node_name, window = cost.cluster, cost.node_name, cost.window_start_unix_ms
+        pods, units, pod_kind = cost.pods, cost.unit_uuids, CostSubjectKind.POD
+        for kind, unit, pod_index, micro_usd in zip(cost.line_subject_kinds, cost.line_unit_index,
+                                                    cost.line_pod_index, cost.line_cost_micro_usd):
+            if kind is pod_kind and pod_index >= 0 and unit >= 0:
+                pod = pods[pod_index]
+                self._cost_line(cluster, node_name, window, units[unit], pod.pod_uid, pod.namespace, pod.labels,
+                                micro_usd, now, out)
             self._expire(now, out)
-            return tuple(out)
-        node_key = (cost.cluster, cost.node_name)
-        window = cost.window_start_unix_ms
+        return tuple(out)
+
+    def _cost_line(self, cluster: str, node_name: str, window: int, gpu_uuid: str, pod_uid: str,
+                   pod_namespace: str | None, labels: Mapping[str, str], cost_micro_usd: int, now: int,
+                   out: list[Violation]) -> None:
+        """One POD cost line's effect (``on_cost``), hold-downs not yet expired."""
+        node_key = (cluster, node_name)
         horizon_ms = self.config.cost_dedup_horizon_seconds * 1000
         newest = self._cost_window_max.get(node_key)
         if newest is not None and window < newest - horizon_ms:
             self.late_costs_ignored += 1
-            self._expire(now, out)
-            return tuple(out)
-        namespace, team = cost_subject(cost.namespace, cost.labels, cost.subject_kind, self.config)
-        cell_key = (cost.cluster, cost.node_name, cost.gpu_uuid, cost.pod_uid)
+            return
+        namespace, team = cost_subject(pod_namespace, labels, CostSubjectKind.POD, self.config)
+        cell_key = (cluster, node_name, gpu_uuid, pod_uid)
         cells = self._costs.setdefault(cell_key, {})
         self._cost_keys_by_node.setdefault(node_key, {})[cell_key] = None
         old = cells.get(window)
-        cells[window] = (cost.cost_micro_usd, namespace, team)
+        cells[window] = (cost_micro_usd, namespace, team)
         if self.budgets:
             if old is not None:
                 # A redelivery replaces the line it repeats: take the old one out where it was counted.
-                self._add_spend(cost.cluster, window, old[1], old[2], -old[0])
-            self._add_spend(cost.cluster, window, namespace, team, cost.cost_micro_usd)
-        delta = cost.cost_micro_usd - (old[0] if old is not None else 0)
+                self._add_spend(cluster, window, old[1], old[2], -old[0])
+            self._add_spend(cluster, window, namespace, team, cost_micro_usd)
+        delta = cost_micro_usd - (old[0] if old is not None else 0)
         if newest is None or window > newest:
             self._cost_window_max[node_key] = window
             self._prune_costs(node_key, window - horizon_ms)
         for kind, name in ((SUBJECT_NAMESPACE, namespace), (SUBJECT_TEAM, team)):
             if name is None or not self.budgets:
                 continue
-            self._budget_subjects[(cost.cluster, kind, name)] = None
+            self._budget_subjects[(cluster, kind, name)] = None
             for period in PERIODS:
-                self._evaluate_budget(cost.cluster, kind, name, period, now, out)
-        unit_key = (cost.cluster, cost.node_name, cost.gpu_uuid)
+                self._evaluate_budget(cluster, kind, name, period, now, out)
+        unit_key = (cluster, node_name, gpu_uuid)
         runs = self._idle_runs.get(unit_key)
-        run = runs.get(cost.pod_uid) if runs else None
+        run = runs.get(pod_uid) if runs else None
         if run is not None and delta and window >= run.since_unix_ms:
-            runs[cost.pod_uid] = replace(run, wasted_cost_micro_usd=run.wasted_cost_micro_usd + delta)
+            runs[pod_uid] = replace(run, wasted_cost_micro_usd=run.wasted_cost_micro_usd + delta)
             self._evaluate_idle(unit_key, now, out)
-        self._expire(now, out)
-        return tuple(out)
 
     def on_clock(self, now_ms: int, *, detect_stale: bool = True) -> tuple[Violation, ...]:
         """Time passed: silent nodes (``stale_node``; a node silent for ``stale_node_forget_seconds`` is forgotten
@@ -473,6 +501,8 @@ class GuardEngine:
         return self._now_ms
 
     def _reconcile(self, scope: str, conditions: Iterable[Condition], now: int, out: list[Violation]) -> None:
+        if not conditions and scope not in self._scopes:
+            return  # nothing held in the scope and nothing to hold: most budget re-evaluations
         current: dict[str, Condition] = {}
         for condition in conditions:
             fp = condition.fingerprint
@@ -620,7 +650,18 @@ class GuardEngine:
             spent = self._spend.get((cluster, kind, name, period, start), 0)
             conditions = budget_exceeded(BudgetSpend(cluster, kind, name, period, start, end, spent, limit), now,
                                          self.config)
-        self._reconcile(_scope("budget", cluster, kind, name, period), conditions, now, out)
+        self._reconcile(self._budget_scope(cluster, kind, name, period), conditions, now, out)
+
+    def _budget_scope(self, cluster: str, kind: str, name: str, period: str) -> str:
+        """``_scope("budget", cluster, kind, name, period)``, made once per subject and period (every cost line
+        re-evaluates four of them)."""
+        key = (cluster, kind, name, period)
+        scope = self._budget_scopes.get(key)
+        if scope is None:
+            if len(self._budget_scopes) >= _BUDGET_SCOPES_MAX:
+                self._budget_scopes.clear()
+            scope = self._budget_scopes[key] = _scope("budget", cluster, kind, name, period)
+        return scope
 
     # -- pruning ---------------------------------------------------------------------------------------------------
 

@@ -11,8 +11,8 @@ Inputs, by role (``guard_topics`` maps them to the catalog's topics), each range
   skipped (the pod's DELETED event precedes it; its key carries nothing else);
 * ``window_shares`` (``NodeWindowShares``, ``check_window_shares``) → ``on_share`` row by row
   (``NodeWindowShares.rows()``);
-* ``window_costs`` (``NodeWindowCost``, ``check_window_cost``) → ``on_cost`` line by line
-  (``NodeWindowCost.cost_records()``).
+* ``window_costs`` (``NodeWindowCost``, ``check_window_cost``) → ``on_window_cost``: ``on_cost`` line by line
+  (the lines of ``NodeWindowCost.cost_records()``), read from the bill's columns.
 
 The engine's time is the runner's clock when the record was handed over (``Event.received_at_unix_ms``), and
 ``on_clock(now_ms, caught_up)`` runs ``engine.on_clock(now_ms, detect_stale=caught_up)``: silent nodes are judged
@@ -173,7 +173,7 @@ class GuardProcessor:
         elif event.input == WINDOW_SHARES:
             violations = tuple(v for share in record.rows() for v in engine.on_share(share, now_ms))
         elif event.input == WINDOW_COSTS:
-            violations = tuple(v for line in record.cost_records() for v in engine.on_cost(line, now_ms))
+            violations = engine.on_window_cost(record, now_ms)
         else:
             raise ValueError(f"the guard has no input {event.input!r}")  # the runner only hands over its inputs
         return self._emit(violations)

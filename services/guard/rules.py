@@ -874,8 +874,28 @@ def idle_allocation(run: IdleRun, pod: PodView | None, config: GuardConfig) -> t
 # budget_exceeded
 
 
+DAY_MS = 86_400_000
+_PERIOD_BOUNDS_MAX = 4096
+_period_bounds_by_day: dict[tuple[str, int], tuple[int, int]] = {}
+
+
 def period_bounds(period: str, t_unix_ms: int) -> tuple[int, int]:
-    """[start, end) in Unix ms of the UTC day or calendar month containing ``t_unix_ms``."""
+    """[start, end) in Unix ms of the UTC day or calendar month containing ``t_unix_ms``.
+
+    Every instant of one UTC day has the same bounds (Unix time counts no leap seconds: a day is 86,400,000 ms
+    from a multiple of it), so they are worked out once per (period, day) and kept: the guard asks for them four
+    times per cost line."""
+    key = (period, t_unix_ms // DAY_MS)
+    bounds = _period_bounds_by_day.get(key)
+    if bounds is None:
+        if len(_period_bounds_by_day) >= _PERIOD_BOUNDS_MAX:
+            _period_bounds_by_day.clear()
+        bounds = _calendar_bounds(period, t_unix_ms)
+        _period_bounds_by_day[key] = bounds
+    return bounds
+
+
+def _calendar_bounds(period: str, t_unix_ms: int) -> tuple[int, int]:
     moment = datetime.fromtimestamp(t_unix_ms / 1000, tz=timezone.utc)
     if period == PERIOD_DAY:
         start = datetime(moment.year, moment.month, moment.day, tzinfo=timezone.utc)

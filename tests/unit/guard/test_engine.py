@@ -8,7 +8,7 @@ import json
 import pytest
 
 from gpumeter.errors import InvalidMessage, OutOfRange
-from schemas.records import CostSubjectKind, PodEventType, Severity, ViolationState
+from schemas.records import CostSubjectKind, NodeWindowCost, PodEventType, Severity, ViolationState
 from services.guard.config import Budget, GuardConfig
 from services.guard.engine import GuardEngine
 from services.guard.replay import replay_violations
@@ -344,6 +344,67 @@ def test_a_cost_line_no_calendar_can_place_is_bad_input():
     for window in (-60_000, 2**62):
         with pytest.raises(OutOfRange):
             engine.on_cost(cost(GPU_A, window_start=window, micro_usd=1, pod_uid=UID_1, namespace="ml"), T0)
+
+
+def _bill(lines):
+    return NodeWindowCost.from_cost_records(
+        lines, billed_milliseconds=60_000, cloud_provider="aws", region="us-east-1", zone="us-east-1a",
+        provider_id="", price_per_hour_usd="1.0", split_rule="memory", gpu_count=2,
+        gpu_cost_micro_usd=sum(line.cost_micro_usd for line in lines), sharing="time-slicing")
+
+
+def test_a_bill_taken_whole_is_its_lines_taken_one_by_one():
+    """``on_window_cost`` against ``on_cost`` over the bill's ``cost_records()``: the same violations in the same
+    order and the same state, through an idle run's wasted cost, a budget crossed in the middle of a bill, a
+    redelivered bill, a bill older than the dedup horizon and bucket lines."""
+    config = GuardConfig(hold_down_seconds=30, refresh_seconds=60, idle_for_seconds=120,
+                         budget_forecast_min_elapsed_fraction=1.0, cost_dedup_horizon_seconds=3_600,
+                         namespace_budgets={"ml": Budget(day_micro_usd=2_000)},
+                         team_budgets={"*": Budget(month_micro_usd=2_500)})
+    events = [e for e in _timeline() if e[0] != "cost"]
+    for k in range(3):
+        w = T0 + k * 60 * S
+        lines = [cost(GPU_A, window_start=w, micro_usd=700, pod_uid=UID_1, namespace="ml", team="vision"),
+                 cost(GPU_A, window_start=w, micro_usd=50, kind=CostSubjectKind.IDLE),
+                 cost(GPU_B, window_start=w, micro_usd=300 + k, pod_uid=UID_2, namespace="scratch", team="vision"),
+                 cost(None, window_start=w, micro_usd=20, kind=CostSubjectKind.NODE_OTHER)]
+        events.append(("bill", _bill(lines), w + 71 * S))
+    events.append(("bill", events[-1][1], T0 + 200 * S))  # redelivered
+    old = T0 - 2 * 3_600 * S
+    events.append(("bill", _bill([cost(GPU_A, window_start=old, micro_usd=9_000, pod_uid=UID_1, namespace="ml")]),
+                   T0 + 201 * S))
+    events.sort(key=lambda e: e[2])
+
+    def run(whole: bool):
+        engine = GuardEngine(config)
+        out, states = [], []
+        for kind, record, t in events:
+            if kind == "bill" and whole:
+                out.extend(engine.on_window_cost(record, t))
+            elif kind == "bill":
+                out.extend(v for line in record.cost_records() for v in engine.on_cost(line, t))
+            else:
+                out.extend(_run(engine, [(kind, record, t)]))
+            states.append(engine.snapshot())
+        return out, states, engine
+
+    whole_out, whole_states, whole = run(True)
+    lines_out, lines_states, by_line = run(False)
+    assert {"idle_allocation", "budget_exceeded"} <= {v.rule for v in whole_out}
+    assert sum(v.rule == "budget_exceeded" for v in whole_out) >= 2  # the namespace's day and the team's month
+    assert whole.late_costs_ignored == by_line.late_costs_ignored == 1
+    assert whole_out == lines_out
+    assert whole_states == lines_states
+
+
+def test_a_bill_no_calendar_can_place_is_refused_before_any_line_counts():
+    engine = _budget_engine()
+    before = engine.snapshot()
+    for window in (-60_000, 2**62):
+        bill = _bill([cost(GPU_A, window_start=window, micro_usd=1, pod_uid=UID_1, namespace="ml")])
+        with pytest.raises(OutOfRange):
+            engine.on_window_cost(bill, T0)
+    assert engine.snapshot() == before
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import dataclasses
 import json
 import subprocess
 import sys
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -468,6 +468,22 @@ def _ms(text: str) -> int:
 ])
 def test_budget_periods_are_utc_days_and_calendar_months(t, period, start, end):
     assert period_bounds(period, _ms(t)) == (_ms(start), _ms(end))
+
+
+def test_every_instant_of_a_day_gets_the_bounds_of_its_own_day_and_month():
+    """The bounds are kept per (period, UTC day): the last and first milliseconds around midnights, month ends and
+    a leap day get their own day's bounds however the kept ones were filled."""
+    for edge in ("2026-07-31T00:00:00Z", "2026-08-01T00:00:00Z", "2028-02-29T00:00:00Z", "2028-03-01T00:00:00Z",
+                 "2027-01-01T00:00:00Z", "1970-01-02T00:00:00Z"):
+        for t in (_ms(edge) - 1, _ms(edge), _ms(edge) + 1, _ms(edge) - 1):
+            moment = datetime.fromtimestamp(t / 1000, tz=timezone.utc)
+            day = datetime(moment.year, moment.month, moment.day, tzinfo=timezone.utc)
+            month = datetime(moment.year, moment.month, 1, tzinfo=timezone.utc)
+            next_month = datetime(moment.year + moment.month // 12, moment.month % 12 + 1, 1, tzinfo=timezone.utc)
+            assert period_bounds("day", t) == (int(day.timestamp()) * 1000, int(day.timestamp()) * 1000 + 86_400_000)
+            assert period_bounds("month", t) == (int(month.timestamp()) * 1000, int(next_month.timestamp()) * 1000)
+    with pytest.raises(ValueError):
+        period_bounds("week", _ms("2026-07-31T00:00:00Z"))
 
 
 def _spend(spent, budget, period="day", now="2026-07-31T12:00:00Z"):
