@@ -279,15 +279,19 @@ def test_the_stream_ceiling_says_when_its_shares_came_out_and_what_billing_did_a
     assert ceiling.met and not ceiling.cause
 
 
+def _scaling_phase(cpu_s: float, gpu_samples: int = 144_000, gpus: int = 2_000) -> dict:
+    return {"attributor_cpu_s": cpu_s, "wall_s": 72.0, "gpu_samples": gpu_samples, "gpus": gpus,
+            "attributor_cpu_s_per_1000_gpu_samples": round(cpu_s / gpu_samples * 1000, 4)}
+
+
 def test_the_stream_attributor_scale_out_says_what_an_added_worker_costs_beside_the_same_load():
     def phase(cpu_s: float, gpu_samples: int = 144_000) -> dict:
         return {"gpu_samples_per_s_end_to_end": 20_000.0, "attributor_cpu_s_per_1000_gpu_samples": 0.2,
-                "steady": {"attributor_cpu_s": cpu_s, "wall_s": 72.0, "gpu_samples": gpu_samples,
-                           "attributor_cpu_s_per_1000_gpu_samples": round(cpu_s / gpu_samples * 1000, 4)}}
+                "steady": _scaling_phase(cpu_s, gpu_samples)}
 
     figures = {"workload": {"gpus": 800}, "scaling": {"1": phase(9.0), "2": phase(9.72), "4": phase(13.32)}}
     (scale,) = [t for t in stream.targets_for(figures) if t.name == "attributor scale-out (CPU)"]
-    assert not scale.met and "spread 48%" in scale.measured
+    assert not scale.met and "spread 48%" in scale.measured and scale.measured.startswith("at 2,000 GPUs @ 1 Hz")
     # 0.72 CPU-s over 72 s for one added worker; 4.32 over 72 s for three.
     assert "1.0 % of a core (2 workers), 2.0 % of a core (4 workers)" in scale.cause
     assert "12.5 % of a core with one worker" in scale.cause
@@ -295,6 +299,26 @@ def test_the_stream_attributor_scale_out_says_what_an_added_worker_costs_beside_
     figures["scaling"]["2"] = phase(9.45)
     (scale,) = [t for t in stream.targets_for(figures) if t.name == "attributor scale-out (CPU)"]
     assert scale.met and not scale.cause
+
+
+def test_the_stream_attributor_scale_out_is_judged_at_the_fleet_load_and_reports_the_light_one():
+    """The fleet's load (``steady``) decides; the drain's nodes alone (``steady_light``) are reported beside it with
+    what an added worker costs there."""
+    def phase(fleet_cpu_s: float, light_cpu_s: float) -> dict:
+        return {"gpu_samples_per_s_end_to_end": 20_000.0, "attributor_cpu_s_per_1000_gpu_samples": 0.2,
+                "steady": _scaling_phase(fleet_cpu_s, 720_000, 10_000),
+                "steady_light": _scaling_phase(light_cpu_s, 144_000, 2_000)}
+
+    figures = {"workload": {"gpus": 10_000},
+               "scaling": {"1": phase(42.0, 8.5), "2": phase(42.6, 9.4), "4": phase(43.7, 10.2)}}
+    (scale,) = [t for t in stream.targets_for(figures) if t.name == "attributor scale-out (CPU)"]
+    assert scale.met and not scale.cause
+    assert scale.measured.startswith("at 10,000 GPUs @ 1 Hz: 1: 0.0583 CPU-s; 2: 0.0592 CPU-s; 4: 0.0607 CPU-s "
+                                     "(spread 4%); at 2,000 GPUs @ 1 Hz: 1: 0.059; 2: 0.0653; 4: 0.0708 (spread 20%")
+    assert "1.3 % of a core (2 workers), 0.8 % of a core (4 workers)" in scale.measured  # 0.9 / 72 s; 1.7 / 3 / 72 s
+    figures["scaling"]["4"] = phase(50.4, 10.2)
+    (scale,) = [t for t in stream.targets_for(figures) if t.name == "attributor scale-out (CPU)"]
+    assert not scale.met and "spread 20%" in scale.measured and scale.cause
 
 
 def test_the_stream_memory_figures_read_a_processs_resident_set_from_proc():
