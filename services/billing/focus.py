@@ -516,6 +516,16 @@ def _element_dict(which: int, values: tuple, kind: tuple, gpu_uuid: str, is_pod:
             "x_Bucket": subject_kind.lower(), "x_Lines": lines}
 
 
+def _entry(dictionary: Mapping[Any, Any], key: Any, what: str) -> Any:
+    """``dictionary[key]``; ``ValueError`` naming the key when a line names one its dictionary lacks (a ledger whose
+    lines outlived a dictionary row, or a reader's bug): refused, never exported as a wrong or missing row."""
+    try:
+        return dictionary[key]
+    except KeyError:
+        raise ValueError(f"an hourly FOCUS line names {what} {key!r}, which the ledger's {what} dictionary does not "
+                         "hold") from None
+
+
 def focus_hour_columns(charges: Iterable[tuple[Any, FocusCharge]], hour_lines: HourLines, *,
                        billing_account_id: str | None = None) -> "FocusColumns":
     """The hourly grain's rows, as columns: per origin charge (``charges``: (its key in the lines' second field,
@@ -536,8 +546,8 @@ def focus_hour_columns(charges: Iterable[tuple[Any, FocusCharge]], hour_lines: H
 
     The origin charge's ~45 columns are made once per charge (``FocusColumns.origin``), JSON texts once per
     distinct value (a label set's tags, a kind's and a GPU's texts), and no row is a dict: the rows are the
-    columns' (``FocusColumns.rows``). Raises ``ValueError`` for lines without their origin charge or lines that do
-    not add up to it."""
+    columns' (``FocusColumns.rows``). Raises ``ValueError`` for lines without their origin charge, lines that do
+    not add up to it, or lines naming a kind, pod, GPU or label set their dictionaries lack."""
     keyed = sorted(charges, key=lambda pair: pair[1].link)
     by_charge: dict[Any, list] = {}
     for line in hour_lines.lines:
@@ -559,17 +569,17 @@ def focus_hour_columns(charges: Iterable[tuple[Any, FocusCharge]], hour_lines: H
 
     def made(identity: tuple) -> tuple:
         kind_key, pod_key, gpu_key, label_id = identity
-        kind = kinds[kind_key]
-        pod = pods[pod_key]
+        kind = _entry(kinds, kind_key, "kind")
+        pod = _entry(pods, pod_key, "pod")
         if kind[0] == "POD" and pod[0]:
             text = tags_texts.get(label_id)
             if text is None:
-                text = tags_texts[label_id] = _json({k: v for k, v in labels[label_id].items()
+                text = tags_texts[label_id] = _json({k: v for k, v in _entry(labels, label_id, "label set").items()
                                                      if k not in _ORIGIN_TAG_KEYS})
             row_key = (0, *pod, text)
         else:
             row_key = (_BUCKET_ORDER.get(kind[0], 99), kind[0])
-        uuid = gpus[gpu_key]
+        uuid = _entry(gpus, gpu_key, "GPU")
         which, form = _element_format(kind[1], kind[2], kind[0], kind[3], kind[4], bool(uuid), row_key[0] == 0)
         out = made_of[identity] = (row_key, (kind[1] != "", uuid, kind[1]), which, form,
                                    _json_string(uuid) if which == 1 else None, kind[4])

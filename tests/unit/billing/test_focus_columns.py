@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import io
 import random
+import dataclasses
 from dataclasses import dataclass
 from decimal import Decimal
 from fractions import Fraction
@@ -452,6 +453,22 @@ def test_lines_without_their_charge_or_that_do_not_add_up_are_refused():
                                  for f in FocusCharge.__slots__))) for key, c in keyed]
     with pytest.raises(ValueError, match="add up"):
         focus_hour_columns(wrong, hour_lines)
+
+
+@pytest.mark.parametrize("dictionary", ["kinds", "pods", "gpus", "labels"])
+def test_a_line_naming_an_id_its_dictionary_lacks_is_refused_with_the_id(dictionary):
+    charges, lines = adversarial()
+    keyed, hour_lines = by_ids(charges, lines)
+    # A POD line's: its kind, pod, GPU and label set are all looked up.
+    line = next(line for line in hour_lines.lines
+                if hour_lines.kinds[line[2]][0] == "POD" and hour_lines.pods[line[3]][0])
+    missing = line[{"kinds": 2, "pods": 3, "gpus": 4, "labels": 5}[dictionary]]
+    held = dict(getattr(hour_lines, dictionary))
+    del held[missing]
+    broken = dataclasses.replace(hour_lines, **{dictionary: held})
+    what = {"kinds": "kind", "pods": "pod", "gpus": "GPU", "labels": "label set"}[dictionary]
+    with pytest.raises(ValueError, match=f"names {what} {missing!r}, which the ledger's {what} dictionary"):
+        focus_hour_columns(keyed, broken)
 
 
 MONEY_EDGES = [0, 1, 5, 999_999, 1_000_000, 1_000_001, 123_456_789, 2**53 - 1, 2**53, 2**53 + 1, 2**53 + 3,
