@@ -302,12 +302,12 @@ def test_the_stream_attributor_scale_out_says_what_an_added_worker_costs_beside_
 
 
 def test_the_stream_attributor_scale_out_is_judged_at_the_fleet_load_and_reports_the_light_one():
-    """The fleet's load (``steady``) decides; the drain's nodes alone (``steady_light``) are reported beside it with
+    """The fleet's load (``steady_fleet``) decides; the drain's nodes alone (``steady``) are reported beside it with
     what an added worker costs there."""
     def phase(fleet_cpu_s: float, light_cpu_s: float) -> dict:
         return {"gpu_samples_per_s_end_to_end": 20_000.0, "attributor_cpu_s_per_1000_gpu_samples": 0.2,
-                "steady": _scaling_phase(fleet_cpu_s, 720_000, 10_000),
-                "steady_light": _scaling_phase(light_cpu_s, 144_000, 2_000)}
+                "steady_fleet": _scaling_phase(fleet_cpu_s, 720_000, 10_000),
+                "steady": _scaling_phase(light_cpu_s, 144_000, 2_000)}
 
     figures = {"workload": {"gpus": 10_000},
                "scaling": {"1": phase(42.0, 8.5), "2": phase(42.6, 9.4), "4": phase(43.7, 10.2)}}
