@@ -1077,9 +1077,10 @@ async def scaling_phase(b: Bench, attributor_command: list[str], workdir: Path, 
 
 async def fleet_load_phase(b: Bench, attributor_command: list[str], workdir: Path, workers: int) -> dict[str, Any]:
     """``steady_load`` of the whole fleet (``config.nodes`` nodes at 1 Hz: the target's 10,000 GPUs) with
-    ``workers`` attributor workers of one app id, started afresh, all ready and their group settled (the load
-    starts at the next window boundary); the attributor's CPU per 1,000 GPU-samples is what the scale-out target
-    is judged on. Afterwards one worker runs again."""
+    ``workers`` attributor workers of one app id, started afresh and all ready (the load starts at the next window
+    boundary after that: a rebalance of their group later than the last "Worker ready" would fall in the figure);
+    the attributor's CPU per 1,000 GPU-samples is what the scale-out target is judged on. Afterwards one worker
+    runs again."""
     label = f"fleet load, {workers} worker{'s' if workers != 1 else ''}"
     b.services[0].stop()
     b.cpu.pids.pop("attributor", None)

@@ -883,8 +883,8 @@ def period_bounds(period: str, t_unix_ms: int) -> tuple[int, int]:
     """[start, end) in Unix ms of the UTC day or calendar month containing ``t_unix_ms``.
 
     Every instant of one UTC day has the same bounds (Unix time counts no leap seconds: a day is 86,400,000 ms
-    from a multiple of it), so they are worked out once per (period, day) and kept: the guard asks for them four
-    times per cost line."""
+    from a multiple of it), so they are worked out once per (period, day) and kept: the guard asks for them eight
+    times per cost line (its namespace's and team's day and month, when counted and when judged)."""
     key = (period, t_unix_ms // DAY_MS)
     bounds = _period_bounds_by_day.get(key)
     if bounds is None:
