@@ -1008,6 +1008,35 @@ def _worker_command(command: list[str], data_dir: Path) -> list[str]:
     return out
 
 
+def _start_workers(b: Bench, attributor_command: list[str], workdir: Path, workers: int, tag: str) -> list[Service]:
+    """``workers`` attributor workers of one app id in place of the single attributor (stopped first), each with a
+    data directory and log of its own (``attributor-<tag>-<n>``), their CPU read as "attributor n of N"."""
+    b.services[0].stop()
+    b.cpu.pids.pop("attributor", None)
+    attributors = [Service(f"attributor-{n}", _worker_command(attributor_command, workdir / f"attributor-{tag}-{n}"),
+                           workdir / f"attributor-{tag}-{n}.log").start() for n in range(workers)]
+    for n, worker in enumerate(attributors):
+        b.cpu.pids[f"attributor {n + 1} of {workers}"] = worker.pid
+    return attributors
+
+
+def _stop_workers(b: Bench, attributors: list[Service]) -> None:
+    """Stop what ``_start_workers`` started (they are not in ``b.services``: run_stream's cleanup would leave them
+    running)."""
+    for n, worker in enumerate(attributors):
+        worker.stop()
+        b.cpu.pids.pop(f"attributor {n + 1} of {len(attributors)}", None)
+
+
+async def _run_one_attributor(b: Bench, attributor_command: list[str], workdir: Path, tag: str) -> None:
+    """One attributor again (``attributor-after-<tag>``), after a phase's workers stopped; returns once ready."""
+    one = Service("attributor", _worker_command(attributor_command, workdir / f"attributor-after-{tag}"),
+                  workdir / f"attributor-after-{tag}.log").start()
+    b.services[0] = one
+    b.cpu.pids["attributor"] = one.pid
+    await one.wait_for("Worker ready", 600)
+
+
 async def scaling_phase(b: Bench, attributor_command: list[str], workdir: Path, backlog_start: int, workers: int,
                         first_node: int, nodes: int) -> dict[str, Any]:
     """The ceiling again with ``workers`` attributor workers (one Faust app id: they split the partitions): a whole
@@ -1019,12 +1048,8 @@ async def scaling_phase(b: Bench, attributor_command: list[str], workdir: Path, 
     sent = await b.generator.backlog(backlog_start, WINDOW_SECONDS, started_ms=backlog_start - 3_600_000,
                                      nodes=nodes, first_node=first_node)
     b.log(f"stream: {label}: backlog of {sent:,} samples ({nodes} nodes); starting {workers} attributor workers")
-    attributors = [Service(f"attributor-{n}", _worker_command(attributor_command, workdir / f"attributor-w{workers}-{n}"),
-                           workdir / f"attributor-w{workers}-{n}.log").start() for n in range(workers)]
+    attributors = _start_workers(b, attributor_command, workdir, workers, f"w{workers}")
     try:
-        for n, worker in enumerate(attributors):
-            b.cpu.pids[f"attributor {n + 1} of {workers}"] = worker.pid
-        b.cpu.pids.pop("attributor", None)
         b.cpu.mark(label)
         ready = await asyncio.wait([asyncio.ensure_future(a.wait_for("Worker ready", 600)) for a in attributors],
                                    return_when=asyncio.FIRST_COMPLETED)
@@ -1059,19 +1084,10 @@ async def scaling_phase(b: Bench, attributor_command: list[str], workdir: Path, 
         figures["steady"] = await steady_load(b, f"{label} steady", workers, nodes, [*attributors, *b.billers])
         b.log(f"stream: {label}: steady load ({nodes:,} nodes): "
               f"{figures['steady']['attributor_cpu_s_per_1000_gpu_samples']} attributor CPU-s per 1,000 GPU-samples")
-    except BaseException:
-        for worker in attributors:  # not in ``b.services``: run_stream's cleanup would leave them running
-            worker.stop()
-        raise
-    b.log(f"stream: {label}: {figures['gpu_samples_per_s_end_to_end']:,.0f} GPU-samples/s end to end")
-    for n, worker in enumerate(attributors):
-        worker.stop()
-        b.cpu.pids.pop(f"attributor {n + 1} of {workers}", None)
-    one = Service("attributor", _worker_command(attributor_command, workdir / f"attributor-after-w{workers}"),
-                  workdir / f"attributor-after-w{workers}.log").start()
-    b.services[0] = one
-    b.cpu.pids["attributor"] = one.pid
-    await one.wait_for("Worker ready", 600)
+        b.log(f"stream: {label}: {figures['gpu_samples_per_s_end_to_end']:,.0f} GPU-samples/s end to end")
+    finally:
+        _stop_workers(b, attributors)
+    await _run_one_attributor(b, attributor_command, workdir, f"w{workers}")
     return figures
 
 
@@ -1082,28 +1098,16 @@ async def fleet_load_phase(b: Bench, attributor_command: list[str], workdir: Pat
     the attributor's CPU per 1,000 GPU-samples is what the scale-out target is judged on. Afterwards one worker
     runs again."""
     label = f"fleet load, {workers} worker{'s' if workers != 1 else ''}"
-    b.services[0].stop()
-    b.cpu.pids.pop("attributor", None)
-    attributors = [Service(f"attributor-{n}",
-                           _worker_command(attributor_command, workdir / f"attributor-f{workers}-{n}"),
-                           workdir / f"attributor-f{workers}-{n}.log").start() for n in range(workers)]
+    attributors = _start_workers(b, attributor_command, workdir, workers, f"f{workers}")
     try:
-        for n, worker in enumerate(attributors):
-            b.cpu.pids[f"attributor {n + 1} of {workers}"] = worker.pid
         for worker in attributors:
             await worker.wait_for("Worker ready", 600)
         figures = await steady_load(b, label, workers, b.config.nodes, [*attributors, *b.billers])
         b.log(f"stream: {label}: {figures['attributor_cpu_s_per_1000_gpu_samples']} attributor CPU-s per 1,000 "
               f"GPU-samples ({b.config.nodes:,} nodes)")
     finally:
-        for n, worker in enumerate(attributors):
-            worker.stop()
-            b.cpu.pids.pop(f"attributor {n + 1} of {workers}", None)
-    one = Service("attributor", _worker_command(attributor_command, workdir / f"attributor-after-f{workers}"),
-                  workdir / f"attributor-after-f{workers}.log").start()
-    b.services[0] = one
-    b.cpu.pids["attributor"] = one.pid
-    await one.wait_for("Worker ready", 600)
+        _stop_workers(b, attributors)
+    await _run_one_attributor(b, attributor_command, workdir, f"f{workers}")
     return figures
 
 
