@@ -217,13 +217,15 @@ def _detail_tables(results: dict[str, dict[str, Any]]) -> list[str]:
                        f"{_cpu(phase['cpu_while_sending'])}.")
         for n, g in f.get("guard", {}).items():
             out.append(f"- Guard, {n} instance(s) of the nodes role (partitions {g['partitions_per_instance']}): "
-                       f"{g['guard_cpu_s_per_1000_gpu_samples']} CPU-s per 1,000 GPU-samples over a backlog of "
+                       f"{g['guard_cpu_s_per_1000_gpu_samples']} CPU-s per 1,000 GPU-samples"
+                       f"{_rounds(g, 'guard_cpu_s_per_1000_gpu_samples')} over a backlog of "
                        f"{g['backlog_messages']:,} samples (idle {g['guard_idle_cpu_s_per_s']} CPU-s/s); a planted "
                        f"leak's violation after {g['planted_leak_to_violation_s']} s; CPU seconds: {_cpu(g)}.")
         billing = f.get("billing", {})
         for n, g in billing.get("instances", {}).items():
             out.append(f"- Billing, {n} instance(s) (partitions {g['partitions_per_instance']}; {billing['ledger']}): "
-                       f"{g['billing_cpu_s_per_1000_node_windows']} CPU-s per 1,000 node-windows over a backlog of "
+                       f"{g['billing_cpu_s_per_1000_node_windows']} CPU-s per 1,000 node-windows"
+                       f"{_rounds(g, 'billing_cpu_s_per_1000_node_windows')} over a backlog of "
                        f"{billing['node_windows']:,} node-windows ({billing['gpu_samples']:,} GPU-samples), "
                        f"{g['node_windows_per_s']:,} node-windows/s, PostgreSQL {g['postgresql_cpu_s']} CPU-s (idle "
                        f"{g['billing_idle_cpu_s_per_s']} CPU-s/s); CPU seconds: {_cpu(g)}.")
@@ -240,6 +242,13 @@ def _detail_tables(results: dict[str, dict[str, Any]]) -> list[str]:
                                    for n, g in phase.items()) + ".")
         out.append("")
     return out
+
+
+def _rounds(section: dict[str, Any], figure: str) -> str:
+    """`` (round of least CPU of: a, b)`` for a scale-out count measured in several rounds; the rest of the line is
+    that round's."""
+    rounds = section.get(f"{figure}_rounds", ())
+    return f" (round of least CPU of: {', '.join(str(r) for r in rounds)})" if len(rounds) > 1 else ""
 
 
 def _cpu(section: dict[str, Any]) -> str:

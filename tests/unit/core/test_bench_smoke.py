@@ -216,6 +216,28 @@ def test_the_stream_guard_phase_reads_a_guards_partitions_from_its_log_and_judge
     assert all(t.met for t in stream.targets_for(figures) if t.name.startswith("guard"))
 
 
+def test_a_scale_out_count_reports_its_round_of_least_cpu_and_every_round_beside_it():
+    rounds = [{"guard_cpu_s_per_1000_gpu_samples": 0.0209, "planted_leak_to_violation_s": 75.0, "wall_s": 12.9},
+              {"guard_cpu_s_per_1000_gpu_samples": 0.0170, "planted_leak_to_violation_s": 0.4, "wall_s": 10.8}]
+    best = stream.least_cpu(rounds, "guard_cpu_s_per_1000_gpu_samples", "planted_leak_to_violation_s")
+    assert best["wall_s"] == 10.8  # the whole round of least CPU, not a mix of rounds
+    assert best["guard_cpu_s_per_1000_gpu_samples_rounds"] == [0.0209, 0.0170]
+    assert best["planted_leak_to_violation_s"] == 0.4
+    assert best["planted_leak_to_violation_s_rounds"] == [75.0, 0.4]
+    assert "guard_cpu_s_per_1000_gpu_samples_rounds" not in rounds[1]  # the rounds themselves are left as they were
+    with pytest.raises(ValueError):
+        stream.least_cpu([], "guard_cpu_s_per_1000_gpu_samples")
+    figures = {"workload": {"gpus": 800}, "guard": {
+        "1": best,
+        "2": stream.least_cpu([{"guard_cpu_s_per_1000_gpu_samples": 0.0186, "planted_leak_to_violation_s": 0.2}],
+                              "guard_cpu_s_per_1000_gpu_samples", "planted_leak_to_violation_s")}}
+    scale, leak = [t for t in stream.targets_for(figures) if t.name.startswith("guard")]
+    assert scale.met and "1: 0.017 CPU-s (least of 0.0209, 0.017)" in scale.measured
+    assert "2: 0.0186 CPU-s (spread" in scale.measured  # one round: no list
+    # The leak must be seen within a window in every round, not only in the round of least CPU (0.4 s).
+    assert not leak.met and "1 instance(s): 75.0 s, 0.4 s" in leak.measured
+
+
 def test_the_stream_billing_phase_reads_an_instances_partitions_from_its_log_and_judges_the_spread():
     topic = "bench.node-window-shares.v1"
     log = (f"2026 INFO billing: assigned [('{topic}', 0), ('{topic}', 1), ('{topic}', 2)]\n"
@@ -317,8 +339,26 @@ def test_the_stream_attributor_scale_out_is_judged_at_the_fleet_load_and_reports
                                      "(spread 4%); at 2,000 GPUs @ 1 Hz: 1: 0.059; 2: 0.0653; 4: 0.0708 (spread 20%")
     assert "1.3 % of a core (2 workers), 0.8 % of a core (4 workers)" in scale.measured  # 0.9 / 72 s; 1.7 / 3 / 72 s
     figures["scaling"]["4"] = phase(50.4, 10.2)
+    figures["scaling"]["4"]["steady_fleet"]["assignments_during_load"] = 2
     (scale,) = [t for t in stream.targets_for(figures) if t.name == "attributor scale-out (CPU)"]
     assert not scale.met and "spread 20%" in scale.measured and scale.cause
+    # A rebalance inside the measured load is named beside the count it happened to.
+    assert "4: 0.07 CPU-s (2 assignment(s) during the load)" in scale.measured
+    assert "1: 0.0583 CPU-s;" in scale.measured
+
+
+def test_the_fleet_load_waits_for_every_worker_ready_since_its_latest_assignment():
+    topic = "bench.node-samples"
+    first = (f"Setting newly assigned partitions {{TopicPartition(topic='{topic}', partition=8), "
+             f"TopicPartition(topic='pods', partition=5), TopicPartition(topic='{topic}', partition=2)}} for group g\n")
+    assert stream._assigned_partitions("starting\n", topic) is None
+    assert stream._assigned_partitions(first, topic) is None  # assigned, not ready yet
+    ready = first + "[^---SafeSeekRecovery]: Worker ready\n"
+    assert stream._assigned_partitions(ready, topic) == [2, 8]  # this topic's partitions only
+    again = ready + ("Heartbeat failed for group g because it is rebalancing\n"
+                     f"Setting newly assigned partitions {{TopicPartition(topic='{topic}', partition=8)}} for group g\n")
+    assert stream._assigned_partitions(again, topic) is None  # reassigned: not ready since
+    assert stream._assigned_partitions(again + "Worker ready\n", topic) == [8]
 
 
 def test_the_stream_memory_figures_read_a_processs_resident_set_from_proc():
