@@ -227,7 +227,9 @@ def _detail_tables(results: dict[str, dict[str, Any]]) -> list[str]:
                        f"{g['billing_cpu_s_per_1000_node_windows']} CPU-s per 1,000 node-windows"
                        f"{_rounds(g, 'billing_cpu_s_per_1000_node_windows')} over a backlog of "
                        f"{billing['node_windows']:,} node-windows ({billing['gpu_samples']:,} GPU-samples), "
-                       f"{g['node_windows_per_s']:,} node-windows/s, PostgreSQL {g['postgresql_cpu_s']} CPU-s (idle "
+                       f"{g['node_windows_per_s']:,} node-windows/s, PostgreSQL {g['postgresql_cpu_s']} CPU-s"
+                       + (f" and {g['postgresql_pss_bytes'] / 2**20:,.0f} MiB" if g.get("postgresql_pss_bytes") else "")
+                       + f" (idle "
                        f"{g['billing_idle_cpu_s_per_s']} CPU-s/s); CPU seconds: {_cpu(g)}.")
         memory = f.get("memory")
         if memory:

@@ -51,10 +51,11 @@ Phases:
    the whole fleet's nodes is encoded, produced while the guards are stopped (``SIGSTOP``, ~2 s), and drained once
    they go on. CPU-seconds of the ``N`` guards per 1,000 GPU-samples, from the backlog to the group's commit of its
    end: equal for every ``N`` when no work is duplicated (each partition's nodes handled by one instance); an
-   assignment during the drain is counted (``assignments_during_drain``) and named in the figure. Then a pod with ``NVIDIA_VISIBLE_DEVICES=all`` is planted on a node: seconds
-   from its pod event to its FIRING ``visibility_leak`` on the violations topic (within a window in every round).
-   The counts run ``scale_out_rounds`` times in turn (1, 2, 4, 1, 2, 4); each count's figure is its round of least
-   CPU, every round's reported beside it.
+   assignment during the drain is counted (``assignments_during_drain``) and named in the figure. Then a pod with
+   ``NVIDIA_VISIBLE_DEVICES=all`` is planted on a node: seconds from its pod event to its FIRING
+   ``visibility_leak`` on the violations topic (within a window in every round). The counts run
+   ``scale_out_rounds`` times in turn (1, 2, 4, 1, 2, 4); each count's figure is its round of least CPU, every
+   round's reported beside it.
 
 6. **Billing scale-out** (``billing_instances``, 1, 2 and 4): nothing else runs; ``N`` billing instances in a
    consumer group of their own (``--auto-offset-reset latest``), on a PostgreSQL ledger of their own (a throwaway
@@ -66,8 +67,10 @@ Phases:
    and backends) is reported beside it. Rounds as in phase 5, each on a database of its own.
 
 **Memory**: every service's resident set (``VmRSS``) and its peak (``VmHWM``) from ``/proc``: the attributor,
-billing, the stream's two guards and the broker after the 10,000-GPU live phase (the attributor then holds the whole fleet's pods), each
-guard after its backlog, each billing instance after its backlog.
+billing, the stream's two guards and the broker after the 10,000-GPU live phase (the attributor then holds the
+whole fleet's pods), each guard after its backlog, each billing instance after its backlog; the billing
+scale-out's PostgreSQL (its server and backends, by proportional set size: they share its buffers) at the end of
+each drain.
 
 A reader of the costs topic in this process follows the output (a few µs per record); CPU seconds of every
 process (broker, attributor, billing, this process) are read from ``/proc`` at each phase boundary: they show
@@ -304,6 +307,31 @@ def process_memory_bytes(pid: int) -> dict[str, int] | None:
     if len(values) != 2:
         return None
     return {"rss_bytes": values["VmRSS"], "peak_rss_bytes": values["VmHWM"]}
+
+
+def process_tree_pss_bytes(pid: int) -> int | None:
+    """Proportional set size (``Pss`` of ``/proc/<pid>/smaps_rollup``) of ``pid`` and its living children, summed:
+    PostgreSQL's server and backends share its buffers, which a sum of their RSS would count once per process.
+    None when ``pid`` is gone."""
+    def pss(p: int | str) -> int | None:
+        try:
+            text = Path(f"/proc/{p}/smaps_rollup").read_text()
+        except OSError:
+            return None
+        for line in text.splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024  # the kernel reports kB
+        return None
+
+    total = pss(pid)
+    if total is None:
+        return None
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            child = _stat_fields(entry.name)
+            if child is not None and int(child[1]) == pid:
+                total += pss(entry.name) or 0
+    return total
 
 
 def process_tree_cpu_s(pid: int) -> float:
@@ -1444,7 +1472,8 @@ async def billing_scaling(b: Bench, common: list[str], workdir: Path) -> dict[st
     decode = codec_for(NodeWindowShares).decode
     gpu_samples = sum(unit.sample_count for _p, _k, value in backlog for unit in decode(value).units)
     out: dict[str, Any] = {"node_windows": len(backlog), "gpu_samples": gpu_samples,
-                           "ledger": "throwaway PostgresServer (fsync off), one database per instance count",
+                           "ledger": "throwaway PostgresServer (fsync off), one database per instance count and "
+                                     "round",
                            "instances": {}}
     b.log(f"stream: billing scale-out over {len(backlog):,} node-windows ({gpu_samples:,} GPU-samples)")
     with PostgresServer() as server:
@@ -1464,7 +1493,7 @@ async def billing_scaling(b: Bench, common: list[str], workdir: Path) -> dict[st
                 for instances in b.config.billing_instances:
                     url = base.set(database=f"billing_{instances}_{round_}").render_as_string(hide_password=False)
                     runs[str(instances)].append(await billing_phase(b, common, workdir, instances, url, backlog,
-                                                                    gpu_samples, round_))
+                                                                    gpu_samples, round_, postmaster))
         finally:
             b.cpu.readers.pop("postgresql", None)
         out["instances"] = {n: least_cpu(r, "billing_cpu_s_per_1000_node_windows") for n, r in runs.items()}
@@ -1473,9 +1502,10 @@ async def billing_scaling(b: Bench, common: list[str], workdir: Path) -> dict[st
 
 async def billing_phase(b: Bench, common: list[str], workdir: Path, instances: int, ledger_url: str,
                         backlog: list[tuple[int, bytes | None, bytes]], gpu_samples: int,
-                        round_: int = 0) -> dict[str, Any]:
+                        round_: int = 0, postmaster: int | None = None) -> dict[str, Any]:
     """``instances`` billing processes in a group of their own (one per instance count and round) drain
-    ``backlog`` (see the module docstring)."""
+    ``backlog`` (see the module docstring). ``postmaster``: the ledger server's pid, whose memory (server and
+    backends, ``process_tree_pss_bytes``) is read at the end of the drain, its backends still connected."""
     from gpumeter.kafka.producer import RecordProducer
 
     label = f"billing {instances}" + (f" (round {round_ + 1})" if round_ else "")
@@ -1516,6 +1546,7 @@ async def billing_phase(b: Bench, common: list[str], workdir: Path, instances: i
                          services=billers)
         b.cpu.mark(f"{label} done")
         memory = [process_memory_bytes(x.pid) for x in billers]
+        postgresql_pss = None if postmaster is None else process_tree_pss_bytes(postmaster)
         between = b.cpu.between(label, f"{label} done")
         idle = b.cpu.between(f"{label} idle", label)
         billing_cpu = sum(v for who, v in between["cpu_s"].items() if who.startswith("billing "))
@@ -1526,6 +1557,7 @@ async def billing_phase(b: Bench, common: list[str], workdir: Path, instances: i
             "billing_cpu_s_per_1000_node_windows": round(billing_cpu / len(backlog) * 1000, 3),
             "billing_cpu_s_per_1000_gpu_samples": round(billing_cpu / gpu_samples * 1000, 5),
             "postgresql_cpu_s": between["cpu_s"].get("postgresql"),
+            "postgresql_pss_bytes": postgresql_pss,
             "billing_idle_cpu_s_per_s": round(idle_cpu_per_s, 3),
             "node_windows_per_s": round(len(backlog) / max(between["wall_s"], 1e-9), 1),
             "partitions_per_instance": [len(_billed_partitions(x.log(), topic) or []) for x in billers],
@@ -1713,6 +1745,11 @@ def targets_for(figures: dict[str, Any]) -> list[Target]:
             peaks = [m["peak_rss_bytes"] for g in phase.values() for m in g.get("memory", ()) if m is not None]
             if peaks:
                 parts.append(f"each {name} instance at most {max(peaks) / 2**20:,.0f} MiB peak")
+        ledger = [g["postgresql_pss_bytes"] for g in figures.get("billing", {}).get("instances", {}).values()
+                  if g.get("postgresql_pss_bytes")]
+        if ledger:
+            parts.append(f"the billing scale-out's PostgreSQL at most {max(ledger) / 2**20:,.0f} MiB (PSS of its "
+                         "server and backends at the end of a drain)")
         targets.append(Target("memory (no numeric target)",
                               f"each service's RSS at {memory['gpus']:,} GPUs and {memory['pods']:,} pods, reported",
                               "; ".join(parts) + f" ({memory['when']})", True, ""))

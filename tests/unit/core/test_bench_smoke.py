@@ -380,6 +380,39 @@ def test_the_stream_memory_figures_read_a_processs_resident_set_from_proc():
     (memory,) = [t for t in stream.targets_for(figures) if t.name.startswith("memory")]
     assert "attributor 300 MiB (peak 400)" in memory.measured
     assert "each guard instance at most 150 MiB peak" in memory.measured
+    assert "PostgreSQL" not in memory.measured  # no billing scale-out: no ledger server measured
+
+
+def test_the_stream_reads_a_process_trees_proportional_memory_and_names_the_ledgers():
+    import os
+    import subprocess
+    import sys
+
+    alone = stream.process_tree_pss_bytes(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c",
+                              "import time; b = bytearray(64 * 2**20); b[::4096] = b'x' * 16384; time.sleep(30)"])
+    try:
+        import time
+        deadline = time.monotonic() + 20
+        while True:  # the child's 64 MiB once it has touched every page of them
+            with_child = stream.process_tree_pss_bytes(os.getpid())
+            if with_child >= alone + 60 * 2**20 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert with_child >= alone + 60 * 2**20
+    finally:
+        child.kill()
+        child.wait()
+    assert stream.process_tree_pss_bytes(2**22 + 12345) is None  # no such process
+    figures = {"workload": {"gpus": 10_000}, "memory": {
+        "when": "after the live phase at 10,000 GPUs", "gpus": 10_000, "pods": 80_000, "services": {}},
+        "billing": {"node_windows": 100, "instances": {
+            "1": {"billing_cpu_s_per_1000_node_windows": 10.0, "billing_cpu_s_per_1000_gpu_samples": 0.02,
+                  "postgresql_pss_bytes": 90 * 2**20},
+            "2": {"billing_cpu_s_per_1000_node_windows": 10.0, "billing_cpu_s_per_1000_gpu_samples": 0.02,
+                  "postgresql_pss_bytes": 120 * 2**20}}}}
+    (memory,) = [t for t in stream.targets_for(figures) if t.name.startswith("memory")]
+    assert "the billing scale-out's PostgreSQL at most 120 MiB" in memory.measured
 
 
 def test_the_month_fleet_prices_each_node_window_as_billing_does_with_churn_and_spread_labels():
