@@ -33,8 +33,9 @@ Phases:
    close: ``steady``, a light load, where what a worker costs by merely running -- its consumer's fetch loop and
    timers -- weighs most). After every drain, ``N`` workers are started afresh for each ``N`` and run the whole
    fleet's load (``fleet_load_phase``: the target's 10,000 GPUs @ 1 Hz, ``steady_fleet``; its live ticks would
-   make a later drain's backlog late). The attributor CPU-seconds per 1,000 GPU-samples under the fleet's load are
-   equal for every ``N`` when an added worker repeats nothing (the target). The drain's own figure includes each
+   make a later drain's backlog late), in ``scale_out_rounds`` rounds as phases 5 and 6. The attributor
+   CPU-seconds per 1,000 GPU-samples under the fleet's load are equal for every ``N`` when an added worker repeats
+   nothing (the target). The drain's own figure includes each
    worker's start-up (table recovery, pod index, pod-event preload), and its wall-clock rate shows ``N``× only
    where each worker has a core of its own.
 4. **Live**: the generator sends at 1 Hz per node in real time until the first window that starts after it began
@@ -767,9 +768,10 @@ class StreamConfig:
     guard_ticks: int = 60
     billing_instances: tuple[int, ...] = (1, 2, 4)
     billing_node_windows: int = 2500
-    # The guard's and billing's scale-out phases run this many rounds (1, 2, 4, 1, 2, 4, ...): each instance count's
-    # figure is its round of least CPU. A round's CPU per sample moved +-10 % run to run on this machine (noise only
-    # adds: other processes' cache and scheduling), which decides a 15 % spread; the least of two is the estimate.
+    # The scale-out phases (the attributor's fleet load, the guard's and billing's) run this many rounds (1, 2, 4,
+    # 1, 2, 4, ...): each count's figure is its round of least CPU. A round's CPU per sample moved +-10 % run to
+    # run on this machine (noise only adds: other processes' cache and scheduling), which decides a 15 % spread;
+    # the least of two is the estimate.
     scale_out_rounds: int = 2
     # Billing in the stream (phases 1-4): its ledger ("sqlite": the single-file default, one instance only;
     # "postgresql": a throwaway server, as docs/billing.md advises beyond a few dozen GPUs) and its instances in one
@@ -899,11 +901,16 @@ async def run_stream(config: StreamConfig, workdir: Path, log: Callable[[str], N
                 figures["scaling"][str(workers)] = await scaling_phase(
                     bench, attributor_command, workdir, backlog_start, workers, k * ceiling_nodes, ceiling_nodes)
             # The whole fleet's load with each worker count, after every drain (its live ticks would make a later
-            # drain's backlog late): the scale-out target's figure.
+            # drain's backlog late): the scale-out target's figure, in rounds as the guard's and billing's.
             if len(figures["scaling"]) > 1:
-                for workers in figures["scaling"]:
-                    figures["scaling"][workers]["steady_fleet"] = await fleet_load_phase(
-                        bench, attributor_command, workdir, int(workers))
+                fleet_rounds: dict[str, list[dict[str, Any]]] = {w: [] for w in figures["scaling"]}
+                for round_ in range(config.scale_out_rounds):
+                    for workers in figures["scaling"]:
+                        fleet_rounds[workers].append(await fleet_load_phase(
+                            bench, attributor_command, workdir, int(workers), round_))
+                for workers, runs in fleet_rounds.items():
+                    figures["scaling"][workers]["steady_fleet"] = least_cpu(
+                        runs, "attributor_cpu_s_per_1000_gpu_samples")
             ceiling = figures["ceiling"]["gpu_samples_per_s_end_to_end"]
             phases = []
             sustainable = int(ceiling * config.sustainable_fraction / fleet.gpus_per_node)
@@ -1144,15 +1151,18 @@ def _assigned_partitions(log_text: str, topic: str) -> list[int] | None:
                   if name == topic)
 
 
-async def fleet_load_phase(b: Bench, attributor_command: list[str], workdir: Path, workers: int) -> dict[str, Any]:
+async def fleet_load_phase(b: Bench, attributor_command: list[str], workdir: Path, workers: int,
+                           round_: int = 0) -> dict[str, Any]:
     """``steady_load`` of the whole fleet (``config.nodes`` nodes at 1 Hz: the target's 10,000 GPUs) with
     ``workers`` attributor workers of one app id, started afresh and settled: each ready since its latest
     assignment, and those assignments together every samples partition once (the load starts at the next window
     boundary after that; an assignment during the load is counted, ``assignments_during_load``, and named in the
     figure). The attributor's CPU per 1,000 GPU-samples is what the scale-out target is judged on. Afterwards one
-    worker runs again."""
-    label = f"fleet load, {workers} worker{'s' if workers != 1 else ''}"
-    attributors = _start_workers(b, attributor_command, workdir, workers, f"f{workers}")
+    worker runs again. ``round_``: which of the ``scale_out_rounds`` (each with data directories and logs of its
+    own)."""
+    label = f"fleet load, {workers} worker{'s' if workers != 1 else ''}" + (f" (round {round_ + 1})" if round_ else "")
+    tag = f"f{workers}" + (f"-{round_}" if round_ else "")
+    attributors = _start_workers(b, attributor_command, workdir, workers, tag)
     topic = b.catalog.node_samples
     try:
         partitions = list(range(b.catalog.partitions(NODE_SAMPLES)))
@@ -1171,7 +1181,7 @@ async def fleet_load_phase(b: Bench, attributor_command: list[str], workdir: Pat
               f"GPU-samples ({b.config.nodes:,} nodes)")
     finally:
         _stop_workers(b, attributors)
-    await _run_one_attributor(b, attributor_command, workdir, f"f{workers}")
+    await _run_one_attributor(b, attributor_command, workdir, tag)
     return figures
 
 
@@ -1697,7 +1707,8 @@ def targets_for(figures: dict[str, Any]) -> list[Target]:
                 f"{', '.join(per)} workers within {TARGET_ATTRIBUTOR_SCALING_SPREAD:.0%} of each other "
                 "(no work duplicated)",
                 at(judged) + "; ".join(
-                    f"{w}: {v} CPU-s" + (f" ({n} assignment(s) during the load)"
+                    f"{w}: {v} CPU-s{_rounds_text(scaling[w][judged], 'attributor_cpu_s_per_1000_gpu_samples')}"
+                    + (f" ({n} assignment(s) during the load)"
                                          if (n := scaling[w][judged].get("assignments_during_load")) else "")
                     for w, v in per.items())
                 + f" (spread {spread:.0%}){light_text}; draining a backlog from a cold start, start-up included: "

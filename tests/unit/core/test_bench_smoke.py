@@ -345,6 +345,12 @@ def test_the_stream_attributor_scale_out_is_judged_at_the_fleet_load_and_reports
     # A rebalance inside the measured load is named beside the count it happened to.
     assert "4: 0.07 CPU-s (2 assignment(s) during the load)" in scale.measured
     assert "1: 0.0583 CPU-s;" in scale.measured
+    # Measured in rounds: the round of least CPU decides, every round named beside it.
+    figures["scaling"]["1"]["steady_fleet"] = stream.least_cpu(
+        [_scaling_phase(46.0, 720_000, 10_000), _scaling_phase(42.0, 720_000, 10_000)],
+        "attributor_cpu_s_per_1000_gpu_samples")
+    (scale,) = [t for t in stream.targets_for(figures) if t.name == "attributor scale-out (CPU)"]
+    assert "1: 0.0583 CPU-s (least of 0.0639, 0.0583);" in scale.measured
 
 
 def test_the_fleet_load_waits_for_every_worker_ready_since_its_latest_assignment():
