@@ -1333,9 +1333,10 @@ async def guard_phase(b: Bench, common: list[str], workdir: Path, instances: int
         backlog = guard_backlog(b, nodes)
         assignments = [g.log().count(GUARDING_MARKER) for g in guards]
         # The backlog is all there before the guards read it: produced while they read, the generator (half a
-        # core) shared the two cores with them, and four guards beside it took 15-20 % more CPU per sample than
-        # one in four of five runs (2026-12-06), where with the backlog produced first they did not: contention,
-        # not work. Stopped for the ~2 s of sending, well within the group's session timeout (10 s).
+        # core) shared the two cores with them, and four guards were the dearest count in all three rounds
+        # measured (5-23 % over one), where with the backlog produced first they were not (2026-12-06,
+        # docs/performance.md): contention, not work. Stopped for the ~2 s of sending, well within the group's
+        # session timeout (10 s).
         for guard in guards:
             os.kill(guard.pid, signal.SIGSTOP)
         try:
