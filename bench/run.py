@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import RESULTS_DIR, REPO_ROOT, read_results, write_result
+from bench.stream import rounds_text
 
 # Order: cheap and pure first, the whole stream last.
 BENCHMARKS = ("codec", "attribution", "collector", "simulator", "replay", "ledger", "ledger_month", "stream")
@@ -218,14 +219,14 @@ def _detail_tables(results: dict[str, dict[str, Any]]) -> list[str]:
         for n, g in f.get("guard", {}).items():
             out.append(f"- Guard, {n} instance(s) of the nodes role (partitions {g['partitions_per_instance']}): "
                        f"{g['guard_cpu_s_per_1000_gpu_samples']} CPU-s per 1,000 GPU-samples"
-                       f"{_rounds(g, 'guard_cpu_s_per_1000_gpu_samples')} over a backlog of "
+                       f"{rounds_text(g, 'guard_cpu_s_per_1000_gpu_samples')} over a backlog of "
                        f"{g['backlog_messages']:,} samples (idle {g['guard_idle_cpu_s_per_s']} CPU-s/s); a planted "
                        f"leak's violation after {g['planted_leak_to_violation_s']} s; CPU seconds: {_cpu(g)}.")
         billing = f.get("billing", {})
         for n, g in billing.get("instances", {}).items():
             out.append(f"- Billing, {n} instance(s) (partitions {g['partitions_per_instance']}; {billing['ledger']}): "
                        f"{g['billing_cpu_s_per_1000_node_windows']} CPU-s per 1,000 node-windows"
-                       f"{_rounds(g, 'billing_cpu_s_per_1000_node_windows')} over a backlog of "
+                       f"{rounds_text(g, 'billing_cpu_s_per_1000_node_windows')} over a backlog of "
                        f"{billing['node_windows']:,} node-windows ({billing['gpu_samples']:,} GPU-samples), "
                        f"{g['node_windows_per_s']:,} node-windows/s, PostgreSQL {g['postgresql_cpu_s']} CPU-s"
                        + (f" and {g['postgresql_pss_bytes'] / 2**20:,.0f} MiB" if g.get("postgresql_pss_bytes") else "")
@@ -244,13 +245,6 @@ def _detail_tables(results: dict[str, dict[str, Any]]) -> list[str]:
                                    for n, g in phase.items()) + ".")
         out.append("")
     return out
-
-
-def _rounds(section: dict[str, Any], figure: str) -> str:
-    """`` (round of least CPU of: a, b)`` for a scale-out count measured in several rounds; the rest of the line is
-    that round's."""
-    rounds = section.get(f"{figure}_rounds", ())
-    return f" (round of least CPU of: {', '.join(str(r) for r in rounds)})" if len(rounds) > 1 else ""
 
 
 def _cpu(section: dict[str, Any]) -> str:

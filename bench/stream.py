@@ -93,7 +93,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Iterable
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Sequence
 
 from schemas.catalog import COSTS, NODE_SAMPLES, NODE_WINDOW_SHARES, TopicCatalog, partition_for_node, pod_event_key
 from schemas.records import NodeSample, PodEvent
@@ -288,6 +288,17 @@ def _stat_fields(pid: int | str) -> list[str] | None:
     return text[text.rfind(")") + 2:].split()
 
 
+def _living_children(pid: int) -> list[tuple[str, list[str]]]:
+    """(pid, ``_stat_fields``) of every living child of ``pid`` (PostgreSQL's backends under its postmaster)."""
+    children = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            fields = _stat_fields(entry.name)
+            if fields is not None and int(fields[1]) == pid:
+                children.append((entry.name, fields))
+    return children
+
+
 def process_cpu_s(pid: int) -> float:
     """utime + stime of ``pid`` (all its threads) in seconds, 0 when it is gone."""
     fields = _stat_fields(pid)
@@ -327,12 +338,7 @@ def process_tree_pss_bytes(pid: int) -> int | None:
     total = pss(pid)
     if total is None:
         return None
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            child = _stat_fields(entry.name)
-            if child is not None and int(child[1]) == pid:
-                total += pss(entry.name) or 0
-    return total
+    return total + sum(pss(child) or 0 for child, _fields in _living_children(pid))
 
 
 def process_tree_cpu_s(pid: int) -> float:
@@ -341,13 +347,7 @@ def process_tree_cpu_s(pid: int) -> float:
     if fields is None:
         return 0.0
     total = sum(int(v) for v in fields[11:15]) / _CLK_TCK  # utime, stime, cutime, cstime
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        child = _stat_fields(entry.name)
-        if child is not None and int(child[1]) == pid:
-            total += (int(child[11]) + int(child[12])) / _CLK_TCK
-    return total
+    return total + sum((int(child[11]) + int(child[12])) / _CLK_TCK for _pid, child in _living_children(pid))
 
 
 def gpumeter_command() -> list[str]:
@@ -903,11 +903,9 @@ async def run_stream(config: StreamConfig, workdir: Path, log: Callable[[str], N
             # The whole fleet's load with each worker count, after every drain (its live ticks would make a later
             # drain's backlog late): the scale-out target's figure, in rounds as the guard's and billing's.
             if len(figures["scaling"]) > 1:
-                fleet_rounds: dict[str, list[dict[str, Any]]] = {w: [] for w in figures["scaling"]}
-                for round_ in range(config.scale_out_rounds):
-                    for workers in figures["scaling"]:
-                        fleet_rounds[workers].append(await fleet_load_phase(
-                            bench, attributor_command, workdir, int(workers), round_))
+                fleet_rounds = await in_rounds(
+                    config.scale_out_rounds, [int(w) for w in figures["scaling"]],
+                    lambda workers, round_: fleet_load_phase(bench, attributor_command, workdir, workers, round_))
                 for workers, runs in fleet_rounds.items():
                     figures["scaling"][workers]["steady_fleet"] = least_cpu(
                         runs, "attributor_cpu_s_per_1000_gpu_samples")
@@ -931,11 +929,9 @@ async def run_stream(config: StreamConfig, workdir: Path, log: Callable[[str], N
                 service.stop()
             # The whole fleet's nodes: a 250-node backlog drains in ~2.5 s, where what each instance costs by
             # joining and polling spread the same code's figures 13-35 % run to run (2026-12-06).
-            rounds: dict[str, list[dict[str, Any]]] = {str(n): [] for n in config.guard_instances}
-            for round_ in range(config.scale_out_rounds):
-                for instances in config.guard_instances:
-                    rounds[str(instances)].append(await guard_phase(bench, common, workdir, instances,
-                                                                    config.nodes, round_))
+            rounds = await in_rounds(
+                config.scale_out_rounds, config.guard_instances,
+                lambda instances, round_: guard_phase(bench, common, workdir, instances, config.nodes, round_))
             figures["guard"] = {n: least_cpu(runs, "guard_cpu_s_per_1000_gpu_samples", "planted_leak_to_violation_s")
                                 for n, runs in rounds.items()}
             if config.billing_instances:
@@ -1282,10 +1278,21 @@ def _guarded_partitions(log_text: str) -> list[int] | None:
     return [int(p) for p in listed.split(",") if p.strip()]
 
 
-def _rounds_text(figures: dict[str, Any], figure: str) -> str:
+def rounds_text(figures: dict[str, Any], figure: str) -> str:
     """`` (least of a, b)`` when ``figures`` came from more than one round (``least_cpu``), else nothing."""
     rounds = figures.get(f"{figure}_rounds", ())
     return f" (least of {', '.join(str(r) for r in rounds)})" if len(rounds) > 1 else ""
+
+
+async def in_rounds(rounds: int, counts: Sequence[int],
+                    phase: Callable[[int, int], Awaitable[dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
+    """``phase(count, round_)`` for every count in turn, ``rounds`` times (1, 2, 4, 1, 2, 4): each count's figures,
+    one per round, by ``str(count)`` (what ``least_cpu`` takes)."""
+    runs: dict[str, list[dict[str, Any]]] = {str(n): [] for n in counts}
+    for round_ in range(rounds):
+        for count in counts:
+            runs[str(count)].append(await phase(count, round_))
+    return runs
 
 
 def least_cpu(runs: list[dict[str, Any]], figure: str, every: str | None = None) -> dict[str, Any]:
@@ -1490,21 +1497,20 @@ async def billing_scaling(b: Bench, common: list[str], workdir: Path) -> dict[st
     with PostgresServer() as server:
         postmaster = int((server.data_dir / "postmaster.pid").read_text().split()[0])
         admin = create_engine(server.url, isolation_level="AUTOCOMMIT")
-        rounds = range(b.config.scale_out_rounds)
         with admin.connect() as connection:
-            for round_ in rounds:
+            for round_ in range(b.config.scale_out_rounds):
                 for instances in b.config.billing_instances:
                     connection.execute(text(f'CREATE DATABASE "billing_{instances}_{round_}"'))
         admin.dispose()
         base = make_url(server.url)
         b.cpu.readers["postgresql"] = lambda: process_tree_cpu_s(postmaster)
-        runs: dict[str, list[dict[str, Any]]] = {str(n): [] for n in b.config.billing_instances}
+
+        def phase(instances: int, round_: int) -> Awaitable[dict[str, Any]]:
+            url = base.set(database=f"billing_{instances}_{round_}").render_as_string(hide_password=False)
+            return billing_phase(b, common, workdir, instances, url, backlog, gpu_samples, round_, postmaster)
+
         try:
-            for round_ in rounds:
-                for instances in b.config.billing_instances:
-                    url = base.set(database=f"billing_{instances}_{round_}").render_as_string(hide_password=False)
-                    runs[str(instances)].append(await billing_phase(b, common, workdir, instances, url, backlog,
-                                                                    gpu_samples, round_, postmaster))
+            runs = await in_rounds(b.config.scale_out_rounds, b.config.billing_instances, phase)
         finally:
             b.cpu.readers.pop("postgresql", None)
         out["instances"] = {n: least_cpu(r, "billing_cpu_s_per_1000_node_windows") for n, r in runs.items()}
@@ -1708,7 +1714,7 @@ def targets_for(figures: dict[str, Any]) -> list[Target]:
                 f"{', '.join(per)} workers within {TARGET_ATTRIBUTOR_SCALING_SPREAD:.0%} of each other "
                 "(no work duplicated)",
                 at(judged) + "; ".join(
-                    f"{w}: {v} CPU-s{_rounds_text(scaling[w][judged], 'attributor_cpu_s_per_1000_gpu_samples')}"
+                    f"{w}: {v} CPU-s{rounds_text(scaling[w][judged], 'attributor_cpu_s_per_1000_gpu_samples')}"
                     + (f" ({n} assignment(s) during the load)"
                                          if (n := scaling[w][judged].get("assignments_during_load")) else "")
                     for w, v in per.items())
@@ -1723,7 +1729,7 @@ def targets_for(figures: dict[str, Any]) -> list[Target]:
         targets.append(Target(
             "guard scale-out (nodes role)", f"CPU-s per 1,000 GPU-samples with {', '.join(per)} instances within "
             f"{TARGET_GUARD_SCALING_SPREAD:.0%} of each other (no work duplicated)",
-            "; ".join(f"{k}: {v} CPU-s{_rounds_text(g, 'guard_cpu_s_per_1000_gpu_samples')}"
+            "; ".join(f"{k}: {v} CPU-s{rounds_text(g, 'guard_cpu_s_per_1000_gpu_samples')}"
                       + (f" ({g['assignments_during_drain']} assignment(s) during its drain)"
                          if g.get("assignments_during_drain") else "")
                       for (k, v), g in zip(per.items(), guard.values())) + f" (spread {spread:.0%})", met,
@@ -1745,7 +1751,7 @@ def targets_for(figures: dict[str, Any]) -> list[Target]:
             "billing scale-out", f"CPU-s per 1,000 node-windows with {', '.join(per)} instances within "
             f"{TARGET_BILLING_SCALING_SPREAD:.0%} of each other (no work duplicated)",
             "; ".join(f"{k}: {v} CPU-s ({g['billing_cpu_s_per_1000_gpu_samples']} per 1,000 GPU-samples)"
-                      f"{_rounds_text(g, 'billing_cpu_s_per_1000_node_windows')}"
+                      f"{rounds_text(g, 'billing_cpu_s_per_1000_node_windows')}"
                       for (k, v), g in zip(per.items(), billing.values())) + f" (spread {spread:.0%})", met,
             "" if met else "see docs/performance.md"))
     memory = figures.get("memory")

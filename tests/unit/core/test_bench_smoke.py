@@ -216,6 +216,22 @@ def test_the_stream_guard_phase_reads_a_guards_partitions_from_its_log_and_judge
     assert all(t.met for t in stream.targets_for(figures) if t.name.startswith("guard"))
 
 
+def test_the_scale_out_rounds_take_every_count_in_turn_and_group_each_counts_figures():
+    import asyncio
+
+    calls = []
+
+    async def phase(count: int, round_: int) -> dict:
+        calls.append((count, round_))
+        return {"count": count, "round": round_}
+
+    runs = asyncio.run(stream.in_rounds(2, (1, 2, 4), phase))
+    assert calls == [(1, 0), (2, 0), (4, 0), (1, 1), (2, 1), (4, 1)]  # 1, 2, 4, then again: not 1, 1, 2, 2
+    assert runs == {"1": [{"count": 1, "round": 0}, {"count": 1, "round": 1}],
+                    "2": [{"count": 2, "round": 0}, {"count": 2, "round": 1}],
+                    "4": [{"count": 4, "round": 0}, {"count": 4, "round": 1}]}
+
+
 def test_a_scale_out_count_reports_its_round_of_least_cpu_and_every_round_beside_it():
     rounds = [{"guard_cpu_s_per_1000_gpu_samples": 0.0209, "planted_leak_to_violation_s": 75.0, "wall_s": 12.9},
               {"guard_cpu_s_per_1000_gpu_samples": 0.0170, "planted_leak_to_violation_s": 0.4, "wall_s": 10.8}]
