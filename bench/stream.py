@@ -860,10 +860,11 @@ async def run_stream(config: StreamConfig, workdir: Path, log: Callable[[str], N
                    for n in range(config.stream_billing_instances)]
         services.extend(billers)
         # The guard in the stream as it runs in a cluster: one instance of each role (per-node rules over the
-        # samples, pod events and shares; budgets over the cost records).
+        # samples, pod events and shares; budgets over the cost records, with its state file as deployed).
         for role in ("nodes", "budgets"):
+            state = ["--state", str(workdir / "guard-budgets.state")] if role == "budgets" else []
             services.append(Service(f"guard ({role})", gpumeter_command() + [
-                "guard", *common, "--role", role, "--group", STREAM_GUARD_GROUP],
+                "guard", *common, "--role", role, "--group", STREAM_GUARD_GROUP, *state],
                 workdir / f"guard-stream-{role}.log").start())
         await services[0].wait_for("Worker ready", 120)
         shares_topic = catalog.node_window_shares

@@ -26,11 +26,21 @@ is caught up (during a backlog, the backlog's own samples are late, not the node
 Budgets sum every cost line of a cluster: one engine must see all of a cluster's CostRecords (a single consumer
 of the costs topic, or one engine per cluster). ``GuardEngine(config, budgets=False)`` keeps no spend and judges no
 budget (an engine that sees only some nodes: the guard's ``nodes`` role); every other rule needs one node's input
-only, so such engines split the nodes between them. Cost lines are deduplicated by (node, window, unit, pod) for
-``cost_dedup_horizon_seconds`` behind the newest window of their node: a redelivered line replaces the first,
-a line older than that is ignored (``late_costs_ignored``).
+only, so such engines split the nodes between them. ``GuardEngine(config, idle=False)`` judges no idle allocation
+(an engine that reads no share windows: the guard's ``budgets`` role) and so keeps no cost per pod and unit.
 
-``snapshot()`` → bytes (JSON) and ``GuardEngine.restore(config, data)`` carry the whole state across a restart.
+Cost dedup, for ``cost_dedup_horizon_seconds`` behind the newest window of the cost's node (a cost older than that
+is ignored, ``late_costs_ignored`` counting its pod lines): a **bill** (``on_window_cost``) is counted once per
+node-window -- the first delivery counts, as the ledger's first write of a node-window is the bill
+(``services/billing/ledger.py``), and a redelivery adds nothing (``redelivered_bills_ignored``); all the engine
+keeps of a bill is its window; a **line** (``on_cost``, for tools holding the flat cost lines) redelivered replaces
+that line, kept per (node, window, unit, pod). A node-window arrives one way or the other, never both: the two are
+not deduplicated against each other. An engine that judges idle allocation also keeps each pod line's cost per
+(node, unit, pod, window) (what an idle run's wasted money counts). A node whose newest cost window is a horizon
+behind the clock (``on_clock`` while caught up) has left: its cost state goes.
+
+``snapshot()`` → bytes (JSON) and ``GuardEngine.restore(config, data)`` carry the whole state across a restart
+(a snapshot of version 1, from before bills were kept whole, is read too: its pod lines' windows are its bills).
 Without a snapshot (none kept, or a damaged one), the last state of every fingerprint on the compacted
 violations topic stands in for it: ``adopt(last_states, now)`` seeds a fresh engine with the firing ones (kept
 under their fingerprint and ``first_seen``, clearing unless the re-read input asserts them again) and the
@@ -96,7 +106,8 @@ from services.guard.rules import (
     visibility_leak_spec,
 )
 
-SNAPSHOT_VERSION = 1
+SNAPSHOT_VERSION = 2
+_SNAPSHOT_VERSIONS_READ = (1, 2)  # 1: no bills; its pod lines' windows are its bills
 MAX_WINDOW_START_UNIX_MS = 253_402_300_799_999  # 9999-12-31T23:59:59.999Z: datetime's range
 _SEVERITY_RANK = {Severity.CRITICAL: 0, Severity.WARNING: 1, Severity.INFO: 2}
 
@@ -192,9 +203,10 @@ def _violation(t: _Tracked, fingerprint: str, state: ViolationState, resolved_at
 class GuardEngine:
     """Rules → violations with state; see the module docstring for the contract of every method."""
 
-    def __init__(self, config: GuardConfig, *, budgets: bool = True) -> None:
+    def __init__(self, config: GuardConfig, *, budgets: bool = True, idle: bool = True) -> None:
         self.config = config
         self.budgets = budgets
+        self.idle = idle
         self.clocks = NodeClocks(config.clock_skew_threshold_seconds * 1000)
         self._now_ms: int | None = None
         self._tracked: dict[str, _Tracked] = {}
@@ -215,14 +227,18 @@ class GuardEngine:
         self._unit_rows: dict[tuple[str, str, int, str], list[GpuShare]] = {}
         self._unit_last_window: dict[tuple[str, str, str], int] = {}
         self._share_window_max: dict[NodeKey, int] = {}
-        # costs: (cluster, node, unit, pod uid) -> window -> (micro-USD, namespace, team)
+        # costs: (cluster, node, unit, pod uid) -> window -> (micro-USD, namespace, team): lines taken one by one
+        # (on_cost), and every pod line where idle allocation is judged
         self._costs: dict[tuple[str, str, str, str], dict[int, tuple[int, str | None, str | None]]] = {}
+        # bills taken whole (on_window_cost) by an engine that judges budgets: node -> windows counted
+        self._bills: dict[NodeKey, dict[int, None]] = {}
         self._cost_keys_by_node: dict[NodeKey, dict[tuple[str, str, str, str], None]] = {}
         self._cost_window_max: dict[NodeKey, int] = {}
         # (cluster, kind, name, period, period start) -> micro-USD; subjects ever seen
         self._spend: dict[tuple[str, str, str, str, int], int] = {}
         self._budget_subjects: dict[tuple[str, str, str], None] = {}
         self.late_costs_ignored = 0
+        self.redelivered_bills_ignored = 0
         self.old_samples_ignored = 0
         self.duplicate_shares_ignored = 0
 
@@ -336,65 +352,113 @@ class GuardEngine:
         now = self._tick(now_ms)
         out: list[Violation] = []
         if cost.subject_kind is CostSubjectKind.POD and cost.pod_uid is not None and cost.gpu_uuid is not None:
-            self._cost_line(cost.cluster, cost.node_name, cost.window_start_unix_ms, cost.gpu_uuid, cost.pod_uid,
-                            cost.namespace, cost.labels, cost.cost_micro_usd, now, out)
+            cluster, node_name, window = cost.cluster, cost.node_name, cost.window_start_unix_ms
+            if self._late_cost(cluster, node_name, window):
+                self.late_costs_ignored += 1
+            else:
+                namespace, team = cost_subject(cost.namespace, cost.labels, CostSubjectKind.POD, self.config)
+                old = self._put_cell(cluster, node_name, window, cost.gpu_uuid, cost.pod_uid, cost.cost_micro_usd,
+                                     namespace, team)
+                if self.budgets:
+                    if old is not None:
+                        # A redelivery replaces the line it repeats: take the old one out where it was counted.
+                        self._add_spend(cluster, window, old[1], old[2], -old[0])
+                    self._add_spend(cluster, window, namespace, team, cost.cost_micro_usd)
+                self._newest_cost_window(cluster, node_name, window)
+                self._judge_cost_line(cluster, node_name, window, cost.gpu_uuid, cost.pod_uid, namespace, team,
+                                      cost.cost_micro_usd - (old[0] if old is not None else 0), now, out)
         self._expire(now, out)
         return tuple(out)
 
     def on_window_cost(self, cost: NodeWindowCost, now_ms: int) -> tuple[Violation, ...]:
-        """``on_cost`` of every line of one bill in line order (the lines of ``cost.cost_records()``), read from
-        the bill's columns: the same state and the same violations in the same order, without a ``CostRecord``
-        per line. Raises ``OutOfRange`` as ``on_cost`` does, before any line is taken."""
+        """One bill, read from its columns (no ``CostRecord`` per line): every pod line taken as ``on_cost`` would,
+        in line order -- the same violations in the same order, and the same state but for how the dedup keeps it
+        -- except that the spend of a node-window counts once, from its first bill: a redelivery's lines are judged
+        again (refreshes) and count nothing (``redelivered_bills_ignored``). Raises ``OutOfRange`` as ``on_cost``
+        does, before any line is taken."""
         _check_cost_window(cost.node_name, cost.window_start_unix_ms)
         now = self._tick(now_ms)
         out: list[Violation] = []
         cluster, node_name, window = cost.cluster, cost.node_name, cost.window_start_unix_ms
         pods, units, pod_kind = cost.pods, cost.unit_uuids, CostSubjectKind.POD
-        for kind, unit, pod_index, micro_usd in zip(cost.line_subject_kinds, cost.line_unit_index,
-                                                    cost.line_pod_index, cost.line_cost_micro_usd):
-            if kind is pod_kind and pod_index >= 0 and unit >= 0:
-                pod = pods[pod_index]
-                self._cost_line(cluster, node_name, window, units[unit], pod.pod_uid, pod.namespace, pod.labels,
-                                micro_usd, now, out)
+        # Per line: (unit uuid, pod index, micro-USD) for a pod line, None for any other.
+        lines = [(units[unit], pod_index, micro_usd) if kind is pod_kind and pod_index >= 0 and unit >= 0 else None
+                 for kind, unit, pod_index, micro_usd in zip(cost.line_subject_kinds, cost.line_unit_index,
+                                                             cost.line_pod_index, cost.line_cost_micro_usd)]
+        if self._late_cost(cluster, node_name, window):
+            self.late_costs_ignored += sum(line is not None for line in lines)
+            if lines:
+                self._expire(now, out)
+            return tuple(out)
+        subjects = [cost_subject(pod.namespace, pod.labels, pod_kind, self.config) for pod in pods]
+        first_delivery = True
+        if self.budgets:
+            counted = self._bills.setdefault((cluster, node_name), {})
+            if window in counted:
+                first_delivery = False
+                self.redelivered_bills_ignored += 1
+            else:
+                counted[window] = None
+        self._newest_cost_window(cluster, node_name, window)
+        for line in lines:
+            if line is not None:
+                gpu_uuid, pod_index, micro_usd = line
+                namespace, team = subjects[pod_index]
+                pod_uid = pods[pod_index].pod_uid
+                delta = micro_usd
+                if self.idle:
+                    old = self._put_cell(cluster, node_name, window, gpu_uuid, pod_uid, micro_usd, namespace, team)
+                    delta -= old[0] if old is not None else 0
+                if self.budgets and first_delivery:
+                    self._add_spend(cluster, window, namespace, team, micro_usd)
+                self._judge_cost_line(cluster, node_name, window, gpu_uuid, pod_uid, namespace, team, delta, now,
+                                      out)
             self._expire(now, out)
         return tuple(out)
 
-    def _cost_line(self, cluster: str, node_name: str, window: int, gpu_uuid: str, pod_uid: str,
-                   pod_namespace: str | None, labels: Mapping[str, str], cost_micro_usd: int, now: int,
-                   out: list[Violation]) -> None:
-        """One POD cost line's effect (``on_cost``), hold-downs not yet expired."""
-        node_key = (cluster, node_name)
-        horizon_ms = self.config.cost_dedup_horizon_seconds * 1000
-        newest = self._cost_window_max.get(node_key)
-        if newest is not None and window < newest - horizon_ms:
-            self.late_costs_ignored += 1
-            return
-        namespace, team = cost_subject(pod_namespace, labels, CostSubjectKind.POD, self.config)
+    def _late_cost(self, cluster: str, node_name: str, window: int) -> bool:
+        """A cost of ``window`` is older than the dedup horizon behind its node's newest cost window."""
+        newest = self._cost_window_max.get((cluster, node_name))
+        return newest is not None and window < newest - self.config.cost_dedup_horizon_seconds * 1000
+
+    def _put_cell(self, cluster: str, node_name: str, window: int, gpu_uuid: str, pod_uid: str, cost_micro_usd: int,
+                  namespace: str | None, team: str | None) -> tuple[int, str | None, str | None] | None:
+        """Keep one pod line's cost per (node, unit, pod, window); returns the one it replaces (None: the first)."""
         cell_key = (cluster, node_name, gpu_uuid, pod_uid)
-        cells = self._costs.setdefault(cell_key, {})
-        self._cost_keys_by_node.setdefault(node_key, {})[cell_key] = None
+        cells = self._costs.get(cell_key)
+        if cells is None:
+            cells = self._costs[cell_key] = {}
+            self._cost_keys_by_node.setdefault((cluster, node_name), {})[cell_key] = None
         old = cells.get(window)
         cells[window] = (cost_micro_usd, namespace, team)
-        if self.budgets:
-            if old is not None:
-                # A redelivery replaces the line it repeats: take the old one out where it was counted.
-                self._add_spend(cluster, window, old[1], old[2], -old[0])
-            self._add_spend(cluster, window, namespace, team, cost_micro_usd)
-        delta = cost_micro_usd - (old[0] if old is not None else 0)
+        return old
+
+    def _newest_cost_window(self, cluster: str, node_name: str, window: int) -> None:
+        """``window`` has costs of the node: when it is its newest, what falls behind the horizon goes."""
+        node_key = (cluster, node_name)
+        newest = self._cost_window_max.get(node_key)
         if newest is None or window > newest:
             self._cost_window_max[node_key] = window
-            self._prune_costs(node_key, window - horizon_ms)
-        for kind, name in ((SUBJECT_NAMESPACE, namespace), (SUBJECT_TEAM, team)):
-            if name is None or not self.budgets:
-                continue
-            self._budget_subjects[(cluster, kind, name)] = None
-            for period in PERIODS:
-                self._evaluate_budget(cluster, kind, name, period, now, out)
+            self._prune_costs(node_key, window - self.config.cost_dedup_horizon_seconds * 1000)
+
+    def _judge_cost_line(self, cluster: str, node_name: str, window: int, gpu_uuid: str, pod_uid: str,
+                         namespace: str | None, team: str | None, delta_micro_usd: int, now: int,
+                         out: list[Violation]) -> None:
+        """After one pod line is taken (its spend counted): its subjects' budgets re-evaluated, and
+        ``delta_micro_usd`` (what the line changed of the pod's cost on the unit in that window) added to the pod's
+        idle run there; hold-downs not yet expired."""
+        if self.budgets:
+            for kind, name in ((SUBJECT_NAMESPACE, namespace), (SUBJECT_TEAM, team)):
+                if name is None:
+                    continue
+                self._budget_subjects[(cluster, kind, name)] = None
+                for period in PERIODS:
+                    self._evaluate_budget(cluster, kind, name, period, now, out)
         unit_key = (cluster, node_name, gpu_uuid)
         runs = self._idle_runs.get(unit_key)
         run = runs.get(pod_uid) if runs else None
-        if run is not None and delta and window >= run.since_unix_ms:
-            runs[pod_uid] = replace(run, wasted_cost_micro_usd=run.wasted_cost_micro_usd + delta)
+        if run is not None and delta_micro_usd and window >= run.since_unix_ms:
+            runs[pod_uid] = replace(run, wasted_cost_micro_usd=run.wasted_cost_micro_usd + delta_micro_usd)
             self._evaluate_idle(unit_key, now, out)
 
     def on_clock(self, now_ms: int, *, detect_stale: bool = True) -> tuple[Violation, ...]:
@@ -406,6 +470,7 @@ class GuardEngine:
         now = self._tick(now_ms)
         out: list[Violation] = []
         if detect_stale:
+            self._forget_costs(now)
             for key in list(self._nodes):
                 node = self._nodes[key]
                 if now - node.last_heard_ms > self.config.stale_node_forget_seconds * 1000:
@@ -678,6 +743,22 @@ class GuardEngine:
             if not cells:
                 self._costs.pop(cell_key, None)
                 del keys[cell_key]
+        if not keys:
+            self._cost_keys_by_node.pop(node_key, None)
+        bills = self._bills.get(node_key)
+        if bills is not None:
+            for window in [w for w in bills if w < before_window_ms]:
+                del bills[window]
+
+    def _forget_costs(self, now: int) -> None:
+        """Nodes whose newest cost window is a dedup horizon behind ``now`` have left (or stopped being billed):
+        everything kept of their costs goes (a node that comes back starts afresh)."""
+        horizon_ms = self.config.cost_dedup_horizon_seconds * 1000
+        for node_key in [k for k, newest in self._cost_window_max.items() if newest < now - horizon_ms]:
+            del self._cost_window_max[node_key]
+            self._bills.pop(node_key, None)
+            for cell_key in self._cost_keys_by_node.pop(node_key, {}):
+                self._costs.pop(cell_key, None)
 
     def _forget_node(self, key: NodeKey, now: int, out: list[Violation]) -> None:
         cluster, node_name = key
@@ -759,11 +840,13 @@ class GuardEngine:
                 for cell_key, cells in self._costs.items()
                 for window, (cost, namespace, team) in cells.items()
             ],
+            "bills": [[*node_key, list(windows)] for node_key, windows in self._bills.items() if windows],
             "cost_window_max": [[*k, w] for k, w in self._cost_window_max.items()],
             "spend": [[*k, v] for k, v in self._spend.items()],
             "budget_subjects": [list(k) for k in self._budget_subjects],
             "counters": {
                 "late_costs_ignored": self.late_costs_ignored,
+                "redelivered_bills_ignored": self.redelivered_bills_ignored,
                 "old_samples_ignored": self.old_samples_ignored,
                 "duplicate_shares_ignored": self.duplicate_shares_ignored,
             },
@@ -771,14 +854,15 @@ class GuardEngine:
         return json.dumps(state, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
 
     @classmethod
-    def restore(cls, config: GuardConfig, data: bytes, *, budgets: bool = True) -> "GuardEngine":
-        """An engine in the state ``snapshot`` wrote, under ``config`` (thresholds may have changed since).
-        Raises ``InvalidMessage`` (reason ``CORRUPT``) for bytes ``snapshot`` did not write."""
-        engine = cls(config, budgets=budgets)
+    def restore(cls, config: GuardConfig, data: bytes, *, budgets: bool = True, idle: bool = True) -> "GuardEngine":
+        """An engine in the state ``snapshot`` wrote, under ``config`` (thresholds may have changed since), with
+        ``budgets`` and ``idle`` as the constructor takes them. Raises ``InvalidMessage`` (reason ``CORRUPT``) for
+        bytes ``snapshot`` did not write."""
+        engine = cls(config, budgets=budgets, idle=idle)
         try:
             state = json.loads(data)
-            if not isinstance(state, dict) or state.get("version") != SNAPSHOT_VERSION:
-                raise ValueError(f"not a guard snapshot of version {SNAPSHOT_VERSION}")
+            if not isinstance(state, dict) or state.get("version") not in _SNAPSHOT_VERSIONS_READ:
+                raise ValueError(f"not a guard snapshot of version {' or '.join(map(str, _SNAPSHOT_VERSIONS_READ))}")
             engine._now_ms = state["now_ms"]
             for item in state["tracked"]:
                 severity = item["published_severity"]
@@ -816,14 +900,22 @@ class GuardEngine:
             engine._unit_last_window = {(c, n, u): int(w) for c, n, u, w in state["unit_last_window"]}
             engine._share_window_max = {(c, n): int(w) for c, n, w in state["share_window_max"]}
             for cluster, node, unit, uid, window, cost, namespace, team in state["costs"]:
-                cell_key = (cluster, node, unit, uid)
-                engine._costs.setdefault(cell_key, {})[int(window)] = (int(cost), namespace, team)
-                engine._cost_keys_by_node.setdefault((cluster, node), {})[cell_key] = None
+                engine._put_cell(cluster, node, int(window), unit, uid, int(cost), namespace, team)
+            if "bills" in state:
+                engine._bills = {(cluster, node): dict.fromkeys(map(int, windows))
+                                 for cluster, node, windows in state["bills"]}
+            else:  # version 1: its bills were kept line by line
+                if budgets:
+                    for cluster, node, _unit, _uid, window, *_ in state["costs"]:
+                        engine._bills.setdefault((cluster, node), {})[int(window)] = None
+                if not idle:
+                    engine._costs, engine._cost_keys_by_node = {}, {}
             engine._cost_window_max = {(c, n): int(w) for c, n, w in state["cost_window_max"]}
             engine._spend = {(c, k, n, p, int(s)): int(v) for c, k, n, p, s, v in state["spend"]}
             engine._budget_subjects = {(c, k, n): None for c, k, n in state["budget_subjects"]}
             counters = state["counters"]
             engine.late_costs_ignored = int(counters["late_costs_ignored"])
+            engine.redelivered_bills_ignored = int(counters.get("redelivered_bills_ignored", 0))
             engine.old_samples_ignored = int(counters["old_samples_ignored"])
             engine.duplicate_shares_ignored = int(counters["duplicate_shares_ignored"])
         except (ValueError, TypeError, KeyError, AttributeError) as exc:

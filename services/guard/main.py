@@ -62,6 +62,7 @@ from services.guard.processor import (
     SERVICE_NAME,
     VIOLATIONS,
     GuardProcessor,
+    engine_options,
     guard_outputs,
     guard_topics,
 )
@@ -109,23 +110,23 @@ def restore_engine(config: Any, store: GuardStateStore | None, clock: Clock, *, 
 
     if store is None:
         log.warning("no state file configured: a restart forgets hold-downs and timers and re-reads pod events")
-        return GuardEngine(config), None
+        return GuardEngine(config, **engine_options(role)), None
     try:
         state = store.load()
         if state is None:
             log.info("no state file at %s yet: starting fresh", store.path)
-            return GuardEngine(config), None
+            return GuardEngine(config, **engine_options(role)), None
         check_state(state, role, topics)
-        engine = GuardEngine.restore(config, state.engine_bytes)
+        engine = GuardEngine.restore(config, state.engine_bytes, **engine_options(role))
     except GuardStateMismatch as exc:
         moved = store.move_aside(clock.now_ms(), "foreign")
         log.error("state file %s is not this %s guard's: %s; moved to %s, starting without state (is another "
                   "guard configured with the same state path, or was --role changed?)", store.path, role, exc, moved)
-        return GuardEngine(config), None
+        return GuardEngine(config, **engine_options(role)), None
     except GpumeterError as exc:  # GuardStateError (the file) or InvalidMessage (the engine's snapshot)
         moved = store.move_aside(clock.now_ms())
         log.error("state file %s unusable (%s); moved to %s, starting fresh", store.path, exc, moved)
-        return GuardEngine(config), None
+        return GuardEngine(config, **engine_options(role)), None
     log.info("restored the guard state saved at %d (%d positions, %d firing)", state.saved_at_unix_ms,
              len(state.positions), len(tuple(engine.active())))
     return engine, state

@@ -44,7 +44,15 @@ from schemas.catalog import partition_for_node
 from schemas.records import Violation
 from services.guard.config import RULE_BUDGET_EXCEEDED, GuardConfig
 from services.guard.engine import GuardEngine
-from services.guard.processor import SERVICE_NAME, GuardProcessor, GuardStats, guard_inputs, set_firing_gauge
+from services.guard.processor import (
+    ROLE_NODES,
+    SERVICE_NAME,
+    GuardProcessor,
+    GuardStats,
+    engine_options,
+    guard_inputs,
+    set_firing_gauge,
+)
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +198,7 @@ class NodeGuardProcessor:
     # -- internals --
 
     def _new_part(self) -> GuardProcessor:
-        return GuardProcessor(self.config, self.clock, engine=GuardEngine(self.config, budgets=False),
+        return GuardProcessor(self.config, self.clock, engine=GuardEngine(self.config, **engine_options(ROLE_NODES)),
                               metrics=self.metrics, max_clock_skew_seconds=self.max_clock_skew_seconds,
                               max_sample_age_seconds=self.max_sample_age_seconds, firing_gauge=False)
 

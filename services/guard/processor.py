@@ -92,6 +92,12 @@ def guard_topics(topics: TopicCatalog, role: str = ROLE_ALL) -> dict[str, str]:
             WINDOW_SHARES: topics.node_window_shares, WINDOW_COSTS: topics.node_window_costs}
 
 
+def engine_options(role: str) -> dict[str, bool]:
+    """``GuardEngine``'s ``budgets`` and ``idle`` for a guard of ``role``: the ``nodes`` role judges no budget, the
+    ``budgets`` role (which reads no share windows) no idle allocation, ``all`` both."""
+    return {"budgets": role != ROLE_NODES, "idle": role != ROLE_BUDGETS}
+
+
 def guard_inputs(max_clock_skew_ms: int, max_sample_age_ms: int, role: str = ROLE_ALL) -> tuple[Input, ...]:
     """The inputs of a guard of ``role`` with their range checks, in the order of precedence at one instant
     (``gpumeter.stream.contract.Processor.inputs``): a sample is judged with the pods that started at its
@@ -126,7 +132,7 @@ class GuardStats:
 
 class GuardProcessor:
     """The guard on the processing contract (see the module docstring). ``engine``: the engine to drive (one
-    restored from a state file); None: a fresh ``GuardEngine(config)``. ``clock``: the time of
+    restored from a state file); None: a fresh ``GuardEngine`` for ``role`` (``engine_options``). ``clock``: the time of
     ``begin_rebuild``/``finish_rebuild`` (input and ticks carry their own). ``metrics``: a ``ServiceMetrics`` with
     ``GUARD_METRICS``, or None. ``role``: ``all`` (every input, every rule) or ``budgets`` (cost lines only:
     ``budget_exceeded``; a rebuild adopts only that rule's violations). ``firing_gauge=False``: leave the firing
@@ -142,7 +148,7 @@ class GuardProcessor:
             raise ValueError(f"a GuardProcessor runs role {ROLE_ALL!r} or {ROLE_BUDGETS!r}, not {role!r}")
         self.config = config
         self.clock = clock
-        self.engine = engine if engine is not None else GuardEngine(config)
+        self.engine = engine if engine is not None else GuardEngine(config, **engine_options(role))
         self.metrics = metrics
         self.max_clock_skew_ms = max_clock_skew_seconds * 1000
         self.max_sample_age_ms = max_sample_age_seconds * 1000
@@ -265,5 +271,5 @@ def set_firing_gauge(metrics: Any, active: Iterable[Violation], series_seen: set
 
 
 __all__ = ["GUARD_METRICS", "POD_EVENTS", "ROLES", "ROLE_ALL", "ROLE_BUDGETS", "ROLE_NODES", "SAMPLES", "SERVICE_NAME",
-           "VIOLATIONS", "WINDOW_COSTS", "WINDOW_SHARES", "GuardProcessor", "GuardStats", "guard_inputs",
-           "guard_outputs", "guard_topics", "set_firing_gauge"]
+           "VIOLATIONS", "WINDOW_COSTS", "WINDOW_SHARES", "GuardProcessor", "GuardStats", "engine_options",
+           "guard_inputs", "guard_outputs", "guard_topics", "set_firing_gauge"]

@@ -185,7 +185,7 @@ class GuardStateStore:
 class StateCheckpoint:
     """``KafkaDriver``'s checkpoint hook for the guard: called with the positions read so far, once everything
     produced from them is acknowledged; writes ``GuardState(processor.snapshot(), positions, now, processor.role,
-    topics)`` with ``store`` (None: no state file) and returns the positions to commit. ``topics``: every input
+    topics)`` with ``store`` (None: no state file, and no snapshot taken) and returns the positions to commit. ``topics``: every input
     topic the guard reads (what the positions cover, ``check_state``). Returns None (nothing written, nothing committed)
     while ``processor.rebuilding``. A state file that cannot be written is logged and the positions are committed
     anyway: a restart prefers the (older) state file's own positions, and without any state file pod events are
@@ -202,6 +202,8 @@ class StateCheckpoint:
     async def __call__(self, positions: Mapping[TopicPartition, int]) -> Mapping[TopicPartition, int] | None:
         if self.processor.rebuilding:
             return None
+        if self.store is None:
+            return dict(positions)  # no state file: nothing to snapshot the engine for
         # The snapshot is taken before any await: the driver holds its lock, so no input or tick moves the engine
         # between the positions it handed over and this snapshot.
         state = GuardState(engine_bytes=self.processor.snapshot(), positions=dict(positions),

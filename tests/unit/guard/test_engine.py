@@ -292,11 +292,14 @@ def test_an_idle_run_without_news_expires():
 DAY = period_bounds("day", T0)
 
 
+def _budget_config(**kwargs):
+    return GuardConfig(hold_down_seconds=30, budget_forecast_min_elapsed_fraction=1.0,
+                       namespace_budgets={"ml": Budget(day_micro_usd=1_000)},
+                       team_budgets={"*": Budget(month_micro_usd=1_500)}, **kwargs)
+
+
 def _budget_engine(**kwargs):
-    config = GuardConfig(hold_down_seconds=30, budget_forecast_min_elapsed_fraction=1.0,
-                         namespace_budgets={"ml": Budget(day_micro_usd=1_000)},
-                         team_budgets={"*": Budget(month_micro_usd=1_500)}, **kwargs)
-    return GuardEngine(config)
+    return GuardEngine(_budget_config(**kwargs))
 
 
 def test_a_namespace_over_its_day_budget_fires_and_a_new_day_resolves_it():
@@ -394,7 +397,98 @@ def test_a_bill_taken_whole_is_its_lines_taken_one_by_one():
     assert sum(v.rule == "budget_exceeded" for v in whole_out) >= 2  # the namespace's day and the team's month
     assert whole.late_costs_ignored == by_line.late_costs_ignored == 1
     assert whole_out == lines_out
-    assert whole_states == lines_states
+    # The same state but for the dedup of bills (the windows of those taken whole, a redelivery counted).
+    assert [_without_bills(s) for s in whole_states] == [_without_bills(s) for s in lines_states]
+    assert json.loads(whole_states[-1])["bills"] and not json.loads(lines_states[-1])["bills"]
+    assert (whole.redelivered_bills_ignored, by_line.redelivered_bills_ignored) == (1, 0)
+
+
+def _without_bills(snapshot: bytes) -> dict:
+    state = json.loads(snapshot)
+    del state["bills"], state["counters"]["redelivered_bills_ignored"]
+    return state
+
+
+def _ml_bill(window, pods, micro_usd_each, node=NODE, namespaces=("ml",)):
+    """A bill of ``pods`` pod lines on GPU_A (``micro_usd_each`` each), their namespaces taken in turn from
+    ``namespaces``, plus a node_other line."""
+    lines = [cost(GPU_A, window_start=window, micro_usd=micro_usd_each, pod_uid=f"{UID_1[:-3]}{i:03d}",
+                  namespace=namespaces[i % len(namespaces)], node=node) for i in range(pods)]
+    lines.append(cost(None, window_start=window, micro_usd=7, kind=CostSubjectKind.NODE_OTHER, node=node))
+    return _bill(lines)
+
+
+def test_a_budgets_engine_keeps_a_bill_s_window_not_its_lines():
+    """The budgets role's engine (``idle=False``) keeps of a bill its window: its state, and the checkpoint that
+    writes it, grows with the bills, not with their lines."""
+    states = {}  # the state but for the spend
+    for pods in (8, 64):
+        engine = GuardEngine(_budget_config(), idle=False)
+        t = DAY[0] + 3_600 * S
+        for k in range(30):
+            engine.on_window_cost(_ml_bill(t + k * 60 * S, pods, 1, namespaces=("ml", "a", "b")), t + k * 60 * S)
+        state = json.loads(engine.snapshot())
+        assert state["costs"] == []
+        assert state["bills"] == [[CLUSTER, NODE, [t + k * 60 * S for k in range(30)]]]
+        del state["spend"]  # the sums: 8 or 64 lines' worth
+        states[pods] = state
+    assert states[64] == states[8]
+    # The engine of the all role judges idle allocation: a pod line's cost is kept per unit, pod and window.
+    engine = GuardEngine(_budget_config())
+    engine.on_window_cost(_ml_bill(DAY[0], 8, 1), DAY[0])
+    assert len(json.loads(engine.snapshot())["costs"]) == 8
+
+
+@pytest.mark.parametrize("idle", [False, True])
+def test_a_node_window_s_spend_counts_once_from_its_first_bill_across_a_restore(idle):
+    config = _budget_config()
+    t = DAY[0] + 3_600 * S
+    engine = GuardEngine(config, idle=idle)
+    assert engine.on_window_cost(_ml_bill(t, 6, 100), t) == ()  # 600 of the day's 1000
+    restored = GuardEngine.restore(config, engine.snapshot(), idle=idle)
+    assert restored.on_window_cost(_ml_bill(t, 6, 100), t + S) == ()  # redelivered: still 600
+    assert restored.on_window_cost(_ml_bill(t, 9, 100), t + 2 * S) == ()  # costed again: the first bill stands
+    assert restored.redelivered_bills_ignored == 2
+    assert restored.on_window_cost(_ml_bill(t + 60 * S, 4, 100), t + 3 * S) == ()  # 1000: at the budget
+    (fired,) = restored.on_window_cost(_ml_bill(t + 120 * S, 1, 1), t + 4 * S)
+    assert fired.rule == "budget_exceeded" and fired.evidence["spent_micro_usd"] == 1_001
+
+
+def test_a_version_1_snapshot_keeps_its_bills_deduplicated():
+    """A state file written before bills were kept whole holds their pod lines one by one: restored, their windows
+    are the bills counted, so a bill redelivered after the upgrade does not count twice."""
+    config = _budget_config()
+    t = DAY[0] + 3_600 * S
+    engine = GuardEngine(config)  # version 1 wrote a cell per pod line, as an engine judging idle allocation does
+    engine.on_window_cost(_ml_bill(t, 6, 100, namespaces=("ml", "a")), t)
+    state = json.loads(engine.snapshot())
+    del state["bills"]
+    del state["counters"]["redelivered_bills_ignored"]
+    state["version"] = 1
+    old = json.dumps(state).encode()
+    for idle in (False, True):
+        restored = GuardEngine.restore(config, old, idle=idle)
+        assert json.loads(restored.snapshot())["bills"] == json.loads(engine.snapshot())["bills"]
+        assert bool(json.loads(restored.snapshot())["costs"]) is idle
+        assert restored.on_window_cost(_ml_bill(t, 6, 100, namespaces=("ml", "a")), t + S) == ()
+        assert restored.on_window_cost(_ml_bill(t + 60 * S, 7, 100), t + 2 * S) == ()  # ml: 300 + 700
+        assert restored.on_window_cost(_ml_bill(t + 120 * S, 1, 1), t + 3 * S)
+
+
+def test_the_cost_state_of_a_node_no_longer_billed_goes_after_the_horizon():
+    config = _budget_config(cost_dedup_horizon_seconds=3_600)
+    t = DAY[0] + 3_600 * S
+    engine = GuardEngine(config, idle=False)
+    engine.on_window_cost(_ml_bill(t, 2, 100, node="gone"), t)
+    engine.on_window_cost(_ml_bill(t, 2, 100), t)
+    engine.on_window_cost(_ml_bill(t + 3_600 * S, 2, 100), t + 3_600 * S)
+    engine.on_clock(t + 3_661 * S, detect_stale=False)  # not caught up: a backlog's nodes are late, not gone
+    assert {node for _, node, _ in json.loads(engine.snapshot())["bills"]} == {"gone", NODE}
+    engine.on_clock(t + 3_661 * S)
+    state = json.loads(engine.snapshot())
+    assert [node for _, node, _ in state["bills"]] == [NODE]
+    assert [node for _, node, _ in state["cost_window_max"]] == [NODE]
+    assert state["bills"] == [[CLUSTER, NODE, [t, t + 3_600 * S]]]
 
 
 def test_a_bill_no_calendar_can_place_is_refused_before_any_line_counts():
@@ -474,7 +568,7 @@ def test_a_snapshot_is_json_and_garbage_is_refused():
     engine = started()
     engine.on_sample(leak_sample(T0), T0)
     state = json.loads(engine.snapshot())
-    assert state["version"] == 1 and len(state["tracked"]) == 2
+    assert state["version"] == 2 and len(state["tracked"]) == 2
     for data in (b"not json", b"{}", json.dumps({**state, "version": 99}).encode(), b"[1, 2]"):
         with pytest.raises(InvalidMessage) as info:
             GuardEngine.restore(FAST, data)

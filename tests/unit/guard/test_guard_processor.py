@@ -250,6 +250,18 @@ async def test_the_checkpoint_writes_the_engine_with_its_positions_and_the_state
     assert checkpoint.snapshots == 1
 
 
+async def test_without_a_state_file_the_checkpoint_commits_the_positions_and_takes_no_snapshot(monkeypatch):
+    guard = Guard()
+    guard.pod(leaky(guard.clock.now_ms()))
+    guard.run()
+    taken = []
+    monkeypatch.setattr(guard.processor, "snapshot", lambda: taken.append(1) or b"")
+    checkpoint = StateCheckpoint(guard.processor, None, guard.clock, topics=guard_topics(TOPICS).values())
+    positions = {(TOPICS.pod_events, 0): 1, (TOPICS.node_samples, 2): 7}
+    assert await checkpoint(positions) == positions
+    assert taken == [] and checkpoint.snapshots == 0
+
+
 async def test_the_checkpoint_writes_and_commits_nothing_while_rebuilding_and_commits_when_the_file_fails(
         tmp_path):
     guard = Guard()
