@@ -74,8 +74,8 @@ stop: deps
 	$(PY) -m gpumeter.devtools.kafka_broker stop
 
 ## bench: the benchmarks (never part of `make test`): figures in bench/results/*.json and the table in
-## docs/performance.md. Starts its own Kafka broker and PostgreSQL; about 10 minutes. `make bench BENCH_ARGS=--quick`
-## is a fast smoke run; `BENCH_ARGS="--only attribution"` runs one.
+## docs/performance.md. Starts its own Kafka broker and PostgreSQL; about an hour (the stream's phases 40 minutes).
+## `make bench BENCH_ARGS=--quick` is a fast smoke run; `BENCH_ARGS="--only attribution"` runs one.
 bench: test-deps java kafka-jars
 	$(PY) -m bench.run $(BENCH_ARGS)
 

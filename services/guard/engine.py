@@ -35,12 +35,15 @@ node-window -- the first delivery counts, as the ledger's first write of a node-
 (``services/billing/ledger.py``), and a redelivery adds nothing (``redelivered_bills_ignored``); all the engine
 keeps of a bill is its window; a **line** (``on_cost``, for tools holding the flat cost lines) redelivered replaces
 that line, kept per (node, window, unit, pod). A node-window arrives one way or the other, never both: the two are
-not deduplicated against each other. An engine that judges idle allocation also keeps each pod line's cost per
-(node, unit, pod, window) (what an idle run's wasted money counts). A node whose newest cost window is a horizon
-behind the clock (``on_clock`` while caught up) has left: its cost state goes.
+not deduplicated against each other. Idle allocation counts a pod's cost on a unit into its idle run when the run
+covers the cost's window; a run starts at a share window newer than the unit's last, so an engine that judges it
+keeps a cost only while its window is newer than its unit's last share window (a cost read before its shares),
+per (node, unit, pod, window). A node whose newest cost window is a horizon behind the clock (``on_clock`` while
+caught up) has left: its cost state goes.
 
 ``snapshot()`` → bytes (JSON) and ``GuardEngine.restore(config, data)`` carry the whole state across a restart
-(a snapshot of version 1, from before bills were kept whole, is read too: its pod lines' windows are its bills).
+(a snapshot of version 1, from before bills were kept whole, is read too: its pod lines' windows are its bills,
+and the lines of windows newer than their unit's last share window its early costs).
 Without a snapshot (none kept, or a damaged one), the last state of every fingerprint on the compacted
 violations topic stands in for it: ``adopt(last_states, now)`` seeds a fresh engine with the firing ones (kept
 under their fingerprint and ``first_seen``, clearing unless the re-read input asserts them again) and the
@@ -113,6 +116,7 @@ _SEVERITY_RANK = {Severity.CRITICAL: 0, Severity.WARNING: 1, Severity.INFO: 2}
 
 NodeKey = tuple[str, str]
 _BUDGET_SCOPES_MAX = 65_536  # a cache: cleared whole when full
+_NO_COSTS: Mapping[int, int] = MappingProxyType({})
 
 
 def _check_cost_window(node_name: str, window_start_unix_ms: int) -> None:
@@ -227,12 +231,15 @@ class GuardEngine:
         self._unit_rows: dict[tuple[str, str, int, str], list[GpuShare]] = {}
         self._unit_last_window: dict[tuple[str, str, str], int] = {}
         self._share_window_max: dict[NodeKey, int] = {}
-        # costs: (cluster, node, unit, pod uid) -> window -> (micro-USD, namespace, team): lines taken one by one
-        # (on_cost), and every pod line where idle allocation is judged
-        self._costs: dict[tuple[str, str, str, str], dict[int, tuple[int, str | None, str | None]]] = {}
-        # bills taken whole (on_window_cost) by an engine that judges budgets: node -> windows counted
+        # lines taken one by one (on_cost): (cluster, node, unit, pod uid) -> window -> (micro-USD, namespace, team)
+        self._line_costs: dict[tuple[str, str, str, str], dict[int, tuple[int, str | None, str | None]]] = {}
+        self._line_keys_by_node: dict[NodeKey, dict[tuple[str, str, str, str], None]] = {}
+        # bills taken whole (on_window_cost): node -> windows counted
         self._bills: dict[NodeKey, dict[int, None]] = {}
-        self._cost_keys_by_node: dict[NodeKey, dict[tuple[str, str, str, str], None]] = {}
+        # idle allocation's costs read before their unit's shares: (cluster, node, unit) -> pod uid -> window ->
+        # micro-USD
+        self._early_costs: dict[tuple[str, str, str], dict[str, dict[int, int]]] = {}
+        self._early_units_by_node: dict[NodeKey, dict[tuple[str, str, str], None]] = {}
         self._cost_window_max: dict[NodeKey, int] = {}
         # (cluster, kind, name, period, period start) -> micro-USD; subjects ever seen
         self._spend: dict[tuple[str, str, str, str, int], int] = {}
@@ -357,7 +364,7 @@ class GuardEngine:
                 self.late_costs_ignored += 1
             else:
                 namespace, team = cost_subject(cost.namespace, cost.labels, CostSubjectKind.POD, self.config)
-                old = self._put_cell(cluster, node_name, window, cost.gpu_uuid, cost.pod_uid, cost.cost_micro_usd,
+                old = self._put_line(cluster, node_name, window, cost.gpu_uuid, cost.pod_uid, cost.cost_micro_usd,
                                      namespace, team)
                 if self.budgets:
                     if old is not None:
@@ -365,8 +372,9 @@ class GuardEngine:
                         self._add_spend(cluster, window, old[1], old[2], -old[0])
                     self._add_spend(cluster, window, namespace, team, cost.cost_micro_usd)
                 self._newest_cost_window(cluster, node_name, window)
-                self._judge_cost_line(cluster, node_name, window, cost.gpu_uuid, cost.pod_uid, namespace, team,
-                                      cost.cost_micro_usd - (old[0] if old is not None else 0), now, out)
+                self._judge_budgets(cluster, namespace, team, now, out)
+                self._take_idle_cost(cluster, node_name, window, cost.gpu_uuid, cost.pod_uid,
+                                     cost.cost_micro_usd - (old[0] if old is not None else 0), now, out)
         self._expire(now, out)
         return tuple(out)
 
@@ -391,28 +399,22 @@ class GuardEngine:
                 self._expire(now, out)
             return tuple(out)
         subjects = [cost_subject(pod.namespace, pod.labels, pod_kind, self.config) for pod in pods]
-        first_delivery = True
-        if self.budgets:
-            counted = self._bills.setdefault((cluster, node_name), {})
-            if window in counted:
-                first_delivery = False
-                self.redelivered_bills_ignored += 1
-            else:
-                counted[window] = None
+        counted = self._bills.setdefault((cluster, node_name), {})
+        first_delivery = window not in counted
+        if first_delivery:
+            counted[window] = None
+        else:
+            self.redelivered_bills_ignored += 1
         self._newest_cost_window(cluster, node_name, window)
         for line in lines:
             if line is not None:
                 gpu_uuid, pod_index, micro_usd = line
                 namespace, team = subjects[pod_index]
-                pod_uid = pods[pod_index].pod_uid
-                delta = micro_usd
-                if self.idle:
-                    old = self._put_cell(cluster, node_name, window, gpu_uuid, pod_uid, micro_usd, namespace, team)
-                    delta -= old[0] if old is not None else 0
                 if self.budgets and first_delivery:
                     self._add_spend(cluster, window, namespace, team, micro_usd)
-                self._judge_cost_line(cluster, node_name, window, gpu_uuid, pod_uid, namespace, team, delta, now,
-                                      out)
+                self._judge_budgets(cluster, namespace, team, now, out)
+                self._take_idle_cost(cluster, node_name, window, gpu_uuid, pods[pod_index].pod_uid,
+                                     micro_usd if first_delivery else 0, now, out)
             self._expire(now, out)
         return tuple(out)
 
@@ -421,14 +423,15 @@ class GuardEngine:
         newest = self._cost_window_max.get((cluster, node_name))
         return newest is not None and window < newest - self.config.cost_dedup_horizon_seconds * 1000
 
-    def _put_cell(self, cluster: str, node_name: str, window: int, gpu_uuid: str, pod_uid: str, cost_micro_usd: int,
+    def _put_line(self, cluster: str, node_name: str, window: int, gpu_uuid: str, pod_uid: str, cost_micro_usd: int,
                   namespace: str | None, team: str | None) -> tuple[int, str | None, str | None] | None:
-        """Keep one pod line's cost per (node, unit, pod, window); returns the one it replaces (None: the first)."""
-        cell_key = (cluster, node_name, gpu_uuid, pod_uid)
-        cells = self._costs.get(cell_key)
+        """Keep one line taken by ``on_cost`` per (node, unit, pod, window); returns the one it replaces (None: the
+        first)."""
+        line_key = (cluster, node_name, gpu_uuid, pod_uid)
+        cells = self._line_costs.get(line_key)
         if cells is None:
-            cells = self._costs[cell_key] = {}
-            self._cost_keys_by_node.setdefault((cluster, node_name), {})[cell_key] = None
+            cells = self._line_costs[line_key] = {}
+            self._line_keys_by_node.setdefault((cluster, node_name), {})[line_key] = None
         old = cells.get(window)
         cells[window] = (cost_micro_usd, namespace, team)
         return old
@@ -441,23 +444,32 @@ class GuardEngine:
             self._cost_window_max[node_key] = window
             self._prune_costs(node_key, window - self.config.cost_dedup_horizon_seconds * 1000)
 
-    def _judge_cost_line(self, cluster: str, node_name: str, window: int, gpu_uuid: str, pod_uid: str,
-                         namespace: str | None, team: str | None, delta_micro_usd: int, now: int,
-                         out: list[Violation]) -> None:
-        """After one pod line is taken (its spend counted): its subjects' budgets re-evaluated, and
-        ``delta_micro_usd`` (what the line changed of the pod's cost on the unit in that window) added to the pod's
-        idle run there; hold-downs not yet expired."""
-        if self.budgets:
-            for kind, name in ((SUBJECT_NAMESPACE, namespace), (SUBJECT_TEAM, team)):
-                if name is None:
-                    continue
-                self._budget_subjects[(cluster, kind, name)] = None
-                for period in PERIODS:
-                    self._evaluate_budget(cluster, kind, name, period, now, out)
+    def _judge_budgets(self, cluster: str, namespace: str | None, team: str | None, now: int,
+                       out: list[Violation]) -> None:
+        """After one pod line's spend is counted: its subjects' budgets re-evaluated (hold-downs not yet expired)."""
+        if not self.budgets:
+            return
+        for kind, name in ((SUBJECT_NAMESPACE, namespace), (SUBJECT_TEAM, team)):
+            if name is None:
+                continue
+            self._budget_subjects[(cluster, kind, name)] = None
+            for period in PERIODS:
+                self._evaluate_budget(cluster, kind, name, period, now, out)
+
+    def _take_idle_cost(self, cluster: str, node_name: str, window: int, gpu_uuid: str, pod_uid: str,
+                        delta_micro_usd: int, now: int, out: list[Violation]) -> None:
+        """``delta_micro_usd``: what one pod line changed of the pod's cost on the unit in ``window``. Added to the
+        pod's idle run there when the run covers the window, and kept while the window is newer than the unit's
+        last share window (a run starting at it, or before it, counts it); hold-downs not yet expired."""
+        if not self.idle or not delta_micro_usd:
+            return
         unit_key = (cluster, node_name, gpu_uuid)
+        last_share_window = self._unit_last_window.get(unit_key)
+        if last_share_window is None or window > last_share_window:
+            self._keep_early_cost(unit_key, pod_uid, window, delta_micro_usd)
         runs = self._idle_runs.get(unit_key)
         run = runs.get(pod_uid) if runs else None
-        if run is not None and delta_micro_usd and window >= run.since_unix_ms:
+        if run is not None and window >= run.since_unix_ms:
             runs[pod_uid] = replace(run, wasted_cost_micro_usd=run.wasted_cost_micro_usd + delta_micro_usd)
             self._evaluate_idle(unit_key, now, out)
 
@@ -672,12 +684,11 @@ class GuardEngine:
         node = self._nodes.get((first.cluster, first.node_name))
         device = next((d for d in node.devices if d.uuid == first.gpu_uuid), None) if node is not None else None
         verdicts = classify_unit_window(rows, self._pods, self.config, device)
+        early = self._early_costs.get(unit_key, {})
         runs = self._idle_runs.get(unit_key, {})
         updated: dict[str, IdleRun] = {}
         for uid, (verdict, row) in verdicts.items():
-            costs = {w: c for w, (c, _, _) in self._costs.get((first.cluster, first.node_name, first.gpu_uuid, uid),
-                                                               {}).items()}
-            run = advance_idle_run(runs.get(uid), verdict, row, now, costs)
+            run = advance_idle_run(runs.get(uid), verdict, row, now, early.get(uid, _NO_COSTS))
             if run is not None:
                 updated[uid] = run
         # Runs of pods with no row in this window no longer hold the unit (ended, reassigned): they end here.
@@ -687,6 +698,8 @@ class GuardEngine:
             self._idle_runs.pop(unit_key, None)
         if updated or runs:
             self._evaluate_idle(unit_key, now, out)
+        # No run can start at this window or before it any more: the costs kept for that go.
+        self._drop_early_costs(unit_key, first.window_start_unix_ms)
 
     def _evaluate_idle(self, unit_key: tuple[str, str, str], now: int, out: list[Violation]) -> None:
         runs = self._idle_runs.get(unit_key, {})
@@ -735,20 +748,49 @@ class GuardEngine:
             del self._unit_rows[key]
 
     def _prune_costs(self, node_key: NodeKey, before_window_ms: int) -> None:
-        keys = self._cost_keys_by_node.get(node_key, {})
-        for cell_key in list(keys):
-            cells = self._costs.get(cell_key, {})
+        keys = self._line_keys_by_node.get(node_key, {})
+        for line_key in list(keys):
+            cells = self._line_costs.get(line_key, {})
             for window in [w for w in cells if w < before_window_ms]:
                 del cells[window]
             if not cells:
-                self._costs.pop(cell_key, None)
-                del keys[cell_key]
+                self._line_costs.pop(line_key, None)
+                del keys[line_key]
         if not keys:
-            self._cost_keys_by_node.pop(node_key, None)
+            self._line_keys_by_node.pop(node_key, None)
+        for unit_key in list(self._early_units_by_node.get(node_key, ())):
+            self._drop_early_costs(unit_key, before_window_ms - 1)
         bills = self._bills.get(node_key)
         if bills is not None:
             for window in [w for w in bills if w < before_window_ms]:
                 del bills[window]
+
+    def _keep_early_cost(self, unit_key: tuple[str, str, str], pod_uid: str, window: int, micro_usd: int) -> None:
+        pods = self._early_costs.get(unit_key)
+        if pods is None:
+            pods = self._early_costs[unit_key] = {}
+            self._early_units_by_node.setdefault(unit_key[:2], {})[unit_key] = None
+        cells = pods.setdefault(pod_uid, {})
+        cells[window] = cells.get(window, 0) + micro_usd
+
+    def _drop_early_costs(self, unit_key: tuple[str, str, str], through_window_ms: int) -> None:
+        """The unit's costs kept for idle runs of windows up to ``through_window_ms`` go."""
+        pods = self._early_costs.get(unit_key)
+        if pods is None:
+            return
+        for uid in list(pods):
+            cells = pods[uid]
+            for window in [w for w in cells if w <= through_window_ms]:
+                del cells[window]
+            if not cells:
+                del pods[uid]
+        if not pods:
+            del self._early_costs[unit_key]
+            units = self._early_units_by_node.get(unit_key[:2])
+            if units is not None:
+                units.pop(unit_key, None)
+                if not units:
+                    del self._early_units_by_node[unit_key[:2]]
 
     def _forget_costs(self, now: int) -> None:
         """Nodes whose newest cost window is a dedup horizon behind ``now`` have left (or stopped being billed):
@@ -757,8 +799,10 @@ class GuardEngine:
         for node_key in [k for k, newest in self._cost_window_max.items() if newest < now - horizon_ms]:
             del self._cost_window_max[node_key]
             self._bills.pop(node_key, None)
-            for cell_key in self._cost_keys_by_node.pop(node_key, {}):
-                self._costs.pop(cell_key, None)
+            for line_key in self._line_keys_by_node.pop(node_key, {}):
+                self._line_costs.pop(line_key, None)
+            for unit_key in self._early_units_by_node.pop(node_key, {}):
+                self._early_costs.pop(unit_key, None)
 
     def _forget_node(self, key: NodeKey, now: int, out: list[Violation]) -> None:
         cluster, node_name = key
@@ -835,10 +879,16 @@ class GuardEngine:
             "unit_rows": [r.to_avro() for rows in self._unit_rows.values() for r in rows],
             "unit_last_window": [[*k, w] for k, w in self._unit_last_window.items()],
             "share_window_max": [[*k, w] for k, w in self._share_window_max.items()],
-            "costs": [
-                [*cell_key, window, cost, namespace, team]
-                for cell_key, cells in self._costs.items()
+            "line_costs": [
+                [*line_key, window, cost, namespace, team]
+                for line_key, cells in self._line_costs.items()
                 for window, (cost, namespace, team) in cells.items()
+            ],
+            "early_costs": [
+                [*unit_key, uid, window, cost]
+                for unit_key, pods in self._early_costs.items()
+                for uid, cells in pods.items()
+                for window, cost in cells.items()
             ],
             "bills": [[*node_key, list(windows)] for node_key, windows in self._bills.items() if windows],
             "cost_window_max": [[*k, w] for k, w in self._cost_window_max.items()],
@@ -899,17 +949,19 @@ class GuardEngine:
                     (share.cluster, share.node_name, share.window_start_unix_ms, share.gpu_uuid), []).append(share)
             engine._unit_last_window = {(c, n, u): int(w) for c, n, u, w in state["unit_last_window"]}
             engine._share_window_max = {(c, n): int(w) for c, n, w in state["share_window_max"]}
-            for cluster, node, unit, uid, window, cost, namespace, team in state["costs"]:
-                engine._put_cell(cluster, node, int(window), unit, uid, int(cost), namespace, team)
-            if "bills" in state:
+            if state["version"] >= 2:
+                for cluster, node, unit, uid, window, cost, namespace, team in state["line_costs"]:
+                    engine._put_line(cluster, node, int(window), unit, uid, int(cost), namespace, team)
+                for cluster, node, unit, uid, window, cost in state["early_costs"]:
+                    engine._keep_early_cost((cluster, node, unit), uid, int(window), int(cost))
                 engine._bills = {(cluster, node): dict.fromkeys(map(int, windows))
                                  for cluster, node, windows in state["bills"]}
-            else:  # version 1: its bills were kept line by line
-                if budgets:
-                    for cluster, node, _unit, _uid, window, *_ in state["costs"]:
-                        engine._bills.setdefault((cluster, node), {})[int(window)] = None
-                if not idle:
-                    engine._costs, engine._cost_keys_by_node = {}, {}
+            else:  # version 1: a cell per pod line the guard took from its bills
+                for cluster, node, unit, uid, window, cost, _namespace, _team in state["costs"]:
+                    engine._bills.setdefault((cluster, node), {})[int(window)] = None
+                    last_share_window = engine._unit_last_window.get((cluster, node, unit))
+                    if idle and (last_share_window is None or int(window) > last_share_window):
+                        engine._keep_early_cost((cluster, node, unit), uid, int(window), int(cost))
             engine._cost_window_max = {(c, n): int(w) for c, n, w in state["cost_window_max"]}
             engine._spend = {(c, k, n, p, int(s)): int(v) for c, k, n, p, s, v in state["spend"]}
             engine._budget_subjects = {(c, k, n): None for c, k, n in state["budget_subjects"]}

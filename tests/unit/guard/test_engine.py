@@ -264,6 +264,38 @@ def test_idle_allocation_fires_with_the_money_wasted_and_resolves_when_the_pod_g
     assert resolved.state is ViolationState.RESOLVED and resolved.evidence["wasted_cost_micro_usd"] == 350
 
 
+def test_the_nodes_role_counts_bills_into_idle_runs_and_keeps_only_costs_read_before_their_shares():
+    """The ``nodes`` role's engine (no budgets) over bills: a cost read before its unit's shares is kept until a
+    run starting at its window counts it; one read after them goes straight into the run; a redelivered bill adds
+    nothing; nothing is kept of a window the unit's shares have passed."""
+    engine = GuardEngine(FAST, budgets=False)
+    engine.on_pod_event(owner(), T0)
+    w = [T0 + i * 60 * S for i in range(4)]
+
+    def bill_of(window, micro_usd):
+        return _bill([cost(GPU_A, window_start=window, micro_usd=micro_usd, pod_uid=UID_1, namespace="default"),
+                      cost(None, window_start=window, micro_usd=7, kind=CostSubjectKind.NODE_OTHER)])
+
+    def early():
+        return [(uid, window, micro_usd) for _, _, _, uid, window, micro_usd
+                in json.loads(engine.snapshot())["early_costs"]]
+
+    assert engine.on_window_cost(bill_of(w[0], 100), w[1] + 5 * S) == ()
+    assert engine.on_window_cost(bill_of(w[0], 100), w[1] + 6 * S) == ()  # redelivered
+    assert early() == [(UID_1, w[0], 100)] and engine.redelivered_bills_ignored == 1
+    assert _feed(engine, unit_window(GPU_A, w[0], [(UID_1, 0.01)]), w[1] + 10 * S) == []
+    assert early() == []  # counted by the run that starts at its window
+    (fired,) = _feed(engine, unit_window(GPU_A, w[1], [(UID_1, 0.03)]), w[2] + 10 * S)
+    assert fired.evidence["wasted_cost_micro_usd"] == 100
+    assert engine.on_window_cost(bill_of(w[1], 250), w[2] + 11 * S) == ()
+    assert engine.on_window_cost(bill_of(w[1], 250), w[2] + 12 * S) == ()  # redelivered
+    (active,) = engine.active()
+    assert active.evidence["wasted_cost_micro_usd"] == 350 and early() == []
+    state = json.loads(engine.snapshot())
+    assert state["line_costs"] == [] and state["bills"] == [[CLUSTER, NODE, [w[0], w[1]]]]
+    assert state["spend"] == []
+
+
 def test_unknown_compute_does_not_end_an_idle_run_and_a_pod_that_lets_go_does():
     engine = GuardEngine(GuardConfig(hold_down_seconds=0, idle_for_seconds=120))
     engine.on_pod_event(owner(), T0)
@@ -397,15 +429,17 @@ def test_a_bill_taken_whole_is_its_lines_taken_one_by_one():
     assert sum(v.rule == "budget_exceeded" for v in whole_out) >= 2  # the namespace's day and the team's month
     assert whole.late_costs_ignored == by_line.late_costs_ignored == 1
     assert whole_out == lines_out
-    # The same state but for the dedup of bills (the windows of those taken whole, a redelivery counted).
-    assert [_without_bills(s) for s in whole_states] == [_without_bills(s) for s in lines_states]
+    # The same state but for the dedup (the windows of the bills taken whole, a redelivery counted, against the
+    # lines taken one by one).
+    assert [_without_dedup(s) for s in whole_states] == [_without_dedup(s) for s in lines_states]
     assert json.loads(whole_states[-1])["bills"] and not json.loads(lines_states[-1])["bills"]
+    assert json.loads(lines_states[-1])["line_costs"] and not json.loads(whole_states[-1])["line_costs"]
     assert (whole.redelivered_bills_ignored, by_line.redelivered_bills_ignored) == (1, 0)
 
 
-def _without_bills(snapshot: bytes) -> dict:
+def _without_dedup(snapshot: bytes) -> dict:
     state = json.loads(snapshot)
-    del state["bills"], state["counters"]["redelivered_bills_ignored"]
+    del state["bills"], state["line_costs"], state["counters"]["redelivered_bills_ignored"]
     return state
 
 
@@ -428,15 +462,15 @@ def test_a_budgets_engine_keeps_a_bill_s_window_not_its_lines():
         for k in range(30):
             engine.on_window_cost(_ml_bill(t + k * 60 * S, pods, 1, namespaces=("ml", "a", "b")), t + k * 60 * S)
         state = json.loads(engine.snapshot())
-        assert state["costs"] == []
+        assert state["line_costs"] == state["early_costs"] == []
         assert state["bills"] == [[CLUSTER, NODE, [t + k * 60 * S for k in range(30)]]]
         del state["spend"]  # the sums: 8 or 64 lines' worth
         states[pods] = state
     assert states[64] == states[8]
-    # The engine of the all role judges idle allocation: a pod line's cost is kept per unit, pod and window.
+    # The engine of the all role judges idle allocation: a cost read before its unit's shares is kept.
     engine = GuardEngine(_budget_config())
     engine.on_window_cost(_ml_bill(DAY[0], 8, 1), DAY[0])
-    assert len(json.loads(engine.snapshot())["costs"]) == 8
+    assert len(json.loads(engine.snapshot())["early_costs"]) == 8
 
 
 @pytest.mark.parametrize("idle", [False, True])
@@ -462,14 +496,15 @@ def test_a_version_1_snapshot_keeps_its_bills_deduplicated():
     engine = GuardEngine(config)  # version 1 wrote a cell per pod line, as an engine judging idle allocation does
     engine.on_window_cost(_ml_bill(t, 6, 100, namespaces=("ml", "a")), t)
     state = json.loads(engine.snapshot())
-    del state["bills"]
-    del state["counters"]["redelivered_bills_ignored"]
+    state["costs"] = [[*cell[:5], cell[5], "ml" if i % 2 == 0 else "a", None]
+                      for i, cell in enumerate(state.pop("early_costs"))]  # version 1's cells: one per pod line
+    del state["bills"], state["line_costs"], state["counters"]["redelivered_bills_ignored"]
     state["version"] = 1
     old = json.dumps(state).encode()
     for idle in (False, True):
         restored = GuardEngine.restore(config, old, idle=idle)
         assert json.loads(restored.snapshot())["bills"] == json.loads(engine.snapshot())["bills"]
-        assert bool(json.loads(restored.snapshot())["costs"]) is idle
+        assert len(json.loads(restored.snapshot())["early_costs"]) == (6 if idle else 0)
         assert restored.on_window_cost(_ml_bill(t, 6, 100, namespaces=("ml", "a")), t + S) == ()
         assert restored.on_window_cost(_ml_bill(t + 60 * S, 7, 100), t + 2 * S) == ()  # ml: 300 + 700
         assert restored.on_window_cost(_ml_bill(t + 120 * S, 1, 1), t + 3 * S)
