@@ -185,11 +185,11 @@ class GuardStateStore:
 class StateCheckpoint:
     """``KafkaDriver``'s checkpoint hook for the guard: called with the positions read so far, once everything
     produced from them is acknowledged; writes ``GuardState(processor.snapshot(), positions, now, processor.role,
-    topics)`` with ``store`` (None: no state file, and no snapshot taken) and returns the positions to commit. ``topics``: every input
-    topic the guard reads (what the positions cover, ``check_state``). Returns None (nothing written, nothing committed)
-    while ``processor.rebuilding``. A state file that cannot be written is logged and the positions are committed
-    anyway: a restart prefers the (older) state file's own positions, and without any state file pod events are
-    re-read from the start regardless."""
+    topics)`` with ``store`` (None: no state file, and no snapshot taken) and returns the positions to commit.
+    ``topics``: every input topic the guard reads (what the positions cover, ``check_state``). Returns None (nothing
+    written, nothing committed) while ``processor.rebuilding``. A state file that cannot be written is logged and
+    the positions are committed anyway: a restart prefers the (older) state file's own positions, and without any
+    state file pod events are re-read from the start regardless."""
 
     def __init__(self, processor: Any, store: GuardStateStore | None, clock: Clock, *, topics: Iterable[str]
                  ) -> None:
