@@ -398,7 +398,9 @@ class GuardEngine:
             if lines:
                 self._expire(now, out)
             return tuple(out)
-        subjects = [cost_subject(pod.namespace, pod.labels, pod_kind, self.config) for pod in pods]
+        # Who each pod's lines count towards: only an engine that judges budgets asks.
+        subjects = ([cost_subject(pod.namespace, pod.labels, pod_kind, self.config) for pod in pods]
+                    if self.budgets else [])
         counted = self._bills.setdefault((cluster, node_name), {})
         first_delivery = window not in counted
         if first_delivery:
@@ -409,10 +411,11 @@ class GuardEngine:
         for line in lines:
             if line is not None:
                 gpu_uuid, pod_index, micro_usd = line
-                namespace, team = subjects[pod_index]
-                if self.budgets and first_delivery:
-                    self._add_spend(cluster, window, namespace, team, micro_usd)
-                self._judge_budgets(cluster, namespace, team, now, out)
+                if self.budgets:
+                    namespace, team = subjects[pod_index]
+                    if first_delivery:
+                        self._add_spend(cluster, window, namespace, team, micro_usd)
+                    self._judge_budgets(cluster, namespace, team, now, out)
                 self._take_idle_cost(cluster, node_name, window, gpu_uuid, pods[pod_index].pod_uid,
                                      micro_usd if first_delivery else 0, now, out)
             self._expire(now, out)
