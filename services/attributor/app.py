@@ -610,32 +610,57 @@ class AttributorStream:
         self._assigned = {tp.partition for tp in assigned if tp.topic == self.samples_topic_name}
         self._behind = set(self._assigned)  # until each is seen read to its end
 
+    def _recovery_overtaken(self) -> bool:
+        """Whether the recovery pass now ending was overtaken by a newer rebalance, its tables a partial read.
+
+        faust-streaming 0.15.3 (``Recovery.on_recovery_completed``) sends ``on_rebalance_complete`` before it
+        checks the generation: a pass cut short by the next rebalance (which pops the partitions it revokes from
+        what the pass waits for) ends in this hook, and Faust then cancels the hook at its first suspension. Seen
+        in make bench's fleet loads: the second worker's join made the first rebuild six partitions from about a
+        sixth of their pods, then lose its preload; its engine ran on that state. The rebalance has set
+        ``signal_recovery_start``: the pass for it reads the changelogs anew and ends in this hook again."""
+        return self.app.tables.recovery.signal_recovery_start.is_set()
+
     async def _on_rebalance_complete(self, sender: Any, **_: Any) -> None:
         # Tables are recovered; streams have not resumed yet. Partitions kept across the rebalance keep their
         # engine and their deferred table writes; new ones are rebuilt from the tables.
+        if self._recovery_overtaken():
+            log.info("a newer rebalance overtook the table recovery: the partitions are rebuilt after its own")
+            return
         # Faust's revocation hook names every partition held (an eager rebalance): only those not assigned again
         # are lost, and only they are revoked in the processor's contract (``on_revoked``: their engines dropped;
         # the new owner re-emits their windows in flight).
         lost = {p for p in self.processor.partitions() if p not in self._assigned}
-        if self.runner.revoked(self._topic_partitions(lost)):
-            # Tables of a lost partition can no longer be written here; what is durable of it is in them already.
-            raise RuntimeError(f"{SERVICE}: on_revoked must leave nothing to flush")
-        for partition in lost:
-            self._processed_offset.pop(partition, None)
-            self._processed_pod_offset.pop(partition, None)
-            self._deferred.pop(partition, None)
-            self._in_flight.pop(partition, None)
+        self._drop_partitions(lost)
         rebuilt = self._assigned - set(self.processor.partitions())
-        await self._rebuild(rebuilt)
-        await self._preload_pod_events(rebuilt)
-        await self._resume_pods_after_preload(rebuilt)
-        await self._rewind_streams(rebuilt)
+        try:
+            await self._rebuild(rebuilt)
+            await self._preload_pod_events(rebuilt)
+            await self._resume_pods_after_preload(rebuilt)
+            await self._rewind_streams(rebuilt)
+        except asyncio.CancelledError:
+            # A rebalance arrived mid-hook (Faust cancels it): a partition rebuilt but not preloaded or rewound
+            # would be taken for one kept by the next hook, and run without its pods. Drop it; that hook rebuilds.
+            self._drop_partitions(rebuilt & set(self.processor.partitions()))
+            raise
         assigned = self.runner.assigned(self._topic_partitions(rebuilt))  # nothing beyond the rebuild so far
         if assigned.emits:
             raise RuntimeError(f"{SERVICE}: on_assigned emits nothing (a window is emitted by its partition's event)")
         for change in assigned.changes:
             self._defer(change.partition, (change,))
         self._ready = True
+
+    def _drop_partitions(self, partitions: set[int]) -> None:
+        """Revoke ``partitions`` in the processor's contract (``on_revoked``: their engines dropped) and forget
+        what this worker kept of them; what is durable of them is in the tables already."""
+        if self.runner.revoked(self._topic_partitions(partitions)):
+            # Tables of a dropped partition can no longer be written here.
+            raise RuntimeError(f"{SERVICE}: on_revoked must leave nothing to flush")
+        for partition in partitions:
+            self._processed_offset.pop(partition, None)
+            self._processed_pod_offset.pop(partition, None)
+            self._deferred.pop(partition, None)
+            self._in_flight.pop(partition, None)
 
     def _topic_partitions(self, partitions: Iterable[int]) -> set[tuple[str, int]]:
         return {(topic, p) for p in partitions for topic in (self.samples_topic_name, self.pods_topic_name)}
