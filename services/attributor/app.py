@@ -223,7 +223,8 @@ class AttributorStream:
         self.shares_topic = app.topic(self.outputs[WINDOW_SHARES], **raw)
         self.dead_letters_topic = app.topic(self.outputs[DEAD_LETTERS], **raw)
         self.open_samples = app.Table(SAMPLES_TABLE, key_type=str, value_type=bytes, partitions=self.partitions,
-                                      help="Each node's progress record (raw ticks of open windows only in tables written by older versions).")
+                                      help="Each node's progress record (raw ticks of open windows only in tables "
+                                           "written by older versions).")
         self.pods = app.Table(PODS_TABLE, key_type=str, value_type=bytes, partitions=self.partitions,
                               help="Raw latest PodEvent per pod of the partition's nodes.")
 
