@@ -658,10 +658,14 @@ class AttributorStream:
             # Tables of a dropped partition can no longer be written here.
             raise RuntimeError(f"{SERVICE}: on_revoked must leave nothing to flush")
         for partition in partitions:
-            self._processed_offset.pop(partition, None)
-            self._processed_pod_offset.pop(partition, None)
-            self._deferred.pop(partition, None)
-            self._in_flight.pop(partition, None)
+            self._forget_partition(partition)
+
+    def _forget_partition(self, partition: int) -> None:
+        """Forget the positions, deferred table writes and windows in flight this worker kept of ``partition``."""
+        self._processed_offset.pop(partition, None)
+        self._processed_pod_offset.pop(partition, None)
+        self._deferred.pop(partition, None)
+        self._in_flight.pop(partition, None)
 
     def _topic_partitions(self, partitions: Iterable[int]) -> set[tuple[str, int]]:
         return {(topic, p) for p in partitions for topic in (self.samples_topic_name, self.pods_topic_name)}
@@ -745,10 +749,7 @@ class AttributorStream:
         async with self._rebuild_lock:
             restored = self.processor.restore(partitions, list(self.open_samples.items()), list(self.pods.items()))
             for partition, done in sorted(restored.items()):
-                self._processed_offset.pop(partition, None)
-                self._processed_pod_offset.pop(partition, None)
-                self._deferred.pop(partition, None)
-                self._in_flight.pop(partition, None)
+                self._forget_partition(partition)
                 self._resume_samples_from[partition] = done.resume_samples_from
                 # The pod table stores no positions: re-read the (compacted) pod events; stale ones are ignored.
                 self._resume_pods_from[partition] = 0

@@ -188,17 +188,19 @@ async def test_the_processor_hears_through_the_contract_of_the_partitions_lost_a
     assert stream.processor.partitions() == (0,)
 
 
-async def test_a_rebuilt_partition_reads_its_pod_events_on_from_the_groups_commit_not_again_from_the_start(tmp_path):
-    """Worker A handles a partition's pods (one of them a record that is no PodEvent: dead-lettered) and part of
-    its ticks, and stops; worker B is assigned the partition and rebuilds it from A's tables. B's preload applies
-    every pod event; its pods stream then goes on from the group's commit, so the bad record is not dead-lettered
-    a second time and no pod is applied a third time, and A's and B's windows are the uninterrupted run's."""
-    a = Worker(tmp_path / "a")
+async def worker_a_stopped_halfway(tmp_path, *, bad_pod_record: bool = False
+                                   ) -> tuple[Worker, list[PodEvent], list[NodeSample]]:
+    """Worker A over the pods and ticks of ``NODES`` (and, with ``bad_pod_record``, a pod-events record that is no
+    PodEvent): it handles every pod record and the first half of the ticks, its windows acknowledged, and stops;
+    the group's committed offsets are what Faust committed for it, every record A's agents handled. Returns A,
+    the pods and the ticks."""
+    a = Worker(tmp_path)
     pods = [event for node in NODES for event in pods_of(node)]
     samples = [two_pod_tick(BASE + k * 1000, node, k) for k in range(TICKS) for node in NODES]
     pod_records = [a.append(a.catalog.pod_events, pod_event_key(e.node_name, e.uid), codec_for(PodEvent).encode(e))
                    for e in pods]
-    pod_records.append(a.append(a.catalog.pod_events, pod_event_key(NODES[0], "not-a-pod"), b"no avro here"))
+    if bad_pod_record:
+        pod_records.append(a.append(a.catalog.pod_events, pod_event_key(NODES[0], "not-a-pod"), b"no avro here"))
     tick_records = [a.append(a.catalog.node_samples, s.node_name.encode(), codec_for(NodeSample).encode(s))
                     for s in samples]
     handled = len(tick_records) // 2
@@ -206,10 +208,18 @@ async def test_a_rebuilt_partition_reads_its_pod_events_on_from_the_groups_commi
         await a.process(raw)
     a.shares.acknowledge()
     await asyncio.sleep(0)
-    assert len(a.dead.sent) == 1  # the bad pod record, once
-    # What Faust committed for the group before A stopped: every record A's agents handled.
     a.committed[TP(a.catalog.pod_events, PARTITION)] = len(pod_records)
     a.committed[TP(a.catalog.node_samples, PARTITION)] = handled
+    return a, pods, samples
+
+
+async def test_a_rebuilt_partition_reads_its_pod_events_on_from_the_groups_commit_not_again_from_the_start(tmp_path):
+    """Worker A handles a partition's pods (one of them a record that is no PodEvent: dead-lettered) and part of
+    its ticks, and stops; worker B is assigned the partition and rebuilds it from A's tables. B's preload applies
+    every pod event; its pods stream then goes on from the group's commit, so the bad record is not dead-lettered
+    a second time and no pod is applied a third time, and A's and B's windows are the uninterrupted run's."""
+    a, pods, samples = await worker_a_stopped_halfway(tmp_path / "a", bad_pod_record=True)
+    assert len(a.dead.sent) == 1  # the bad pod record, once
 
     b = Worker(tmp_path / "b")
     b.log, b.committed = a.log, a.committed  # one broker, one group
@@ -218,7 +228,7 @@ async def test_a_rebuilt_partition_reads_its_pod_events_on_from_the_groups_commi
     await b.stream._on_partitions_assigned(None, tps)
     await b.stream._on_rebalance_complete(None)
     # Faust seeks each partition to the group's commit, which the rebalance hook left where B must go on.
-    assert b.committed[TP(b.catalog.pod_events, PARTITION)] == len(pod_records)
+    assert b.committed[TP(b.catalog.pod_events, PARTITION)] == len(a.log[a.catalog.pod_events])
     for topic in (b.catalog.pod_events, b.catalog.node_samples):
         for raw in b.log[topic][b.committed[TP(topic, PARTITION)]:]:
             await b.process(raw)

@@ -19,12 +19,8 @@ import asyncio
 import pytest
 from faust.types import TP
 
-from schemas.catalog import pod_event_key
-from schemas.records import NodeSample, PodEvent
-from schemas.typed import codec_for
-from tests.unit.attributor.test_engine import BASE, pods_of, two_pod_tick
-from tests.unit.attributor.test_rebalance_kept_partition import (NODES, PARTITION, TICKS, Worker,
-                                                                  uninterrupted_windows)
+from tests.unit.attributor.test_rebalance_kept_partition import (NODES, PARTITION, Worker, uninterrupted_windows,
+                                                                  worker_a_stopped_halfway)
 
 
 def _recovery_error():
@@ -35,22 +31,9 @@ def _recovery_error():
 
 
 async def _worker_a_then_b(tmp_path):
-    """A handles every pod event and half the ticks, its windows acknowledged, and stops; B shares A's log and
+    """A handles every pod event and half the ticks and stops (``worker_a_stopped_halfway``); B shares A's log and
     group, its reads of Kafka suspending as real ones do. Returns (a, b, pods, samples)."""
-    a = Worker(tmp_path / "a")
-    pods = [event for node in NODES for event in pods_of(node)]
-    samples = [two_pod_tick(BASE + k * 1000, node, k) for k in range(TICKS) for node in NODES]
-    pod_records = [a.append(a.catalog.pod_events, pod_event_key(e.node_name, e.uid), codec_for(PodEvent).encode(e))
-                   for e in pods]
-    tick_records = [a.append(a.catalog.node_samples, s.node_name.encode(), codec_for(NodeSample).encode(s))
-                    for s in samples]
-    handled = len(tick_records) // 2
-    for raw in pod_records + tick_records[:handled]:
-        await a.process(raw)
-    a.shares.acknowledge()
-    await asyncio.sleep(0)
-    a.committed[TP(a.catalog.pod_events, PARTITION)] = len(pod_records)
-    a.committed[TP(a.catalog.node_samples, PARTITION)] = handled
+    a, pods, samples = await worker_a_stopped_halfway(tmp_path / "a")
     assert a.windows()  # some windows came out before the handover
 
     b = Worker(tmp_path / "b")
