@@ -53,12 +53,12 @@ from __future__ import annotations
 import math
 import re
 from functools import lru_cache
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
 from gpumeter.errors import InvalidName, OutOfRange
-from schemas.packed import MISSING_I4, MISSING_I8, PackedNodeSample
+from schemas.packed import MISSING_I4, MISSING_I8, PackedNodeSample, column_ints
 from schemas.records import (
     MEMORY_INFO_FUNCTION,
     GpuDeviceSample,
@@ -516,12 +516,14 @@ def check_window_cost(cost: NodeWindowCost, now_unix_ms: int, max_clock_skew_ms:
 
 _NO_PARENTS = np.array([-1], dtype="<i2").tobytes()  # device_parent_uuid of a GPU
 _GPU_NAME_PAIRS: dict[tuple[str, ...], tuple[tuple[str, None], ...]] = {}
-# Pod lists and process lists (pids, pod slots) seen valid, by their bytes: a node's ticks repeat them.
-_UNIQUE_LISTS: set[bytes] = set()
+# Pod lists and process lists (pids, pod slots) seen valid, by their columns' bytes: a node's ticks repeat them. Keys
+# are tuples of the record's own bytes objects, not one joined copy: a bytes object hashes once (its hash is kept),
+# and the pod list's is hashed again by the decoder's own cache (``pod_uid_strings``).
+_UNIQUE_LISTS: set[tuple] = set()
 _UNIQUE_LISTS_MAX = 16_384
 
 
-def _unique_list_seen(key: bytes, unique: Callable[[], bool]) -> bool:
+def _unique_list_seen(key: tuple, unique: Callable[[], bool]) -> bool:
     if key in _UNIQUE_LISTS:
         return True
     if not unique():
@@ -534,26 +536,25 @@ def _unique_list_seen(key: bytes, unique: Callable[[], bool]) -> bool:
 
 # Device columns a node repeats tick to tick (total and reserved memory, replicas, MIG slices), seen to pass their
 # checks, by their bytes -> (the smallest total, whether every device's total is that one). Bounded like _UNIQUE_LISTS.
-_STATIC_DEVICE_COLUMNS: dict[bytes, tuple[int, bool]] = {}
+_STATIC_DEVICE_COLUMNS: dict[tuple[bytes, ...], tuple[int, bool]] = {}
 # Process memory columns seen, by their bytes -> (smallest, largest): a process's allocation moves rarely.
 _PROCESS_MEMORY_BOUNDS: dict[bytes, tuple[int, int]] = {}
 _min_of, _max_of = np.minimum.reduce, np.maximum.reduce  # ndarray.min/max less their Python wrapper
 
 
-def _static_devices(sample: PackedNodeSample) -> tuple[int, bool] | None:
+def _static_devices(sample: PackedNodeSample, raw: Mapping[str, bytes]) -> tuple[int, bool] | None:
     """(smallest total, whether all totals are equal) when every device has 0 <= reserved <= total, replicas >= 1,
     no MIG compute slices and a non-negative slice total; None otherwise. Judged once per distinct set of columns
     (every column's length is the device count times its fixed item size, so two sets cannot share a key)."""
-    total, reserved = sample.device_memory_total_bytes, sample.device_memory_reserved_bytes
-    key = (total.tobytes() + reserved.tobytes() + sample.device_replicas.tobytes()
-           + sample.device_mig_compute_slices.tobytes() + sample.device_mig_total_compute_slices.tobytes())
+    key = (raw["device_memory_total_bytes"], raw["device_memory_reserved_bytes"], raw["device_replicas"],
+           raw["device_mig_compute_slices"], raw["device_mig_total_compute_slices"])
     found = _STATIC_DEVICE_COLUMNS.get(key)
     if found is not None:
         return found
-    totals = total.tolist()
+    totals = sample.device_memory_total_bytes.tolist()
     for t, r, replicas, slices, total_slices in zip(
-            totals, reserved.tolist(), sample.device_replicas.tolist(), sample.device_mig_compute_slices.tolist(),
-            sample.device_mig_total_compute_slices.tolist()):
+            totals, sample.device_memory_reserved_bytes.tolist(), sample.device_replicas.tolist(),
+            sample.device_mig_compute_slices.tolist(), sample.device_mig_total_compute_slices.tolist()):
         if not (0 <= r <= t and replicas >= 1 and slices == 0 and total_slices >= 0):
             return None
     smallest = min(totals)
@@ -563,7 +564,7 @@ def _static_devices(sample: PackedNodeSample) -> tuple[int, bool] | None:
     return found
 
 
-def _percents_valid(values: list[int]) -> bool:
+def _percents_valid(values: Sequence[int]) -> bool:
     """Every value in [0, 100] or the missing sentinel."""
     return (min(values) >= 0 and max(values) <= 100) or all(0 <= v <= 100 or v == MISSING_I4 for v in values)
 
@@ -577,55 +578,64 @@ def _clearly_valid(sample: PackedNodeSample, now_unix_ms: int, max_clock_skew_ms
     utilization) is judged each tick by its smallest and largest value."""
     sampled_at = sample.sampled_at_unix_ms
     devices = sample.device_count
+    raw = sample.raw_columns  # the columns' bytes: cache keys, and the few values read here, need no array
     if (sample.pod_uid_texts or sampled_at < EARLIEST_UNIX_MS or sampled_at > now_unix_ms + max_clock_skew_ms
             or (max_age_ms is not None and sampled_at < now_unix_ms - max_age_ms)
-            or sample.sequence < 0 or sample.interval_ms < 0 or not devices or len(sample.mps_server_pids)
+            or sample.sequence < 0 or sample.interval_ms < 0 or not devices or raw["mps_server_pids"]
             or len(set(sample.device_uuids)) != devices
-            or sample.device_parent_uuid.tobytes() != _NO_PARENTS * devices):
+            or raw["device_parent_uuid"] != _NO_PARENTS * devices):
         return False
-    pod_uids = sample.pod_uids
-    if not _unique_list_seen(b"p" + pod_uids.tobytes(), lambda: len(np.unique(pod_uids)) == len(pod_uids)):
+    pod_uids_raw = raw["pod_uids"]
+    if not _unique_list_seen(("p", pod_uids_raw), lambda: _uids_unique(sample.pod_uids)):
         return False
-    static = _static_devices(sample)
+    static = _static_devices(sample, raw)
     if static is None:
         return False
     smallest_total, uniform = static
-    used, free = sample.device_memory_used_bytes.tolist(), sample.device_memory_free_bytes.tolist()
+    used, free = column_ints(raw["device_memory_used_bytes"], "q"), column_ints(raw["device_memory_free_bytes"], "q")
     if uniform:  # every device's total is smallest_total: each column against it by its extremes
         if min(used) < 0 or max(used) > smallest_total or min(free) < 0 or max(free) > smallest_total:
             return False
     elif not all(0 <= u <= t and 0 <= f <= t
                  for t, u, f in zip(sample.device_memory_total_bytes.tolist(), used, free)):
         return False
-    power = sample.device_power_milliwatts.tolist()
-    if (not _percents_valid(sample.device_gpu_utilization_percent.tolist())
-            or not _percents_valid(sample.device_memory_utilization_percent.tolist())
+    power = column_ints(raw["device_power_milliwatts"], "q")
+    if (not _percents_valid(column_ints(raw["device_gpu_utilization_percent"], "i"))
+            or not _percents_valid(column_ints(raw["device_memory_utilization_percent"], "i"))
             or (min(power) < 0 and not all(p >= 0 or p == MISSING_I8 for p in power))):
         return False
-    if not sample.process_count:
+    memory_raw = raw["process_used_memory_bytes"]
+    if not memory_raw:
         return True
-    memory, sm = sample.process_used_memory_bytes, sample.process_sm_utilization_percent
-    memory_raw = memory.tobytes()
     bounds = _PROCESS_MEMORY_BOUNDS.get(memory_raw)
     if bounds is None:
         if len(_PROCESS_MEMORY_BOUNDS) >= _UNIQUE_LISTS_MAX:
             _PROCESS_MEMORY_BOUNDS.clear()
+        memory = sample.process_used_memory_bytes
         bounds = _PROCESS_MEMORY_BOUNDS[memory_raw] = (int(_min_of(memory)), int(_max_of(memory)))
     # Every process's memory against the smallest total: enough where it passes (a device whose memory is unknown
     # only raises its own limit).
-    if bounds[0] < -1 or bounds[1] > smallest_total or _min_of(sm) < -1 or _max_of(sm) > 100:
+    if bounds[0] < -1 or bounds[1] > smallest_total:
         return False
-    pids, pods, counts = sample.process_pid, sample.process_pod_index, sample.device_process_count
+    sm = column_ints(raw["process_sm_utilization_percent"], "i")
+    if min(sm) < -1 or max(sm) > 100:
+        return False
 
     def processes_valid() -> bool:  # non-negative pids, each once per device; pod slots of this tick's pods
-        if pids.min() < 0 or pods.min() < -1 or pods.max() >= len(pod_uids):
+        pids, pods = sample.process_pid, sample.process_pod_index
+        if pids.min() < 0 or pods.min() < -1 or pods.max() >= len(pod_uids_raw) // 16:
             return False
-        keys = (np.repeat(np.arange(devices, dtype=np.int64), counts) << 32) | (pids.astype(np.int64) & 0xFFFFFFFF)
+        keys = ((np.repeat(np.arange(devices, dtype=np.int64), sample.device_process_count) << 32)
+                | (pids.astype(np.int64) & 0xFFFFFFFF))
         return len(np.unique(keys)) == len(keys)
 
     # A node's ticks repeat their processes: judged once per (pod count, processes per device, pids, pod slots).
-    key = b"d%d:" % len(pod_uids) + counts.tobytes() + pids.tobytes() + pods.tobytes()
+    key = (len(pod_uids_raw) // 16, raw["device_process_count"], raw["process_pid"], raw["process_pod_index"])
     return _unique_list_seen(key, processes_valid)
+
+
+def _uids_unique(pod_uids: np.ndarray) -> bool:
+    return len(np.unique(pod_uids)) == len(pod_uids)
 
 
 def check_packed_sample_names(sample: PackedNodeSample, pod_uids: tuple[str, ...] | None = None) -> None:
@@ -633,7 +643,7 @@ def check_packed_sample_names(sample: PackedNodeSample, pod_uids: tuple[str, ...
     ``pod_uids``: ``sample.pod_uid_strings()`` when the caller has it already (the ``NodeSample`` decoded from the
     record carries it), else None."""
     uuids = sample.device_uuids
-    if sample.device_parent_uuid.tobytes() == _NO_PARENTS * len(uuids):  # whole GPUs: the pairs repeat tick to tick
+    if sample.raw_columns["device_parent_uuid"] == _NO_PARENTS * len(uuids):  # whole GPUs: pairs repeat tick to tick
         pairs = _GPU_NAME_PAIRS.get(uuids)
         if pairs is None:
             if len(_GPU_NAME_PAIRS) >= _VALID_SAMPLE_NAMES_MAX:

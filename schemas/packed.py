@@ -154,13 +154,6 @@ def _remember(cache: dict, key: Any, value: Any) -> Any:
     return value
 
 
-def _segments(cache: dict, column: np.ndarray, counts_raw: bytes, counts: list[int]) -> tuple[tuple, ...]:
-    """``column`` cut per device by ``counts`` (``counts_raw``: their packed bytes), one shared tuple per value."""
-    key = (column.tobytes(), counts_raw)
-    found = cache.get(key)
-    if found is None:
-        found = _remember(cache, key, _split(column.tolist(), counts))
-    return found
 
 
 def _shared_texts(texts: tuple[str, ...]) -> tuple[str, ...]:
@@ -271,8 +264,8 @@ class PackedNodeSample:
     def pod_uid_strings(self) -> tuple[str, ...]:
         """The pod uids as text, in slot order. One tuple per distinct pod list: a node's ticks mostly repeat its
         list, and the same tuple object lets the engine's identity-keyed lookups hit (``_UID_TEXTS``)."""
-        raw = self.pod_uids.tobytes()
-        key = (raw, self.pod_uid_text_slots.tobytes(), self.pod_uid_texts)
+        raw = self.column_bytes("pod_uids")
+        key = (raw, self.column_bytes("pod_uid_text_slots"), self.pod_uid_texts)
         uids = _UID_TEXTS.get(key)
         if uids is None:
             h = raw.hex()
@@ -303,67 +296,37 @@ class PackedNodeSample:
 
     @classmethod
     def from_avro(cls, d: Mapping[str, Any]) -> "PackedNodeSample":
-        """The record of a v4 Avro dict. Raises ``CorruptMessage`` when a column's length breaks its rule."""
-        devices = len(d["device_uuids"])
-        frombuffer = np.frombuffer
-        arrays = {}
-        for name, dtype, itemsize in _DEVICE_LAYOUT:
-            raw = d[name]
-            if len(raw) != devices * itemsize:
-                _length_error(name, raw, itemsize, devices)
-            arrays[name] = frombuffer(raw, dtype)
-        if devices:
-            texts = len(d["device_texts"])
-            models = _ints(d["device_model"], "h")
-            optional = _ints(d["device_parent_uuid"] + d["device_mig_profile"], "h")
-            if min(models) < 0 or max(models) >= texts or min(optional) < -1 or max(optional) >= texts:
-                raise CorruptMessage("NodeSample v4 device text indexes point outside device_texts")
-        # Summed as unsigned: a negative count becomes one no message's length can match.
-        processes = sum(_ints(d["device_process_count"], "I"))
-        mps_pids = sum(_ints(d["device_mps_server_count"], "I"))
-        for name, dtype, itemsize in _PROCESS_LAYOUT:
-            raw = d[name]
-            if len(raw) != processes * itemsize:
-                _length_error(name, raw, itemsize, processes)
-            arrays[name] = frombuffer(raw, dtype)
-        raw = d["mps_server_pids"]
-        if len(raw) != mps_pids * 4:
-            _length_error("mps_server_pids", raw, 4, mps_pids)
-        mps = frombuffer(raw, "<i4")
-        raw = d["pod_uids"]
-        if len(raw) % 16:
-            _length_error("pod_uids", raw, 16, None)
-        pod_uids = frombuffer(raw, _UUID16)
-        raw, texts = d["pod_uid_text_slots"], d["pod_uid_texts"]
-        if len(raw) != len(texts) * 4:
-            _length_error("pod_uid_text_slots", raw, 4, len(texts))
-        slots = frombuffer(raw, "<i4")
-        if texts and (slots.min() < 0 or slots.max() >= len(pod_uids) or np.any(np.diff(slots) <= 0)):
-            raise CorruptMessage("NodeSample v4 pod_uid_text_slots are not ascending pod slots")
-        device_errors = d["device_errors"]
-        if device_errors and any(not 0 <= e["device"] < devices for e in device_errors):
-            raise CorruptMessage("NodeSample v4 device_errors names a device that is not in the tick")
-        node_errors = d["node_errors"]
-        values = (
-            d["cluster"], d["node_name"], d["sequence"], d["collector_started_at_unix_ms"], d["sampled_at_unix_ms"],
-            d["interval_ms"], d["cloud_provider"], d["region"], d["instance_type"], d["price_model"], d["zone"],
-            d["provider_id"],
-            tuple([NvmlError.from_avro(e) for e in node_errors]) if node_errors else (),
-            pod_uids, slots, tuple(texts),
-            tuple(d["device_uuids"]), tuple(d["device_texts"]),
-            *[arrays[name] for name in DEVICE_COLUMNS],
-            tuple([(e["device"], NvmlError.from_avro(e)) for e in device_errors]) if device_errors else (),
-            *[arrays[name] for name in PROCESS_COLUMNS],
-            mps,
-        )
-        if cls is not PackedNodeSample:
-            return cls(*values)
-        # Every message of the hot topic: its 44 fields set through their slots (the frozen dataclass's __init__
-        # goes through object.__setattr__ once per field, about twice the cost).
-        record = _new_object(PackedNodeSample)
-        for set_field, value in zip(_PACKED_SETTERS, values):
-            set_field(record, value)
-        return record
+        """The record of a v4 Avro dict. Raises ``CorruptMessage`` when a column's length breaks its rule. Called
+        on ``PackedNodeSample``, it returns a ``DecodedPackedNodeSample``: the same value, whose arrays are made
+        from ``d``'s bytes when first read."""
+        record = DecodedPackedNodeSample.decoded(d)
+        if cls is PackedNodeSample or cls is DecodedPackedNodeSample:
+            return record
+        return cls(*[getattr(record, f.name) for f in fields(PackedNodeSample)])
+
+    @property
+    def raw_columns(self) -> Mapping[str, bytes]:
+        """Every column's packed little-endian bytes by field name, as its Avro ``bytes`` field carries them. A
+        record decoded from a message (``DecodedPackedNodeSample``) hands out the bytes it was decoded from; this
+        one packs its arrays (a copy of each, every call)."""
+        return {name: getattr(self, name).tobytes() for name in COLUMNS}
+
+    def column_bytes(self, name: str) -> bytes:
+        """Column ``name``'s packed bytes (``raw_columns[name]``, without packing the others)."""
+        return getattr(self, name).tobytes()
+
+    def column_values(self, name: str) -> list[int]:
+        """Column ``name``'s values as Python ints, in order (its array's ``tolist()``; not for ``pod_uids``)."""
+        return getattr(self, name).tolist()
+
+    def _segments(self, cache: dict, name: str, counts_raw: bytes, counts: list[int]) -> tuple[tuple, ...]:
+        """Column ``name`` cut per device by ``counts`` (``counts_raw``: their packed bytes), one shared tuple
+        per value."""
+        key = (self.column_bytes(name), counts_raw)
+        found = cache.get(key)
+        if found is None:
+            found = _remember(cache, key, _split(self.column_values(name), counts))
+        return found
 
     # -- NodeSample objects ----------------------------------------------------------------------------------------
 
@@ -420,7 +383,8 @@ class PackedNodeSample:
 
     def device_samples(self) -> tuple[GpuDeviceSample, ...]:
         """The ``GpuDeviceSample`` of every device, in column order, exactly as v3 decoding builds them."""
-        columns = [getattr(self, name).tolist() for name in DEVICE_COLUMNS]
+        values = self.column_values
+        columns = [values(name) for name in DEVICE_COLUMNS]
         for position in _NULLABLE_POSITIONS:
             sentinel = _missing(DEVICE_COLUMNS[position])
             column = columns[position]
@@ -434,12 +398,13 @@ class PackedNodeSample:
         errors: list[list[NvmlError]] = [[] for _ in self.device_uuids]
         for position, error in self.device_errors:
             errors[position].append(error)
-        counts_raw = self.device_process_count.tobytes()
-        pids = _segments(_PID_SEGMENTS, self.process_pid, counts_raw, process_counts)
-        pods = _segments(_POD_SLOT_SEGMENTS, self.process_pod_index, counts_raw, process_counts)
-        memory = _segments(_MEMORY_SEGMENTS, self.process_used_memory_bytes, counts_raw, process_counts)
-        sm = _split(self.process_sm_utilization_percent.tolist(), process_counts)  # new every tick: not cached
-        mps = _segments(_MPS_SEGMENTS, self.mps_server_pids, self.device_mps_server_count.tobytes(), mps_counts)
+        counts_raw = self.column_bytes("device_process_count")
+        pids = self._segments(_PID_SEGMENTS, "process_pid", counts_raw, process_counts)
+        pods = self._segments(_POD_SLOT_SEGMENTS, "process_pod_index", counts_raw, process_counts)
+        memory = self._segments(_MEMORY_SEGMENTS, "process_used_memory_bytes", counts_raw, process_counts)
+        sm = _split(values("process_sm_utilization_percent"), process_counts)  # new every tick: not cached
+        mps = self._segments(_MPS_SEGMENTS, "mps_server_pids", self.column_bytes("device_mps_server_count"),
+                             mps_counts)
         devices = []
         for i, device_uuid in enumerate(_shared_texts(self.device_uuids)):
             devices.append(GpuDeviceSample(
@@ -452,8 +417,115 @@ class PackedNodeSample:
 
 
 _new_object = object.__new__
-_PACKED_SETTERS = tuple(PackedNodeSample.__dict__[f.name].__set__ for f in fields(PackedNodeSample))
-"""PackedNodeSample's slot setters in field order (``from_avro``; it has no ``__post_init__``)."""
+
+
+_NON_COLUMN_SETTERS = tuple((f.name, PackedNodeSample.__dict__[f.name].__set__) for f in fields(PackedNodeSample)
+                            if f.name not in COLUMNS)
+_COLUMN_DTYPES = {name: column.dtype for name, column in COLUMNS.items()}
+# The struct format of each integer column's items (memoryview.cast: the column's values without an array)
+_STRUCT_CODES = {name: ("bhiq" if dtype.kind == "i" else "BHIQ")[dtype.itemsize.bit_length() - 1]
+                 for name, dtype in _COLUMN_DTYPES.items() if dtype.kind in "iu"}
+
+
+class DecodedPackedNodeSample(PackedNodeSample):
+    """A ``PackedNodeSample`` decoded from a v4 message: equal to the record with the same fields, immutable like
+    it. It keeps the Avro record's ``bytes`` fields as they came (``raw_columns``: no copy) and makes a column's
+    array when it is first read, so a reader that works on the bytes (the range checks' caches, the attributor's
+    lane, which copies them into its chunk) pays for no array per column, and letting the record go frees a
+    few bytes objects instead of ~27 arrays. The length rules are checked when it is made, as ``from_avro``
+    always has."""
+
+    __slots__ = ("_columns", "_arrays")
+
+    @classmethod
+    def decoded(cls, d: Mapping[str, Any]) -> "DecodedPackedNodeSample":
+        """The record of the v4 Avro dict ``d`` (``PackedNodeSample.from_avro``'s checks; ``CorruptMessage``)."""
+        devices = len(d["device_uuids"])
+        for name, _, itemsize in _DEVICE_LAYOUT:
+            raw = d[name]
+            if len(raw) != devices * itemsize:
+                _length_error(name, raw, itemsize, devices)
+        if devices:
+            texts = len(d["device_texts"])
+            models = column_ints(d["device_model"], "h")
+            optional = column_ints(d["device_parent_uuid"] + d["device_mig_profile"], "h")
+            if min(models) < 0 or max(models) >= texts or min(optional) < -1 or max(optional) >= texts:
+                raise CorruptMessage("NodeSample v4 device text indexes point outside device_texts")
+        # Summed as unsigned: a negative count becomes one no message's length can match.
+        processes = sum(column_ints(d["device_process_count"], "I"))
+        mps_pids = sum(column_ints(d["device_mps_server_count"], "I"))
+        for name, _, itemsize in _PROCESS_LAYOUT:
+            raw = d[name]
+            if len(raw) != processes * itemsize:
+                _length_error(name, raw, itemsize, processes)
+        raw = d["mps_server_pids"]
+        if len(raw) != mps_pids * 4:
+            _length_error("mps_server_pids", raw, 4, mps_pids)
+        raw = d["pod_uids"]
+        if len(raw) % 16:
+            _length_error("pod_uids", raw, 16, None)
+        pod_count = len(raw) // 16
+        raw, texts = d["pod_uid_text_slots"], d["pod_uid_texts"]
+        if len(raw) != len(texts) * 4:
+            _length_error("pod_uid_text_slots", raw, 4, len(texts))
+        if texts:
+            slots = column_ints(raw, "i")
+            if min(slots) < 0 or max(slots) >= pod_count or any(b <= a for a, b in zip(slots, slots[1:])):
+                raise CorruptMessage("NodeSample v4 pod_uid_text_slots are not ascending pod slots")
+        device_errors = d["device_errors"]
+        if device_errors and any(not 0 <= e["device"] < devices for e in device_errors):
+            raise CorruptMessage("NodeSample v4 device_errors names a device that is not in the tick")
+        node_errors = d["node_errors"]
+        # Every message of the hot topic: its fields other than the columns set through their slots (the frozen
+        # dataclass's __init__ goes through object.__setattr__ once per field, about twice the cost).
+        record = _new_object(cls)
+        for set_field, value in zip(_DECODED_SETTERS, (
+                d["cluster"], d["node_name"], d["sequence"], d["collector_started_at_unix_ms"],
+                d["sampled_at_unix_ms"], d["interval_ms"], d["cloud_provider"], d["region"], d["instance_type"],
+                d["price_model"], d["zone"], d["provider_id"],
+                tuple([NvmlError.from_avro(e) for e in node_errors]) if node_errors else (),
+                tuple(texts), tuple(d["device_uuids"]), tuple(d["device_texts"]),
+                tuple([(e["device"], NvmlError.from_avro(e)) for e in device_errors]) if device_errors else (),
+                d, {})):
+            set_field(record, value)
+        return record
+
+    @property
+    def raw_columns(self) -> Mapping[str, bytes]:
+        """The Avro record this was decoded from: every column's bytes by field name (and its other fields)."""
+        return self._columns
+
+    def column_bytes(self, name: str) -> bytes:
+        return self._columns[name]
+
+    if sys.byteorder == "little":
+        def column_values(self, name: str) -> list[int]:
+            return memoryview(self._columns[name]).cast(_STRUCT_CODES[name]).tolist()
+
+    def __reduce__(self) -> tuple:
+        return (PackedNodeSample, tuple(getattr(self, f.name) for f in fields(PackedNodeSample)))
+
+
+def _lazy_column(name: str) -> property:
+    dtype, frombuffer = _COLUMN_DTYPES[name], np.frombuffer
+
+    def column(self: DecodedPackedNodeSample) -> np.ndarray:
+        arrays = self._arrays
+        array = arrays.get(name)
+        if array is None:
+            array = arrays[name] = frombuffer(self._columns[name], dtype)
+        return array
+
+    column.__name__ = name
+    return property(column, doc=f"{name}: {_COLUMN_DTYPES[name]} ({COLUMNS[name].unit}), made on first read")
+
+
+for _name in COLUMNS:
+    setattr(DecodedPackedNodeSample, _name, _lazy_column(_name))
+del _name
+_DECODED_SETTERS = (*(setter for name, setter in _NON_COLUMN_SETTERS),
+                    DecodedPackedNodeSample.__dict__["_columns"].__set__,
+                    DecodedPackedNodeSample.__dict__["_arrays"].__set__)
 
 _NODE_SAMPLE_FIELDS = tuple(f.name for f in fields(NodeSample))
 _DEVICES_SLOT = NodeSample.__dict__["devices"]  # the dataclass's slot for ``devices``, under the property below
@@ -560,12 +632,16 @@ def _missing(column: str) -> int:
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
 
-def _ints(raw: bytes, code: str) -> Any:
-    """The little-endian integers of ``raw`` (``code``: "h" int16, "I" uint32) for a few Python-level min/max/sum
-    calls: a memoryview on little-endian machines (no numpy call's overhead for a handful of values)."""
+def column_ints(raw: bytes, code: str) -> Any:
+    """The little-endian integers of ``raw`` (``code``: "h" int16, "i" int32, "I" uint32, "q" int64) for a few
+    Python-level min/max/sum calls: a memoryview on little-endian machines (no numpy call's overhead for a handful
+    of values)."""
     if _LITTLE_ENDIAN:
         return memoryview(raw).cast(code)
-    return np.frombuffer(raw, "<i2" if code == "h" else "<u4").tolist()
+    return np.frombuffer(raw, _INT_DTYPES[code]).tolist()
+
+
+_INT_DTYPES = {"h": "<i2", "i": "<i4", "I": "<u4", "q": "<i8"}
 
 
 def _length_error(name: str, raw: bytes, itemsize: int, count: int | None) -> None:

@@ -1698,7 +1698,9 @@ class _PackedLane:
         if window.policy.cost_basis is CostBasis.REQUEST or not _lane_tick_ok(packed):
             return None
         uuids = packed.device_uuids
-        if not uuids or len(set(uuids)) != len(uuids) or _MIG_CODE in packed.device_sharing_mode.tolist():
+        raw = packed.raw_columns
+        modes = raw["device_sharing_mode"]  # one byte per device (uint8): iterating the bytes gives the codes
+        if not uuids or len(set(uuids)) != len(uuids) or _MIG_CODE in modes:
             return None
         units, epochs = [], []
         t_from, t_until = -_FOREVER_MS, _FOREVER_MS
@@ -1720,10 +1722,9 @@ class _PackedLane:
         lane = cls()
         lane.window, lane.units, lane.epochs, lane.uuids = window, units, epochs, uuids
         codes = SHARING_MODE_CODES
-        lane.modes = [codes[c] if c < len(codes) else SharingMode.UNKNOWN
-                      for c in packed.device_sharing_mode.tolist()]
-        lane.modes_raw = packed.device_sharing_mode.tobytes()
-        lane.parents_raw = packed.device_parent_uuid.tobytes()
+        lane.modes = [codes[c] if c < len(codes) else SharingMode.UNKNOWN for c in modes]
+        lane.modes_raw = raw["device_sharing_mode"]
+        lane.parents_raw = raw["device_parent_uuid"]
         lane.smap = slots.maps[id(sample.pod_uids)]
         lane.generation, lane.t_from, lane.t_until = generation, t_from, t_until
         nslots = lane.nslots = len(slots.uids)
@@ -1755,9 +1756,9 @@ class _PackedLane:
         """Whether ``sample`` (its pod list already slotted) is a tick this lane computes. Where the pods changed
         or the tick left the stretch, each unit's holders at it are found again (``_OpenUnit.epoch_at``): the lane
         goes on where every unit's are still its epoch's."""
+        raw = packed.raw_columns
         if not (packed.device_uuids == self.uuids and _lane_tick_ok(packed)
-                and packed.device_sharing_mode.tobytes() == self.modes_raw
-                and packed.device_parent_uuid.tobytes() == self.parents_raw
+                and raw["device_sharing_mode"] == self.modes_raw and raw["device_parent_uuid"] == self.parents_raw
                 and self.window.slots.maps.get(id(sample.pod_uids)) is self.smap):
             return False
         t = sample.sampled_at_unix_ms
@@ -1782,8 +1783,9 @@ class _PackedLane:
         interval = packed.interval_ms
         self.covered_ms += interval
         window_ms = self.window.window_ms
+        raw = packed.raw_columns
         for column, name in zip(self.columns, _LANE_COLUMNS):
-            column += getattr(packed, name).data
+            column += raw[name]
         self.buffer.append(interval if interval <= window_ms else window_ms)
         self.times.append(sample.sampled_at_unix_ms)
         if self.last is not None:
@@ -1918,7 +1920,7 @@ class _PackedLane:
 def _lane_tick_ok(packed: PackedNodeSample) -> bool:
     """A tick the lane can compute as far as its own columns tell: no device error, no MPS server, a positive
     interval (the devices' kinds and modes are checked against the lane's)."""
-    return not packed.device_errors and not len(packed.mps_server_pids) and packed.interval_ms > 0
+    return not packed.device_errors and not packed.raw_columns["mps_server_pids"] and packed.interval_ms > 0
 
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Hashable, Mapping, Sequence
 
 from schemas.devices import CoveringCount
+from schemas.packed import column_ints
 from schemas.records import NodeSample
 from services.guard.config import (
     RULE_SHARED_MEMORY_PRESSURE,
@@ -59,8 +60,9 @@ def structure_key(sample: NodeSample) -> tuple:
     record's columns while the sample holds them (no device object is built), else from its devices."""
     packed = getattr(sample, "packed", None)
     if packed is not None:
+        raw = packed.raw_columns
         return ("columns", sample.cluster, sample.node_name, packed.device_uuids, packed.device_texts,
-                packed.pod_uid_texts, *(getattr(packed, name).tobytes() for name in _STRUCTURE_COLUMNS))
+                packed.pod_uid_texts, *[raw[name] for name in _STRUCTURE_COLUMNS])
     return ("objects", sample.cluster, sample.node_name, sample.pod_uids, tuple(
         (d.uuid, d.parent_uuid, d.mig_gpu_instance_id, d.mig_compute_instance_id, d.index, d.sharing_mode,
          d.replicas, d.process_pod_index, len(d.process_used_memory_bytes))
@@ -156,15 +158,16 @@ class SamplePlans:
             return True
         memory = [0] * plan.cells
         packed = getattr(sample, "packed", None)
-        if packed is not None:  # the same Python ints the devices would hold, read from the columns
-            column = packed.process_used_memory_bytes.tolist()
+        if packed is not None:  # the same Python ints the devices would hold, read from the columns' bytes
+            raw = packed.raw_columns
+            column = column_ints(raw["process_used_memory_bytes"], "q")
             for cell, _, _, flat in plan.processes:
                 used = column[flat]
                 if used >= 0:
                     memory[cell] += used
-            totals = packed.device_memory_total_bytes.tolist()
-            reserved = packed.device_memory_reserved_bytes.tolist()
-            used_bytes = packed.device_memory_used_bytes.tolist()
+            totals = column_ints(raw["device_memory_total_bytes"], "q")
+            reserved = column_ints(raw["device_memory_reserved_bytes"], "q")
+            used_bytes = column_ints(raw["device_memory_used_bytes"], "q")
         else:
             devices = sample.devices
             for cell, position, i, _ in plan.processes:

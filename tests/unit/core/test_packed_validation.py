@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from gpumeter.errors import InvalidMessage
+from gpumeter.errors import InvalidMessage, SchemaEncodeError
 from gpumeter.validation import check_packed_sample, check_sample
 from pipeline.recordings import scenario_records
-from schemas.packed import PackedNodeSample
+from schemas.packed import DecodedPackedNodeSample, PackedNodeSample
 from schemas.records import NodeSample, NvmlError
+from schemas.typed import codec_for
 from simulator.scenario import load_scenario
 from tests.unit.core.test_bad_input import DAY_MS, NAME_CASES, NOW_MS, POSSIBLE_SAMPLES, SAMPLE_CASES, SAMPLES, _dev
 from tests.unit.attributor import GIB, device
@@ -27,6 +28,21 @@ MAX_AGE_MS = 7 * DAY_MS
 @dataclasses.dataclass(frozen=True)
 class _Clock:
     now_ms: int = NOW_MS
+
+
+def _packed_forms(sample: NodeSample) -> list[PackedNodeSample]:
+    """``sample``'s v4 record built from its objects, and as decoded from its message (the form the attributor and
+    the guard judge: its columns are the message's bytes, its arrays made when read); the first alone where v4
+    cannot carry the sample (no such message exists)."""
+    built = PackedNodeSample.from_node_sample(sample)
+    codec = codec_for(NodeSample)
+    try:
+        message = codec.encode(sample)
+    except SchemaEncodeError:
+        return [built]
+    decoded = codec.decode_packed(message)
+    assert type(decoded) is DecodedPackedNodeSample
+    return [built, decoded]
 
 
 def _verdict(check, sample, now_ms: int = NOW_MS):
@@ -57,7 +73,13 @@ CASES = SAMPLE_CASES + NAME_CASES[SAMPLES] + POSSIBLE_SAMPLES + EXTRA_CASES
 def test_the_arrays_are_judged_as_the_objects_are(build):
     sample = build(_Clock())
     expected = _verdict(check_sample, sample)
-    assert _verdict(check_packed_sample, PackedNodeSample.from_node_sample(sample)) == expected
+    for packed in _packed_forms(sample):
+        assert _verdict(check_packed_sample, packed) == expected, type(packed).__name__
+
+
+def test_every_case_reaches_the_check_as_a_decoded_record_too():
+    """The comparison above judges the decoded form of every case: each is a message v4 carries."""
+    assert all(len(_packed_forms(build(_Clock()))) == 2 for _, build in CASES)
 
 
 def test_the_bad_cases_are_bad_and_the_possible_ones_possible():
@@ -72,8 +94,9 @@ def test_every_scenario_sample_is_judged_alike(scenario):
                if isinstance(r.message, NodeSample)]
     for record in records:
         now_ms = record.received_at_unix_ms
-        packed = PackedNodeSample.from_node_sample(record.message)
-        assert _verdict(check_packed_sample, packed, now_ms) == _verdict(check_sample, record.message, now_ms)
+        expected = _verdict(check_sample, record.message, now_ms)
+        for packed in _packed_forms(record.message):
+            assert _verdict(check_packed_sample, packed, now_ms) == expected
 
 
 def test_a_good_tick_is_judged_on_its_arrays(monkeypatch):
@@ -135,7 +158,10 @@ def test_what_moves_tick_to_tick_is_judged_every_tick(changes):
     for seen in (good, PackedNodeSample.from_node_sample(over_80)):
         assert _verdict(check_packed_sample, seen) is None  # remembered
     sample = _gpus(**changes)
-    assert _verdict(check_packed_sample, PackedNodeSample.from_node_sample(sample)) == _verdict(check_sample, sample)
+    forms = _packed_forms(sample)
+    assert len(forms) == 2  # every case here is one v4 carries
+    for packed in forms:
+        assert _verdict(check_packed_sample, packed) == _verdict(check_sample, sample), type(packed).__name__
 
 
 def test_the_tick_to_tick_cases_are_bad_and_good_as_named():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pickle
 import struct
 import typing
 from dataclasses import fields
@@ -25,6 +26,7 @@ from schemas.packed import (
     MISSING_I8,
     NULLABLE_COLUMNS,
     SHARING_MODE_CODES,
+    DecodedPackedNodeSample,
     NodeSampleCodec,
     PackedNodeSample,
 )
@@ -236,6 +238,36 @@ def test_decoding_gives_read_only_arrays_of_the_column_dtypes():
         assert packed.process_device.tolist() == [i for i, d in enumerate(sample.devices) for _ in d.process_pids]
         assert packed.process_used_memory_bytes.tolist() == [m for d in sample.devices
                                                              for m in d.process_used_memory_bytes]
+
+
+@given(_samples())
+@settings(max_examples=100, deadline=None)
+def test_a_decoded_record_is_the_packed_record_with_the_message_bytes_as_its_columns(sample):
+    codec: NodeSampleCodec = codec_for(NodeSample)
+    built = PackedNodeSample.from_node_sample(sample)
+    decoded = codec.decode_packed(codec.encode(sample))
+    assert type(decoded) is DecodedPackedNodeSample
+    for name in COLUMNS:
+        raw = decoded.raw_columns[name]
+        assert raw == decoded.column_bytes(name) == built.column_bytes(name) == built.raw_columns[name], name
+        if name != "pod_uids":
+            assert decoded.column_values(name) == built.column_values(name) == getattr(built, name).tolist(), name
+        array = getattr(decoded, name)  # made on first read, over the message's bytes (no copy), then kept
+        assert array.base is raw and getattr(decoded, name) is array and not array.flags.writeable, name
+    assert decoded == built and built == decoded
+    assert decoded.to_node_sample() == sample and decoded.device_samples() == built.device_samples()
+    assert decoded.to_avro() == built.to_avro()
+    unpickled = pickle.loads(pickle.dumps(decoded))
+    assert type(unpickled) is PackedNodeSample and unpickled == built
+
+
+def test_from_avro_on_a_subclass_builds_that_subclass():
+    class Tagged(PackedNodeSample):
+        __slots__ = ()
+
+    record = PackedNodeSample.from_node_sample(_tiny_sample()).to_avro()
+    tagged = Tagged.from_avro(record)
+    assert type(tagged) is Tagged and tagged == PackedNodeSample.from_avro(record)
 
 
 # -- what v4 cannot carry, and bad input ----------------------------------------------------------------------------
