@@ -437,6 +437,16 @@ class DecodedPackedNodeSample(PackedNodeSample):
 
     __slots__ = ("_columns", "_arrays")
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """The record of these field values (``PackedNodeSample``'s), its columns' bytes packed from the arrays
+        given: what ``dataclasses.replace`` of a decoded record makes."""
+        record = PackedNodeSample(*args, **kwargs)
+        for name, set_field in _NON_COLUMN_SETTERS:
+            set_field(self, getattr(record, name))
+        arrays = {name: getattr(record, name) for name in COLUMNS}
+        _set_columns(self, {name: array.tobytes() for name, array in arrays.items()})
+        _set_arrays(self, arrays)
+
     @classmethod
     def decoded(cls, d: Mapping[str, Any]) -> "DecodedPackedNodeSample":
         """The record of the v4 Avro dict ``d`` (``PackedNodeSample.from_avro``'s checks; ``CorruptMessage``)."""
@@ -492,7 +502,7 @@ class DecodedPackedNodeSample(PackedNodeSample):
 
     @property
     def raw_columns(self) -> Mapping[str, bytes]:
-        """The Avro record this was decoded from: every column's bytes by field name (and its other fields)."""
+        """Every column's bytes by field name: the Avro record this was decoded from (its other fields too)."""
         return self._columns
 
     def column_bytes(self, name: str) -> bytes:
@@ -523,9 +533,9 @@ def _lazy_column(name: str) -> property:
 for _name in COLUMNS:
     setattr(DecodedPackedNodeSample, _name, _lazy_column(_name))
 del _name
-_DECODED_SETTERS = (*(setter for name, setter in _NON_COLUMN_SETTERS),
-                    DecodedPackedNodeSample.__dict__["_columns"].__set__,
-                    DecodedPackedNodeSample.__dict__["_arrays"].__set__)
+_set_columns = DecodedPackedNodeSample.__dict__["_columns"].__set__
+_set_arrays = DecodedPackedNodeSample.__dict__["_arrays"].__set__
+_DECODED_SETTERS = (*(setter for name, setter in _NON_COLUMN_SETTERS), _set_columns, _set_arrays)
 
 _NODE_SAMPLE_FIELDS = tuple(f.name for f in fields(NodeSample))
 _DEVICES_SLOT = NodeSample.__dict__["devices"]  # the dataclass's slot for ``devices``, under the property below

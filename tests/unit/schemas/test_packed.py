@@ -259,6 +259,11 @@ def test_a_decoded_record_is_the_packed_record_with_the_message_bytes_as_its_col
     assert decoded.to_avro() == built.to_avro()
     unpickled = pickle.loads(pickle.dumps(decoded))
     assert type(unpickled) is PackedNodeSample and unpickled == built
+    power = np.arange(len(built.device_uuids), dtype="<i8")
+    replaced = dataclasses.replace(decoded, node_name="other", device_power_milliwatts=power)
+    assert replaced == dataclasses.replace(built, node_name="other", device_power_milliwatts=power)
+    assert replaced.raw_columns["device_power_milliwatts"] == power.tobytes()
+    assert decoded == built  # the record replace started from is unchanged
 
 
 def test_from_avro_on_a_subclass_builds_that_subclass():
