@@ -80,9 +80,8 @@ SCHEMA_JSON: Mapping[str, Any] = json.loads(SCHEMA_PATH.read_text())
 COLUMNS: Mapping[str, Column] = _columns_from_avsc(SCHEMA_JSON)
 DEVICE_COLUMNS = tuple(n for n, c in COLUMNS.items() if c.per == "device")
 PROCESS_COLUMNS = tuple(n for n, c in COLUMNS.items() if c.per == "process")
-_DEVICE_LAYOUT = tuple((n, COLUMNS[n].dtype, COLUMNS[n].dtype.itemsize) for n in DEVICE_COLUMNS)
-_PROCESS_LAYOUT = tuple((n, COLUMNS[n].dtype, COLUMNS[n].dtype.itemsize) for n in PROCESS_COLUMNS)
-_UUID16 = COLUMNS["pod_uids"].dtype
+_DEVICE_LAYOUT = tuple((n, COLUMNS[n].dtype.itemsize) for n in DEVICE_COLUMNS)
+_PROCESS_LAYOUT = tuple((n, COLUMNS[n].dtype.itemsize) for n in PROCESS_COLUMNS)
 _NULLABLE_POSITIONS = tuple(DEVICE_COLUMNS.index(n) for n in NULLABLE_COLUMNS)
 # to_node_sample unpacks the device columns in this order.
 assert DEVICE_COLUMNS == (
@@ -152,8 +151,6 @@ def _remember(cache: dict, key: Any, value: Any) -> Any:
         cache.clear()
     cache[key] = value
     return value
-
-
 
 
 def _shared_texts(texts: tuple[str, ...]) -> tuple[str, ...]:
@@ -451,7 +448,7 @@ class DecodedPackedNodeSample(PackedNodeSample):
     def decoded(cls, d: Mapping[str, Any]) -> "DecodedPackedNodeSample":
         """The record of the v4 Avro dict ``d`` (``PackedNodeSample.from_avro``'s checks; ``CorruptMessage``)."""
         devices = len(d["device_uuids"])
-        for name, _, itemsize in _DEVICE_LAYOUT:
+        for name, itemsize in _DEVICE_LAYOUT:
             raw = d[name]
             if len(raw) != devices * itemsize:
                 _length_error(name, raw, itemsize, devices)
@@ -464,7 +461,7 @@ class DecodedPackedNodeSample(PackedNodeSample):
         # Summed as unsigned: a negative count becomes one no message's length can match.
         processes = sum(column_ints(d["device_process_count"], "I"))
         mps_pids = sum(column_ints(d["device_mps_server_count"], "I"))
-        for name, _, itemsize in _PROCESS_LAYOUT:
+        for name, itemsize in _PROCESS_LAYOUT:
             raw = d[name]
             if len(raw) != processes * itemsize:
                 _length_error(name, raw, itemsize, processes)
@@ -508,9 +505,9 @@ class DecodedPackedNodeSample(PackedNodeSample):
     def column_bytes(self, name: str) -> bytes:
         return self._columns[name]
 
-    if sys.byteorder == "little":
-        def column_values(self, name: str) -> list[int]:
-            return memoryview(self._columns[name]).cast(_STRUCT_CODES[name]).tolist()
+    def column_values(self, name: str) -> list[int]:
+        values = column_ints(self._columns[name], _STRUCT_CODES[name])
+        return values.tolist() if type(values) is memoryview else values
 
     def __reduce__(self) -> tuple:
         return (PackedNodeSample, tuple(getattr(self, f.name) for f in fields(PackedNodeSample)))
@@ -643,15 +640,15 @@ _LITTLE_ENDIAN = sys.byteorder == "little"
 
 
 def column_ints(raw: bytes, code: str) -> Any:
-    """The little-endian integers of ``raw`` (``code``: "h" int16, "i" int32, "I" uint32, "q" int64) for a few
-    Python-level min/max/sum calls: a memoryview on little-endian machines (no numpy call's overhead for a handful
-    of values)."""
+    """The little-endian integers of ``raw`` (``code``: a struct format of fixed size, "b"/"B" 8-bit, "h"/"H"
+    16-bit, "i"/"I" 32-bit, "q"/"Q" 64-bit, lowercase signed) for a few Python-level min/max/sum calls or reads: a
+    memoryview on little-endian machines (no numpy call's overhead for a handful of values), a list elsewhere."""
     if _LITTLE_ENDIAN:
         return memoryview(raw).cast(code)
     return np.frombuffer(raw, _INT_DTYPES[code]).tolist()
 
 
-_INT_DTYPES = {"h": "<i2", "i": "<i4", "I": "<u4", "q": "<i8"}
+_INT_DTYPES = {"b": "<i1", "B": "<u1", "h": "<i2", "H": "<u2", "i": "<i4", "I": "<u4", "q": "<i8", "Q": "<u8"}
 
 
 def _length_error(name: str, raw: bytes, itemsize: int, count: int | None) -> None:

@@ -266,6 +266,34 @@ def test_a_decoded_record_is_the_packed_record_with_the_message_bytes_as_its_col
     assert decoded == built  # the record replace started from is unchanged
 
 
+def test_a_decoded_record_reads_the_same_on_a_big_endian_machine(monkeypatch):
+    """Where ``memoryview.cast`` would read the columns in the machine's order (big-endian), the values come
+    through numpy's little-endian dtypes: the same record, values and verdicts."""
+    import schemas.packed as packed_module
+    from gpumeter.validation import check_packed_sample
+
+    def verdict(record: PackedNodeSample, now_ms: int) -> str | None:
+        try:
+            check_packed_sample(record, now_ms, 60_000)
+        except InvalidMessage as exc:
+            return str(exc)
+        return None
+
+    codec: NodeSampleCodec = codec_for(NodeSample)
+    samples = load_examples(NodeSample, 3)
+    assert any(d.process_pids for s in samples for d in s.devices)  # the per-process columns are read too
+    little = [(codec.decode_packed(codec.encode(s)), s) for s in samples]
+    verdicts = [verdict(record, s.sampled_at_unix_ms) for record, s in little]
+    monkeypatch.setattr(packed_module, "_LITTLE_ENDIAN", False)
+    for (expected, sample), expected_verdict in zip(little, verdicts):
+        decoded = codec.decode_packed(codec.encode(sample))
+        assert decoded == expected and decoded.to_node_sample() == sample
+        for name in COLUMNS:
+            if name != "pod_uids":
+                assert decoded.column_values(name) == getattr(expected, name).tolist(), name
+        assert verdict(decoded, sample.sampled_at_unix_ms) == expected_verdict
+
+
 def test_from_avro_on_a_subclass_builds_that_subclass():
     class Tagged(PackedNodeSample):
         __slots__ = ()
