@@ -643,7 +643,7 @@ def check_packed_sample_names(sample: PackedNodeSample, pod_uids: tuple[str, ...
     ``pod_uids``: ``sample.pod_uid_strings()`` when the caller has it already (the ``NodeSample`` decoded from the
     record carries it), else None."""
     uuids = sample.device_uuids
-    if sample.raw_columns["device_parent_uuid"] == _NO_PARENTS * len(uuids):  # whole GPUs: pairs repeat tick to tick
+    if sample.column_bytes("device_parent_uuid") == _NO_PARENTS * len(uuids):  # whole GPUs: pairs repeat tick to tick
         pairs = _GPU_NAME_PAIRS.get(uuids)
         if pairs is None:
             if len(_GPU_NAME_PAIRS) >= _VALID_SAMPLE_NAMES_MAX:

@@ -5,7 +5,8 @@ One definition: the column table (``COLUMNS``: every ``bytes`` field, its numpy 
 from ``schemas/avro/NodeSample.v4.avsc`` at import, from each field's ``doc``, which starts ``<dtype>, <unit>, one
 per <thing>.``; ``PackedNodeSample``'s fields are the ``.avsc``'s fields in its order (tests/unit/schemas/
 test_packed.py checks both). Decoding reads the Avro record with fastavro (a ``bytes`` field comes out as ``bytes``)
-and views each column with ``numpy.frombuffer``: no Python object per value.
+into a ``DecodedPackedNodeSample``, which keeps those bytes and views a column with ``numpy.frombuffer`` when it is
+first read: no Python object per value, and no array for a column its reader takes as bytes (``raw_columns``).
 
 Conversion contract: ``PackedNodeSample.from_node_sample(s).to_node_sample() == s`` for every ``NodeSample`` whose
 figures fit the v3 schema's types, except the two a packed column cannot say apart from "missing": a device figure
