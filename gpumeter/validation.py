@@ -635,6 +635,7 @@ def _clearly_valid(sample: PackedNodeSample, now_unix_ms: int, max_clock_skew_ms
 
 
 def _uids_unique(pod_uids: np.ndarray) -> bool:
+    """Whether no pod uid (16 bytes each) is in the list twice."""
     return len(np.unique(pod_uids)) == len(pod_uids)
 
 
@@ -692,7 +693,7 @@ def check_packed_sample(sample: PackedNodeSample, now_unix_ms: int, max_clock_sk
         or sampled_at < EARLIEST_UNIX_MS or sampled_at > now_unix_ms + max_clock_skew_ms
         or (max_age_ms is not None and sampled_at < now_unix_ms - max_age_ms)
         or sample.sequence < 0 or sample.interval_ms < 0
-        or len(np.unique(sample.pod_uids)) != len(sample.pod_uids)
+        or not _uids_unique(sample.pod_uids)
         or len(set(uuids)) != devices
         or any(p is not None and p not in gpus for p in parents)
     )
